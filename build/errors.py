@@ -1,0 +1,84 @@
+"""Errors the pipeline raises on purpose, and the exit code each maps to.
+
+Exit codes (every task): 0 success; 2 invalid input or a refused check (raised before any
+heavy work); 3 accuracy gate failed; 4 a stage was skipped under ``--strict``; 1 unexpected
+internal error (the only case that prints a traceback).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Iterable
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_INVALID = 2
+EXIT_GATE_FAILED = 3
+EXIT_STRICT_SKIP = 4
+
+
+class PipelineError(Exception):
+    """Base class of expected failures; ``exit_code`` says how the task ends."""
+
+    exit_code = EXIT_INTERNAL
+
+
+@dataclass
+class Problem:
+    """One refused input: which field, why, and what would work."""
+
+    field: str
+    reason: str
+    fix: str = ""
+    rule: str = ""
+    source: str = ""
+
+    def render(self) -> str:
+        text = f"{self.field}: {self.reason}"
+        if self.fix:
+            text += f" Fix: {self.fix}"
+        if self.rule:
+            text += f" [rule {self.rule}]"
+        return text
+
+
+class UserError(PipelineError):
+    """Bad input or a refused check (exit 2). Carries one or more ``Problem``s."""
+
+    exit_code = EXIT_INVALID
+
+    def __init__(self, field_or_problems, reason: str = "", fix: str = "", rule: str = "", source: str = ""):
+        if isinstance(field_or_problems, (list, tuple)):
+            self.problems = list(field_or_problems)
+        else:
+            self.problems = [Problem(str(field_or_problems), reason, fix, rule, source)]
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        return "\n".join(p.render() for p in self.problems)
+
+
+class GateFailed(PipelineError):
+    """The accuracy gate refused the checkpoint (exit 3)."""
+
+    exit_code = EXIT_GATE_FAILED
+
+
+class StrictSkip(PipelineError):
+    """A stage was skipped while ``--strict`` was given (exit 4)."""
+
+    exit_code = EXIT_STRICT_SKIP
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The closest known spelling of ``word`` among ``choices`` (difflib ratio >= 0.6), or None."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+__all__ = [
+    "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_GATE_FAILED", "EXIT_STRICT_SKIP",
+    "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "closest",
+]
