@@ -1,0 +1,80 @@
+"""The tasks as a user runs them: exit codes and one-paragraph errors for bad input.
+
+Each bad input must end with exit code 2, name the field, give a fix, print no traceback,
+and leave the output directory exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from build.store import hash_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+INVOKE = [sys.executable, "-m", "invoke"]
+
+
+def run_task(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([*INVOKE, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture()
+def previous_output(tmp_path) -> Path:
+    """An output directory holding a previous build (must be left untouched)."""
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "manifest.json").write_text('{"profile": "earlier"}\n')
+    (out / "plan.json").write_text("{}\n")
+    (out / "checkpoint" / "config.json").write_text('{"quantization": {"quant_algo": "FP8"}}\n')
+    return out
+
+
+def _profile(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    return p
+
+
+CASES = {
+    "unknown-profile": (lambda d: "nope", ["--profile", "no shipped profile named 'nope'"]),
+    "misspelt-key": (lambda d: str(_profile(d, "extends: fp8-h100\nquantization:\n  kv_cache_quant_alg: FP8\n")),
+                     ["quantization.kv_cache_quant_alg", "did you mean 'kv_cache_quant_algo'"]),
+    "fp8-on-a100": (lambda d: str(_profile(d, "extends: fp8-h100\ntarget:\n  gpu: a100-80gb\n")),
+                    ["quantization.quant_algo", "FP8"]),
+    "nvfp4-on-h100": (lambda d: str(_profile(d, "extends: nvfp4-b200\ntarget:\n  gpu: h100-sxm\n")),
+                      ["quantization.quant_algo", "NVFP4"]),
+    "tp2-with-9-heads": (lambda d: str(_profile(d, "extends: fp8-h100\nparallel:\n  tp_size: 2\ndeployment:\n  gpus_per_replica: 2\n")),
+                         ["parallel.tp_size", "9"]),
+    "input-above-seq": (lambda d: str(_profile(d, "extends: fp8-h100\nbuild:\n  max_input_len: 9000\n  max_seq_len: 8192\n")),
+                        ["build.max_input_len", "8192"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_exits_2_and_changes_nothing(case, tmp_path, previous_output):
+    make, expected = CASES[case]
+    before = hash_dir(previous_output)
+    r = run_task("build", "--profile", make(tmp_path), "--out", str(previous_output))
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text
+    assert "Traceback" not in text
+    for needle in expected:
+        assert needle in text, f"{needle!r} not in:\n{text}"
+    assert "fix:" in text
+    assert hash_dir(previous_output) == before
+    assert sorted(p.name for p in previous_output.parent.iterdir()) == ["bad.yaml", "out"] or \
+        sorted(p.name for p in previous_output.parent.iterdir()) == ["out"]
+
+
+def test_list_shows_every_task_with_help():
+    r = run_task("--list")
+    assert r.returncode == 0
+    for name in ("build", "check", "schema", "profiles", "bench", "test"):
+        line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith(name + " ")), "")
+        assert len(line.split()) > 1, f"task {name} has no one-line help: {r.stdout}"
