@@ -26,6 +26,7 @@ that they are refused by name with that reason instead of "unknown GPU".
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -181,7 +182,7 @@ def resolve_gpu(name: str) -> GPUSpec:
     gid = _ALIASES.get(key)
     if gid is not None:
         return CATALOG[gid]
-    hint = closest(key, list(_ALIASES))
+    hint = closest(key, list(_ALIASES)) or next(iter(difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.0)), None)
     near = f"the closest known GPU is {_ALIASES[hint]!r}; " if hint else ""
     raise UserError("target.gpu", f"unknown GPU {name!r}.",
                     f"{near}known GPUs: {', '.join(CATALOG)}.", rule="gpu.known", source="build/hardware.py")
