@@ -52,7 +52,7 @@ CASES = {
     "tp2-with-9-heads": (lambda d: str(_profile(d, "extends: fp8-h100\nparallel:\n  tp_size: 2\ndeployment:\n  gpus_per_replica: 2\n")),
                          ["parallel.tp_size", "9"]),
     "input-above-seq": (lambda d: str(_profile(d, "extends: fp8-h100\nbuild:\n  max_input_len: 9000\n  max_seq_len: 8192\n")),
-                        ["build.max_input_len", "8192"]),
+                        ["build.max_input_len", "8,192"]),
 }
 
 
