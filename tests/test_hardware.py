@@ -1,0 +1,78 @@
+"""Hardware catalog: ids, aliases, SMs of misleading names, driver vs datasheet memory, refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from build.errors import UserError
+from build.hardware import CATALOG, GPUSpec, normalize_gpu_name, resolve_gpu
+
+REQUIRED = ["a10", "a10g", "a100-40gb", "a100-80gb", "l4", "l40s", "rtx-4090", "rtx-6000-ada", "h100-pcie",
+            "h100-sxm", "h100-nvl", "h200", "gh200", "b200", "gb200", "b300", "rtx-5090",
+            "rtx-pro-6000-blackwell", "v100", "t4"]
+
+
+def test_required_gpus_present():
+    assert set(REQUIRED) <= set(CATALOG)
+
+
+@pytest.mark.parametrize("gid", REQUIRED)
+def test_every_entry_complete(gid):
+    g = CATALOG[gid]
+    assert isinstance(g, GPUSpec) and g.id == gid
+    assert g.sm in (70, 75, 80, 86, 89, 90, 100, 103, 120)
+    assert g.memory_mib > 0 and g.memory_gb > 0 and g.bandwidth_gbs > 0
+    assert g.source and ("http" in g.source or "datasheet" in g.source.lower())
+    # the driver reports a little less than the marketed GB, in MiB
+    assert g.memory_bytes < g.memory_gb * 1.1e9
+    assert g.memory_bytes > g.memory_gb * 0.9e9
+    if g.sm >= 89:
+        assert g.fp8_tflops and g.fp8_tflops > (g.bf16_tflops or 0)
+    if g.sm >= 100:
+        assert g.fp4_tflops and g.fp4_tflops > g.fp8_tflops
+    if g.sm < 89:
+        assert g.fp8_tflops is None and g.fp4_tflops is None
+
+
+@pytest.mark.parametrize("name,gid,sm", [
+    ("h100", "h100-sxm", 90), ("H100 SXM", "h100-sxm", 90), ("NVIDIA H100 PCIe", "h100-pcie", 90),
+    ("a100", "a100-80gb", 80), ("A100-40GB", "a100-40gb", 80), ("A10", "a10", 86), ("a10g", "a10g", 86),
+    ("RTX 6000 Ada", "rtx-6000-ada", 89), ("RTX PRO 6000 Blackwell", "rtx-pro-6000-blackwell", 120),
+    ("GB200", "gb200", 100), ("B300", "b300", 103), ("NVIDIA GeForce RTX 5090", "rtx-5090", 120),
+    ("rtx_4090", "rtx-4090", 89), ("L40S", "l40s", 89), ("h200", "h200", 90), ("GH200", "gh200", 90),
+    ("b200", "b200", 100), ("l4", "l4", 89), ("Tesla V100", "v100", 70), ("T4", "t4", 75),
+])
+def test_aliases_and_sm(name, gid, sm):
+    g = resolve_gpu(name)
+    assert (g.id, g.sm) == (gid, sm)
+
+
+def test_driver_reported_memory():
+    assert CATALOG["h100-sxm"].memory_mib == 81559 and CATALOG["h100-sxm"].memory_gb == 80
+    assert CATALOG["h100-sxm"].memory_bytes == 81559 * 2**20
+
+
+@pytest.mark.parametrize("name", ["rtx 6000", "6000", "h1", "a1000", "blackwell", "rtx"])
+def test_no_substring_matching(name):
+    with pytest.raises(UserError) as ei:
+        resolve_gpu(name)
+    pr = ei.value.problems[0]
+    assert pr.field == "target.gpu" and pr.rule == "gpu.known"
+    assert pr.reason == f"unknown GPU {name!r}."
+    assert "known GPUs: a10, a10g" in pr.fix and "the closest known GPU is" in pr.fix
+
+
+def test_unknown_gpu_suggests_closest():
+    with pytest.raises(UserError) as ei:
+        resolve_gpu("h10")
+    assert ei.value.problems[0].fix.startswith("the closest known GPU is 'h100-sxm'; known GPUs: ")
+
+
+@pytest.mark.parametrize("bad", ["", "   "])
+def test_empty_gpu(bad):
+    with pytest.raises(UserError):
+        resolve_gpu(bad)
+
+
+def test_normalize():
+    assert normalize_gpu_name("  NVIDIA  GeForce_RTX 4090 ") == "rtx-4090"
