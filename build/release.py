@@ -45,7 +45,8 @@ STATE_FILE = "releases.json"
 LOCK_FILE = ".releases.lock"
 CRASH_ENV = "PRECISION_RELEASE_CRASH_AT"
 CRASH_EXIT = 97
-STEPS = ("install", "load", "smoke", "ensemble_config", "bls_config", "switch", "commit", "gc")
+STEPS = ("stage", "install", "load", "smoke", "ensemble_config", "switch", "bls_config", "commit", "gc")
+ROUTE_FILE = "route.json"  # tensorrt_llm_bls/route.json: the unit the running BLS calls (read per request)
 HISTORY_MAX = 200
 SMOKE_PROMPT = "What is 2 + 2?"
 
@@ -99,7 +100,7 @@ def _rewrite_config(path: Path, mutate) -> bool:
 
 
 def current_of_configs(repo_dir: Path) -> tuple[str | None, str | None]:
-    """(unit named by the ensemble, unit named by the BLS)."""
+    """(unit named by the ensemble, unit named by the BLS; "param|route.json:X" when the two disagree)."""
     repo_dir = Path(repo_dir)
     ens = bls = None
     p = repo_dir / "ensemble" / "config.pbtxt"
@@ -109,21 +110,45 @@ def current_of_configs(repo_dir: Path) -> tuple[str | None, str | None]:
     p = repo_dir / "tensorrt_llm_bls" / "config.pbtxt"
     if p.is_file():
         bls = pack.config_params(pack.parse_model_config(p.read_text(), str(p))).get("tensorrt_llm_model_name")
+        route = (read_json(repo_dir / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}).get("tensorrt_llm_model_name")
+        if route and route != bls:
+            bls = f"{bls}|route.json:{route}"
     return ens, bls
 
 
+def _max_batch(repo_dir: Path, model: str) -> int | None:
+    p = Path(repo_dir) / model / "config.pbtxt"
+    if not p.is_file():
+        return None
+    return pack.parse_model_config(p.read_text(), str(p)).max_batch_size
+
+
 def point_ensemble(repo_dir: Path, unit: str) -> bool:
+    """Point the ensemble's engine step at ``unit``. Triton refuses an ensemble whose max_batch_size
+    exceeds a step's, so it becomes min(unit, preprocessing, postprocessing)."""
+    sizes = [m for m in (_max_batch(repo_dir, unit), _max_batch(repo_dir, "preprocessing"),
+                         _max_batch(repo_dir, "postprocessing")) if m]
+
     def mut(cfg):
         for s in cfg.ensemble_scheduling.step:
             if pack.is_unit(s.model_name):
                 s.model_name = unit
+        if sizes:
+            cfg.max_batch_size = min(sizes)
     return _rewrite_config(Path(repo_dir) / "ensemble" / "config.pbtxt", mut)
 
 
 def point_bls(repo_dir: Path, unit: str) -> bool:
+    """Point the BLS at ``unit``: its config parameter (what a fresh load reads) and route.json (what
+    the running BLS reads on each request, so no reload is needed)."""
     def mut(cfg):
         cfg.parameters["tensorrt_llm_model_name"].string_value = unit
-    return _rewrite_config(Path(repo_dir) / "tensorrt_llm_bls" / "config.pbtxt", mut)
+    changed = _rewrite_config(Path(repo_dir) / "tensorrt_llm_bls" / "config.pbtxt", mut)
+    route = Path(repo_dir) / "tensorrt_llm_bls" / ROUTE_FILE
+    if (read_json(route, {}) or {}).get("tensorrt_llm_model_name") != unit:
+        atomic_write_json(route, {"tensorrt_llm_model_name": unit})
+        changed = True
+    return changed
 
 
 def _set_params(path: Path, values: dict[str, str]) -> None:
@@ -169,6 +194,7 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None) 
         cfg.write_text(text)
         _set_params(cfg, {"gpt_model_path": pack.serving_path(root, repo_dir.name, name, "engine")})
         pack.parse_model_config(cfg.read_text(), str(cfg))
+        _crash_point("stage")
         os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -250,14 +276,18 @@ def _release_record(unit_dir: Path, unit: str, profile: str, gate: dict | None, 
 # Recovery
 
 
-def recover(repo_dir: Path) -> list[str]:
-    """Make the repository agree with releases.json (after a crash). Returns what was fixed."""
+def recover(repo_dir: Path, server=None) -> list[str]:
+    """Make the repository agree with releases.json (after a crash). Returns what was fixed.
+
+    With a running ``server`` the re-pointed ensemble is reloaded too (the BLS follows route.json)."""
     repo_dir = Path(repo_dir)
-    fixed: list[str] = []
     if not repo_dir.is_dir():
-        return fixed
+        return []
     with _lock(repo_dir):
-        return _recover_locked(repo_dir)
+        fixed = _recover_locked(repo_dir)
+        if server is not None and any(f.startswith("ensemble") for f in fixed):
+            server.load("ensemble")
+        return fixed
 
 
 def _recover_locked(repo_dir: Path) -> list[str]:
@@ -346,19 +376,29 @@ def _loaded(server) -> dict[str, str]:
         return {}
 
 
-def _switch(repo_dir: Path, server, unit: str, timings: dict) -> None:
+def _switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> None:
+    """Point ensemble and BLS at ``unit`` and reload them; on a failure put both back as they were."""
+    try:
+        _switch_to(repo_dir, server, unit, timings)
+    except BaseException:
+        point_ensemble(repo_dir, previous)
+        point_bls(repo_dir, previous)
+        if server is not None:
+            with contextlib.suppress(Exception):
+                server.load("ensemble")
+        raise
+
+
+def _switch_to(repo_dir: Path, server, unit: str, timings: dict) -> None:
     point_ensemble(repo_dir, unit)
     _crash_point("ensemble_config")
-    point_bls(repo_dir, unit)
-    _crash_point("bls_config")
     if server is not None:
         t = time.perf_counter()
         server.load("ensemble")
-        timings["switch_ms"] = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        server.load("tensorrt_llm_bls")
-        timings["bls_ms"] = (time.perf_counter() - t) * 1e3
+        timings["ensemble_load_ms"] = (time.perf_counter() - t) * 1e3
     _crash_point("switch")
+    point_bls(repo_dir, unit)  # the running BLS follows route.json from its next request
+    _crash_point("bls_config")
 
 
 def _retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: str | None) -> list[str]:
@@ -428,7 +468,14 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
                         server.unload(unit)
                 raise
         _crash_point("smoke")
-        _switch(repo_dir, server, unit, timings)
+        try:
+            _switch(repo_dir, server, unit, timings, previous)
+            timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
+        except BaseException:
+            if server is not None and not (unit == state.get("fallback") and state.get("warm_fallback")):
+                with contextlib.suppress(Exception):
+                    server.unload(unit)
+            raise
         state["current"] = unit
         state["releases"] = [r for r in state["releases"] if r["unit"] != unit or r["kind"] == "fallback"]
         state["releases"].append(_release_record(repo_dir / unit, unit, profile, gate, promoted_by, "release"))
@@ -510,7 +557,8 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             if smoke:
                 timings["smoke"] = smoke_test(server, target)
-        _switch(repo_dir, server, target, timings)
+        _switch(repo_dir, server, target, timings, cur)
+        timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
         state["current"] = target
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         state["history"] = (state["history"] + [{"action": "rollback", "from": cur, "to": target, "time": _now(),

@@ -1,12 +1,15 @@
 """tensorrt_llm_bls (Triton python backend): preprocessing -> tensorrt_llm_<h12> -> postprocessing via BLS calls.
 
 The engine model's name comes from the ``tensorrt_llm_model_name`` parameter (tensorrtllm_backend's
-name for it); build/release.py rewrites it when a release is promoted or rolled back. Non-streaming:
+name for it), overridden by ``<this model's dir>/route.json`` {"tensorrt_llm_model_name": ...} when
+present. build/release.py rewrites both when a release is promoted or rolled back: route.json is
+checked (stat) on every request, so a running BLS switches engines without being reloaded. Non-streaming:
 one response per request (in decoupled mode it is sent through the response sender with the FINAL flag;
 ``stream`` = true is refused, this BLS does not stream).
 """
 
 import json
+import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -24,6 +27,27 @@ class TritonPythonModel:
         if not self.trt_name:
             raise pb_utils.TritonModelException("tensorrt_llm_bls: parameter tensorrt_llm_model_name is not set")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        self.route_file = os.path.join(args.get("model_repository", ""), "route.json")
+        self.route_mtime = None
+        self._route()
+
+    def _route(self):
+        """The engine model to call: route.json when it exists (re-read when it changes), else the parameter."""
+        try:
+            st = os.stat(self.route_file)
+        except OSError:
+            return self.trt_name
+        key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if key != self.route_mtime:
+            try:
+                with open(self.route_file) as f:
+                    name = json.load(f).get("tensorrt_llm_model_name")
+                if name:
+                    self.trt_name = name
+                self.route_mtime = key
+            except (OSError, ValueError):
+                pass
+        return self.trt_name
 
     @staticmethod
     def _call(model, inputs, outputs):
@@ -60,7 +84,7 @@ class TritonPythonModel:
             v = opt(name)
             if v is not None:
                 trt_in.append(pb_utils.Tensor(name, v))
-        trt = self._call(self.trt_name, trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"])
+        trt = self._call(self._route(), trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"])
         post = self._call("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", trt["output_ids"]),
                                              pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"])
         return pb_utils.InferenceResponse(output_tensors=[
