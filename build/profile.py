@@ -266,12 +266,20 @@ def _read_yaml(path: Path, field: str) -> dict:
     return data
 
 
+def _is_file(p: Path) -> bool:
+    """``Path.is_file`` that treats unusable names (too long, NUL bytes, loops) as missing."""
+    try:
+        return p.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def resolve_profile_path(name_or_path: str, field: str = "--profile") -> Path:
     """Map a shipped name or a YAML path to a file. Raises UserError for unknown names."""
     s = str(name_or_path)
     if s.endswith((".yaml", ".yml")) or "/" in s or "\\" in s:
         p = Path(s)
-        if not p.is_file():
+        if not _is_file(p):
             if NAME_RE.match(Path(s).stem or "") and "/" in s and not p.exists():
                 pass
             raise UserError(field, f"no profile file at {s!r}.",
@@ -281,7 +289,7 @@ def resolve_profile_path(name_or_path: str, field: str = "--profile") -> Path:
         raise UserError(field, f"{s!r} is not a profile name (allowed: lower-case letters, digits, '.', '_', '-').",
                         f"use one of: {', '.join(shipped_profiles())}.")
     p = PROFILES_DIR / f"{s}.yaml"
-    if not p.is_file():
+    if not _is_file(p):
         hint = closest(s, shipped_profiles())
         fix = f"did you mean {hint!r}? " if hint else ""
         raise UserError(field, f"no shipped profile named {s!r}.",
@@ -316,8 +324,11 @@ def load_raw(name_or_path: str, _chain: tuple[str, ...] = ()) -> dict:
             raise UserError("extends", f"must be a profile name, got {type(parent).__name__}.", "write e.g. 'extends: fp8-h100'.")
         if "/" in parent or "\\" in parent or parent.endswith((".yaml", ".yml")):
             # relative to the child file, but only inside its directory tree
-            ppath = (path.parent / parent).resolve()
-            if not ppath.is_file():
+            try:
+                ppath = (path.parent / parent).resolve()
+            except (OSError, ValueError, RuntimeError):
+                ppath = None
+            if ppath is None or not _is_file(ppath):
                 raise UserError("extends", f"no profile file at {parent!r} (relative to {path.parent}).", "name a shipped profile or an existing file.")
             parent_data = load_raw(str(ppath), _chain + (key,))
         else:

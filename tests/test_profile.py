@@ -1,0 +1,282 @@
+"""Profile loader: extends merging, misspelt keys, names, path traversal, cycles, and a fuzz test.
+
+The fuzz test (hypothesis, bounded examples) feeds the loader arbitrary YAML: scalars, lists,
+deep nesting, huge and negative numbers, unicode names, ``extends`` chains and cycles, raw
+text and raw bytes. The loader must return a Profile or raise ``UserError`` -- never any other
+exception.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from build.errors import EXIT_INVALID, UserError
+from build.profile import Profile, deep_merge, load_profile, load_raw, shipped_profiles, validate_profile
+
+SHIPPED = ["bf16-h100", "fp8-h100", "fp8-h200", "int4-awq-a100", "int8-sq-l4", "nvfp4-b200"]
+
+
+def write(dirpath: Path, name: str, data) -> Path:
+    p = dirpath / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    return p
+
+
+def err(fn, *a) -> UserError:
+    with pytest.raises(UserError) as ei:
+        fn(*a)
+    assert ei.value.exit_code == EXIT_INVALID
+    return ei.value
+
+
+# ---------------------------------------------------------------------------------------------
+# shipped profiles
+
+
+def test_shipped_profiles_listed_and_load():
+    assert set(SHIPPED) <= set(shipped_profiles())
+    for name in shipped_profiles():
+        p = load_profile(name)
+        assert isinstance(p, Profile) and p.name == name
+
+
+# ---------------------------------------------------------------------------------------------
+# extends
+
+
+def test_deep_merge_rules():
+    base = {"a": {"x": 1, "y": [1, 2]}, "b": 1, "c": [1]}
+    over = {"a": {"y": [3]}, "c": {"k": 1}, "d": None}
+    assert deep_merge(base, over) == {"a": {"x": 1, "y": [3]}, "b": 1, "c": {"k": 1}, "d": None}
+
+
+def test_shipped_extends_merges_key_by_key():
+    child = load_profile("fp8-h200")
+    parent = load_profile("fp8-h100")
+    assert child.target.gpu == "h200"
+    assert child.build.max_batch_size == 128  # overridden
+    assert child.build.max_seq_len == parent.build.max_seq_len == 8192  # kept from the parent mapping
+    assert child.quantization.quant_algo.value == "FP8"
+    assert child.name == "fp8-h200"
+
+
+def test_extends_lists_and_scalars_replace(tmp_path):
+    p = write(tmp_path, "child.yaml", {"extends": "fp8-h100", "quantization": {"exclude_modules": ["*router*"]},
+                                       "build": {"max_seq_len": 4096}, "description": "child"})
+    prof = load_profile(str(p))
+    assert prof.quantization.exclude_modules == ["*router*"]  # list replaced, not appended
+    assert prof.quantization.kv_cache_quant_algo.value == "FP8"  # sibling key kept
+    assert prof.build.max_seq_len == 4096 and prof.build.max_input_len == 4096
+    assert prof.description == "child" and prof.name == "child"
+
+
+def test_extends_relative_path_chain(tmp_path):
+    write(tmp_path, "base.yaml", {"target": {"gpu": "l4"}, "build": {"max_batch_size": 7, "max_seq_len": 100}})
+    write(tmp_path, "mid.yaml", {"extends": "./base.yaml", "build": {"max_batch_size": 8}})
+    p = write(tmp_path, "leaf.yaml", {"extends": "./mid.yaml", "build": {"max_seq_len": 200}})
+    prof = load_profile(str(p))
+    assert (prof.target.gpu, prof.build.max_batch_size, prof.build.max_seq_len) == ("l4", 8, 200)
+
+
+def test_extends_cycle(tmp_path):
+    write(tmp_path, "a.yaml", {"extends": "./b.yaml", "target": {"gpu": "l4"}})
+    write(tmp_path, "b.yaml", {"extends": "./a.yaml"})
+    e = err(load_profile, str(tmp_path / "a.yaml"))
+    pr = e.problems[0]
+    assert pr.field == "extends"
+    assert pr.reason == "profiles extend each other in a cycle: a -> b -> a."
+
+
+def test_extends_self(tmp_path):
+    write(tmp_path, "me.yaml", {"extends": "./me.yaml", "target": {"gpu": "l4"}})
+    assert "cycle" in err(load_profile, str(tmp_path / "me.yaml")).problems[0].reason
+
+
+def test_extends_unknown_parent(tmp_path):
+    p = write(tmp_path, "c.yaml", {"extends": "fp8-h10", "target": {"gpu": "l4"}})
+    pr = err(load_profile, str(p)).problems[0]
+    assert pr.field == "extends" and pr.reason == "no shipped profile named 'fp8-h10'."
+    assert pr.fix.startswith("did you mean 'fp8-h100'?")
+
+
+def test_extends_not_a_string(tmp_path):
+    p = write(tmp_path, "c.yaml", {"extends": ["fp8-h100"], "target": {"gpu": "l4"}})
+    pr = err(load_profile, str(p)).problems[0]
+    assert pr.field == "extends" and pr.reason == "must be a profile name, got list."
+
+
+# ---------------------------------------------------------------------------------------------
+# keys and values
+
+
+def test_misspelt_top_level_key_suggests_closest(tmp_path):
+    p = write(tmp_path, "m.yaml", {"target": {"gpu": "h100"}, "quantisation": {"quant_algo": "FP8"}})
+    pr = err(load_profile, str(p)).problems[0]
+    assert pr.field == "quantisation" and pr.reason == "is not a known profile key." and pr.fix == "did you mean 'quantization'?"
+
+
+def test_misspelt_nested_key_suggests_closest(tmp_path):
+    p = write(tmp_path, "m.yaml", {"target": {"gpu": "h100"}, "build": {"max_batch_sise": 3},
+                                   "context_phase": {"use_paged_context_fmah": True}})
+    probs = {pr.field: pr for pr in err(load_profile, str(p)).problems}
+    assert probs["build.max_batch_sise"].fix == "did you mean 'max_batch_size'?"
+    assert probs["context_phase.use_paged_context_fmah"].fix == "did you mean 'use_paged_context_fmha'?"
+
+
+def test_every_bad_field_reported(tmp_path):
+    p = write(tmp_path, "m.yaml", {"build": {"max_batch_size": -1}, "quantization": {"quant_algo": "FP9"}})
+    fields = {pr.field for pr in err(load_profile, str(p)).problems}
+    assert {"target", "build.max_batch_size", "quantization.quant_algo"} <= fields
+
+
+def test_missing_target():
+    pr = err(validate_profile, {}).problems[0]
+    assert pr.field == "target" and pr.reason == "is required."
+
+
+# ---------------------------------------------------------------------------------------------
+# names and paths
+
+
+def test_unknown_shipped_name_suggests_closest():
+    pr = err(load_profile, "fp8-h10").problems[0]
+    assert pr.field == "--profile" and pr.reason == "no shipped profile named 'fp8-h10'."
+    assert pr.fix.startswith("did you mean 'fp8-h100'? Shipped: ")
+
+
+@pytest.mark.parametrize("name", ["../../etc", "../../etc/passwd", "/etc/passwd", "..", ".", "~root", "fp8-h100\x00",
+                                  "FP8-H100", "a" * 65, "../precision_profiles/fp8-h100", "$(id)"])
+def test_path_traversal_and_bad_names_refused(name):
+    e = err(load_profile, name)
+    assert e.problems[0].field == "--profile"
+
+
+def test_extends_path_traversal(tmp_path):
+    for parent in ("../../etc", "../../../../../../etc/passwd", "/etc/passwd", "/dev/null", ".."):
+        p = write(tmp_path, "t.yaml", {"extends": parent, "target": {"gpu": "l4"}})
+        assert err(load_profile, str(p)).problems[0].field == "extends", parent
+
+
+def test_not_a_mapping(tmp_path):
+    for text, kind in (("- a\n- b\n", "list"), ("42\n", "int"), ("hello\n", "str")):
+        p = write(tmp_path, "x.yaml", text)
+        assert f"holds a {kind}, not a mapping" in err(load_profile, str(p)).problems[0].reason
+
+
+def test_invalid_yaml_and_encoding(tmp_path):
+    p = write(tmp_path, "bad.yaml", "target: [unclosed\n")
+    assert "is not valid YAML at line" in err(load_profile, str(p)).problems[0].reason
+    b = tmp_path / "bin.yaml"
+    b.write_bytes(b"\xff\xfe\x00target")
+    assert "not UTF-8" in err(load_profile, str(b)).problems[0].reason
+    t = tmp_path / "tag.yaml"
+    t.write_text("!!python/object/apply:os.system ['true']\n")
+    assert "is not valid YAML" in err(load_profile, str(t)).problems[0].reason
+
+
+def test_too_big(tmp_path):
+    p = tmp_path / "big.yaml"
+    p.write_text("# " + "x" * (300 * 1024) + "\n")
+    assert "profiles are at most" in err(load_profile, str(p)).problems[0].reason
+
+
+def test_deep_nesting(tmp_path):
+    p = write(tmp_path, "deep.yaml", "target: " + "[" * 1500 + "]" * 1500 + "\n")
+    err(load_profile, str(p))
+
+
+# ---------------------------------------------------------------------------------------------
+# fuzz
+
+
+PROFILE_KEYS = ["target", "gpu", "quantization", "quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules",
+                "build", "max_batch_size", "max_seq_len", "max_input_len", "max_num_tokens", "parallel", "tp_size",
+                "pp_size", "context_phase", "runtime", "deployment", "fallback", "gate", "overrides", "name",
+                "extends", "calibration", "generation_phase", "description"]
+EXTENDS = ["../../etc", "../../etc/passwd", "/etc/passwd", "/dev/null", "fp8-h100", "bf16-h100", "nope", "..", ".",
+           "./self.yaml", "./other.yaml", "é", "", "a" * 300, "a/" * 200 + "b.yaml", "x" * 5000 + ".yaml",
+           "fp8-h100\x00", "./\x00.yaml", "C:\\x.yaml", "~/p.yaml"]
+
+scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10**40), max_value=10**40)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
+           | st.sampled_from(["FP8", "NVFP4", "h100", "NONE", "W4A16_AWQ", "auto", "-1", "1e400", "nan", "☃", "\u202e"]))
+keys = st.sampled_from(PROFILE_KEYS) | st.text(max_size=12)
+values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(keys, c, max_size=5), max_leaves=25)
+profile_like = st.dictionaries(keys, values, max_size=8)
+counter = itertools.count()
+
+
+def _check_load(path: str) -> None:
+    try:
+        out = load_profile(path)
+    except UserError as e:
+        assert e.problems and all(p.field is not None for p in e.problems)
+        assert isinstance(e.message, str)
+    else:
+        assert isinstance(out, Profile)
+
+
+FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                           HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(data=profile_like, parent=st.none() | st.sampled_from(EXTENDS) | st.text(max_size=30) | scalars,
+       other=profile_like, cyc=st.booleans())
+def test_fuzz_loader_only_user_errors(tmp_path_factory, data, parent, other, cyc):
+    d = tmp_path_factory.mktemp("fz")
+    data = dict(data)
+    if parent is not None:
+        data["extends"] = parent
+    if cyc:
+        other = dict(other, extends="./self.yaml")
+        write(d, "other.yaml", yaml.safe_dump(other, allow_unicode=True))
+    write(d, "self.yaml", yaml.safe_dump(data, allow_unicode=True))
+    _check_load(str(d / "self.yaml"))
+
+
+@FUZZ
+@given(text=st.text(max_size=300) | st.sampled_from(["{", "[", "a: &x [*x]", "? [a]\n: 1", "target: !!binary AAAA",
+                                                     "a: 1\na: 2", "%YAML 9.9\n---\n", "\t", "---\n---\n"]))
+def test_fuzz_raw_text(tmp_path_factory, text):
+    d = tmp_path_factory.mktemp("fzt")
+    p = d / "t.yaml"
+    p.write_text(text, encoding="utf-8", errors="surrogatepass") if "\ud800" not in text else p.write_bytes(text.encode("utf-8", "surrogatepass"))
+    _check_load(str(p))
+
+
+@FUZZ
+@given(blob=st.binary(max_size=200))
+def test_fuzz_raw_bytes(tmp_path_factory, blob):
+    d = tmp_path_factory.mktemp("fzb")
+    p = d / "b.yaml"
+    p.write_bytes(blob)
+    _check_load(str(p))
+
+
+@FUZZ
+@given(name=st.text(max_size=80))
+def test_fuzz_names(name):
+    _check_load(name)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depth=st.integers(min_value=1, max_value=1500), kind=st.sampled_from(["[", "{a: ", "- "]))
+def test_fuzz_deep_nesting(tmp_path_factory, depth, kind):
+    d = tmp_path_factory.mktemp("fzd")
+    if kind == "[":
+        text = "target: " + "[" * depth + "]" * depth
+    elif kind == "{a: ":
+        text = "target: " + "{a: " * depth + "1" + "}" * depth
+    else:
+        text = "".join("  " * i + "- \n" for i in range(min(depth, 400)))
+    p = d / "d.yaml"
+    p.write_text(text)
+    _check_load(str(p))
