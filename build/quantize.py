@@ -404,15 +404,29 @@ def _dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in Path(d).glob("rank*.safetensors"))
 
 
-def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress: bool = True,
-                 calib_set: CalibrationSet | None = None) -> QuantizeResult:
-    """Quantize the HF model in ``model_dir`` as ``profile`` says; write the TRT-LLM checkpoint to ``out_dir``.
+@dataclass
+class QuantizedModel:
+    """A ModelOpt-quantized (fake-quant) HF model plus what is needed to export it."""
 
-    ``out_dir`` is replaced atomically (``build.store.atomic_dir``): it holds ``config.json``,
-    ``rank{0..tp_size-1}.safetensors`` and ``calibration.json`` (the calibration composition).
-    Raises UserError (exit 2) before loading the model for: INT8 KV, a group size that does not
-    apply or does not divide the layer widths, a tp_size that does not split the heads, a bad
-    calibration dataset. Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
+    model: Any
+    profile: Profile
+    config_name: str
+    config: dict | None
+    calibration: CalibrationSet | None
+    excluded_hf: list[str]
+    unmatched: list[str]
+    calibrate_s: float
+    group_size: int | None
+
+
+def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True,
+                   calib_set: CalibrationSet | None = None) -> QuantizedModel:
+    """Load the HF model of ``model_dir`` in FP32 and run ModelOpt PTQ as ``profile`` says.
+
+    Returns the fake-quant model (``mtq.quantize`` result; for NO_QUANT the plain model).
+    Raises UserError (before loading the model) for: a non-Llama model, INT8 KV, a group size that
+    does not apply or does not divide the layer widths, a tp_size that does not split the heads, a
+    bad calibration dataset.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -424,26 +438,30 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
     if algo not in MAIN_CONFIGS:
         raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
                         f"use one of: {', '.join(MAIN_CONFIGS)}.")
+    if not (model_dir / "config.json").is_file():
+        raise UserError("model", f"{model_dir} has no config.json (not a Hugging Face model folder).",
+                        "pass the converted model folder (build.models.ensure_default_model()).")
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
     arch = (getattr(hf_cfg, "architectures", None) or [""])[0]
     if getattr(hf_cfg, "model_type", "") != "llama":
         raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model ({arch}); "
                         "this quantize stage exports Llama-architecture models only.", "use a Llama-family model.")
     group = _check_group_size(profile)
+    if kv_algo != "NONE" and algo == "NO_QUANT":
+        modelopt_config_for(profile, linear_names=[], num_hidden_layers=0)  # raises the NO_QUANT + KV error
     kv_config_for(kv_algo)  # INT8 refused here, before any heavy work
     check_layout(profile, hf_cfg, group if algo in AWQ_ALGOS else None)
-    tok = load_tokenizer(model_dir)
     calib = calib_set
     if calib is None and algo != "NO_QUANT":
-        calib = build_calibration_set(profile.calibration, tok)
+        calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     names = _linear_names(model)
+    n_layers = int(hf_cfg.num_hidden_layers)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
-                                                q.keep_last_layers, int(hf_cfg.num_hidden_layers))
-    cfg_name, cfg = modelopt_config_for(profile, model_dir, linear_names=names,
-                                        num_hidden_layers=int(hf_cfg.num_hidden_layers))
+                                                q.keep_last_layers, n_layers)
+    cfg_name, cfg = modelopt_config_for(profile, model_dir, linear_names=names, num_hidden_layers=n_layers)
     t0 = time.perf_counter()
     if cfg is not None:
         import modelopt.torch.quantization as mtq
@@ -451,46 +469,71 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
         loop = make_forward_loop(calib, profile.calibration.batch_size, show_progress)
         mtq.quantize(model, cfg, forward_loop=loop)
     calibrate_s = time.perf_counter() - t0
+    return QuantizedModel(model=model, profile=profile, config_name=cfg_name, config=cfg, calibration=calib,
+                          excluded_hf=excluded_hf if cfg is not None else [], unmatched=unmatched,
+                          calibrate_s=calibrate_s, group_size=group if algo in AWQ_ALGOS + ("NVFP4",) else None)
 
+
+def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
+    """Export ``qm`` as a TensorRT-LLM checkpoint into ``out_dir`` (replaced atomically).
+
+    ``export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp,
+    inference_tensor_parallel=tp_size)``, then config.json: ``logits_dtype`` = ``build.logits_dtype``;
+    ``quantization.exclude_modules`` = sorted union of what ModelOpt wrote and the TensorRT-LLM
+    names of the excluded linears. Also writes ``calibration.json`` (the calibration composition).
+    """
+    import torch
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    excluded_trt = sorted({trtllm_name(n) for n in excluded_hf})
+    profile = qm.profile
+    excluded_trt = sorted({trtllm_name(n) for n in qm.excluded_hf})
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         t1 = time.perf_counter()
         with torch.no_grad():
-            export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp,
+            export_tensorrt_llm_checkpoint(qm.model, "llama", torch.bfloat16, tmp,
                                            inference_tensor_parallel=profile.parallel.tp_size)
         export_s = time.perf_counter() - t1
         cfg_path = tmp / "config.json"
         conf = json.loads(cfg_path.read_text())
         conf["logits_dtype"] = profile.build.logits_dtype
         quant = conf.get("quantization") or {}
-        if cfg is not None:
+        if qm.config is not None:
             written = quant.get("exclude_modules") or []
             quant["exclude_modules"] = sorted(set(written) | set(excluded_trt))
         conf["quantization"] = quant
         atomic_write_json(cfg_path, conf)
-        # ModelOpt writes json.dump(indent=4) without sort; atomic_write_json sorts keys (same content)
-        if calib is not None:
-            atomic_write_json(tmp / "calibration.json", calib.composition)
+        if qm.calibration is not None:
+            atomic_write_json(tmp / "calibration.json", qm.calibration.composition)
         nbytes = _dir_bytes(tmp)
-        final_quant = dict(quant)
     return QuantizeResult(
-        quant_algo=final_quant.get("quant_algo") or "NO_QUANT",
-        kv_cache_quant_algo=final_quant.get("kv_cache_quant_algo") or "NONE",
-        group_size=final_quant.get("group_size", group if algo in AWQ_ALGOS + ("NVFP4",) else None),
-        exclude_modules=list(final_quant.get("exclude_modules") or []),
-        modelopt_config_name=cfg_name,
-        calibration=calib.composition if calib is not None else {},
-        calibrate_s=round(calibrate_s, 3),
+        quant_algo=quant.get("quant_algo") or "NO_QUANT",
+        kv_cache_quant_algo=quant.get("kv_cache_quant_algo") or "NONE",
+        group_size=quant.get("group_size", qm.group_size),
+        exclude_modules=list(quant.get("exclude_modules") or []),
+        modelopt_config_name=qm.config_name,
+        calibration=qm.calibration.composition if qm.calibration is not None else {},
+        calibrate_s=round(qm.calibrate_s, 3),
         export_s=round(export_s, 3),
         checkpoint_bytes=nbytes,
         tp_size=profile.parallel.tp_size,
         out_dir=str(out_dir),
-        unmatched_exclude_patterns=unmatched,
+        unmatched_exclude_patterns=list(qm.unmatched),
     )
 
 
-__all__ = ["QuantizeResult", "run_quantize", "modelopt_config_for", "kv_config_for", "trtllm_name",
+def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress: bool = True,
+                 calib_set: CalibrationSet | None = None) -> QuantizeResult:
+    """Quantize the HF model in ``model_dir`` as ``profile`` says; write the TRT-LLM checkpoint to ``out_dir``.
+
+    ``quantize_model`` then ``export_checkpoint``. ``out_dir`` is replaced atomically
+    (``build.store.atomic_dir``): it holds ``config.json``, ``rank{0..tp_size-1}.safetensors`` and
+    ``calibration.json``. Raises UserError (exit 2) before loading the model for bad inputs (see
+    ``quantize_model``). Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
+    """
+    qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set)
+    return export_checkpoint(qm, out_dir)
+
+
+__all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
            "resolve_exclusions", "make_forward_loop", "check_layout"]
