@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from . import formats as F
 from . import rules as R
 from .errors import Problem, UserError
 from .hardware import GPUSpec, resolve_gpu
@@ -76,7 +77,7 @@ class Plan:
         if not self.ok:
             first = self.problems[0]
             more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
-            return f"{first.render()}{more}"
+            return f"{one_line(first)}{more}"
         q = self.profile.quantization
         m = self.memory
         mp = self.mapping
@@ -86,6 +87,16 @@ class Plan:
                 f"KV {m['kv_bytes_per_token']:,} B/token, {m['kv_tokens_capacity']:,} tokens "
                 f"({m['concurrent_seqs_at_max_seq_len']:,} seqs at {self.limits['max_seq_len']:,})"
                 + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
+
+
+def one_line(pr: Problem) -> str:
+    """A Problem on one line without square brackets (safe for rich console markup)."""
+    text = f"{pr.field}: {pr.reason}"
+    if pr.fix:
+        text += f" Fix: {pr.fix}"
+    if pr.rule:
+        text += f" (rule {pr.rule})"
+    return text
 
 
 def _model(model: Union[Path, str, ModelArch]) -> ModelArch:
@@ -142,12 +153,16 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
     ctx.mapping = R.derive_mapping(profile)
     ctx.limits, ctx.limit_notes = R.derive_limits(profile, m)
     ctx.effective, ctx.overrides = R.derive_effective(profile, gpu.sm if gpu else 0)
-    fallback = _fallback_part(ctx, m) if _with_fallback else None
-    if gpu is not None:
+    # a GPU TensorRT-LLM does not support at all: only gpu.supported speaks for it
+    usable_gpu = gpu is not None and gpu.sm >= F.MIN_TRTLLM_SM
+    fallback = _fallback_part(ctx, m) if _with_fallback and (gpu is None or usable_gpu) else None
+    if usable_gpu:
         ctx.memory = R.memory_plan(ctx)
     warnings: list[str] = []
     for r in R.RULES:
         if r.needs_gpu and gpu is None:
+            continue
+        if gpu is not None and not usable_gpu and r.needs_gpu and r.name != "gpu.supported":
             continue
         found = r.func(ctx)
         if not found:
@@ -183,7 +198,7 @@ def check_all(model_dir: Union[Path, str, ModelArch]) -> list[tuple[str, bool, s
         try:
             plan = evaluate(load_profile(name), m)
         except UserError as e:
-            out.append((name, False, e.problems[0].render() + (f" (+{len(e.problems) - 1} more)" if len(e.problems) > 1 else "")))
+            out.append((name, False, one_line(e.problems[0]) + (f" (+{len(e.problems) - 1} more)" if len(e.problems) > 1 else "")))
             continue
         out.append((name, plan.ok, plan.summary()))
     return out
@@ -201,15 +216,15 @@ def profiles_for_gpu(gpu: str, model_dir: Union[Path, str, ModelArch]) -> list[t
         try:
             p = load_profile(name)
         except UserError as e:
-            out.append((name, False, e.problems[0].render()))
+            out.append((name, False, one_line(e.problems[0])))
             continue
         p = p.model_copy(update={"target": Target(gpu=spec.id)})
         plan = evaluate(p, m)
         if plan.ok:
             out.append((name, True, plan.summary()))
         else:
-            out.append((name, False, "; ".join(f"{pr.field}: {pr.reason} [rule {pr.rule}]" for pr in plan.problems)))
+            out.append((name, False, "; ".join(f"{pr.field}: {pr.reason} (rule {pr.rule})" for pr in plan.problems)))
     return out
 
 
-__all__ = ["Plan", "evaluate", "resolve", "check_all", "profiles_for_gpu"]
+__all__ = ["Plan", "evaluate", "resolve", "check_all", "profiles_for_gpu", "one_line"]

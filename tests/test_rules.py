@@ -118,6 +118,8 @@ def test_gpu_supported_refuses_v100_and_t4():
         g = CATALOG[gpu]
         assert pr.reason == (f"{gpu} ({g.name}) is SM {sm} ({arch}); TensorRT-LLM 1.x supports SM >= 80 only "
                              "(Ampere, Ada, Hopper, Blackwell).")
+        # the format and memory rules do not pile on for an unsupported GPU
+        assert [p.rule for p in run(prof("fp8-h100", target={"gpu": gpu})).problems] == ["gpu.supported"]
 
 
 # ---------------------------------------------------------------------------------------------
