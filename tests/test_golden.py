@@ -1,0 +1,133 @@
+"""Golden prompt set: content, validation, chat-template encoding, subsets."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from build.errors import EXIT_INVALID, UserError
+from build.golden import (CATEGORIES, GOLDEN_PATH, MIN_ANSWER_TOKENS, MIN_PER_CATEGORY, encode_golden,
+                          encode_prompt, end_of_turn_id, golden_hash, load_golden, select, summarize)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def encoded(tokenizer):
+    return encode_golden(tokenizer, load_golden())
+
+
+def test_set_size_and_categories():
+    ps = load_golden()
+    assert len(ps) >= 60
+    counts = Counter(p.category for p in ps)
+    assert set(counts) == set(CATEGORIES)
+    assert all(counts[c] >= MIN_PER_CATEGORY for c in CATEGORIES), counts
+    assert len({p.id for p in ps}) == len(ps)
+    # real content: answers are substantive, long_context prompts hold several paragraphs
+    assert all(len(p.answer) >= 30 for p in ps)
+    assert all(p.prompt.count("\n\n") >= 3 for p in ps if p.category == "long_context")
+
+
+def test_token_count_at_least_5000(encoded):
+    s = summarize(encoded)
+    assert s.answer_tokens >= MIN_ANSWER_TOKENS
+    assert s.prompts == len(encoded)
+    assert sum(d["answer_tokens"] for d in s.per_category.values()) == s.answer_tokens
+    assert s.per_category["long_context"]["prompt_tokens"] > 2000
+
+
+def test_encoding_is_the_chat_template(tokenizer, encoded):
+    ps = load_golden()
+    eot = end_of_turn_id(tokenizer)
+    assert tokenizer.convert_ids_to_tokens(eot) == "<|im_end|>"
+    for p, e in zip(ps[:: 7], encoded[:: 7]):
+        msgs = [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": p.answer}]
+        assert e.input_ids == list(tokenizer.apply_chat_template(msgs, tokenize=True))
+        # one <|im_start|> at the start: no extra BOS
+        assert e.input_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assert e.input_ids[1] != e.input_ids[0]
+        gen = tokenizer.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=True)
+        assert e.generation_prompt == list(gen)
+        assert tokenizer.decode(e.answer_ids) == p.answer + "<|im_end|>"
+        assert e.answer_ids[-1] == eot
+        assert tokenizer.decode(e.input_ids[e.user_start:e.answer_start]).startswith(p.prompt[:20])
+        assert e.n_answer_tokens == e.answer_positions.stop - e.answer_positions.start
+        # system header is not evaluated: the user segment starts after it
+        assert "system" in tokenizer.decode(e.input_ids[: e.user_start])
+
+
+def test_select_is_stratified_first_k():
+    ps = load_golden()
+    sub = load_golden(per_category=2)
+    assert len(sub) == 2 * len(CATEGORIES)
+    assert Counter(p.category for p in sub) == {c: 2 for c in CATEGORIES}
+    for c in CATEGORIES:
+        assert [p.id for p in sub if p.category == c] == [p.id for p in ps if p.category == c][:2]
+    assert select(ps, None) == ps
+    with pytest.raises(UserError):
+        select(ps, 0)
+
+
+def test_golden_hash_deterministic(tokenizer):
+    a = encode_golden(tokenizer, load_golden(per_category=1))
+    b = encode_golden(tokenizer, load_golden(per_category=1))
+    c = encode_golden(tokenizer, load_golden(per_category=2))
+    assert golden_hash(a) == golden_hash(b) != golden_hash(c)
+
+
+def _write(tmp_path: Path, lines: list[str]) -> Path:
+    p = tmp_path / "golden.jsonl"
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return p
+
+
+GOOD = json.dumps({"id": "a", "category": "facts", "prompt": "Q?", "answer": "A."})
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ('{"id": "b", "category": "facts", "prompt": "Q?"', "not valid JSON"),
+    ('["x"]', "not an object"),
+    (json.dumps({"id": "b", "category": "facts", "prompt": "Q?"}), "lacks key"),
+    (json.dumps({"id": "b", "category": "poetry", "prompt": "Q?", "answer": "A"}), "category 'poetry'"),
+    (json.dumps({"id": "a", "category": "facts", "prompt": "Q?", "answer": "A"}), "already used on line 1"),
+    (json.dumps({"id": "b", "category": "facts", "prompt": "", "answer": "A"}), "non-empty string"),
+    (json.dumps({"id": "b", "category": "facts", "prompt": "Q", "answer": "A", "x": 1}), "unknown key"),
+])
+def test_malformed_file_names_the_line(tmp_path, bad, needle):
+    p = _write(tmp_path, [GOOD, "", bad])
+    with pytest.raises(UserError) as ei:
+        load_golden(p)
+    msg = str(ei.value)
+    assert f"{p.name}:3" in msg and needle in msg
+    assert ei.value.exit_code == EXIT_INVALID
+
+
+def test_min_per_category_enforced(tmp_path):
+    p = _write(tmp_path, [GOOD])
+    assert len(load_golden(p)) == 1  # user files: no minimum unless asked
+    with pytest.raises(UserError, match="fewer than 8"):
+        load_golden(p, min_per_category=8)
+    with pytest.raises(UserError, match="cannot read"):
+        load_golden(tmp_path / "missing.jsonl")
+
+
+def test_shipped_file_is_valid_jsonl():
+    for i, line in enumerate(GOLDEN_PATH.read_text(encoding="utf-8").splitlines(), 1):
+        rec = json.loads(line)
+        assert set(rec) == {"id", "category", "prompt", "answer"}, i
+
+
+def test_encode_single_prompt_fields(tokenizer):
+    p = load_golden(per_category=1)[0]
+    e = encode_prompt(tokenizer, p)
+    assert 0 < e.user_start < e.answer_start < e.answer_end <= len(e.input_ids)
+    assert e.input_ids[e.answer_end:] == tokenizer("\n", add_special_tokens=False)["input_ids"]
