@@ -94,6 +94,12 @@ def count_params(a: "ModelArch | dict") -> int:
     return g["num_layers"] * per_layer + emb + h + (0 if g["tied_embeddings"] else emb)
 
 
+# Sanity bounds (far above any real model) so a corrupt config cannot make planning slow.
+_MAX = {"num_hidden_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+        "head_dim": 8192, "intermediate_size": 1 << 24, "moe_intermediate_size": 1 << 24, "vocab_size": 1 << 24,
+        "max_position_embeddings": 1 << 30}
+
+
 def _int(cfg: dict, key: str, path: Path, default: Any = None, required: bool = True) -> Optional[int]:
     v = cfg.get(key, default)
     if v is None:
@@ -103,6 +109,8 @@ def _int(cfg: dict, key: str, path: Path, default: Any = None, required: bool = 
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise UserError("--model", f"{path}: {key} must be a positive integer, got {v!r}.",
                         "fix the model's config.json.")
+    if v > _MAX.get(key, 1 << 40):
+        raise UserError("--model", f"{path}: {key} {v} is implausibly large (limit {_MAX[key]}).", "fix the model's config.json.")
     return v
 
 
@@ -136,7 +144,7 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
     vocab = _int(cfg, "vocab_size", path)
     max_pos = _int(cfg, "max_position_embeddings", path, required=False)
     num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 0:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 0 <= num_experts <= 4096:
         raise UserError("--model", f"{path}: number of experts must be a non-negative integer, got {num_experts!r}.",
                         "fix the model's config.json.")
     inter = _int(cfg, "intermediate_size", path, required=not num_experts) or 0
@@ -144,8 +152,8 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
     if num_experts:
         moe_inter = cfg.get("moe_intermediate_size") or inter
         moe_inter = _int({"moe_intermediate_size": moe_inter}, "moe_intermediate_size", path)
-    shared = cfg.get("shared_expert_intermediate_size") or 0
-    topk = cfg.get("num_experts_per_tok") or (2 if num_experts else 0)
+    shared = _int(cfg, "shared_expert_intermediate_size", path, required=False) or 0
+    topk = _int(cfg, "num_experts_per_tok", path, required=False) or (2 if num_experts else 0)
     rs = cfg.get("rope_scaling")
     factor, rtype = 1.0, None
     if isinstance(rs, dict):

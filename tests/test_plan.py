@@ -423,3 +423,58 @@ def test_bf16_weights_of_default_model(default_model_dir):
     """BF16 checkpoint: 134.5 M params x 2 bytes + a separate lm_head (tied in HF)."""
     mem = P.resolve(prof("bf16-h100"), default_model_dir).memory
     assert mem["weight_bytes_per_gpu"] == 2 * (134_515_008 + 49152 * 576)
+
+
+# ----------------------------------------------------------------------------------------------
+# model_info
+
+
+def test_read_default_model_arch(default_model_dir):
+    from build.model_info import read_model_arch
+
+    a = read_model_arch(default_model_dir)
+    assert (a.architecture, a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) == \
+        ("LlamaForCausalLM", 30, 576, 9, 3, 64)
+    assert (a.intermediate_size, a.vocab_size, a.max_position_embeddings, a.tied_embeddings) == (1536, 49152, 8192, True)
+    assert a.rope_scaling_factor == 1.0 and a.num_experts == 0
+    assert a.num_params == 134_515_008  # 134.5 M
+
+
+def test_model_info_errors_name_model(tmp_path):
+    from build.model_info import read_model_arch
+
+    with pytest.raises(UserError) as ei:
+        read_model_arch(tmp_path / "nowhere")
+    assert ei.value.problems[0].field == "--model" and "no config.json" in ei.value.problems[0].reason
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "config.json").write_text("{oops")
+    with pytest.raises(UserError) as ei:
+        read_model_arch(d)
+    assert "is not valid JSON" in ei.value.problems[0].reason
+    for cfg, text in ((dict(LLAMA70B, architectures=["GPT2LMHeadModel"]), "architecture 'GPT2LMHeadModel' is not supported"),
+                      (dict(LLAMA70B, num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
+                      (dict(LLAMA70B, num_hidden_layers=10**9), "implausibly large"),
+                      (dict(LLAMA70B, num_key_value_heads=7), "not a multiple of num_key_value_heads 7"),
+                      ({k: v for k, v in LLAMA70B.items() if k != "vocab_size"}, "has no 'vocab_size'"),
+                      ([], "does not hold a JSON object")):
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(UserError) as ei:
+            read_model_arch(d)
+        assert ei.value.problems[0].field == "--model" and text in ei.value.problems[0].reason, text
+
+
+def test_model_info_architectures():
+    mx = arch_from_config(MIXTRAL)
+    assert mx.num_experts == 8 and mx.moe_intermediate_size == 14336 and mx.num_experts_per_tok == 2
+    qwen = arch_from_config({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24, "hidden_size": 896,
+                             "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+                             "vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": True})
+    assert qwen.attention_bias and qwen.head_dim == 64
+    assert 490e6 < qwen.num_params < 500e6  # Qwen2-0.5B: 494 M
+    mis = arch_from_config({"architectures": ["MistralForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
+                            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                            "vocab_size": 32000, "max_position_embeddings": 32768})
+    assert 7.2e9 < mis.num_params < 7.3e9  # Mistral-7B: 7.24 B
+    l3 = arch_from_config(LLAMA70B)
+    assert 70.4e9 < l3.num_params < 70.8e9  # Llama-3-70B: 70.6 B
