@@ -85,17 +85,40 @@ def _now() -> str:
 # Config rewriting
 
 
+_CFG_CACHE: dict[str, tuple[tuple, Any]] = {}
+
+
+def _stat_key(path: Path) -> tuple:
+    st = os.stat(path)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def load_config(path: Path):
+    """Parsed config.pbtxt (a fresh copy), cached by (mtime, size, inode): protobuf's text parser is
+    pure Python and a rollback should not spend its budget re-parsing unchanged files."""
+    path = Path(path)
+    key = _stat_key(path)
+    hit = _CFG_CACHE.get(str(path))
+    if hit is None or hit[0] != key:
+        hit = (key, pack.parse_model_config(path.read_text(), str(path)))
+        _CFG_CACHE[str(path)] = hit
+    cfg = type(hit[1])()
+    cfg.CopyFrom(hit[1])
+    return cfg
+
+
 def _rewrite_config(path: Path, mutate) -> bool:
     """Parse a config.pbtxt, apply ``mutate(cfg)``, write it back atomically if it changed."""
     from google.protobuf import text_format
 
-    text = path.read_text()
-    cfg = pack.parse_model_config(text, str(path))
+    path = Path(path)
+    cfg = load_config(path)
     before = cfg.SerializeToString()
     mutate(cfg)
     if cfg.SerializeToString() == before:
         return False
     atomic_write_text(path, "# Rewritten by build/release.py (protobuf text format).\n" + text_format.MessageToString(cfg))
+    _CFG_CACHE[str(path)] = (_stat_key(path), cfg)
     return True
 
 
@@ -105,11 +128,11 @@ def current_of_configs(repo_dir: Path) -> tuple[str | None, str | None]:
     ens = bls = None
     p = repo_dir / "ensemble" / "config.pbtxt"
     if p.is_file():
-        cfg = pack.parse_model_config(p.read_text(), str(p))
+        cfg = load_config(p)
         ens = next((s.model_name for s in cfg.ensemble_scheduling.step if pack.is_unit(s.model_name)), None)
     p = repo_dir / "tensorrt_llm_bls" / "config.pbtxt"
     if p.is_file():
-        bls = pack.config_params(pack.parse_model_config(p.read_text(), str(p))).get("tensorrt_llm_model_name")
+        bls = pack.config_params(load_config(p)).get("tensorrt_llm_model_name")
         route = (read_json(repo_dir / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}).get("tensorrt_llm_model_name")
         if route and route != bls:
             bls = f"{bls}|route.json:{route}"
@@ -120,7 +143,7 @@ def _max_batch(repo_dir: Path, model: str) -> int | None:
     p = Path(repo_dir) / model / "config.pbtxt"
     if not p.is_file():
         return None
-    return pack.parse_model_config(p.read_text(), str(p)).max_batch_size
+    return load_config(p).max_batch_size
 
 
 def point_ensemble(repo_dir: Path, unit: str) -> bool:

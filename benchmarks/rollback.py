@@ -1,0 +1,173 @@
+"""Rollback benchmark: promotes and rollbacks on a real tritonserver under client load.
+
+What it measures: the SWITCHING MACHINERY (build/release.py: unit install, load, direct smoke test,
+ensemble/BLS re-pointing, releases.json commit) with the CPU REFERENCE stand-in backend
+(triton_repo/backends/tensorrtllm). It does not measure TensorRT-LLM's engine load time, GPU memory
+or throughput: a promote's load here is a torch + transformers model load on CPU.
+
+Set-up: three engine units of the default model (different plans, hence different engine hashes):
+A and B (releases) and F (fallback, kept loaded: warm_fallback). Then, ``--cycles`` times:
+promote the other release unit (cold: load + smoke test + switch), then roll back to the warm
+fallback. N client threads send chat requests in bounded loops for the whole run (even threads
+through the ensemble, odd ones through the BLS). A request fails when it errors, when its text
+differs from the expected greedy text (truncated or changed), or when it would need a retry (no
+retries are made).
+
+Last line: ``promote_ms_median=… rollback_ms_median=… rollback_ms_max=… requests=… failed=…``
+(rollback_ms: from the rollback call until ensemble and BLS route to the fallback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from build import pack, release  # noqa: E402
+from build.models import ensure_default_model  # noqa: E402
+from build.profile import load_profile  # noqa: E402
+from build.triton import TritonServer, free_port, models_to_load  # noqa: E402
+
+PROMPT = "What is the capital of France?"
+
+
+def make_units(base: Path, model_dir: Path) -> list[Path]:
+    prof = load_profile("bf16-h100")
+    outs = []
+    for i, mb in enumerate((64, 48, 32)):
+        b = prof.build
+        plan = {"profile": prof.name,
+                "limits": {"max_batch_size": mb, "max_input_len": b.max_input_len or 1024, "max_seq_len": b.max_seq_len or 8192,
+                           "max_num_tokens": b.max_num_tokens or 8192, "max_beam_width": 1},
+                "effective": {"enable_kv_cache_reuse": True, "enable_chunked_context": True,
+                              "triton_logits_datatype": "TYPE_FP32", "multi_block_mode": True},
+                "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}, "memory": {"kv_tokens_capacity": 65536}}
+        d = base / f"build{i}"
+        pack.pack_repository(plan, prof, model_dir, d / "no-checkpoint", d / "engine", False, d / "model_repository", str(d))
+        outs.append(d / "model_repository")
+    return outs
+
+
+def ask(srv, model: str, max_tokens: int, client=None) -> str:
+    import tritonclient.http as hc
+
+    a = hc.InferInput("text_input", [1, 1], "BYTES")
+    a.set_data_from_numpy(np.array([[PROMPT.encode()]], dtype=object))
+    b = hc.InferInput("max_tokens", [1, 1], "INT32")
+    b.set_data_from_numpy(np.array([[max_tokens]], np.int32))
+    r = client.infer(model, [a, b])
+    return r.as_numpy("text_output").reshape(-1)[0].decode()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cycles", type=int, default=10, help="promotes (and as many rollbacks)")
+    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--max-requests-per-thread", type=int, default=100000)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    args = ap.parse_args(argv)
+
+    print("rollback benchmark: measures the switching machinery (build/release.py) on a real tritonserver 2.51 "
+          "with the CPU reference stand-in backend, NOT TensorRT-LLM's engine load.", flush=True)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-rollback-"))
+    model_dir = ensure_default_model()
+    a, b, f = make_units(work, model_dir)
+    repo = work / "serving" / "model_repository"
+    release.init_serving_repo(repo, a, profile="bf16-h100", fallback_repo=f, warm_fallback=True, keep_releases=2)
+    srv = TritonServer(repo, models_to_load(repo), log_file=work / "server.log",
+                       http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    srv.start()
+    print(f"server ready in {srv.start_s:.1f} s (2 engine units loaded); log {srv.log_file}", flush=True)
+
+    import tritonclient.http as hc
+
+    c0 = srv.http_client()
+    t = time.perf_counter()
+    expected = ask(srv, "ensemble", args.max_tokens, c0)
+    first_ms = (time.perf_counter() - t) * 1e3
+    c0.close()
+    print(f"expected text ({args.max_tokens} tokens max, {first_ms:.0f} ms): {expected!r}", flush=True)
+
+    stop = threading.Event()
+    lock = threading.Lock()
+    stats = {"requests": 0, "failed": 0, "lat_ms": [], "errors": []}
+
+    def client(i: int) -> None:
+        model = "ensemble" if i % 2 == 0 else "tensorrt_llm_bls"
+        cl = hc.InferenceServerClient(srv.http_url, connection_timeout=300.0, network_timeout=300.0)
+        try:
+            for _ in range(args.max_requests_per_thread):
+                if stop.is_set():
+                    break
+                t0 = time.perf_counter()
+                err = None
+                try:
+                    text = ask(srv, model, args.max_tokens, cl)
+                    if text != expected:
+                        err = f"{model}: text {text!r} != expected"
+                except Exception as e:  # no retries: a failure is a failure
+                    err = f"{model}: {type(e).__name__}: {str(e)[:200]}"
+                with lock:
+                    stats["requests"] += 1
+                    stats["lat_ms"].append((time.perf_counter() - t0) * 1e3)
+                    if err:
+                        stats["failed"] += 1
+                        if len(stats["errors"]) < 10:
+                            stats["errors"].append(err)
+        finally:
+            cl.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.threads)]
+    for th in threads:
+        th.start()
+    promotes, rollbacks, warm = [], [], []
+    units = [a, b]
+    try:
+        for k in range(args.cycles):
+            cur = release.read_state(repo)["current"]
+            nxt = next(u for u in units if release.resolve_unit_source(u).name != cur)
+            tp = release.promote(repo, nxt, server=srv, promoted_by="bench", expect=None)
+            promotes.append(tp["switched_ms"])
+            tr = release.rollback(repo, fallback=True, server=srv, by="bench")
+            rollbacks.append(tr["switched_ms"])
+            warm.append(tr["warm"])
+            print(f"cycle {k + 1}/{args.cycles}: promote {tp['switched_ms']:.0f} ms (load {tp.get('load_ms', 0):.0f}, "
+                  f"smoke {tp.get('smoke', {}).get('ms', 0):.0f}, ensemble {tp.get('ensemble_load_ms', 0):.1f}); "
+                  f"rollback {tr['switched_ms']:.1f} ms (warm={tr['warm']}, ensemble {tr.get('ensemble_load_ms', 0):.1f}, "
+                  f"total with commit+retention {tr['total_ms']:.0f}); requests so far {stats['requests']}", flush=True)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(600)
+        srv.stop()
+    lat = sorted(stats["lat_ms"]) or [0.0]
+    for e in stats["errors"]:
+        print(f"failure: {e}")
+    res = {"promote_ms_median": statistics.median(promotes) if promotes else None,
+           "rollback_ms_median": statistics.median(rollbacks) if rollbacks else None,
+           "rollback_ms_max": max(rollbacks) if rollbacks else None, "rollbacks_warm": all(warm),
+           "requests": stats["requests"], "failed": stats["failed"], "server_start_s": srv.start_s,
+           "request_ms_median": statistics.median(lat), "request_ms_p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+           "threads": args.threads, "cycles": args.cycles}
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"server_start_s={srv.start_s:.1f} request_ms_median={res['request_ms_median']:.0f} "
+          f"request_ms_p99={res['request_ms_p99']:.0f} rollbacks_warm={res['rollbacks_warm']}")
+    print(f"promote_ms_median={res['promote_ms_median']:.0f} rollback_ms_median={res['rollback_ms_median']:.1f} "
+          f"rollback_ms_max={res['rollback_ms_max']:.1f} requests={res['requests']} failed={res['failed']}")
+    return 0 if stats["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
