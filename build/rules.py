@@ -1058,6 +1058,12 @@ def _tp_hint(ctx: Context) -> str:
     return ""
 
 
-__all__ = ["Finding", "Rule", "RULES", "Context", "Override", "derive_mapping", "derive_limits", "derive_effective",
+def describe_rules() -> list[dict]:
+    """Every rule: name, what it checks, and its source (for docs and ``invoke``)."""
+    return [{"rule": "gpu.known", "summary": "target.gpu is a catalog id or alias", "source": "build/hardware.py"}] + [
+        {"rule": r.name, "summary": r.summary, "source": r.source} for r in RULES]
+
+
+__all__ = ["describe_rules", "Finding", "Rule", "RULES", "Context", "Override", "derive_mapping", "derive_limits", "derive_effective",
            "resolve_gemm_plugin", "weight_bytes", "kv_bytes_per_token", "activation_bytes", "memory_plan",
            "checkpoint_mapping_findings", "layers_per_rank", "kv_heads_per_rank"]
