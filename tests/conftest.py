@@ -20,3 +20,118 @@ def default_model_dir() -> Path:
     from build.models import ensure_default_model
 
     return ensure_default_model()
+
+
+# --------------------------------------------------------------------------------------------
+# Exported TensorRT-LLM checkpoints of the default model (build/quantize.py), tiny calibration.
+#
+# Each fixture returns the Path of a checkpoint folder (config.json + rank*.safetensors). They
+# are built lazily (only when a test asks) and cached under <cache>/test-checkpoints/<name>-<key>,
+# where key hashes the profile, the sources of build/quantize.py + build/calibrate.py, the
+# ModelOpt/transformers/torch versions and the model's config.json: a code change rebuilds them.
+# PRECISION_TEST_CKPT_CACHE=0 builds into pytest's tmp dir instead (every session).
+# Next to each checkpoint, modelopt.pt holds ModelOpt's state (mto.modelopt_state + quantizer
+# buffers) so a test can rebuild ModelOpt's own fake-quant model (restore_modelopt_model).
+
+_TINY = {"calibration": {"num_samples": 8, "seq_len": 64}}
+_TINY_SLOW = {"calibration": {"num_samples": 4, "seq_len": 32}}
+CHECKPOINT_SPECS: dict[str, tuple[str, dict]] = {
+    # name: (shipped profile, overrides merged over it)
+    "fp8": ("fp8-h100", _TINY),
+    "bf16": ("bf16-h100", {}),
+    "int4_awq": ("int4-awq-a100", _TINY_SLOW),
+    "int8_sq": ("int8-sq-l4", _TINY_SLOW),
+    "nvfp4": ("nvfp4-b200", _TINY_SLOW),
+    "w8a16": ("int8-sq-l4", {**_TINY_SLOW, "quantization": {"quant_algo": "W8A16"}}),
+    "w4a8_awq": ("int4-awq-a100", {**_TINY_SLOW, "quantization": {"quant_algo": "W4A8_AWQ", "kv_cache_quant_algo": "FP8"}}),
+    "fp8_tp3": ("fp8-h100", {**_TINY, "parallel": {"tp_size": 3}}),
+}
+
+
+def checkpoint_profile(name: str):
+    """The validated Profile a test checkpoint is built from."""
+    from build.profile import deep_merge, load_raw, validate_profile
+
+    base, over = CHECKPOINT_SPECS[name]
+    return validate_profile(deep_merge(load_raw(base), over))
+
+
+def _checkpoint_key(name: str, model_dir: Path) -> str:
+    import importlib.metadata as md
+
+    from build.store import hash_file, hash_obj
+
+    parts = {
+        "profile": checkpoint_profile(name).model_dump(mode="json"),
+        "src": [hash_file(REPO_ROOT / "build" / f) for f in ("quantize.py", "calibrate.py")],
+        "versions": [md.version(p) for p in ("nvidia-modelopt", "transformers", "torch")],
+        "model": hash_file(Path(model_dir) / "config.json"),
+    }
+    return hash_obj(parts)[:16]
+
+
+def build_test_checkpoint(name: str, model_dir: Path, root: Path) -> Path:
+    """Build (or reuse) the test checkpoint ``name`` under ``root``; returns the checkpoint folder."""
+    import torch
+
+    from build.quantize import export_checkpoint, quantize_model
+    from build.store import atomic_dir, locked
+
+    folder = Path(root) / f"{name}-{_checkpoint_key(name, model_dir)}"
+    ckpt = folder / "ckpt"
+    with locked(Path(root) / f".{name}.lock", timeout_s=3600):
+        if (folder / "done").is_file():
+            return ckpt
+        with atomic_dir(folder) as tmp:
+            qm = quantize_model(checkpoint_profile(name), model_dir, show_progress=False)
+            result = export_checkpoint(qm, tmp / "ckpt")
+            if qm.config is not None:
+                import modelopt.torch.opt as mto
+
+                qsd = {k: v for k, v in qm.model.state_dict().items() if "quantizer" in k}
+                torch.save({"modelopt_state": mto.modelopt_state(qm.model), "quantizer_state_dict": qsd},
+                           tmp / "modelopt.pt")
+            (tmp / "result.json").write_text(__import__("json").dumps(result.to_dict(), indent=1, default=str))
+            (tmp / "done").write_text("ok\n")
+    return ckpt
+
+
+def restore_modelopt_model(ckpt: Path, model_dir: Path):
+    """ModelOpt's own fake-quant model (FP32) for a test checkpoint built by build_test_checkpoint."""
+    import modelopt.torch.opt as mto
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    blob = torch.load(Path(ckpt).parent / "modelopt.pt", weights_only=False)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = mto.restore_from_modelopt_state(model, blob["modelopt_state"])
+    model.load_state_dict(blob["quantizer_state_dict"], strict=False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoint_cache_root(tmp_path_factory) -> Path:
+    if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") == "0":
+        return tmp_path_factory.mktemp("test-checkpoints")
+    from build.models import cache_dir
+
+    return cache_dir() / "test-checkpoints"
+
+
+def _ckpt_fixture(name: str):
+    @pytest.fixture(scope="session")
+    def _fixture(default_model_dir, checkpoint_cache_root) -> Path:
+        return build_test_checkpoint(name, default_model_dir, checkpoint_cache_root)
+
+    _fixture.__doc__ = f"Path of the {name} test checkpoint ({CHECKPOINT_SPECS[name][0]} + {CHECKPOINT_SPECS[name][1]})."
+    return _fixture
+
+
+fp8_checkpoint = _ckpt_fixture("fp8")            # FP8 + FP8 KV, 8 x 64 calibration
+bf16_checkpoint = _ckpt_fixture("bf16")          # NO_QUANT (BF16)
+int4_awq_checkpoint = _ckpt_fixture("int4_awq")  # W4A16_AWQ group 64, 4 x 32
+int8_sq_checkpoint = _ckpt_fixture("int8_sq")    # W8A8_SQ_PER_CHANNEL alpha 0.5, 4 x 32
+nvfp4_checkpoint = _ckpt_fixture("nvfp4")        # NVFP4 + FP8 KV, 4 x 32
+w8a16_checkpoint = _ckpt_fixture("w8a16")        # W8A16, 4 x 32
+w4a8_awq_checkpoint = _ckpt_fixture("w4a8_awq")  # W4A8_AWQ group 64 + FP8 KV, 4 x 32
+fp8_tp3_checkpoint = _ckpt_fixture("fp8_tp3")    # FP8 + FP8 KV, tp_size 3 (same calibration as fp8)
