@@ -1,0 +1,214 @@
+"""Accuracy gate: metric core (hand-computed), bootstrap, pass/fail, and end-to-end runs on the
+default model (a small stratified subset: 1 prompt per category, 3 greedy tokens, 128 held-out
+tokens; the FP32 reference and BF16 floor are computed once per session into a temp cache)."""
+
+from __future__ import annotations
+
+import json
+import math
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from build.errors import EXIT_GATE_FAILED, GateFailed, UserError
+from build.gate import (CallableCandidate, HFCandidate, as_candidate, bootstrap_ci, compare_generations, kl_summary,
+                        perplexity, run_gate, token_metrics, _check)
+from build.profile import GateThresholds, load_profile
+
+# ------------------------------------------------------------------------------------------------
+# Metric core
+
+
+def test_kl_of_known_distributions():
+    # P = [0.5, 0.5], Q = [0.25, 0.75]: KL(P||Q) = 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75)
+    p = torch.log(torch.tensor([[0.5, 0.5], [0.1, 0.9], [0.7, 0.3]]))
+    q = torch.log(torch.tensor([[0.25, 0.75], [0.1, 0.9], [0.2, 0.8]]))
+    m = token_metrics(p, q, targets=torch.tensor([0, 1, 0]))
+    expected0 = 0.5 * math.log(2.0) + 0.5 * math.log(0.5 / 0.75)
+    expected2 = 0.7 * math.log(0.7 / 0.2) + 0.3 * math.log(0.3 / 0.8)
+    assert m.kl[0] == pytest.approx(expected0, abs=1e-6)  # 0.143841
+    assert m.kl[0] == pytest.approx(0.1438410362, abs=1e-6)
+    assert m.kl[1] == pytest.approx(0.0, abs=1e-7)
+    assert m.kl[2] == pytest.approx(expected2, abs=1e-6)
+    # row 0: P ties, torch's argmax takes the first index (0); Q's argmax is 1 -> disagree
+    assert m.top1.tolist() == [False, True, False]
+    assert m.ref_nll[0] == pytest.approx(math.log(2.0), abs=1e-6)
+    assert m.cand_nll[2] == pytest.approx(-math.log(0.2), abs=1e-6)
+
+
+def test_kl_ignores_logit_shift_and_padded_vocab():
+    torch.manual_seed(0)
+    ref = torch.randn(5, 11)
+    cand = ref + 3.0  # same distribution
+    padded = torch.cat([cand, torch.full((5, 5), -1e4)], dim=1)  # engines pad the vocabulary
+    m = token_metrics(ref, padded)
+    assert np.all(m.kl < 1e-6) and m.top1.all()
+    with pytest.raises(ValueError):
+        token_metrics(ref, ref[:4])
+
+
+def test_kl_chunking_matches_single_pass():
+    torch.manual_seed(1)
+    a, b = torch.randn(37, 50), torch.randn(37, 50)
+    m1 = token_metrics(a, b, chunk_rows=7)
+    m2 = token_metrics(a, b, chunk_rows=1000)
+    np.testing.assert_allclose(m1.kl, m2.kl, rtol=1e-6)
+    ref = (torch.softmax(a, -1) * (torch.log_softmax(a, -1) - torch.log_softmax(b, -1))).sum(-1).double().numpy()
+    np.testing.assert_allclose(m1.kl, ref, rtol=1e-5)
+
+
+def test_kl_summary_values():
+    kl = np.arange(101, dtype=np.float64)  # 0..100
+    s = kl_summary(kl)
+    assert s == {"kl_mean": 50.0, "kl_p95": 95.0, "kl_p99": 99.0, "kl_max": 100.0}
+
+
+def test_bootstrap_ci_contains_point_and_is_deterministic():
+    rng = np.random.default_rng(3)
+    groups = [rng.exponential(0.05, size=rng.integers(20, 80)) for _ in range(30)]
+    pooled = np.concatenate(groups)
+    for stat in (np.mean, lambda x: float(np.percentile(x, 99))):
+        lo, hi = bootstrap_ci(groups, stat, n_boot=300, seed=0)
+        assert lo <= stat(pooled) <= hi
+        assert lo < hi
+        assert (lo, hi) == bootstrap_ci(groups, stat, n_boot=300, seed=0)
+    assert bootstrap_ci(groups, np.mean, n_boot=300, seed=1) != bootstrap_ci(groups, np.mean, n_boot=300, seed=0)
+    assert all(math.isnan(x) for x in bootstrap_ci([], np.mean))
+
+
+def test_compare_generations_and_perplexity():
+    assert compare_generations([1, 2, 3], [1, 2, 3]) is None
+    assert compare_generations([1, 2, 3], [1, 5, 3]) == 1
+    assert compare_generations([1, 2], [1, 2, 3]) == 2
+    assert perplexity(np.array([math.log(4.0)] * 3)) == pytest.approx(4.0)
+
+
+def test_threshold_checks():
+    assert _check(0.05, None, "<=")[0] is None
+    assert _check(0.05, 0.1, "<=")[0] is True
+    assert _check(0.15, 0.1, "<=")[0] is False
+    assert _check(0.9, 0.8, ">=")[0] is True
+    assert _check(None, 0.8, ">=")[0] is False  # checked but not measured -> fail
+
+
+def test_as_candidate_wrappers():
+    fn = lambda ids: torch.zeros(1, ids.shape[1], 7)  # noqa: E731
+    c = as_candidate(fn, "zeros")
+    assert isinstance(c, CallableCandidate)
+    assert tuple(c.logits([1, 2, 3]).shape) == (3, 7)
+    assert c.greedy([1, 2], 4, stop_id=0) == [0]  # argmax of zeros is 0 = stop id
+    with pytest.raises(UserError):
+        as_candidate(42)
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end on the default model (small subset)
+
+SUBSET = dict(golden_limit=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap=200, progress=False)
+
+
+@pytest.fixture(scope="session")
+def gate_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("gate-ref-cache")
+
+
+@pytest.fixture(scope="session")
+def fp32_model(default_model_dir):
+    from build.gate import load_hf_model
+
+    return load_hf_model(default_model_dir, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def self_gate(default_model_dir, fp32_model, gate_cache, tmp_path_factory):
+    thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
+    out = tmp_path_factory.mktemp("gate-self") / "gate"
+    return run_gate(fp32_model, default_model_dir, thr, out, cache_root=gate_cache, **SUBSET)
+
+
+def test_model_against_itself(self_gate):
+    m = self_gate.metrics["metrics"]
+    assert m["kl_mean"]["value"] == pytest.approx(0.0, abs=1e-7)
+    assert m["kl_max"]["value"] == pytest.approx(0.0, abs=1e-6)
+    assert m["top1"]["value"] == 1.0
+    assert m["greedy_same"]["value"] == 1.0
+    assert m["ppl_delta_pct"]["value"] == pytest.approx(0.0, abs=1e-6)
+    assert self_gate.passed and self_gate.failures == []
+    assert self_gate.metrics["reference_cache"]["hit"] is False
+    # BF16 noise floor: small but not zero
+    assert 0.0 < m["kl_mean"]["noise_floor"] < 0.05
+    assert 0.8 < m["top1"]["noise_floor"] <= 1.0
+    assert m["kl_mean"]["ci95"][0] <= m["kl_mean"]["value"] <= m["kl_mean"]["ci95"][1]
+
+
+def test_metrics_json_contents(self_gate):
+    d = json.loads(self_gate.metrics_path.read_text())
+    assert d["passed"] is True and d["model"] == "SmolLM2-135M-Instruct"
+    assert d["thresholds"]["kl_mean_max"] == 0.1 and d["thresholds"]["greedy_same_min"] is None
+    assert d["tokens"]["prompts"] == 6 and d["tokens"]["answer_tokens"] > 300
+    assert d["tokens"]["heldout_predicted_tokens"] == 127
+    assert set(d["per_category"]) == {"facts", "reasoning", "code", "instructions", "long_context", "non_english"}
+    for name in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same"):
+        row = d["metrics"][name]
+        assert {"value", "ci95", "noise_floor", "threshold", "passed"} <= set(row)
+    assert d["metrics"]["greedy_same"]["passed"] is None  # no threshold in fp8-h100
+    assert len(d["greedy"]) == 6 and all("reference_text" in g for g in d["greedy"])
+    assert "timings_s" in d and d["timings_s"]["total"] > 0
+    z = np.load(self_gate.out_dir / "per_token.npz")
+    assert z["kl"].size == d["tokens"]["answer_tokens"] == z["floor_kl"].size
+
+
+def test_report_files_of_a_real_run(self_gate):
+    md = self_gate.report_md.read_text()
+    assert "| metric | value | 95% CI | BF16 noise floor | threshold | result |" in md
+    assert "| kl_p99 |" in md and "What this gate cannot see" in md
+
+    class P(HTMLParser):
+        rows, imgs = [], []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "tr" and "data-metric" in a:
+                self.rows.append(a["data-metric"])
+            if tag == "img":
+                self.imgs.append(a["src"])
+
+    p = P()
+    p.feed(self_gate.report_html.read_text())
+    assert "kl_p99" in p.rows and "top1" in p.rows
+    assert len(p.imgs) >= 2 and all(s.startswith("data:image/png;base64,") for s in p.imgs)
+
+
+def test_perturbed_model_fails_on_kl(default_model_dir, fp32_model, gate_cache, tmp_path, self_gate):
+    import copy
+
+    bad = copy.deepcopy(fp32_model)
+    w = bad.model.layers[2].mlp.down_proj.weight
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        w.add_(torch.randn(w.shape, generator=g) * w.std() * 1.0)
+
+    @torch.inference_mode()
+    def fn(ids):  # exercise the plain-callable interface (naive greedy)
+        return bad(input_ids=ids, use_cache=False).logits
+
+    thr = GateThresholds(kl_mean_max=0.01, top1_min=0.0)
+    res = run_gate(fn, default_model_dir, thr, tmp_path / "gate", cache_root=gate_cache, candidate_name="perturbed",
+                   **SUBSET)
+    m = res.metrics["metrics"]
+    assert res.metrics["reference_cache"]["hit"] is True  # reference and floor reused
+    assert not res.passed
+    assert res.failures == ["kl_mean"]
+    assert m["kl_mean"]["value"] > 0.01 > m["kl_mean"]["noise_floor"]
+    assert m["top1"]["passed"] is True and m["kl_p99"]["passed"] is None
+    assert m["kl_p99"]["value"] > m["kl_p99"]["noise_floor"]
+    with pytest.raises(GateFailed) as ei:
+        res.raise_if_failed()
+    assert ei.value.exit_code == EXIT_GATE_FAILED and "kl_mean" in str(ei.value)
+    d = json.loads((tmp_path / "gate" / "metrics.json").read_text())
+    assert d["passed"] is False and d["failures"] == ["kl_mean"] and d["candidate"] == "perturbed"
+    # the worst prompts carry both generations
+    assert all("reference_text" in w and "candidate_text" in w for w in d["worst_prompts"])

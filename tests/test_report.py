@@ -1,0 +1,198 @@
+"""Gate reports from synthetic gate numbers (no model): markdown table, self-contained HTML with
+stable ids, base64 PNG plots, heatmap section, re-rendering from a gate folder."""
+
+from __future__ import annotations
+
+import base64
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from build.gate import GateResult, ReferenceData, TokenMetrics, _assemble, write_gate_dir
+from build.golden import CATEGORIES, EncodedPrompt
+from build.profile import GateThresholds
+from build.report import LIMITS_TEXT, render_dir
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def _synthetic(thresholds: GateThresholds, seed: int = 0) -> tuple[dict, dict]:
+    rng = np.random.default_rng(seed)
+    encoded, per_prompt, ref_greedy, cand_greedy, floor_rows, floor_prompt, floor_greedy = [], [], [], [], [], [], []
+    for ci, cat in enumerate(CATEGORIES):
+        for j in range(3):
+            n_user, n_ans = 10 + j, 20 + 5 * j
+            ids = list(range(1, 5 + n_user + n_ans + 1))
+            e = EncodedPrompt(f"{cat}-{j:02d}", cat, f"prompt <b>{cat}</b> {j}", "answer", ids, 4, 4 + n_user,
+                              4 + n_user + n_ans)
+            encoded.append(e)
+            kl = rng.exponential(0.02 * (ci + 1), size=n_ans)
+            per_prompt.append((TokenMetrics(kl, rng.random(n_ans) > 0.1, rng.random(n_ans), rng.random(n_ans) + 0.1),
+                               TokenMetrics(rng.exponential(0.01, n_user), rng.random(n_user) > 0.05,
+                                            np.full(n_user, np.nan), np.full(n_user, np.nan))))
+            floor_rows.append({"kl": rng.exponential(0.002, n_ans), "top1": rng.random(n_ans) > 0.02,
+                               "nll": rng.random(n_ans)})
+            floor_prompt.append({"kl": rng.exponential(0.001, n_user), "top1": rng.random(n_user) > 0.01})
+            r = [5, 6, 7, 8]
+            ref_greedy.append(r)
+            cand_greedy.append(r if j else [5, 9, 7, 8])
+            floor_greedy.append(r)
+    ref = ReferenceData(hidden=[], ref_greedy=ref_greedy, ref_heldout_nll=np.full(100, 3.0),
+                        ref_answer_nll=[p[0].ref_nll for p in per_prompt],
+                        floor={"answer": floor_rows, "prompt": floor_prompt, "greedy": floor_greedy,
+                               "heldout_nll": np.full(100, 3.001)}, seconds={})
+    return _assemble(encoded=encoded, tok=_Tok(), per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
+                     cand_heldout=np.full(100, 3.05), thresholds=thresholds, bootstrap=100, seed=0,
+                     greedy_new_tokens=4, heldout_window=101, windows=[list(range(101))])
+
+
+class _Parser(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids: list[str] = []
+        self.metric_rows: dict[str, str] = {}
+        self.category_rows: list[str] = []
+        self.imgs: list[str] = []
+        self.worst: list[str] = []
+        self.verdict_class = None
+        self.scripts = 0
+        self.links: list[str] = []
+        self._cell = None
+        self._row = None
+        self.cells: dict[tuple[str, str], str] = {}
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.append(a["id"])
+        if a.get("id") == "verdict":
+            self.verdict_class = a.get("class")
+        if tag == "tr" and "data-metric" in a:
+            self.metric_rows[a["data-metric"]] = a.get("class", "")
+            self._row = a["data-metric"]
+        if tag == "tr" and "data-category" in a:
+            self.category_rows.append(a["data-category"])
+        if tag == "td" and self._row:
+            self._cell = (a.get("class") or "").split()[0] if a.get("class") else None
+        if tag == "img":
+            self.imgs.append(a.get("src", ""))
+        if tag == "div" and "worst" in (a.get("class") or ""):
+            self.worst.append(a["data-prompt-id"])
+        if tag == "script":
+            self.scripts += 1
+        if tag == "link":
+            self.links.append(a.get("href", ""))
+
+    def handle_endtag(self, tag):
+        if tag == "tr":
+            self._row = None
+        if tag == "td":
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._row and self._cell:
+            self.cells[(self._row, self._cell)] = self.cells.get((self._row, self._cell), "") + data
+
+
+def _write(tmp_path: Path, thr: GateThresholds, heatmap: bool = False) -> GateResult:
+    metrics, per_token = _synthetic(thr)
+    metrics.update({"model": "SmolLM2-135M-Instruct", "candidate": "synthetic", "reference_model_dir": "/ref"})
+    res = GateResult(metrics["passed"], metrics["failures"], metrics, tmp_path / "gate", per_token)
+    hp = None
+    if heatmap:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(2, 2))
+        ax.imshow(np.arange(9).reshape(3, 3))
+        hp = tmp_path / "heat.png"
+        fig.savefig(hp)
+        plt.close(fig)
+    write_gate_dir(res, heatmap_png=hp)
+    return res
+
+
+def test_markdown_table(tmp_path):
+    res = _write(tmp_path, GateThresholds(kl_mean_max=0.5, kl_p99_max=1e-6, top1_min=0.5))
+    md = (tmp_path / "gate" / "report.md").read_text()
+    assert md.startswith("# Accuracy gate: FAILED")
+    assert "| metric | value | 95% CI | BF16 noise floor | threshold | result |" in md
+    for name in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same"):
+        assert f"| {name} |" in md
+    assert "| kl_p99 |" in md and "FAIL" in md and "PASS" in md
+    assert "What this gate cannot see" in md and "FP8 context FMHA" in md
+    assert "| long_context |" in md
+    assert res.failures == ["kl_p99"]
+    # the floor itself misses kl_p99 <= 1e-6: flagged
+    assert "noise floor itself misses" in md
+
+
+def test_html_structure_and_images(tmp_path):
+    _write(tmp_path, GateThresholds(kl_mean_max=0.5, kl_p99_max=5.0, top1_min=0.5, ppl_delta_pct_max=6.0,
+                                    greedy_same_min=0.5), heatmap=True)
+    html_text = (tmp_path / "gate" / "report.html").read_text()
+    p = _Parser()
+    p.feed(html_text)
+    p.close()
+    assert p.verdict_class == "pass"
+    assert {"metrics", "kl-histogram", "categories", "worst-prompts", "greedy", "heatmap", "limits", "method"} <= set(p.ids)
+    assert len(p.ids) == len(set(p.ids)), "ids must be unique"
+    assert list(p.metric_rows) == ["kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same"]
+    assert p.metric_rows["kl_p99"] == "pass" and p.metric_rows["kl_p95"] == "unchecked"
+    m = json.loads((tmp_path / "gate" / "metrics.json").read_text())
+    assert p.cells[("kl_mean", "value")] == f"{m['metrics']['kl_mean']['value']:.4f}"
+    assert p.cells[("top1", "threshold")] == ">= 0.5000"
+    assert p.cells[("ppl_delta_pct", "value")] == f"{(3.05 / 3.0 - 1) * 100 * 1.0:.4f}" or \
+        abs(float(p.cells[("ppl_delta_pct", "value")]) - m["metrics"]["ppl_delta_pct"]["value"]) < 1e-4
+    assert sorted(p.category_rows) == sorted(["facts", "reasoning", "code", "instructions", "long_context", "non_english"])
+    assert len(p.worst) == 5
+    # self-contained: no scripts, no external links, every image an embedded PNG
+    assert p.scripts == 0 and p.links == []
+    assert len(p.imgs) == 3  # KL histogram, category bars, heatmap
+    for src in p.imgs:
+        assert src.startswith("data:image/png;base64,")
+        raw = base64.b64decode(src.split(",", 1)[1], validate=True)
+        assert raw[:8] == PNG_MAGIC
+    # user text is escaped
+    assert "prompt &lt;b&gt;" in html_text and "prompt <b>" not in html_text
+    assert LIMITS_TEXT[1][:40].replace("'", "&#x27;") in html_text
+
+
+def test_no_heatmap_section_without_png(tmp_path):
+    _write(tmp_path, GateThresholds())
+    p = _Parser()
+    p.feed((tmp_path / "gate" / "report.html").read_text())
+    assert "heatmap" not in p.ids
+    assert p.verdict_class == "pass"  # nothing checked -> pass
+    assert set(p.metric_rows.values()) == {"unchecked"}
+
+
+def test_render_dir_rerenders(tmp_path):
+    _write(tmp_path, GateThresholds(kl_mean_max=0.5))
+    gate = tmp_path / "gate"
+    (gate / "report.md").unlink()
+    (gate / "report.html").unlink()
+    md, html_path = render_dir(gate)
+    assert md.is_file() and html_path.is_file()
+    assert "| kl_mean |" in md.read_text()
+
+
+def test_greedy_numbers_in_synthetic_metrics(tmp_path):
+    metrics, _ = _synthetic(GateThresholds(greedy_same_min=0.9))
+    g = metrics["metrics"]["greedy_same"]
+    assert g["value"] == pytest.approx(12 / 18)  # first prompt of each category diverges
+    assert g["noise_floor"] == 1.0
+    assert g["passed"] is False and metrics["failures"] == ["greedy_same"]
+    firsts = [r["first_divergence"] for r in metrics["greedy"]]
+    assert firsts.count(1) == 6 and firsts.count(None) == 12
+    assert metrics["metrics"]["ppl_delta_pct"]["value"] == pytest.approx((np.exp(3.05) / np.exp(3.0) - 1) * 100)
