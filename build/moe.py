@@ -173,10 +173,19 @@ def _tp_split_dim(rule: str, ndim: int) -> int | None:
     return {"halves1": 1, "dim2": 2, "last": ndim - 1}.get(rule)
 
 
-def _is_per_expert(t_shape: tuple[int, ...], num_experts_here: int) -> bool:
-    # activation_scaling_factor is [1] (one per layer); every stacked expert tensor has a leading
-    # [E_local] dim. MoE needs num_experts > 1, so a [1] tensor is never per-expert when E_local > 1.
-    return len(t_shape) >= 1 and t_shape[0] == num_experts_here and not (num_experts_here == 1 and len(t_shape) == 1)
+def _is_per_expert(name: str, suffix: str, t_shape: tuple[int, ...], num_experts_here: int) -> bool:
+    """Whether a MoE-layer fc/proj tensor is stacked over experts (leading dim = experts held).
+
+    Every such tensor ModelOpt 0.47 writes is per expert except ``activation_scaling_factor``
+    ([1], one per layer: TensorRT-LLM's ``MOEWeightWrapper`` has shape (1,)). An activation scale
+    of shape [E_local] with E_local > 1 would be taken as per expert.
+    """
+    if suffix == "activation_scaling_factor":
+        return len(t_shape) >= 1 and t_shape[0] == num_experts_here and num_experts_here > 1
+    if len(t_shape) < 1 or t_shape[0] != num_experts_here:
+        raise ValueError(f"{name}: shape {list(t_shape)} is not stacked over the {num_experts_here} experts "
+                         "this rank should hold")
+    return True
 
 
 class _Ckpt:
@@ -228,7 +237,7 @@ class _Ckpt:
             raise ValueError(f"{name}: pieces {sorted(pieces)} do not cover (moe_ep, moe_tp) = {sorted(want)}")
         sample = pieces[(0, 0)]
         e_local = self.num_experts // self.moe_ep
-        per_expert = _is_per_expert(tuple(sample.shape), e_local)
+        per_expert = _is_per_expert(name, suffix, tuple(sample.shape), e_local)
         rule = _rule(part, suffix, sample.dim(), name)
         dim = _tp_split_dim(rule, sample.dim())
         ep_parts = []
@@ -279,33 +288,53 @@ def reassemble_experts(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 # Re-sharding
 
 
+def resolve_moe_layout(tp_size: int, moe_tp_size: int | None, moe_ep_size: int | None,
+                       num_experts: int | None = None, intermediate_size: int | None = None) -> tuple[int, int]:
+    """(moe_tp_size, moe_ep_size) for a profile's ``parallel`` section, checked before any heavy work.
+
+    Defaults as TensorRT-LLM's ``Mapping.__init__``: neither given -> (tp_size, 1); only
+    moe_ep_size -> moe_tp_size = tp_size // moe_ep_size; only moe_tp_size -> moe_ep_size =
+    tp_size // moe_tp_size. Raises ``UserError`` naming ``parallel.moe_ep_size`` when
+    moe_tp_size x moe_ep_size != tp_size or num_experts % moe_ep_size != 0, and
+    ``parallel.moe_tp_size`` when intermediate_size % moe_tp_size != 0.
+    """
+    if moe_tp_size is None and moe_ep_size is None:
+        mtp, mep = tp_size, 1
+    elif moe_tp_size is None:
+        mep = int(moe_ep_size)
+        mtp = tp_size // mep if mep and tp_size % mep == 0 else 0
+    elif moe_ep_size is None:
+        mtp = int(moe_tp_size)
+        mep = tp_size // mtp if mtp and tp_size % mtp == 0 else 0
+    else:
+        mtp, mep = int(moe_tp_size), int(moe_ep_size)
+    if mtp < 1 or mep < 1 or mtp * mep != tp_size:
+        shown_tp = moe_tp_size if moe_tp_size is not None else "(default)"
+        shown_ep = moe_ep_size if moe_ep_size is not None else "(default)"
+        raise UserError(FIELD_EP, f"moe_tp_size {shown_tp} x moe_ep_size {shown_ep} does not give tp_size {tp_size} "
+                        "(TensorRT-LLM's Mapping requires moe_tp_size x moe_ep_size == tp_size).",
+                        f"choose sizes whose product is {tp_size}, e.g. moe_ep_size {tp_size} with moe_tp_size 1.")
+    if num_experts is not None and num_experts % mep:
+        raise UserError(FIELD_EP, f"{num_experts} experts cannot be split evenly over moe_ep_size {mep}.",
+                        f"use a moe_ep_size that divides {num_experts} (and tp_size {tp_size}).")
+    if intermediate_size and intermediate_size % mtp:
+        raise UserError(FIELD_TP, f"the expert intermediate size {intermediate_size} is not divisible by "
+                        f"moe_tp_size {mtp} (with {FIELD_EP} {mep}).",
+                        f"use a moe_tp_size that divides {intermediate_size} (raise moe_ep_size instead).")
+    return mtp, mep
+
+
 def _check_layout(ck: _Ckpt, moe_tp_size: int, moe_ep_size: int) -> None:
-    problems = []
-    if moe_tp_size < 1 or moe_ep_size < 1:
-        raise UserError(FIELD_EP, f"moe_tp_size {moe_tp_size} and moe_ep_size {moe_ep_size} must be >= 1.",
-                        "use positive sizes.")
     if ck.num_experts < 2:
         raise UserError(FIELD_EP, f"{ck.dir} is not a MoE checkpoint (no moe.num_experts > 1 in config.json); "
                         "expert parallelism does not apply.", "remove parallel.moe_ep_size / moe_tp_size.")
-    if moe_tp_size * moe_ep_size != ck.tp:
-        raise UserError(FIELD_EP, f"moe_tp_size {moe_tp_size} x moe_ep_size {moe_ep_size} = "
-                        f"{moe_tp_size * moe_ep_size}, but the checkpoint's tp_size is {ck.tp} "
-                        "(TensorRT-LLM Mapping requires moe_tp_size x moe_ep_size == tp_size).",
-                        f"choose sizes whose product is {ck.tp} (e.g. moe_tp_size {ck.tp // moe_ep_size if ck.tp % moe_ep_size == 0 else 1}), "
-                        "or export with inference_tensor_parallel = moe_tp_size x moe_ep_size.")
-    if ck.num_experts % moe_ep_size:
-        raise UserError(FIELD_EP, f"{ck.num_experts} experts cannot be split evenly over moe_ep_size {moe_ep_size}.",
-                        f"use a moe_ep_size that divides {ck.num_experts}.")
     inter = int(ck.config.get("moe_intermediate_size") or ck.config.get("intermediate_size") or 0)
-    if inter and inter % moe_tp_size:
-        raise UserError(FIELD_TP, f"the expert intermediate size {inter} is not divisible by moe_tp_size {moe_tp_size} "
-                        f"(refused together with {FIELD_EP}={moe_ep_size}).",
-                        f"use a moe_tp_size that divides {inter} (raise moe_ep_size instead).")
+    resolve_moe_layout(ck.tp, moe_tp_size, moe_ep_size, ck.num_experts, inter)
 
 
 def _slice_for(full: torch.Tensor, name: str, part: str, suffix: str, num_experts: int, moe_tp_size: int,
                moe_ep_size: int, c: RankCoords) -> torch.Tensor:
-    per_expert = _is_per_expert(tuple(full.shape), num_experts)
+    per_expert = _is_per_expert(name, suffix, tuple(full.shape), num_experts)
     t = full
     if per_expert:
         ex = ep_experts(c.moe_ep_rank, num_experts, moe_ep_size)
@@ -400,4 +429,4 @@ def reshard_moe_checkpoint(ckpt_dir: Path, moe_tp_size: int, moe_ep_size: int, o
     }
 
 
-__all__ = ["RankCoords", "rank_coords", "ep_experts", "reassemble_experts", "reshard_moe_checkpoint"]
+__all__ = ["RankCoords", "rank_coords", "ep_experts", "resolve_moe_layout", "reassemble_experts", "reshard_moe_checkpoint"]

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from build.errors import UserError
-from build.moe import ep_experts, rank_coords, reassemble_experts, reshard_moe_checkpoint
+from build.moe import ep_experts, rank_coords, reassemble_experts, reshard_moe_checkpoint, resolve_moe_layout
 
 # --------------------------------------------------------------------------------------------
 # Rank formula (tensorrt_llm/mapping.py)
@@ -44,6 +44,17 @@ def test_rank_coords_match_mapping_docstring_groups():
         rank_coords(0, 4, 1, 8)
 
 
+def test_resolve_moe_layout_defaults_and_refusals():
+    assert resolve_moe_layout(4, None, None) == (4, 1)
+    assert resolve_moe_layout(4, None, 2, num_experts=8, intermediate_size=128) == (2, 2)
+    assert resolve_moe_layout(4, 1, None) == (1, 4)
+    for args, field in [((4, 1, 8), "parallel.moe_ep_size"), ((4, None, 3), "parallel.moe_ep_size"),
+                        ((4, 1, 4, 6), "parallel.moe_ep_size"), ((4, 4, 1, 8, 130), "parallel.moe_tp_size")]:
+        with pytest.raises(UserError) as ei:
+            resolve_moe_layout(*args)
+        assert ei.value.problems[0].field == field, args
+
+
 # --------------------------------------------------------------------------------------------
 # Synthetic ModelOpt-style checkpoints
 
@@ -61,6 +72,7 @@ def _full_tensors(num_experts: int = E, inter: int = I, layers: int = 2, seed: i
         out[f"{p}.mlp.proj.weight"] = torch.randn(num_experts, H, inter, generator=g).to(torch.float8_e4m3fn)
         out[f"{p}.mlp.fc.weights_scaling_factor"] = torch.rand(num_experts, 1, generator=g)
         out[f"{p}.mlp.proj.weights_scaling_factor"] = torch.rand(num_experts, 1, generator=g)
+        out[f"{p}.mlp.fc.weights_scaling_factor_2"] = torch.rand(num_experts, generator=g)  # NVFP4-style [E]
         out[f"{p}.mlp.fc.activation_scaling_factor"] = torch.rand(1, generator=g)
         out[f"{p}.mlp.proj.activation_scaling_factor"] = torch.rand(1, generator=g)
     return out
@@ -144,11 +156,23 @@ def test_synthetic_reshard_roundtrip(tmp_path, moe_tp, moe_ep, pp):
                 assert torch.equal(v.view(torch.uint8), want.view(torch.uint8))
             elif k.endswith("mlp.proj.weight"):
                 assert v.shape == (E // moe_ep, H, I // moe_tp)
-            elif k.endswith("weights_scaling_factor"):
+            elif k.endswith("weights_scaling_factor") or k.endswith("weights_scaling_factor_2"):
                 assert torch.equal(v, full[k][ex[0]:ex[-1] + 1])
             elif ".mlp." not in k or k.endswith("router.weight") or k.endswith("activation_scaling_factor"):
                 assert torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
                                    src_sd[k].view(torch.uint8) if v.dtype.itemsize == 1 else src_sd[k]), k
+
+
+def test_reshard_of_resharded_checkpoint_restores_modelopt_layout(tmp_path):
+    full = _full_tensors()
+    src = _write_ckpt(tmp_path / "src", full, tp=4)
+    reshard_moe_checkpoint(src, 1, 4, tmp_path / "ep4")  # one expert per rank
+    reshard_moe_checkpoint(tmp_path / "ep4", 2, 2, tmp_path / "ep2")
+    back = tmp_path / "back"
+    reshard_moe_checkpoint(tmp_path / "ep2", 4, 1, back)
+    for r in range(4):
+        _assert_same(load_file(str(back / f"rank{r}.safetensors")), load_file(str(src / f"rank{r}.safetensors")))
+    assert json.loads((back / "config.json").read_text())["mapping"] == json.loads((src / "config.json").read_text())["mapping"]
 
 
 def test_refuses_experts_not_divisible_by_ep(tmp_path):
@@ -165,7 +189,7 @@ def test_refuses_product_not_tp(tmp_path):
     with pytest.raises(UserError) as ei:
         reshard_moe_checkpoint(src, 1, 8, tmp_path / "out")
     assert ei.value.problems[0].field == "parallel.moe_ep_size"
-    assert "tp_size is 4" in ei.value.message
+    assert "tp_size 4" in ei.value.message
     assert not (tmp_path / "out").exists()
 
 
