@@ -135,3 +135,8 @@ nvfp4_checkpoint = _ckpt_fixture("nvfp4")        # NVFP4 + FP8 KV, 4 x 32
 w8a16_checkpoint = _ckpt_fixture("w8a16")        # W8A16, 4 x 32
 w4a8_awq_checkpoint = _ckpt_fixture("w4a8_awq")  # W4A8_AWQ group 64 + FP8 KV, 4 x 32
 fp8_tp3_checkpoint = _ckpt_fixture("fp8_tp3")    # FP8 + FP8 KV, tp_size 3 (same calibration as fp8)
+
+# OpenMP threads that spin while waiting make torch on a shared, oversubscribed CPU up to ~10x
+# slower (measured: a 20-token calibration forward took 20 s with the default policy and 0.4 s
+# with PASSIVE while other processes were busy). Must be set before torch initialises OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
