@@ -154,12 +154,12 @@ def plot_categories(per_category: dict) -> bytes:
     axes[1].bar(x - w / 2, t1, w, label="candidate", color="#c0392b")
     if all(v is not None for v in ft1):
         axes[1].bar(x + w / 2, ft1, w, label="BF16 floor", color="#2980b9")
-    axes[1].set_ylim(0, 1.0)
+    axes[1].set_ylim(0, 1.12)
     axes[1].set_title("Top-1 agreement by category")
-    for ax in axes:
+    for ax, loc in zip(axes, ("upper left", "upper center")):
         ax.set_xticks(x)
         ax.set_xticklabels(cats, rotation=30, ha="right", fontsize=8)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc=loc, ncol=2)
     fig.tight_layout()
     return _png(fig)
 
