@@ -212,3 +212,29 @@ def test_perturbed_model_fails_on_kl(default_model_dir, fp32_model, gate_cache, 
     assert d["passed"] is False and d["failures"] == ["kl_mean"] and d["candidate"] == "perturbed"
     # the worst prompts carry both generations
     assert all("reference_text" in w and "candidate_text" in w for w in d["worst_prompts"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine gate (needs tensorrt_llm + a GPU: here it must skip cleanly)
+
+
+def test_engine_gate_skips_without_tensorrt_llm(tmp_path, default_model_dir):
+    from build.engine_gate import SKIP_REASON, EngineGateSkipped, engine_available, main, run_engine_gate
+    from build.errors import EXIT_STRICT_SKIP, StrictSkip
+
+    ok, why = engine_available()
+    if ok:  # pragma: no cover - GPU node
+        pytest.skip("tensorrt_llm and a GPU are present; the engine gate would really run")
+    assert why.startswith(SKIP_REASON)
+    thr = GateThresholds(kl_mean_max=0.1)
+    res = run_engine_gate(tmp_path / "engine", default_model_dir, thr, tmp_path / "engine_gate")
+    assert isinstance(res, EngineGateSkipped) and res.status == "skipped" and res.passed is None
+    d = json.loads((tmp_path / "engine_gate" / "metrics.json").read_text())
+    assert d["status"] == "skipped" and d["reason"].startswith(SKIP_REASON)
+    with pytest.raises(StrictSkip) as ei:
+        run_engine_gate(tmp_path / "engine", default_model_dir, thr, tmp_path / "engine_gate", strict=True)
+    assert ei.value.exit_code == EXIT_STRICT_SKIP
+    assert main(["--engine-dir", str(tmp_path / "engine"), "--model-dir", str(default_model_dir), "--profile",
+                 "fp8-h100", "--out-dir", str(tmp_path / "eg2")]) == 0
+    assert main(["--engine-dir", str(tmp_path / "engine"), "--model-dir", str(default_model_dir), "--profile",
+                 "fp8-h100", "--out-dir", str(tmp_path / "eg3"), "--strict"]) == EXIT_STRICT_SKIP
