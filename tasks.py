@@ -86,9 +86,10 @@ def _print_build(result_or_stages) -> None:
     "strict": "exit 4 when any stage is skipped (GPU nodes, nightly CI)",
     "repo_root": "where the output directory is mounted in the serving container (gpt_model_path)",
     "golden_limit": "evaluate only the first N golden prompts per category (quick runs)",
+    "checkpoint": "reuse this TensorRT-LLM checkpoint instead of quantizing (its mapping must match)",
 })
 @guarded
-def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None):
+def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None):
     """Run the pipeline: resolve, quantize, gate, engine, pack."""
     from build.pipeline import run_build
 
@@ -102,7 +103,8 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
 
     try:
         res = run_build(profile, model=model, out=out, strict=strict, repo_root=repo_root,
-                        golden_limit=int(golden_limit) if golden_limit else None, on_stage=on_stage)
+                        golden_limit=int(golden_limit) if golden_limit else None, checkpoint=checkpoint,
+                        on_stage=on_stage)
     except Exception:
         if stages:
             _print_build(stages)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from .errors import GateFailed, StrictSkip, UserError
 from .profile import Profile, load_profile
-from .store import atomic_write_json, clean_stale, hash_dir, hash_file, hash_obj, locked, read_json
+from .store import atomic_dir, atomic_write_json, clean_stale, hash_dir, hash_file, hash_obj, locked, read_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PKG = Path(__file__).resolve().parent
@@ -85,9 +85,12 @@ def _model_dir(model: str | None) -> Path:
 
 
 def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
-              repo_root: str | None = None, golden_limit: int | None = None,
+              repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
               on_stage: Callable[[StageRecord], None] | None = None) -> BuildResult:
     """Run the main job for a profile. See the module docstring for stages and errors.
+
+    ``checkpoint`` reuses an existing TensorRT-LLM checkpoint directory instead of quantizing;
+    resolve then refuses it unless its mapping and quantization equal the profile's.
 
     ``golden_limit`` evaluates only the first prompts of each golden category (tests).
     ``on_stage`` is called after each stage (for live printing).
@@ -106,8 +109,13 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
 
     # ---- 1. resolve (fast; refuses bad profiles before anything is written)
     t0 = time.perf_counter()
-    reused_ckpt = out_dir / "checkpoint" if (out_dir / "checkpoint" / "config.json").is_file() else None
-    plan_obj = plan_mod.resolve(profile, model_dir, checkpoint_dir=None)
+    reused_ckpt = None
+    if checkpoint is not None:
+        reused_ckpt = Path(checkpoint).expanduser().resolve()
+        if not (reused_ckpt / "config.json").is_file() or not list(reused_ckpt.glob("rank*.safetensors")):
+            raise UserError("--checkpoint", f"{checkpoint} is not a TensorRT-LLM checkpoint (config.json + rank*.safetensors).",
+                            "give a checkpoint directory written by a previous build, or leave --checkpoint out to quantize.")
+    plan_obj = plan_mod.resolve(profile, model_dir, checkpoint_dir=reused_ckpt)
     plan = plan_obj.to_json()
     rec = StageRecord("resolve", "done", time.perf_counter() - t0, key=hash_obj(plan))
     mem = plan.get("memory", {})
@@ -154,11 +162,19 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
         })
         ckpt_dir = out_dir / "checkpoint"
         t0 = time.perf_counter()
+        if reused_ckpt is not None:
+            qkey = hash_obj({"reused": hash_dir(reused_ckpt)})
         if cached("quantize", qkey, ckpt_dir / "config.json"):
             rec = StageRecord("quantize", "cached", 0.0, key=qkey, numbers=old_stages["quantize"].get("numbers", {}))
         else:
-            _ = reused_ckpt
-            qres = quant_mod.run_quantize(profile, model_dir, ckpt_dir)
+            if reused_ckpt is not None:
+                import shutil
+
+                with atomic_dir(ckpt_dir) as tmp:
+                    shutil.copytree(reused_ckpt, tmp, dirs_exist_ok=True)
+                qres = None
+            else:
+                qres = quant_mod.run_quantize(profile, model_dir, ckpt_dir)
             ck_cfg = json.loads((ckpt_dir / "config.json").read_text())
             qz = ck_cfg.get("quantization", {})
             rec = StageRecord("quantize", "done", time.perf_counter() - t0, key=qkey, numbers={
@@ -167,6 +183,8 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
                 "checkpoint_bytes": sum(p.stat().st_size for p in ckpt_dir.glob("rank*.safetensors")),
                 "calibration": getattr(qres, "calibration", None),
             })
+            if reused_ckpt is not None:
+                rec.reason = f"reused {reused_ckpt}"
         save(rec)
         emit(rec)
         ckpt_key = qkey
