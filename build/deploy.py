@@ -205,6 +205,17 @@ def serving_set(model_repository: Path) -> ServingSet:
     return ServingSet(unit=unit, engine_hash=str(ehash), engine_present=present, models=models, units=units, source=source)
 
 
+def _rel_source(source: str, model_repository: Path) -> str:
+    """The release source relative to the build output (no build-machine paths in manifests)."""
+    try:
+        return Path(source).relative_to(Path(model_repository).resolve().parent).as_posix()
+    except ValueError:
+        try:
+            return Path(source).relative_to(Path(model_repository).parent).as_posix()
+        except ValueError:
+            return Path(source).name
+
+
 def unit_world_size(model_repository: Path, unit: str) -> int:
     """GPUs a packed engine unit runs on (its ``gpu_device_ids`` parameter)."""
     path = Path(model_repository) / unit / "config.pbtxt"
@@ -518,7 +529,7 @@ def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, 
         f"{LABEL_PREFIX}/profile": profile_name,
         f"{LABEL_PREFIX}/gpu": str(gpu["id"]),
         f"{LABEL_PREFIX}/parallel": f"tp{tp}xpp{pp}",
-        f"{LABEL_PREFIX}/release-source": ss.source,
+        f"{LABEL_PREFIX}/release-source": _rel_source(ss.source, model_repository),
         f"{LABEL_PREFIX}/launcher": launcher,
     }
     shm = shm_size or f"{max(2, 1 + world)}Gi"

@@ -128,7 +128,10 @@ def test_fp8_h100_single_gpu(tmp_path):
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert pod_labels["precision-pipeline/profile"] == "fp8-h100"
     assert pod_labels["precision-pipeline/engine-hash"] == "abababababab"
-    assert dep["spec"]["template"]["metadata"]["annotations"]["precision-pipeline/engine-hash"] == "ab" * 32
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert ann["precision-pipeline/engine-hash"] == "ab" * 32
+    assert ann["precision-pipeline/release-source"] == "model_repository/pack.json"  # no build-machine paths
+    assert str(tmp_path) not in (res.out_dir / "triton-deployment.yaml").read_text()
     sel = dep["spec"]["selector"]["matchLabels"]
     assert "precision-pipeline/engine-hash" not in sel  # a new engine must not orphan the ReplicaSets
     assert all(pod_labels[k] == v for k, v in sel.items())
@@ -202,8 +205,10 @@ def test_releases_json_names_current_and_warm_fallback(tmp_path):
     res = deploy.render_manifests(make_plan(prof), prof, repo, tmp_path / "srv", "/srv")
     assert res.load_models == ["preprocessing", "postprocessing", cur, fb, "ensemble", "tensorrt_llm_bls"]
     assert res.release_source.endswith("releases.json") and res.engine_present is True
-    args = container(load_out(res))["args"]
-    assert f"--load-model={fb}" in args
+    docs = load_out(res)
+    assert f"--load-model={fb}" in container(docs)["args"]
+    ann = docs["triton-deployment.yaml"]["spec"]["template"]["metadata"]["annotations"]
+    assert ann["precision-pipeline/release-source"] == "releases.json"
 
 
 def test_misspelt_and_unfilled_placeholders_are_errors(tmp_path):
@@ -349,3 +354,18 @@ def test_shipped_profiles_render(tmp_path):
         res = deploy.render_manifests(plan, prof, repo, tmp_path / name, f"/artifacts/{name}")
         assert res.gpus_per_replica == prof.world_size
         assert res.gpu_products == [gpu.name.replace(" ", "-")]
+
+
+def test_warm_fallback_with_another_world_size_is_refused(tmp_path):
+    """Leader-mode MPI ranks serve every loaded engine: a 1-GPU fallback cannot ride along a 2-GPU release."""
+    fb, cur = "tensorrt_llm_cdcdcdcdcdcd", "tensorrt_llm_abababababab"
+    state = {"current": cur, "fallback": fb, "warm_fallback": True, "releases": [{"unit": cur, "engine_hash": "ab" * 32}]}
+    repo = make_repo(tmp_path / "srv", world=2, releases=state, extra_units={fb: 1})
+    prof = make_profile("tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2})
+    with pytest.raises(UserError) as e:
+        deploy.render_manifests(make_plan(prof, tp=2), prof, repo, tmp_path / "srv", "/srv")
+    assert "warm fallback" in str(e.value) and "warm_fallback: false" in str(e.value)
+    # cold fallback: kept on disk, not loaded, so no conflict
+    (tmp_path / "srv" / "releases.json").write_text(json.dumps({**state, "warm_fallback": False}))
+    res = deploy.render_manifests(make_plan(prof, tp=2), prof, repo, tmp_path / "srv", "/srv")
+    assert fb not in res.load_models
