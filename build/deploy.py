@@ -459,7 +459,7 @@ def _gpus(plan: dict, profile) -> tuple[int, int, int]:
     return world, tp, pp
 
 
-def _check_pod_spec_inputs(name: str, value: str, field_name: str, pattern: re.Pattern, what: str, max_len: int) -> None:
+def _check_pod_spec_inputs(value: str, field_name: str, pattern: re.Pattern, what: str, max_len: int) -> None:
     if not isinstance(value, str) or len(value) > max_len or not pattern.match(value):
         raise UserError(field_name, f"{value!r} is not {what} (<= {max_len} characters).", "use lower-case letters, digits and '-'.")
 
@@ -474,8 +474,8 @@ def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, 
         raise UserError("--repo-root", f"{repo_root!r} is not an absolute path.", "give the absolute path of the build output in the serving container.")
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
         raise UserError("image", f"{image!r} is not a container image reference.", f"e.g. {DEFAULT_IMAGE}.")
-    _check_pod_spec_inputs("namespace", namespace, "namespace", _DNS_LABEL, "a DNS-1123 label", 63)
-    _check_pod_spec_inputs("pvc", pvc_name, "pvc_name", _DNS_SUBDOMAIN, "a DNS-1123 subdomain", 253)
+    _check_pod_spec_inputs(namespace, "namespace", _DNS_LABEL, "a DNS-1123 label", 63)
+    _check_pod_spec_inputs(pvc_name, "pvc_name", _DNS_SUBDOMAIN, "a DNS-1123 subdomain", 253)
     if not isinstance(startup_failure_threshold, int) or startup_failure_threshold < 1:
         raise UserError("startup_failure_threshold", f"is {startup_failure_threshold!r}.", "use a positive number of probe periods.")
 
