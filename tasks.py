@@ -74,7 +74,8 @@ def _print_build(result_or_stages) -> None:
     for s in stages:
         colour = {"done": "green", "cached": "green", "skipped": "yellow", "failed": "red"}.get(s.status, "white")
         status = s.status + (f" ({s.reason})" if s.reason else "")
-        nums = ", ".join(f"{k}={v}" for k, v in s.numbers.items() if v is not None and not isinstance(v, (dict, list)))
+        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.numbers.items()
+                         if v is not None and not isinstance(v, (dict, list)) and k != "args")
         table.add_row(s.name, f"[{colour}]{status}[/]", f"{s.seconds:.1f} s", nums)
     _console().print(table)
 
@@ -87,10 +88,11 @@ def _print_build(result_or_stages) -> None:
     "repo_root": "where the output directory is mounted in the serving container (gpt_model_path)",
     "golden_limit": "evaluate only the first N golden prompts per category (quick runs)",
     "checkpoint": "reuse this TensorRT-LLM checkpoint instead of quantizing (its mapping must match)",
+    "image": "Triton + TensorRT-LLM container image for the Kubernetes manifests",
 })
 @guarded
-def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None):
-    """Run the pipeline: resolve, quantize, gate, engine, pack."""
+def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None, image=None):
+    """Run the pipeline: resolve, quantize, gate, engine, pack, deploy (Kubernetes manifests)."""
     from build.pipeline import run_build
 
     con = _console()
@@ -103,7 +105,7 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
 
     try:
         res = run_build(profile, model=model, out=out, strict=strict, repo_root=repo_root,
-                        golden_limit=int(golden_limit) if golden_limit else None, checkpoint=checkpoint,
+                        golden_limit=int(golden_limit) if golden_limit else None, checkpoint=checkpoint, image=image,
                         on_stage=on_stage)
     except Exception:
         if stages:
@@ -200,3 +202,97 @@ def test(c, k=None, fast=False):
     r = c.run(cmd, pty=False, warn=True)
     if r.exited:
         raise Exit(code=r.exited)
+
+
+# --------------------------------------------------------------------------------------------
+# Serving: a real Triton server (CPU reference stand-in for the tensorrtllm backend), releases
+
+
+def _serving_repo(repo):
+    return Path(repo).expanduser().resolve() if repo else ROOT / "artifacts" / "serving" / "model_repository"
+
+
+def _built_repo(profile, out=None):
+    """The packed model_repository of a finished build of ``profile`` (UserError if absent/failed)."""
+    from build.errors import UserError
+    from build.profile import load_profile
+    from build.store import read_json
+
+    prof = load_profile(profile)
+    out_dir = Path(out).expanduser().resolve() if out else ROOT / "artifacts" / prof.name
+    manifest = read_json(out_dir / "manifest.json", {}) or {}
+    stages = manifest.get("stages", {})
+    if stages.get("pack", {}).get("status") not in ("done", "cached"):
+        raise UserError("--profile", f"{out_dir} holds no finished build of {prof.name}.",
+                        f"run `invoke build --profile {profile}` first.")
+    if stages.get("gate", {}).get("status") not in ("done", "cached"):
+        raise UserError("--profile", f"the build of {prof.name} did not pass its accuracy gate.",
+                        "fix the profile and rebuild; a failed build is never promoted.")
+    return prof, out_dir, out_dir / "model_repository", stages.get("gate", {}).get("numbers", {})
+
+
+@task(help={"profile": "serve this build's packed repository (artifacts/<profile>/model_repository)",
+            "repo": "serve this serving repository instead (default with no --profile: artifacts/serving/model_repository)",
+            "http_port": "HTTP port (default 8000)", "grpc_port": "gRPC port (default 8001)",
+            "metrics_port": "metrics port (default 8002)"})
+@guarded
+def serve(c, profile=None, repo=None, http_port=8000, grpc_port=8001, metrics_port=8002):
+    """Start a real Triton server (CPU reference backend) on 127.0.0.1; Ctrl-C stops it."""
+    from build.triton import serve as serve_repo
+
+    path = _built_repo(profile)[2] if profile and not repo else _serving_repo(repo)
+    serve_repo(path, http_port=int(http_port), grpc_port=int(grpc_port), metrics_port=int(metrics_port))
+
+
+@task(help={"profile": "the built profile to promote", "repo": "serving repository (default artifacts/serving/model_repository)",
+            "url": "HOST:PORT of the running server's HTTP endpoint (load + smoke test before the switch)",
+            "out": "the build's output directory (default artifacts/<profile>)"})
+@guarded
+def promote(c, profile, repo=None, url=None, out=None):
+    """Make a build's engine the current release (load beside, smoke-test, then switch)."""
+    from build import release
+    from build.triton import TritonServer
+
+    prof, out_dir, packed, gate = _built_repo(profile, out)
+    repo_dir = _serving_repo(repo)
+    con = _console()
+    if release.read_state(repo_dir) is None:
+        fb_repo = None
+        if prof.deployment.fallback:
+            try:
+                fb_repo = _built_repo(prof.deployment.fallback)[2]
+            except Exception:
+                con.print(f"[yellow]note[/]: fallback {prof.deployment.fallback} is not built; "
+                          f"run `invoke build --profile {prof.deployment.fallback}` to keep it on disk.")
+        state = release.init_serving_repo(repo_dir, packed, profile=prof.name, gate=gate, by="invoke promote",
+                                          fallback_repo=fb_repo, warm_fallback=prof.deployment.warm_fallback,
+                                          keep_releases=prof.deployment.keep_releases)
+        con.print(f"created {repo_dir}: current {state['current']}, fallback {state['fallback']}")
+        return
+    server = TritonServer.attach(url) if url else None
+    t = release.promote(repo_dir, packed, server=server, profile=prof.name, gate=gate, promoted_by="invoke promote")
+    con.print(f"promoted {t['unit']} in {t.get('total_ms', 0):.0f} ms" + ("" if server else " (no server given: repository only)"))
+
+
+@task(help={"repo": "serving repository", "to": "engine hash (prefix) or unit name to roll back to",
+            "fallback": "roll back to the fallback engine", "url": "HOST:PORT of the running server"})
+@guarded
+def rollback(c, repo=None, to=None, fallback=False, url=None):
+    """Switch the serving repository back (previous release, --to HASH, or --fallback)."""
+    from build import release
+    from build.triton import TritonServer
+
+    server = TritonServer.attach(url) if url else None
+    t = release.rollback(_serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
+    _console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
+
+
+@task(help={"repo": "serving repository"})
+@guarded
+def releases(c, repo=None):
+    """Show releases.json of the serving repository and what is on disk."""
+    import json
+
+    from build import release
+
+    print(json.dumps(release.list_releases(_serving_repo(repo)), indent=2))

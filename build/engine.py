@@ -102,8 +102,7 @@ class Toolchain:
     def reason_not_buildable(self, sm: int) -> str | None:
         """Why an engine for compute capability ``sm`` (e.g. 90) cannot be built here, or None."""
         if not self.tensorrt_llm:
-            return (f"tensorrt_llm is not installed ({TRTLLM_PIN} comes only from NVIDIA's package index; "
-                    "run this build on a GPU node with TensorRT-LLM 1.2)")
+            return "tensorrt_llm is not installed (NVIDIA's package index only; build on a GPU node with TensorRT-LLM 1.2)"
         if self.trtllm_build is None:
             return "the trtllm-build command is not on PATH"
         if not self.gpu_sms:

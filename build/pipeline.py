@@ -1,4 +1,4 @@
-"""The main job: resolve -> quantize -> gate -> engine -> pack, with content-keyed stages.
+"""The main job: resolve -> quantize -> gate -> engine -> pack -> deploy, with content-keyed stages.
 
 ``run_build`` is what ``invoke build`` calls. Each stage is a function of typed inputs that
 writes one artifact directory atomically; its *content key* (sha256 of its inputs, upstream
@@ -6,7 +6,7 @@ keys and the stage's own source code) is recorded in ``manifest.json``. A stage 
 unchanged and whose artifact is present is not redone, so a repeated identical build takes
 seconds. Output layout (``artifacts/<profile>/`` by default)::
 
-    plan.json  checkpoint/  gate/  engine/  model_repository/  manifest.json
+    plan.json  checkpoint/  gate/  engine/  model_repository/  k8s/  manifest.json
 
 Errors: ``UserError`` (exit 2) before any heavy work for bad input or refused checks;
 ``GateFailed`` (exit 3); ``StrictSkip`` (exit 4) when a stage was skipped under ``strict``.
@@ -86,7 +86,7 @@ def _model_dir(model: str | None) -> Path:
 
 def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
               repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
-              on_stage: Callable[[StageRecord], None] | None = None) -> BuildResult:
+              image: str | None = None, on_stage: Callable[[StageRecord], None] | None = None) -> BuildResult:
     """Run the main job for a profile. See the module docstring for stages and errors.
 
     ``checkpoint`` reuses an existing TensorRT-LLM checkpoint directory instead of quantizing;
@@ -242,6 +242,24 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
                                             repo_root=root)
             rec = StageRecord("pack", "done", time.perf_counter() - t0, key=pkey, numbers={
                 "models": getattr(pres, "models", None), "engine_present": engine_built,
+            })
+        save(rec)
+        emit(rec)
+
+        # ---- 6. deploy (Kubernetes manifests)
+        from . import deploy as deploy_mod
+
+        img = image or deploy_mod.DEFAULT_IMAGE
+        dkey = hash_obj({**deploy_mod.stage_inputs(plan, profile, root, img), "pack": pkey, "code": code_key("deploy")})
+        k8s_dir = out_dir / "k8s"
+        t0 = time.perf_counter()
+        if cached("deploy", dkey, k8s_dir):
+            rec = StageRecord("deploy", "cached", 0.0, key=dkey, numbers=old_stages["deploy"].get("numbers", {}))
+        else:
+            dres = deploy_mod.render_manifests(plan, profile, repo_dir, out_dir, root, img)
+            rec = StageRecord("deploy", "done", time.perf_counter() - t0, key=dkey, numbers={
+                "manifests": len(dres.files), "gpus_per_replica": dres.gpus_per_replica, "replicas": dres.replicas,
+                "launcher": dres.launcher,
             })
         save(rec)
         emit(rec)

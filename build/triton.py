@@ -127,9 +127,28 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self.start_s: float | None = None
 
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def attach(cls, http_url: str) -> "TritonServer":
+        """A handle on a server that is already running (``HOST:PORT`` of its HTTP endpoint).
+
+        ``load``/``unload``/``loaded_models``/``http_client`` work on it; ``stop`` does nothing.
+        Raises UserError when nothing answers there.
+        """
+        host, _, port = http_url.rpartition(":")
+        if not port.isdigit():
+            raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
+        srv = cls(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
+        srv.host = host or "127.0.0.1"
+        if srv._get("/v2/health/ready") != 200:
+            raise UserError("--url", f"no ready Triton server answers at http://{http_url}.",
+                            "start one with `invoke serve`, or leave --url out to only rewrite the repository.")
+        return srv
+
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self.host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
