@@ -140,10 +140,18 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor (or broadcast) FP8 E4M3 quantize-dequantize: ``fp8(clamp(x/s, ±448)) * s``."""
-    s = scale.to(torch.float32)
-    y = (x.to(torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    return (y * s).to(x.dtype)
+    """Per-tensor (or broadcast) FP8 E4M3 quantize-dequantize of ``x`` with scale ``s`` (= amax/448):
+    ``fp8(clamp(x/s, ±448)) * s``, rounding to nearest even.
+
+    Computed in ModelOpt's operation order (``_fp8_eager`` in
+    ``modelopt/torch/quantization/tensor_quant.py``): ``amax = s*448``, ``k = 448/amax``,
+    ``fp8(clamp(x*k)) * (1/k)``, so that given the same scales the result is bit-identical to
+    ModelOpt's fake-quant (values exactly halfway between two FP8 codes round by this float path).
+    """
+    amax = scale.to(torch.float32) * FP8_MAX
+    k = FP8_MAX / amax
+    y = (x.to(torch.float32) * k).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return (y * (1 / k)).to(x.dtype)
 
 
 def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
