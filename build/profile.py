@@ -106,15 +106,15 @@ class Calibration(_Strict):
     dataset: str = Field("builtin", description="'builtin' (news, Python docs prose, Python source) or a path to a JSONL of {\"text\": ...}.")
     num_samples: int = Field(64, ge=1, le=65536, description="Number of calibration samples.")
     seq_len: int = Field(256, ge=8, le=131072, description="Tokens per calibration sample (longest).")
-    seed: int = Field(0, ge=0, le=2**32 - 1)
-    batch_size: int = Field(8, ge=1, le=1024)
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the stratified sample choice (same seed, same tokens).")
+    batch_size: int = Field(8, ge=1, le=1024, description="Samples per calibration forward pass.")
 
 
 class Parallel(_Strict):
     """Parallel layout of one engine (TRT-LLM Mapping)."""
 
-    tp_size: int = Field(1, ge=1, le=1024)
-    pp_size: int = Field(1, ge=1, le=1024)
+    tp_size: int = Field(1, ge=1, le=1024, description="Tensor-parallel GPUs per engine (splits heads and FFN width).")
+    pp_size: int = Field(1, ge=1, le=1024, description="Pipeline-parallel stages per engine (splits layers).")
     moe_tp_size: Optional[int] = Field(None, ge=1, le=1024, description="Default: tp_size / moe_ep_size.")
     moe_ep_size: Optional[int] = Field(None, ge=1, le=1024, description="Default: 1.")
     use_parallel_embedding: bool = Field(False, description="Shard the embedding over tp ranks (otherwise replicated).")
@@ -123,13 +123,13 @@ class Parallel(_Strict):
 class BuildLimits(_Strict):
     """trtllm-build shape limits. None = what TensorRT-LLM 1.2 derives (shown in the plan)."""
 
-    max_batch_size: int = Field(64, ge=1, le=65536)
+    max_batch_size: int = Field(64, ge=1, le=65536, description="Most sequences in flight per engine (also triton_max_batch_size).")
     max_input_len: Optional[int] = Field(None, ge=1, le=10_000_000, description="Default 1024 (BuildConfig).")
     max_seq_len: Optional[int] = Field(None, ge=1, le=10_000_000, description="Default max_position_embeddings x rope scaling factor.")
     max_num_tokens: Optional[int] = Field(None, ge=1, le=10_000_000, description="Default 8192 (BuildConfig).")
-    max_beam_width: int = Field(1, ge=1, le=64)
-    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
-    tokens_per_block: int = Field(32, ge=1, le=1024)
+    max_beam_width: int = Field(1, ge=1, le=64, description="Beam search width (1 = greedy/sampling).")
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = Field("paged", description="--kv_cache_type; paged is needed for in-flight batching, reuse and chunked context.")
+    tokens_per_block: int = Field(32, ge=1, le=1024, description="Tokens per paged KV block (--tokens_per_block).")
     logits_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="--logits_dtype; FP32 logits are the default.")
     gather_context_logits: bool = Field(False, description="Needed to run the golden set against the engine (second gate).")
 
@@ -137,7 +137,7 @@ class BuildLimits(_Strict):
 class ContextPhase(_Strict):
     """Context (prefill) phase attention kernels and plugins."""
 
-    context_fmha: bool = True
+    context_fmha: bool = Field(True, description="Fused multi-head attention kernels in the context phase (--context_fmha).")
     use_paged_context_fmha: bool = Field(True, description="Needed for KV-cache reuse and chunked context.")
     use_fp8_context_fmha: bool = Field(False, description="FP8 Q/K/V and softmax in context FMHA (FP8/W4A8/NVFP4 on SM>=89).")
     enable_chunked_context: bool = Field(False, description="Runtime: split long prompts into max_num_tokens chunks.")
@@ -146,7 +146,7 @@ class ContextPhase(_Strict):
 class GenerationPhase(_Strict):
     """Generation (decode) phase settings."""
 
-    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Attention plugin dtype (XQA/MMHA decode kernels; auto = model dtype).")
     multi_block_mode: bool = Field(True, description="Runtime (ExtendedRuntimePerfKnobConfig): split long-context decode attention over blocks.")
     gemm_plugin: Literal["auto", "disable", "fp8", "nvfp4", "bfloat16", "float16"] = Field(
         "auto", description="GEMM plugin for both phases; 'auto' picks what the format needs."
@@ -156,12 +156,12 @@ class GenerationPhase(_Strict):
 class Runtime(_Strict):
     """Serving runtime (tensorrtllm_backend config.pbtxt parameters)."""
 
-    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    enable_kv_cache_reuse: bool = True
-    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = "guaranteed_no_evict"
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0.0, le=1.0, description="Share of the GPU memory left after weights and activations given to the KV cache.")
+    enable_kv_cache_reuse: bool = Field(True, description="Prefix caching across requests (needs paged context FMHA).")
+    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field("guaranteed_no_evict", description="In-flight batching scheduler policy.")
     decoupled_mode: bool = Field(False, description="Needed for streaming.")
-    streaming: bool = False
-    max_queue_delay_microseconds: int = Field(0, ge=0, le=10_000_000)
+    streaming: bool = Field(False, description="Stream tokens to clients (needs decoupled_mode).")
+    max_queue_delay_microseconds: int = Field(0, ge=0, le=10_000_000, description="Triton dynamic batching delay (µs).")
     instance_count: int = Field(1, ge=1, le=64, description="Instances of preprocessing/postprocessing.")
 
 
@@ -169,10 +169,10 @@ class Deployment(_Strict):
     """Where and how the engine is served."""
 
     gpus_per_replica: Optional[int] = Field(None, ge=1, le=1024, description="Default tp_size x pp_size; must equal it.")
-    replicas: int = Field(1, ge=1, le=10000)
+    replicas: int = Field(1, ge=1, le=10000, description="Pods of the Kubernetes Deployment.")
     fallback: Optional[str] = Field(None, description="Profile whose prebuilt engine is kept for rollback (usually a bf16 one).")
     warm_fallback: bool = Field(False, description="Keep the fallback loaded (instant rollback; costs its GPU memory).")
-    keep_releases: int = Field(2, ge=0, le=100)
+    keep_releases: int = Field(2, ge=0, le=100, description="Previous releases kept on disk for rollback.")
 
 
 class GateThresholds(_Strict):
@@ -189,7 +189,7 @@ class Gate(GateThresholds):
     """Thresholds plus per-model overrides (keys: model folder name, e.g. SmolLM2-135M-Instruct)."""
 
     measured_on: str = Field("", description="Which model the shipped thresholds were measured on.")
-    overrides: dict[str, GateThresholds] = Field(default_factory=dict)
+    overrides: dict[str, GateThresholds] = Field(default_factory=dict, description="Per-model thresholds keyed by model folder name.")
 
     def for_model(self, model_name: str) -> GateThresholds:
         """Thresholds for ``model_name``: the override's set fields win over the profile's."""
@@ -206,7 +206,7 @@ class Profile(_Strict):
     """A precision profile (top level of the YAML)."""
 
     name: str = Field("", description="Set from the file name when empty.")
-    description: str = ""
+    description: str = Field("", description="One line on what the profile is for.")
     extends: Optional[str] = Field(None, description="Parent profile name (merged under this one).")
     target: Target
     quantization: Quantization = Field(default_factory=Quantization)
