@@ -48,8 +48,8 @@ concatenated, so per-rank scales are honoured):
   ``weight`` I8 ``[out/2, in]``, packed along the OUTPUT dim: byte ``[r, c]`` holds signed int4
   ``q[2r, c]`` in the LOW nibble and ``q[2r+1, c]`` in the HIGH nibble (two's complement, -8..7).
   ``weights_scaling_factor`` ``[out, in/group_size]``; ``w[o, i] = q[o, i] * s[o, i // group]``.
-  W4A8_AWQ also has ``weights_scaling_factor_2`` F32 ``[1]`` and ``activation_scaling_factor``;
-  see ``_dequant_int4`` for how ``weights_scaling_factor_2`` enters. ``prequant_scaling_factor``
+  W4A8_AWQ also has ``weights_scaling_factor_2`` F32 ``[1]`` (per-tensor FP8 scale of the
+  dequantized INT4 weight: ``w = fp8(q*s/s2)*s2``, see ``_dequant_int4``) and ``activation_scaling_factor``. ``prequant_scaling_factor``
   ``[in]`` multiplies the activations: ``y = (x * pre) @ W^T`` (AWQ folds ``1/pre`` into ``W``).
 * **W8A8_SQ_PER_CHANNEL / W8A16**: ``weight`` I8 ``[out, in]``, ``weights_scaling_factor`` F32
   ``[out]``; ``w = q * s[:, None]``. SmoothQuant also has ``prequant_scaling_factor`` ``[in]``
@@ -271,25 +271,28 @@ def _load_ranks(ckpt_dir: Path, cfg: dict) -> list[dict[str, torch.Tensor]]:
 def _dequant_int4(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
     """INT4 AWQ weight of one rank -> float32 ``[out, in]``.
 
-    ``w = q * weights_scaling_factor[o, i // group]`` (``pack_int4_in_uint8``). For W4A8_AWQ the
-    export divides the per-group scale by ``weights_scaling_factor_2`` only when TensorRT-LLM's
-    kernel needs it; the measured convention is applied in ``_w4a8_scale``.
+    ``w = q * weights_scaling_factor[o, i // group]`` (``pack_int4_in_uint8`` quantizes
+    ``round(w / s)`` with the INT4 quantizer's per-group scale; ``weights_scaling_factor_2`` is
+    not used for the packing). W4A8_AWQ: ``weights_scaling_factor_2`` is the per-tensor scale of
+    the second, FP8 weight quantizer (ModelOpt's ``SequentialQuantizer``, INT4 then FP8 E4M3;
+    ``get_weight_scaling_factor_2`` in ``modelopt/torch/export/quant_utils.py``): the INT4 values
+    times their group scales are represented in FP8 with that scale, so
+    ``w = fp8(q * s / s2) * s2`` (measured: without the FP8 step the relative error vs. the HF
+    weights is the same; multiplying by ``s2`` instead gives ~99% error).
     """
     q = unpack_int4_rows(t[prefix + "weight"]).to(torch.float32)
     s = t[prefix + "weights_scaling_factor"].to(torch.float32)
     if s.shape[0] != q.shape[0] and s.shape[-1] == q.shape[0]:
         s = s.T  # [in/group, out] layout
-    if s.shape[0] != q.shape[0] or q.shape[1] != s.shape[1] * group:
+    if s.dim() != 2 or s.shape[0] != q.shape[0] or q.shape[1] != s.shape[1] * group:
         raise UserError(FIELD, f"{prefix}weights_scaling_factor has shape {tuple(s.shape)}; expected "
                         f"[{q.shape[0]}, {q.shape[1] // group}] for weight [{q.shape[0]}, {q.shape[1]}] and group {group}.",
                         "re-export the checkpoint.")
-    s = s.repeat_interleave(group, dim=1)
-    return q * s * _w4a8_scale(t, prefix)
-
-
-def _w4a8_scale(t: dict[str, torch.Tensor], prefix: str) -> torch.Tensor | float:
+    w = q * s.repeat_interleave(group, dim=1)
     s2 = t.get(prefix + "weights_scaling_factor_2")
-    return s2.to(torch.float32).reshape(()) if s2 is not None else 1.0
+    if s2 is not None:
+        w = fake_quant_fp8(w, s2.to(torch.float32).reshape(()))
+    return w
 
 
 def dequantize_weight(t: dict[str, torch.Tensor], prefix: str, quant_algo: str, group_size: int | None) -> torch.Tensor:
