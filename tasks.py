@@ -296,3 +296,82 @@ def releases(c, repo=None):
     from build import release
 
     print(json.dumps(release.list_releases(_serving_repo(repo)), indent=2))
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer sensitivity
+
+
+def _parse_layers(text):
+    """``"0-3,7"`` -> [0, 1, 2, 3, 7]; None/"" -> None."""
+    from build.errors import UserError
+
+    if not text:
+        return None
+    out = []
+    try:
+        for part in str(text).split(","):
+            a, _, b = part.strip().partition("-")
+            out.extend(range(int(a), int(b) + 1) if b else [int(a)])
+    except ValueError:
+        raise UserError("--layers", f"{text!r} is not a list of layers.", "write e.g. 0-3,7.")
+    return out
+
+
+@task(help={
+    "profile": "profile name or YAML path (its gate thresholds are the target)",
+    "model": "HF model folder the checkpoint was made from (default: the default model)",
+    "out": "build output directory (default artifacts/<profile>); reads <out>/checkpoint, writes <out>/sensitivity",
+    "prompts": "golden prompts per category in the subset (default 1: 6 prompts)",
+    "fresh": "ignore <out>/sensitivity/cells.jsonl and measure every cell again",
+    "checkpoint": "analyse this TensorRT-LLM checkpoint instead of <out>/checkpoint",
+    "layers": "only these decoder layers, e.g. 0-3,7 (default all)",
+})
+@guarded
+def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkpoint=None, layers=None):
+    """Per-layer sensitivity: quantize one cell at a time, KL heatmap, cheapest exclude_modules that pass the gate."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (shared CPUs)
+    from build.errors import UserError
+    from build.pipeline import _model_dir, default_out_dir
+    from build.profile import load_profile
+    from build.sensitivity import run_sensitivity
+
+    prof = load_profile(profile)
+    model_dir = _model_dir(model)
+    out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
+    try:
+        n = int(prompts)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UserError("--prompts", f"{prompts!r} is not a positive number of prompts per category.", "pass e.g. --prompts 1.")
+    res = run_sensitivity(prof, model_dir, out_dir, checkpoint_dir=Path(checkpoint).expanduser() if checkpoint else None,
+                          prompts_per_category=n, layers=_parse_layers(layers), fresh=bool(fresh))
+    d = res.data
+    con = _console()
+    from rich.table import Table
+
+    t = Table(title=f"most sensitive cells ({d['prompts']['answer_tokens']} answer tokens, "
+                    f"{len(d['prompts']['ids'])} prompts)")
+    for col in ("cell", "KL mean", "KL P99", "top-1", "exclusion cost"):
+        t.add_column(col)
+    for name in d["ranking"][:10]:
+        r = d["cells"][name]
+        cost = f"{r['cost_bytes'] / 1024:.0f} KiB" if "cost_bytes" in r else "not excludable"
+        t.add_row(name, f"{r['kl_mean']:.3g}", f"{r['kl_p99']:.3g}", f"{r['top1']:.3f}", cost)
+    con.print(t)
+    f, s = d["full"], d["suggestion"]
+    con.print(f"all cells quantized: KL mean {f['kl_mean']:.3g} (sum of cells {f['sum_of_cells_kl_mean']:.3g}), "
+              f"P99 {f['kl_p99']:.3g}, top-1 {f['top1']:.3f}")
+    if not s["cells"]:
+        con.print("suggestion: nothing to exclude (the quantized cells already meet the gate's KL thresholds on this subset)")
+    else:
+        m = s.get("measured") or {}
+        con.print(f"suggestion ({'meets' if s['reachable'] else 'cannot meet'} the KL thresholds): keep "
+                  f"{len(s['cells'])} cell(s) in BF16, +{s['cost_bytes'] / 2**20:.2f} MiB", soft_wrap=True)
+        con.print(f"  exclude_modules: {s['exclude_modules']}", soft_wrap=True)
+        con.print(f"  predicted KL mean {s['predicted']['kl_mean']:.3g} / P99 {s['predicted']['kl_p99']:.3g}; measured "
+                  f"{m.get('kl_mean', float('nan')):.3g} / {m.get('kl_p99', float('nan')):.3g}, top-1 "
+                  f"{m.get('top1', float('nan')):.3f}", soft_wrap=True)
+    con.print(f"{len(res.computed)} measured, {len(res.reused)} reused, {d['timings_s']['total']:.0f} s; "
+              f"{res.json_path}, {res.heatmap_path}")
