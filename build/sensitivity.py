@@ -505,8 +505,7 @@ def plot_heatmap(matrix: np.ndarray, layers: Sequence[int], kinds: Sequence[str]
     if vmax <= vmin:
         vmax = vmin * 10
     norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("#dddddd")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#dddddd")
     w, h = _heatmap_inches(n, k)
     fig = plt.figure(figsize=(w, h), dpi=HEATMAP_DPI)
     top, bottom_margin = 0.9 - 0.25 / h, 0.55 / h
