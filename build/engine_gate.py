@@ -11,7 +11,8 @@ prompts, the same held-out windows and the same metric code (``gate.run_gate`` w
   The engine must be built with ``--gather_context_logits`` (profile: ``build.gather_context_logits:
   true``); ``ModelRunnerCpp.generate(..., max_new_tokens=1)`` then returns
   ``outputs["context_logits"]`` (``[batch, max_input_len, vocab_padded]``, padded per request);
-* greedy generations: ``generate(..., max_new_tokens=N, top_k=1, end_id=<|im_end|>)``;
+* greedy generations: ``generate(..., max_new_tokens=N, top_k=1, end_id=<|im_end|>)``, several
+  prompts per call;
 * the reference is the same FP32 HF folder on the CPU (cached, shared with the CPU gate).
 
 TensorRT-LLM 1.2 API used (``tensorrt_llm.runtime``): ``ModelRunnerCpp.from_dir(engine_dir=...,
@@ -143,12 +144,24 @@ class EngineCandidate:
         return cl.detach().float().cpu()
 
     def greedy(self, ids: Sequence[int], max_new_tokens: int, stop_id: int) -> list[int]:
-        out = self._generate(ids, max_new_tokens, stop_id)
-        seq_len = int(out["sequence_lengths"][0][0])
-        toks = out["output_ids"][0][0][len(ids):seq_len].tolist()
-        if stop_id in toks:
-            toks = toks[: toks.index(stop_id) + 1]
-        return toks
+        return self.greedy_batch([ids], max_new_tokens, stop_id)[0]
+
+    def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_id: int) -> list[list[int]]:
+        """Several prompts in one ``generate`` call (in-flight batching; no padding involved)."""
+        t = self.torch
+        with t.inference_mode():
+            out = self.runner.generate([t.tensor(list(p), dtype=t.int32) for p in prompts],
+                                       max_new_tokens=max_new_tokens, end_id=stop_id, pad_id=stop_id, top_k=1,
+                                       top_p=0.0, temperature=1.0, num_beams=1, output_sequence_lengths=True,
+                                       return_dict=True)
+        res = []
+        for i, p in enumerate(prompts):
+            seq_len = int(out["sequence_lengths"][i][0])
+            toks = out["output_ids"][i][0][len(p):seq_len].tolist()
+            if stop_id in toks:
+                toks = toks[: toks.index(stop_id) + 1]
+            res.append(toks)
+        return res
 
 
 def run_engine_gate(engine_dir: Path, reference_model_dir: Path, thresholds: GateThresholds, out_dir: Path,
