@@ -66,9 +66,11 @@ def _f(v: Any, digits: int = 4) -> str:
         return str(v)
     if math.isnan(x):
         return "n/a"
-    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
+    if x == 0:
+        return "0"
+    if abs(x) < 1e-4 or abs(x) >= 1e6:
         return f"{x:.{digits - 1}e}"
-    return f"{x:.{digits}f}"
+    return f"{x:.{digits}g}"  # significant digits: KL values span 1e-4 .. 10
 
 
 def _ci(ci: Optional[list]) -> str:
@@ -194,11 +196,11 @@ def render_markdown(m: dict) -> str:
         lines += ["", "Warning: the BF16 noise floor itself misses the threshold of " + ", ".join(blocked)
                   + " -- even an unquantized BF16 engine would fail it; the threshold is tighter than the floor."]
     ppl = m.get("perplexity", {})
-    lines += ["", f"Held-out perplexity: reference {_f(ppl.get('heldout_reference'), 3)}, candidate "
-                  f"{_f(ppl.get('heldout_candidate'), 3)}, BF16 {_f(ppl.get('heldout_floor'), 3)}. "
+    lines += ["", f"Held-out perplexity: reference {_f(ppl.get('heldout_reference'), 5)}, candidate "
+                  f"{_f(ppl.get('heldout_candidate'), 5)}, BF16 {_f(ppl.get('heldout_floor'), 5)}. "
                   f"Golden-answer perplexity (teacher-forced): reference "
-                  f"{_f(ppl.get('golden_answers', {}).get('reference'), 3)}, candidate "
-                  f"{_f(ppl.get('golden_answers', {}).get('candidate'), 3)}."]
+                  f"{_f(ppl.get('golden_answers', {}).get('reference'), 5)}, candidate "
+                  f"{_f(ppl.get('golden_answers', {}).get('candidate'), 5)}."]
     lines += ["", "## Per category", "",
               "| category | prompts | tokens | KL mean | KL P99 | top-1 | greedy unchanged | floor KL mean | floor top-1 |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -306,8 +308,8 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
         h.append(f'<p class="warn" id="floor-warning">The BF16 noise floor itself misses the threshold of '
                  f'{_e(", ".join(blocked))}: even an unquantized BF16 engine would fail it.</p>')
     ppl = m.get("perplexity", {})
-    h.append(f"<p>Held-out perplexity: reference {_f(ppl.get('heldout_reference'), 3)}, candidate "
-             f"{_f(ppl.get('heldout_candidate'), 3)}, BF16 {_f(ppl.get('heldout_floor'), 3)}.</p></section>")
+    h.append(f"<p>Held-out perplexity: reference {_f(ppl.get('heldout_reference'), 5)}, candidate "
+             f"{_f(ppl.get('heldout_candidate'), 5)}, BF16 {_f(ppl.get('heldout_floor'), 5)}.</p></section>")
 
     if "kl_hist" in plots:
         h.append('<section id="kl-histogram"><h2>Per-token KL</h2>' + _img(plots["kl_hist"], "KL histogram") + "</section>")

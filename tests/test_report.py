@@ -150,10 +150,10 @@ def test_html_structure_and_images(tmp_path):
     assert list(p.metric_rows) == ["kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same"]
     assert p.metric_rows["kl_p99"] == "pass" and p.metric_rows["kl_p95"] == "unchecked"
     m = json.loads((tmp_path / "gate" / "metrics.json").read_text())
-    assert p.cells[("kl_mean", "value")] == f"{m['metrics']['kl_mean']['value']:.4f}"
-    assert p.cells[("top1", "threshold")] == ">= 0.5000"
-    assert p.cells[("ppl_delta_pct", "value")] == f"{(3.05 / 3.0 - 1) * 100 * 1.0:.4f}" or \
-        abs(float(p.cells[("ppl_delta_pct", "value")]) - m["metrics"]["ppl_delta_pct"]["value"]) < 1e-4
+    assert float(p.cells[("kl_mean", "value")]) == pytest.approx(m["metrics"]["kl_mean"]["value"], rel=1e-3)
+    assert p.cells[("top1", "threshold")] == ">= 0.5"
+    assert float(p.cells[("ppl_delta_pct", "value")]) == pytest.approx(m["metrics"]["ppl_delta_pct"]["value"], rel=1e-3)
+    assert p.cells[("ppl_delta_pct", "ci")] == "n/a"
     assert sorted(p.category_rows) == sorted(["facts", "reasoning", "code", "instructions", "long_context", "non_english"])
     assert len(p.worst) == 5
     # self-contained: no scripts, no external links, every image an embedded PNG
