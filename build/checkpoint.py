@@ -60,7 +60,8 @@ Activation fake-quant applied on the input of each quantized linear (as the chec
 FP8 (FP8, W4A8_AWQ): ``fp8(clamp(x / s, -448, 448)) * s`` with ``s = activation_scaling_factor``;
 INT8 (W8A8_SQ): ``clamp(round(x / s), -128, 127) * s``; NVFP4: dynamic blocks of 16 along the input
 dim, block scale ``fp8(amax_b / 6 / s2)`` (clamped to [2**-9, 448]), ``s2 = activation_scaling_factor``,
-values rounded to E2M1 (half to even). KV cache FP8: keys (after RoPE) and values are fake-quantized
+values rounded to E2M1 (half to even). KV cache FP8 (INT8 likewise, ``round(x/s)``
+clamped to -128..127; NVFP4 KV is refused): keys (after RoPE) and values are fake-quantized
 with ``k_cache_scaling_factor`` / ``v_cache_scaling_factor`` inside a custom attention function
 (registered in ``transformers.AttentionInterface`` as ``"trtllm_kvq_sdpa"``) before SDPA. Query/softmax
 FP8 (``use_fp8_context_fmha``) is a build-time choice and is not modelled.
@@ -155,9 +156,16 @@ def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor INT8 quantize-dequantize: ``clamp(round(x/s), -128, 127) * s`` (round half to even)."""
-    s = scale.to(torch.float32)
-    return (torch.round(x.to(torch.float32) / s).clamp(-128, 127) * s).to(x.dtype)
+    """Per-tensor INT8 quantize-dequantize with scale ``s`` (= amax/127):
+    ``clamp(round(x/s), -128, 127) * s`` (round half to even).
+
+    Computed in ModelOpt's operation order (``_tensor_quant`` in
+    ``modelopt/torch/quantization/tensor_quant.py``, ``narrow_range=False``):
+    ``k = 127/amax``, ``clamp(round(x*k), -128, 127) / k``.
+    """
+    amax = scale.to(torch.float32) * 127.0
+    k = 127.0 / amax
+    return (torch.round(x.to(torch.float32) * k).clamp(-128, 127) / k).to(x.dtype)
 
 
 def round_e2m1(v: torch.Tensor) -> torch.Tensor:
@@ -640,9 +648,6 @@ def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
         elif fmt == "int8":
             key = fake_quant_int8(key, ks)
             value = fake_quant_int8(value, vs)
-        elif fmt == "nvfp4":
-            key = fake_quant_nvfp4(key, ks)
-            value = fake_quant_nvfp4(value, vs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -690,6 +695,11 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
                         "pass the HF folder the checkpoint was exported from.")
     algo = (cfg.get("quantization") or {}).get("quant_algo") or "NO_QUANT"
     kv_algo = (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
+    if kv_algo not in (None, "FP8", "INT8"):
+        # NVFP4 KV: the meaning of the exported k/v scales for TensorRT-LLM's FP4 cache was not
+        # verified here, so it is refused rather than approximated
+        raise UserError(FIELD, f"kv_cache_quant_algo {kv_algo} is not modelled by this reader (FP8 and INT8 are).",
+                        "gate an FP8-KV variant of the profile, or evaluate this one on the engine.")
     act = _ACT_FORMAT.get(algo)
     _register_attention()
     hf_cfg.tie_word_embeddings = False
@@ -735,7 +745,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
         attn = layer.self_attn
         if kv_algo:
             ks, vs = ck.kv_scales[i]
-            attn.kv_format = {"FP8": "fp8", "INT8": "int8", "NVFP4": "nvfp4"}[kv_algo]
+            attn.kv_format = {"FP8": "fp8", "INT8": "int8"}[kv_algo]
             attn.register_buffer("k_scale", ks.to(torch.float32))
             attn.register_buffer("v_scale", vs.to(torch.float32))
         else:

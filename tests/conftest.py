@@ -97,10 +97,21 @@ def build_test_checkpoint(name: str, model_dir: Path, root: Path) -> Path:
 
 
 def restore_modelopt_model(ckpt: Path, model_dir: Path):
-    """ModelOpt's own fake-quant model (FP32) for a test checkpoint built by build_test_checkpoint."""
+    """ModelOpt's own fake-quant model (FP32) for a test checkpoint built by build_test_checkpoint.
+
+    Only the quantizer state is stored, so this is valid for algorithms that leave the weights
+    untouched ("max" calibration: FP8, W8A16, NVFP4). SmoothQuant and AWQ rescale the weights in
+    place: refused (ValueError) rather than returning a wrong model.
+    """
+    import json
+
     import modelopt.torch.opt as mto
     import torch
     from transformers import AutoModelForCausalLM
+
+    name = json.loads((Path(ckpt).parent / "result.json").read_text())["modelopt_config_name"]
+    if name.startswith(("INT8_SMOOTHQUANT", "INT4_AWQ", "W4A8_AWQ")):
+        raise ValueError(f"{name} rescales weights; restore_modelopt_model keeps only quantizer state")
 
     blob = torch.load(Path(ckpt).parent / "modelopt.pt", weights_only=False)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
