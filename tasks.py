@@ -22,6 +22,9 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# torch's OpenMP threads spin while waiting by default; on a shared 2-core machine that made
+# calibration forwards up to 50x slower. PASSIVE makes idle threads sleep instead.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _console():
