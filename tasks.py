@@ -370,7 +370,9 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
         con.print("suggestion: nothing to exclude (the quantized cells already meet the gate's KL thresholds on this subset)")
     else:
         m = s.get("measured") or {}
-        con.print(f"suggestion ({'meets' if s['reachable'] else 'cannot meet'} the KL thresholds): keep "
+        verdict = ("predicted to meet" if s["reachable"] else "cannot meet") + " the KL thresholds" + (
+            "" if "meets_measured" not in s else f"; measured: {'meets' if s['meets_measured'] else 'MISSES'}")
+        con.print(f"suggestion ({verdict}, {len(s.get('rounds') or [1])} round(s)): keep "
                   f"{len(s['cells'])} cell(s) in BF16, +{s['cost_bytes'] / 2**20:.2f} MiB", soft_wrap=True)
         con.print(f"  exclude_modules: {s['exclude_modules']}", soft_wrap=True)
         con.print(f"  predicted KL mean {s['predicted']['kl_mean']:.3g} / P99 {s['predicted']['kl_p99']:.3g}; measured "
