@@ -238,3 +238,21 @@ def test_engine_gate_skips_without_tensorrt_llm(tmp_path, default_model_dir):
                  "fp8-h100", "--out-dir", str(tmp_path / "eg2")]) == 0
     assert main(["--engine-dir", str(tmp_path / "engine"), "--model-dir", str(default_model_dir), "--profile",
                  "fp8-h100", "--out-dir", str(tmp_path / "eg3"), "--strict"]) == EXIT_STRICT_SKIP
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_gate(default_model_dir, fp8_checkpoint, gate_cache, tmp_path, self_gate):
+    """The pipeline's entry point on a real exported FP8 (+FP8 KV) checkpoint: quantization costs
+    clearly more than the BF16 floor, and the fp8-h100 budget holds on this subset."""
+    from build.gate import gate_checkpoint
+
+    thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
+    res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, tmp_path / "gate", cache_root=gate_cache, **SUBSET)
+    m = res.metrics["metrics"]
+    assert res.metrics["reference_cache"]["hit"] is True
+    assert m["kl_mean"]["value"] > 5 * m["kl_mean"]["noise_floor"]
+    assert m["top1"]["value"] < m["top1"]["noise_floor"]
+    assert 0.0 < m["ppl_delta_pct"]["value"] < 10.0
+    assert res.passed, res.failures
+    assert res.metrics["checkpoint_quantization"]["quant_algo"] == "FP8"
+    assert res.summary()["passed"] is True and res.summary()["eval_tokens"] == res.metrics["tokens"]["answer_tokens"]
