@@ -652,9 +652,18 @@ def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register_attention() -> None:
+    """Register the KV fake-quant attention and its mask function under ``ATTN_IMPL``.
+
+    The mask function matters: transformers (masking_utils ``_preprocess_mask_arguments``) builds
+    NO attention mask for an implementation name it has no mask function for, so left-padded
+    batches (batched greedy in the gate, batched requests in the CPU reference backend) would
+    attend to padding. SDPA's mask is the right one (the attention itself is SDPA).
+    """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPL, _kvq_sdpa)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
 
 
 def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:

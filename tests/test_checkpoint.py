@@ -443,3 +443,32 @@ def test_formats_logits_track_fp32(request, default_model_dir, heldout_ids, fixt
         b = m(heldout_ids[:, :32]).logits.argmax(-1)
     agree = (a == b).float().mean().item()
     assert top1_min <= agree < 1.0 or fixture == "w8a16_checkpoint" and agree >= top1_min
+
+
+def test_left_padded_batch_generation_matches_reference(bf16_checkpoint, default_model_dir):
+    """Regression: the KV fake-quant attention must get a padding mask (batched greedy, CPU backend).
+
+    Without a registered mask function transformers builds no mask for a custom attention name,
+    and the shorter, left-padded prompt attended to the padding ("Paris. Paris is a" instead of
+    "Paris.<|im_end|>").
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from build.checkpoint import load_checkpoint_model
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    tok.padding_side = "left"
+    tok.pad_token_id = 2
+    msgs = [[{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "Write a haiku about the sea and the wind, please, in English."}]]
+    texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert int(batch["attention_mask"][0].sum()) < batch["attention_mask"].shape[1]  # first row is padded
+    ref = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
+    cand = load_checkpoint_model(bf16_checkpoint, default_model_dir)
+    with torch.no_grad():
+        a = ref.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=2)
+        b = cand.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    assert torch.equal(a, b)
+    assert tok.decode(b[0, batch["input_ids"].shape[1]:]).startswith("The capital of France is Paris.")
