@@ -98,6 +98,14 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
     from . import plan as plan_mod
 
     profile = load_profile(profile_ref)
+    q = profile.quantization
+    if q.quant_algo.value == "MIXED_PRECISION" or q.auto_quantize_bits is not None:
+        raise UserError("quantization.auto_quantize_bits",
+                        "the per-layer search (mtq.auto_quantize) is available as build/autoquant.py "
+                        "auto_quantize_export(), but the build's accuracy gate cannot read MIXED_PRECISION "
+                        "checkpoints yet, so `invoke build` refuses it rather than ship an ungated engine.",
+                        "remove auto_quantize_bits and choose one quant_algo, or keep layers in high precision "
+                        "with exclude_modules (see `invoke sensitivity`).")
     model_dir = _model_dir(model)
     out_dir = _validate_out_dir(Path(out) if out else default_out_dir(profile.name or "profile"))
     stages: list[StageRecord] = []
