@@ -170,8 +170,18 @@ def plot_categories(per_category: dict) -> bytes:
 # Markdown
 
 
+# Row order of the metric table (same as build/gate.py METRIC_ORDER; metrics.json is key-sorted).
+METRIC_ORDER = ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same")
+
+
+def _ordered(met: dict) -> dict:
+    """``met`` with the known metrics in METRIC_ORDER first, then any others in their order."""
+    keys = [k for k in METRIC_ORDER if k in met] + [k for k in met if k not in METRIC_ORDER]
+    return {k: met[k] for k in keys}
+
+
 def render_markdown(m: dict) -> str:
-    met = m["metrics"]
+    met = _ordered(m["metrics"])
     tok = m["tokens"]
     lines = [
         f"# Accuracy gate: {'PASSED' if m['passed'] else 'FAILED'}",
@@ -278,7 +288,7 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = None) -> str:
-    met = m["metrics"]
+    met = _ordered(m["metrics"])
     tok = m["tokens"]
     verdict = "pass" if m["passed"] else "fail"
     h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

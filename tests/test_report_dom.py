@@ -308,10 +308,6 @@ def test_dom_of_real_fp8_gate_report(browser, tmp_path):
     assert len(dom["cats"]) == 6 and int(dom["nPrompts"]) == m["tokens"]["prompts"] >= 60
 
 
-@pytest.mark.xfail(strict=True, reason="build/report.py render_dir re-renders from the key-sorted metrics.json and "
-                   "render_html iterates metrics.items(): the re-rendered table lists greedy_same, kl_max, kl_mean, ... "
-                   "(alphabetical) instead of the gate's METRIC_ORDER. Remove this mark once render_html orders rows "
-                   "by METRIC_ORDER.")
 def test_rerendered_real_report_keeps_metric_order(browser, tmp_path):
     gate = _rerender_real_gate(tmp_path)
     m = json.loads((gate / "metrics.json").read_text())
