@@ -329,14 +329,6 @@ def auto_quantize_model(model: Any, calib_batches: Any, effective_bits: float, f
 # Export
 
 
-def _trt_name(hf_name: str) -> str:
-    try:
-        from .quantize import trtllm_name
-    except ImportError:  # pragma: no cover - quantize.py is another helper's module
-        return hf_name
-    return trtllm_name(hf_name)
-
-
 def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bits: float, formats: list[str],
                          out_dir: Path, logits_dtype: str = "float32",
                          disabled_layers: Sequence[str] = ("*lm_head*",), group_size: int | None = None,
@@ -381,18 +373,9 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
         qpath = tmp / "quant_cfg.json"
         quant_cfg = json.loads(qpath.read_text()) if qpath.is_file() else {}
         quantized = dict(quant_cfg.get("quantized_layers") or {})
-        per_layer: dict[str, str] = {}
-        mismatches = []
-        for hf, fmt in per_layer_hf.items():
-            trt = _trt_name(hf)
-            in_ckpt = quantized[trt].get("quant_algo", "?") if trt in quantized else NO_QUANT
-            per_layer[trt] = in_ckpt
-            if in_ckpt != fmt:
-                mismatches.append(f"{hf} ({fmt}) -> {trt} ({in_ckpt})")
-        for trt, entry in quantized.items():
-            per_layer.setdefault(trt, entry.get("quant_algo", "?"))
-        if mismatches:
-            raise RuntimeError("the exported quant_cfg.json disagrees with the searched formats: " + "; ".join(mismatches))
+        from .quantize import _check_mixed_export
+
+        per_layer = _check_mixed_export(tmp, per_layer_hf)  # RuntimeError if the export lost a decision
         result = {
             "quant_algo": (conf.get("quantization") or {}).get("quant_algo"),
             "kv_cache_quant_algo": (conf.get("quantization") or {}).get("kv_cache_quant_algo"),

@@ -65,6 +65,14 @@ clamped to -128..127; NVFP4 KV is refused): keys (after RoPE) and values are fak
 with ``k_cache_scaling_factor`` / ``v_cache_scaling_factor`` inside a custom attention function
 (registered in ``transformers.AttentionInterface`` as ``"trtllm_kvq_sdpa"``) before SDPA. Query/softmax
 FP8 (``use_fp8_context_fmha``) is a build-time choice and is not modelled.
+
+**MIXED_PRECISION** (``mtq.auto_quantize`` export; TensorRT-LLM 1.2 ``QuantConfig`` /
+``LayerQuantConfig`` in ``tensorrt_llm/models/modeling_utils.py`` read the same file):
+``config.json`` says ``quant_algo: MIXED_PRECISION`` and ``quant_cfg.json`` beside it lists
+``quantized_layers`` = ``{TRT-LLM module name: {"quant_algo": ..., "group_size": ...}}``. Each
+listed linear is read with its own format (and its own activation fake-quant); a linear not listed
+is stored unquantized. Formats inside a MIXED_PRECISION checkpoint: every single format above.
+``kv_cache_quant_algo`` comes from ``quant_cfg.json`` (else ``config.json``).
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -211,6 +219,59 @@ def read_config(ckpt_dir: Path) -> dict:
         raise UserError(FIELD, f"{p} is not valid JSON: {e}.", "re-run the quantize stage.")
 
 
+SINGLE_ALGOS = ("NO_QUANT", "FP8", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16")
+MIXED = "MIXED_PRECISION"
+
+
+def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
+    """The checkpoint's quantization, per linear: ``{"quant_algo", "kv_cache_quant_algo",
+    "group_size", "exclude_modules", "layers": {TRT-LLM linear name: {"quant_algo", "group_size"}}}``.
+
+    ``layers`` is filled only for MIXED_PRECISION (from ``quant_cfg.json``'s ``quantized_layers``);
+    a single-format checkpoint has one ``quant_algo`` for every linear not in ``exclude_modules``.
+    Raises UserError when MIXED_PRECISION has no readable ``quant_cfg.json``, or a layer's format
+    is not one the reader knows.
+    """
+    cfg = read_config(ckpt_dir) if cfg is None else cfg
+    q = cfg.get("quantization") or {}
+    algo = q.get("quant_algo") or "NO_QUANT"
+    out = {"quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"), "group_size": q.get("group_size"),
+           "exclude_modules": list(q.get("exclude_modules") or []), "layers": {}}
+    if algo != MIXED:
+        return out
+    p = Path(ckpt_dir) / "quant_cfg.json"
+    try:
+        qc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(FIELD, f"quant_algo is MIXED_PRECISION but {p} is missing (it lists each layer's format).",
+                        "re-export the checkpoint with the per-layer search (build/autoquant.py).")
+    except json.JSONDecodeError as e:
+        raise UserError(FIELD, f"{p} is not valid JSON: {e}.", "re-export the checkpoint.")
+    layers = qc.get("quantized_layers")
+    if not isinstance(layers, dict):
+        raise UserError(FIELD, f"{p} has no quantized_layers table.", "re-export the checkpoint.")
+    for name, entry in layers.items():
+        la = (entry or {}).get("quant_algo")
+        if la not in SINGLE_ALGOS or la == "NO_QUANT":
+            raise UserError(FIELD, f"{p}: layer {name} has quant_algo {la!r}, which is not read here.",
+                            "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, W8A8_SQ_PER_CHANNEL or W8A16 per layer.")
+        out["layers"][name] = {"quant_algo": la, "group_size": entry.get("group_size")}
+    if qc.get("kv_cache_quant_algo") is not None:
+        out["kv_cache_quant_algo"] = qc["kv_cache_quant_algo"]
+    return out
+
+
+def linear_format(qinfo: dict, name: str) -> tuple[str, int | None]:
+    """``(quant_algo, group_size)`` that the checkpoint declares for TRT-LLM linear ``name``
+    (``NO_QUANT`` for excluded / unlisted ones); ``qinfo`` from ``read_quant_cfg``."""
+    if qinfo["quant_algo"] == MIXED:
+        e = qinfo["layers"].get(name)
+        return (e["quant_algo"], e.get("group_size")) if e else ("NO_QUANT", None)
+    if qinfo["quant_algo"] == "NO_QUANT" or _excluded(name, qinfo["exclude_modules"]):
+        return "NO_QUANT", None
+    return qinfo["quant_algo"], qinfo["group_size"]
+
+
 def _rank_files(ckpt_dir: Path, cfg: dict) -> list[Path]:
     world = int((cfg.get("mapping") or {}).get("world_size", 1))
     files = [Path(ckpt_dir) / f"rank{r}.safetensors" for r in range(world)]
@@ -232,7 +293,8 @@ def checkpoint_info(ckpt_dir: Path) -> dict:
     """Summary of a checkpoint, from config.json and the safetensors headers (no tensor data read).
 
     Returns ``{"quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules", "mapping",
-    "logits_dtype", "dtype", "architecture", "total_bytes" (sum of rank*.safetensors file sizes),
+    "logits_dtype", "dtype", "architecture", "layers" (MIXED_PRECISION: {TRT-LLM linear: quant_algo},
+    else {}), "total_bytes" (sum of rank*.safetensors file sizes),
     "rank_bytes": [...], "dtypes": {safetensors dtype: {"tensors": n, "bytes": b}}, "num_tensors"}``.
     ``quant_algo`` is ``"NO_QUANT"`` when config.json has null; ``kv_cache_quant_algo`` ``"NONE"``.
     """
@@ -250,9 +312,11 @@ def checkpoint_info(ckpt_dir: Path) -> dict:
             d["bytes"] += meta["data_offsets"][1] - meta["data_offsets"][0]
             n += 1
     q = cfg.get("quantization") or {}
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
     return {
         "quant_algo": q.get("quant_algo") or "NO_QUANT",
-        "kv_cache_quant_algo": q.get("kv_cache_quant_algo") or "NONE",
+        "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or "NONE",
+        "layers": {n: e["quant_algo"] for n, e in qinfo["layers"].items()},
         "group_size": q.get("group_size"),
         "exclude_modules": list(q.get("exclude_modules") or []),
         "mapping": cfg.get("mapping", {}),
@@ -264,6 +328,76 @@ def checkpoint_info(ckpt_dir: Path) -> dict:
         "dtypes": dict(sorted(dtypes.items())),
         "num_tensors": n,
     }
+
+
+_PACKED_PER_BYTE = {"W4A16_AWQ": 2, "W4A8_AWQ": 2, "NVFP4": 2}  # 4-bit formats: 2 weights per stored byte
+
+
+def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
+    """The checkpoint, GEMM by GEMM, from config.json/quant_cfg.json and the safetensors headers
+    (no tensor data read): what the plan shows as ``layers``.
+
+    Returns ``{"quant_algo", "kv_cache_quant_algo", "source", "linears": [{"name" (TRT-LLM
+    linear, e.g. ``transformer.layers.0.attention.qkv``), "quant_algo", "group_size", "params"
+    (weights, all ranks), "bytes" (weight + scale tensors, all ranks), "bits_per_weight" (bytes
+    * 8 / params)}], "by_format": {quant_algo: {"linears", "params", "bytes"}},
+    "effective_bits" (weight bits per parameter over the quantized-or-not linears, lm_head
+    included)}``, plus, when ``search`` (the checkpoint's ``autoquant.json``) is given, the
+    search's ``effective_bits_budget`` / ``effective_bits_achieved`` (over the searched layers).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
+    sizes: dict[str, list[int]] = {}  # linear prefix -> [weight elements as stored, bytes]
+    names: list[str] = []
+    for f in _rank_files(ckpt_dir, cfg):
+        for name, meta in safetensors_header(f).items():
+            if name == "__metadata__" or "cache_scaling_factor" in name:
+                continue
+            stem, _, leaf = name.rpartition(".")
+            if leaf not in ("weight",) + _SCALE_SUFFIXES or not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
+                continue
+            if stem not in sizes:
+                sizes[stem] = [0, 0]
+                names.append(stem)
+            n_bytes = meta["data_offsets"][1] - meta["data_offsets"][0]
+            sizes[stem][1] += n_bytes
+            if leaf == "weight":
+                n = 1
+                for d in meta["shape"]:
+                    n *= int(d)
+                sizes[stem][0] += n
+    order = list(_LINEARS)
+
+    def key(stem: str) -> tuple:
+        parts = stem.split(".", 3)
+        if len(parts) == 4 and parts[2].isdigit() and parts[3] in order:
+            return (0, int(parts[2]), order.index(parts[3]))
+        return (1, 0, 0)
+
+    rows, by_fmt = [], {}
+    tot_bits = tot_params = 0
+    for stem in sorted(names, key=key):
+        algo, group = linear_format(qinfo, stem)
+        params = sizes[stem][0] * _PACKED_PER_BYTE.get(algo, 1)
+        nbytes = sizes[stem][1]
+        rows.append({"name": stem, "quant_algo": algo, "group_size": group if algo in _PACKED_PER_BYTE else None,
+                     "params": params, "bytes": nbytes, "bits_per_weight": round(nbytes * 8 / params, 4)})
+        agg = by_fmt.setdefault(algo, {"linears": 0, "params": 0, "bytes": 0})
+        agg["linears"] += 1
+        agg["params"] += params
+        agg["bytes"] += nbytes
+        tot_bits += nbytes * 8
+        tot_params += params
+    out = {"quant_algo": qinfo["quant_algo"], "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or "NONE",
+           "source": "exported checkpoint (config.json" + (", quant_cfg.json" if qinfo["layers"] else "") +
+                     ", rank*.safetensors headers)",
+           "linears": rows, "by_format": dict(sorted(by_fmt.items())),
+           "effective_bits": round(tot_bits / tot_params, 4) if tot_params else None}
+    if search:
+        out["search"] = {k: search.get(k) for k in ("effective_bits_budget", "effective_bits_achieved", "formats",
+                                                    "group_size", "method", "constraint_satisfied", "search_s")}
+    return out
 
 
 def _load_ranks(ckpt_dir: Path, cfg: dict) -> list[dict[str, torch.Tensor]]:
@@ -359,7 +493,8 @@ class LinearSpec:
     ``act_scale``: activation scale broadcastable over the input ``[in]`` (per-rank scalars spread
     over the rank's input slice for row-parallel linears) or None; ``act_scale_rows``: for
     column-parallel linears whose ranks have different activation scales, a list of
-    ``(out_start, out_end, scale)``; ``pre``: prequant scale ``[in]`` or None.
+    ``(out_start, out_end, scale)``; ``pre``: prequant scale ``[in]`` or None; ``quant_algo``: the
+    format the checkpoint declares for this linear (``NO_QUANT`` if unquantized).
     """
 
     weight: torch.Tensor
@@ -367,6 +502,7 @@ class LinearSpec:
     act_scale: Optional[torch.Tensor] = None
     act_scale_rows: list = field(default_factory=list)
     pre: Optional[torch.Tensor] = None
+    quant_algo: str = "NO_QUANT"
 
 
 def _qkv_split(cfg: dict, tp: int) -> tuple[int, int, int]:
@@ -424,7 +560,7 @@ def merge_linear(ranks: list[dict], prefix: str, kind: str, cfg: dict, quant_alg
         weight = torch.cat(ws, dim=0)
     else:
         weight = torch.cat(ws, dim=1)
-    spec = LinearSpec(weight=weight, quantized=quantized)
+    spec = LinearSpec(weight=weight, quantized=quantized, quant_algo=quant_algo if quantized else "NO_QUANT")
     in_dim = weight.shape[1]
     if any(a is not None for a in acts):
         if any(a is None for a in acts):
@@ -481,6 +617,7 @@ class DequantizedCheckpoint:
     linears: dict[str, LinearSpec]
     tensors: dict[str, torch.Tensor]
     kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    kv_cache_quant_algo: Optional[str] = None
 
 
 def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
@@ -499,9 +636,17 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
         raise UserError(FIELD, f"architecture {cfg.get('architecture')!r} is not read here (Llama only).", "use a Llama checkpoint.")
     q = cfg.get("quantization") or {}
     algo = q.get("quant_algo") or "NO_QUANT"
-    if algo not in ("NO_QUANT", "FP8", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16"):
-        raise UserError(FIELD, f"quant_algo {algo} is not read here.", "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, W8A8_SQ_PER_CHANNEL, W8A16 or NO_QUANT.")
-    group = q.get("group_size")
+    if algo not in SINGLE_ALGOS + (MIXED,):
+        raise UserError(FIELD, f"quant_algo {algo} is not read here.", "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, "
+                        "W8A8_SQ_PER_CHANNEL, W8A16, MIXED_PRECISION or NO_QUANT.")
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
+    kv_algo = qinfo["kv_cache_quant_algo"]
+
+    def fmt(name: str) -> tuple[str, int | None]:
+        la, g = linear_format(qinfo, name)
+        # single format: decode with the declared algo even where exclude_modules says unquantized,
+        # so that a quantized tensor there is decoded and then reported by _check_exclusions
+        return (algo if algo != MIXED and la == "NO_QUANT" else la), (g if g is not None else qinfo["group_size"])
     ranks = _load_ranks(ckpt_dir, cfg)
     if len(ranks) != tp:
         raise UserError(FIELD, f"{len(ranks)} rank files but tp_size {tp}.", "re-export the checkpoint.")
@@ -521,7 +666,7 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
         for n in ("input_layernorm.weight", "post_layernorm.weight"):
             tensors[base + n] = _merge_plain(ranks, base + n, None, used)
         for trt, (_, kind) in _LINEARS.items():
-            linears[base + trt] = merge_linear(ranks, base + trt + ".", kind, cfg, algo, group, used)
+            linears[base + trt] = merge_linear(ranks, base + trt + ".", kind, cfg, *fmt(base + trt), used)
         ks, vs = [], []
         for r, t in enumerate(ranks):
             k = t.get(base + "attention.k_cache_scaling_factor")
@@ -537,9 +682,9 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
             if k is not None:
                 ks.append(k.to(torch.float32).reshape(()))
                 vs.append(v.to(torch.float32).reshape(()))
-        if q.get("kv_cache_quant_algo"):
+        if kv_algo:
             if len(ks) != tp:
-                raise UserError(FIELD, f"kv_cache_quant_algo {q['kv_cache_quant_algo']} but {base}attention lacks "
+                raise UserError(FIELD, f"kv_cache_quant_algo {kv_algo} but {base}attention lacks "
                                 "k/v_cache_scaling_factor.", "re-export the checkpoint.")
             per_rank = max(1, nkv // tp)
             if nkv >= tp:
@@ -551,7 +696,7 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
             kv_scales[i] = (kvec, vvec)
     # lm_head
     if "lm_head.weight" in ranks[0]:
-        linears["lm_head"] = merge_linear(ranks, "lm_head.", "col", cfg, algo, group, used)
+        linears["lm_head"] = merge_linear(ranks, "lm_head.", "col", cfg, *fmt("lm_head"), used)
         if linears["lm_head"].weight.shape[0] > vocab:
             linears["lm_head"].weight = linears["lm_head"].weight[:vocab]
     elif not cfg.get("share_embedding_table"):
@@ -560,16 +705,35 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     if leftover:
         raise UserError(FIELD, f"{len(leftover)} tensors are not understood by the reader, e.g. {', '.join(leftover[:5])}.",
                         "this reader handles Llama checkpoints; re-export or extend build/checkpoint.py.")
-    _check_exclusions(cfg, algo, linears)
-    return DequantizedCheckpoint(config=cfg, linears=linears, tensors=tensors, kv_scales=kv_scales)
+    _check_exclusions(cfg, algo, linears, qinfo)
+    return DequantizedCheckpoint(config=cfg, linears=linears, tensors=tensors, kv_scales=kv_scales,
+                                 kv_cache_quant_algo=kv_algo)
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _check_exclusions(cfg: dict, algo: str, linears: dict[str, LinearSpec]) -> None:
-    """Quantized-ness of each linear must agree with quant_algo and exclude_modules."""
+_NEEDS_ACT_SCALE = ("FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")
+
+
+def _check_exclusions(cfg: dict, algo: str, linears: dict[str, LinearSpec], qinfo: dict | None = None) -> None:
+    """Quantized-ness of each linear must agree with quant_algo and exclude_modules (or, for
+    MIXED_PRECISION, with quant_cfg.json's quantized_layers)."""
+    if algo == MIXED:
+        layers = (qinfo or {}).get("layers", {})
+        unknown = sorted(set(layers) - set(linears))
+        if unknown:
+            raise UserError(FIELD, f"quant_cfg.json lists {unknown[0]}, which the checkpoint does not have.",
+                            "re-export the checkpoint.")
+        for n, s in linears.items():
+            want = layers.get(n, {}).get("quant_algo", "NO_QUANT")
+            if s.quantized != (want != "NO_QUANT"):
+                raise UserError(FIELD, f"{n} is stored {'quantized' if s.quantized else 'unquantized'} but "
+                                f"quant_cfg.json declares {want}.", "re-export the checkpoint.")
+            if s.quantized and want in _NEEDS_ACT_SCALE and s.act_scale is None and not s.act_scale_rows:
+                raise UserError(FIELD, f"{n} lacks activation_scaling_factor, which {want} needs.", "re-export the checkpoint.")
+        return
     if algo == "NO_QUANT":
         bad = [n for n, s in linears.items() if s.quantized]
         if bad:
@@ -583,7 +747,7 @@ def _check_exclusions(cfg: dict, algo: str, linears: dict[str, LinearSpec]) -> N
         if not ex and not s.quantized:
             raise UserError(FIELD, f"{n} is stored unquantized but not listed in exclude_modules "
                             f"(TensorRT-LLM would expect a {algo} weight).", "re-export the checkpoint.")
-        if s.quantized and algo in ("FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ") and s.act_scale is None and not s.act_scale_rows:
+        if s.quantized and algo in _NEEDS_ACT_SCALE and s.act_scale is None and not s.act_scale_rows:
             raise UserError(FIELD, f"{n} lacks activation_scaling_factor, which {algo} needs.", "re-export the checkpoint.")
 
 
@@ -702,14 +866,16 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
     if bad:
         raise UserError(FIELD, "checkpoint and HF config disagree: " + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in bad.items()) + ".",
                         "pass the HF folder the checkpoint was exported from.")
-    algo = (cfg.get("quantization") or {}).get("quant_algo") or "NO_QUANT"
-    kv_algo = (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
+    kv_algo = ck.kv_cache_quant_algo
     if kv_algo not in (None, "FP8", "INT8"):
         # NVFP4 KV: the meaning of the exported k/v scales for TensorRT-LLM's FP4 cache was not
         # verified here, so it is refused rather than approximated
         raise UserError(FIELD, f"kv_cache_quant_algo {kv_algo} is not modelled by this reader (FP8 and INT8 are).",
                         "gate an FP8-KV variant of the profile, or evaluate this one on the engine.")
-    act = _ACT_FORMAT.get(algo)
+
+    def act(spec: LinearSpec) -> Optional[str]:  # per linear: MIXED_PRECISION layers differ
+        return _ACT_FORMAT.get(spec.quant_algo) if spec.quantized else None
+
     _register_attention()
     hf_cfg.tie_word_embeddings = False
     hf_cfg._attn_implementation = ATTN_IMPL
@@ -723,7 +889,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
     if head is None:  # share_embedding_table
         model.lm_head = QuantLinear(LinearSpec(weight=ck.tensors["transformer.vocab_embedding.weight"], quantized=False), None, dtype)
     else:
-        model.lm_head = QuantLinear(head, act if head.quantized else None, dtype)
+        model.lm_head = QuantLinear(head, act(head), dtype)
     hd = int(cfg.get("head_size") or hf_cfg.hidden_size // hf_cfg.num_attention_heads)
     nq = hf_cfg.num_attention_heads * hd
     nkv = hf_cfg.num_key_value_heads * hd
@@ -739,8 +905,8 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
         for name, (a, b) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, nq + 2 * nkv))):
             rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in qkv.act_scale_rows if s < b and e > a]
             spec = LinearSpec(weight=qkv.weight[a:b], quantized=qkv.quantized, act_scale=qkv.act_scale,
-                              act_scale_rows=rows, pre=qkv.pre)
-            setattr(layer.self_attn, name, QuantLinear(spec, act if spec.quantized else None, dtype))
+                              act_scale_rows=rows, pre=qkv.pre, quant_algo=qkv.quant_algo)
+            setattr(layer.self_attn, name, QuantLinear(spec, act(spec), dtype))
         for trt, hf in (("attention.dense", "self_attn.o_proj"), ("mlp.fc", "mlp.gate_proj"),
                         ("mlp.gate", "mlp.up_proj"), ("mlp.proj", "mlp.down_proj")):
             spec = ck.linears[base + trt]
@@ -750,7 +916,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
             if tuple(old.weight.shape) != tuple(spec.weight.shape):
                 raise UserError(FIELD, f"{base}{trt} has shape {tuple(spec.weight.shape)}; the model expects {tuple(old.weight.shape)}.",
                                 "use the HF folder the checkpoint was made from.")
-            setattr(parent, attr, QuantLinear(spec, act if spec.quantized else None, dtype))
+            setattr(parent, attr, QuantLinear(spec, act(spec), dtype))
         attn = layer.self_attn
         if kv_algo:
             ks, vs = ck.kv_scales[i]
@@ -768,7 +934,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
 
 
 __all__ = [
-    "checkpoint_info", "read_config", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
+    "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
     "QuantLinear", "LinearSpec", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]

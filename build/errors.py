@@ -8,7 +8,7 @@ internal error (the only case that prints a traceback).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 EXIT_OK = 0

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import GateFailed, StrictSkip, UserError
-from .profile import Profile, load_profile
+from .profile import load_profile
 from .store import atomic_dir, atomic_write_json, clean_stale, hash_dir, hash_file, hash_obj, locked, read_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -99,13 +99,11 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
 
     profile = load_profile(profile_ref)
     q = profile.quantization
-    if q.quant_algo.value == "MIXED_PRECISION" or q.auto_quantize_bits is not None:
+    if q.auto_quantize_bits is not None and q.quant_algo.value != "MIXED_PRECISION":
         raise UserError("quantization.auto_quantize_bits",
-                        "the per-layer search (mtq.auto_quantize) is available as build/autoquant.py "
-                        "auto_quantize_export(), but the build's accuracy gate cannot read MIXED_PRECISION "
-                        "checkpoints yet, so `invoke build` refuses it rather than ship an ungated engine.",
-                        "remove auto_quantize_bits and choose one quant_algo, or keep layers in high precision "
-                        "with exclude_modules (see `invoke sensitivity`).")
+                        f"an effective-bits budget is set but quant_algo is {q.quant_algo.value}; the per-layer "
+                        "search runs only for quant_algo MIXED_PRECISION.",
+                        "set quant_algo: MIXED_PRECISION (with auto_quantize_formats), or remove auto_quantize_bits.")
     model_dir = _model_dir(model)
     out_dir = _validate_out_dir(Path(out) if out else default_out_dir(profile.name or "profile"))
     stages: list[StageRecord] = []
@@ -166,7 +164,7 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
             "calibration": profile.calibration.model_dump(mode="json"),
             "tp_size": profile.parallel.tp_size, "pp_size": profile.parallel.pp_size,
             "moe": [profile.parallel.moe_tp_size, profile.parallel.moe_ep_size],
-            "logits_dtype": profile.build.logits_dtype, "code": code_key("quantize", "calibrate"),
+            "logits_dtype": profile.build.logits_dtype, "code": code_key("quantize", "calibrate", "autoquant"),
         })
         ckpt_dir = out_dir / "checkpoint"
         t0 = time.perf_counter()
@@ -193,9 +191,19 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
             })
             if reused_ckpt is not None:
                 rec.reason = f"reused {reused_ckpt}"
+            if qz.get("quant_algo") == "MIXED_PRECISION":
+                aq = read_json(ckpt_dir / "autoquant.json", {}) or {}
+                rec.numbers["effective_bits"] = aq.get("effective_bits_achieved")
+                rec.numbers["per_layer_counts"] = aq.get("counts")
         save(rec)
         emit(rec)
         ckpt_key = qkey
+        # the plan, layer by layer: each GEMM's format and bytes as exported (for MIXED_PRECISION,
+        # the search's decisions); written into plan.json next to the resolve-time plan
+        from .checkpoint import layer_table
+
+        plan["layers"] = layer_table(ckpt_dir, read_json(ckpt_dir / "autoquant.json", None))
+        atomic_write_json(out_dir / "plan.json", plan)
 
         # ---- 3. gate
         from . import gate as gate_mod

@@ -23,7 +23,7 @@ replaced (``invoke profiles --gpu h100``). Nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 

@@ -17,6 +17,11 @@ W4A8_AWQ               ``W4A8_AWQ_BETA_CFG``; first (INT4) ``*weight_quantizer``
 W8A8_SQ_PER_CHANNEL    ``INT8_SMOOTHQUANT_CFG``; ``algorithm = {"method": "smoothquant", "alpha": smoothquant_alpha}``
 W8A16                  ``INT8_WEIGHT_ONLY_CFG``
 NO_QUANT               no ModelOpt quantization; the BF16 checkpoint is still exported
+MIXED_PRECISION        ``mtq.auto_quantize`` over ``auto_quantize_formats`` under the
+                       ``auto_quantize_bits`` budget (``build/autoquant.py``); one format per
+                       TensorRT-LLM GEMM, written to ``quant_cfg.json``; the KV-cache quantizers
+                       are then enabled and calibrated alone (``mtq.calibrate``, ``max``), as
+                       ModelOpt's ``examples/llm_ptq/hf_ptq.py`` does after a search
 =====================  ============================================================
 
 KV cache (``quantization.kv_cache_quant_algo``), merged with
@@ -59,7 +64,7 @@ from typing import Any, Callable
 
 from .calibrate import CalibrationSet, build_calibration_set, load_tokenizer
 from .errors import Problem, UserError
-from .profile import KVCacheQuantAlgo, Profile, QuantAlgo
+from .profile import Profile
 from .store import atomic_dir, atomic_write_json
 
 MAIN_CONFIGS: dict[str, str | None] = {
@@ -70,7 +75,9 @@ MAIN_CONFIGS: dict[str, str | None] = {
     "W8A8_SQ_PER_CHANNEL": "INT8_SMOOTHQUANT_CFG",
     "W8A16": "INT8_WEIGHT_ONLY_CFG",
     "NO_QUANT": None,
+    "MIXED_PRECISION": "auto_quantize",
 }
+MIXED = "MIXED_PRECISION"
 KV_CONFIGS: dict[str, str | None] = {"NONE": None, "FP8": "FP8_KV_CFG", "NVFP4": "NVFP4_KV_CFG", "INT8": None}
 AWQ_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
 NVFP4_GROUP = 16
@@ -108,6 +115,9 @@ class QuantizeResult:
     out_dir: str = ""
     unmatched_exclude_patterns: list[str] = field(default_factory=list)
     calib_dtype: str = "float32"
+    # MIXED_PRECISION only: {TRT-LLM linear: format} (NO_QUANT included) and the search's figures
+    per_layer: dict[str, str] = field(default_factory=dict)
+    search: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,6 +207,8 @@ def _check_group_size(profile: Profile) -> int | None:
         return NVFP4_GROUP
     if algo in AWQ_ALGOS:
         return q.group_size or AWQ_DEFAULT_GROUP
+    if algo == MIXED:
+        return q.group_size  # AWQ candidates: autoquant.choose_group_size checks / picks it
     if q.group_size is not None:
         raise UserError("quantization.group_size", f"{algo} has no per-group scales; group_size {q.group_size} would be ignored.",
                         "remove quantization.group_size (it applies to W4A16_AWQ, W4A8_AWQ and NVFP4).")
@@ -246,6 +258,9 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
     if algo not in MAIN_CONFIGS:
         raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
                         f"use one of: {', '.join(MAIN_CONFIGS)}.")
+    if algo == MIXED:
+        raise UserError("quantization.quant_algo", "MIXED_PRECISION has no single ModelOpt config: the per-layer "
+                        "search (mtq.auto_quantize) picks one per layer.", "call quantize_model / run_quantize.")
     group = _check_group_size(profile)
     kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
     base_name = MAIN_CONFIGS[algo]
@@ -417,6 +432,7 @@ class QuantizedModel:
     unmatched: list[str]
     calibrate_s: float
     group_size: int | None
+    search: dict[str, Any] = field(default_factory=dict)  # MIXED_PRECISION: autoquant stats + per_layer_hf
 
 
 def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True,
@@ -450,10 +466,19 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
     if kv_algo != "NONE" and algo == "NO_QUANT":
         modelopt_config_for(profile, linear_names=[], num_hidden_layers=0)  # raises the NO_QUANT + KV error
     kv_config_for(kv_algo)  # INT8 refused here, before any heavy work
+    if algo == MIXED:
+        from .autoquant import _check_bits, normalize_formats
+
+        if q.auto_quantize_bits is None:
+            raise UserError("quantization.auto_quantize_bits", "MIXED_PRECISION needs an effective-bits budget.",
+                            "set quantization.auto_quantize_bits, e.g. 6.0 with auto_quantize_formats [FP8, W4A16_AWQ].")
+        _check_bits(q.auto_quantize_bits, normalize_formats(q.auto_quantize_formats))
     check_layout(profile, hf_cfg, group if algo in AWQ_ALGOS else None)
     calib = calib_set
     if calib is None and algo != "NO_QUANT":
         calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
+    if algo == MIXED:
+        return _search_model(profile, model_dir, hf_cfg, calib, show_progress)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
@@ -472,6 +497,55 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
     return QuantizedModel(model=model, profile=profile, config_name=cfg_name, config=cfg, calibration=calib,
                           excluded_hf=excluded_hf if cfg is not None else [], unmatched=unmatched,
                           calibrate_s=calibrate_s, group_size=group if algo in AWQ_ALGOS + ("NVFP4",) else None)
+
+
+def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: CalibrationSet,
+                  show_progress: bool) -> QuantizedModel:
+    """MIXED_PRECISION: ``mtq.auto_quantize`` (``build.autoquant._run_search``), then the KV cache.
+
+    Layers kept in high precision (``exclude_modules``, ``keep_first/last_layers``, fused groups
+    expanded) are the search's ``disabled_layers`` and stay unquantized; everything else, lm_head
+    included unless excluded (the shipped profiles exclude it), is searched. After the search
+    the KV-cache quantizers (``FP8_KV_CFG``) are enabled and calibrated with every other quantizer
+    temporarily off, so the searched formats' scales are untouched.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import modelopt.torch.quantization as mtq
+
+    from .autoquant import CANDIDATES, _run_search, normalize_formats
+
+    q = profile.quantization
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    names = _linear_names(model)
+    excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
+                                                q.keep_last_layers, int(hf_cfg.num_hidden_layers))
+    disabled = list(excluded_hf)
+    fmts = normalize_formats(q.auto_quantize_formats)
+    t0 = time.perf_counter()
+    batches = calib.batches(profile.calibration.batch_size)
+    if show_progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[bold]per-layer search[/] (mtq.auto_quantize, gradient scores) over "
+                                   f"{', '.join(fmts)} at {q.auto_quantize_bits} bits: {len(calib.samples)} samples, "
+                                   f"{len(batches)} batches")
+    model, per_layer_hf, stats = _run_search(model, batches, float(q.auto_quantize_bits), fmts,
+                                             disabled_layers=disabled, group_size=q.group_size)
+    kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
+    if kv_cfg is not None:
+        mtq.set_quantizer_by_cfg(model, kv_cfg)
+        loop = make_forward_loop(calib, profile.calibration.batch_size, show_progress)
+        with mtq.set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}, *kv_cfg]):
+            mtq.calibrate(model, algorithm="max", forward_loop=loop)
+    calibrate_s = time.perf_counter() - t0
+    name = "auto_quantize(" + ", ".join(
+        f"{CANDIDATES[f][0]}(group_size={stats.group_size})" if f == "W4A16_AWQ" else CANDIDATES[f][0]
+        for f in fmts) + f"; effective_bits={q.auto_quantize_bits})" + (f"+{kv_name}" if kv_name else "")
+    return QuantizedModel(model=model, profile=profile, config_name=name, config=None, calibration=calib,
+                          excluded_hf=excluded_hf, unmatched=unmatched, calibrate_s=calibrate_s,
+                          group_size=stats.group_size, search={**stats.to_dict(), "per_layer_hf": per_layer_hf})
 
 
 def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
@@ -498,6 +572,11 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
         conf = json.loads(cfg_path.read_text())
         conf["logits_dtype"] = profile.build.logits_dtype
         quant = conf.get("quantization") or {}
+        per_layer: dict[str, str] = {}
+        if qm.search:
+            per_layer = _check_mixed_export(tmp, qm.search["per_layer_hf"])
+            atomic_write_json(tmp / "autoquant.json", {**{k: v for k, v in qm.search.items() if k != "per_layer_hf"},
+                                                       "per_layer": per_layer})
         if qm.config is not None:
             written = quant.get("exclude_modules") or []
             quant["exclude_modules"] = sorted(set(written) | set(excluded_trt))
@@ -519,7 +598,29 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
         tp_size=profile.parallel.tp_size,
         out_dir=str(out_dir),
         unmatched_exclude_patterns=list(qm.unmatched),
+        per_layer=per_layer,
+        search={k: v for k, v in qm.search.items() if k != "per_layer_hf"},
     )
+
+
+def _check_mixed_export(ckpt: Path, per_layer_hf: dict[str, str]) -> dict[str, str]:
+    """{TRT-LLM linear: format} from the exported ``quant_cfg.json``, checked against the search's
+    per-HF-linear result (RuntimeError when they disagree: the export lost a decision)."""
+    path = Path(ckpt) / "quant_cfg.json"
+    quantized = (json.loads(path.read_text()).get("quantized_layers") or {}) if path.is_file() else {}
+    out: dict[str, str] = {}
+    bad = []
+    for hf, fmt in per_layer_hf.items():
+        trt = trtllm_name(hf)
+        got = quantized.get(trt, {}).get("quant_algo", "NO_QUANT")
+        out[trt] = got
+        if got != fmt:
+            bad.append(f"{hf} ({fmt}) -> {trt} ({got})")
+    if bad:
+        raise RuntimeError("quant_cfg.json disagrees with the per-layer search: " + "; ".join(bad[:5]))
+    for trt, e in quantized.items():
+        out.setdefault(trt, e.get("quant_algo", "?"))
+    return out
 
 
 def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress: bool = True,

@@ -30,7 +30,6 @@ leftovers, so the repository always loads and serves the recorded release. Test 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import time

@@ -583,6 +583,10 @@ def _group_size(ctx: Context) -> list[Finding]:
             return [refuse("quantization.group_size", f"{algo} needs a group size (scales per group of input channels).",
                            f"set quantization.group_size to a divisor of {_slice_text(m, mp)}, e.g. {_suggest_group(m, mp)}.")]
         g, what = q.group_size, "group_size"
+    elif algo == "MIXED_PRECISION" and any(c.value in F.AWQ_ALGOS for c in q.auto_quantize_formats):
+        if q.group_size is None:  # the search picks the largest of 128/64/32/16 that divides (autoquant.py)
+            return []
+        g, what = q.group_size, "group_size (AWQ search candidate)"
     elif algo in ("NVFP4", "W4A16_NVFP4"):
         g, what = F.NVFP4_BLOCK, "the NVFP4 block (16)"
         if q.group_size not in (None, F.NVFP4_BLOCK):
@@ -590,7 +594,8 @@ def _group_size(ctx: Context) -> list[Finding]:
                             "remove group_size."))
     else:
         if q.group_size is not None:
-            out.append(warn("quantization.group_size", f"group_size is only used by AWQ and NVFP4; ignored for {algo}.",
+            out.append(warn("quantization.group_size", f"group_size is only used by AWQ and NVFP4 (and a per-layer "
+                            f"search with an AWQ candidate); ignored for {algo}.",
                             "remove group_size."))
         return out
     bad = [(name, n) for name, n in _input_slices(m, mp, q) if n % g]

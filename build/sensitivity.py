@@ -59,7 +59,6 @@ Outputs in ``<out>/sensitivity/``:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -166,7 +165,7 @@ class Evaluator:
         cfg = ck.config
         q = cfg.get("quantization") or {}
         self.quant_algo = q.get("quant_algo") or "NO_QUANT"
-        self.kv_algo = q.get("kv_cache_quant_algo")
+        self.kv_algo = getattr(ck, "kv_cache_quant_algo", None) or q.get("kv_cache_quant_algo")
         self.group_size = q.get("group_size")
         from .checkpoint import _ACT_FORMAT
 
@@ -299,9 +298,15 @@ class Evaluator:
     def _replacements(self, cell: Cell) -> list[tuple[nn.Module, str, nn.Module]]:
         from .checkpoint import LinearSpec, QuantLinear
 
-        act = self.act_format
+        from .checkpoint import _ACT_FORMAT
+
+        def act_of(spec: Any) -> Optional[str]:  # per linear (MIXED_PRECISION layers differ)
+            algo = getattr(spec, "quant_algo", "NO_QUANT")
+            return _ACT_FORMAT.get(algo) if algo != "NO_QUANT" else self.act_format
+
         if cell.kind == HEAD_KIND:
-            return [(self.model, "lm_head", QuantLinear(self._spec("lm_head"), act, torch.float32))]
+            spec = self._spec("lm_head")
+            return [(self.model, "lm_head", QuantLinear(spec, act_of(spec), torch.float32))]
         layer = self.model.model.layers[cell.layer]
         out = []
         for trt in cell.trt_linears:
@@ -313,7 +318,8 @@ class Evaluator:
                     rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in spec.act_scale_rows if s < b and e > a]
                     sub = LinearSpec(weight=spec.weight[a:b], quantized=spec.quantized, act_scale=spec.act_scale,
                                      act_scale_rows=rows, pre=spec.pre)
-                    out.append((layer.self_attn, name, QuantLinear(sub, act if sub.quantized else None, torch.float32)))
+                    out.append((layer.self_attn, name, QuantLinear(sub, act_of(spec) if sub.quantized else None,
+                                                                   torch.float32)))
             else:
                 parent, attr = _TRT_TO_HF[short].split(".")
                 mod = getattr(layer, parent)
@@ -321,7 +327,7 @@ class Evaluator:
                 if tuple(old.weight.shape) != tuple(spec.weight.shape):
                     raise UserError("checkpoint", f"{trt} has shape {tuple(spec.weight.shape)}; the model expects "
                                     f"{tuple(old.weight.shape)}.", "pass the HF folder the checkpoint was made from.")
-                out.append((mod, attr, QuantLinear(spec, act if spec.quantized else None, torch.float32)))
+                out.append((mod, attr, QuantLinear(spec, act_of(spec) if spec.quantized else None, torch.float32)))
         return out
 
     @contextlib.contextmanager
@@ -652,7 +658,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
     """
     from . import golden as golden_mod
     from .checkpoint import dequantize_checkpoint, read_config
-    from .gate import _threads, kl_summary, model_fingerprint
+    from .gate import _threads, model_fingerprint
 
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
@@ -823,7 +829,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
         gm = json.loads((gate_dir / "metrics.json").read_text())
         gate_metrics = {k: (gm.get("metrics", {}).get(k) or {}).get("value") for k in ("kl_mean", "kl_p99", "top1")}
     title = f"{profile.name} ({algo}" + (f", KV {q.get('kv_cache_quant_algo')}" if q.get("kv_cache_quant_algo") else "") \
-        + f"): KL mean, one cell quantized, rest FP32"
+        + "): KL mean, one cell quantized, rest FP32"
     t0 = time.perf_counter()
     size = plot_heatmap(matrix, layers, lin_kinds, kind_rows, sens_dir / "heatmap.png", title)
     timings["heatmap"] = time.perf_counter() - t0

@@ -151,3 +151,45 @@ fp8_tp3_checkpoint = _ckpt_fixture("fp8_tp3")    # FP8 + FP8 KV, tp_size 3 (same
 # slower (measured: a 20-token calibration forward took 20 s with the default policy and 0.4 s
 # with PASSIVE while other processes were busy). Must be set before torch initialises OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def smollm_2layers(tmp_path_factory, default_model_dir) -> Path:
+    """SmolLM2-135M-Instruct cut to its first 2 decoder layers (same tokenizer, same weights):
+    the real model, small enough for a per-layer search in seconds."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("smollm2_2l")
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), num_hidden_layers=2, dtype=torch.bfloat16)
+    model.save_pretrained(str(out))
+    for p in Path(default_model_dir).iterdir():
+        if p.is_file() and p.name not in ("config.json", "model.safetensors") and not (out / p.name).exists():
+            shutil.copy2(p, out / p.name)
+    return out
+
+
+MIXED_OVERRIDES = {"calibration": {"num_samples": 6, "seq_len": 48, "batch_size": 3}}
+
+
+@pytest.fixture(scope="session")
+def mixed_export(tmp_path_factory, smollm_2layers):
+    """The shipped mixed-fp8-int4-h100 profile (FP8 / W4A16_AWQ search at 6 bits, FP8 KV, group 64)
+    run on the 2-layer model with real calibration text (6 x 48), exported at tp_size 1 and 3.
+
+    Returns ``(quantized_model, tp1 checkpoint dir, tp3 checkpoint dir, QuantizeResult tp1)``.
+    """
+    import dataclasses
+
+    from build.profile import deep_merge, load_raw, validate_profile
+    from build.quantize import export_checkpoint, quantize_model
+
+    root = tmp_path_factory.mktemp("mixed")
+    prof = validate_profile(deep_merge(load_raw("mixed-fp8-int4-h100"), MIXED_OVERRIDES))
+    prof3 = validate_profile(deep_merge(load_raw("mixed-fp8-int4-h100"), {**MIXED_OVERRIDES, "parallel": {"tp_size": 3}}))
+    qm = quantize_model(prof, smollm_2layers, show_progress=False)
+    res = export_checkpoint(qm, root / "tp1")
+    export_checkpoint(dataclasses.replace(qm, profile=prof3), root / "tp3")
+    return qm, root / "tp1", root / "tp3", res

@@ -9,8 +9,6 @@ source), and exports a MIXED_PRECISION TensorRT-LLM checkpoint.
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -80,20 +78,6 @@ def test_calibration_batches_validated():
 
 # --------------------------------------------------------------------------------------------
 # Real model, real text
-
-
-@pytest.fixture(scope="module")
-def smollm_2layers(tmp_path_factory, default_model_dir) -> Path:
-    """SmolLM2-135M-Instruct cut to its first 2 decoder layers (same tokenizer, same weights)."""
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("smollm2_2l")
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), num_hidden_layers=2, dtype=torch.bfloat16)
-    model.save_pretrained(str(out))
-    for p in Path(default_model_dir).iterdir():
-        if p.is_file() and p.name not in ("config.json", "model.safetensors") and not (out / p.name).exists():
-            shutil.copy2(p, out / p.name)
-    return out
 
 
 @pytest.mark.slow

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import math
 from html.parser import HTMLParser
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from build.errors import EXIT_GATE_FAILED, GateFailed, UserError
-from build.gate import (CallableCandidate, HFCandidate, as_candidate, bootstrap_ci, compare_generations, kl_summary,
+from build.gate import (CallableCandidate, as_candidate, bootstrap_ci, compare_generations, kl_summary,
                         perplexity, run_gate, token_metrics, _check)
 from build.profile import GateThresholds, load_profile
 

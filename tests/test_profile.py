@@ -9,7 +9,6 @@ exception.
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from build.errors import EXIT_INVALID, UserError
-from build.profile import Profile, deep_merge, load_profile, load_raw, shipped_profiles, validate_profile
+from build.profile import Profile, deep_merge, load_profile, shipped_profiles, validate_profile
 
 SHIPPED = ["bf16-h100", "fp8-h100", "fp8-h200", "int4-awq-a100", "int8-sq-l4", "nvfp4-b200"]
 
