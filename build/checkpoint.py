@@ -650,6 +650,14 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     ranks = _load_ranks(ckpt_dir, cfg)
     if len(ranks) != tp:
         raise UserError(FIELD, f"{len(ranks)} rank files but tp_size {tp}.", "re-export the checkpoint.")
+    if algo == MIXED:  # say which layer disagrees with quant_cfg.json before decoding with the wrong format
+        for k, t in ranks[0].items():
+            stem = k[: -len(".weight")] if k.endswith(".weight") else None
+            if stem and (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
+                want = linear_format(qinfo, stem)[0]
+                if (t.dtype in QUANTIZED_DTYPES) != (want != "NO_QUANT"):
+                    raise UserError(FIELD, f"{stem} is stored {'quantized' if t.dtype in QUANTIZED_DTYPES else 'unquantized'}"
+                                    f" ({t.dtype}) but quant_cfg.json declares {want}.", "re-export the checkpoint.")
     used: set = set()
     vocab = int(cfg["vocab_size"])
     linears: dict[str, LinearSpec] = {}

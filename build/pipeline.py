@@ -105,6 +105,16 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
                         "search runs only for quant_algo MIXED_PRECISION.",
                         "set quant_algo: MIXED_PRECISION (with auto_quantize_formats), or remove auto_quantize_bits.")
     model_dir = _model_dir(model)
+    try:
+        model_type = (read_json(model_dir / "config.json", {}) or {}).get("model_type")
+    except (ValueError, AttributeError) as e:
+        raise UserError("--model", f"{model_dir / 'config.json'} is not a JSON object: {e}.",
+                        "give a Hugging Face model folder with a valid config.json.")
+    if model_type != "llama":
+        raise UserError("--model", f"{model_dir} is a {model_type!r} model; the accuracy gate reads Llama-architecture "
+                        "checkpoints only, so the build would stop after quantizing.",
+                        "use a Llama-family model; a Mixtral MoE can be quantized and exported with expert "
+                        "parallelism by build.quantize.run_quantize, but not gated yet.")
     out_dir = _validate_out_dir(Path(out) if out else default_out_dir(profile.name or "profile"))
     stages: list[StageRecord] = []
 

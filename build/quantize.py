@@ -44,6 +44,11 @@ by comparing exported weights with the HF ones): q/k/v_proj -> ``attention.qkv``
 [q; k; v]), o_proj -> ``attention.dense``, gate_proj -> ``mlp.fc``, up_proj -> ``mlp.gate``,
 down_proj -> ``mlp.proj``.
 
+MoE (Mixtral; ModelOpt exports it with the "llama" decoder type): with ``parallel.moe_ep_size > 1``
+the tp_size export is re-sharded by ``build.moe.reshard_moe_checkpoint`` (experts split over
+moe_ep_size, each expert's FFN over moe_tp_size) and ``config.json`` ``mapping`` says so;
+``QuantizeResult.moe_mapping`` lists each rank's experts.
+
 Calibration runs in FP32 (on 2 CPU cores an FP32 forward is ~4x faster than BF16, and the
 activation ranges are at least as accurate); the weights of the default model are BF16 values,
 so quantizing their FP32 copies gives the same scales as BF16. The export casts unquantized
@@ -78,6 +83,9 @@ MAIN_CONFIGS: dict[str, str | None] = {
     "MIXED_PRECISION": "auto_quantize",
 }
 MIXED = "MIXED_PRECISION"
+# HF model_type -> ModelOpt export decoder type (modelopt/torch/export/model_utils.py maps
+# MixtralForCausalLM to "llama" too; the MoE experts are exported by the same path)
+EXPORT_MODEL_TYPES = {"llama": "llama", "mixtral": "llama"}
 KV_CONFIGS: dict[str, str | None] = {"NONE": None, "FP8": "FP8_KV_CFG", "NVFP4": "NVFP4_KV_CFG", "INT8": None}
 AWQ_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
 NVFP4_GROUP = 16
@@ -118,6 +126,8 @@ class QuantizeResult:
     # MIXED_PRECISION only: {TRT-LLM linear: format} (NO_QUANT included) and the search's figures
     per_layer: dict[str, str] = field(default_factory=dict)
     search: dict[str, Any] = field(default_factory=dict)
+    # MoE with moe_ep_size > 1: the re-sharded mapping (build.moe.reshard_moe_checkpoint's result)
+    moe_mapping: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -354,6 +364,24 @@ def check_layout(profile: Profile, hf_config: Any, group: int | None) -> None:
         raise UserError(problems)
 
 
+def moe_layout(profile: Profile, hf_config: Any) -> tuple[int, int] | None:
+    """``(moe_tp_size, moe_ep_size)`` for a MoE model (``build.moe.resolve_moe_layout``, TensorRT-LLM
+    ``Mapping`` defaults), None for a dense one. Raises UserError (``parallel.moe_ep_size`` /
+    ``parallel.moe_tp_size``) for a layout that does not split the experts; and for expert
+    parallelism asked of a dense model."""
+    from .moe import resolve_moe_layout
+
+    par = profile.parallel
+    experts = int(getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0) or 0)
+    if experts < 2:
+        if (par.moe_ep_size or 1) > 1:
+            raise UserError("parallel.moe_ep_size", f"moe_ep_size {par.moe_ep_size} asks for expert parallelism, "
+                            "but the model has no experts.", "remove parallel.moe_ep_size / moe_tp_size.")
+        return None
+    return resolve_moe_layout(par.tp_size, par.moe_tp_size, par.moe_ep_size, experts,
+                              int(getattr(hf_config, "intermediate_size", 0) or 0))
+
+
 # --------------------------------------------------------------------------------------------
 # Calibration loop with a progress bar
 
@@ -459,9 +487,10 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
                         "pass the converted model folder (build.models.ensure_default_model()).")
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
     arch = (getattr(hf_cfg, "architectures", None) or [""])[0]
-    if getattr(hf_cfg, "model_type", "") != "llama":
+    if getattr(hf_cfg, "model_type", "") not in EXPORT_MODEL_TYPES:
         raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model ({arch}); "
-                        "this quantize stage exports Llama-architecture models only.", "use a Llama-family model.")
+                        "this quantize stage exports Llama-architecture models (and Mixtral MoE) only.",
+                        "use a Llama-family model.")
     group = _check_group_size(profile)
     if kv_algo != "NONE" and algo == "NO_QUANT":
         modelopt_config_for(profile, linear_names=[], num_hidden_layers=0)  # raises the NO_QUANT + KV error
@@ -474,6 +503,7 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
                             "set quantization.auto_quantize_bits, e.g. 6.0 with auto_quantize_formats [FP8, W4A16_AWQ].")
         _check_bits(q.auto_quantize_bits, normalize_formats(q.auto_quantize_formats))
     check_layout(profile, hf_cfg, group if algo in AWQ_ALGOS else None)
+    moe_layout(profile, hf_cfg)  # refuses a bad moe_tp x moe_ep before any heavy work
     calib = calib_set
     if calib is None and algo != "NO_QUANT":
         calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
@@ -562,11 +592,29 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
     profile = qm.profile
     excluded_trt = sorted({trtllm_name(n) for n in qm.excluded_hf})
     out_dir = Path(out_dir)
+    hf_cfg = qm.model.config
+    layout = moe_layout(profile, hf_cfg)
+    reshard = layout is not None and layout[1] > 1
+    moe_mapping: dict[str, Any] = {}
     with atomic_dir(out_dir) as tmp:
+        stage = tmp / "modelopt-export" if reshard else tmp
         t1 = time.perf_counter()
         with torch.no_grad():
-            export_tensorrt_llm_checkpoint(qm.model, "llama", torch.bfloat16, tmp,
-                                           inference_tensor_parallel=profile.parallel.tp_size)
+            export_tensorrt_llm_checkpoint(qm.model, EXPORT_MODEL_TYPES.get(hf_cfg.model_type, "llama"), torch.bfloat16,
+                                           stage, inference_tensor_parallel=profile.parallel.tp_size)
+        if reshard:
+            # ModelOpt writes moe_tp_size = tp_size, moe_ep_size = 1: regroup the experts over the
+            # EP ranks as TensorRT-LLM's Mapping expects (build/moe.py) and write that mapping
+            import os
+            import shutil
+
+            from .moe import reshard_moe_checkpoint
+
+            moe_mapping = reshard_moe_checkpoint(stage, layout[0], layout[1], tmp / "ep")
+            shutil.rmtree(stage)
+            for f in (tmp / "ep").iterdir():
+                os.replace(f, tmp / f.name)
+            (tmp / "ep").rmdir()
         export_s = time.perf_counter() - t1
         cfg_path = tmp / "config.json"
         conf = json.loads(cfg_path.read_text())
@@ -600,6 +648,7 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
         unmatched_exclude_patterns=list(qm.unmatched),
         per_layer=per_layer,
         search={k: v for k, v in qm.search.items() if k != "per_layer_hf"},
+        moe_mapping=moe_mapping,
     )
 
 
@@ -637,4 +686,4 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
 
 
 __all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
-           "resolve_exclusions", "make_forward_loop", "check_layout"]
+           "resolve_exclusions", "make_forward_loop", "check_layout", "moe_layout"]

@@ -123,9 +123,9 @@ def test_reader_logits_track_modelopt_and_fp32(mixed_export, smollm_2layers):
 
     qm, ck, _, _ = mixed_export
     tok = AutoTokenizer.from_pretrained(str(smollm_2layers))
-    ids = tok(["The committee said on Monday that the new rules would take effect next year, after a long "
-               "consultation with industry groups and unions.", "def read_config(path):\n    with open(path) as f:"
-               "\n        return json.load(f)\n"], return_tensors="pt", padding=True).input_ids
+    ids = tok("The committee said on Monday that the new rules would take effect next year, after a long "
+              "consultation with industry groups and unions.\n\ndef read_config(path):\n    with open(path) as f:"
+              "\n        return json.load(f)\n", return_tensors="pt").input_ids
     raw = load_file(str(ck / "rank0.safetensors"))
     mo = qm.model
     with torch.no_grad():
@@ -212,7 +212,7 @@ def test_reader_refuses_broken_mixed_checkpoints(mixed_export, tmp_path, case):
     elif case == "declared-fp8-stored-bf16":
         qc["quantized_layers"].pop(first)
         qpath.write_text(json.dumps(qc))
-        words = "stored quantized but quant_cfg.json declares NO_QUANT"
+        words = "is stored quantized (torch.int8) but quant_cfg.json declares NO_QUANT"
     else:
         qc["quantized_layers"]["transformer.layers.7.mlp.fc"] = {"quant_algo": "FP8"}
         qpath.write_text(json.dumps(qc))

@@ -297,3 +297,48 @@ def test_modelopt_mixtral_ep2(tmp_path, fmt):
         assert sd["transformer.layers.0.mlp.router.weight"].shape == (4, 64)
     _assert_same(reassemble_experts(out), expected, rtol)
     _assert_same(reassemble_experts(out), from_tp2)  # lossless: bitwise
+
+
+@pytest.mark.slow
+def test_quantize_stage_exports_mixtral_with_expert_parallelism(tmp_path, default_model_dir):
+    """The quantize stage itself (run_quantize, as `invoke build` calls it) on a tiny Mixtral with
+    the default model's tokenizer and real calibration text: tp_size 2 with moe_ep_size 2 comes out
+    re-sharded (each rank holds 2 of the 4 experts, whole), and the mapping says so."""
+    import dataclasses
+    import json
+    import shutil
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from build.moe import reassemble_experts
+    from build.profile import deep_merge, load_raw, validate_profile
+    from build.quantize import export_checkpoint, quantize_model
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny-mixtral"
+    cfg = MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, vocab_size=49152,
+                        max_position_embeddings=256)
+    MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(model_dir))
+    for p in Path(default_model_dir).glob("*token*"):
+        shutil.copy2(p, model_dir / p.name)
+
+    over = {"calibration": {"num_samples": 4, "seq_len": 32}, "parallel": {"tp_size": 2, "moe_ep_size": 2}}
+    prof = validate_profile(deep_merge(load_raw("fp8-h100"), over))
+    qm = quantize_model(prof, model_dir, show_progress=False)
+    r = export_checkpoint(qm, tmp_path / "ep2")
+    mapping = json.loads((tmp_path / "ep2" / "config.json").read_text())["mapping"]
+    assert mapping["tp_size"] == 2 and mapping["moe_tp_size"] == 1 and mapping["moe_ep_size"] == 2
+    assert r.moe_mapping["moe_ep_size"] == 2 and r.moe_mapping["experts_per_rank"] == 2
+    assert [x["experts"] for x in r.moe_mapping["ranks"]] == [[0, 1], [2, 3]]
+    assert r.quant_algo == "FP8" and r.calibration["num_samples"] == 4
+    assert not (tmp_path / "ep2" / "modelopt-export").exists() and not (tmp_path / "ep2" / "ep").exists()
+    # the same quantized model exported with ModelOpt's own layout (moe_tp 2 x moe_ep 1)
+    prof_tp = validate_profile(deep_merge(load_raw("fp8-h100"), {**over, "parallel": {"tp_size": 2}}))
+    r_tp = export_checkpoint(dataclasses.replace(qm, profile=prof_tp), tmp_path / "tp2")
+    assert r_tp.moe_mapping == {}
+    a, b = reassemble_experts(tmp_path / "ep2"), reassemble_experts(tmp_path / "tp2")
+    assert set(a) == set(b) and a
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
