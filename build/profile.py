@@ -83,7 +83,7 @@ class Quantization(_Strict):
 
     quant_algo: QuantAlgo = Field(QuantAlgo.NO_QUANT, description="GEMM format of the decoder linears (checkpoint quant_algo).")
     kv_cache_quant_algo: KVCacheQuantAlgo = Field(KVCacheQuantAlgo.NONE, description="KV-cache format (checkpoint kv_cache_quant_algo).")
-    group_size: Optional[int] = Field(None, ge=1, le=4096, description="Block size for AWQ (per-group scales). NVFP4 is fixed at 16.")
+    group_size: Optional[int] = Field(None, ge=1, le=4096, description="Block size for AWQ (per-group scales), also for an AWQ candidate of the per-layer search. NVFP4 is fixed at 16.")
     exclude_modules: list[str] = Field(
         default_factory=lambda: ["lm_head"],
         description="Modules kept in high precision (fnmatch patterns on TRT-LLM/HF module names), e.g. lm_head, *router*, *embed*.",
