@@ -238,6 +238,10 @@ def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
     out = {"quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"), "group_size": q.get("group_size"),
            "exclude_modules": list(q.get("exclude_modules") or []), "layers": {}}
     if algo != MIXED:
+        g = out["group_size"]
+        if algo in ("W4A16_AWQ", "W4A8_AWQ") and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise UserError(FIELD, f"config.json declares {algo} with group_size {g!r}; it needs a positive integer "
+                            "(the input channels per scale).", "re-export the checkpoint.")
         return out
     p = Path(ckpt_dir) / "quant_cfg.json"
     try:
@@ -247,18 +251,66 @@ def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
                         "re-export the checkpoint with the per-layer search (build/autoquant.py).")
     except json.JSONDecodeError as e:
         raise UserError(FIELD, f"{p} is not valid JSON: {e}.", "re-export the checkpoint.")
-    layers = qc.get("quantized_layers")
+    layers = qc.get("quantized_layers") if isinstance(qc, dict) else None
     if not isinstance(layers, dict):
-        raise UserError(FIELD, f"{p} has no quantized_layers table.", "re-export the checkpoint.")
+        raise UserError(FIELD, f"{p} has no quantized_layers table ({{layer name: {{\"quant_algo\": ...}}}}).",
+                        "re-export the checkpoint.")
     for name, entry in layers.items():
-        la = (entry or {}).get("quant_algo")
+        if not isinstance(entry, dict):
+            raise UserError(FIELD, f"{p}: layer {name} is {entry!r}, not an object with quant_algo.", "re-export the checkpoint.")
+        la = entry.get("quant_algo")
         if la not in SINGLE_ALGOS or la == "NO_QUANT":
             raise UserError(FIELD, f"{p}: layer {name} has quant_algo {la!r}, which is not read here.",
                             "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, W8A8_SQ_PER_CHANNEL or W8A16 per layer.")
-        out["layers"][name] = {"quant_algo": la, "group_size": entry.get("group_size")}
-    if qc.get("kv_cache_quant_algo") is not None:
-        out["kv_cache_quant_algo"] = qc["kv_cache_quant_algo"]
+        g = entry.get("group_size")
+        if la in ("W4A16_AWQ", "W4A8_AWQ") and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise UserError(FIELD, f"{p}: layer {name} ({la}) has group_size {g!r}; it needs a positive integer "
+                            "(the input channels per scale).", "re-export the checkpoint.")
+        out["layers"][name] = {"quant_algo": la, "group_size": g}
+    kv_q = qc.get("kv_cache_quant_algo")
+    kv_c = q.get("kv_cache_quant_algo")
+    if kv_q is not None and kv_c is not None and kv_q != kv_c:
+        raise UserError(FIELD, f"{p} says kv_cache_quant_algo {kv_q} but config.json says {kv_c}.",
+                        "re-export the checkpoint (one KV-cache format per engine).")
+    if kv_q is not None:
+        out["kv_cache_quant_algo"] = kv_q
     return out
+
+
+# stored weight dtype (safetensors name) of each declared format
+_STORED = {"FP8": ("F8_E4M3",), "NVFP4": ("U8",), "W4A16_AWQ": ("I8",), "W4A8_AWQ": ("I8",),
+           "W8A8_SQ_PER_CHANNEL": ("I8",), "W8A16": ("I8",), "NO_QUANT": ("BF16", "F16", "F32")}
+
+
+def check_declared_formats(ckpt_dir: Path, cfg: dict | None = None) -> None:
+    """Every linear's stored weight (dtype, and for INT8-stored formats the scale layout) must match
+    the format that config.json / quant_cfg.json declare for it; read from the safetensors headers
+    only. Raises UserError naming the layer, what is stored and what is declared."""
+    cfg = read_config(ckpt_dir) if cfg is None else cfg
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
+    for f in _rank_files(ckpt_dir, cfg):
+        h = safetensors_header(f)
+        for key, meta in h.items():
+            if key == "__metadata__" or not key.endswith(".weight"):
+                continue
+            stem = key[: -len(".weight")]
+            if not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
+                continue
+            algo, _ = linear_format(qinfo, stem)
+            if algo != "NO_QUANT" or qinfo["quant_algo"] == MIXED:
+                want = _STORED.get(algo, ())
+                if meta["dtype"] not in want:
+                    raise UserError(FIELD, f"{stem} is stored as {meta['dtype']} in {f.name} but declared {algo} "
+                                    f"(stored as {' or '.join(want)}).", "re-export the checkpoint.")
+            sf = h.get(stem + ".weights_scaling_factor")
+            if meta["dtype"] == "I8" and sf is not None:
+                packed = len(sf["shape"]) == 2 and sf["shape"][0] == 2 * meta["shape"][0]  # INT4: [out, in/g] for [out/2, in]
+                if algo in ("W4A16_AWQ", "W4A8_AWQ") and not packed:
+                    raise UserError(FIELD, f"{stem} is declared {algo} but stored as INT8 with per-channel scales "
+                                    f"{sf['shape']} (W8A16 / SmoothQuant layout).", "re-export the checkpoint.")
+                if algo in ("W8A8_SQ_PER_CHANNEL", "W8A16") and packed:
+                    raise UserError(FIELD, f"{stem} is declared {algo} but stored as packed INT4 with per-group scales "
+                                    f"{sf['shape']} (AWQ layout).", "re-export the checkpoint.")
 
 
 def linear_format(qinfo: dict, name: str) -> tuple[str, int | None]:
@@ -348,6 +400,7 @@ def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
     ckpt_dir = Path(ckpt_dir)
     cfg = read_config(ckpt_dir)
     qinfo = read_quant_cfg(ckpt_dir, cfg)
+    check_declared_formats(ckpt_dir, cfg)
     sizes: dict[str, list[int]] = {}  # linear prefix -> [weight elements as stored, bytes]
     names: list[str] = []
     for f in _rank_files(ckpt_dir, cfg):
@@ -640,6 +693,7 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
         raise UserError(FIELD, f"quant_algo {algo} is not read here.", "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, "
                         "W8A8_SQ_PER_CHANNEL, W8A16, MIXED_PRECISION or NO_QUANT.")
     qinfo = read_quant_cfg(ckpt_dir, cfg)
+    check_declared_formats(ckpt_dir, cfg)
     kv_algo = qinfo["kv_cache_quant_algo"]
 
     def fmt(name: str) -> tuple[str, int | None]:
@@ -650,14 +704,6 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     ranks = _load_ranks(ckpt_dir, cfg)
     if len(ranks) != tp:
         raise UserError(FIELD, f"{len(ranks)} rank files but tp_size {tp}.", "re-export the checkpoint.")
-    if algo == MIXED:  # say which layer disagrees with quant_cfg.json before decoding with the wrong format
-        for k, t in ranks[0].items():
-            stem = k[: -len(".weight")] if k.endswith(".weight") else None
-            if stem and (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
-                want = linear_format(qinfo, stem)[0]
-                if (t.dtype in QUANTIZED_DTYPES) != (want != "NO_QUANT"):
-                    raise UserError(FIELD, f"{stem} is stored {'quantized' if t.dtype in QUANTIZED_DTYPES else 'unquantized'}"
-                                    f" ({t.dtype}) but quant_cfg.json declares {want}.", "re-export the checkpoint.")
     used: set = set()
     vocab = int(cfg["vocab_size"])
     linears: dict[str, LinearSpec] = {}
@@ -942,7 +988,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
 
 
 __all__ = [
-    "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
+    "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
     "QuantLinear", "LinearSpec", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]

@@ -78,9 +78,14 @@ def _model_dir(model: str | None) -> Path:
 
         return ensure_default_model()
     p = Path(model).expanduser()
+    need = "give a local folder with config.json, *.safetensors and the tokenizer files."
     if not (p / "config.json").is_file():
-        raise UserError("--model", f"{model} is not a Hugging Face model folder (no config.json).",
-                        "give a local folder with config.json, *.safetensors and the tokenizer files.")
+        raise UserError("--model", f"{model} is not a Hugging Face model folder (no config.json).", need)
+    if not list(p.glob("*.safetensors")):
+        raise UserError("--model", f"{model} has no *.safetensors weights (only safetensors are loaded).", need)
+    if not ((p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file()):
+        raise UserError("--model", f"{model} has no tokenizer (tokenizer.json or tokenizer.model); calibration "
+                        "and the gate encode real text with it.", need)
     return p.resolve()
 
 
@@ -106,10 +111,17 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
                         "set quant_algo: MIXED_PRECISION (with auto_quantize_formats), or remove auto_quantize_bits.")
     model_dir = _model_dir(model)
     try:
-        model_type = (read_json(model_dir / "config.json", {}) or {}).get("model_type")
-    except (ValueError, AttributeError) as e:
-        raise UserError("--model", f"{model_dir / 'config.json'} is not a JSON object: {e}.",
+        hf_cfg = read_json(model_dir / "config.json", {})
+    except ValueError as e:
+        hf_cfg = f"not valid JSON ({e})"
+    if not isinstance(hf_cfg, dict):
+        raise UserError("--model", f"{model_dir / 'config.json'} is not a JSON object"
+                        + (f": {hf_cfg}" if isinstance(hf_cfg, str) else "") + ".",
                         "give a Hugging Face model folder with a valid config.json.")
+    model_type = hf_cfg.get("model_type")
+    if model_type is None:
+        raise UserError("--model", f"{model_dir / 'config.json'} has no model_type.",
+                        "give a Hugging Face model folder whose config.json names its model_type (e.g. llama).")
     if model_type != "llama":
         raise UserError("--model", f"{model_dir} is a {model_type!r} model; the accuracy gate reads Llama-architecture "
                         "checkpoints only, so the build would stop after quantizing.",
@@ -131,6 +143,9 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
         if not (reused_ckpt / "config.json").is_file() or not list(reused_ckpt.glob("rank*.safetensors")):
             raise UserError("--checkpoint", f"{checkpoint} is not a TensorRT-LLM checkpoint (config.json + rank*.safetensors).",
                             "give a checkpoint directory written by a previous build, or leave --checkpoint out to quantize.")
+        from .checkpoint import check_declared_formats
+
+        check_declared_formats(reused_ckpt)  # header-level: a broken checkpoint is refused before anything is written
     plan_obj = plan_mod.resolve(profile, model_dir, checkpoint_dir=reused_ckpt)
     plan = plan_obj.to_json()
     rec = StageRecord("resolve", "done", time.perf_counter() - t0, key=hash_obj(plan))

@@ -540,10 +540,12 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
     out = []
     if ctx.quant == "MIXED_PRECISION":
         q = ctx.profile.quantization
-        if q.auto_quantize_bits is None or not q.auto_quantize_formats:
-            out.append(refuse("quantization.auto_quantize_bits",
-                              "MIXED_PRECISION needs an effective-bits budget and candidate formats.",
-                              "set quantization.auto_quantize_bits (e.g. 6.0) and auto_quantize_formats (e.g. [FP8, W4A16_AWQ])."))
+        if q.auto_quantize_bits is None:
+            out.append(refuse("quantization.auto_quantize_bits", "MIXED_PRECISION needs an effective-bits budget.",
+                              "set quantization.auto_quantize_bits, e.g. 6.0 with auto_quantize_formats [FP8, W4A16_AWQ]."))
+        if not q.auto_quantize_formats:
+            out.append(refuse("quantization.auto_quantize_formats", "MIXED_PRECISION needs candidate formats for the search.",
+                              "set quantization.auto_quantize_formats, e.g. [FP8, W4A16_AWQ]."))
         for cand in q.auto_quantize_formats:
             ce = F.GEMM_FORMATS[cand.value]
             if cand.value in ("MIXED_PRECISION", "NO_QUANT"):
@@ -559,6 +561,54 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
         out.append(warn("quantization.quant_algo",
                         f"{e.algo} on SM {ctx.sm}: the builder accepts it but the hardware support matrix does not list it.",
                         "validate accuracy and speed on this GPU before shipping."))
+    return out
+
+
+@rule("quantize.modelopt_inputs", "the quantize stage (ModelOpt 0.47) can produce what the profile asks",
+      "modelopt/torch/quantization/config.py (KV configs); build/autoquant.py (search candidates); "
+      "build/quantize.py (check_layout)", needs_gpu=False)
+def _modelopt_inputs(ctx: Context) -> list[Finding]:
+    """Refusals the quantize stage would otherwise raise after the build started writing."""
+    from .autoquant import CANDIDATES, FORMAT_BITS
+
+    q, m, par = ctx.profile.quantization, ctx.model, ctx.profile.parallel
+    out = []
+    if ctx.quant == "MIXED_PRECISION":
+        names = [c.value for c in q.auto_quantize_formats]
+        bad = [n for n in names if n not in CANDIDATES]
+        if bad:
+            out.append(refuse("quantization.auto_quantize_formats",
+                              f"{', '.join(bad)} cannot be a per-layer search candidate (ModelOpt's auto_quantize "
+                              "candidates exported and read here: " + ", ".join(CANDIDATES) + ").",
+                              "use candidates from: " + ", ".join(CANDIDATES) + "."))
+        ok = [n for n in names if n in CANDIDATES]
+        if ok and q.auto_quantize_bits is not None:
+            lowest = min(FORMAT_BITS[n] for n in ok)
+            if q.auto_quantize_bits < lowest:
+                out.append(refuse("quantization.auto_quantize_bits",
+                                  f"a budget of {q.auto_quantize_bits} bits per weight is below the cheapest candidate "
+                                  f"({lowest} bits: {', '.join(n for n in ok if FORMAT_BITS[n] == lowest)}).",
+                                  f"raise the budget to at least {lowest}, or add a cheaper candidate format."))
+    elif q.auto_quantize_formats:
+        out.append(warn("quantization.auto_quantize_formats",
+                        f"candidate formats are only used by quant_algo MIXED_PRECISION; ignored for {ctx.quant}.",
+                        "remove auto_quantize_formats, or set quant_algo: MIXED_PRECISION."))
+    if ctx.kv == "INT8":
+        out.append(refuse("quantization.kv_cache_quant_algo",
+                          "INT8 KV cache: ModelOpt 0.47 ships no INT8 KV-cache config (only FP8_KV_CFG and NVFP4_KV_CFG), "
+                          "so no calibrated INT8 KV scales can be exported.",
+                          "use kv_cache_quant_algo: FP8 (SM >= 89) or NONE."))
+    if ctx.quant != "NO_QUANT" and q.keep_first_layers + q.keep_last_layers >= m.num_layers > 0:
+        out.append(refuse("quantization.keep_first_layers",
+                          f"keep_first_layers {q.keep_first_layers} + keep_last_layers {q.keep_last_layers} keep all "
+                          f"{m.num_layers} decoder layers of {m.name} in high precision: nothing would be quantized.",
+                          f"keep fewer layers (together < {m.num_layers}), or use quant_algo NO_QUANT."))
+    tp = par.tp_size
+    if not m.is_moe and m.intermediate_size and m.intermediate_size % tp:
+        ok_tp = [d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0 and m.intermediate_size % d == 0]
+        out.append(refuse("parallel.tp_size", f"tp_size {tp} does not split the MLP intermediate size "
+                          f"{m.intermediate_size} of {m.name} evenly (each rank holds intermediate_size/tp columns).",
+                          f"use a tp_size dividing both the heads and {m.intermediate_size}: {', '.join(map(str, ok_tp))}."))
     return out
 
 
@@ -726,9 +776,9 @@ def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> l
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [refuse("checkpoint", f"{path} is not valid JSON ({e}).", "delete the checkpoint so it is re-quantized.")]
+        return [refuse("--checkpoint", f"{path} is not valid JSON ({e}).", "leave out --checkpoint so that the build quantizes.")]
     if not isinstance(cfg, dict):
-        return [refuse("checkpoint", f"{path} does not hold a JSON object.", "delete the checkpoint so it is re-quantized.")]
+        return [refuse("--checkpoint", f"{path} does not hold a JSON object.", "leave out --checkpoint so that the build quantizes.")]
     want = derive_mapping(p)
     got = cfg.get("mapping") or {}
     if not isinstance(got, dict):
@@ -754,7 +804,37 @@ def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> l
             out.append(refuse("quantization.quant_algo",
                               f"the reused checkpoint {checkpoint_dir} holds quant_algo {qa} / kv_cache_quant_algo {kv}, "
                               f"the profile asks for {p.quantization.quant_algo.value} / {p.quantization.kv_cache_quant_algo.value}.",
-                              "re-quantize (delete the checkpoint)."))
+                              "leave out --checkpoint so that the build quantizes, or use a profile that matches it."))
+        elif qa == "MIXED_PRECISION":
+            out.extend(_mixed_reuse_findings(p, Path(checkpoint_dir)))
+    return out
+
+
+def _mixed_reuse_findings(p: Profile, ckpt: Path) -> list[Finding]:
+    """A reused MIXED_PRECISION checkpoint must use only the profile's candidates and meet its budget."""
+    fix = "leave out --checkpoint so that the build runs the search, or change the profile to match."
+    try:
+        qc = json.loads((ckpt / "quant_cfg.json").read_text(encoding="utf-8"))
+        layers = qc.get("quantized_layers") if isinstance(qc, dict) else None
+        used = {e.get("quant_algo") for e in layers.values() if isinstance(e, dict)} if isinstance(layers, dict) else set()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []  # the checkpoint reader reports a missing/broken quant_cfg.json with its own message
+    want = {c.value for c in p.quantization.auto_quantize_formats}
+    out = []
+    extra = sorted(str(u) for u in used - want)
+    if extra:
+        out.append(refuse("quantization.auto_quantize_formats",
+                          f"the reused checkpoint {ckpt} has layers in {', '.join(extra)}, which the profile's candidates "
+                          f"({', '.join(sorted(want)) or 'none'}) do not include.", fix))
+    try:
+        achieved = json.loads((ckpt / "autoquant.json").read_text(encoding="utf-8")).get("effective_bits_achieved")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        achieved = None
+    budget = p.quantization.auto_quantize_bits
+    if isinstance(achieved, (int, float)) and budget is not None and achieved > budget + 1e-6:
+        out.append(refuse("quantization.auto_quantize_bits",
+                          f"the reused checkpoint {ckpt} averages {achieved:.3f} bits per searched weight, over the "
+                          f"profile's budget of {budget}.", fix))
     return out
 
 

@@ -56,6 +56,86 @@ CASES = {
 }
 
 
+MIXED = "extends: mixed-fp8-int4-h100\nquantization:\n"
+CASES.update({
+    "mixed-bits-below-candidates": (lambda d: str(_profile(d, MIXED + "  auto_quantize_bits: 3.0\n")),
+                                    ["quantization.auto_quantize_bits", "below the cheapest candidate"]),
+    "mixed-sq-candidate": (lambda d: str(_profile(d, MIXED + "  auto_quantize_formats: [FP8, W8A8_SQ_PER_CHANNEL]\n")),
+                           ["quantization.auto_quantize_formats", "cannot be a per-layer search candidate"]),
+    "int8-kv": (lambda d: str(_profile(d, "extends: fp8-h100\nquantization:\n  kv_cache_quant_algo: INT8\n"
+                                       "context_phase:\n  use_paged_context_fmha: false\n  use_fp8_context_fmha: false\n"
+                                       "runtime:\n  enable_kv_cache_reuse: false\n")),
+                ["quantization.kv_cache_quant_algo", "INT8"]),
+    "keep-every-layer": (lambda d: str(_profile(d, "extends: fp8-h100\nquantization:\n  keep_first_layers: 999\n")),
+                         ["quantization.keep_first_layers", "nothing would be quantized"]),
+})
+
+
+def _model_folder(d: Path, kind: str) -> str:
+    import shutil
+
+    from build.models import ensure_default_model
+
+    m = d / f"model-{kind}"
+    m.mkdir()
+    src = ensure_default_model()
+    if kind == "json-list":  # weights and tokenizer present: only config.json is wrong
+        (m / "config.json").write_text("[1, 2]")
+        for f in src.iterdir():
+            if f.is_file() and f.name != "config.json":
+                (m / f.name).symlink_to(f)
+    else:
+        shutil.copy2(src / "config.json", m / "config.json")
+        if kind == "no-tokenizer":
+            (m / "model.safetensors").symlink_to(src / "model.safetensors")
+    return str(m)
+
+
+# --model folders that are not usable models (previously: a traceback after plan.json was written)
+MODEL_CASES = {
+    "json-list": ["--model", "is not a JSON object"],
+    "no-weights": ["--model", "has no *.safetensors weights"],
+    "no-tokenizer": ["--model", "has no tokenizer"],
+}
+
+
+def _broken_mixed_checkpoint(d: Path) -> str:
+    """config.json says MIXED_PRECISION, quant_cfg.json is missing."""
+    import json
+
+    from safetensors.torch import save_file
+    import torch
+
+    c = d / "ckpt"
+    c.mkdir()
+    (c / "config.json").write_text(json.dumps({"architecture": "LlamaForCausalLM", "mapping": {"world_size": 1, "tp_size": 1},
+                                               "quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8"}}))
+    save_file({"lm_head.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(c / "rank0.safetensors"))
+    return str(c)
+
+
+def _check_bad_build(args: list[str], expected: list[str], previous_output: Path) -> None:
+    before = hash_dir(previous_output)
+    r = run_task("build", *args, "--out", str(previous_output))
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text
+    assert "Traceback" not in text
+    for needle in expected:
+        assert needle in text, f"{needle!r} not in:\n{text}"
+    assert "fix:" in text
+    assert hash_dir(previous_output) == before
+
+
+@pytest.mark.parametrize("kind", sorted(MODEL_CASES))
+def test_bad_model_folder_exits_2_and_changes_nothing(kind, tmp_path, previous_output):
+    _check_bad_build(["--profile", "fp8-h100", "--model", _model_folder(tmp_path, kind)], MODEL_CASES[kind], previous_output)
+
+
+def test_broken_reused_checkpoint_exits_2_and_changes_nothing(tmp_path, previous_output):
+    _check_bad_build(["--profile", "mixed-fp8-int4-h100", "--checkpoint", _broken_mixed_checkpoint(tmp_path)],
+                     ["quant_cfg.json is missing"], previous_output)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_exits_2_and_changes_nothing(case, tmp_path, previous_output):
     make, expected = CASES[case]

@@ -193,7 +193,9 @@ def _copy(ck: Path, tmp: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", ["no-quant-cfg", "bad-algo", "declared-fp8-stored-bf16", "unknown-layer"])
+@pytest.mark.parametrize("case", ["no-quant-cfg", "bad-algo", "declared-fp8-stored-bf16", "unknown-layer",
+                                  "not-a-table", "entry-not-object", "bad-group", "kv-disagrees", "fp8-declared-awq",
+                                  "awq-declared-w8"])
 def test_reader_refuses_broken_mixed_checkpoints(mixed_export, tmp_path, case):
     from build.checkpoint import dequantize_checkpoint
 
@@ -212,11 +214,37 @@ def test_reader_refuses_broken_mixed_checkpoints(mixed_export, tmp_path, case):
     elif case == "declared-fp8-stored-bf16":
         qc["quantized_layers"].pop(first)
         qpath.write_text(json.dumps(qc))
-        words = "is stored quantized (torch.int8) but quant_cfg.json declares NO_QUANT"
-    else:
+        words = "is stored as I8 in rank0.safetensors but declared NO_QUANT"
+    elif case == "unknown-layer":
         qc["quantized_layers"]["transformer.layers.7.mlp.fc"] = {"quant_algo": "FP8"}
         qpath.write_text(json.dumps(qc))
         words = "transformer.layers.7.mlp.fc"
+    elif case == "not-a-table":
+        qpath.write_text("[1, 2]")
+        words = "has no quantized_layers table"
+    elif case == "entry-not-object":
+        qc["quantized_layers"][first] = "W4A16_AWQ"
+        qpath.write_text(json.dumps(qc))
+        words = "not an object with quant_algo"
+    elif case == "bad-group":
+        awq = next(n for n, e in qc["quantized_layers"].items() if e["quant_algo"] == "W4A16_AWQ")
+        qc["quantized_layers"][awq]["group_size"] = "abc"
+        qpath.write_text(json.dumps(qc))
+        words = "group_size 'abc'"
+    elif case == "kv-disagrees":
+        qc["kv_cache_quant_algo"] = "INT8"
+        qpath.write_text(json.dumps(qc))
+        words = "kv_cache_quant_algo INT8 but config.json says FP8"
+    elif case == "fp8-declared-awq":
+        fp8 = next(n for n, e in qc["quantized_layers"].items() if e["quant_algo"] == "FP8")
+        qc["quantized_layers"][fp8] = {"quant_algo": "W4A16_AWQ", "group_size": 64}
+        qpath.write_text(json.dumps(qc))
+        words = f"{fp8} is stored as F8_E4M3 in rank0.safetensors but declared W4A16_AWQ"
+    else:
+        awq = next(n for n, e in qc["quantized_layers"].items() if e["quant_algo"] == "W4A16_AWQ")
+        qc["quantized_layers"][awq] = {"quant_algo": "W8A16"}
+        qpath.write_text(json.dumps(qc))
+        words = f"{awq} is declared W8A16 but stored as packed INT4"
     with pytest.raises(UserError) as ei:
         dequantize_checkpoint(c)
     p = ei.value.problems[0]

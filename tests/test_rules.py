@@ -272,9 +272,33 @@ def test_pp_uneven_warns():
 def test_kv_head_replication_warns():
     p = prof(parallel={"tp_size": 9}, deployment={"gpus_per_replica": 9})
     plan = run(p)
-    assert plan.ok
     assert only(plan, "layout.kv_heads", "warn")
     assert plan.memory["kv_bytes_per_token"] == 2 * 30 * 1 * 64 * 2
+    # ... and tp 9 is refused anyway: the MLP's 1536 columns do not split over 9 ranks
+    assert [x.rule for x in plan.problems] == ["quantize.modelopt_inputs"]
+    pr = only(plan, "quantize.modelopt_inputs")
+    assert pr.field == "parallel.tp_size" and "1536" in pr.reason and pr.fix.endswith(": 1, 3.")
+
+
+@pytest.mark.parametrize("quant, kv, keep, want_field, words", [
+    ({"quant_algo": "MIXED_PRECISION", "auto_quantize_bits": 3.0, "auto_quantize_formats": ["FP8", "W4A16_AWQ"],
+      "group_size": 64}, "FP8", 0, "quantization.auto_quantize_bits", "below the cheapest candidate (4 bits: W4A16_AWQ)"),
+    ({"quant_algo": "MIXED_PRECISION", "auto_quantize_bits": 6.0, "auto_quantize_formats": ["FP8", "W8A8_SQ_PER_CHANNEL"]},
+     "FP8", 0, "quantization.auto_quantize_formats", "W8A8_SQ_PER_CHANNEL cannot be a per-layer search candidate"),
+    ({"quant_algo": "FP8"}, "INT8", 0, "quantization.kv_cache_quant_algo", "no INT8 KV-cache config"),
+    ({"quant_algo": "FP8"}, "FP8", 999, "quantization.keep_first_layers", "nothing would be quantized"),
+])
+def test_quantize_stage_limits_refused_at_check(quant, kv, keep, want_field, words):
+    p = prof(target={"gpu": "h100-sxm"}, quantization={**quant, "kv_cache_quant_algo": kv, "keep_first_layers": keep})
+    plan = run(p)
+    pr = only(plan, "quantize.modelopt_inputs")
+    assert pr.field == want_field and words in pr.reason, pr.reason
+
+
+def test_search_formats_without_mixed_warn():
+    p = prof(target={"gpu": "h100-sxm"}, quantization={"quant_algo": "FP8", "auto_quantize_formats": ["FP8"]})
+    w = only(run(p), "quantize.modelopt_inputs", "warn")
+    assert "ignored for FP8" in w["message"]
 
 
 def test_default_gpus_per_replica_equals_world():
@@ -465,4 +489,4 @@ def test_checkpoint_mapping_function(tmp_path):
     f = R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)
     assert len(f) == 1 and "holds quant_algo W4A16_AWQ / kv_cache_quant_algo NONE" in f[0].message
     (tmp_path / "config.json").write_text("{not json")
-    assert R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)[0].field == "checkpoint"
+    assert R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)[0].field == "--checkpoint"
