@@ -547,7 +547,8 @@ class LinearSpec:
     over the rank's input slice for row-parallel linears) or None; ``act_scale_rows``: for
     column-parallel linears whose ranks have different activation scales, a list of
     ``(out_start, out_end, scale)``; ``pre``: prequant scale ``[in]`` or None; ``quant_algo``: the
-    format the checkpoint declares for this linear (``NO_QUANT`` if unquantized).
+    format the checkpoint declares for this linear (``NO_QUANT`` if unquantized); ``group_size``:
+    its AWQ group size (None for other formats).
     """
 
     weight: torch.Tensor
@@ -556,6 +557,7 @@ class LinearSpec:
     act_scale_rows: list = field(default_factory=list)
     pre: Optional[torch.Tensor] = None
     quant_algo: str = "NO_QUANT"
+    group_size: Optional[int] = None
 
 
 def _qkv_split(cfg: dict, tp: int) -> tuple[int, int, int]:
@@ -613,7 +615,8 @@ def merge_linear(ranks: list[dict], prefix: str, kind: str, cfg: dict, quant_alg
         weight = torch.cat(ws, dim=0)
     else:
         weight = torch.cat(ws, dim=1)
-    spec = LinearSpec(weight=weight, quantized=quantized, quant_algo=quant_algo if quantized else "NO_QUANT")
+    spec = LinearSpec(weight=weight, quantized=quantized, quant_algo=quant_algo if quantized else "NO_QUANT",
+                      group_size=group_size if quantized and quant_algo in ("W4A16_AWQ", "W4A8_AWQ") else None)
     in_dim = weight.shape[1]
     if any(a is not None for a in acts):
         if any(a is None for a in acts):

@@ -381,9 +381,14 @@ class Evaluator:
             return {"kv_bytes_per_token_bf16": elems * 2.0, "kv_bytes_per_token_quantized": q}
         bf16 = quant = 0.0
         for t in cell.trt_linears:
-            n_out, n_in = self._spec(t).weight.shape
+            spec = self._spec(t)
+            n_out, n_in = spec.weight.shape
             bf16 += 2.0 * n_in * n_out
-            quant += linear_weight_bytes(self.quant_algo, n_in, n_out, self.group_size, dtype_bytes=2)
+            # MIXED_PRECISION: each linear's own format and group size (from quant_cfg.json)
+            algo = getattr(spec, "quant_algo", "NO_QUANT")
+            algo = algo if algo != "NO_QUANT" or self.quant_algo == "MIXED_PRECISION" else self.quant_algo
+            group = getattr(spec, "group_size", None) or self.group_size
+            quant += linear_weight_bytes(algo, n_in, n_out, group, dtype_bytes=2)
         return {"bf16_bytes": bf16, "quantized_bytes": quant, "cost_bytes": bf16 - quant}
 
 

@@ -279,3 +279,31 @@ def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path):
     # the engine stage wrote the trtllm-build command for the MIXED_PRECISION checkpoint
     args = (out / "engine").glob("*")
     assert any(p.is_file() for p in args)
+
+
+def test_sensitivity_prices_each_layer_in_its_own_format(mixed_export, smollm_2layers, tmp_path):
+    """invoke sensitivity on a MIXED_PRECISION checkpoint: each cell is measured with its own format
+    (FP8 input fake-quant or weight-only INT4) and its cost uses that format's bytes."""
+    from build.formats import linear_weight_bytes
+    from build.profile import deep_merge, load_raw, validate_profile
+    from build.sensitivity import run_sensitivity
+
+    _, ck, _, _ = mixed_export
+    golden = tmp_path / "golden.jsonl"
+    golden.write_text(json.dumps({"id": "facts-t1", "category": "facts", "prompt": "What is the capital of France?",
+                                  "answer": "The capital of France is Paris."}) + "\n")
+    prof = validate_profile(deep_merge(load_raw("mixed-fp8-int4-h100"), {}))
+    res = run_sensitivity(prof, smollm_2layers, tmp_path / "out", checkpoint_dir=ck, layers=[0, 1],
+                          kinds=["attention.qkv", "mlp.proj"], golden_path=golden, threads=1, progress=False,
+                          verify=False)
+    layers = _layers(ck)
+    cells = res.data["cells"]
+    for i in (0, 1):
+        for kind, short in (("attention.qkv", "attention.qkv"), ("mlp.proj", "mlp.proj")):
+            algo = layers[f"transformer.layers.{i}.{short}"]["quant_algo"]
+            out, inp = OUT_IN[short]
+            row = next(r for r in cells.values() if r["layer"] == i and r["kind"] == kind)
+            assert row["quantized"] is True
+            assert row["quantized_bytes"] == linear_weight_bytes(algo, inp, out, 64, dtype_bytes=2), (i, kind, algo)
+            assert row["bf16_bytes"] == 2 * inp * out
+            assert 0 <= row["kl_mean"] < 5
