@@ -193,3 +193,20 @@ def mixed_export(tmp_path_factory, smollm_2layers):
     res = export_checkpoint(qm, root / "tp1")
     export_checkpoint(dataclasses.replace(qm, profile=prof3), root / "tp3")
     return qm, root / "tp1", root / "tp3", res
+
+
+def prof(base: str = "bf16-h100", **dotted):
+    """A shipped profile's merged YAML with overrides, validated: ``section={...}`` replaces a
+    section, ``section__key=value`` sets one key (``build__max_seq_len=...``)."""
+    import copy
+
+    from build.profile import load_raw, validate_profile
+
+    data = copy.deepcopy(load_raw(base))
+    for key, val in dotted.items():
+        parts = key.split("__")
+        cur = data
+        for part in parts[:-1]:
+            cur = cur.setdefault(part, {})
+        cur[parts[-1]] = val
+    return validate_profile(data)

@@ -6,7 +6,6 @@ model). Each refusal test asserts the rule name and the exact reason (or its key
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from build import rules as R
 from build.errors import UserError
 from build.hardware import CATALOG, GIB
 from build.model_info import arch_from_config
-from build.profile import load_raw, shipped_profiles, validate_profile
+from build.profile import shipped_profiles
+from conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -54,16 +54,6 @@ def write_model(tmp_path: Path, cfg: dict, name: str = "model") -> Path:
     return d
 
 
-def prof(base: str = "bf16-h100", **dotted) -> "object":
-    """A shipped profile's merged YAML with dotted overrides (``build__max_seq_len=...`` or a dict)."""
-    data = copy.deepcopy(load_raw(base))
-    for key, val in dotted.items():
-        parts = key.split("__")
-        cur = data
-        for part in parts[:-1]:
-            cur = cur.setdefault(part, {})
-        cur[parts[-1]] = val
-    return validate_profile(data)
 
 
 def refusals(profile, model, checkpoint_dir=None) -> list:

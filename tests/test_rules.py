@@ -5,7 +5,6 @@ Models are ModelArch objects made from HF config dicts (no files needed).
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 
@@ -14,7 +13,8 @@ from build import plan as P
 from build import rules as R
 from build.hardware import CATALOG
 from build.model_info import arch_from_config
-from build.profile import load_raw, validate_profile
+from build.profile import validate_profile
+from conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
 
 SMOL = arch_from_config({
     "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
@@ -23,15 +23,6 @@ SMOL = arch_from_config({
 }, name="SmolLM2-135M-Instruct")
 
 
-def prof(base: str = "bf16-h100", **over):
-    data = copy.deepcopy(load_raw(base))
-    for key, val in over.items():
-        parts = key.split("__")
-        cur = data
-        for part in parts[:-1]:
-            cur = cur.setdefault(part, {})
-        cur[parts[-1]] = val
-    return validate_profile(data)
 
 
 def run(profile, model=SMOL):
