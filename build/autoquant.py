@@ -119,12 +119,13 @@ def normalize_formats(formats: Iterable[Any], cuda_available: bool | None = None
 
         cuda_available = torch.cuda.is_available()
     out: list[str] = []
-    for f in formats:
-        name = str(getattr(f, "value", f)).strip().upper()
-        name = ALIASES.get(name, name)
-        if name not in CANDIDATES:
-            raise UserError(FIELD_FORMATS, f"{name!r} is not a supported candidate for the per-layer search.",
-                            f"use formats from: {', '.join(CANDIDATES)}.")
+    names = [ALIASES.get(n, n) for n in (str(getattr(f, "value", f)).strip().upper() for f in formats)]
+    bad = [n for n in names if n not in CANDIDATES]
+    if bad:
+        raise UserError(FIELD_FORMATS, f"{', '.join(bad)} cannot be a per-layer search candidate (ModelOpt's "
+                        "auto_quantize candidates exported and read here: " + ", ".join(CANDIDATES) + ").",
+                        "use candidates from: " + ", ".join(CANDIDATES) + ".")
+    for name in names:
         if name in CUDA_ONLY and not cuda_available:
             raise UserError(FIELD_FORMATS, f"{name} cannot be a search candidate without a CUDA GPU: ModelOpt's "
                             "fake-quantized forward asserts 'amax must be a CUDA tensor for dynamic block "

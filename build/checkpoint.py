@@ -297,11 +297,11 @@ def check_declared_formats(ckpt_dir: Path, cfg: dict | None = None) -> None:
             if not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
                 continue
             algo, _ = linear_format(qinfo, stem)
-            if algo != "NO_QUANT" or qinfo["quant_algo"] == MIXED:
-                want = _STORED.get(algo, ())
-                if meta["dtype"] not in want:
-                    raise UserError(FIELD, f"{stem} is stored as {meta['dtype']} in {f.name} but declared {algo} "
-                                    f"(stored as {' or '.join(want)}).", "re-export the checkpoint.")
+            want = _STORED.get(algo, ())
+            if meta["dtype"] not in want:
+                why = " (exclude_modules lists it)" if algo == "NO_QUANT" and qinfo["quant_algo"] not in (MIXED, "NO_QUANT") else ""
+                raise UserError(FIELD, f"{stem} is stored as {meta['dtype']} in {f.name} but declared {algo}{why} "
+                                f"(stored as {' or '.join(want)}).", "re-export the checkpoint.")
             sf = h.get(stem + ".weights_scaling_factor")
             if meta["dtype"] == "I8" and sf is not None:
                 packed = len(sf["shape"]) == 2 and sf["shape"][0] == 2 * meta["shape"][0]  # INT4: [out, in/g] for [out/2, in]
@@ -699,11 +699,8 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     check_declared_formats(ckpt_dir, cfg)
     kv_algo = qinfo["kv_cache_quant_algo"]
 
-    def fmt(name: str) -> tuple[str, int | None]:
-        la, g = linear_format(qinfo, name)
-        # single format: decode with the declared algo even where exclude_modules says unquantized,
-        # so that a quantized tensor there is decoded and then reported by _check_exclusions
-        return (algo if algo != MIXED and la == "NO_QUANT" else la), (g if g is not None else qinfo["group_size"])
+    def fmt(name: str) -> tuple[str, int | None]:  # stored = declared (check_declared_formats above)
+        return linear_format(qinfo, name)
     ranks = _load_ranks(ckpt_dir, cfg)
     if len(ranks) != tp:
         raise UserError(FIELD, f"{len(ranks)} rank files but tp_size {tp}.", "re-export the checkpoint.")
@@ -762,7 +759,7 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     if leftover:
         raise UserError(FIELD, f"{len(leftover)} tensors are not understood by the reader, e.g. {', '.join(leftover[:5])}.",
                         "this reader handles Llama checkpoints; re-export or extend build/checkpoint.py.")
-    _check_exclusions(cfg, algo, linears, qinfo)
+    _check_layers(linears, qinfo)
     return DequantizedCheckpoint(config=cfg, linears=linears, tensors=tensors, kv_scales=kv_scales,
                                  kv_cache_quant_algo=kv_algo)
 
@@ -774,38 +771,16 @@ def _excluded(name: str, patterns: list[str]) -> bool:
 _NEEDS_ACT_SCALE = ("FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")
 
 
-def _check_exclusions(cfg: dict, algo: str, linears: dict[str, LinearSpec], qinfo: dict | None = None) -> None:
-    """Quantized-ness of each linear must agree with quant_algo and exclude_modules (or, for
-    MIXED_PRECISION, with quant_cfg.json's quantized_layers)."""
-    if algo == MIXED:
-        layers = (qinfo or {}).get("layers", {})
-        unknown = sorted(set(layers) - set(linears))
-        if unknown:
-            raise UserError(FIELD, f"quant_cfg.json lists {unknown[0]}, which the checkpoint does not have.",
-                            "re-export the checkpoint.")
-        for n, s in linears.items():
-            want = layers.get(n, {}).get("quant_algo", "NO_QUANT")
-            if s.quantized != (want != "NO_QUANT"):
-                raise UserError(FIELD, f"{n} is stored {'quantized' if s.quantized else 'unquantized'} but "
-                                f"quant_cfg.json declares {want}.", "re-export the checkpoint.")
-            if s.quantized and want in _NEEDS_ACT_SCALE and s.act_scale is None and not s.act_scale_rows:
-                raise UserError(FIELD, f"{n} lacks activation_scaling_factor, which {want} needs.", "re-export the checkpoint.")
-        return
-    if algo == "NO_QUANT":
-        bad = [n for n, s in linears.items() if s.quantized]
-        if bad:
-            raise UserError(FIELD, f"quant_algo is null but {bad[0]} is quantized.", "re-export the checkpoint.")
-        return
-    patterns = list((cfg.get("quantization") or {}).get("exclude_modules") or [])
+def _check_layers(linears: dict[str, LinearSpec], qinfo: dict) -> None:
+    """What the header check (``check_declared_formats``) cannot see: quant_cfg.json layers the
+    checkpoint lacks, and activation scales the declared formats need."""
+    unknown = sorted(set(qinfo["layers"]) - set(linears))
+    if unknown:
+        raise UserError(FIELD, f"quant_cfg.json lists {unknown[0]}, which the checkpoint does not have.",
+                        "re-export the checkpoint.")
     for n, s in linears.items():
-        ex = _excluded(n, patterns)
-        if ex and s.quantized:
-            raise UserError(FIELD, f"{n} is listed in exclude_modules but stored quantized.", "re-export the checkpoint.")
-        if not ex and not s.quantized:
-            raise UserError(FIELD, f"{n} is stored unquantized but not listed in exclude_modules "
-                            f"(TensorRT-LLM would expect a {algo} weight).", "re-export the checkpoint.")
-        if s.quantized and algo in _NEEDS_ACT_SCALE and s.act_scale is None and not s.act_scale_rows:
-            raise UserError(FIELD, f"{n} lacks activation_scaling_factor, which {algo} needs.", "re-export the checkpoint.")
+        if s.quantized and s.quant_algo in _NEEDS_ACT_SCALE and s.act_scale is None and not s.act_scale_rows:
+            raise UserError(FIELD, f"{n} lacks activation_scaling_factor, which {s.quant_algo} needs.", "re-export the checkpoint.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,6 +36,13 @@ SRC_INIT_SEQ = "tensorrt_llm/builder.py _init_max_seq_len()"
 SRC_BUILDCONFIG = "tensorrt_llm/builder.py BuildConfig (defaults)"
 SRC_PLUGIN = "tensorrt_llm/plugin/plugin.py PluginConfig"
 SRC_BUILD_CMD = "tensorrt_llm/commands/build.py (trtllm-build flags)"
+
+# What the quantize stage (ModelOpt 0.47) cannot export although TensorRT-LLM could build it
+# (modelopt/torch/quantization/config.py defines FP8_KV_CFG, FP8_AFFINE_KV_CFG, NVFP4_KV_CFG,
+# NVFP4_AFFINE_KV_CFG, NVFP4_KV_ROTATE_CFG, and no INT8 KV-cache config): (reason, fix)
+INT8_KV_NOT_EXPORTED = ("INT8 KV cache: ModelOpt 0.47 ships no INT8 KV-cache config (only FP8_KV_CFG and NVFP4_KV_CFG), "
+                        "so no calibrated INT8 KV scales can be exported.",
+                        "use kv_cache_quant_algo: FP8 (SM >= 89) or NONE.")
 SRC_MAPPING = "tensorrt_llm/mapping.py Mapping (tp/pp/moe_tp/moe_ep)"
 SRC_BACKEND = "tensorrtllm_backend all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt"
 SRC_KVCONFIG = "tensorrt_llm/llmapi/llm_args.py KvCacheConfig (free_gpu_memory_fraction)"

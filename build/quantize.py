@@ -237,10 +237,9 @@ def kv_config_for(kv_algo: str) -> tuple[str | None, list[dict] | None]:
     if kv_algo == "NONE":
         return None, None
     if kv_algo == "INT8":
-        raise UserError("quantization.kv_cache_quant_algo",
-                        "INT8 KV cache: ModelOpt 0.47 ships no INT8 KV-cache config (only FP8_KV_CFG and NVFP4_KV_CFG), "
-                        "so no calibrated INT8 KV scales can be exported.",
-                        "use kv_cache_quant_algo: FP8 (SM >= 89) or NONE.")
+        from .formats import INT8_KV_NOT_EXPORTED
+
+        raise UserError("quantization.kv_cache_quant_algo", *INT8_KV_NOT_EXPORTED)
     name = KV_CONFIGS[kv_algo]
     return name, copy.deepcopy(getattr(mtq, name)["quant_cfg"])
 

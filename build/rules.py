@@ -569,35 +569,25 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
       "build/quantize.py (check_layout)", needs_gpu=False)
 def _modelopt_inputs(ctx: Context) -> list[Finding]:
     """Refusals the quantize stage would otherwise raise after the build started writing."""
-    from .autoquant import CANDIDATES, FORMAT_BITS
+    from .autoquant import _check_bits, normalize_formats
+    from .errors import UserError
 
     q, m, par = ctx.profile.quantization, ctx.model, ctx.profile.parallel
     out = []
     if ctx.quant == "MIXED_PRECISION":
-        names = [c.value for c in q.auto_quantize_formats]
-        bad = [n for n in names if n not in CANDIDATES]
-        if bad:
-            out.append(refuse("quantization.auto_quantize_formats",
-                              f"{', '.join(bad)} cannot be a per-layer search candidate (ModelOpt's auto_quantize "
-                              "candidates exported and read here: " + ", ".join(CANDIDATES) + ").",
-                              "use candidates from: " + ", ".join(CANDIDATES) + "."))
-        ok = [n for n in names if n in CANDIDATES]
-        if ok and q.auto_quantize_bits is not None:
-            lowest = min(FORMAT_BITS[n] for n in ok)
-            if q.auto_quantize_bits < lowest:
-                out.append(refuse("quantization.auto_quantize_bits",
-                                  f"a budget of {q.auto_quantize_bits} bits per weight is below the cheapest candidate "
-                                  f"({lowest} bits: {', '.join(n for n in ok if FORMAT_BITS[n] == lowest)}).",
-                                  f"raise the budget to at least {lowest}, or add a cheaper candidate format."))
+        if q.auto_quantize_formats:  # empty: format.gemm_sm refuses it
+            try:  # the search's own input checks (build/autoquant.py); the machine it runs on is not known here
+                fmts = normalize_formats(q.auto_quantize_formats, cuda_available=True)
+                if q.auto_quantize_bits is not None:
+                    _check_bits(q.auto_quantize_bits, fmts)
+            except UserError as e:
+                out.extend(refuse(p.field, p.reason, p.fix) for p in e.problems)
     elif q.auto_quantize_formats:
         out.append(warn("quantization.auto_quantize_formats",
                         f"candidate formats are only used by quant_algo MIXED_PRECISION; ignored for {ctx.quant}.",
                         "remove auto_quantize_formats, or set quant_algo: MIXED_PRECISION."))
     if ctx.kv == "INT8":
-        out.append(refuse("quantization.kv_cache_quant_algo",
-                          "INT8 KV cache: ModelOpt 0.47 ships no INT8 KV-cache config (only FP8_KV_CFG and NVFP4_KV_CFG), "
-                          "so no calibrated INT8 KV scales can be exported.",
-                          "use kv_cache_quant_algo: FP8 (SM >= 89) or NONE."))
+        out.append(refuse("quantization.kv_cache_quant_algo", *F.INT8_KV_NOT_EXPORTED))
     if ctx.quant != "NO_QUANT" and q.keep_first_layers + q.keep_last_layers >= m.num_layers > 0:
         out.append(refuse("quantization.keep_first_layers",
                           f"keep_first_layers {q.keep_first_layers} + keep_last_layers {q.keep_last_layers} keep all "
