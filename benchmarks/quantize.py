@@ -1,7 +1,7 @@
 """Benchmark: our quantize stage vs calling ModelOpt directly on the same model and data.
 
 Both sides load the default model in FP32, run ``mtq.quantize`` with the same config (from
-``build.quantize.modelopt_config_for``) over the same calibration samples, and export with
+``precision_pipeline.quantize.ptq.modelopt_config_for``) over the same calibration samples, and export with
 ``export_tensorrt_llm_checkpoint``. Ours adds the calibration-set bookkeeping, exclusions,
 the progress bar, the config fix-ups and the atomic write. Target: overhead <= 10 %.
 
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
 
 def main() -> int:
@@ -35,10 +35,10 @@ def main() -> int:
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    from build.calibrate import build_calibration_set, load_tokenizer
-    from build.models import ensure_default_model
-    from build.profile import load_profile
-    from build.quantize import modelopt_config_for, run_quantize
+    from precision_pipeline.quantize.calibration import build_calibration_set, load_tokenizer
+    from precision_pipeline.spec.default_model import ensure_default_model
+    from precision_pipeline.spec.profile import load_profile
+    from precision_pipeline.quantize.ptq import modelopt_config_for, run_quantize
 
     model_dir = ensure_default_model()
     prof = load_profile(a.profile)

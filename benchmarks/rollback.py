@@ -1,6 +1,6 @@
 """Rollback benchmark: promotes and rollbacks on a real tritonserver under client load.
 
-What it measures: the SWITCHING MACHINERY (build/release.py: unit install, load, direct smoke test,
+What it measures: the SWITCHING MACHINERY (build/precision_pipeline/serving/release.py: unit install, load, direct smoke test,
 ensemble/BLS re-pointing, releases.json commit) with the CPU REFERENCE stand-in backend
 (triton_repo/backends/tensorrtllm). It does not measure TensorRT-LLM's engine load time, GPU memory
 or throughput: a promote's load here is a torch + transformers model load on CPU.
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
-from build import pack, release  # noqa: E402
-from build.models import ensure_default_model  # noqa: E402
-from build.profile import load_profile  # noqa: E402
-from build.triton import TritonServer, free_port, models_to_load  # noqa: E402
+from precision_pipeline.serving import pack, release  # noqa: E402
+from precision_pipeline.spec.default_model import ensure_default_model  # noqa: E402
+from precision_pipeline.spec.profile import load_profile  # noqa: E402
+from precision_pipeline.serving.triton_server import TritonServer, free_port, models_to_load  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
 
-    print("rollback benchmark: measures the switching machinery (build/release.py) on a real tritonserver 2.51 "
+    print("rollback benchmark: measures the switching machinery (build/precision_pipeline/serving/release.py) on a real tritonserver 2.51 "
           "with the CPU reference stand-in backend, NOT TensorRT-LLM's engine load.", flush=True)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-rollback-"))
     model_dir = ensure_default_model()

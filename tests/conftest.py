@@ -17,17 +17,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct HF folder (made by the set-up script)."""
-    from build.models import ensure_default_model
+    from precision_pipeline.spec.default_model import ensure_default_model
 
     return ensure_default_model()
 
 
 # --------------------------------------------------------------------------------------------
-# Exported TensorRT-LLM checkpoints of the default model (build/quantize.py), tiny calibration.
+# Exported TensorRT-LLM checkpoints of the default model (build/precision_pipeline/quantize/ptq.py), tiny calibration.
 #
 # Each fixture returns the Path of a checkpoint folder (config.json + rank*.safetensors). They
 # are built lazily (only when a test asks) and cached under <cache>/test-checkpoints/<name>-<key>,
-# where key hashes the profile, the sources of build/quantize.py + build/calibrate.py, the
+# where key hashes the profile, the sources of build/precision_pipeline/quantize/ptq.py + build/precision_pipeline/quantize/calibration.py, the
 # ModelOpt/transformers/torch versions and the model's config.json: a code change rebuilds them.
 # PRECISION_TEST_CKPT_CACHE=0 builds into pytest's tmp dir instead (every session).
 # Next to each checkpoint, modelopt.pt holds ModelOpt's state (mto.modelopt_state + quantizer
@@ -50,7 +50,7 @@ CHECKPOINT_SPECS: dict[str, tuple[str, dict]] = {
 
 def checkpoint_profile(name: str):
     """The validated Profile a test checkpoint is built from."""
-    from build.profile import deep_merge, load_raw, validate_profile
+    from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
 
     base, over = CHECKPOINT_SPECS[name]
     return validate_profile(deep_merge(load_raw(base), over))
@@ -59,11 +59,11 @@ def checkpoint_profile(name: str):
 def _checkpoint_key(name: str, model_dir: Path) -> str:
     import importlib.metadata as md
 
-    from build.store import hash_file, hash_obj
+    from precision_pipeline.core.store import hash_dir, hash_file, hash_obj
 
     parts = {
         "profile": checkpoint_profile(name).model_dump(mode="json"),
-        "src": [hash_file(REPO_ROOT / "build" / f) for f in ("quantize.py", "calibrate.py")],
+        "src": hash_dir(REPO_ROOT / "build" / "precision_pipeline" / "quantize", suffixes=(".py",)),
         "versions": [md.version(p) for p in ("nvidia-modelopt", "transformers", "torch")],
         "model": hash_file(Path(model_dir) / "config.json"),
     }
@@ -74,8 +74,8 @@ def build_test_checkpoint(name: str, model_dir: Path, root: Path) -> Path:
     """Build (or reuse) the test checkpoint ``name`` under ``root``; returns the checkpoint folder."""
     import torch
 
-    from build.quantize import export_checkpoint, quantize_model
-    from build.store import atomic_dir, locked
+    from precision_pipeline.quantize.ptq import export_checkpoint, quantize_model
+    from precision_pipeline.core.store import atomic_dir, locked
 
     folder = Path(root) / f"{name}-{_checkpoint_key(name, model_dir)}"
     ckpt = folder / "ckpt"
@@ -124,7 +124,7 @@ def restore_modelopt_model(ckpt: Path, model_dir: Path):
 def checkpoint_cache_root(tmp_path_factory) -> Path:
     if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") == "0":
         return tmp_path_factory.mktemp("test-checkpoints")
-    from build.models import cache_dir
+    from precision_pipeline.spec.default_model import cache_dir
 
     return cache_dir() / "test-checkpoints"
 
@@ -183,8 +183,8 @@ def mixed_export(tmp_path_factory, smollm_2layers):
     """
     import dataclasses
 
-    from build.profile import deep_merge, load_raw, validate_profile
-    from build.quantize import export_checkpoint, quantize_model
+    from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+    from precision_pipeline.quantize.ptq import export_checkpoint, quantize_model
 
     root = tmp_path_factory.mktemp("mixed")
     prof = validate_profile(deep_merge(load_raw("mixed-fp8-int4-h100"), MIXED_OVERRIDES))
@@ -200,7 +200,7 @@ def prof(base: str = "bf16-h100", **dotted):
     section, ``section__key=value`` sets one key (``build__max_seq_len=...``)."""
     import copy
 
-    from build.profile import load_raw, validate_profile
+    from precision_pipeline.spec.profile import load_raw, validate_profile
 
     data = copy.deepcopy(load_raw(base))
     for key, val in dotted.items():

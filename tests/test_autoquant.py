@@ -1,8 +1,8 @@
-"""Per-layer precision search (build/autoquant.py).
+"""Per-layer precision search (build/precision_pipeline/quantize/search.py).
 
 The slow test runs ModelOpt's auto_quantize on the real default model (SmolLM2-135M-Instruct),
 truncated to its first 2 decoder layers to keep it to about a minute on 2 cores, calibrated on
-REAL text from the builtin calibration set (build.calibrate: news, Python docs prose, Python
+REAL text from the builtin calibration set (precision_pipeline.quantize.calibration: news, Python docs prose, Python
 source), and exports a MIXED_PRECISION TensorRT-LLM checkpoint.
 """
 
@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from build.autoquant import FORMAT_BITS, _as_batches, _check_bits, choose_group_size, normalize_formats
-from build.errors import UserError
+from precision_pipeline.quantize.search import FORMAT_BITS, _as_batches, _check_bits, choose_group_size, normalize_formats
+from precision_pipeline.core.errors import UserError
 
 # --------------------------------------------------------------------------------------------
 # Fast checks (no ModelOpt search)
@@ -22,7 +22,7 @@ from build.errors import UserError
 
 def test_formats_normalized_and_aliases():
     assert normalize_formats(["fp8", "INT4_AWQ", "W4A16_AWQ"], cuda_available=False) == ["FP8", "W4A16_AWQ"]
-    from build.profile import QuantAlgo
+    from precision_pipeline.spec.profile import QuantAlgo
 
     assert normalize_formats([QuantAlgo.FP8, QuantAlgo.W4A16_AWQ], cuda_available=False) == ["FP8", "W4A16_AWQ"]
 
@@ -82,9 +82,9 @@ def test_calibration_batches_validated():
 
 @pytest.mark.slow
 def test_auto_quantize_export_mixed_precision(smollm_2layers, tmp_path):
-    from build.autoquant import auto_quantize_export
-    from build.calibrate import build_calibration_set, load_tokenizer
-    from build.profile import Calibration
+    from precision_pipeline.quantize.search import auto_quantize_export
+    from precision_pipeline.quantize.calibration import build_calibration_set, load_tokenizer
+    from precision_pipeline.spec.profile import Calibration
 
     tok = load_tokenizer(smollm_2layers)
     calib = build_calibration_set(Calibration(num_samples=6, seq_len=48, seed=0), tok)  # real text

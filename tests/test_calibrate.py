@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from build.calibrate import (
+from precision_pipeline.quantize.calibration import (
     KINDS,
     LENGTHS,
     build_calibration_set,
@@ -18,13 +18,13 @@ from build.calibrate import (
     stratum_lengths,
     token_sha256,
 )
-from build.errors import UserError
-from build.profile import Calibration
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.profile import Calibration
 
 
 @pytest.fixture(scope="module")
 def tok(default_model_dir):
-    from build.calibrate import load_tokenizer
+    from precision_pipeline.quantize.calibration import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from build.checkpoint import (
+from precision_pipeline.checkpoint.reader import (
     LinearSpec,
     QuantLinear,
     checkpoint_info,
@@ -40,7 +40,7 @@ from build.checkpoint import (
     unpack_int4_rows,
     unpack_nvfp4,
 )
-from build.errors import UserError
+from precision_pipeline.core.errors import UserError
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -239,7 +239,7 @@ def fp8_model(fp8_checkpoint, default_model_dir):
 
 @pytest.fixture(scope="module")
 def heldout_ids(default_model_dir):
-    from build.calibrate import encode_raw, heldout_news_texts, load_tokenizer
+    from precision_pipeline.quantize.calibration import encode_raw, heldout_news_texts, load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     return torch.tensor([encode_raw(tok, t)[:48] for t in heldout_news_texts()[:2]])
@@ -271,7 +271,7 @@ def test_fp8_logits_vs_modelopt_as_calibrated(fp8_checkpoint, default_model_dir,
 
 
 def test_fp8_model_generates(fp8_model, default_model_dir):
-    from build.calibrate import encode_raw, load_tokenizer
+    from precision_pipeline.quantize.calibration import encode_raw, load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     ids = torch.tensor([encode_raw(tok, "The capital of France is")])
@@ -360,7 +360,7 @@ def test_not_a_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_tp3_ranks_reassemble_to_tp1(fp8_checkpoint, fp8_tp3_checkpoint):
-    from build.checkpoint import safetensors_header
+    from precision_pipeline.checkpoint.reader import safetensors_header
 
     info = checkpoint_info(fp8_tp3_checkpoint)
     assert info["mapping"]["tp_size"] == 3 and len(info["rank_bytes"]) == 3
@@ -455,7 +455,7 @@ def test_left_padded_batch_generation_matches_reference(bf16_checkpoint, default
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from build.checkpoint import load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import load_checkpoint_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     tok.padding_side = "left"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from build.store import hash_dir
+from precision_pipeline.core.store import hash_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 INVOKE = [sys.executable, "-m", "invoke"]
@@ -74,7 +74,7 @@ CASES.update({
 def _model_folder(d: Path, kind: str) -> str:
     import shutil
 
-    from build.models import ensure_default_model
+    from precision_pipeline.spec.default_model import ensure_default_model
 
     m = d / f"model-{kind}"
     m.mkdir()

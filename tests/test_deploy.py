@@ -1,4 +1,4 @@
-"""Deploy stage (build/deploy.py): Kubernetes manifests from a plan, a profile and a packed repository.
+"""Deploy stage (build/precision_pipeline/serving/deploy.py): Kubernetes manifests from a plan, a profile and a packed repository.
 
 Synthetic plans and repositories only (no quantization, no server): each test takes milliseconds.
 """
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from build import deploy
-from build.errors import UserError
-from build.profile import deep_merge, load_raw, validate_profile
+from precision_pipeline.serving import deploy
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
 
 REPO_ROOT_IN_POD = "/artifacts/fp8-h100"
 H100_NAME = "NVIDIA H100 80GB HBM3"
@@ -27,7 +27,7 @@ def make_profile(name: str = "fp8-h100", **over):
 
 
 def make_plan(profile, tp: int = 1, pp: int = 1, gpu_id: str = "h100-sxm", gpu_name: str = H100_NAME) -> dict:
-    """The plan.json keys deploy reads (shape of build/plan.py Plan.to_json)."""
+    """The plan.json keys deploy reads (shape of build/precision_pipeline/resolve/plan.py Plan.to_json)."""
     return {
         "profile": profile.name,
         "gpu": {"id": gpu_id, "name": gpu_name, "sm": 90, "memory_mib": 81559},
@@ -40,7 +40,7 @@ def make_plan(profile, tp: int = 1, pp: int = 1, gpu_id: str = "h100-sxm", gpu_n
 
 def make_repo(root: Path, world: int = 1, engine_hash: str = "ab" * 32, *, releases: dict | None = None,
               extra_units: dict[str, int] | None = None, engine_version: str | None = None) -> Path:
-    """A packed model repository as build/pack.py lays it out (configs minimal but parseable)."""
+    """A packed model repository as build/precision_pipeline/serving/pack.py lays it out (configs minimal but parseable)."""
     repo = root / "model_repository"
     unit = f"tensorrt_llm_{engine_hash[:12]}"
     for m in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm_bls"):
@@ -343,8 +343,8 @@ def test_stage_inputs_change_with_what_the_manifests_depend_on():
 
 def test_shipped_profiles_render(tmp_path):
     """Every shipped profile renders valid manifests for its own GPU (catalog names -> GFD labels)."""
-    from build.hardware import resolve_gpu
-    from build.profile import load_profile, shipped_profiles
+    from precision_pipeline.spec.hardware import resolve_gpu
+    from precision_pipeline.spec.profile import load_profile, shipped_profiles
 
     for name in shipped_profiles():
         prof = load_profile(name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from build.engine import ARGS_FILE, Toolchain, build_args, run_engine
+from precision_pipeline.engine.trtllm_build import ARGS_FILE, Toolchain, build_args, run_engine
 
 PLAN = {
     "gpu": {"id": "h100-sxm", "sm": 90},

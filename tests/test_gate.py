@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from build.errors import EXIT_GATE_FAILED, GateFailed, UserError
-from build.gate import (CallableCandidate, as_candidate, bootstrap_ci, compare_generations, kl_summary,
+from precision_pipeline.core.errors import EXIT_GATE_FAILED, GateFailed, UserError
+from precision_pipeline.gate.checkpoint_gate import (CallableCandidate, as_candidate, bootstrap_ci, compare_generations, kl_summary,
                         perplexity, run_gate, token_metrics, _check)
-from build.profile import GateThresholds, load_profile
+from precision_pipeline.spec.profile import GateThresholds, load_profile
 
 # ------------------------------------------------------------------------------------------------
 # Metric core
@@ -116,7 +116,7 @@ def gate_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fp32_model(default_model_dir):
-    from build.gate import load_hf_model
+    from precision_pipeline.gate.checkpoint_gate import load_hf_model
 
     return load_hf_model(default_model_dir, torch.float32)
 
@@ -220,8 +220,8 @@ def test_perturbed_model_fails_on_kl(default_model_dir, fp32_model, gate_cache, 
 
 
 def test_engine_gate_skips_without_tensorrt_llm(tmp_path, default_model_dir):
-    from build.engine_gate import SKIP_REASON, EngineGateSkipped, engine_available, main, run_engine_gate
-    from build.errors import EXIT_STRICT_SKIP, StrictSkip
+    from precision_pipeline.gate.engine_gate import SKIP_REASON, EngineGateSkipped, engine_available, main, run_engine_gate
+    from precision_pipeline.core.errors import EXIT_STRICT_SKIP, StrictSkip
 
     ok, why = engine_available()
     if ok:  # pragma: no cover - GPU node
@@ -245,7 +245,7 @@ def test_engine_gate_skips_without_tensorrt_llm(tmp_path, default_model_dir):
 def test_fp8_checkpoint_gate(default_model_dir, fp8_checkpoint, gate_cache, tmp_path, self_gate):
     """The pipeline's entry point on a real exported FP8 (+FP8 KV) checkpoint: quantization costs
     clearly more than the BF16 floor, and the fp8-h100 budget holds on this subset."""
-    from build.gate import gate_checkpoint
+    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
 
     thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
     res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, tmp_path / "gate", cache_root=gate_cache, **SUBSET)

@@ -66,7 +66,7 @@ HEADROOM = 1.25  # a good checkpoint must sit this far inside each threshold
 @pytest.fixture(scope="module")
 def shipped(default_model_dir):
     """The fp8-h100 thresholds as shipped (greedy_same is unchecked there: asserted, not relied on)."""
-    from build.profile import load_profile
+    from precision_pipeline.spec.profile import load_profile
 
     thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
     assert thr.greedy_same_min is None, "greedy generation is off in this test; greedy_same must stay unchecked"
@@ -75,7 +75,7 @@ def shipped(default_model_dir):
 
 
 def _gate(ckpt: Path, model_dir: Path, thr, out: Path):
-    from build.gate import gate_checkpoint
+    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
 
     return gate_checkpoint(ckpt, model_dir, thr, out, candidate_name=ckpt.parent.name, **GATE_KW)
 
@@ -205,8 +205,8 @@ def _final_norm_amax(model_dir: Path, n_texts: int = 4, max_tokens: int = 256) -
     news articles (not the held-out ones the gate scores). Measured: 45.37."""
     from transformers import AutoTokenizer
 
-    from build.calibrate import news_texts
-    from build.gate import load_hf_model
+    from precision_pipeline.quantize.calibration import news_texts
+    from precision_pipeline.gate.checkpoint_gate import load_hf_model
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_hf_model(model_dir, torch.float32)
@@ -228,7 +228,7 @@ def test_quantized_lm_head_fails(fp8_checkpoint, default_model_dir, shipped, goo
     Measured: ppl_delta_pct 5.23 -> 9.18 (+3.95 points; threshold 7.0, was 10.0), kl_mean
     0.0455 -> 0.0639 (x1.40), kl_p99 0.305 -> 0.363, top1 0.922 -> 0.894: only the perplexity
     budget catches it."""
-    from build.checkpoint import FP8_MAX, dequantize_checkpoint
+    from precision_pipeline.checkpoint.reader import FP8_MAX, dequantize_checkpoint
 
     act_amax = _final_norm_amax(default_model_dir)
     assert 10.0 < act_amax < 200.0  # measured 45.37

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from build.errors import EXIT_INVALID, UserError
-from build.golden import (CATEGORIES, GOLDEN_PATH, MIN_ANSWER_TOKENS, MIN_PER_CATEGORY, encode_golden,
+from precision_pipeline.core.errors import EXIT_INVALID, UserError
+from precision_pipeline.gate.golden import (CATEGORIES, GOLDEN_PATH, MIN_ANSWER_TOKENS, MIN_PER_CATEGORY, encode_golden,
                           encode_prompt, end_of_turn_id, golden_hash, load_golden, select, summarize)
 
 

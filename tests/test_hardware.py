@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from build.errors import UserError
-from build.hardware import CATALOG, GPUSpec, normalize_gpu_name, resolve_gpu
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.hardware import CATALOG, GPUSpec, normalize_gpu_name, resolve_gpu
 
 REQUIRED = ["a10", "a10g", "a100-40gb", "a100-80gb", "l4", "l40s", "rtx-4090", "rtx-6000-ada", "h100-pcie",
             "h100-sxm", "h100-nvl", "h200", "gh200", "b200", "gb200", "b300", "rtx-5090",

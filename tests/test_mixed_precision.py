@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from build.errors import UserError
+from precision_pipeline.core.errors import UserError
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,7 @@ def test_mixed_export_tensors_per_layer_format(mixed_export):
 
 
 def test_reader_uses_each_layers_format(mixed_export, smollm_2layers):
-    from build.checkpoint import checkpoint_info, dequantize_checkpoint, load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import checkpoint_info, dequantize_checkpoint, load_checkpoint_model
 
     _, ck, _, _ = mixed_export
     layers = _layers(ck)
@@ -119,7 +119,7 @@ def test_reader_logits_track_modelopt_and_fp32(mixed_export, smollm_2layers):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from build.checkpoint import load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import load_checkpoint_model
 
     qm, ck, _, _ = mixed_export
     tok = AutoTokenizer.from_pretrained(str(smollm_2layers))
@@ -146,7 +146,7 @@ def test_reader_logits_track_modelopt_and_fp32(mixed_export, smollm_2layers):
 
 
 def test_tp3_mixed_export_reassembles_to_tp1(mixed_export):
-    from build.checkpoint import dequantize_checkpoint
+    from precision_pipeline.checkpoint.reader import dequantize_checkpoint
 
     _, ck1, ck3, _ = mixed_export
     cfg = json.loads((ck3 / "config.json").read_text())
@@ -162,7 +162,7 @@ def test_tp3_mixed_export_reassembles_to_tp1(mixed_export):
 
 
 def test_layer_table_is_the_plan_layer_by_layer(mixed_export):
-    from build.checkpoint import layer_table, safetensors_header
+    from precision_pipeline.checkpoint.reader import layer_table, safetensors_header
 
     _, ck, ck3, res = mixed_export
     t = layer_table(ck, json.loads((ck / "autoquant.json").read_text()))
@@ -197,7 +197,7 @@ def _copy(ck: Path, tmp: Path) -> Path:
                                   "not-a-table", "entry-not-object", "bad-group", "kv-disagrees", "fp8-declared-awq",
                                   "awq-declared-w8"])
 def test_reader_refuses_broken_mixed_checkpoints(mixed_export, tmp_path, case):
-    from build.checkpoint import dequantize_checkpoint
+    from precision_pipeline.checkpoint.reader import dequantize_checkpoint
 
     _, ck, _, _ = mixed_export
     c = _copy(ck, tmp_path)
@@ -254,7 +254,7 @@ def test_reader_refuses_broken_mixed_checkpoints(mixed_export, tmp_path, case):
 def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path):
     """invoke build's pipeline on the mixed profile: the search runs in the quantize stage, the gate
     reads the MIXED_PRECISION checkpoint, the plan lists every GEMM's format, engine is skipped here."""
-    from build.pipeline import run_build
+    from precision_pipeline.pipeline import run_build
 
     prof = tmp_path / "mixed-small.yaml"
     prof.write_text("extends: mixed-fp8-int4-h100\ncalibration:\n  num_samples: 6\n  seq_len: 48\n  batch_size: 3\n"
@@ -284,9 +284,9 @@ def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path):
 def test_sensitivity_prices_each_layer_in_its_own_format(mixed_export, smollm_2layers, tmp_path):
     """invoke sensitivity on a MIXED_PRECISION checkpoint: each cell is measured with its own format
     (FP8 input fake-quant or weight-only INT4) and its cost uses that format's bytes."""
-    from build.formats import linear_weight_bytes
-    from build.profile import deep_merge, load_raw, validate_profile
-    from build.sensitivity import run_sensitivity
+    from precision_pipeline.spec.formats import linear_weight_bytes
+    from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+    from precision_pipeline.analysis.sensitivity import run_sensitivity
 
     _, ck, _, _ = mixed_export
     golden = tmp_path / "golden.jsonl"

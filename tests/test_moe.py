@@ -1,4 +1,4 @@
-"""Expert-parallel re-sharding of MoE checkpoints (build/moe.py).
+"""Expert-parallel re-sharding of MoE checkpoints (build/precision_pipeline/quantize/moe_reshard.py).
 
 Fast tests use small synthetic checkpoints laid out the way ModelOpt 0.47 writes them (fc =
 [w3 | w1] stacked over experts, TP-split per half on dim 1; proj TP-split on dim 2). The slow
@@ -6,7 +6,7 @@ test quantizes a tiny random-weight Mixtral with ModelOpt and exports it for rea
 
 Random tokens are used as calibration data ONLY in the slow layout test below: the model has
 random weights, and the test checks tensor placement, not accuracy. Real quantization of real
-models calibrates on real text (build/calibrate.py).
+models calibrates on real text (build/precision_pipeline/quantize/calibration.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from build.errors import UserError
-from build.moe import ep_experts, rank_coords, reassemble_experts, reshard_moe_checkpoint, resolve_moe_layout
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.quantize.moe_reshard import ep_experts, rank_coords, reassemble_experts, reshard_moe_checkpoint, resolve_moe_layout
 
 # --------------------------------------------------------------------------------------------
 # Rank formula (tensorrt_llm/mapping.py)
@@ -310,9 +310,9 @@ def test_quantize_stage_exports_mixtral_with_expert_parallelism(tmp_path, defaul
 
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from build.moe import reassemble_experts
-    from build.profile import deep_merge, load_raw, validate_profile
-    from build.quantize import export_checkpoint, quantize_model
+    from precision_pipeline.quantize.moe_reshard import reassemble_experts
+    from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+    from precision_pipeline.quantize.ptq import export_checkpoint, quantize_model
 
     torch.manual_seed(0)
     model_dir = tmp_path / "tiny-mixtral"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from build import pack
-from build.errors import UserError
-from build.profile import load_profile, shipped_profiles
+from precision_pipeline.serving import pack
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.profile import load_profile, shipped_profiles
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from build import plan as P
-from build import rules as R
-from build.errors import UserError
-from build.hardware import CATALOG, GIB
-from build.model_info import arch_from_config
-from build.profile import shipped_profiles
+from precision_pipeline.resolve import plan as P
+from precision_pipeline.resolve import rules as R
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.hardware import CATALOG, GIB
+from precision_pipeline.spec.model_arch import arch_from_config
+from precision_pipeline.spec.profile import shipped_profiles
 from conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
 
 # ----------------------------------------------------------------------------------------------
@@ -162,10 +162,10 @@ def test_no_torch_imported():
     import subprocess
     import sys
 
-    code = ("import sys; import build.plan, build.rules, build.hardware, build.formats, build.model_info; "
+    code = ("import sys; import precision_pipeline.resolve.plan, precision_pipeline.resolve.rules, precision_pipeline.spec.hardware, precision_pipeline.spec.formats, precision_pipeline.spec.model_arch; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, check=True)
+                         cwd=Path(__file__).resolve().parent.parent / "build", check=True)
     assert out.stdout.strip() == "False"
 
 
@@ -415,7 +415,7 @@ def test_bf16_weights_of_default_model(default_model_dir):
 
 
 def test_read_default_model_arch(default_model_dir):
-    from build.model_info import read_model_arch
+    from precision_pipeline.spec.model_arch import read_model_arch
 
     a = read_model_arch(default_model_dir)
     assert (a.architecture, a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) == \
@@ -426,7 +426,7 @@ def test_read_default_model_arch(default_model_dir):
 
 
 def test_model_info_errors_name_model(tmp_path):
-    from build.model_info import read_model_arch
+    from precision_pipeline.spec.model_arch import read_model_arch
 
     with pytest.raises(UserError) as ei:
         read_model_arch(tmp_path / "nowhere")

@@ -16,8 +16,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from build.errors import EXIT_INVALID, UserError
-from build.profile import Profile, deep_merge, load_profile, shipped_profiles, validate_profile
+from precision_pipeline.core.errors import EXIT_INVALID, UserError
+from precision_pipeline.spec.profile import Profile, deep_merge, load_profile, shipped_profiles, validate_profile
 
 SHIPPED = ["bf16-h100", "fp8-h100", "fp8-h200", "int4-awq-a100", "int8-sq-l4", "nvfp4-b200"]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from build.errors import UserError
-from build.profile import deep_merge, load_raw, validate_profile
-from build.quantize import (
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+from precision_pipeline.quantize.ptq import (
     QuantizeResult,
     check_layout,
     make_forward_loop,
@@ -175,7 +175,7 @@ def test_run_quantize_refuses_before_loading(default_model_dir, tmp_path, monkey
 
 
 def test_forward_loop_passes_and_batches():
-    from build.calibrate import CalibrationSet
+    from precision_pipeline.quantize.calibration import CalibrationSet
 
     calls = []
 
@@ -263,7 +263,7 @@ def test_fp8_lm_head_and_embedding_are_the_hf_weights(fp8_checkpoint, default_mo
 
 
 def test_bf16_export(bf16_checkpoint):
-    from build.checkpoint import checkpoint_info
+    from precision_pipeline.checkpoint.reader import checkpoint_info
 
     info = checkpoint_info(bf16_checkpoint)
     assert info["quant_algo"] == "NO_QUANT" and info["kv_cache_quant_algo"] == "NONE"
@@ -277,8 +277,8 @@ def test_bf16_export(bf16_checkpoint):
 
 @pytest.mark.slow
 def test_export_with_kept_layers_and_patterns(default_model_dir, tmp_path):
-    from build.checkpoint import checkpoint_info, load_checkpoint_model
-    from build.checkpoint import safetensors_header
+    from precision_pipeline.checkpoint.reader import checkpoint_info, load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import safetensors_header
 
     p = profile("fp8-h100", calibration={"num_samples": 3, "seq_len": 16},
                 quantization={"keep_first_layers": 1, "keep_last_layers": 1, "exclude_modules": ["lm_head", "model.layers.5.mlp.down_proj"]})
@@ -308,7 +308,7 @@ def test_export_with_kept_layers_and_patterns(default_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_awq_export_layout(int4_awq_checkpoint):
-    from build.checkpoint import safetensors_header
+    from precision_pipeline.checkpoint.reader import safetensors_header
 
     cfg = json.loads((int4_awq_checkpoint / "config.json").read_text())
     q = cfg["quantization"]

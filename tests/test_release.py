@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from build import pack, release
-from build.errors import UserError
-from build.profile import load_profile
+from precision_pipeline.serving import pack, release
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.profile import load_profile
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,10 +95,10 @@ def test_retention_keeps_n_previous_and_fallback(tmp_path, units):
 def test_crash_at_each_step_leaves_loadable_repo(tmp_path, units, step):
     a, c = units[0].engine_unit, units[2].engine_unit
     repo = new_repo(tmp_path, units)
-    code = ("import sys; from pathlib import Path; from build import release; "
+    code = ("import sys; from pathlib import Path; from precision_pipeline.serving import release; "
             f"release.promote(Path({str(repo)!r}), Path({str(units[2].out_dir)!r}), promoted_by='crash-test')")
     env = dict(os.environ, **{release.CRASH_ENV: step})
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT / "build", env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == release.CRASH_EXIT, p.stderr
     committed = release.STEPS.index(step) >= release.STEPS.index("commit")
     want = c if committed else a
@@ -118,18 +118,18 @@ def test_crash_at_each_step_leaves_loadable_repo(tmp_path, units, step):
 
 @pytest.mark.slow
 def test_live_crash_recovery_promote_and_warm_rollback(tmp_path, units):
-    from build.triton import serve
+    from precision_pipeline.serving.triton_server import serve
     import tritonclient.http as hc
 
     a, b, c = (u.engine_unit for u in units)
     repo = new_repo(tmp_path, units, fallback=True, warm=True)
     # crash a promote after both configs were rewritten on disk but before the commit
-    code = ("from pathlib import Path; from build import release; "
+    code = ("from pathlib import Path; from precision_pipeline.serving import release; "
             f"release.promote(Path({str(repo)!r}), Path({str(units[2].out_dir)!r}))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=dict(os.environ, **{release.CRASH_ENV: "bls_config"}),
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT / "build", env=dict(os.environ, **{release.CRASH_ENV: "bls_config"}),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == release.CRASH_EXIT, p.stderr
-    from build.triton import free_port
+    from precision_pipeline.serving.triton_server import free_port
 
     # serve() runs recover() (re-points ensemble/BLS at releases.json's current) and loads that release
     srv = serve(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), block=False,

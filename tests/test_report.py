@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from build.gate import GateResult, ReferenceData, TokenMetrics, _assemble, write_gate_dir
-from build.golden import CATEGORIES, EncodedPrompt
-from build.profile import GateThresholds
-from build.report import LIMITS_TEXT, render_dir
+from precision_pipeline.gate.checkpoint_gate import GateResult, ReferenceData, TokenMetrics, _assemble, write_gate_dir
+from precision_pipeline.gate.golden import CATEGORIES, EncodedPrompt
+from precision_pipeline.spec.profile import GateThresholds
+from precision_pipeline.gate.report import LIMITS_TEXT, render_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

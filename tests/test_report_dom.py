@@ -7,7 +7,7 @@ makes of it.
 Reports: synthetic gate numbers (``test_report._write``: no model, a passing and a failing
 variant, with a heatmap image) and, when the pipeline has produced one, the real fp8-h100 gate
 (``artifacts/fp8-h100/gate``: its metrics.json + per_token.npz copied and re-rendered with the
-current build/report.py). Skipped with the reason when /usr/bin/chromium or the playwright
+current build/precision_pipeline/gate/report.py). Skipped with the reason when /usr/bin/chromium or the playwright
 package is missing (no browser is downloaded).
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from build.gate import METRIC_ORDER
-from build.profile import GateThresholds
+from precision_pipeline.gate.checkpoint_gate import METRIC_ORDER
+from precision_pipeline.spec.profile import GateThresholds
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -292,8 +292,8 @@ def real_gate(tmp_path_factory, request) -> tuple[Path, int]:
     prompt per category (as on a fresh clone / in CI)."""
     if (REAL_GATE / "metrics.json").is_file() and (REAL_GATE / "per_token.npz").is_file():
         return REAL_GATE, 60
-    from build.gate import gate_checkpoint
-    from build.profile import load_profile
+    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
+    from precision_pipeline.spec.profile import load_profile
 
     ckpt = request.getfixturevalue("fp8_checkpoint")
     model_dir = request.getfixturevalue("default_model_dir")
@@ -305,7 +305,7 @@ def real_gate(tmp_path_factory, request) -> tuple[Path, int]:
 
 
 def _rerender_real_gate(src: Path, tmp_path: Path) -> Path:
-    from build.report import render_dir
+    from precision_pipeline.gate.report import render_dir
 
     gate = tmp_path / "gate"
     gate.mkdir()

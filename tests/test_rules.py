@@ -1,4 +1,4 @@
-"""Each rule of build/rules.py: its table data, and the exact error it gives.
+"""Each rule of build/precision_pipeline/resolve/rules.py: its table data, and the exact error it gives.
 
 Models are ModelArch objects made from HF config dicts (no files needed).
 """
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from build import formats as F
-from build import plan as P
-from build import rules as R
-from build.hardware import CATALOG
-from build.model_info import arch_from_config
-from build.profile import validate_profile
+from precision_pipeline.spec import formats as F
+from precision_pipeline.resolve import plan as P
+from precision_pipeline.resolve import rules as R
+from precision_pipeline.spec.hardware import CATALOG
+from precision_pipeline.spec.model_arch import arch_from_config
+from precision_pipeline.spec.profile import validate_profile
 from conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
 
 SMOL = arch_from_config({

@@ -1,4 +1,4 @@
-"""Per-layer sensitivity (build/sensitivity.py) on the fp8 test checkpoint, kept small: two short
+"""Per-layer sensitivity (build/precision_pipeline/analysis/sensitivity.py) on the fp8 test checkpoint, kept small: two short
 golden prompts and the last two decoder layers (a cell in layer 28 runs two layers + lm_head).
 
 Checks: packed reference == plain forward; a cell with the exact FP32 weights has KL 0 and the
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from build.errors import UserError
-from build.sensitivity import (KINDS, Cell, Evaluator, exclude_patterns, heatmap_size, plot_heatmap,
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.analysis.sensitivity import (KINDS, Cell, Evaluator, exclude_patterns, heatmap_size, plot_heatmap,
                                resolved_trt_names, run_sensitivity, suggest_exclusions)
 
 LAYERS = [28, 29]
@@ -39,7 +39,7 @@ def golden_file(tmp_path_factory) -> Path:
 
 
 def _profile(**gate):
-    from build.profile import deep_merge, load_raw, validate_profile
+    from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
 
     return validate_profile(deep_merge(load_raw("fp8-h100"), {"gate": gate} if gate else {}))
 
@@ -47,14 +47,14 @@ def _profile(**gate):
 def _encoded(model_dir, golden_file):
     from transformers import AutoTokenizer
 
-    from build.golden import encode_golden, load_golden
+    from precision_pipeline.gate.golden import encode_golden, load_golden
 
     return encode_golden(AutoTokenizer.from_pretrained(str(model_dir)), load_golden(golden_file))
 
 
 @pytest.fixture(scope="module")
 def evaluator(fp8_checkpoint, default_model_dir, golden_file):
-    from build.checkpoint import dequantize_checkpoint
+    from precision_pipeline.checkpoint.reader import dequantize_checkpoint
 
     torch.set_num_threads(1)
     ck = dequantize_checkpoint(fp8_checkpoint)
@@ -77,7 +77,7 @@ def test_packed_reference_matches_plain_forward(evaluator, default_model_dir, go
 
 
 def test_exact_fp32_weights_give_zero_kl(evaluator):
-    from build.checkpoint import LinearSpec, QuantLinear
+    from precision_pipeline.checkpoint.reader import LinearSpec, QuantLinear
 
     ev = evaluator
     cell = Cell(29, "mlp.proj")
@@ -165,14 +165,14 @@ def _corrupt_copy(src: Path, dst: Path, tensor: str, factor: float) -> Path:
 @pytest.fixture(scope="module")
 def corrupted_run(fp8_checkpoint, default_model_dir, golden_file, tmp_path_factory):
     """A run on a copy of the fp8 checkpoint whose L29 mlp.proj weight scale is x10, with a gate folder."""
-    from build.gate import GateResult, write_gate_dir
+    from precision_pipeline.gate.checkpoint_gate import GateResult, write_gate_dir
 
     root = tmp_path_factory.mktemp("corrupt")
     ck = _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)
     gate_dir = root / "gate"
     try:
         from test_report import _synthetic  # the report tests' synthetic gate numbers
-        from build.profile import GateThresholds
+        from precision_pipeline.spec.profile import GateThresholds
 
         metrics, per_token = _synthetic(GateThresholds(kl_mean_max=0.1, top1_min=0.8))
         write_gate_dir(GateResult(metrics["passed"], metrics["failures"], metrics, gate_dir, per_token))
@@ -261,7 +261,7 @@ def test_prune_drops_unneeded_cells():
 
 
 def test_exclude_patterns_resolve():
-    from build.quantize import trtllm_name  # noqa: F401  (names below are what quantize.py resolves)
+    from precision_pipeline.quantize.ptq import trtllm_name  # noqa: F401  (names below are what quantize.py resolves)
 
     hf = []
     for i in range(3):

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from build import pack
-from build.profile import load_profile
-from build.triton import TritonServer
+from precision_pipeline.serving import pack
+from precision_pipeline.spec.profile import load_profile
+from precision_pipeline.serving.triton_server import TritonServer
 
 pytestmark = pytest.mark.slow
 

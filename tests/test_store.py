@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from build.store import atomic_dir, atomic_write_json, clean_stale, hash_dir, hash_obj, read_json
+from precision_pipeline.core.store import atomic_dir, atomic_write_json, clean_stale, hash_dir, hash_obj, read_json
 
 
 def test_hash_obj_is_key_order_independent():

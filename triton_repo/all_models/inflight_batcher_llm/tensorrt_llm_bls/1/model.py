@@ -2,7 +2,7 @@
 
 The engine model's name comes from the ``tensorrt_llm_model_name`` parameter (tensorrtllm_backend's
 name for it), overridden by ``<this model's dir>/route.json`` {"tensorrt_llm_model_name": ...} when
-present. build/release.py rewrites both when a release is promoted or rolled back: route.json is
+present. build/precision_pipeline/serving/release.py rewrites both when a release is promoted or rolled back: route.json is
 checked (stat) on every request, so a running BLS switches engines without being reloaded. Non-streaming:
 one response per request (in decoupled mode it is sent through the response sender with the FINAL flag;
 ``stream`` = true is refused, this BLS does not stream).

@@ -1,0 +1,1 @@
+"""Analyses beside the build: per-layer sensitivity."""

@@ -1,0 +1,1 @@
+"""Reading TensorRT-LLM checkpoints: headers, per-layer formats and dequantization."""

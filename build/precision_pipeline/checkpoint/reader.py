@@ -1,0 +1,972 @@
+"""Reader of exported TensorRT-LLM checkpoints: dequantize, reassemble ranks, run on CPU.
+
+A checkpoint directory holds ``config.json`` and ``rank{0..world_size-1}.safetensors`` (written by
+``modelopt.torch.export.export_tensorrt_llm_checkpoint``). Everything here uses ONLY the
+checkpoint's numbers: the HF model folder passed to ``load_checkpoint_model`` supplies the
+architecture config (and the caller's tokenizer), never weights. Every parameter of the built
+model must come from the checkpoint (the model is built on the ``meta`` device and every tensor
+is assigned), and every checkpoint tensor must be used; otherwise ``UserError("checkpoint", ...)``.
+
+Tensor names (Llama, ``modelopt/torch/export/layer_utils.py`` / ``model_config_export.py``) and
+how tensor parallelism splits them (``modelopt/torch/export/distribute.py`` + ``model_config_utils.py``;
+checked by exporting with ``inference_tensor_parallel=3`` and comparing with tp 1):
+
+===================================================  ========================  =======================
+TRT-LLM name                                          HF Llama module           split over tp ranks
+===================================================  ========================  =======================
+``transformer.vocab_embedding.weight``                ``model.embed_tokens``     dim 0 (vocab) if ``use_parallel_embedding`` and ``embedding_sharding_dim == 0``, dim 1 if 1, else replicated
+``transformer.layers.N.input_layernorm.weight``       ``input_layernorm``        replicated
+``transformer.layers.N.attention.qkv.*``              ``q_proj``/``k_proj``/``v_proj``   rows ``[q_r; k_r; v_r]`` per rank (q heads/tp, kv heads/tp each)
+``transformer.layers.N.attention.dense.*``            ``o_proj``                 dim 1 (input)
+``transformer.layers.N.post_layernorm.weight``        ``post_attention_layernorm``  replicated
+``transformer.layers.N.mlp.fc.*``                     ``gate_proj`` (SiLU side)  dim 0 (output)
+``transformer.layers.N.mlp.gate.*``                   ``up_proj``                dim 0 (output)
+``transformer.layers.N.mlp.proj.*``                   ``down_proj``              dim 1 (input)
+``transformer.ln_f.weight``                           ``model.norm``             replicated
+``lm_head.weight``                                    ``lm_head``                dim 0 (vocab)
+===================================================  ========================  =======================
+
+``mlp.fc`` = ``gate_proj`` and ``mlp.gate`` = ``up_proj`` was verified empirically: FP8-dequantized
+``mlp.fc`` differs from HF ``gate_proj`` by at most the FP8 rounding (0.11 max on layer 0) and from
+``up_proj`` by 4.4.
+
+Dequantization (bit layouts; every rank is dequantized with its own scales, then ranks are
+concatenated, so per-rank scales are honoured):
+
+* **FP8** (``quant_algo FP8``; ``to_quantized_weight`` in ``modelopt/torch/export/quant_utils.py``):
+  ``weight`` F8_E4M3 ``[out, in]``, ``weights_scaling_factor`` F32 ``[1]`` (= weight amax / 448);
+  ``w = fp8.float() * weights_scaling_factor``. E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa bits,
+  no infinities, max 448; e.g. ``0x38 = 0 0111 000 = 1.0``, ``0x7E = 448``, ``0x01 = 2**-9``.
+* **NVFP4** (``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``, ``quantize``/``dequantize``):
+  ``weight`` U8 ``[out, in/2]``: byte ``j`` of a row holds element ``2j`` in the LOW nibble and
+  element ``2j+1`` in the HIGH nibble (``packed = (q[..., 1::2] << 4) | q[..., 0::2]``). Each nibble
+  is E2M1: bit 3 sign, bits 2..0 index into ``[0, 0.5, 1, 1.5, 2, 3, 4, 6]`` (``0b0111 = 6.0``,
+  ``0b1001 = -0.5``). ``weights_scaling_factor`` F8_E4M3 ``[out, in/16]`` (one per 16 elements),
+  ``weights_scaling_factor_2`` F32 scalar (= amax / (6 * 448));
+  ``w = e2m1 * (sf.float() * sf2)`` block by block.
+* **W4A16_AWQ / W4A8_AWQ** (``pack_int4_in_uint8`` in ``modelopt/torch/export/quant_utils.py``):
+  ``weight`` I8 ``[out/2, in]``, packed along the OUTPUT dim: byte ``[r, c]`` holds signed int4
+  ``q[2r, c]`` in the LOW nibble and ``q[2r+1, c]`` in the HIGH nibble (two's complement, -8..7).
+  ``weights_scaling_factor`` ``[out, in/group_size]``; ``w[o, i] = q[o, i] * s[o, i // group]``.
+  W4A8_AWQ also has ``weights_scaling_factor_2`` F32 ``[1]`` (per-tensor FP8 scale of the
+  dequantized INT4 weight: ``w = fp8(q*s/s2)*s2``, see ``_dequant_int4``) and ``activation_scaling_factor``. ``prequant_scaling_factor``
+  ``[in]`` multiplies the activations: ``y = (x * pre) @ W^T`` (AWQ folds ``1/pre`` into ``W``).
+* **W8A8_SQ_PER_CHANNEL / W8A16**: ``weight`` I8 ``[out, in]``, ``weights_scaling_factor`` F32
+  ``[out]``; ``w = q * s[:, None]``. SmoothQuant also has ``prequant_scaling_factor`` ``[in]``
+  (``y = q8(x * pre) @ W^T``) and a per-tensor ``activation_scaling_factor`` (= amax / 127).
+* Unquantized tensors (BF16/F16/F32) are cast to float32.
+
+Activation fake-quant applied on the input of each quantized linear (as the checkpoint declares):
+FP8 (FP8, W4A8_AWQ): ``fp8(clamp(x / s, -448, 448)) * s`` with ``s = activation_scaling_factor``;
+INT8 (W8A8_SQ): ``clamp(round(x / s), -128, 127) * s``; NVFP4: dynamic blocks of 16 along the input
+dim, block scale ``fp8(amax_b / 6 / s2)`` (clamped to [2**-9, 448]), ``s2 = activation_scaling_factor``,
+values rounded to E2M1 (half to even). KV cache FP8 (INT8 likewise, ``round(x/s)``
+clamped to -128..127; NVFP4 KV is refused): keys (after RoPE) and values are fake-quantized
+with ``k_cache_scaling_factor`` / ``v_cache_scaling_factor`` inside a custom attention function
+(registered in ``transformers.AttentionInterface`` as ``"trtllm_kvq_sdpa"``) before SDPA. Query/softmax
+FP8 (``use_fp8_context_fmha``) is a build-time choice and is not modelled.
+
+**MIXED_PRECISION** (``mtq.auto_quantize`` export; TensorRT-LLM 1.2 ``QuantConfig`` /
+``LayerQuantConfig`` in ``tensorrt_llm/models/modeling_utils.py`` read the same file):
+``config.json`` says ``quant_algo: MIXED_PRECISION`` and ``quant_cfg.json`` beside it lists
+``quantized_layers`` = ``{TRT-LLM module name: {"quant_algo": ..., "group_size": ...}}``. Each
+listed linear is read with its own format (and its own activation fake-quant); a linear not listed
+is stored unquantized. Formats inside a MIXED_PRECISION checkpoint: every single format above.
+``kv_cache_quant_algo`` comes from ``quant_cfg.json`` (else ``config.json``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from precision_pipeline.core.errors import UserError
+
+FIELD = "checkpoint"
+FP8_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+ATTN_IMPL = "trtllm_kvq_sdpa"
+
+# per-linear TRT-LLM name -> (HF suffix, parallel kind)
+_LINEARS = {
+    "attention.qkv": ("self_attn.qkv", "qkv"),
+    "attention.dense": ("self_attn.o_proj", "row"),
+    "mlp.fc": ("mlp.gate_proj", "col"),
+    "mlp.gate": ("mlp.up_proj", "col"),
+    "mlp.proj": ("mlp.down_proj", "row"),
+}
+_SCALE_SUFFIXES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
+                   "prequant_scaling_factor")
+
+
+# --------------------------------------------------------------------------------------------
+# Element formats
+
+
+def fp8_e4m3_to_float(t: torch.Tensor) -> torch.Tensor:
+    """float32 values of an FP8 E4M3 tensor (dtype float8_e4m3fn, or uint8/int8 raw bits)."""
+    if t.dtype in (torch.uint8, torch.int8):
+        t = t.view(torch.uint8).view(torch.float8_e4m3fn)
+    return t.to(torch.float32)
+
+
+def e2m1_to_float(nibbles: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes (ints 0..15): bit 3 sign, bits 0..2 index [0,.5,1,1.5,2,3,4,6]."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    n = nibbles.to(torch.int64)
+    mag = table[n & 0x7]
+    return torch.where((n & 0x8) != 0, -mag, mag)
+
+
+def unpack_nvfp4(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., n/2]`` uint8 -> ``[..., n]`` float32 E2M1 values; element 2j = low nibble, 2j+1 = high."""
+    p = packed.view(torch.uint8).to(torch.int64)
+    lo = p & 0x0F
+    hi = (p >> 4) & 0x0F
+    out = torch.stack([lo, hi], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+    return e2m1_to_float(out)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """``[out/2, in]`` int8/uint8 -> ``[out, in]`` int64 in -8..7. Row ``2r`` = low nibble of byte
+    row ``r``, row ``2r+1`` = high nibble (``pack_int4_in_uint8``, modelopt/torch/export/quant_utils.py)."""
+    p = packed.view(torch.uint8).to(torch.int64)
+    lo = p & 0x0F
+    hi = (p >> 4) & 0x0F
+    lo = torch.where(lo >= 8, lo - 16, lo)
+    hi = torch.where(hi >= 8, hi - 16, hi)
+    out = torch.stack([lo, hi], dim=1)  # [out/2, 2, in]
+    return out.reshape(p.shape[0] * 2, *p.shape[1:])
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor (or broadcast) FP8 E4M3 quantize-dequantize of ``x`` with scale ``s`` (= amax/448):
+    ``fp8(clamp(x/s, ±448)) * s``, rounding to nearest even.
+
+    Computed in ModelOpt's operation order (``_fp8_eager`` in
+    ``modelopt/torch/quantization/tensor_quant.py``): ``amax = s*448``, ``k = 448/amax``,
+    ``fp8(clamp(x*k)) * (1/k)``, so that given the same scales the result is bit-identical to
+    ModelOpt's fake-quant (values exactly halfway between two FP8 codes round by this float path).
+    """
+    amax = scale.to(torch.float32) * FP8_MAX
+    k = FP8_MAX / amax
+    y = (x.to(torch.float32) * k).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return (y * (1 / k)).to(x.dtype)
+
+
+def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor INT8 quantize-dequantize with scale ``s`` (= amax/127):
+    ``clamp(round(x/s), -128, 127) * s`` (round half to even).
+
+    Computed in ModelOpt's operation order (``_tensor_quant`` in
+    ``modelopt/torch/quantization/tensor_quant.py``, ``narrow_range=False``):
+    ``k = 127/amax``, ``clamp(round(x*k), -128, 127) / k``.
+    """
+    amax = scale.to(torch.float32) * 127.0
+    k = 127.0 / amax
+    return (torch.round(x.to(torch.float32) * k).clamp(-128, 127) / k).to(x.dtype)
+
+
+def round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to the nearest E2M1 value (ties to the even code, as ModelOpt's
+    ``NVFP4QTensor._cast_fp4``); magnitudes above 6 saturate to 6."""
+    a = v.abs()
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+    idx = torch.searchsorted(bounds, a.contiguous())
+    odd = (a == 0.75) | (a == 1.75) | (a == 3.5)
+    idx = idx + odd.to(idx.dtype)
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)[idx.clamp(max=7)]
+    return torch.where(v < 0, -mag, mag)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """Dynamic NVFP4 quantize-dequantize along the last dim (blocks of ``block``):
+    ``sf_b = fp8(clamp(amax_b / (6 * s2), 2**-9, 448))``, ``x_q = e2m1(x / (sf_b*s2)) * sf_b*s2``."""
+    shape = x.shape
+    xf = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // block, block)
+    s2 = global_scale.to(torch.float32)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    sf = (amax / (6.0 * s2))
+    sf = torch.where(sf == 0, torch.ones_like(sf), sf)
+    sf = sf.clamp(2.0 ** -9, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    scale = sf * s2
+    q = round_e2m1(xf / scale) * scale
+    return q.reshape(shape).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_config(ckpt_dir: Path) -> dict:
+    """``config.json`` of a checkpoint. Raises UserError when missing or not JSON."""
+    p = Path(ckpt_dir) / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(FIELD, f"{ckpt_dir} has no config.json (not a TensorRT-LLM checkpoint).",
+                        "run the quantize stage first, or point at its output folder.")
+    except json.JSONDecodeError as e:
+        raise UserError(FIELD, f"{p} is not valid JSON: {e}.", "re-run the quantize stage.")
+
+
+SINGLE_ALGOS = ("NO_QUANT", "FP8", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16")
+MIXED = "MIXED_PRECISION"
+
+
+def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
+    """The checkpoint's quantization, per linear: ``{"quant_algo", "kv_cache_quant_algo",
+    "group_size", "exclude_modules", "layers": {TRT-LLM linear name: {"quant_algo", "group_size"}}}``.
+
+    ``layers`` is filled only for MIXED_PRECISION (from ``quant_cfg.json``'s ``quantized_layers``);
+    a single-format checkpoint has one ``quant_algo`` for every linear not in ``exclude_modules``.
+    Raises UserError when MIXED_PRECISION has no readable ``quant_cfg.json``, or a layer's format
+    is not one the reader knows.
+    """
+    cfg = read_config(ckpt_dir) if cfg is None else cfg
+    q = cfg.get("quantization") or {}
+    algo = q.get("quant_algo") or "NO_QUANT"
+    out = {"quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"), "group_size": q.get("group_size"),
+           "exclude_modules": list(q.get("exclude_modules") or []), "layers": {}}
+    if algo != MIXED:
+        g = out["group_size"]
+        if algo in ("W4A16_AWQ", "W4A8_AWQ") and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise UserError(FIELD, f"config.json declares {algo} with group_size {g!r}; it needs a positive integer "
+                            "(the input channels per scale).", "re-export the checkpoint.")
+        return out
+    p = Path(ckpt_dir) / "quant_cfg.json"
+    try:
+        qc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(FIELD, f"quant_algo is MIXED_PRECISION but {p} is missing (it lists each layer's format).",
+                        "re-export the checkpoint with the per-layer search (build/precision_pipeline/quantize/search.py).")
+    except json.JSONDecodeError as e:
+        raise UserError(FIELD, f"{p} is not valid JSON: {e}.", "re-export the checkpoint.")
+    layers = qc.get("quantized_layers") if isinstance(qc, dict) else None
+    if not isinstance(layers, dict):
+        raise UserError(FIELD, f"{p} has no quantized_layers table ({{layer name: {{\"quant_algo\": ...}}}}).",
+                        "re-export the checkpoint.")
+    for name, entry in layers.items():
+        if not isinstance(entry, dict):
+            raise UserError(FIELD, f"{p}: layer {name} is {entry!r}, not an object with quant_algo.", "re-export the checkpoint.")
+        la = entry.get("quant_algo")
+        if la not in SINGLE_ALGOS or la == "NO_QUANT":
+            raise UserError(FIELD, f"{p}: layer {name} has quant_algo {la!r}, which is not read here.",
+                            "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, W8A8_SQ_PER_CHANNEL or W8A16 per layer.")
+        g = entry.get("group_size")
+        if la in ("W4A16_AWQ", "W4A8_AWQ") and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise UserError(FIELD, f"{p}: layer {name} ({la}) has group_size {g!r}; it needs a positive integer "
+                            "(the input channels per scale).", "re-export the checkpoint.")
+        out["layers"][name] = {"quant_algo": la, "group_size": g}
+    kv_q = qc.get("kv_cache_quant_algo")
+    kv_c = q.get("kv_cache_quant_algo")
+    if kv_q is not None and kv_c is not None and kv_q != kv_c:
+        raise UserError(FIELD, f"{p} says kv_cache_quant_algo {kv_q} but config.json says {kv_c}.",
+                        "re-export the checkpoint (one KV-cache format per engine).")
+    if kv_q is not None:
+        out["kv_cache_quant_algo"] = kv_q
+    return out
+
+
+# stored weight dtype (safetensors name) of each declared format
+_STORED = {"FP8": ("F8_E4M3",), "NVFP4": ("U8",), "W4A16_AWQ": ("I8",), "W4A8_AWQ": ("I8",),
+           "W8A8_SQ_PER_CHANNEL": ("I8",), "W8A16": ("I8",), "NO_QUANT": ("BF16", "F16", "F32")}
+
+
+def check_declared_formats(ckpt_dir: Path, cfg: dict | None = None) -> None:
+    """Every linear's stored weight (dtype, and for INT8-stored formats the scale layout) must match
+    the format that config.json / quant_cfg.json declare for it; read from the safetensors headers
+    only. Raises UserError naming the layer, what is stored and what is declared."""
+    cfg = read_config(ckpt_dir) if cfg is None else cfg
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
+    for f in _rank_files(ckpt_dir, cfg):
+        h = safetensors_header(f)
+        for key, meta in h.items():
+            if key == "__metadata__" or not key.endswith(".weight"):
+                continue
+            stem = key[: -len(".weight")]
+            if not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
+                continue
+            algo, _ = linear_format(qinfo, stem)
+            want = _STORED.get(algo, ())
+            if meta["dtype"] not in want:
+                why = " (exclude_modules lists it)" if algo == "NO_QUANT" and qinfo["quant_algo"] not in (MIXED, "NO_QUANT") else ""
+                raise UserError(FIELD, f"{stem} is stored as {meta['dtype']} in {f.name} but declared {algo}{why} "
+                                f"(stored as {' or '.join(want)}).", "re-export the checkpoint.")
+            sf = h.get(stem + ".weights_scaling_factor")
+            if meta["dtype"] == "I8" and sf is not None:
+                packed = len(sf["shape"]) == 2 and sf["shape"][0] == 2 * meta["shape"][0]  # INT4: [out, in/g] for [out/2, in]
+                if algo in ("W4A16_AWQ", "W4A8_AWQ") and not packed:
+                    raise UserError(FIELD, f"{stem} is declared {algo} but stored as INT8 with per-channel scales "
+                                    f"{sf['shape']} (W8A16 / SmoothQuant layout).", "re-export the checkpoint.")
+                if algo in ("W8A8_SQ_PER_CHANNEL", "W8A16") and packed:
+                    raise UserError(FIELD, f"{stem} is declared {algo} but stored as packed INT4 with per-group scales "
+                                    f"{sf['shape']} (AWQ layout).", "re-export the checkpoint.")
+
+
+def linear_format(qinfo: dict, name: str) -> tuple[str, int | None]:
+    """``(quant_algo, group_size)`` that the checkpoint declares for TRT-LLM linear ``name``
+    (``NO_QUANT`` for excluded / unlisted ones); ``qinfo`` from ``read_quant_cfg``."""
+    if qinfo["quant_algo"] == MIXED:
+        e = qinfo["layers"].get(name)
+        return (e["quant_algo"], e.get("group_size")) if e else ("NO_QUANT", None)
+    if qinfo["quant_algo"] == "NO_QUANT" or _excluded(name, qinfo["exclude_modules"]):
+        return "NO_QUANT", None
+    return qinfo["quant_algo"], qinfo["group_size"]
+
+
+def _rank_files(ckpt_dir: Path, cfg: dict) -> list[Path]:
+    world = int((cfg.get("mapping") or {}).get("world_size", 1))
+    files = [Path(ckpt_dir) / f"rank{r}.safetensors" for r in range(world)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UserError(FIELD, f"{ckpt_dir} lacks {', '.join(missing)} (mapping.world_size = {world}).",
+                        "re-run the quantize stage.")
+    return files
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (names -> dtype, shape, data_offsets), without loading data."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+def checkpoint_info(ckpt_dir: Path) -> dict:
+    """Summary of a checkpoint, from config.json and the safetensors headers (no tensor data read).
+
+    Returns ``{"quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules", "mapping",
+    "logits_dtype", "dtype", "architecture", "layers" (MIXED_PRECISION: {TRT-LLM linear: quant_algo},
+    else {}), "total_bytes" (sum of rank*.safetensors file sizes),
+    "rank_bytes": [...], "dtypes": {safetensors dtype: {"tensors": n, "bytes": b}}, "num_tensors"}``.
+    ``quant_algo`` is ``"NO_QUANT"`` when config.json has null; ``kv_cache_quant_algo`` ``"NONE"``.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    files = _rank_files(ckpt_dir, cfg)
+    dtypes: dict[str, dict[str, int]] = {}
+    n = 0
+    for f in files:
+        for name, meta in safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            d = dtypes.setdefault(meta["dtype"], {"tensors": 0, "bytes": 0})
+            d["tensors"] += 1
+            d["bytes"] += meta["data_offsets"][1] - meta["data_offsets"][0]
+            n += 1
+    q = cfg.get("quantization") or {}
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
+    return {
+        "quant_algo": q.get("quant_algo") or "NO_QUANT",
+        "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or "NONE",
+        "layers": {n: e["quant_algo"] for n, e in qinfo["layers"].items()},
+        "group_size": q.get("group_size"),
+        "exclude_modules": list(q.get("exclude_modules") or []),
+        "mapping": cfg.get("mapping", {}),
+        "logits_dtype": cfg.get("logits_dtype"),
+        "dtype": cfg.get("dtype"),
+        "architecture": cfg.get("architecture"),
+        "total_bytes": sum(f.stat().st_size for f in files),
+        "rank_bytes": [f.stat().st_size for f in files],
+        "dtypes": dict(sorted(dtypes.items())),
+        "num_tensors": n,
+    }
+
+
+_PACKED_PER_BYTE = {"W4A16_AWQ": 2, "W4A8_AWQ": 2, "NVFP4": 2}  # 4-bit formats: 2 weights per stored byte
+
+
+def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
+    """The checkpoint, GEMM by GEMM, from config.json/quant_cfg.json and the safetensors headers
+    (no tensor data read): what the plan shows as ``layers``.
+
+    Returns ``{"quant_algo", "kv_cache_quant_algo", "source", "linears": [{"name" (TRT-LLM
+    linear, e.g. ``transformer.layers.0.attention.qkv``), "quant_algo", "group_size", "params"
+    (weights, all ranks), "bytes" (weight + scale tensors, all ranks), "bits_per_weight" (bytes
+    * 8 / params)}], "by_format": {quant_algo: {"linears", "params", "bytes"}},
+    "effective_bits" (weight bits per parameter over the quantized-or-not linears, lm_head
+    included)}``, plus, when ``search`` (the checkpoint's ``autoquant.json``) is given, the
+    search's ``effective_bits_budget`` / ``effective_bits_achieved`` (over the searched layers).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
+    check_declared_formats(ckpt_dir, cfg)
+    sizes: dict[str, list[int]] = {}  # linear prefix -> [weight elements as stored, bytes]
+    names: list[str] = []
+    for f in _rank_files(ckpt_dir, cfg):
+        for name, meta in safetensors_header(f).items():
+            if name == "__metadata__" or "cache_scaling_factor" in name:
+                continue
+            stem, _, leaf = name.rpartition(".")
+            if leaf not in ("weight",) + _SCALE_SUFFIXES or not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
+                continue
+            if stem not in sizes:
+                sizes[stem] = [0, 0]
+                names.append(stem)
+            n_bytes = meta["data_offsets"][1] - meta["data_offsets"][0]
+            sizes[stem][1] += n_bytes
+            if leaf == "weight":
+                n = 1
+                for d in meta["shape"]:
+                    n *= int(d)
+                sizes[stem][0] += n
+    order = list(_LINEARS)
+
+    def key(stem: str) -> tuple:
+        parts = stem.split(".", 3)
+        if len(parts) == 4 and parts[2].isdigit() and parts[3] in order:
+            return (0, int(parts[2]), order.index(parts[3]))
+        return (1, 0, 0)
+
+    rows, by_fmt = [], {}
+    tot_bits = tot_params = 0
+    for stem in sorted(names, key=key):
+        algo, group = linear_format(qinfo, stem)
+        params = sizes[stem][0] * _PACKED_PER_BYTE.get(algo, 1)
+        nbytes = sizes[stem][1]
+        rows.append({"name": stem, "quant_algo": algo, "group_size": group if algo in _PACKED_PER_BYTE else None,
+                     "params": params, "bytes": nbytes, "bits_per_weight": round(nbytes * 8 / params, 4)})
+        agg = by_fmt.setdefault(algo, {"linears": 0, "params": 0, "bytes": 0})
+        agg["linears"] += 1
+        agg["params"] += params
+        agg["bytes"] += nbytes
+        tot_bits += nbytes * 8
+        tot_params += params
+    out = {"quant_algo": qinfo["quant_algo"], "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or "NONE",
+           "source": "exported checkpoint (config.json" + (", quant_cfg.json" if qinfo["layers"] else "") +
+                     ", rank*.safetensors headers)",
+           "linears": rows, "by_format": dict(sorted(by_fmt.items())),
+           "effective_bits": round(tot_bits / tot_params, 4) if tot_params else None}
+    if search:
+        out["search"] = {k: search.get(k) for k in ("effective_bits_budget", "effective_bits_achieved", "formats",
+                                                    "group_size", "method", "constraint_satisfied", "search_s")}
+    return out
+
+
+def _load_ranks(ckpt_dir: Path, cfg: dict) -> list[dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return [load_file(str(f)) for f in _rank_files(ckpt_dir, cfg)]
+
+
+# --------------------------------------------------------------------------------------------
+# Dequantization of one rank's linear
+
+
+def _dequant_int4(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
+    """INT4 AWQ weight of one rank -> float32 ``[out, in]``.
+
+    ``w = q * weights_scaling_factor[o, i // group]`` (``pack_int4_in_uint8`` quantizes
+    ``round(w / s)`` with the INT4 quantizer's per-group scale; ``weights_scaling_factor_2`` is
+    not used for the packing). W4A8_AWQ: ``weights_scaling_factor_2`` is the per-tensor scale of
+    the second, FP8 weight quantizer (ModelOpt's ``SequentialQuantizer``, INT4 then FP8 E4M3;
+    ``get_weight_scaling_factor_2`` in ``modelopt/torch/export/quant_utils.py``): the INT4 values
+    times their group scales are represented in FP8 with that scale, so
+    ``w = fp8(q * s / s2) * s2`` (measured: without the FP8 step the relative error vs. the HF
+    weights is the same; multiplying by ``s2`` instead gives ~99% error).
+    """
+    q = unpack_int4_rows(t[prefix + "weight"]).to(torch.float32)
+    s = t[prefix + "weights_scaling_factor"].to(torch.float32)
+    if s.shape[0] != q.shape[0] and s.shape[-1] == q.shape[0]:
+        s = s.T  # [in/group, out] layout
+    if s.dim() != 2 or s.shape[0] != q.shape[0] or q.shape[1] != s.shape[1] * group:
+        raise UserError(FIELD, f"{prefix}weights_scaling_factor has shape {tuple(s.shape)}; expected "
+                        f"[{q.shape[0]}, {q.shape[1] // group}] for weight [{q.shape[0]}, {q.shape[1]}] and group {group}.",
+                        "re-export the checkpoint.")
+    w = q * s.repeat_interleave(group, dim=1)
+    s2 = t.get(prefix + "weights_scaling_factor_2")
+    if s2 is not None:
+        w = fake_quant_fp8(w, s2.to(torch.float32).reshape(()))
+    return w
+
+
+def dequantize_weight(t: dict[str, torch.Tensor], prefix: str, quant_algo: str, group_size: int | None) -> torch.Tensor:
+    """float32 ``[out, in]`` weight of the linear ``prefix`` (e.g. ``transformer.layers.0.attention.qkv.``)
+    from one rank's tensors ``t``. Quantized iff the weight's dtype is FP8/INT8/UINT8.
+
+    Raises UserError when the scales that the format needs are missing or have wrong shapes.
+    """
+    w = t[prefix + "weight"]
+    if w.dtype not in QUANTIZED_DTYPES:
+        return w.to(torch.float32)
+
+    def need(name: str) -> torch.Tensor:
+        if prefix + name not in t:
+            raise UserError(FIELD, f"{prefix}weight is {w.dtype} but {prefix}{name} is missing.", "re-export the checkpoint.")
+        return t[prefix + name].to(torch.float32) if t[prefix + name].dtype != torch.float8_e4m3fn else t[prefix + name]
+
+    if w.dtype == torch.float8_e4m3fn:
+        s = need("weights_scaling_factor")
+        if s.numel() == 1:
+            return fp8_e4m3_to_float(w) * s.reshape(())
+        if s.numel() == w.shape[0]:  # per-channel FP8 (not produced by FP8_DEFAULT_CFG)
+            return fp8_e4m3_to_float(w) * s.reshape(-1, 1)
+        raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements for FP8 weight {tuple(w.shape)}.",
+                        "re-export the checkpoint.")
+    if w.dtype == torch.uint8:  # NVFP4
+        sf = need("weights_scaling_factor")
+        sf2 = need("weights_scaling_factor_2").reshape(())
+        vals = unpack_nvfp4(w)  # [out, in]
+        block = vals.shape[1] // sf.shape[1]
+        if sf.shape[0] != vals.shape[0] or block * sf.shape[1] != vals.shape[1]:
+            raise UserError(FIELD, f"{prefix}: NVFP4 scales {tuple(sf.shape)} do not tile weight {tuple(vals.shape)}.",
+                            "re-export the checkpoint.")
+        scale = fp8_e4m3_to_float(sf) * sf2
+        return vals * scale.repeat_interleave(block, dim=1)
+    # int8: AWQ int4 (packed) or int8 per-channel
+    if quant_algo in ("W4A16_AWQ", "W4A8_AWQ"):
+        need("weights_scaling_factor")
+        return _dequant_int4(t, prefix, int(group_size or 128))
+    s = need("weights_scaling_factor")
+    if s.numel() != w.shape[0]:
+        raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements; expected {w.shape[0]} (per output channel).",
+                        "re-export the checkpoint.")
+    return w.to(torch.float32) * s.reshape(-1, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Reassembly of ranks
+
+
+@dataclass
+class LinearSpec:
+    """A dequantized TRT-LLM linear, ranks merged.
+
+    ``weight`` float32 ``[out, in]``; ``quantized``: weight was stored in a quantized dtype;
+    ``act_scale``: activation scale broadcastable over the input ``[in]`` (per-rank scalars spread
+    over the rank's input slice for row-parallel linears) or None; ``act_scale_rows``: for
+    column-parallel linears whose ranks have different activation scales, a list of
+    ``(out_start, out_end, scale)``; ``pre``: prequant scale ``[in]`` or None; ``quant_algo``: the
+    format the checkpoint declares for this linear (``NO_QUANT`` if unquantized); ``group_size``:
+    its AWQ group size (None for other formats).
+    """
+
+    weight: torch.Tensor
+    quantized: bool
+    act_scale: Optional[torch.Tensor] = None
+    act_scale_rows: list = field(default_factory=list)
+    pre: Optional[torch.Tensor] = None
+    quant_algo: str = "NO_QUANT"
+    group_size: Optional[int] = None
+
+
+def _qkv_split(cfg: dict, tp: int) -> tuple[int, int, int]:
+    hd = int(cfg.get("head_size") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    nh = int(cfg["num_attention_heads"])
+    nkv = int(cfg.get("num_key_value_heads") or nh)
+    return hd * nh // tp, hd * max(1, nkv // tp), hd
+
+
+def _merge_qkv(parts: list[torch.Tensor], cfg: dict, tp: int) -> torch.Tensor:
+    """Reassemble per-rank ``[q_r; k_r; v_r]`` rows into ``[q; k; v]`` (ranks sharing a KV head
+    when num_key_value_heads < tp hold copies; the first copy is taken)."""
+    q_rows, kv_rows, _ = _qkv_split(cfg, tp)
+    nkv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    qs, ks, vs = [], [], []
+    for p in parts:
+        if p.shape[0] != q_rows + 2 * kv_rows:
+            raise UserError(FIELD, f"qkv rank slice has {p.shape[0]} rows; expected {q_rows} + 2 x {kv_rows}.",
+                            "re-export the checkpoint.")
+        qs.append(p[:q_rows])
+        ks.append(p[q_rows:q_rows + kv_rows])
+        vs.append(p[q_rows + kv_rows:])
+    if nkv < tp:
+        step = tp // nkv
+        ks, vs = ks[::step], vs[::step]
+    return torch.cat([torch.cat(qs), torch.cat(ks), torch.cat(vs)])
+
+
+def _scalar_or_none(t: dict, key: str) -> torch.Tensor | None:
+    v = t.get(key)
+    return None if v is None else v.to(torch.float32).reshape(-1)
+
+
+def merge_linear(ranks: list[dict], prefix: str, kind: str, cfg: dict, quant_algo: str,
+                 group_size: int | None, used: set) -> LinearSpec:
+    """Dequantize ``prefix`` on every rank and concatenate (``kind``: qkv / col / row / replicated)."""
+    tp = len(ranks)
+    for r, t in enumerate(ranks):
+        if prefix + "weight" not in t:
+            raise UserError(FIELD, f"rank{r}.safetensors lacks {prefix}weight.", "re-export the checkpoint.")
+        for k in t:
+            if k.startswith(prefix) and k[len(prefix):] in ("weight",) + _SCALE_SUFFIXES:
+                used.add((r, k))
+    ws = [dequantize_weight(t, prefix, quant_algo, group_size) for t in ranks]
+    quantized = ranks[0][prefix + "weight"].dtype in QUANTIZED_DTYPES
+    if any((t[prefix + "weight"].dtype in QUANTIZED_DTYPES) != quantized for t in ranks):
+        raise UserError(FIELD, f"{prefix}weight is quantized on some ranks only.", "re-export the checkpoint.")
+    acts = [_scalar_or_none(t, prefix + "activation_scaling_factor") for t in ranks]
+    pres = [_scalar_or_none(t, prefix + "prequant_scaling_factor") for t in ranks]
+    if tp == 1 or kind == "replicated":
+        weight = ws[0]
+    elif kind == "qkv":
+        weight = _merge_qkv(ws, cfg, tp)
+    elif kind == "col":
+        weight = torch.cat(ws, dim=0)
+    else:
+        weight = torch.cat(ws, dim=1)
+    spec = LinearSpec(weight=weight, quantized=quantized, quant_algo=quant_algo if quantized else "NO_QUANT",
+                      group_size=group_size if quantized and quant_algo in ("W4A16_AWQ", "W4A8_AWQ") else None)
+    in_dim = weight.shape[1]
+    if any(a is not None for a in acts):
+        if any(a is None for a in acts):
+            raise UserError(FIELD, f"{prefix}activation_scaling_factor is missing on some ranks.", "re-export the checkpoint.")
+        if kind == "row" and tp > 1:
+            spec.act_scale = torch.cat([a.expand(w.shape[1]) for a, w in zip(acts, ws)])
+        elif all(torch.equal(a, acts[0]) for a in acts):
+            spec.act_scale = acts[0].reshape(())
+        else:  # column-parallel ranks with different scales: each output slice uses its own
+            start = 0
+            rows = [w.shape[0] for w in ws]
+            if kind == "qkv":
+                raise UserError(FIELD, f"{prefix}: qkv ranks carry different activation scales.", "re-export the checkpoint.")
+            for a, n in zip(acts, rows):
+                spec.act_scale_rows.append((start, start + n, a.reshape(())))
+                start += n
+    if any(p is not None for p in pres):
+        if kind == "row" and tp > 1:
+            spec.pre = torch.cat([p for p in pres])
+        else:
+            spec.pre = pres[0]
+        if spec.pre.numel() != in_dim:
+            raise UserError(FIELD, f"{prefix}prequant_scaling_factor has {spec.pre.numel()} elements; input dim is {in_dim}.",
+                            "re-export the checkpoint.")
+    return spec
+
+
+def _merge_plain(ranks: list[dict], name: str, dim: Optional[int], used: set, rows: Optional[int] = None) -> torch.Tensor:
+    parts = []
+    for r, t in enumerate(ranks):
+        if name not in t:
+            raise UserError(FIELD, f"rank{r}.safetensors lacks {name}.", "re-export the checkpoint.")
+        used.add((r, name))
+        parts.append(t[name].to(torch.float32) if t[name].dtype not in QUANTIZED_DTYPES else None)
+    if any(p is None for p in parts):
+        raise UserError(FIELD, f"{name} is stored quantized; this reader supports quantized linears only.",
+                        "exclude it from quantization (quantization.exclude_modules).")
+    out = parts[0] if dim is None or len(parts) == 1 else torch.cat(parts, dim=dim)
+    if rows is not None and out.shape[0] > rows:  # vocab padding
+        out = out[:rows]
+    return out
+
+
+@dataclass
+class DequantizedCheckpoint:
+    """All tensors of a checkpoint, float32, ranks merged, in TRT-LLM names.
+
+    ``linears``: TRT-LLM linear prefix (``transformer.layers.0.attention.qkv``, ``lm_head``) -> LinearSpec;
+    ``tensors``: other tensors (embedding, norms); ``kv_scales``: layer -> (k scale ``[kv_heads]``,
+    v scale ``[kv_heads]``); ``config``: config.json.
+    """
+
+    config: dict
+    linears: dict[str, LinearSpec]
+    tensors: dict[str, torch.Tensor]
+    kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    kv_cache_quant_algo: Optional[str] = None
+
+
+def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
+    """Read and dequantize every tensor of a Llama TRT-LLM checkpoint (any tp_size, pp_size 1).
+
+    Raises UserError for a missing file, unsupported architecture/pp/quant_algo, a missing scale,
+    inconsistent shapes, or tensors left unused.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    mapping = cfg.get("mapping") or {}
+    tp = int(mapping.get("tp_size", 1))
+    if int(mapping.get("pp_size", 1)) != 1:
+        raise UserError(FIELD, f"pp_size {mapping.get('pp_size')} checkpoints are not read here.", "export with pp_size 1.")
+    if cfg.get("architecture") not in ("LlamaForCausalLM", "MistralForCausalLM"):
+        raise UserError(FIELD, f"architecture {cfg.get('architecture')!r} is not read here (Llama only).", "use a Llama checkpoint.")
+    q = cfg.get("quantization") or {}
+    algo = q.get("quant_algo") or "NO_QUANT"
+    if algo not in SINGLE_ALGOS + (MIXED,):
+        raise UserError(FIELD, f"quant_algo {algo} is not read here.", "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, "
+                        "W8A8_SQ_PER_CHANNEL, W8A16, MIXED_PRECISION or NO_QUANT.")
+    qinfo = read_quant_cfg(ckpt_dir, cfg)
+    check_declared_formats(ckpt_dir, cfg)
+    kv_algo = qinfo["kv_cache_quant_algo"]
+
+    def fmt(name: str) -> tuple[str, int | None]:  # stored = declared (check_declared_formats above)
+        return linear_format(qinfo, name)
+    ranks = _load_ranks(ckpt_dir, cfg)
+    if len(ranks) != tp:
+        raise UserError(FIELD, f"{len(ranks)} rank files but tp_size {tp}.", "re-export the checkpoint.")
+    used: set = set()
+    vocab = int(cfg["vocab_size"])
+    linears: dict[str, LinearSpec] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    emb_dim = None
+    if cfg.get("use_parallel_embedding") and tp > 1:
+        emb_dim = int(cfg.get("embedding_sharding_dim", 0))
+    tensors["transformer.vocab_embedding.weight"] = _merge_plain(ranks, "transformer.vocab_embedding.weight", emb_dim, used, vocab)
+    tensors["transformer.ln_f.weight"] = _merge_plain(ranks, "transformer.ln_f.weight", None, used)
+    nkv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    for i in range(int(cfg["num_hidden_layers"])):
+        base = f"transformer.layers.{i}."
+        for n in ("input_layernorm.weight", "post_layernorm.weight"):
+            tensors[base + n] = _merge_plain(ranks, base + n, None, used)
+        for trt, (_, kind) in _LINEARS.items():
+            linears[base + trt] = merge_linear(ranks, base + trt + ".", kind, cfg, *fmt(base + trt), used)
+        ks, vs = [], []
+        for r, t in enumerate(ranks):
+            k = t.get(base + "attention.k_cache_scaling_factor")
+            v = t.get(base + "attention.v_cache_scaling_factor")
+            kv = t.get(base + "attention.kv_cache_scaling_factor")
+            for name in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
+                if base + "attention." + name in t:
+                    used.add((r, base + "attention." + name))
+            if k is None and kv is not None:
+                k = kv
+            if v is None and kv is not None:
+                v = kv
+            if k is not None:
+                ks.append(k.to(torch.float32).reshape(()))
+                vs.append(v.to(torch.float32).reshape(()))
+        if kv_algo:
+            if len(ks) != tp:
+                raise UserError(FIELD, f"kv_cache_quant_algo {kv_algo} but {base}attention lacks "
+                                "k/v_cache_scaling_factor.", "re-export the checkpoint.")
+            per_rank = max(1, nkv // tp)
+            if nkv >= tp:
+                kvec = torch.stack([s.expand(per_rank) for s in ks]).reshape(-1)
+                vvec = torch.stack([s.expand(per_rank) for s in vs]).reshape(-1)
+            else:
+                step = tp // nkv
+                kvec, vvec = torch.stack(ks[::step]), torch.stack(vs[::step])
+            kv_scales[i] = (kvec, vvec)
+    # lm_head
+    if "lm_head.weight" in ranks[0]:
+        linears["lm_head"] = merge_linear(ranks, "lm_head.", "col", cfg, *fmt("lm_head"), used)
+        if linears["lm_head"].weight.shape[0] > vocab:
+            linears["lm_head"].weight = linears["lm_head"].weight[:vocab]
+    elif not cfg.get("share_embedding_table"):
+        raise UserError(FIELD, "lm_head.weight is missing and share_embedding_table is false.", "re-export the checkpoint.")
+    leftover = sorted({k for r, t in enumerate(ranks) for k in t if (r, k) not in used})
+    if leftover:
+        raise UserError(FIELD, f"{len(leftover)} tensors are not understood by the reader, e.g. {', '.join(leftover[:5])}.",
+                        "this reader handles Llama checkpoints; re-export or extend build/precision_pipeline/checkpoint/reader.py.")
+    _check_layers(linears, qinfo)
+    return DequantizedCheckpoint(config=cfg, linears=linears, tensors=tensors, kv_scales=kv_scales,
+                                 kv_cache_quant_algo=kv_algo)
+
+
+def _excluded(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+_NEEDS_ACT_SCALE = ("FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")
+
+
+def _check_layers(linears: dict[str, LinearSpec], qinfo: dict) -> None:
+    """What the header check (``check_declared_formats``) cannot see: quant_cfg.json layers the
+    checkpoint lacks, and activation scales the declared formats need."""
+    unknown = sorted(set(qinfo["layers"]) - set(linears))
+    if unknown:
+        raise UserError(FIELD, f"quant_cfg.json lists {unknown[0]}, which the checkpoint does not have.",
+                        "re-export the checkpoint.")
+    for n, s in linears.items():
+        if s.quantized and s.quant_algo in _NEEDS_ACT_SCALE and s.act_scale is None and not s.act_scale_rows:
+            raise UserError(FIELD, f"{n} lacks activation_scaling_factor, which {s.quant_algo} needs.", "re-export the checkpoint.")
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU model
+
+
+class QuantLinear(nn.Module):
+    """A linear with the checkpoint's dequantized weight and its input fake-quant.
+
+    ``act_format``: None, "fp8", "int8", "nvfp4". Input ``x [..., in]`` -> ``[..., out]``:
+    ``x * pre`` (if any), then fake-quant with ``act_scale``, then ``x @ weight.T``.
+    """
+
+    def __init__(self, spec: LinearSpec, act_format: Optional[str], dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(spec.weight.to(dtype), requires_grad=False)
+        self.act_format = act_format
+        self.register_buffer("pre", None if spec.pre is None else spec.pre.to(torch.float32))
+        self.register_buffer("act_scale", None if spec.act_scale is None else spec.act_scale.to(torch.float32))
+        self.act_scale_rows = [(a, b, s.to(torch.float32)) for a, b, s in spec.act_scale_rows]
+        self.in_features = spec.weight.shape[1]
+        self.out_features = spec.weight.shape[0]
+
+    def _quant(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.act_format == "fp8":
+            return fake_quant_fp8(x, scale)
+        if self.act_format == "int8":
+            return fake_quant_int8(x, scale)
+        if self.act_format == "nvfp4":
+            return fake_quant_nvfp4(x, scale)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre is not None:
+            x = (x.to(torch.float32) * self.pre).to(x.dtype)
+        if self.act_format is None:
+            return F.linear(x, self.weight)
+        if self.act_scale_rows:
+            outs = [F.linear(self._quant(x, s), self.weight[a:b]) for a, b, s in self.act_scale_rows]
+            return torch.cat(outs, dim=-1)
+        return F.linear(self._quant(x, self.act_scale), self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, act={self.act_format}, pre={self.pre is not None}"
+
+
+_ACT_FORMAT = {"FP8": "fp8", "W4A8_AWQ": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "NVFP4": "nvfp4"}
+
+
+def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """SDPA with the KV cache fake-quantized as the checkpoint says (module.kv_format/k_scale/v_scale)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fmt = getattr(module, "kv_format", None)
+    if fmt is not None:
+        ks = module.k_scale.view(1, -1, 1, 1)  # [1, kv_heads, 1, 1]
+        vs = module.v_scale.view(1, -1, 1, 1)
+        if fmt == "fp8":
+            key = fake_quant_fp8(key, ks)
+            value = fake_quant_fp8(value, vs)
+        elif fmt == "int8":
+            key = fake_quant_int8(key, ks)
+            value = fake_quant_int8(value, vs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> None:
+    """Register the KV fake-quant attention and its mask function under ``ATTN_IMPL``.
+
+    The mask function matters: transformers (masking_utils ``_preprocess_mask_arguments``) builds
+    NO attention mask for an implementation name it has no mask function for, so left-padded
+    batches (batched greedy in the gate, batched requests in the CPU reference backend) would
+    attend to padding. SDPA's mask is the right one (the attention itself is SDPA).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPL, _kvq_sdpa)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+
+
+def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    if tuple(old.shape) != tuple(value.shape):
+        raise UserError(FIELD, f"checkpoint tensor for {type(module).__name__}.{name} has shape {tuple(value.shape)}; "
+                        f"the model expects {tuple(old.shape)}.", "use the HF folder the checkpoint was made from.")
+    setattr(module, name, nn.Parameter(value, requires_grad=False))
+
+
+def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An HF ``LlamaForCausalLM`` that computes what the TRT-LLM checkpoint says, on CPU.
+
+    Architecture from ``hf_model_dir``'s config (checked against the checkpoint's config.json);
+    every weight from the checkpoint, dequantized to float32 (then ``dtype``). Quantized linears
+    become ``QuantLinear`` (input fake-quant per the checkpoint's quant_algo); excluded ones plain
+    weights; the KV cache is fake-quantized per kv_cache_quant_algo with the checkpoint's
+    k/v scales. lm_head is untied from the embedding (both come from the checkpoint).
+    Raises UserError for mismatched architectures or a broken checkpoint.
+    """
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    ck = dequantize_checkpoint(Path(ckpt_dir))
+    cfg = ck.config
+    hf_cfg = AutoConfig.from_pretrained(str(hf_model_dir))
+    checks = {
+        "hidden_size": (cfg.get("hidden_size"), hf_cfg.hidden_size),
+        "num_hidden_layers": (cfg.get("num_hidden_layers"), hf_cfg.num_hidden_layers),
+        "num_attention_heads": (cfg.get("num_attention_heads"), hf_cfg.num_attention_heads),
+        "num_key_value_heads": (cfg.get("num_key_value_heads"), hf_cfg.num_key_value_heads),
+        "intermediate_size": (cfg.get("intermediate_size"), hf_cfg.intermediate_size),
+        "vocab_size": (cfg.get("vocab_size"), hf_cfg.vocab_size),
+    }
+    bad = {k: v for k, v in checks.items() if v[0] != v[1]}
+    if bad:
+        raise UserError(FIELD, "checkpoint and HF config disagree: " + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in bad.items()) + ".",
+                        "pass the HF folder the checkpoint was exported from.")
+    kv_algo = ck.kv_cache_quant_algo
+    if kv_algo not in (None, "FP8", "INT8"):
+        # NVFP4 KV: the meaning of the exported k/v scales for TensorRT-LLM's FP4 cache was not
+        # verified here, so it is refused rather than approximated
+        raise UserError(FIELD, f"kv_cache_quant_algo {kv_algo} is not modelled by this reader (FP8 and INT8 are).",
+                        "gate an FP8-KV variant of the profile, or evaluate this one on the engine.")
+
+    def act(spec: LinearSpec) -> Optional[str]:  # per linear: MIXED_PRECISION layers differ
+        return _ACT_FORMAT.get(spec.quant_algo) if spec.quantized else None
+
+    _register_attention()
+    hf_cfg.tie_word_embeddings = False
+    hf_cfg._attn_implementation = ATTN_IMPL
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+    model.config.tie_word_embeddings = False
+    emb = ck.tensors["transformer.vocab_embedding.weight"].to(dtype)
+    _set_param(model.model.embed_tokens, "weight", emb)
+    _set_param(model.model.norm, "weight", ck.tensors["transformer.ln_f.weight"].to(dtype))
+    head = ck.linears.get("lm_head")
+    if head is None:  # share_embedding_table
+        model.lm_head = QuantLinear(LinearSpec(weight=ck.tensors["transformer.vocab_embedding.weight"], quantized=False), None, dtype)
+    else:
+        model.lm_head = QuantLinear(head, act(head), dtype)
+    hd = int(cfg.get("head_size") or hf_cfg.hidden_size // hf_cfg.num_attention_heads)
+    nq = hf_cfg.num_attention_heads * hd
+    nkv = hf_cfg.num_key_value_heads * hd
+    for i, layer in enumerate(model.model.layers):
+        base = f"transformer.layers.{i}."
+        _set_param(layer.input_layernorm, "weight", ck.tensors[base + "input_layernorm.weight"].to(dtype))
+        _set_param(layer.post_attention_layernorm, "weight", ck.tensors[base + "post_layernorm.weight"].to(dtype))
+        qkv = ck.linears[base + "attention.qkv"]
+        if qkv.weight.shape[0] != nq + 2 * nkv:
+            raise UserError(FIELD, f"{base}attention.qkv has {qkv.weight.shape[0]} rows; expected {nq + 2 * nkv}.",
+                            "use the HF folder the checkpoint was made from.")
+        # q/k/v share one input (and one activation scale): split the rows into three linears
+        for name, (a, b) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, nq + 2 * nkv))):
+            rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in qkv.act_scale_rows if s < b and e > a]
+            spec = LinearSpec(weight=qkv.weight[a:b], quantized=qkv.quantized, act_scale=qkv.act_scale,
+                              act_scale_rows=rows, pre=qkv.pre, quant_algo=qkv.quant_algo)
+            setattr(layer.self_attn, name, QuantLinear(spec, act(spec), dtype))
+        for trt, hf in (("attention.dense", "self_attn.o_proj"), ("mlp.fc", "mlp.gate_proj"),
+                        ("mlp.gate", "mlp.up_proj"), ("mlp.proj", "mlp.down_proj")):
+            spec = ck.linears[base + trt]
+            parent_name, attr = hf.split(".")
+            parent = getattr(layer, parent_name)
+            old = getattr(parent, attr)
+            if tuple(old.weight.shape) != tuple(spec.weight.shape):
+                raise UserError(FIELD, f"{base}{trt} has shape {tuple(spec.weight.shape)}; the model expects {tuple(old.weight.shape)}.",
+                                "use the HF folder the checkpoint was made from.")
+            setattr(parent, attr, QuantLinear(spec, act(spec), dtype))
+        attn = layer.self_attn
+        if kv_algo:
+            ks, vs = ck.kv_scales[i]
+            attn.kv_format = {"FP8": "fp8", "INT8": "int8"}[kv_algo]
+            attn.register_buffer("k_scale", ks.to(torch.float32))
+            attn.register_buffer("v_scale", vs.to(torch.float32))
+        else:
+            attn.kv_format = None
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_cfg, device="cpu")
+    leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p is not None and p.is_meta]
+    if leftover:
+        raise UserError(FIELD, f"no checkpoint tensor for {', '.join(leftover[:5])}.", "re-export the checkpoint.")
+    model.eval()
+    return model
+
+
+__all__ = [
+    "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
+    "QuantLinear", "LinearSpec", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
+    "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
+]

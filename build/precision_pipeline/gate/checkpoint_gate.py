@@ -1,0 +1,1048 @@
+"""The accuracy gate: compare a quantized model with the unquantized FP32 reference.
+
+``run_gate(candidate, reference_model_dir, thresholds, out_dir)`` scores ``candidate`` on the
+golden prompt set (``build/precision_pipeline/gate/golden.py``: chat template applied by the tokenizer, teacher-forced
+on hand-written reference answers; gated positions are the answer tokens) and on held-out news
+text, against the FP32 reference it loads itself from ``reference_model_dir``. It writes
+``out_dir/metrics.json``, ``out_dir/report.md``, ``out_dir/report.html`` and
+``out_dir/per_token.npz`` (``out_dir`` is the gate's own folder, e.g. ``artifacts/<profile>/gate``).
+
+Candidate: anything that gives next-token logits (``as_candidate``):
+
+* an HF causal LM (``torch.nn.Module`` whose output has ``.logits``, e.g. what
+  ``precision_pipeline.checkpoint.reader.load_checkpoint_model`` returns): logits from ``model(input_ids)``, greedy
+  generations from ``model.generate`` (KV cache);
+* a callable ``f(input_ids: LongTensor[1, T]) -> logits`` (``[1, T, V]``, ``[T, V]`` or an object
+  with ``.logits``): greedy generation then re-runs the whole sequence per new token;
+* an object with ``logits(ids: list[int]) -> Tensor[T, V]`` and
+  ``greedy(ids, max_new_tokens, stop_id) -> list[int]`` (the ``Candidate`` protocol; the engine
+  gate uses it).
+
+Metrics (all on the answer positions unless noted; per-token values are computed per prompt,
+streaming, so at most two ``[T, vocab]`` logit tensors exist at any time):
+
+* ``kl_mean``, ``kl_p95``, ``kl_p99``, ``kl_max``: KL(P_ref || P_cand) of the next-token
+  distribution, in nats, per token, pooled over all answer tokens of all prompts.
+* ``top1``: fraction of answer positions where the candidate's argmax equals the reference's.
+* ``ppl_delta_pct``: perplexity change on held-out news (``calibrate.heldout_news_texts()``,
+  disjoint from calibration), raw text without BOS, first ``heldout_tokens`` tokens cut into
+  windows of ``heldout_window`` tokens: ``(ppl_cand / ppl_ref - 1) * 100``.
+* ``greedy_same``: fraction of prompts whose greedy answer (``greedy_new_tokens`` new tokens, or
+  up to ``<|im_end|>``) is token-identical to the reference's; first divergence per prompt.
+* Informational: answer NLL/perplexity of both models on the golden answers, the prompt segment
+  (user-turn positions), per-category breakdown, worst prompts with both generations.
+
+95% confidence intervals: percentile bootstrap over prompts (the prompts are resampled with
+replacement and their tokens pooled; ``bootstrap`` resamples, fixed ``seed``).
+
+Noise floor: the same folder loaded in BF16 (``torch.bfloat16`` weights and compute), scored with
+the same code on the same tokens. It is what "no quantization, just BF16 inference" costs; a
+threshold below the floor cannot be met even by a BF16 engine (the report flags it).
+
+Pass/fail: each metric's point estimate against its threshold (``None`` = not checked):
+``kl_mean <= kl_mean_max``, ``kl_p99 <= kl_p99_max``, ``top1 >= top1_min``,
+``ppl_delta_pct <= ppl_delta_pct_max``, ``greedy_same >= greedy_same_min``. A checked metric
+that was not measured (``heldout_tokens=0``, ``greedy_new_tokens=0``) fails. ``passed`` is the
+AND of the checked metrics. ``GateResult.raise_if_failed()`` raises ``GateFailed`` (exit 3).
+
+Reference cache: the FP32 reference's final hidden states (after the last norm; logits are
+``lm_head(h)``, recomputed per prompt in FP32), its greedy generations and held-out NLL, and all
+noise-floor results are cached under ``precision_pipeline.spec.default_model.cache_dir()/gate-ref/<key>/``, keyed by a
+fingerprint of the model folder, the golden token ids, the held-out token ids, the greedy
+length and batch, and the library versions. The first gate of a model pays the FP32 + BF16 passes; later
+gates only run the candidate.
+
+
+Measured on SmolLM2-135M-Instruct, full golden set (65 prompts, 5,436 answer tokens; 2,044
+held-out tokens; 32 greedy tokens), 2 shared CPU cores, torch 2.13, transformers 4.57.6:
+
+- KL mean (nats): BF16 floor 0.00114 [0.00103, 0.00127]; FP8+FP8-KV checkpoint (8x64 calibration)
+  0.0554 [0.0488, 0.0628]
+- KL P95 / P99 / max: floor 0.00367 / 0.00816 [0.0070, 0.0096] / 0.058; FP8 0.191 / 0.468
+  [0.376, 0.530] / 4.12
+- top-1 agreement: floor 0.9818 [0.978, 0.985]; FP8 0.891 [0.876, 0.907]
+- held-out perplexity change: floor +0.08 % (33.70 -> 33.73); FP8 +4.09 % (-> 35.08)
+- greedy answers unchanged: floor 0.57 [0.45, 0.69]; FP8 0.06
+
+``greedy_same`` is noisy: BF16 alone changes 43 % of the 32-token greedy answers (0.982^32 ~ 0.56),
+so a ``greedy_same_min`` above ~0.4 would fail BF16 itself. Times (load average 2-5 on 2 cores, 1
+torch thread): first gate of a model 745 s (reference FP32 + BF16 floor 378 s, cached after);
+later gates 370-480 s (candidate teacher-forced 90-180 s, greedy 195-265 s, held-out 20 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from precision_pipeline.core.errors import GateFailed, UserError
+from precision_pipeline.gate.golden import EncodedPrompt, encode_golden, end_of_turn_id, golden_hash, load_golden, summarize
+from precision_pipeline.spec.profile import GateThresholds
+from precision_pipeline.core.store import atomic_dir, atomic_write_json, hash_obj, locked, read_json
+
+CACHE_VERSION = 1
+DEFAULT_GREEDY_NEW_TOKENS = 32
+DEFAULT_GREEDY_BATCH = 8
+DEFAULT_HELDOUT_WINDOW = 512
+DEFAULT_BOOTSTRAP = 1000
+WORST_PROMPTS = 5
+KL_CHUNK_ROWS = 256
+
+# metric name -> (threshold field, comparison)
+CHECKS: dict[str, tuple[str, str]] = {
+    "kl_mean": ("kl_mean_max", "<="),
+    "kl_p99": ("kl_p99_max", "<="),
+    "top1": ("top1_min", ">="),
+    "ppl_delta_pct": ("ppl_delta_pct_max", "<="),
+    "greedy_same": ("greedy_same_min", ">="),
+}
+METRIC_ORDER = ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same")
+METRIC_LABELS = {
+    "kl_mean": "KL mean (nats)", "kl_p95": "KL P95 (nats)", "kl_p99": "KL P99 (nats)", "kl_max": "KL max (nats)",
+    "top1": "Top-1 agreement", "ppl_delta_pct": "Held-out perplexity change (%)",
+    "greedy_same": "Greedy answers unchanged",
+}
+
+
+# ==============================================================================================
+# Candidates
+
+
+class Candidate(Protocol):
+    """What the gate needs from a model under test."""
+
+    name: str
+
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:  # [T, V] float32 on CPU
+        ...
+
+    def greedy(self, ids: Sequence[int], max_new_tokens: int, stop_id: int) -> list[int]:
+        ...
+
+
+def _logits_of(out: Any) -> torch.Tensor:
+    t = getattr(out, "logits", out)
+    if isinstance(t, (tuple, list)):
+        t = t[0]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"the candidate returned {type(out).__name__}, not logits")
+    if t.dim() == 3:
+        if t.shape[0] != 1:
+            raise TypeError(f"the candidate returned logits of shape {tuple(t.shape)}; expected batch 1")
+        t = t[0]
+    if t.dim() != 2:
+        raise TypeError(f"the candidate returned logits of shape {tuple(t.shape)}; expected [T, V]")
+    return t.detach().to("cpu", torch.float32)
+
+
+def _trim_after_stop(tokens: list[int], stop_id: int) -> list[int]:
+    if stop_id in tokens:
+        return tokens[: tokens.index(stop_id) + 1]
+    return tokens
+
+
+def _naive_greedy(logits_fn: Callable[[Sequence[int]], torch.Tensor], ids: Sequence[int], max_new_tokens: int,
+                  stop_id: int) -> list[int]:
+    seq = list(ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(torch.argmax(logits_fn(seq)[-1]).item())
+        out.append(nxt)
+        seq.append(nxt)
+        if nxt == stop_id:
+            break
+    return out
+
+
+class HFCandidate:
+    """An HF causal LM (any dtype/device). Greedy generation via ``generate`` (KV cache)."""
+
+    def __init__(self, model: torch.nn.Module, name: str = ""):
+        self.model = model.eval()
+        self.name = name or type(model).__name__
+        try:
+            self.device = next(model.parameters()).device
+        except StopIteration:  # pragma: no cover
+            self.device = torch.device("cpu")
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        return _logits_of(self.model(input_ids=x, use_cache=False))
+
+    @torch.inference_mode()
+    def greedy(self, ids: Sequence[int], max_new_tokens: int, stop_id: int) -> list[int]:
+        if not hasattr(self.model, "generate"):
+            return _naive_greedy(self.logits, ids, max_new_tokens, stop_id)
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                  do_sample=False, num_beams=1, eos_token_id=stop_id, pad_token_id=stop_id,
+                                  temperature=None, top_p=None, top_k=None)
+        return _trim_after_stop(out[0, x.shape[1]:].tolist(), stop_id)
+
+
+    @torch.inference_mode()
+    def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_id: int) -> list[list[int]]:
+        """Greedy generations of several prompts in one left-padded ``generate`` call.
+
+        Decoding on a CPU is bound by reading the weights once per step, so a batch of 8 costs
+        little more than one prompt. Padding positions are masked (``attention_mask``) and HF
+        derives position ids from the mask, so each row computes what it would alone up to
+        float rounding (a near-tie could flip; the reference and the candidate are batched alike).
+        """
+        if len(prompts) == 1 or not hasattr(self.model, "generate"):
+            return [self.greedy(p, max_new_tokens, stop_id) for p in prompts]
+        width = max(len(p) for p in prompts)
+        x = torch.full((len(prompts), width), stop_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            x[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        out = self.model.generate(input_ids=x.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=stop_id,
+                                  pad_token_id=stop_id, temperature=None, top_p=None, top_k=None)
+        return [_trim_after_stop(out[i, width:].tolist(), stop_id) for i in range(len(prompts))]
+
+
+class CallableCandidate:
+    """A plain callable ``f(input_ids[1, T]) -> logits``; greedy re-runs the full sequence."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], Any], name: str = "",
+                 greedy_fn: Optional[Callable[[Sequence[int], int, int], list[int]]] = None):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self._greedy_fn = greedy_fn
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        return _logits_of(self.fn(torch.tensor([list(ids)], dtype=torch.long)))
+
+    def greedy(self, ids: Sequence[int], max_new_tokens: int, stop_id: int) -> list[int]:
+        if self._greedy_fn is not None:
+            return _trim_after_stop(list(self._greedy_fn(ids, max_new_tokens, stop_id)), stop_id)
+        return _naive_greedy(self.logits, ids, max_new_tokens, stop_id)
+
+
+def as_candidate(obj: Any, name: str = "") -> Candidate:
+    """Wrap an HF model, a callable or a ``Candidate`` for the gate."""
+    if hasattr(obj, "logits") and hasattr(obj, "greedy") and callable(getattr(obj, "logits")):
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        return HFCandidate(obj, name)
+    if callable(obj):
+        return CallableCandidate(obj, name)
+    raise UserError("candidate", f"a {type(obj).__name__} gives no logits.",
+                    "pass an HF causal LM, a callable returning logits, or an object with logits()/greedy().")
+
+
+# ==============================================================================================
+# Metric core (shared with engine_gate)
+
+
+@dataclass
+class TokenMetrics:
+    """Per-position numbers for one prompt segment (numpy arrays of equal length)."""
+
+    kl: np.ndarray        # KL(P_ref || P_cand), nats, float64
+    top1: np.ndarray      # bool: argmax equal
+    ref_nll: np.ndarray   # -log P_ref(target), nats (NaN without targets)
+    cand_nll: np.ndarray  # -log P_cand(target)
+
+
+def token_metrics(ref_logits: torch.Tensor, cand_logits: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                  chunk_rows: int = KL_CHUNK_ROWS) -> TokenMetrics:
+    """Per-row KL(P_ref || P_cand), top-1 agreement and target NLLs of two ``[T, V]`` logit tensors.
+
+    Computed in FP32 in chunks of ``chunk_rows`` rows (bounded memory); KL is clamped at 0 (it
+    can come out at -1e-7 from rounding). A candidate with a padded vocabulary (engines pad to
+    a multiple of the tensor-parallel size) is cut to the reference's vocabulary.
+    """
+    if ref_logits.dim() != 2 or cand_logits.dim() != 2:
+        raise ValueError("logits must be [T, V]")
+    if cand_logits.shape[0] != ref_logits.shape[0]:
+        raise ValueError(f"row mismatch: reference {ref_logits.shape[0]}, candidate {cand_logits.shape[0]}")
+    v = ref_logits.shape[1]
+    if cand_logits.shape[1] < v:
+        raise ValueError(f"candidate vocabulary {cand_logits.shape[1]} is smaller than the reference's {v}")
+    cand_logits = cand_logits[:, :v]
+    n = ref_logits.shape[0]
+    kl = np.empty(n, dtype=np.float64)
+    top1 = np.empty(n, dtype=bool)
+    ref_nll = np.full(n, np.nan)
+    cand_nll = np.full(n, np.nan)
+    for s in range(0, n, chunk_rows):
+        e = min(n, s + chunk_rows)
+        lr = F.log_softmax(ref_logits[s:e].float(), dim=-1)
+        lc = F.log_softmax(cand_logits[s:e].float(), dim=-1)
+        klc = (lr.exp() * (lr - lc)).sum(-1)
+        kl[s:e] = klc.clamp_min(0.0).double().numpy()
+        top1[s:e] = (lr.argmax(-1) == lc.argmax(-1)).numpy()
+        if targets is not None:
+            tg = targets[s:e].long().view(-1, 1)
+            ref_nll[s:e] = (-lr.gather(1, tg).squeeze(1)).double().numpy()
+            cand_nll[s:e] = (-lc.gather(1, tg).squeeze(1)).double().numpy()
+        del lr, lc, klc
+    return TokenMetrics(kl, top1, ref_nll, cand_nll)
+
+
+def kl_summary(kl: np.ndarray) -> dict[str, float]:
+    """mean, P95, P99, max of pooled per-token KL (percentiles: numpy 'linear')."""
+    if kl.size == 0:
+        return {"kl_mean": float("nan"), "kl_p95": float("nan"), "kl_p99": float("nan"), "kl_max": float("nan")}
+    return {"kl_mean": float(kl.mean()), "kl_p95": float(np.percentile(kl, 95)),
+            "kl_p99": float(np.percentile(kl, 99)), "kl_max": float(kl.max())}
+
+
+def bootstrap_ci(groups: Sequence[np.ndarray], stat: Callable[[np.ndarray], float], n_boot: int = DEFAULT_BOOTSTRAP,
+                 seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap CI of ``stat(pooled values)``, resampling whole groups (prompts).
+
+    Deterministic for a given ``seed``. Returns (nan, nan) when there are no groups.
+    """
+    groups = [np.asarray(g, dtype=np.float64) for g in groups]
+    if not groups or n_boot <= 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    k = len(groups)
+    vals = np.empty(n_boot)
+    for b in range(n_boot):
+        idx = rng.integers(0, k, size=k)
+        pooled = np.concatenate([groups[i] for i in idx])
+        vals[b] = stat(pooled) if pooled.size else np.nan
+    a = (1.0 - level) / 2.0
+    return (float(np.nanpercentile(vals, 100 * a)), float(np.nanpercentile(vals, 100 * (1 - a))))
+
+
+def _ci_for_all(kl_groups: list[np.ndarray], top1_groups: list[np.ndarray], n_boot: int, seed: int) -> dict[str, list[float]]:
+    """CIs of the KL stats and top-1 from one shared set of resamples (same prompts per replicate)."""
+    if not kl_groups or n_boot <= 0:
+        return {}
+    rng = np.random.default_rng(seed)
+    k = len(kl_groups)
+    sums = np.array([g.sum() for g in kl_groups])
+    cnts = np.array([g.size for g in kl_groups], dtype=np.float64)
+    hits = np.array([g.sum() for g in top1_groups], dtype=np.float64)
+    out = {m: np.empty(n_boot) for m in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1")}
+    for b in range(n_boot):
+        idx = rng.integers(0, k, size=k)
+        n = cnts[idx].sum()
+        pooled = np.concatenate([kl_groups[i] for i in idx])
+        out["kl_mean"][b] = sums[idx].sum() / n
+        out["kl_p95"][b], out["kl_p99"][b] = np.percentile(pooled, [95, 99])
+        out["kl_max"][b] = pooled.max()
+        out["top1"][b] = hits[idx].sum() / n
+    return {m: [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] for m, v in out.items()}
+
+
+def compare_generations(ref: Sequence[int], cand: Sequence[int]) -> Optional[int]:
+    """First index where two greedy generations differ (None when identical)."""
+    for i, (a, b) in enumerate(zip(ref, cand)):
+        if a != b:
+            return i
+    if len(ref) != len(cand):
+        return min(len(ref), len(cand))
+    return None
+
+
+def perplexity(nll: np.ndarray) -> float:
+    return float(math.exp(float(np.mean(nll)))) if nll.size else float("nan")
+
+
+# ==============================================================================================
+# Held-out text
+
+
+def heldout_texts() -> list[str]:
+    """Held-out news articles: ``precision_pipeline.quantize.calibration.heldout_news_texts()``; if that module is not
+    importable, gensim's ``test/test_data/lee.cor`` read directly (gensim is never imported)."""
+    try:
+        from precision_pipeline.quantize.calibration import heldout_news_texts  # type: ignore
+
+        return list(heldout_news_texts())
+    except ImportError:
+        import importlib.util
+
+        spec = importlib.util.find_spec("gensim")
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError("gate", "held-out text needs the gensim wheel's lee.cor, but gensim is not installed.",
+                            "run the set-up script, or pass heldout_tokens=0.")
+        path = Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data" / "lee.cor"
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = raw.decode("cp1252", errors="replace")
+        return [ln.strip() for ln in text.splitlines() if ln.strip()]
+
+
+def heldout_windows(tokenizer: Any, n_tokens: int, window: int = DEFAULT_HELDOUT_WINDOW) -> list[list[int]]:
+    """The first ``n_tokens`` tokens of the held-out articles (joined by blank lines, raw text,
+    no BOS -- the calibration encoding), cut into windows of ``window`` tokens (last may be shorter;
+    windows under 2 tokens are dropped)."""
+    if n_tokens <= 0:
+        return []
+    ids: list[int] = []
+    for art in heldout_texts():
+        ids.extend(tokenizer((art + "\n\n"), add_special_tokens=False)["input_ids"])
+        if len(ids) >= n_tokens:
+            break
+    ids = ids[:n_tokens]
+    wins = [ids[i:i + window] for i in range(0, len(ids), window)]
+    return [w for w in wins if len(w) >= 2]
+
+
+# ==============================================================================================
+# Reference (FP32) and noise floor (BF16), cached
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Cheap content fingerprint of an HF folder: each file's relative path, size, and sha256
+    of its first and last MiB (full hashing of multi-GB weights would dominate a cache hit)."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in Path(model_dir).rglob("*") if q.is_file()):
+        st = p.stat()
+        h.update(f"{p.relative_to(model_dir).as_posix()}\0{st.st_size}\0".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(1 << 20))
+            if st.st_size > (2 << 20):
+                f.seek(-(1 << 20), os.SEEK_END)
+                h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+@dataclass
+class ReferenceData:
+    """Everything the gate needs from the reference and the BF16 floor (cacheable)."""
+
+    hidden: list[np.ndarray]                 # per prompt [T, H] float32, final hidden states
+    ref_greedy: list[list[int]]
+    ref_heldout_nll: np.ndarray
+    ref_answer_nll: list[np.ndarray]
+    floor: Optional[dict[str, Any]]          # per-prompt arrays + greedy + heldout nll, or None
+    seconds: dict[str, float]
+    cache_hit: bool = False
+    key: str = ""
+
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return m.eval()
+
+
+def _progress(enabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True, disable=not enabled)
+
+
+def auto_threads() -> int:
+    """Torch threads for the gate: the cores not already busy (``cpu_count - loadavg``, at least 1).
+
+    On a shared machine, more threads than free cores makes PyTorch CPU inference several times
+    *slower* (measured on 2 cores with 3 other jobs: 256-token forward 2.4 s with 1 thread,
+    4.6-17 s with 2), so the gate does not oversubscribe by default.
+    """
+    n = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]
+    except (OSError, AttributeError):  # pragma: no cover - not on Linux
+        busy = 0.0
+    return max(1, min(n, int(round(n - busy + 0.5))))
+
+
+@contextlib.contextmanager
+def _threads(n: Optional[int]) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, n or auto_threads()))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@torch.inference_mode()
+def _heldout_nll(logits_fn: Callable[[Sequence[int]], torch.Tensor], windows: list[list[int]]) -> np.ndarray:
+    out = []
+    for w in windows:
+        lg = logits_fn(w)[:-1]
+        tg = torch.tensor(w[1:], dtype=torch.long)
+        out.append((F.cross_entropy(lg.float(), tg, reduction="none")).double().numpy())
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def greedy_all(cand: Any, encoded: Sequence[EncodedPrompt], max_new_tokens: int, stop_id: int, batch: int = 8,
+               on_done: Optional[Callable[[int], None]] = None) -> list[list[int]]:
+    """Greedy generations of every prompt, in prompt order. Candidates with ``greedy_batch`` get
+    batches of ``batch`` prompts of similar length (sorted by length: little padding)."""
+    out: list[Optional[list[int]]] = [None] * len(encoded)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].generation_prompt))
+    step = max(1, batch) if hasattr(cand, "greedy_batch") else 1
+    for s in range(0, len(order), step):
+        idx = order[s:s + step]
+        if step > 1:
+            res = cand.greedy_batch([encoded[i].generation_prompt for i in idx], max_new_tokens, stop_id)
+        else:
+            res = [cand.greedy(encoded[i].generation_prompt, max_new_tokens, stop_id) for i in idx]
+        for i, r in zip(idx, res):
+            out[i] = list(r)
+        if on_done:
+            on_done(len(idx))
+    return [o or [] for o in out]
+
+
+def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], greedy_new: int,
+                       stop_id: int, with_floor: bool, progress: bool, greedy_batch: int = 8) -> ReferenceData:
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    ref = load_hf_model(model_dir, torch.float32)
+    lm_head = ref.get_output_embeddings()
+    floor_model = load_hf_model(model_dir, torch.bfloat16) if with_floor else None
+    seconds["load"] = time.perf_counter() - t0
+    ref_c = HFCandidate(ref, "fp32")
+    floor_c = HFCandidate(floor_model, "bf16") if floor_model is not None else None
+    hidden, ref_answer_nll = [], []
+    fl: dict[str, Any] = {"answer": [], "prompt": [], "greedy": [], "heldout_nll": None}
+    t0 = time.perf_counter()
+    with _progress(progress) as prog, torch.inference_mode():
+        task = prog.add_task("reference FP32" + (" + BF16 floor" if with_floor else ""), total=len(encoded))
+        for i, e in enumerate(encoded):
+            x = torch.tensor([e.input_ids], dtype=torch.long)
+            out = ref(input_ids=x, output_hidden_states=True, use_cache=False)
+            logits = out.logits[0].float()
+            h = out.hidden_states[-1][0].float()
+            if i == 0:  # the cache stores h and recomputes lm_head(h): check that this is what the model does
+                again = lm_head(h)
+                if not torch.allclose(again, logits, atol=1e-3, rtol=1e-4):
+                    raise RuntimeError("lm_head(last hidden state) does not reproduce the model's logits "
+                                       "(logit soft-capping or scaling?); the gate's reference cache needs it")
+            hidden.append(h.numpy().astype(np.float32))
+            tg = torch.tensor(e.input_ids[1:] + [0], dtype=torch.long)
+            a, p = e.answer_positions, e.prompt_positions
+            ref_answer_nll.append(F.cross_entropy(logits[a], tg[a], reduction="none").double().numpy())
+            if floor_c is not None:
+                fl_logits = floor_c.logits(e.input_ids)
+                ma = token_metrics(logits[a], fl_logits[a], tg[a])
+                mp = token_metrics(logits[p], fl_logits[p])
+                fl["answer"].append({"kl": ma.kl, "top1": ma.top1, "nll": ma.cand_nll})
+                fl["prompt"].append({"kl": mp.kl, "top1": mp.top1})
+                del fl_logits
+            del out, logits
+            prog.advance(task)
+        seconds["teacher_forced"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_greedy: list[list[int]] = []
+        if greedy_new > 0:
+            task = prog.add_task("reference greedy", total=len(encoded))
+            ref_greedy = greedy_all(ref_c, encoded, greedy_new, stop_id, greedy_batch,
+                                    lambda n: prog.advance(task, n))
+            if floor_c is not None:
+                task = prog.add_task("BF16 floor greedy", total=len(encoded))
+                fl["greedy"] = greedy_all(floor_c, encoded, greedy_new, stop_id, greedy_batch,
+                                          lambda n: prog.advance(task, n))
+        seconds["greedy"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_heldout = _heldout_nll(ref_c.logits, windows)
+        if floor_c is not None:
+            fl["heldout_nll"] = _heldout_nll(floor_c.logits, windows)
+        seconds["heldout"] = time.perf_counter() - t0
+    del ref, floor_model
+    return ReferenceData(hidden, ref_greedy, ref_heldout, ref_answer_nll, fl if with_floor else None, seconds)
+
+
+def _save_reference(d: ReferenceData, path: Path, meta: dict) -> None:
+    lens = np.array([h.shape[0] for h in d.hidden], dtype=np.int64)
+    np.save(path / "hidden.npy", np.concatenate(d.hidden) if d.hidden else np.zeros((0, 1), np.float32))
+    arrays: dict[str, np.ndarray] = {
+        "hidden_lens": lens, "ref_heldout_nll": d.ref_heldout_nll,
+        "ref_answer_nll": np.concatenate(d.ref_answer_nll) if d.ref_answer_nll else np.zeros(0),
+        "answer_lens": np.array([a.size for a in d.ref_answer_nll], dtype=np.int64),
+    }
+    if d.floor is not None:
+        for seg in ("answer", "prompt"):
+            for k in d.floor[seg][0] if d.floor[seg] else ():
+                arrays[f"floor_{seg}_{k}"] = np.concatenate([r[k] for r in d.floor[seg]])
+            arrays[f"floor_{seg}_lens"] = np.array([r["kl"].size for r in d.floor[seg]], dtype=np.int64)
+        arrays["floor_heldout_nll"] = d.floor["heldout_nll"]
+    np.savez(path / "arrays.npz", **arrays)
+    atomic_write_json(path / "greedy.json", {"reference": d.ref_greedy,
+                                            "floor": d.floor["greedy"] if d.floor is not None else None})
+    atomic_write_json(path / "meta.json", {**meta, "seconds": d.seconds})
+
+
+def _split(flat: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+    return [a for a in np.split(flat, np.cumsum(lens)[:-1])] if lens.size else []
+
+
+def _load_reference(path: Path) -> ReferenceData:
+    z = np.load(path / "arrays.npz")
+    hidden_flat = np.load(path / "hidden.npy")
+    hidden = _split(hidden_flat, z["hidden_lens"])
+    alen = z["answer_lens"]
+    greedy = read_json(path / "greedy.json")
+    meta = read_json(path / "meta.json", {})
+    floor = None
+    if "floor_answer_kl" in z.files:
+        floor = {"greedy": greedy.get("floor"), "heldout_nll": z["floor_heldout_nll"]}
+        for seg, keys in (("answer", ("kl", "top1", "nll")), ("prompt", ("kl", "top1"))):
+            lens = z[f"floor_{seg}_lens"]
+            cols = {k: _split(z[f"floor_{seg}_{k}"], lens) for k in keys}
+            floor[seg] = [{k: cols[k][i] for k in keys} for i in range(len(lens))]
+    return ReferenceData(hidden, greedy["reference"], z["ref_heldout_nll"], _split(z["ref_answer_nll"], alen), floor,
+                         meta.get("seconds", {}), cache_hit=True)
+
+
+def reference_data(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], greedy_new: int,
+                   stop_id: int, with_floor: bool = True, cache_root: Optional[Path] = None, use_cache: bool = True,
+                   progress: bool = True, greedy_batch: int = 8) -> ReferenceData:
+    """Reference and floor results for these tokens: from the cache, or computed (and cached)."""
+    import transformers
+
+    key = hash_obj({
+        "v": CACHE_VERSION, "model": model_fingerprint(model_dir), "golden": golden_hash(encoded),
+        "heldout": hashlib.sha256(json.dumps(windows).encode()).hexdigest(), "greedy_new": greedy_new,
+        "greedy_batch": greedy_batch, "stop_id": stop_id, "floor": with_floor, "torch": torch.__version__, "transformers": transformers.__version__,
+    })
+    if not use_cache:
+        d = _compute_reference(model_dir, encoded, windows, greedy_new, stop_id, with_floor, progress, greedy_batch)
+        d.key = key
+        return d
+    if cache_root is None:
+        from precision_pipeline.spec.default_model import cache_dir
+
+        cache_root = cache_dir() / "gate-ref"
+    target = Path(cache_root) / key[:32]
+    with locked(Path(cache_root) / f"{key[:32]}.lock"):
+        if (target / "meta.json").is_file():
+            try:
+                d = _load_reference(target)
+                d.key = key
+                return d
+            except Exception:  # a damaged cache entry is recomputed
+                pass
+        d = _compute_reference(model_dir, encoded, windows, greedy_new, stop_id, with_floor, progress, greedy_batch)
+        with atomic_dir(target) as tmp:
+            _save_reference(d, tmp, {"key": key, "model_dir": str(model_dir), "prompts": len(encoded),
+                                     "created": time.time()})
+    d.key = key
+    return d
+
+
+# ==============================================================================================
+# The gate
+
+
+@dataclass
+class GateResult:
+    """Outcome of ``run_gate``: verdict, failing metrics and everything written to metrics.json."""
+
+    passed: bool
+    failures: list[str]
+    metrics: dict[str, Any]
+    out_dir: Path
+    per_token: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out_dir / "metrics.json"
+
+    @property
+    def report_md(self) -> Path:
+        return self.out_dir / "report.md"
+
+    @property
+    def report_html(self) -> Path:
+        return self.out_dir / "report.html"
+
+    def failed_metrics(self) -> list[str]:
+        return list(self.failures)
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers (for the build summary)."""
+        m = self.metrics["metrics"]
+        return {k: m[k]["value"] for k in METRIC_ORDER if k in m} | {
+            "passed": self.passed, "eval_tokens": self.metrics["tokens"]["answer_tokens"]}
+
+    def raise_if_failed(self) -> None:
+        if not self.passed:
+            detail = "; ".join(self.metrics["metrics"][f]["reason"] for f in self.failures)
+            raise GateFailed(f"accuracy gate failed: {detail}. See {self.report_md}")
+
+
+def _check(value: Optional[float], threshold: Optional[float], op: str) -> tuple[Optional[bool], str]:
+    if threshold is None:
+        return None, "not checked"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return False, "not measured but a threshold is set"
+    ok = value <= threshold if op == "<=" else value >= threshold
+    return ok, f"{value:.4g} {'meets' if ok else 'misses'} {op} {threshold:.4g}"
+
+
+def _fmt_reason(name: str, value: Optional[float], threshold: Optional[float], op: str, ok: Optional[bool]) -> str:
+    if ok is None:
+        return f"{name}: not checked"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{name}: not measured (threshold {op} {threshold})"
+    return f"{name} = {value:.4g} ({'within' if ok else 'outside'} {op} {threshold:.4g})"
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThresholds, out_dir: Path,
+             golden_limit: Optional[int] = None, heldout_tokens: int = 2048, *,
+             heldout_window: int = DEFAULT_HELDOUT_WINDOW, greedy_new_tokens: int = DEFAULT_GREEDY_NEW_TOKENS,
+             greedy_batch: int = DEFAULT_GREEDY_BATCH, noise_floor: bool = True, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+             golden_path: Optional[Path] = None, cache_root: Optional[Path] = None, use_cache: bool = True,
+             threads: Optional[int] = None, progress: bool = True, candidate_name: str = "",
+             model_name: Optional[str] = None, heatmap_png: Optional[Path] = None,
+             write_report: bool = True, extra: Optional[dict] = None) -> GateResult:
+    """Score ``candidate`` against the FP32 reference in ``reference_model_dir`` (see module doc).
+
+    ``golden_limit``: prompts per category (first k in file order; None = all).
+    ``out_dir``: the gate's folder; metrics.json, report.md, report.html and per_token.npz are
+    written into it atomically (the folder is replaced as a whole).
+    Returns a ``GateResult``; it does not raise on failure (call ``raise_if_failed()``).
+    """
+    t_start = time.perf_counter()
+    reference_model_dir = Path(reference_model_dir)
+    if not (reference_model_dir / "config.json").is_file():
+        raise UserError("reference model", f"{reference_model_dir} is not an HF model folder (no config.json).",
+                        "pass the unquantized HF folder the checkpoint was made from.")
+    cand = as_candidate(candidate, candidate_name)
+    model_name = model_name or reference_model_dir.name
+    timings: dict[str, float] = {}
+    with _threads(threads):
+        used_threads = torch.get_num_threads()
+        t0 = time.perf_counter()
+        tok = _load_tokenizer(reference_model_dir)
+        prompts = load_golden(golden_path, per_category=golden_limit)
+        encoded = encode_golden(tok, prompts)
+        stop_id = end_of_turn_id(tok)
+        windows = heldout_windows(tok, heldout_tokens, heldout_window)
+        timings["prepare"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        ref = reference_data(reference_model_dir, encoded, windows, greedy_new_tokens, stop_id, noise_floor,
+                             cache_root, use_cache, progress, greedy_batch)
+        timings["reference"] = time.perf_counter() - t0
+
+        # FP32 lm_head for recomputing reference logits from the cached hidden states
+        t0 = time.perf_counter()
+        lm_w = _lm_head_weight(reference_model_dir)
+        timings["lm_head"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        per_prompt = []
+        with _progress(progress) as prog, torch.inference_mode():
+            task = prog.add_task(f"candidate {cand.name}", total=len(encoded))
+            for i, e in enumerate(encoded):
+                ref_logits = F.linear(torch.from_numpy(ref.hidden[i]), lm_w)
+                cl = cand.logits(e.input_ids)
+                if cl.shape[0] != len(e.input_ids):
+                    raise UserError("candidate", f"returned {cl.shape[0]} logit rows for {len(e.input_ids)} tokens.",
+                                    "return one row of logits per input token.")
+                tg = torch.tensor(e.input_ids[1:] + [0], dtype=torch.long)
+                a, p = e.answer_positions, e.prompt_positions
+                ma = token_metrics(ref_logits[a], cl[a], tg[a])
+                mp = token_metrics(ref_logits[p], cl[p])
+                per_prompt.append((ma, mp))
+                del ref_logits, cl
+                prog.advance(task)
+            timings["candidate_teacher_forced"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            cand_greedy: list[list[int]] = []
+            if greedy_new_tokens > 0:
+                task = prog.add_task(f"candidate greedy ({greedy_new_tokens} tokens)", total=len(encoded))
+                cand_greedy = greedy_all(cand, encoded, greedy_new_tokens, stop_id, greedy_batch,
+                                         lambda n: prog.advance(task, n))
+            timings["candidate_greedy"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            cand_heldout = _heldout_nll(cand.logits, windows)
+            timings["candidate_heldout"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        metrics, per_token = _assemble(
+            encoded=encoded, tok=tok, per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
+            cand_heldout=cand_heldout, thresholds=thresholds, bootstrap=bootstrap, seed=seed,
+            greedy_new_tokens=greedy_new_tokens, heldout_window=heldout_window, windows=windows)
+        timings["metrics"] = time.perf_counter() - t0
+    metrics.update({
+        "schema": 1, "model": model_name, "candidate": cand.name,
+        "reference_model_dir": str(reference_model_dir),
+        "reference_cache": {"hit": ref.cache_hit, "key": ref.key, "seconds_when_computed": ref.seconds},
+        "torch_threads": used_threads,
+    })
+    if extra:
+        metrics.update(extra)
+    result = GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
+    timings["total_before_report"] = time.perf_counter() - t_start
+    metrics["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+    write_gate_dir(result, heatmap_png=heatmap_png, write_report=write_report)
+    metrics["timings_s"]["total"] = round(time.perf_counter() - t_start, 3)
+    atomic_write_json(result.metrics_path, metrics)
+    os.chmod(result.metrics_path, 0o644)
+    return result
+
+
+def _lm_head_weight(model_dir: Path) -> torch.Tensor:
+    """The FP32 lm_head weight of the HF folder (loads the model once, keeps only that tensor)."""
+    m = load_hf_model(model_dir, torch.float32)
+    head = m.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise RuntimeError("lm_head with a bias is not supported by the gate's reference cache")
+    w = head.weight.detach().clone()
+    del m
+    return w
+
+
+def _nanmean(xs: Sequence[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return float(np.mean(xs)) if xs else None
+
+
+def _assemble(*, encoded, tok, per_prompt, ref: ReferenceData, cand_greedy, cand_heldout, thresholds: GateThresholds,
+              bootstrap: int, seed: int, greedy_new_tokens: int, heldout_window: int, windows) -> tuple[dict, dict]:
+    kl_groups = [ma.kl for ma, _ in per_prompt]
+    top1_groups = [ma.top1.astype(np.float64) for ma, _ in per_prompt]
+    kl_all = np.concatenate(kl_groups) if kl_groups else np.zeros(0)
+    top1_all = np.concatenate(top1_groups) if top1_groups else np.zeros(0)
+    values: dict[str, Optional[float]] = kl_summary(kl_all)
+    values["top1"] = float(top1_all.mean()) if top1_all.size else float("nan")
+    cis = _ci_for_all(kl_groups, top1_groups, bootstrap, seed)
+
+    fl = ref.floor
+    floor_vals: dict[str, Optional[float]] = {k: None for k in METRIC_ORDER}
+    floor_cis: dict[str, list[float]] = {}
+    if fl is not None:
+        fkl_groups = [r["kl"] for r in fl["answer"]]
+        ftop_groups = [r["top1"].astype(np.float64) for r in fl["answer"]]
+        fkl = np.concatenate(fkl_groups) if fkl_groups else np.zeros(0)
+        floor_vals.update(kl_summary(fkl))
+        floor_vals["top1"] = float(np.concatenate(ftop_groups).mean()) if ftop_groups else None
+        floor_cis = _ci_for_all(fkl_groups, ftop_groups, bootstrap, seed)
+
+    # held-out perplexity
+    ppl_ref = perplexity(ref.ref_heldout_nll) if windows else None
+    ppl_cand = perplexity(cand_heldout) if windows else None
+    values["ppl_delta_pct"] = (ppl_cand / ppl_ref - 1.0) * 100.0 if windows else None
+    if fl is not None and windows:
+        ppl_floor = perplexity(fl["heldout_nll"])
+        floor_vals["ppl_delta_pct"] = (ppl_floor / ppl_ref - 1.0) * 100.0
+    else:
+        ppl_floor = None
+
+    # greedy
+    greedy_rows = []
+    if greedy_new_tokens > 0:
+        same = []
+        for i, e in enumerate(encoded):
+            r, c = ref.ref_greedy[i], cand_greedy[i]
+            d = compare_generations(r, c)
+            same.append(d is None)
+            row = {"id": e.id, "category": e.category, "same": d is None, "first_divergence": d,
+                   "reference_tokens": len(r), "candidate_tokens": len(c),
+                   "reference_text": tok.decode(r, skip_special_tokens=False),
+                   "candidate_text": tok.decode(c, skip_special_tokens=False)}
+            if fl is not None and fl.get("greedy"):
+                fd = compare_generations(r, fl["greedy"][i])
+                row["floor_same"] = fd is None
+                row["floor_first_divergence"] = fd
+            greedy_rows.append(row)
+        values["greedy_same"] = float(np.mean(same)) if same else float("nan")
+        cis["greedy_same"] = list(bootstrap_ci([np.array([float(s)]) for s in same], np.mean, bootstrap, seed))
+        if fl is not None and fl.get("greedy"):
+            fsame = [row["floor_same"] for row in greedy_rows]
+            floor_vals["greedy_same"] = float(np.mean(fsame))
+            floor_cis["greedy_same"] = list(bootstrap_ci([np.array([float(s)]) for s in fsame], np.mean, bootstrap, seed))
+    else:
+        values["greedy_same"] = None
+
+    # pass/fail
+    metrics: dict[str, dict[str, Any]] = {}
+    failures: list[str] = []
+    for name in METRIC_ORDER:
+        thr_field, op = CHECKS.get(name, (None, None))
+        thr = getattr(thresholds, thr_field) if thr_field else None
+        v = values.get(name)
+        ok, _ = _check(v, thr, op) if thr_field else (None, "")
+        fv = floor_vals.get(name)
+        floor_blocks = None
+        if thr is not None and fv is not None:
+            floor_blocks = (fv > thr) if op == "<=" else (fv < thr)
+        metrics[name] = {
+            "label": METRIC_LABELS[name], "value": v, "ci95": cis.get(name), "noise_floor": fv,
+            "noise_floor_ci95": floor_cis.get(name), "threshold": thr, "op": op, "threshold_field": thr_field,
+            "passed": ok, "floor_exceeds_threshold": floor_blocks,
+            "reason": _fmt_reason(name, v, thr, op or "", ok),
+        }
+        if ok is False:
+            failures.append(name)
+    passed = not failures
+
+    # per category
+    cats: dict[str, dict[str, Any]] = {}
+    for i, e in enumerate(encoded):
+        cats.setdefault(e.category, {"idx": []})["idx"].append(i)
+    per_category = {}
+    for c, d in cats.items():
+        idx = d["idx"]
+        kl_c = np.concatenate([kl_groups[i] for i in idx])
+        t_c = np.concatenate([top1_groups[i] for i in idx])
+        row = {"prompts": len(idx), "tokens": int(kl_c.size), **kl_summary(kl_c), "top1": float(t_c.mean())}
+        if greedy_rows:
+            row["greedy_same"] = float(np.mean([greedy_rows[i]["same"] for i in idx]))
+        if fl is not None:
+            fk = np.concatenate([fl["answer"][i]["kl"] for i in idx])
+            ft = np.concatenate([fl["answer"][i]["top1"] for i in idx]).astype(np.float64)
+            row["floor_kl_mean"] = float(fk.mean())
+            row["floor_kl_p99"] = float(np.percentile(fk, 99))
+            row["floor_top1"] = float(ft.mean())
+            if greedy_rows and "floor_same" in greedy_rows[0]:
+                row["floor_greedy_same"] = float(np.mean([greedy_rows[i]["floor_same"] for i in idx]))
+        per_category[c] = row
+
+    # prompt segment (informational)
+    pkl = np.concatenate([mp.kl for _, mp in per_prompt]) if per_prompt else np.zeros(0)
+    ptop = np.concatenate([mp.top1 for _, mp in per_prompt]) if per_prompt else np.zeros(0)
+    prompt_segment = {"tokens": int(pkl.size), **kl_summary(pkl), "top1": float(ptop.mean()) if ptop.size else None}
+    if fl is not None and fl["prompt"]:
+        fpk = np.concatenate([r["kl"] for r in fl["prompt"]])
+        prompt_segment["floor_kl_mean"] = float(fpk.mean()) if fpk.size else None
+        prompt_segment["floor_top1"] = float(np.concatenate([r["top1"] for r in fl["prompt"]]).mean()) if fpk.size else None
+
+    # answer NLL (teacher-forced perplexity of the golden answers)
+    ref_ans = np.concatenate(ref.ref_answer_nll) if ref.ref_answer_nll else np.zeros(0)
+    cand_ans = np.concatenate([ma.cand_nll for ma, _ in per_prompt]) if per_prompt else np.zeros(0)
+    answer_ppl = {"reference": perplexity(ref_ans), "candidate": perplexity(cand_ans)}
+    if fl is not None:
+        answer_ppl["floor"] = perplexity(np.concatenate([r["nll"] for r in fl["answer"]]))
+
+    # per-prompt table and worst prompts
+    prompt_rows = []
+    for i, e in enumerate(encoded):
+        ma = per_prompt[i][0]
+        row = {"id": e.id, "category": e.category, "tokens": int(ma.kl.size), "kl_mean": float(ma.kl.mean()),
+               "kl_max": float(ma.kl.max()), "top1": float(ma.top1.mean())}
+        if fl is not None:
+            row["floor_kl_mean"] = float(fl["answer"][i]["kl"].mean())
+        if greedy_rows:
+            row["greedy_same"] = greedy_rows[i]["same"]
+            row["first_divergence"] = greedy_rows[i]["first_divergence"]
+        prompt_rows.append(row)
+    worst = sorted(range(len(encoded)), key=lambda i: -prompt_rows[i]["kl_mean"])[:WORST_PROMPTS]
+    worst_rows = []
+    for i in worst:
+        e = encoded[i]
+        w = dict(prompt_rows[i])
+        w["prompt"] = e.prompt
+        if greedy_rows:
+            w["reference_text"] = greedy_rows[i]["reference_text"]
+            w["candidate_text"] = greedy_rows[i]["candidate_text"]
+        worst_rows.append(w)
+
+    summ = summarize(encoded)
+    out = {
+        "passed": passed,
+        "failures": failures,
+        "metrics": metrics,
+        "thresholds": thresholds.model_dump(mode="json"),
+        "tokens": {"prompts": summ.prompts, "answer_tokens": summ.answer_tokens, "prompt_tokens": summ.prompt_tokens,
+                   "total_tokens": summ.total_tokens,
+                   "heldout_tokens": int(sum(len(w) for w in windows)),
+                   "heldout_predicted_tokens": int(sum(len(w) - 1 for w in windows)),
+                   "heldout_windows": len(windows), "heldout_window": heldout_window,
+                   "greedy_new_tokens": greedy_new_tokens},
+        "perplexity": {"heldout_reference": ppl_ref, "heldout_candidate": ppl_cand, "heldout_floor": ppl_floor,
+                       "golden_answers": answer_ppl},
+        "per_category": per_category,
+        "prompt_segment": prompt_segment,
+        "prompts": prompt_rows,
+        "greedy": greedy_rows,
+        "worst_prompts": worst_rows,
+        "noise_floor": {"measured": fl is not None, "how": "same HF folder loaded in torch.bfloat16 (weights and compute)"},
+        "method": {
+            "encoding": "tokenizer.apply_chat_template([user, assistant], tokenize=False) then tokenize with "
+                        "add_special_tokens=False (template's default system message; no extra BOS)",
+            "evaluated": "answer positions: targets are the assistant answer tokens and its closing end-of-turn token",
+            "kl": "KL(P_ref || P_cand) per token, nats, FP32 log-softmax",
+            "ci": f"percentile bootstrap over prompts, {bootstrap} resamples, seed {seed}",
+            "heldout": "held-out news (gensim lee.cor), raw text without BOS, windows of "
+                       f"{heldout_window} tokens",
+            "greedy": f"greedy decoding from the generation prompt, {greedy_new_tokens} new tokens or up to end-of-turn "
+                      "(HF models: batches of prompts of similar length, left-padded and masked)",
+            "pass_rule": "point estimate vs threshold; None = not checked; a checked metric not measured fails",
+        },
+    }
+    per_token = {"kl": kl_all, "top1": top1_all}
+    if fl is not None:
+        per_token["floor_kl"] = np.concatenate([r["kl"] for r in fl["answer"]]) if fl["answer"] else np.zeros(0)
+    per_token["prompt_index"] = np.concatenate([np.full(g.size, i, dtype=np.int32) for i, g in enumerate(kl_groups)]) \
+        if kl_groups else np.zeros(0, np.int32)
+    return out, per_token
+
+
+def write_gate_dir(result: GateResult, heatmap_png: Optional[Path] = None, write_report: bool = True) -> None:
+    """Write metrics.json, per_token.npz and the reports into ``result.out_dir`` (atomic swap)."""
+    out_dir = result.out_dir
+    if heatmap_png is None:
+        for cand in (out_dir / "sensitivity_heatmap.png", out_dir.parent / "sensitivity" / "heatmap.png"):
+            if cand.is_file():
+                heatmap_png = cand
+                break
+    heatmap_bytes = Path(heatmap_png).read_bytes() if heatmap_png and Path(heatmap_png).is_file() else None
+    with atomic_dir(out_dir) as tmp:
+        atomic_write_json(tmp / "metrics.json", result.metrics)
+        np.savez_compressed(tmp / "per_token.npz", **result.per_token)
+        if heatmap_bytes is not None:
+            (tmp / "sensitivity_heatmap.png").write_bytes(heatmap_bytes)
+        if write_report:
+            from precision_pipeline.gate.report import write_report as _write
+
+            _write(result.metrics, tmp, per_token=result.per_token,
+                   heatmap_png=(tmp / "sensitivity_heatmap.png") if heatmap_bytes is not None else None)
+        os.chmod(tmp, 0o755)  # mkdtemp/mkstemp create 0700/0600; reports are meant to be read
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+
+
+def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds, gate_dir: Path,
+                    golden_limit: Optional[int] = None, **kw: Any) -> GateResult:
+    """The pipeline's gate stage: dequantize the exported TRT-LLM checkpoint
+    (``precision_pipeline.checkpoint.reader.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``."""
+    from precision_pipeline.checkpoint.reader import load_checkpoint_model  # type: ignore
+
+    t0 = time.perf_counter()
+    model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=torch.float32)
+    load_s = time.perf_counter() - t0
+    extra = {"checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3)}
+    cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}
+    if cfg.get("quantization"):
+        extra["checkpoint_quantization"] = cfg["quantization"]
+    return run_gate(model, Path(model_dir), thresholds, Path(gate_dir), golden_limit=golden_limit,
+                    candidate_name=kw.pop("candidate_name", f"checkpoint {Path(ckpt_dir).name}"), extra=extra, **kw)
+
+
+__all__ = [
+    "Candidate", "HFCandidate", "CallableCandidate", "as_candidate", "TokenMetrics", "token_metrics", "kl_summary",
+    "bootstrap_ci", "compare_generations", "greedy_all", "perplexity", "heldout_texts", "heldout_windows", "model_fingerprint",
+    "ReferenceData", "reference_data", "GateResult", "run_gate", "gate_checkpoint", "write_gate_dir", "CHECKS",
+    "METRIC_ORDER", "METRIC_LABELS",
+]

@@ -1,0 +1,1 @@
+"""The quantize stage: calibration text, ModelOpt PTQ, the per-layer search and the TensorRT-LLM checkpoint export."""

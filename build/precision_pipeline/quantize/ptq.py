@@ -1,0 +1,688 @@
+"""Post-training quantization with NVIDIA ModelOpt 0.47 and export of a TensorRT-LLM checkpoint.
+
+``run_quantize(profile, model_dir, out_dir)`` loads the HF model, calibrates it with ModelOpt's
+PTQ (``modelopt.torch.quantization.quantize``) on the profile's calibration set
+(``precision_pipeline.quantize.calibration``), and writes a TensorRT-LLM checkpoint (``config.json`` +
+``rank{i}.safetensors``, one per tensor-parallel rank) with
+``modelopt.torch.export.export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, dir,
+inference_tensor_parallel=tp_size)``.
+
+Formats (``quantization.quant_algo`` -> ModelOpt config, ``modelopt/torch/quantization/config.py``):
+
+=====================  ============================================================
+FP8                    ``FP8_DEFAULT_CFG`` (per-tensor E4M3 weights and activations)
+NVFP4                  ``NVFP4_DEFAULT_CFG`` (E2M1, FP8 scale per 16 elements; group_size 16 only)
+W4A16_AWQ              ``INT4_AWQ_CFG``; ``*weight_quantizer`` ``block_sizes[-1] = group_size``
+W4A8_AWQ               ``W4A8_AWQ_BETA_CFG``; first (INT4) ``*weight_quantizer`` cfg ``block_sizes[-1] = group_size``
+W8A8_SQ_PER_CHANNEL    ``INT8_SMOOTHQUANT_CFG``; ``algorithm = {"method": "smoothquant", "alpha": smoothquant_alpha}``
+W8A16                  ``INT8_WEIGHT_ONLY_CFG``
+NO_QUANT               no ModelOpt quantization; the BF16 checkpoint is still exported
+MIXED_PRECISION        ``mtq.auto_quantize`` over ``auto_quantize_formats`` under the
+                       ``auto_quantize_bits`` budget (``build/precision_pipeline/quantize/search.py``); one format per
+                       TensorRT-LLM GEMM, written to ``quant_cfg.json``; the KV-cache quantizers
+                       are then enabled and calibrated alone (``mtq.calibrate``, ``max``), as
+                       ModelOpt's ``examples/llm_ptq/hf_ptq.py`` does after a search
+=====================  ============================================================
+
+KV cache (``quantization.kv_cache_quant_algo``), merged with
+``modelopt.torch.quantization.utils.update_quant_cfg_with_kv_cache_quant``: FP8 -> ``FP8_KV_CFG``,
+NVFP4 -> ``NVFP4_KV_CFG``. INT8: ModelOpt 0.47 ships no INT8 KV config, so it is refused with a
+``UserError`` (field ``quantization.kv_cache_quant_algo``); see ``kv_config_for``.
+
+Exclusions: ``quantization.exclude_modules`` are fnmatch patterns matched against each linear's
+HF name (``model.layers.3.self_attn.q_proj``), its TensorRT-LLM name
+(``transformer.layers.3.attention.qkv``) and its last name component (``lm_head``).
+``keep_first_layers`` / ``keep_last_layers`` exclude every linear of those decoder layers. Fused
+groups are excluded together (TensorRT-LLM fuses them into one GEMM): q/k/v -> ``attention.qkv``;
+gate_proj/up_proj -> ``mlp.fc``/``mlp.gate``. Excluded linears get their weight and input
+quantizers disabled; the KV-cache quantizers stay (TensorRT-LLM has one KV-cache dtype per
+engine). ``config.json`` ``quantization.exclude_modules`` lists the TensorRT-LLM names of every
+excluded linear (plus what ModelOpt wrote), sorted.
+
+Name mapping (HF Llama -> TensorRT-LLM, ``modelopt/torch/export/layer_utils.py`` and verified
+by comparing exported weights with the HF ones): q/k/v_proj -> ``attention.qkv`` (rows
+[q; k; v]), o_proj -> ``attention.dense``, gate_proj -> ``mlp.fc``, up_proj -> ``mlp.gate``,
+down_proj -> ``mlp.proj``.
+
+MoE (Mixtral; ModelOpt exports it with the "llama" decoder type): with ``parallel.moe_ep_size > 1``
+the tp_size export is re-sharded by ``precision_pipeline.quantize.moe_reshard.reshard_moe_checkpoint`` (experts split over
+moe_ep_size, each expert's FFN over moe_tp_size) and ``config.json`` ``mapping`` says so;
+``QuantizeResult.moe_mapping`` lists each rank's experts.
+
+Calibration runs in FP32 (on 2 CPU cores an FP32 forward is ~4x faster than BF16, and the
+activation ranges are at least as accurate); the weights of the default model are BF16 values,
+so quantizing their FP32 copies gives the same scales as BF16. The export casts unquantized
+tensors to BF16 (``dtype=torch.bfloat16``). ``config.json`` ``logits_dtype`` is then set to
+``build.logits_dtype`` (ModelOpt writes ``float16``).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
+from precision_pipeline.core.errors import Problem, UserError
+from precision_pipeline.spec.profile import Profile
+from precision_pipeline.core.store import atomic_dir, atomic_write_json
+
+MAIN_CONFIGS: dict[str, str | None] = {
+    "FP8": "FP8_DEFAULT_CFG",
+    "NVFP4": "NVFP4_DEFAULT_CFG",
+    "W4A16_AWQ": "INT4_AWQ_CFG",
+    "W4A8_AWQ": "W4A8_AWQ_BETA_CFG",
+    "W8A8_SQ_PER_CHANNEL": "INT8_SMOOTHQUANT_CFG",
+    "W8A16": "INT8_WEIGHT_ONLY_CFG",
+    "NO_QUANT": None,
+    "MIXED_PRECISION": "auto_quantize",
+}
+MIXED = "MIXED_PRECISION"
+# HF model_type -> ModelOpt export decoder type (modelopt/torch/export/model_utils.py maps
+# MixtralForCausalLM to "llama" too; the MoE experts are exported by the same path)
+EXPORT_MODEL_TYPES = {"llama": "llama", "mixtral": "llama"}
+KV_CONFIGS: dict[str, str | None] = {"NONE": None, "FP8": "FP8_KV_CFG", "NVFP4": "NVFP4_KV_CFG", "INT8": None}
+AWQ_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
+NVFP4_GROUP = 16
+AWQ_DEFAULT_GROUP = 128  # INT4_AWQ_CFG / W4A8_AWQ_BETA_CFG block_sizes[-1]
+
+# HF Llama linear name (last component) -> TensorRT-LLM name (relative to transformer.layers.N.)
+_HF_TO_TRT = {
+    "self_attn.q_proj": "attention.qkv",
+    "self_attn.k_proj": "attention.qkv",
+    "self_attn.v_proj": "attention.qkv",
+    "self_attn.o_proj": "attention.dense",
+    "mlp.gate_proj": "mlp.fc",
+    "mlp.up_proj": "mlp.gate",
+    "mlp.down_proj": "mlp.proj",
+}
+# fused groups (TensorRT-LLM GEMMs): excluding one member excludes all
+_FUSED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
+_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+
+
+@dataclass
+class QuantizeResult:
+    """What ``run_quantize`` did. Times in seconds, sizes in bytes."""
+
+    quant_algo: str
+    kv_cache_quant_algo: str
+    group_size: int | None
+    exclude_modules: list[str]
+    modelopt_config_name: str
+    calibration: dict[str, Any]
+    calibrate_s: float
+    export_s: float
+    checkpoint_bytes: int
+    tp_size: int = 1
+    out_dir: str = ""
+    unmatched_exclude_patterns: list[str] = field(default_factory=list)
+    calib_dtype: str = "float32"
+    # MIXED_PRECISION only: {TRT-LLM linear: format} (NO_QUANT included) and the search's figures
+    per_layer: dict[str, str] = field(default_factory=dict)
+    search: dict[str, Any] = field(default_factory=dict)
+    # MoE with moe_ep_size > 1: the re-sharded mapping (precision_pipeline.quantize.moe_reshard.reshard_moe_checkpoint's result)
+    moe_mapping: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Names
+
+
+def trtllm_name(hf_name: str) -> str:
+    """TensorRT-LLM checkpoint module name of an HF Llama module name.
+
+    ``model.layers.3.self_attn.k_proj`` -> ``transformer.layers.3.attention.qkv``;
+    ``lm_head`` -> ``lm_head``; ``model.embed_tokens`` -> ``transformer.vocab_embedding``;
+    anything else is returned unchanged.
+    """
+    m = _LAYER_RE.match(hf_name)
+    if m:
+        idx, rest = m.groups()
+        if rest in _HF_TO_TRT:
+            return f"transformer.layers.{idx}.{_HF_TO_TRT[rest]}"
+    if hf_name == "model.embed_tokens":
+        return "transformer.vocab_embedding"
+    if hf_name == "model.norm":
+        return "transformer.ln_f"
+    return hf_name
+
+
+def _linear_names(model: Any) -> list[str]:
+    import torch.nn as nn
+
+    names = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) or (type(mod).__name__.endswith("Linear") and hasattr(mod, "weight")):
+            names.append(name)
+    return names
+
+
+def _matches(pattern: str, hf_name: str) -> bool:
+    trt = trtllm_name(hf_name)
+    last = hf_name.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(n, pattern) for n in (hf_name, trt, last))
+
+
+def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], keep_first: int, keep_last: int,
+                       num_layers: int) -> tuple[list[str], list[str]]:
+    """HF names of the linears to keep unquantized, and the patterns that matched nothing.
+
+    ``linear_names``: HF names of the model's linears. Fused groups are expanded (see module doc).
+    """
+    excluded: set[str] = set()
+    unmatched = []
+    for p in exclude_patterns:
+        hit = [n for n in linear_names if _matches(p, n)]
+        if not hit:
+            unmatched.append(p)
+        excluded.update(hit)
+    keep = set(range(min(keep_first, num_layers))) | set(range(max(0, num_layers - keep_last), num_layers))
+    for n in linear_names:
+        m = _LAYER_RE.match(n)
+        if m and int(m.group(1)) in keep:
+            excluded.add(n)
+    # fused groups
+    for n in list(excluded):
+        m = _LAYER_RE.match(n)
+        if not m:
+            continue
+        prefix = n[: len(n) - len(m.group(2))]
+        for group in _FUSED:
+            if m.group(2) in group:
+                excluded.update(prefix + g for g in group if prefix + g in linear_names)
+    order = {n: i for i, n in enumerate(linear_names)}
+    return sorted(excluded, key=lambda n: order[n]), unmatched
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+
+
+def _check_group_size(profile: Profile) -> int | None:
+    q = profile.quantization
+    algo = q.quant_algo.value
+    if algo == "NVFP4":
+        if q.group_size not in (None, NVFP4_GROUP):
+            raise UserError("quantization.group_size", f"NVFP4 uses blocks of {NVFP4_GROUP} elements; got {q.group_size}.",
+                            "remove quantization.group_size (or set it to 16).")
+        return NVFP4_GROUP
+    if algo in AWQ_ALGOS:
+        return q.group_size or AWQ_DEFAULT_GROUP
+    if algo == MIXED:
+        return q.group_size  # AWQ candidates: autoquant.choose_group_size checks / picks it
+    if q.group_size is not None:
+        raise UserError("quantization.group_size", f"{algo} has no per-group scales; group_size {q.group_size} would be ignored.",
+                        "remove quantization.group_size (it applies to W4A16_AWQ, W4A8_AWQ and NVFP4).")
+    return None
+
+
+def kv_config_for(kv_algo: str) -> tuple[str | None, list[dict] | None]:
+    """(name, quant_cfg list) of the ModelOpt KV-cache config for ``kv_cache_quant_algo``.
+
+    Raises UserError for INT8: ModelOpt 0.47 has no INT8 KV-cache config
+    (``modelopt/torch/quantization/config.py`` defines ``FP8_KV_CFG``, ``FP8_AFFINE_KV_CFG``,
+    ``NVFP4_KV_CFG``, ``NVFP4_AFFINE_KV_CFG``, ``NVFP4_KV_ROTATE_CFG`` only).
+    """
+    import modelopt.torch.quantization as mtq
+
+    if kv_algo == "NONE":
+        return None, None
+    if kv_algo == "INT8":
+        from precision_pipeline.spec.formats import INT8_KV_NOT_EXPORTED
+
+        raise UserError("quantization.kv_cache_quant_algo", *INT8_KV_NOT_EXPORTED)
+    name = KV_CONFIGS[kv_algo]
+    return name, copy.deepcopy(getattr(mtq, name)["quant_cfg"])
+
+
+def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
+                        linear_names: list[str] | None = None,
+                        num_hidden_layers: int | None = None) -> tuple[str, dict | None]:
+    """The ModelOpt PTQ config (name, config dict) for ``profile``; ``(name, None)`` for NO_QUANT.
+
+    The dict is a deep copy of the ModelOpt preset (``quant_cfg`` is a list of
+    ``{"quantizer_name", "cfg"/"enable"}`` entries in ModelOpt 0.47) with: the AWQ group size in
+    the ``*weight_quantizer`` ``block_sizes[-1]``; the SmoothQuant ``alpha``; the KV-cache entries
+    merged in; and one ``{"quantizer_name": "<hf linear>.weight_quantizer"/".input_quantizer",
+    "enable": False}`` pair per excluded linear (resolved against ``linear_names``, or against a
+    meta-device model built from ``model_dir``'s config -- default: the default model).
+
+    Name: e.g. ``"FP8_DEFAULT_CFG+FP8_KV_CFG"`` or ``"INT4_AWQ_CFG(group_size=64)"``.
+    Raises UserError for INT8 KV, a group_size that does not apply, or tp/group mismatches.
+    """
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
+
+    q = profile.quantization
+    algo = q.quant_algo.value
+    if algo not in MAIN_CONFIGS:
+        raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
+                        f"use one of: {', '.join(MAIN_CONFIGS)}.")
+    if algo == MIXED:
+        raise UserError("quantization.quant_algo", "MIXED_PRECISION has no single ModelOpt config: the per-layer "
+                        "search (mtq.auto_quantize) picks one per layer.", "call quantize_model / run_quantize.")
+    group = _check_group_size(profile)
+    kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
+    base_name = MAIN_CONFIGS[algo]
+    if base_name is None:
+        if kv_cfg is not None:
+            raise UserError("quantization.kv_cache_quant_algo",
+                            f"quant_algo NO_QUANT with a {q.kv_cache_quant_algo.value} KV cache is not exported by this pipeline.",
+                            "use kv_cache_quant_algo: NONE with NO_QUANT, or quant_algo FP8 with an FP8 KV cache.")
+        return "NONE", None
+    cfg = copy.deepcopy(getattr(mtq, base_name))
+    name = base_name
+    if algo in AWQ_ALGOS:
+        hits = 0
+        for entry in cfg["quant_cfg"]:
+            if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
+                c = entry["cfg"]
+                first = c[0] if isinstance(c, list) else c
+                if first.get("block_sizes") is not None and first.get("num_bits") == 4:
+                    first["block_sizes"] = dict(first["block_sizes"])
+                    first["block_sizes"][-1] = group
+                    hits += 1
+        if hits != 1:  # pragma: no cover - guards a ModelOpt layout change
+            raise RuntimeError(f"{base_name}: expected one INT4 *weight_quantizer entry with block_sizes, found {hits}")
+        name = f"{base_name}(group_size={group})"
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        cfg["algorithm"] = {"method": "smoothquant", "alpha": float(q.smoothquant_alpha)}
+        name = f"{base_name}(alpha={q.smoothquant_alpha})"
+    if kv_cfg is not None:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints the whole config
+            cfg = update_quant_cfg_with_kv_cache_quant(cfg, kv_cfg)
+        name += f"+{kv_name}"
+    if linear_names is None or num_hidden_layers is None:
+        linear_names, num_hidden_layers = _meta_model_names(model_dir)
+    excluded, _ = resolve_exclusions(linear_names, list(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
+                                     num_hidden_layers)
+    for n in excluded:
+        cfg["quant_cfg"].append({"quantizer_name": f"{n}.weight_quantizer", "enable": False})
+        cfg["quant_cfg"].append({"quantizer_name": f"{n}.input_quantizer", "enable": False})
+    return name, cfg
+
+
+def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_dir is None:
+        from precision_pipeline.spec.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+    hf_cfg = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(hf_cfg)
+    return _linear_names(m), int(hf_cfg.num_hidden_layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks before the heavy work
+
+
+def check_layout(profile: Profile, hf_config: Any, group: int | None) -> None:
+    """Refuse tensor-parallel sizes and group sizes the export cannot split (UserError)."""
+    tp = profile.parallel.tp_size
+    problems = []
+    if profile.parallel.pp_size != 1:
+        problems.append(Problem("parallel.pp_size", f"pipeline parallel {profile.parallel.pp_size} is not exported by this stage.",
+                                "use pp_size: 1 (tensor parallel covers the supported models)."))
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
+    inter = int(hf_config.intermediate_size)
+    hidden = int(hf_config.hidden_size)
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0) and inter % d == 0]
+    if heads % tp or inter % tp or (kv % tp and tp % kv):
+        problems.append(Problem("parallel.tp_size", f"tp_size {tp} does not split {heads} attention heads, {kv} KV heads "
+                                f"and intermediate size {inter} evenly.",
+                                f"use one of: {', '.join(map(str, divisors))}."))
+    elif group:
+        # row-parallel linears (dense, proj) are split along their input dim: each slice must be whole groups
+        ins = {"hidden_size (qkv/fc/gate input)": hidden, "hidden_size/tp (dense input per rank)": hidden // tp,
+               "intermediate_size/tp (proj input per rank)": inter // tp}
+        bad = {k: v for k, v in ins.items() if v % group}
+        if bad:
+            ok = [g for g in (16, 32, 64, 128, 256) if all(v % g == 0 for v in ins.values())]
+            problems.append(Problem("quantization.group_size",
+                                    f"group_size {group} does not divide " + ", ".join(f"{k} = {v}" for k, v in bad.items()) + ".",
+                                    f"use a group_size that divides them ({', '.join(map(str, ok)) or 'none of 16..256'}) "
+                                    "or another tp_size."))
+    if problems:
+        raise UserError(problems)
+
+
+def moe_layout(profile: Profile, hf_config: Any) -> tuple[int, int] | None:
+    """``(moe_tp_size, moe_ep_size)`` for a MoE model (``precision_pipeline.quantize.moe_reshard.resolve_moe_layout``, TensorRT-LLM
+    ``Mapping`` defaults), None for a dense one. Raises UserError (``parallel.moe_ep_size`` /
+    ``parallel.moe_tp_size``) for a layout that does not split the experts; and for expert
+    parallelism asked of a dense model."""
+    from precision_pipeline.quantize.moe_reshard import resolve_moe_layout
+
+    par = profile.parallel
+    experts = int(getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0) or 0)
+    if experts < 2:
+        if (par.moe_ep_size or 1) > 1:
+            raise UserError("parallel.moe_ep_size", f"moe_ep_size {par.moe_ep_size} asks for expert parallelism, "
+                            "but the model has no experts.", "remove parallel.moe_ep_size / moe_tp_size.")
+        return None
+    return resolve_moe_layout(par.tp_size, par.moe_tp_size, par.moe_ep_size, experts,
+                              int(getattr(hf_config, "intermediate_size", 0) or 0))
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration loop with a progress bar
+
+
+def _calib_target(model: Any) -> Any:
+    """The module to run for calibration: the decoder without ``lm_head`` (``model.model``) when
+    every quantizer of ``lm_head`` is disabled (the logits are not needed then, and the
+    49152 x 576 projection is ~21% of the FLOPs of the default model), else the whole model."""
+    base = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if base is None or head is None:
+        return model
+    for name, sub in head.named_modules():
+        if name.endswith("_quantizer") and getattr(sub, "is_enabled", False):
+            return model
+    return base
+
+
+def make_forward_loop(calib: CalibrationSet, batch_size: int, show_progress: bool = True,
+                      on_pass: Callable[[int], None] | None = None) -> Callable[[Any], None]:
+    """ModelOpt ``forward_loop(model)``: runs every calibration sample through ``model`` under
+    ``torch.no_grad()``, in equal-length batches of at most ``batch_size``, with a rich progress
+    bar (samples, samples/s). Some algorithms (AWQ, SmoothQuant) call it more than once; each
+    call is one numbered pass."""
+    import torch
+
+    batches = calib.batches(batch_size)
+    state = {"pass": 0}
+
+    def loop(model: Any) -> None:
+        state["pass"] += 1
+        if on_pass:
+            on_pass(state["pass"])
+        device = next(model.parameters()).device
+        target = _calib_target(model)
+        with torch.no_grad():
+            if not show_progress:
+                for b in batches:
+                    target(torch.tensor(b, dtype=torch.long, device=device), use_cache=False)
+                return
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            cols = [TextColumn("[bold]calibration pass {task.fields[pass_no]}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("samples"), TextColumn("{task.fields[rate]} samples/s"), TimeElapsedColumn()]
+            with Progress(*cols, transient=False) as prog:
+                task = prog.add_task("calib", total=len(calib.samples), pass_no=state["pass"], rate="-")
+                t0 = time.perf_counter()
+                done = 0
+                for b in batches:
+                    target(torch.tensor(b, dtype=torch.long, device=device), use_cache=False)
+                    done += len(b)
+                    dt = time.perf_counter() - t0
+                    prog.update(task, advance=len(b), rate=f"{done / dt:.2f}" if dt > 0 else "-")
+
+    return loop
+
+
+# --------------------------------------------------------------------------------------------
+# Main entry
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in Path(d).glob("rank*.safetensors"))
+
+
+@dataclass
+class QuantizedModel:
+    """A ModelOpt-quantized (fake-quant) HF model plus what is needed to export it."""
+
+    model: Any
+    profile: Profile
+    config_name: str
+    config: dict | None
+    calibration: CalibrationSet | None
+    excluded_hf: list[str]
+    unmatched: list[str]
+    calibrate_s: float
+    group_size: int | None
+    search: dict[str, Any] = field(default_factory=dict)  # MIXED_PRECISION: autoquant stats + per_layer_hf
+
+
+def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True,
+                   calib_set: CalibrationSet | None = None) -> QuantizedModel:
+    """Load the HF model of ``model_dir`` in FP32 and run ModelOpt PTQ as ``profile`` says.
+
+    Returns the fake-quant model (``mtq.quantize`` result; for NO_QUANT the plain model).
+    Raises UserError (before loading the model) for: a non-Llama model, INT8 KV, a group size that
+    does not apply or does not divide the layer widths, a tp_size that does not split the heads, a
+    bad calibration dataset.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    q = profile.quantization
+    algo = q.quant_algo.value
+    kv_algo = q.kv_cache_quant_algo.value
+    if algo not in MAIN_CONFIGS:
+        raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
+                        f"use one of: {', '.join(MAIN_CONFIGS)}.")
+    if not (model_dir / "config.json").is_file():
+        raise UserError("model", f"{model_dir} has no config.json (not a Hugging Face model folder).",
+                        "pass the converted model folder (precision_pipeline.spec.default_model.ensure_default_model()).")
+    hf_cfg = AutoConfig.from_pretrained(str(model_dir))
+    arch = (getattr(hf_cfg, "architectures", None) or [""])[0]
+    if getattr(hf_cfg, "model_type", "") not in EXPORT_MODEL_TYPES:
+        raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model ({arch}); "
+                        "this quantize stage exports Llama-architecture models (and Mixtral MoE) only.",
+                        "use a Llama-family model.")
+    group = _check_group_size(profile)
+    if kv_algo != "NONE" and algo == "NO_QUANT":
+        modelopt_config_for(profile, linear_names=[], num_hidden_layers=0)  # raises the NO_QUANT + KV error
+    kv_config_for(kv_algo)  # INT8 refused here, before any heavy work
+    if algo == MIXED:
+        from precision_pipeline.quantize.search import _check_bits, normalize_formats
+
+        if q.auto_quantize_bits is None:
+            raise UserError("quantization.auto_quantize_bits", "MIXED_PRECISION needs an effective-bits budget.",
+                            "set quantization.auto_quantize_bits, e.g. 6.0 with auto_quantize_formats [FP8, W4A16_AWQ].")
+        _check_bits(q.auto_quantize_bits, normalize_formats(q.auto_quantize_formats))
+    check_layout(profile, hf_cfg, group if algo in AWQ_ALGOS else None)
+    moe_layout(profile, hf_cfg)  # refuses a bad moe_tp x moe_ep before any heavy work
+    calib = calib_set
+    if calib is None and algo != "NO_QUANT":
+        calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
+    if algo == MIXED:
+        return _search_model(profile, model_dir, hf_cfg, calib, show_progress)
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    names = _linear_names(model)
+    n_layers = int(hf_cfg.num_hidden_layers)
+    excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
+                                                q.keep_last_layers, n_layers)
+    cfg_name, cfg = modelopt_config_for(profile, model_dir, linear_names=names, num_hidden_layers=n_layers)
+    t0 = time.perf_counter()
+    if cfg is not None:
+        import modelopt.torch.quantization as mtq
+
+        loop = make_forward_loop(calib, profile.calibration.batch_size, show_progress)
+        mtq.quantize(model, cfg, forward_loop=loop)
+    calibrate_s = time.perf_counter() - t0
+    return QuantizedModel(model=model, profile=profile, config_name=cfg_name, config=cfg, calibration=calib,
+                          excluded_hf=excluded_hf if cfg is not None else [], unmatched=unmatched,
+                          calibrate_s=calibrate_s, group_size=group if algo in AWQ_ALGOS + ("NVFP4",) else None)
+
+
+def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: CalibrationSet,
+                  show_progress: bool) -> QuantizedModel:
+    """MIXED_PRECISION: ``mtq.auto_quantize`` (``precision_pipeline.quantize.search._run_search``), then the KV cache.
+
+    Layers kept in high precision (``exclude_modules``, ``keep_first/last_layers``, fused groups
+    expanded) are the search's ``disabled_layers`` and stay unquantized; everything else, lm_head
+    included unless excluded (the shipped profiles exclude it), is searched. After the search
+    the KV-cache quantizers (``FP8_KV_CFG``) are enabled and calibrated with every other quantizer
+    temporarily off, so the searched formats' scales are untouched.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import modelopt.torch.quantization as mtq
+
+    from precision_pipeline.quantize.search import CANDIDATES, _run_search, normalize_formats
+
+    q = profile.quantization
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    names = _linear_names(model)
+    excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
+                                                q.keep_last_layers, int(hf_cfg.num_hidden_layers))
+    disabled = list(excluded_hf)
+    fmts = normalize_formats(q.auto_quantize_formats)
+    t0 = time.perf_counter()
+    batches = calib.batches(profile.calibration.batch_size)
+    if show_progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[bold]per-layer search[/] (mtq.auto_quantize, gradient scores) over "
+                                   f"{', '.join(fmts)} at {q.auto_quantize_bits} bits: {len(calib.samples)} samples, "
+                                   f"{len(batches)} batches")
+    model, per_layer_hf, stats = _run_search(model, batches, float(q.auto_quantize_bits), fmts,
+                                             disabled_layers=disabled, group_size=q.group_size)
+    kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
+    if kv_cfg is not None:
+        mtq.set_quantizer_by_cfg(model, kv_cfg)
+        loop = make_forward_loop(calib, profile.calibration.batch_size, show_progress)
+        with mtq.set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}, *kv_cfg]):
+            mtq.calibrate(model, algorithm="max", forward_loop=loop)
+    calibrate_s = time.perf_counter() - t0
+    name = "auto_quantize(" + ", ".join(
+        f"{CANDIDATES[f][0]}(group_size={stats.group_size})" if f == "W4A16_AWQ" else CANDIDATES[f][0]
+        for f in fmts) + f"; effective_bits={q.auto_quantize_bits})" + (f"+{kv_name}" if kv_name else "")
+    return QuantizedModel(model=model, profile=profile, config_name=name, config=None, calibration=calib,
+                          excluded_hf=excluded_hf, unmatched=unmatched, calibrate_s=calibrate_s,
+                          group_size=stats.group_size, search={**stats.to_dict(), "per_layer_hf": per_layer_hf})
+
+
+def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
+    """Export ``qm`` as a TensorRT-LLM checkpoint into ``out_dir`` (replaced atomically).
+
+    ``export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp,
+    inference_tensor_parallel=tp_size)``, then config.json: ``logits_dtype`` = ``build.logits_dtype``;
+    ``quantization.exclude_modules`` = sorted union of what ModelOpt wrote and the TensorRT-LLM
+    names of the excluded linears. Also writes ``calibration.json`` (the calibration composition).
+    """
+    import torch
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    profile = qm.profile
+    excluded_trt = sorted({trtllm_name(n) for n in qm.excluded_hf})
+    out_dir = Path(out_dir)
+    hf_cfg = qm.model.config
+    layout = moe_layout(profile, hf_cfg)
+    reshard = layout is not None and layout[1] > 1
+    moe_mapping: dict[str, Any] = {}
+    with atomic_dir(out_dir) as tmp:
+        stage = tmp / "modelopt-export" if reshard else tmp
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            export_tensorrt_llm_checkpoint(qm.model, EXPORT_MODEL_TYPES.get(hf_cfg.model_type, "llama"), torch.bfloat16,
+                                           stage, inference_tensor_parallel=profile.parallel.tp_size)
+        if reshard:
+            # ModelOpt writes moe_tp_size = tp_size, moe_ep_size = 1: regroup the experts over the
+            # EP ranks as TensorRT-LLM's Mapping expects (build/precision_pipeline/quantize/moe_reshard.py) and write that mapping
+            import os
+            import shutil
+
+            from precision_pipeline.quantize.moe_reshard import reshard_moe_checkpoint
+
+            moe_mapping = reshard_moe_checkpoint(stage, layout[0], layout[1], tmp / "ep")
+            shutil.rmtree(stage)
+            for f in (tmp / "ep").iterdir():
+                os.replace(f, tmp / f.name)
+            (tmp / "ep").rmdir()
+        export_s = time.perf_counter() - t1
+        cfg_path = tmp / "config.json"
+        conf = json.loads(cfg_path.read_text())
+        conf["logits_dtype"] = profile.build.logits_dtype
+        quant = conf.get("quantization") or {}
+        per_layer: dict[str, str] = {}
+        if qm.search:
+            per_layer = _check_mixed_export(tmp, qm.search["per_layer_hf"])
+            atomic_write_json(tmp / "autoquant.json", {**{k: v for k, v in qm.search.items() if k != "per_layer_hf"},
+                                                       "per_layer": per_layer})
+        if qm.config is not None:
+            written = quant.get("exclude_modules") or []
+            quant["exclude_modules"] = sorted(set(written) | set(excluded_trt))
+        conf["quantization"] = quant
+        atomic_write_json(cfg_path, conf)
+        if qm.calibration is not None:
+            atomic_write_json(tmp / "calibration.json", qm.calibration.composition)
+        nbytes = _dir_bytes(tmp)
+    return QuantizeResult(
+        quant_algo=quant.get("quant_algo") or "NO_QUANT",
+        kv_cache_quant_algo=quant.get("kv_cache_quant_algo") or "NONE",
+        group_size=quant.get("group_size", qm.group_size),
+        exclude_modules=list(quant.get("exclude_modules") or []),
+        modelopt_config_name=qm.config_name,
+        calibration=qm.calibration.composition if qm.calibration is not None else {},
+        calibrate_s=round(qm.calibrate_s, 3),
+        export_s=round(export_s, 3),
+        checkpoint_bytes=nbytes,
+        tp_size=profile.parallel.tp_size,
+        out_dir=str(out_dir),
+        unmatched_exclude_patterns=list(qm.unmatched),
+        per_layer=per_layer,
+        search={k: v for k, v in qm.search.items() if k != "per_layer_hf"},
+        moe_mapping=moe_mapping,
+    )
+
+
+def _check_mixed_export(ckpt: Path, per_layer_hf: dict[str, str]) -> dict[str, str]:
+    """{TRT-LLM linear: format} from the exported ``quant_cfg.json``, checked against the search's
+    per-HF-linear result (RuntimeError when they disagree: the export lost a decision)."""
+    path = Path(ckpt) / "quant_cfg.json"
+    quantized = (json.loads(path.read_text()).get("quantized_layers") or {}) if path.is_file() else {}
+    out: dict[str, str] = {}
+    bad = []
+    for hf, fmt in per_layer_hf.items():
+        trt = trtllm_name(hf)
+        got = quantized.get(trt, {}).get("quant_algo", "NO_QUANT")
+        out[trt] = got
+        if got != fmt:
+            bad.append(f"{hf} ({fmt}) -> {trt} ({got})")
+    if bad:
+        raise RuntimeError("quant_cfg.json disagrees with the per-layer search: " + "; ".join(bad[:5]))
+    for trt, e in quantized.items():
+        out.setdefault(trt, e.get("quant_algo", "?"))
+    return out
+
+
+def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress: bool = True,
+                 calib_set: CalibrationSet | None = None) -> QuantizeResult:
+    """Quantize the HF model in ``model_dir`` as ``profile`` says; write the TRT-LLM checkpoint to ``out_dir``.
+
+    ``quantize_model`` then ``export_checkpoint``. ``out_dir`` is replaced atomically
+    (``precision_pipeline.core.store.atomic_dir``): it holds ``config.json``, ``rank{0..tp_size-1}.safetensors`` and
+    ``calibration.json``. Raises UserError (exit 2) before loading the model for bad inputs (see
+    ``quantize_model``). Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
+    """
+    qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set)
+    return export_checkpoint(qm, out_dir)
+
+
+__all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
+           "resolve_exclusions", "make_forward_loop", "check_layout", "moe_layout"]

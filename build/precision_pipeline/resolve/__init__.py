@@ -1,0 +1,1 @@
+"""Resolve and check: derivations, the memory plan and the named rules that refuse a profile early (torch-free)."""

@@ -1,0 +1,230 @@
+"""Resolve stage: profile + model + GPU -> a checked plan (plan.json), in milliseconds, no GPU.
+
+``resolve(profile, model_dir, checkpoint_dir=None)`` runs every rule of ``build/precision_pipeline/resolve/rules.py``
+and raises one ``UserError`` (exit 2) listing **all** refused problems, each with its rule
+name and source. When nothing is refused it returns a ``Plan``; ``Plan.to_json()`` is what
+the build writes as ``artifacts/<profile>/plan.json``:
+
+* ``gpu``: the catalog entry (SM, driver-reported MiB, datasheet GB, bandwidth, TFLOPS).
+* ``model``: the ModelArch read from config.json.
+* ``mapping``: world_size, tp_size, pp_size, moe_tp_size, moe_ep_size.
+* ``limits``: the effective build limits, ``derived`` says why for each value TensorRT-LLM
+  derives or clamps (max_seq_len from max_position_embeddings x rope factor, ...).
+* ``effective``: the per-phase settings after trtllm-build's own overrides (paged/FP8 context
+  FMHA), the resolved ``--gemm_plugin``, logits dtype and its Triton type (``TYPE_FP32``).
+* ``memory``: bytes per GPU (weights, activation estimate, warm fallback, KV per token, KV
+  cache, token capacity, concurrent sequences at max_seq_len, fits).
+* ``warnings`` and ``checks`` (one entry per rule: pass / warn / refused, message, source).
+
+``check_all(model_dir)`` checks every shipped profile (``invoke check --all``);
+``profiles_for_gpu(gpu, model_dir)`` evaluates each shipped profile with ``target.gpu``
+replaced (``invoke profiles --gpu h100``). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from precision_pipeline.spec import formats as F
+from precision_pipeline.resolve import rules as R
+from precision_pipeline.core.errors import Problem, UserError
+from precision_pipeline.spec.hardware import GPUSpec, resolve_gpu
+from precision_pipeline.spec.model_arch import ModelArch, read_model_arch
+from precision_pipeline.spec.profile import Profile, Target, load_profile, shipped_profiles
+
+
+@dataclass
+class Plan:
+    """Result of evaluating a profile. ``problems``: every refusal (empty when it can be built)."""
+
+    profile: Profile
+    model: ModelArch
+    gpu: Optional[GPUSpec]
+    mapping: dict
+    limits: dict
+    effective: dict
+    memory: dict
+    checks: list[dict]
+    problems: list[Problem]
+    warnings: list[str]
+    fallback: Optional[dict] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        """The plan.json mapping (JSON-serialisable)."""
+        return {
+            "profile": self.profile.name,
+            "profile_resolved": self.profile.model_dump(mode="json"),
+            "gpu": self.gpu.to_json() if self.gpu else {"id": None, "asked": self.profile.target.gpu},
+            "model": self.model.model_dump(mode="json"),
+            "mapping": dict(self.mapping),
+            "limits": dict(self.limits),
+            "effective": dict(self.effective),
+            "memory": dict(self.memory),
+            "fallback": self.fallback,
+            "warnings": list(self.warnings),
+            "checks": list(self.checks),
+            "ok": self.ok,
+        }
+
+    def summary(self) -> str:
+        """One line: formats, GPU, layout, weights/KV numbers, warning count (or the first refusal)."""
+        if not self.ok:
+            first = self.problems[0]
+            more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            return f"{one_line(first)}{more}"
+        q = self.profile.quantization
+        m = self.memory
+        mp = self.mapping
+        n = len(self.warnings)
+        return (f"{q.quant_algo.value} GEMMs, {q.kv_cache_quant_algo.value} KV on {self.gpu.id} (SM {self.gpu.sm}), "
+                f"tp {mp['tp_size']} x pp {mp['pp_size']}: weights {m['weight_gib_per_gpu']:.3f} GiB/GPU, "
+                f"KV {m['kv_bytes_per_token']:,} B/token, {m['kv_tokens_capacity']:,} tokens "
+                f"({m['concurrent_seqs_at_max_seq_len']:,} seqs at {self.limits['max_seq_len']:,})"
+                + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
+
+
+def one_line(pr: Problem) -> str:
+    """A Problem on one line without square brackets (safe for rich console markup)."""
+    text = f"{pr.field}: {pr.reason}"
+    if pr.fix:
+        text += f" Fix: {pr.fix}"
+    if pr.rule:
+        text += f" (rule {pr.rule})"
+    return text
+
+
+def _model(model: Union[Path, str, ModelArch]) -> ModelArch:
+    return model if isinstance(model, ModelArch) else read_model_arch(Path(model))
+
+
+def _fallback_part(ctx: R.Context, model: ModelArch) -> Optional[dict]:
+    """Load deployment.fallback, check it on this GPU, and (if warm) count its weights + activations."""
+    d = ctx.profile.deployment
+    if not d.fallback:
+        return None
+    try:
+        fb = load_profile(d.fallback)
+    except UserError as e:
+        ctx.fallback_problem = e.problems[0]
+        return {"profile": d.fallback, "ok": False}
+    ctx.fallback = fb
+    info: dict = {"profile": d.fallback, "target_gpu": fb.target.gpu, "warm": d.warm_fallback}
+    if ctx.gpu is not None:
+        fb_here = fb.model_copy(update={"target": Target(gpu=ctx.gpu.id),
+                                        "deployment": fb.deployment.model_copy(update={"fallback": None, "warm_fallback": False})})
+        sub = evaluate(fb_here, model, _with_fallback=False)
+        info["ok"] = sub.ok
+        if not sub.ok:
+            pr = sub.problems[0]
+            ctx.fallback_problem = Problem(pr.field, f"on {ctx.gpu.id}: {pr.reason}", pr.fix, pr.rule, pr.source)
+        elif d.warm_fallback:
+            w = sub.memory["weight_bytes_per_gpu"]
+            a = sub.memory["activation_bytes_estimate"]
+            ctx.fallback_memory = {"weights": w, "activations": a, "total": w + a}
+            info["memory"] = ctx.fallback_memory
+    return info
+
+
+def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None,
+             _with_fallback: bool = True) -> Plan:
+    """Run every rule; return the Plan with all problems (never raises for a refused check).
+
+    Raises UserError only for an unreadable model (``--model``).
+    """
+    m = _model(model)
+    problems: list[Problem] = []
+    checks: list[dict] = []
+    gpu: Optional[GPUSpec] = None
+    try:
+        gpu = resolve_gpu(profile.target.gpu)
+        checks.append({"rule": "gpu.known", "status": "pass", "message": f"{gpu.id}: {gpu.name}, SM {gpu.sm}",
+                       "source": "build/precision_pipeline/spec/hardware.py"})
+    except UserError as e:
+        for pr in e.problems:
+            problems.append(pr)
+            checks.append({"rule": "gpu.known", "status": "refused", "message": pr.render(), "source": "build/precision_pipeline/spec/hardware.py"})
+    ctx = R.Context(profile=profile, model=m, gpu=gpu, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None)
+    ctx.mapping = R.derive_mapping(profile)
+    ctx.limits, ctx.limit_notes = R.derive_limits(profile, m)
+    ctx.effective, ctx.overrides = R.derive_effective(profile, gpu.sm if gpu else 0)
+    # a GPU TensorRT-LLM does not support at all: only gpu.supported speaks for it
+    usable_gpu = gpu is not None and gpu.sm >= F.MIN_TRTLLM_SM
+    fallback = _fallback_part(ctx, m) if _with_fallback and (gpu is None or usable_gpu) else None
+    if usable_gpu:
+        ctx.memory = R.memory_plan(ctx)
+    warnings: list[str] = []
+    for r in R.RULES:
+        if r.needs_gpu and gpu is None:
+            continue
+        if gpu is not None and not usable_gpu and r.needs_gpu and r.name != "gpu.supported":
+            continue
+        found = r.func(ctx)
+        if not found:
+            checks.append({"rule": r.name, "status": "pass", "message": r.summary, "source": r.source})
+            continue
+        for f in found:
+            pr = Problem(f.field, f.message, f.fix, r.name, r.source)
+            checks.append({"rule": r.name, "status": f.status, "message": pr.render(), "source": r.source})
+            if f.status == "refused":
+                problems.append(pr)
+            else:
+                warnings.append(pr.render())
+    return Plan(profile=profile, model=m, gpu=gpu, mapping=ctx.mapping, limits=ctx.limits, effective=ctx.effective,
+                memory=ctx.memory, checks=checks, problems=problems, warnings=warnings, fallback=fallback)
+
+
+def resolve(profile: Profile, model_dir: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None) -> Plan:
+    """Check ``profile`` against the model (and a reused checkpoint); return the Plan.
+
+    Raises UserError (exit 2) carrying every refused Problem (with rule names) if any.
+    """
+    plan = evaluate(profile, model_dir, checkpoint_dir)
+    if plan.problems:
+        raise UserError(plan.problems)
+    return plan
+
+
+def check_all(model_dir: Union[Path, str, ModelArch]) -> list[tuple[str, bool, str]]:
+    """(name, ok, one-line summary) for every shipped profile, against the model."""
+    m = _model(model_dir)
+    out = []
+    for name in shipped_profiles():
+        try:
+            plan = evaluate(load_profile(name), m)
+        except UserError as e:
+            out.append((name, False, one_line(e.problems[0]) + (f" (+{len(e.problems) - 1} more)" if len(e.problems) > 1 else "")))
+            continue
+        out.append((name, plan.ok, plan.summary()))
+    return out
+
+
+def profiles_for_gpu(gpu: str, model_dir: Union[Path, str, ModelArch]) -> list[tuple[str, bool, str]]:
+    """Which shipped profiles run on ``gpu`` (each evaluated with target.gpu replaced) and why not.
+
+    Raises UserError on ``target.gpu`` for an unknown GPU.
+    """
+    spec = resolve_gpu(gpu)
+    m = _model(model_dir)
+    out = []
+    for name in shipped_profiles():
+        try:
+            p = load_profile(name)
+        except UserError as e:
+            out.append((name, False, one_line(e.problems[0])))
+            continue
+        p = p.model_copy(update={"target": Target(gpu=spec.id)})
+        plan = evaluate(p, m)
+        if plan.ok:
+            out.append((name, True, plan.summary()))
+        else:
+            out.append((name, False, "; ".join(f"{pr.field}: {pr.reason} (rule {pr.rule})" for pr in plan.problems)))
+    return out
+
+
+__all__ = ["Plan", "evaluate", "resolve", "check_all", "profiles_for_gpu", "one_line"]

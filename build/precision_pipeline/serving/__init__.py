@@ -1,0 +1,1 @@
+"""Serving: the Triton model repository, Kubernetes manifests, releases and the local Triton server."""

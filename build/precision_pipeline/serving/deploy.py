@@ -1,0 +1,630 @@
+"""Deploy stage: Kubernetes manifests that serve a packed Triton model repository.
+
+``render_manifests(plan, profile, model_repository, out_dir, repo_root, image, namespace)`` fills
+the templates in ``k8s/`` (repository root) and writes ``<out_dir>/k8s/*.yaml`` atomically:
+
+* ``triton-deployment.yaml``: a Deployment running Triton from NVIDIA's TensorRT-LLM backend
+  container; ``nvidia.com/gpu`` requests = limits = GPUs per replica (tp_size x pp_size); required
+  node affinity on the GPU Feature Discovery label ``nvidia.com/gpu.product``; startup (generous),
+  liveness (``/v2/health/live``) and readiness (``/v2/health/ready``) probes on port 8000; ports
+  http 8000, grpc 8001, metrics 8002; ``/dev/shm`` as a sized memory-backed emptyDir; the artifacts
+  PVC mounted read-only at ``repo_root``; ``replicas`` from ``deployment.replicas``.
+* ``service.yaml``: a ClusterIP Service with the three ports.
+* ``pdb.yaml``: a PodDisruptionBudget with ``minAvailable: 1``, only when ``replicas > 1`` (with a
+  single replica such a budget would block every drain of its node).
+
+What is loaded: Triton runs with ``--model-control-mode=explicit`` and one ``--load-model`` per
+model of the current release: ``releases.json`` next to the repository when it exists (current
+unit, plus the fallback unit when ``warm_fallback``; see build/precision_pipeline/serving/release.py ``serving_models``), else
+the repository's ``pack.json`` (its one engine unit). The engine unit ``tensorrt_llm_<h12>`` is
+loaded before ``ensemble`` and ``tensorrt_llm_bls``, which call it.
+
+Multi-GPU engines (world size > 1): the TensorRT-LLM backend runs one tritonserver process per
+rank under MPI (leader mode). tensorrtllm_backend's ``launch_triton_server.py --world_size N``
+builds that ``mpirun`` line and then *returns at once* (``subprocess.Popen`` without a wait), which
+as a container's main process would end the container; its path in the image is not fixed either.
+So the manifest runs the ``mpirun`` line that script builds (``get_cmd`` in
+TensorRT-LLM ``triton_backend/scripts/launch_triton_server.py``) directly: ``mpirun
+--allow-run-as-root -n 1 tritonserver ... : -n 1 tritonserver ...``, rank 0 loading every model
+of the release and ranks > 0 loading only the engine unit(s), each rank with its own Python-backend
+shared-memory prefix. Every loaded unit must have been packed for the same world size.
+
+Image: ``DEFAULT_IMAGE`` (see ``DEFAULT_IMAGE_SOURCE`` for why this tag). A TensorRT engine only
+loads under the TensorRT / TensorRT-LLM version that built it, so build the engine in the same
+image you serve with, or pass ``image=`` for the image your build node used.
+
+Checks (each failure is a ``UserError``, exit 2, naming the file and the path in it): every
+``${name}`` placeholder is filled and is a whole YAML value, every parameter exists in its template
+(a misspelt key is an error), gpus_per_replica = tp_size x pp_size = the repository's world size,
+every manifest passes ``kubernetes_validate`` against Kubernetes ``K8S_VERSION`` in strict mode
+(unknown fields are errors), plus the API-server rules the JSON schemas do not carry (DNS names,
+label syntax, replicas >= 1, selector matching the pod labels, GPU requests = limits).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
+from packaging.version import Version
+
+from precision_pipeline.serving import pack
+from precision_pipeline.core.errors import Problem, UserError, closest
+from precision_pipeline.core.store import atomic_dir, hash_file, read_json
+
+from precision_pipeline.core.paths import REPO_ROOT
+TEMPLATES_DIR = REPO_ROOT / "k8s"
+OUT_SUBDIR = "k8s"
+
+K8S_VERSION = "1.30"
+"""Kubernetes version the manifests are validated against (kubernetes-validate's bundled schemas)."""
+
+DEFAULT_IMAGE = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
+DEFAULT_IMAGE_TRTLLM = "1.2.1"
+DEFAULT_IMAGE_SOURCE = (
+    "TensorRT-LLM in the Triton trtllm-python-py3 containers: 25.12 ships TensorRT-LLM 1.1.0 (Triton release "
+    "compatibility matrix, docs.nvidia.com/deeplearning/triton-inference-server/user-guide/docs/introduction/"
+    "compatibility.html); 26.05 ships TensorRT-LLM 1.2.1 (github.com/triton-inference-server/server/issues/8805, "
+    "2026-05-29). The first tag with 1.2.0 was not found; pass image= to pin the exact tag your engine was built in."
+)
+
+DEFAULT_PVC = "precision-artifacts"
+TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""GPU Feature Discovery label (now part of NVIDIA/k8s-device-plugin): the NVML device name with spaces
+replaced by '-' (``productLabel`` in internal/lm/resource.go), e.g. ``NVIDIA-H100-80GB-HBM3``. Time-sliced
+GPUs get a ``-SHARED`` suffix and MIG devices ``-MIG-<profile>`` (mixed strategy): pass ``gpu_products=``."""
+
+HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 8001, 8002
+STARTUP_PERIOD_S = 10
+STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes to load engines before the kubelet restarts the pod
+TERMINATION_GRACE_S = 60
+LABEL_PREFIX = "precision-pipeline"
+
+_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+# a placeholder must be a whole value: "key: ${x}", "- ${x}" or "- key: ${x}"
+_WHOLE_VALUE = re.compile(r"^\s*(?:-\s+)?(?:[A-Za-z0-9_./-]+:\s+)?\$\{[^}]*\}\s*(?:#.*)?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+
+
+@dataclass
+class DeployResult:
+    """What ``render_manifests`` wrote."""
+
+    out_dir: Path
+    files: list[str]
+    replicas: int
+    gpus_per_replica: int
+    gpu_resource: str
+    image: str
+    namespace: str
+    name: str
+    gpu_products: list[str]
+    engine_unit: str
+    engine_hash: str
+    engine_present: Optional[bool]
+    load_models: list[str]
+    release_source: str
+    launcher: str
+    command: list[str]
+    k8s_version: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["out_dir"] = str(self.out_dir)
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# Names and labels
+
+
+def k8s_name(profile_name: str, prefix: str = "triton-") -> str:
+    """A DNS-1035 label (<= 63 characters) for the profile: ``triton-<profile>``, '.'/'_' -> '-'."""
+    s = re.sub(r"[^a-z0-9-]+", "-", f"{prefix}{profile_name}".lower())
+    s = re.sub(r"-+", "-", s)[:63].strip("-")
+    if not _DNS_1035.match(s):
+        raise UserError("profile.name", f"cannot make a Kubernetes name from {profile_name!r}.",
+                        "use a profile name made of lower-case letters, digits and '-'.")
+    return s
+
+
+def gpu_product_label(gpu_name: str) -> str:
+    """The ``nvidia.com/gpu.product`` value GPU Feature Discovery sets for an NVML device name."""
+    return str(gpu_name).strip().replace(" ", "-")
+
+
+def _label_value(v: str, max_len: int = 63) -> str:
+    s = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(v))[:max_len]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", s)
+
+
+# --------------------------------------------------------------------------------------------
+# What the repository serves
+
+
+@dataclass
+class ServingSet:
+    unit: str
+    engine_hash: str
+    engine_present: Optional[bool]
+    models: list[str]
+    units: list[str]
+    source: str
+
+
+def serving_set(model_repository: Path) -> ServingSet:
+    """The models Triton must load: from releases.json when present, else from pack.json."""
+    from precision_pipeline.serving import release
+
+    repo = Path(model_repository)
+    if not repo.is_dir():
+        raise UserError("model_repository", f"{repo} is not a directory.", "pack the build first (build/precision_pipeline/serving/pack.py).")
+    state = release.read_state(repo)
+    if state and state.get("current"):
+        unit = str(state["current"])
+        models = release.serving_models(repo, state)
+        rec = next((r for r in reversed(state.get("releases") or []) if r.get("unit") == unit), {})
+        ehash, present, source = rec.get("engine_hash"), rec.get("engine_present"), str(release.state_path(repo))
+    else:
+        pj = read_json(repo / pack.PACK_FILE)
+        if pj and pj.get("engine_unit"):
+            unit, ehash, present, source = pj["engine_unit"], pj.get("engine_hash"), pj.get("engine_present"), str(repo / pack.PACK_FILE)
+        else:
+            found = sorted(d.name for d in repo.iterdir() if d.is_dir() and pack.is_unit(d.name))
+            if len(found) != 1:
+                raise UserError("model_repository", f"{repo} has no releases.json or pack.json and {len(found)} engine units.",
+                                "pack the build (build/precision_pipeline/serving/pack.py) or init the serving repository (build/precision_pipeline/serving/release.py).")
+            unit, ehash, present, source = found[0], None, None, f"{repo} (the only engine unit)"
+        models = ["preprocessing", "postprocessing", unit, "ensemble", "tensorrt_llm_bls"]
+    if not pack.is_unit(unit):
+        raise UserError(source, f"names {unit!r} as the current engine unit, which is not tensorrt_llm_<12 hex>.",
+                        "re-pack or repair the release state (build/precision_pipeline/serving/release.py recover).")
+    if not ehash:
+        ref = read_json(repo / unit / "engine" / pack.CPU_REFERENCE_FILE) or {}
+        ehash = ref.get("engine_hash") or unit[len(pack.UNIT_PREFIX):]
+        if present is None:
+            present = ref.get("engine_present")
+    missing = [m for m in models if not (repo / m / "config.pbtxt").is_file()]
+    if missing:
+        raise UserError("model_repository", f"{repo} lacks {', '.join(missing)} (needed by {Path(source).name}).",
+                        "re-pack the build or run build/precision_pipeline/serving/release.py recover.")
+    units = [m for m in models if pack.is_unit(m)]
+    return ServingSet(unit=unit, engine_hash=str(ehash), engine_present=present, models=models, units=units, source=source)
+
+
+def _rel_source(source: str, model_repository: Path) -> str:
+    """The release source relative to the build output (no build-machine paths in manifests)."""
+    try:
+        return Path(source).relative_to(Path(model_repository).resolve().parent).as_posix()
+    except ValueError:
+        try:
+            return Path(source).relative_to(Path(model_repository).parent).as_posix()
+        except ValueError:
+            return Path(source).name
+
+
+def unit_world_size(model_repository: Path, unit: str) -> int:
+    """GPUs a packed engine unit runs on (its ``gpu_device_ids`` parameter)."""
+    path = Path(model_repository) / unit / "config.pbtxt"
+    params = pack.config_params(pack.parse_model_config(path.read_text(), str(path)))
+    ids = [s for s in str(params.get("gpu_device_ids", "")).split(",") if s.strip()]
+    return len(ids) or 1
+
+
+def _engine_version(model_repository: Path, unit: str) -> Optional[str]:
+    cfg = read_json(Path(model_repository) / unit / "engine" / "config.json") or {}
+    v = cfg.get("version")
+    return str(v) if v else None
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def triton_command(world_size: int, repo_path: str, load_models: list[str], units: list[str]) -> tuple[list[str], list[str], str]:
+    """(command, args, launcher) for the container.
+
+    world_size 1: plain ``tritonserver``. world_size > 1: the ``mpirun`` line of tensorrtllm_backend's
+    launch_triton_server.py (one tritonserver per rank; ranks > 0 load only the engine units).
+    """
+    common = [f"--model-repository={repo_path}", f"--http-port={HTTP_PORT}", f"--grpc-port={GRPC_PORT}",
+              f"--metrics-port={METRICS_PORT}", "--model-control-mode=explicit"]
+
+    def rank_args(rank: int, models: list[str]) -> list[str]:
+        return [*common, *(f"--load-model={m}" for m in models), "--disable-auto-complete-config",
+                f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+
+    if world_size == 1:
+        return [TRITONSERVER], rank_args(0, load_models), "tritonserver"
+    args = ["--allow-run-as-root"]
+    for rank in range(world_size):
+        if rank:
+            args.append(":")
+        args += ["-n", "1", TRITONSERVER, *rank_args(rank, load_models if rank == 0 else units)]
+    return ["mpirun"], args, "mpirun"
+
+
+# --------------------------------------------------------------------------------------------
+# Templates
+
+
+def template_placeholders(text: str) -> set[str]:
+    return set(_PLACEHOLDER.findall(text))
+
+
+def render_template(text: str, params: Mapping[str, Any], where: str) -> str:
+    """Fill ``${name}`` placeholders with JSON values (JSON is YAML).
+
+    Refuses unknown parameters (with the closest placeholder), unfilled placeholders, and placeholders
+    that are not a whole YAML value (``name: x-${a}`` would not survive quoting).
+    """
+    wanted = template_placeholders(text)
+    problems: list[Problem] = []
+    for key in sorted(set(params) - wanted):
+        hint = closest(key, wanted)
+        problems.append(Problem(f"{where}: parameter {key!r}", "is not in the template.",
+                                f"did you mean {hint!r}?" if hint else f"template parameters: {', '.join(sorted(wanted)) or '(none)'}."))
+    for key in sorted(wanted - set(params)):
+        hint = closest(key, list(params))
+        problems.append(Problem(f"{where}: ${{{key}}}", "is not filled.",
+                                f"did you mean ${{{hint}}}?" if hint else "give a value for it (no silent defaults)."))
+    for n, line in enumerate(text.splitlines(), 1):
+        if "${" in line and not _WHOLE_VALUE.match(line):
+            problems.append(Problem(f"{where}: line {n}", f"{line.strip()!r}: a placeholder must be a whole YAML value.",
+                                    "write 'key: ${name}' or '- ${name}' and compute the value in build/precision_pipeline/serving/deploy.py."))
+    if problems:
+        raise UserError(problems)
+    return _PLACEHOLDER.sub(lambda m: json.dumps(params[m.group(1)], ensure_ascii=True), text)
+
+
+def parse_manifest(text: str, where: str) -> dict:
+    """Exactly one YAML document, a mapping with apiVersion and kind."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(where, f"is not valid YAML after rendering{at}: {getattr(e, 'problem', e)}.", "fix the template.")
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        raise UserError(where, f"renders {len(docs)} YAML documents; one Kubernetes object per template is expected.",
+                        "keep one object per template file.")
+    doc = docs[0]
+    for k in ("apiVersion", "kind"):
+        if not isinstance(doc.get(k), str):
+            raise UserError(f"{where}: {k}", "is missing.", "every manifest needs apiVersion and kind.")
+    return doc
+
+
+def _path_str(parts) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+@functools.lru_cache(maxsize=32)
+def _schema_validator(k8s_version: str, kind: str, api_version: str):
+    """A cached jsonschema validator for one kind, from kubernetes-validate's bundled strict schemas.
+
+    Same lookup as ``kubernetes_validate.validate(..., strict=True)`` (newest bundled schema version not
+    newer than ``k8s_version``); cached because loading ``_definitions.json`` takes ~0.3 s per call.
+    Returns (validator, schema version used).
+    """
+    import jsonschema
+    from kubernetes_validate import utils as kvu
+    from referencing import Registry, Resource
+
+    want = kvu.major_minor(k8s_version.lstrip("v"))
+    if Version(want) > Version(kvu.latest_version()):
+        raise UserError("k8s_version", f"kubernetes-validate bundles schemas up to {kvu.latest_version()}, not {want}.",
+                        "use an older Kubernetes version or upgrade kubernetes-validate.")
+    older = [v for v in kvu.all_versions() if Version(kvu.major_minor(v)) <= Version(want)]
+    if not older:
+        raise UserError("k8s_version", f"kubernetes-validate bundles no schema for Kubernetes {want}.", "use a newer version.")
+    version = older[-1]
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema_dir = f"v{version}-local-strict"
+    try:
+        schema = kvu.schema_contents(f"kubernetes-json-schema/{schema_dir}/{kind.lower()}-{group}.json", want)
+    except FileNotFoundError:
+        raise UserError("kind", f"no Kubernetes {kvu.major_minor(version)} schema for kind {kind} in {api_version}.",
+                        "use a kind/apiVersion that exists in that Kubernetes version.")
+    defs = kvu.schema_contents(f"kubernetes-json-schema/{schema_dir}/_definitions.json", want)
+    registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry), kvu.major_minor(version)
+
+
+def validate_manifest(doc: dict, where: str, k8s_version: str = K8S_VERSION) -> None:
+    """Strict schema validation (kubernetes-validate's schemas: unknown fields are errors) plus the
+    API-server rules the schemas lack. Raises UserError naming the file and the path of each problem."""
+    validator, used = _schema_validator(k8s_version, str(doc.get("kind")), str(doc.get("apiVersion")))
+    errors = sorted(validator.iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        raise UserError([Problem(f"{where}: {_path_str(list(e.absolute_path))}",
+                                 f"fails Kubernetes {used} schema validation (strict): {_short(e.message)}.",
+                                 "fix the template or the input that produced this value.") for e in errors[:5]])
+    problems = semantic_problems(doc, where)
+    if problems:
+        raise UserError(problems)
+
+
+def _short(s: str, n: int = 300) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _check_labels(labels: Any, path: str, where: str) -> list[Problem]:
+    out = []
+    for k, v in (labels or {}).items():
+        prefix, _, name = str(k).rpartition("/")
+        if (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix))) or len(name) > 63 or not _LABEL_NAME.match(name):
+            out.append(Problem(f"{where}: {path}.{k}", "is not a valid label key ([prefix/]name, name <= 63 characters).", "rename it."))
+        if not isinstance(v, str) or len(v) > 63 or not _LABEL_VALUE.match(v):
+            out.append(Problem(f"{where}: {path}.{k}", f"value {v!r} is not a valid label value (<= 63 of [A-Za-z0-9._-], alphanumeric ends).",
+                               "shorten or sanitise it."))
+    return out
+
+
+def semantic_problems(doc: dict, where: str) -> list[Problem]:
+    """Rules the API server enforces that the OpenAPI JSON schemas do not express."""
+    probs: list[Problem] = []
+    kind = doc.get("kind")
+    meta = doc.get("metadata") or {}
+    name = str(meta.get("name", ""))
+    name_re, what = (_DNS_1035, "a DNS-1035 label") if kind == "Service" else (_DNS_SUBDOMAIN, "a DNS-1123 subdomain")
+    if not name_re.match(name) or len(name) > (63 if kind == "Service" else 253):
+        probs.append(Problem(f"{where}: metadata.name", f"{name!r} is not {what}.", "use lower-case letters, digits and '-'."))
+    ns = meta.get("namespace")
+    if ns is not None and (not _DNS_LABEL.match(str(ns)) or len(str(ns)) > 63):
+        probs.append(Problem(f"{where}: metadata.namespace", f"{ns!r} is not a DNS-1123 label.", "pass a valid namespace."))
+    probs += _check_labels(meta.get("labels"), "metadata.labels", where)
+    spec = doc.get("spec") or {}
+    if kind == "Deployment":
+        reps = spec.get("replicas")
+        if not isinstance(reps, int) or reps < 1:
+            probs.append(Problem(f"{where}: spec.replicas", f"is {reps!r}; a serving Deployment needs at least 1.",
+                                 "set deployment.replicas >= 1 in the profile."))
+        sel = (spec.get("selector") or {}).get("matchLabels") or {}
+        tmpl = spec.get("template") or {}
+        pod_labels = (tmpl.get("metadata") or {}).get("labels") or {}
+        probs += _check_labels(pod_labels, "spec.template.metadata.labels", where)
+        if not sel or any(pod_labels.get(k) != v for k, v in sel.items()):
+            probs.append(Problem(f"{where}: spec.selector.matchLabels", "does not match spec.template.metadata.labels.",
+                                 "the selector's labels must all be on the pod template."))
+        for i, c in enumerate((tmpl.get("spec") or {}).get("containers") or []):
+            res = c.get("resources") or {}
+            lim, req = (res.get("limits") or {}).get(GPU_RESOURCE), (res.get("requests") or {}).get(GPU_RESOURCE)
+            p = f"{where}: spec.template.spec.containers[{i}].resources"
+            if lim is not None and (not isinstance(lim, int) or lim < 1):
+                probs.append(Problem(f"{p}.limits.{GPU_RESOURCE}", f"is {lim!r}; GPUs are whole positive numbers.", "fix gpus_per_replica."))
+            if req is not None and req != lim:
+                probs.append(Problem(f"{p}.requests.{GPU_RESOURCE}", f"is {req!r} but the limit is {lim!r}; extended resources need requests = limits.",
+                                     "render both from gpus_per_replica."))
+            for j, port in enumerate(c.get("ports") or []):
+                cp = port.get("containerPort")
+                if not isinstance(cp, int) or not 0 < cp < 65536:
+                    probs.append(Problem(f"{where}: spec.template.spec.containers[{i}].ports[{j}].containerPort", f"is {cp!r}.", "use 1..65535."))
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                pr = c.get(probe) or {}
+                for k in ("periodSeconds", "failureThreshold", "timeoutSeconds"):
+                    if k in pr and (not isinstance(pr[k], int) or pr[k] < 1):
+                        probs.append(Problem(f"{where}: spec.template.spec.containers[{i}].{probe}.{k}", f"is {pr[k]!r}; must be >= 1.", "fix it."))
+        for i, v in enumerate((tmpl.get("spec") or {}).get("volumes") or []):
+            size = (v.get("emptyDir") or {}).get("sizeLimit")
+            if size is not None and not _QUANTITY.match(str(size)):
+                probs.append(Problem(f"{where}: spec.template.spec.volumes[{i}].emptyDir.sizeLimit", f"{size!r} is not a quantity.", "e.g. 2Gi."))
+            claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim is not None and (not _DNS_SUBDOMAIN.match(str(claim)) or len(str(claim)) > 253):
+                probs.append(Problem(f"{where}: spec.template.spec.volumes[{i}].persistentVolumeClaim.claimName",
+                                     f"{claim!r} is not a DNS-1123 subdomain.", "pass a valid PVC name."))
+    elif kind == "PodDisruptionBudget":
+        ma = spec.get("minAvailable")
+        if isinstance(ma, int) and ma < 0:
+            probs.append(Problem(f"{where}: spec.minAvailable", f"is {ma}.", "use >= 0."))
+    return probs
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _gpus(plan: dict, profile) -> tuple[int, int, int]:
+    """(gpus_per_replica, tp_size, pp_size); refuses any disagreement."""
+    mp = plan.get("mapping") or {}
+    tp = int(mp.get("tp_size") or profile.parallel.tp_size)
+    pp = int(mp.get("pp_size") or profile.parallel.pp_size)
+    world = int(mp.get("world_size") or tp * pp)
+    if world != tp * pp:
+        raise UserError("plan.mapping.world_size", f"is {world} but tp_size x pp_size = {tp} x {pp} = {tp * pp}.",
+                        "re-resolve the plan (build/precision_pipeline/resolve/plan.py).")
+    if (profile.parallel.tp_size, profile.parallel.pp_size) != (tp, pp):
+        raise UserError("parallel", f"the profile says tp {profile.parallel.tp_size} x pp {profile.parallel.pp_size} "
+                        f"but plan.json says tp {tp} x pp {pp}.", "deploy with the plan of this profile.")
+    gpr = profile.deployment.gpus_per_replica
+    if gpr is not None and int(gpr) != world:
+        raise UserError("deployment.gpus_per_replica", f"is {gpr} but one engine needs tp_size x pp_size = {world} GPUs.",
+                        f"set deployment.gpus_per_replica: {world} or remove it (default tp_size x pp_size).")
+    return world, tp, pp
+
+
+def _check_pod_spec_inputs(value: str, field_name: str, pattern: re.Pattern, what: str, max_len: int) -> None:
+    if not isinstance(value, str) or len(value) > max_len or not pattern.match(value):
+        raise UserError(field_name, f"{value!r} is not {what} (<= {max_len} characters).", "use lower-case letters, digits and '-'.")
+
+
+def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, image: str, namespace: str, *,
+                   pvc_name: str = DEFAULT_PVC, gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
+                   startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD) -> tuple[dict[str, Optional[dict]], dict]:
+    """Template parameters per template file (None = template not rendered) and facts for DeployResult."""
+    notes: list[str] = []
+    model_repository = Path(model_repository)
+    if not str(repo_root).startswith("/"):
+        raise UserError("--repo-root", f"{repo_root!r} is not an absolute path.", "give the absolute path of the build output in the serving container.")
+    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
+        raise UserError("image", f"{image!r} is not a container image reference.", f"e.g. {DEFAULT_IMAGE}.")
+    _check_pod_spec_inputs(namespace, "namespace", _DNS_LABEL, "a DNS-1123 label", 63)
+    _check_pod_spec_inputs(pvc_name, "pvc_name", _DNS_SUBDOMAIN, "a DNS-1123 subdomain", 253)
+    if not isinstance(startup_failure_threshold, int) or startup_failure_threshold < 1:
+        raise UserError("startup_failure_threshold", f"is {startup_failure_threshold!r}.", "use a positive number of probe periods.")
+
+    gpu = plan.get("gpu") or {}
+    if not gpu.get("id") or not gpu.get("name"):
+        raise UserError("target.gpu", f"plan.json has no known GPU (asked: {gpu.get('asked')!r}).", "resolve the profile on a catalog GPU first.")
+    world, tp, pp = _gpus(plan, profile)
+    products = list(gpu_products) if gpu_products else [gpu_product_label(gpu["name"])]
+    for p in products:
+        if not isinstance(p, str) or len(p) > 63 or not p or not _LABEL_VALUE.match(p):
+            raise UserError("gpu_products", f"{p!r} is not a valid {GPU_PRODUCT_LABEL} label value.", "use the value GPU Feature Discovery sets, e.g. NVIDIA-H100-80GB-HBM3.")
+
+    ss = serving_set(model_repository)
+    for u in ss.units:
+        uw = unit_world_size(model_repository, u)
+        if uw != world:
+            role = "current release" if u == ss.unit else "warm fallback"
+            raise UserError("deployment.gpus_per_replica",
+                            f"the {role} {u} in {model_repository} runs on {uw} GPU(s) but the plan needs {world} (tp {tp} x pp {pp}).",
+                            "pack/promote an engine built from this plan" + ("" if u == ss.unit else
+                            ", or set deployment.warm_fallback: false (every loaded engine must use the same GPUs)") + ".")
+    if ss.engine_present is False:
+        notes.append(f"engine absent in {ss.unit}: the real tensorrtllm backend will fail to load it; build the engine on a GPU node and re-pack.")
+    ev = _engine_version(model_repository, ss.unit)
+    if ev and image == DEFAULT_IMAGE and ev != DEFAULT_IMAGE_TRTLLM:
+        notes.append(f"engine built by TensorRT-LLM {ev} but {image} ships {DEFAULT_IMAGE_TRTLLM}: engines load only under the "
+                     "version that built them; pass image= with the build's container.")
+
+    profile_name = str(plan.get("profile") or profile.name)
+    name = k8s_name(profile_name)
+    repo_path = pack.serving_path(repo_root, model_repository.name)
+    command, args, launcher = triton_command(world, repo_path, ss.models, ss.units)
+    if launcher == "mpirun":
+        notes.append(f"world size {world}: mpirun runs {world} tritonserver ranks (tensorrtllm_backend leader mode), "
+                     "the line launch_triton_server.py would build, run in the foreground.")
+    replicas = profile.deployment.replicas
+    h12 = ss.unit[len(pack.UNIT_PREFIX):]
+    selector = {"app.kubernetes.io/name": "triton", "app.kubernetes.io/instance": name}
+    labels = {
+        **selector,
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/part-of": LABEL_PREFIX,
+        "app.kubernetes.io/managed-by": LABEL_PREFIX,
+        f"{LABEL_PREFIX}/profile": _label_value(profile_name),
+        f"{LABEL_PREFIX}/engine-hash": h12,
+        f"{LABEL_PREFIX}/engine-unit": ss.unit,
+    }
+    annotations = {
+        f"{LABEL_PREFIX}/engine-hash": ss.engine_hash,
+        f"{LABEL_PREFIX}/engine-unit": ss.unit,
+        f"{LABEL_PREFIX}/profile": profile_name,
+        f"{LABEL_PREFIX}/gpu": str(gpu["id"]),
+        f"{LABEL_PREFIX}/parallel": f"tp{tp}xpp{pp}",
+        f"{LABEL_PREFIX}/release-source": _rel_source(ss.source, model_repository),
+        f"{LABEL_PREFIX}/launcher": launcher,
+    }
+    shm = shm_size or f"{max(2, 1 + world)}Gi"
+    dep = {
+        "name": name, "namespace": namespace, "labels": labels, "annotations": annotations,
+        "replicas": replicas, "selector": selector, "pod_labels": labels,
+        "pod_annotations": {**annotations, "kubectl.kubernetes.io/default-container": "triton"},
+        "progress_deadline_s": STARTUP_PERIOD_S * startup_failure_threshold + 600,
+        "termination_grace_s": TERMINATION_GRACE_S, "gpu_products": products,
+        "image": image, "command": command, "args": args, "gpus": world,
+        "startup_period_s": STARTUP_PERIOD_S, "startup_failure_threshold": startup_failure_threshold,
+        "repo_root": str(repo_root).rstrip("/") or "/", "shm_size": shm, "pvc_name": pvc_name,
+    }
+    svc = {"name": name, "namespace": namespace, "labels": labels, "selector": selector}
+    pdb = {"name": name, "namespace": namespace, "labels": labels, "selector": selector, "min_available": 1} if replicas > 1 else None
+    if pdb is None:
+        notes.append("replicas = 1: no PodDisruptionBudget (minAvailable: 1 would block every drain of the node).")
+    facts = {"name": name, "replicas": replicas, "gpus_per_replica": world, "gpu_products": products, "serving": ss,
+             "launcher": launcher, "command": [*command, *args], "notes": notes}
+    return {"triton-deployment.yaml": dep, "service.yaml": svc, "pdb.yaml": pdb}, facts
+
+
+# --------------------------------------------------------------------------------------------
+# Stage
+
+
+def render_manifests(plan: dict, profile, model_repository: Path, out_dir: Path, repo_root: str,
+                     image: str = DEFAULT_IMAGE, namespace: str = "default", *, pvc_name: str = DEFAULT_PVC,
+                     gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
+                     startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD, k8s_version: str = K8S_VERSION,
+                     templates_dir: Path = TEMPLATES_DIR) -> DeployResult:
+    """Render and validate the manifests; write ``<out_dir>/k8s/*.yaml`` atomically (all or nothing).
+
+    ``repo_root``: where the build output (the parent of ``model_repository``) is mounted in the pod
+    (the PVC ``pvc_name``, read-only). ``gpu_products``: node label values to accept instead of the one
+    derived from the plan's GPU name. Raises UserError (exit 2) on any refused input or invalid manifest.
+    """
+    templates_dir = Path(templates_dir)
+    params, facts = compute_params(plan, profile, Path(model_repository), repo_root, image, namespace, pvc_name=pvc_name,
+                                   gpu_products=gpu_products, shm_size=shm_size,
+                                   startup_failure_threshold=startup_failure_threshold)
+    found = sorted(p.name for p in templates_dir.glob("*.yaml"))
+    unknown = sorted(set(found) - set(params))
+    missing = sorted(set(params) - set(found))
+    if unknown or missing:
+        raise UserError(str(templates_dir), (f"has templates build/precision_pipeline/serving/deploy.py does not fill: {', '.join(unknown)}. " if unknown else "")
+                        + (f"lacks {', '.join(missing)}." if missing else ""),
+                        "keep k8s/ and build/precision_pipeline/serving/deploy.py's parameter sets in step.")
+    rendered: dict[str, str] = {}
+    for tname in found:
+        p = params[tname]
+        if p is None:
+            continue
+        where = f"k8s/{tname}"
+        text = render_template((templates_dir / tname).read_text(), p, where)
+        doc = parse_manifest(text, where)
+        validate_manifest(doc, where, k8s_version)
+        header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {plan.get('profile') or profile.name}, "
+                  f"engine unit {facts['serving'].unit}.\n# Validated against Kubernetes {k8s_version} (strict). Re-render; do not edit.\n")
+        rendered[tname] = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
+    out_dir = Path(out_dir)
+    target = out_dir / OUT_SUBDIR
+    with atomic_dir(target) as tmp:
+        for tname, text in rendered.items():
+            (tmp / tname).write_text(text)
+    ss: ServingSet = facts["serving"]
+    return DeployResult(
+        out_dir=target, files=sorted(rendered), replicas=facts["replicas"], gpus_per_replica=facts["gpus_per_replica"],
+        gpu_resource=GPU_RESOURCE, image=image, namespace=namespace, name=facts["name"], gpu_products=facts["gpu_products"],
+        engine_unit=ss.unit, engine_hash=ss.engine_hash, engine_present=ss.engine_present, load_models=ss.models,
+        release_source=ss.source, launcher=facts["launcher"], command=facts["command"], k8s_version=k8s_version,
+        notes=facts["notes"])
+
+
+def stage_inputs(plan: dict, profile, repo_root: str, image: str = DEFAULT_IMAGE, *, namespace: str = "default",
+                 pvc_name: str = DEFAULT_PVC, templates_dir: Path = TEMPLATES_DIR) -> dict:
+    """What the deploy stage's content key hashes, besides the pack stage's key and build/precision_pipeline/serving/deploy.py's source
+    (the caller adds those: the release state of the repository comes from pack/release)."""
+    gpu = plan.get("gpu") or {}
+    return {
+        "stage": "deploy",
+        "k8s_version": K8S_VERSION,
+        "image": image,
+        "repo_root": repo_root,
+        "namespace": namespace,
+        "pvc_name": pvc_name,
+        "profile": str(plan.get("profile") or profile.name),
+        "deployment": profile.deployment.model_dump(mode="json"),
+        "parallel": {"tp_size": profile.parallel.tp_size, "pp_size": profile.parallel.pp_size},
+        "gpu": {"id": gpu.get("id"), "name": gpu.get("name")},
+        "mapping": dict(plan.get("mapping") or {}),
+        "templates": {p.name: hash_file(p) for p in sorted(Path(templates_dir).glob("*.yaml"))},
+    }
+
+
+__all__ = ["render_manifests", "stage_inputs", "DeployResult", "DEFAULT_IMAGE", "DEFAULT_IMAGE_TRTLLM",
+           "DEFAULT_IMAGE_SOURCE", "K8S_VERSION", "GPU_RESOURCE", "GPU_PRODUCT_LABEL", "serving_set",
+           "triton_command", "render_template", "validate_manifest", "gpu_product_label", "k8s_name"]

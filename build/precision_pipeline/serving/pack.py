@@ -1,0 +1,539 @@
+"""Pack: render a Triton model repository (tensorrtllm_backend conventions) for one engine.
+
+Layout written to ``out_dir`` (the build output's ``model_repository/``), atomically::
+
+    ensemble/                config.pbtxt, 1/          preprocessing -> tensorrt_llm_<h12> -> postprocessing
+    preprocessing/           config.pbtxt, 1/model.py, tokenizer/  (tokenizer.json, tokenizer_config.json,
+                                                                    special_tokens_map.json, chat_template.jinja)
+    postprocessing/          config.pbtxt, 1/model.py
+    tensorrt_llm_bls/        config.pbtxt, 1/model.py  (parameter tensorrt_llm_model_name = tensorrt_llm_<h12>)
+    tensorrt_llm_<h12>/      config.pbtxt, 1/, engine/   one Triton model per engine ("engine unit")
+        engine/              the engine files (hard links of the engine stage's output) when it was built,
+                             plus cpu_reference.json and checkpoint/ (hard links) for the CPU reference backend
+    pack.json                what was rendered (engine hash, unit name, parameters, notes)
+
+``<h12>`` is the first 12 hex digits of the engine hash: sha256 of the engine directory's files when
+the engine was built, else of the TRT-LLM checkpoint plus the plan's limits/effective settings.
+
+Paths inside configs are *serving-side* paths: ``repo_root`` is where the build output (the parent of
+``model_repository/``) will be inside the serving container (default: the output's absolute path):
+``gpt_model_path = <repo_root>/model_repository/tensorrt_llm_<h12>/engine`` and
+``tokenizer_dir = <repo_root>/model_repository/preprocessing/tokenizer``. The real tensorrtllm backend
+takes the engine from ``gpt_model_path`` and ignores Triton's version directories, so an engine is
+switched by switching *models* (see build/precision_pipeline/serving/release.py), never versions.
+
+Chat template: the **preprocessing model applies it** when its parameter ``apply_chat_template`` is
+"true" (rendered true when the tokenizer has a chat template). The request's ``text_input`` is then the
+user message (or a JSON list of {"role","content"} messages), and the templated prompt is encoded with
+``add_special_tokens=false`` (the template already carries the markers). Clients never template.
+
+Every template placeholder ``${name}`` must be filled, every parameter given must exist in the template
+(a misspelt key is an error, not a silent default), and every rendered config.pbtxt must parse with
+``tritonclient.grpc.model_config_pb2`` (the 2.51 schema, same as the server). Failures raise
+``UserError`` (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from precision_pipeline.core.errors import Problem, UserError, closest
+from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj
+from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
+
+TEMPLATES_DIR = REPO_ROOT / "triton_repo" / "all_models" / "inflight_batcher_llm"
+BACKENDS_DIR = REPO_ROOT / "triton_repo" / "backends"
+UNIT_PREFIX = "tensorrt_llm_"
+FIXED_MODELS = ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm_bls")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+ENGINE_ARGS_FILE = "trtllm-build.args.json"  # written by build/precision_pipeline/engine/trtllm_build.py next to the engine; not part of the hash
+CPU_REFERENCE_FILE = "cpu_reference.json"
+PACK_FILE = "pack.json"
+
+_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+_DTYPE_TO_TRITON = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
+
+
+@dataclass
+class PackResult:
+    """What ``pack_repository`` wrote."""
+
+    out_dir: Path
+    models: list[str]
+    engine_unit: str
+    engine_hash: str
+    engine_present: bool
+    params: dict[str, dict[str, str]]
+    chat_template_applied_by: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "out_dir": str(self.out_dir), "models": self.models, "engine_unit": self.engine_unit,
+            "engine_hash": self.engine_hash, "engine_present": self.engine_present, "params": self.params,
+            "chat_template_applied_by": self.chat_template_applied_by, "notes": self.notes,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering and validation
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def template_placeholders(text: str) -> set[str]:
+    """Names of the ``${...}`` placeholders in a template."""
+    return set(_PLACEHOLDER.findall(text))
+
+
+def render_template(text: str, params: Mapping[str, Any], where: str) -> str:
+    """Fill ``${name}`` placeholders. Refuses unknown keys, unfilled placeholders and unsafe values."""
+    wanted = template_placeholders(text)
+    problems: list[Problem] = []
+    for key in sorted(set(params) - wanted):
+        hint = closest(key, wanted)
+        problems.append(Problem(f"{where}: parameter {key!r}", "is not in the template.",
+                                f"did you mean {hint!r}?" if hint else f"template parameters: {', '.join(sorted(wanted))}."))
+    for key in sorted(wanted - set(params)):
+        problems.append(Problem(f"{where}: ${{{key}}}", "is not filled.", "give a value for it (no silent defaults)."))
+    for key, v in params.items():
+        s = _fmt(v)
+        if any(c in s for c in "\n\r\0"):
+            problems.append(Problem(f"{where}: parameter {key!r}", f"value {s!r} contains a line break or NUL.",
+                                    "use a one-line value."))
+    if problems:
+        raise UserError(problems)
+    # Values land inside quoted pbtxt strings or as bare numbers/enums; escaping quotes and
+    # backslashes keeps strings intact (a bare value with them fails the parse below).
+    out = _PLACEHOLDER.sub(lambda m: _fmt(params[m.group(1)]).replace("\\", "\\\\").replace('"', '\\"'), text)
+    if "${" in out:
+        raise UserError(where, "still contains '${' after rendering.", "fix the template.")
+    return out
+
+
+def parse_model_config(text: str, where: str):
+    """Parse config.pbtxt text with the 2.51 schema; UserError with line/column on failure."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(text, cfg)
+    except text_format.ParseError as e:
+        raise UserError(where, f"does not parse as a Triton 2.51 ModelConfig: {e}.", "fix the template or the value.")
+    return cfg
+
+
+def config_params(cfg) -> dict[str, str]:
+    """A parsed ModelConfig's ``parameters`` as a plain dict."""
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def unit_name(engine_hash: str) -> str:
+    """Triton model name of an engine unit."""
+    return f"{UNIT_PREFIX}{engine_hash[:12]}"
+
+
+def is_unit(name: str) -> bool:
+    return name.startswith(UNIT_PREFIX) and re.fullmatch(r"[0-9a-f]{12}", name[len(UNIT_PREFIX):]) is not None
+
+
+def serving_path(repo_root: str, repo_name: str, *parts: str) -> str:
+    """A path inside the serving container: ``<repo_root>/<repo_name>/<parts...>`` (POSIX)."""
+    return str(repo_root).rstrip("/") + "/" + "/".join([repo_name, *parts])
+
+
+# --------------------------------------------------------------------------------------------
+# Token ids and tokenizer
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def token_ids(model_dir: Path) -> tuple[int, int, list[str]]:
+    """(end_id, pad_id, extra stop words) from generation_config.json, then config.json.
+
+    The tokenizer's own eos_token is *not* used: for SmolLM2's GGUF-derived tokenizer it is
+    ``<|im_start|>`` (id 1), while the model ends a turn with ``<|im_end|>`` (id 2), which is what
+    generation_config.json says. Extra eos ids become stop words (their token strings).
+    """
+    gen = _read_json(model_dir / "generation_config.json")
+    cfg = _read_json(model_dir / "config.json")
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    if eos is None:
+        raise UserError("model.eos_token_id", f"neither generation_config.json nor config.json in {model_dir} names an eos token.",
+                        "add eos_token_id to the model's generation_config.json.")
+    eos_list = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
+    pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else eos_list[0]
+    stop_words: list[str] = []
+    if len(eos_list) > 1:
+        vocab = _id_to_token(model_dir)
+        stop_words = [vocab[i] for i in eos_list[1:] if i in vocab]
+    return eos_list[0], pad_id, stop_words
+
+
+def _id_to_token(model_dir: Path) -> dict[int, str]:
+    tj = _read_json(model_dir / "tokenizer.json")
+    out = {int(t["id"]): t["content"] for t in tj.get("added_tokens", [])}
+    return out
+
+
+def _chat_template(model_dir: Path) -> str | None:
+    p = model_dir / "chat_template.jinja"
+    if p.is_file():
+        return p.read_text()
+    tc = _read_json(model_dir / "tokenizer_config.json").get("chat_template")
+    return tc if isinstance(tc, str) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _get(d: Mapping | None, key: str, default: Any = None) -> Any:
+    if not isinstance(d, Mapping):
+        return default
+    v = d.get(key)
+    return default if v is None else v
+
+
+def compute_params(plan: dict, profile, model_dir: Path, engine_hash: str, repo_root: str,
+                   repo_name: str = "model_repository") -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Template parameters for each model, from plan.json, the profile and the model's files."""
+    notes: list[str] = []
+    limits = plan.get("limits") or {}
+    eff = plan.get("effective") or {}
+    mapping = plan.get("mapping") or {}
+    memory = plan.get("memory") or {}
+    rt = profile.runtime
+
+    max_batch = int(_get(limits, "max_batch_size", profile.build.max_batch_size))
+    max_beam = int(_get(limits, "max_beam_width", profile.build.max_beam_width))
+    max_seq = _get(limits, "max_seq_len", profile.build.max_seq_len)
+    world = int(_get(mapping, "world_size", profile.world_size))
+    kv_tokens = _get(memory, "kv_tokens_capacity")
+    if kv_tokens is None:
+        if max_seq is None:
+            raise UserError("plan.memory.kv_tokens_capacity", "is missing and plan.limits.max_seq_len is unknown.",
+                            "resolve the plan (build/precision_pipeline/resolve/plan.py) before packing.")
+        kv_tokens = max_batch * int(max_seq)
+        notes.append(f"plan.memory.kv_tokens_capacity missing: max_tokens_in_paged_kv_cache = max_batch_size x max_seq_len = {kv_tokens}")
+    logits_dt = _get(eff, "triton_logits_datatype") or _DTYPE_TO_TRITON.get(_get(eff, "logits_dtype", profile.build.logits_dtype))
+    if logits_dt not in _DTYPE_TO_TRITON.values():
+        raise UserError("plan.effective.triton_logits_datatype", f"{logits_dt!r} is not a Triton logits type.",
+                        "use TYPE_FP32, TYPE_FP16 or TYPE_BF16.")
+    decoupled = bool(rt.decoupled_mode)
+    if rt.streaming and not decoupled:
+        raise UserError("runtime.streaming", "needs runtime.decoupled_mode: true (tensorrtllm_backend streams only in decoupled mode).",
+                        "set runtime.decoupled_mode: true or runtime.streaming: false.")
+    end_id, pad_id, stop_words = token_ids(model_dir)
+    has_template = _chat_template(model_dir) is not None
+    tok_dir = serving_path(repo_root, repo_name, "preprocessing", "tokenizer")
+    unit = unit_name(engine_hash)
+    common = {"triton_max_batch_size": max_batch}
+
+    trt = {
+        **common,
+        "model_name": unit,
+        "triton_backend": "tensorrtllm",
+        "decoupled_mode": decoupled,
+        "max_queue_delay_microseconds": int(rt.max_queue_delay_microseconds),
+        "max_queue_size": 0,
+        "logits_datatype": logits_dt,
+        "batching_strategy": "inflight_fused_batching",
+        "engine_dir": serving_path(repo_root, repo_name, unit, "engine"),
+        "max_beam_width": max_beam,
+        "max_tokens_in_paged_kv_cache": int(kv_tokens),
+        "kv_cache_free_gpu_mem_fraction": float(rt.kv_cache_free_gpu_mem_fraction),
+        "enable_kv_cache_reuse": bool(_get(eff, "enable_kv_cache_reuse", rt.enable_kv_cache_reuse)),
+        "enable_chunked_context": bool(_get(eff, "enable_chunked_context", profile.context_phase.enable_chunked_context)),
+        "batch_scheduler_policy": rt.batch_scheduler_policy,
+        "exclude_input_in_output": True,
+        "multi_block_mode": bool(_get(eff, "multi_block_mode", profile.generation_phase.multi_block_mode)),
+        "gpu_device_ids": ",".join(str(i) for i in range(world)),
+        "cpu_reference": True,
+        "cpu_reference_threads": 1,
+    }
+    pre = {
+        **common,
+        "max_queue_delay_microseconds": int(rt.max_queue_delay_microseconds),
+        "max_queue_size": 0,
+        "preprocessing_instance_count": int(rt.instance_count),
+        "tokenizer_dir": tok_dir,
+        "add_special_tokens": not has_template,
+        "apply_chat_template": has_template,
+        "end_id": end_id,
+        "pad_id": pad_id,
+        "stop_words": json.dumps(stop_words),
+    }
+    post = {
+        **common,
+        "postprocessing_instance_count": int(rt.instance_count),
+        "tokenizer_dir": tok_dir,
+        "skip_special_tokens": True,
+    }
+    ens = {**common, "tensorrt_llm_model_name": unit}
+    bls = {
+        **common,
+        "decoupled_mode": decoupled,
+        "bls_instance_count": int(rt.instance_count),
+        "logits_datatype": logits_dt,
+        "accumulate_tokens": False,
+        "tensorrt_llm_model_name": unit,
+    }
+    return {"tensorrt_llm": trt, "preprocessing": pre, "postprocessing": post, "ensemble": ens,
+            "tensorrt_llm_bls": bls}, notes
+
+
+def render_all(params: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Render and parse every template. Returns {template model name: config text}."""
+    out = {}
+    for model, p in params.items():
+        tpath = TEMPLATES_DIR / model / "config.pbtxt"
+        text = render_template(tpath.read_text(), p, f"{model}/config.pbtxt")
+        cfg = parse_model_config(text, f"{model}/config.pbtxt")
+        want = p.get("model_name", model)
+        if cfg.name != want:
+            raise UserError(f"{model}/config.pbtxt", f"renders name {cfg.name!r}, expected {want!r}.", "fix the template's name.")
+        out[model] = text
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Engine cross-check
+
+
+def cross_check_engine(engine_config: dict, trt_params: Mapping[str, Any]) -> list[Problem]:
+    """Compare an engine's config.json with the rendered tensorrt_llm parameters.
+
+    Checks: world size vs gpu_device_ids; KV-cache reuse / chunked context vs paged KV cache and
+    paged context FMHA; logits dtype vs logits_datatype; batch/beam/length limits vs the config.
+    Returns the problems found (empty = consistent).
+    """
+    pc = engine_config.get("pretrained_config") or {}
+    bc = engine_config.get("build_config") or {}
+    plug = bc.get("plugin_config") or {}
+    problems: list[Problem] = []
+    f = "engine/config.json"
+
+    world = (pc.get("mapping") or {}).get("world_size")
+    if world is None:
+        m = pc.get("mapping") or {}
+        world = int(m.get("tp_size", 1)) * int(m.get("pp_size", 1))
+    ids = [s for s in str(trt_params.get("gpu_device_ids", "")).split(",") if s.strip()]
+    if ids and int(world) != len(ids):
+        problems.append(Problem(f"{f}: pretrained_config.mapping.world_size", f"is {world} but gpu_device_ids lists {len(ids)} GPU(s) ({','.join(ids)}).",
+                                "pack with the plan of this engine (parallel.tp_size x pp_size GPUs).", rule="pack.world_size"))
+    kv_type = str(bc.get("kv_cache_type") or ("PAGED" if plug.get("paged_kv_cache", True) else "CONTINUOUS")).upper()
+    paged_ctx = plug.get("use_paged_context_fmha")
+    for key in ("enable_kv_cache_reuse", "enable_chunked_context"):
+        if _truthy(trt_params.get(key)):
+            if paged_ctx is not None and not paged_ctx:
+                problems.append(Problem(f"{f}: build_config.plugin_config.use_paged_context_fmha",
+                                        f"is false but {key} is true; TensorRT-LLM needs paged context FMHA for it.",
+                                        f"rebuild with --use_paged_context_fmha enable or set {key}: false.", rule=f"pack.{key}"))
+            if kv_type != "PAGED":
+                problems.append(Problem(f"{f}: build_config.kv_cache_type", f"is {kv_type} but {key} needs the paged KV cache.",
+                                        "rebuild with --kv_cache_type paged.", rule=f"pack.{key}"))
+    ldt = pc.get("logits_dtype")
+    want = trt_params.get("logits_datatype")
+    if ldt and want and _DTYPE_TO_TRITON.get(ldt) != want:
+        problems.append(Problem(f"{f}: pretrained_config.logits_dtype", f"is {ldt} but the configs say logits_datatype {want}.",
+                                "pack with the engine's logits dtype or rebuild with --logits_dtype.", rule="pack.logits_dtype"))
+    checks = [("max_batch_size", "triton_max_batch_size", "triton_max_batch_size exceeds the engine's max_batch_size"),
+              ("max_beam_width", "max_beam_width", "max_beam_width exceeds the engine's max_beam_width")]
+    for ek, pk, why in checks:
+        ev, pv = bc.get(ek), trt_params.get(pk)
+        if ev is not None and pv is not None and int(pv) > int(ev):
+            problems.append(Problem(f"{f}: build_config.{ek}", f"is {ev} but {pk} is {pv}: {why}.",
+                                    "pack with the engine's plan or rebuild the engine.", rule=f"pack.{ek}"))
+    return problems
+
+
+def cross_check_plan(engine_config: dict, plan: dict) -> list[Problem]:
+    """Compare the engine's build_config limits with plan.json's limits (equal is expected)."""
+    bc = engine_config.get("build_config") or {}
+    problems = []
+    for k, v in (plan.get("limits") or {}).items():
+        if v is None or k not in bc or bc[k] is None:
+            continue
+        if int(bc[k]) != int(v):
+            problems.append(Problem(f"engine/config.json: build_config.{k}", f"is {bc[k]} but plan.json says {v}.",
+                                    "rebuild the engine from this plan, or pack with the plan it was built from.", rule="pack.limits"))
+    return problems
+
+
+def _truthy(v: Any) -> bool:
+    return v is True or str(v).lower() in ("true", "1", "yes")
+
+
+def check_engine_dir(engine_dir: Path, trt_params: Mapping[str, Any], plan: dict | None = None) -> None:
+    """Raise UserError when the engine's config.json contradicts the rendered parameters or the plan."""
+    cfg_path = Path(engine_dir) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(str(cfg_path), f"cannot read the engine's config.json: {e}.", "rebuild the engine.")
+    problems = cross_check_engine(cfg, trt_params) + (cross_check_plan(cfg, plan) if plan else [])
+    if problems:
+        raise UserError(problems)
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """Recreate ``src`` under ``dst`` with hard links (copies across filesystems)."""
+    src, dst = Path(src), Path(dst)
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if rel.parts[0] in skip:
+            continue
+        q = dst / rel
+        if p.is_dir():
+            q.mkdir(parents=True, exist_ok=True)
+        elif p.is_file():
+            q.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(p, q)
+            except OSError:
+                shutil.copy2(p, q)
+
+
+def engine_hash_of(plan: dict, checkpoint_dir: Path, engine_dir: Path, engine_built: bool) -> str:
+    """sha256 naming an engine unit (engine files when built; checkpoint + plan otherwise)."""
+    if engine_built:
+        return hash_dir(engine_dir, exclude=(ENGINE_ARGS_FILE,))
+    ck = hash_dir(checkpoint_dir) if Path(checkpoint_dir).is_dir() else None
+    return hash_obj({"checkpoint": ck, "limits": plan.get("limits"), "effective": plan.get("effective"),
+                     "mapping": plan.get("mapping"), "profile": plan.get("profile")})
+
+
+def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,
+               model_dir: Path, engine_hash: str, profile_name: str) -> None:
+    """Write one engine unit: config.pbtxt, 1/, engine/ (engine files + CPU reference pointer)."""
+    (unit_dir / "1").mkdir(parents=True, exist_ok=True)
+    (unit_dir / "1" / ".keep").write_text("Triton version directory; the engine is at gpt_model_path (../engine).\n")
+    (unit_dir / "config.pbtxt").write_text(config_text)
+    eng = unit_dir / "engine"
+    eng.mkdir()
+    if engine_built:
+        link_tree(engine_dir, eng, skip=(ENGINE_ARGS_FILE,))
+    ck_rel = None
+    if Path(checkpoint_dir).is_dir():
+        link_tree(checkpoint_dir, eng / "checkpoint")
+        ck_rel = "checkpoint"
+    (eng / CPU_REFERENCE_FILE).write_text(json.dumps({
+        "note": "Read only by the CPU reference stand-in backend (triton_repo/backends/tensorrtllm); "
+                "the real tensorrtllm backend reads config.json and rank*.engine here.",
+        "engine_hash": engine_hash, "engine_present": bool(engine_built), "profile": profile_name,
+        "checkpoint_dir": ck_rel, "hf_model_dir": str(Path(model_dir).resolve()),
+        "project_root": str(SOURCE_ROOT),
+    }, indent=2) + "\n")
+
+
+def copy_python_models(dst_repo: Path) -> None:
+    """Copy preprocessing/postprocessing/BLS model code (1/model.py) into a repository."""
+    for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        src = TEMPLATES_DIR / m / "1"
+        (dst_repo / m / "1").mkdir(parents=True, exist_ok=True)
+        for p in src.glob("*.py"):
+            shutil.copy2(p, dst_repo / m / "1" / p.name)
+    (dst_repo / "ensemble" / "1").mkdir(parents=True, exist_ok=True)
+
+
+def pack_repository(plan: dict, profile, model_dir: Path, checkpoint_dir: Path, engine_dir: Path, engine_built: bool,
+                    out_dir: Path, repo_root: str) -> PackResult:
+    """Render the model repository for this build into ``out_dir`` (atomic replace).
+
+    ``repo_root``: where the build output (``out_dir``'s parent) will be inside the serving container.
+    When the engine was built, its config.json is cross-checked against the rendered parameters.
+    """
+    model_dir, checkpoint_dir, engine_dir, out_dir = Path(model_dir), Path(checkpoint_dir), Path(engine_dir), Path(out_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise UserError("model", f"{model_dir} has no tokenizer.json.", "use an HF model folder with a fast tokenizer.")
+    if engine_built and not (engine_dir / "config.json").is_file():
+        raise UserError("engine", f"engine_built is true but {engine_dir}/config.json is missing.", "rebuild the engine.")
+    if not str(repo_root).startswith("/"):
+        raise UserError("--repo-root", f"{repo_root!r} is not an absolute path.", "give the absolute path the output will have in the serving container.")
+    ehash = engine_hash_of(plan, checkpoint_dir, engine_dir, engine_built)
+    params, notes = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name)
+    texts = render_all(params)
+    if engine_built:
+        check_engine_dir(engine_dir, params["tensorrt_llm"], plan)
+        world = int(params["tensorrt_llm"]["gpu_device_ids"].count(",") + 1)
+        missing = [f"rank{i}.engine" for i in range(world) if not (engine_dir / f"rank{i}.engine").is_file()]
+        if missing:
+            raise UserError("engine", f"{engine_dir} lacks {', '.join(missing)}.", "rebuild the engine.")
+    else:
+        notes.append("engine absent: configs are rendered, gpt_model_path names where the engine must be placed; "
+                     "only the CPU reference backend can serve this repository.")
+    unit = unit_name(ehash)
+    has_template = params["preprocessing"]["apply_chat_template"]
+    with atomic_dir(out_dir) as tmp:
+        copy_python_models(tmp)
+        for m in FIXED_MODELS:
+            (tmp / m / "config.pbtxt").write_text(texts[m])
+        tok = tmp / "preprocessing" / "tokenizer"
+        tok.mkdir(parents=True)
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tok / name)
+        write_unit(tmp / unit, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
+                   checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
+                   profile_name=str(plan.get("profile") or profile.name))
+        res = PackResult(out_dir=out_dir, models=sorted([*FIXED_MODELS, unit]), engine_unit=unit, engine_hash=ehash,
+                         engine_present=bool(engine_built),
+                         params={k: {pk: _fmt(pv) for pk, pv in v.items()} for k, v in params.items()},
+                         chat_template_applied_by="preprocessing" if has_template else "client (tokenizer has no chat template)",
+                         notes=notes)
+        (tmp / PACK_FILE).write_text(json.dumps(res.to_json(), indent=2, sort_keys=True) + "\n")
+    return res
+
+
+def check_repository(repo_dir: Path) -> dict[str, Any]:
+    """Parse every config.pbtxt of a repository and check that the ensemble's and BLS's model names exist.
+
+    Returns {model name: parsed ModelConfig}. Raises UserError on the first inconsistency.
+    """
+    repo_dir = Path(repo_dir)
+    cfgs = {}
+    for d in sorted(p for p in repo_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        c = d / "config.pbtxt"
+        if not c.is_file():
+            continue
+        cfg = parse_model_config(c.read_text(), f"{d.name}/config.pbtxt")
+        if cfg.name != d.name:
+            raise UserError(f"{d.name}/config.pbtxt", f"names the model {cfg.name!r}, not its directory {d.name!r}.", "fix the name.")
+        cfgs[d.name] = cfg
+    problems = []
+    if "ensemble" in cfgs:
+        for step in cfgs["ensemble"].ensemble_scheduling.step:
+            if step.model_name not in cfgs:
+                problems.append(Problem("ensemble/config.pbtxt", f"step model {step.model_name!r} is not in the repository.", "restore it."))
+    if "tensorrt_llm_bls" in cfgs:
+        name = config_params(cfgs["tensorrt_llm_bls"]).get("tensorrt_llm_model_name", "")
+        if name not in cfgs:
+            problems.append(Problem("tensorrt_llm_bls/config.pbtxt", f"tensorrt_llm_model_name {name!r} is not in the repository.", "restore it."))
+    if problems:
+        raise UserError(problems)
+    return cfgs

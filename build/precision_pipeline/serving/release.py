@@ -1,0 +1,603 @@
+"""Releases of a serving model repository: promote, rollback, fallback, retention, crash recovery.
+
+Why models and not versions: the real tensorrtllm backend loads the engine named by the
+``gpt_model_path`` parameter and ignores Triton's version directories, so each engine is its own
+Triton model, an *engine unit* ``tensorrt_llm_<h12>`` (see build/precision_pipeline/serving/pack.py). The ``ensemble`` step and
+the ``tensorrt_llm_bls`` parameter ``tensorrt_llm_model_name`` name the current unit; switching a
+release rewrites those two configs and reloads them. Triton keeps the old ensemble serving until the
+new one is loaded, so a switch drops no request.
+
+State: ``releases.json`` next to the serving model repository (``<repo>/../releases.json``)::
+
+    {"current": unit, "fallback": unit|null, "warm_fallback": bool, "keep_releases": N,
+     "releases": [{"unit", "engine_hash", "profile", "gate", "time", "promoted_by", "engine_present",
+                   "kind": "release"|"fallback"}, ...],      # oldest first
+     "history": [{"action", "from", "to", "time", "by", "ms"}, ...]}
+
+On disk stay: the current unit, the previous ``keep_releases`` releases and the fallback unit (the
+prebuilt engine of the profile's ``deployment.fallback`` profile). Loaded stay: the current unit, and
+the fallback when ``warm_fallback`` (rollback to it is then a config switch, no engine load).
+
+Atomicity: every file is written aside and renamed (units are staged as hidden ``.<unit>.tmp-*``
+directories, configs through ``atomic_write_text``), and ``releases.json`` is written LAST: it is the
+commit point. A crash before it leaves the previous release recorded; ``recover()`` (run at the start
+of promote/rollback/serve) re-points ensemble/BLS configs at the recorded release and removes staged
+leftovers, so the repository always loads and serves the recorded release. Test hook: environment
+``PRECISION_RELEASE_CRASH_AT=<step>`` makes the process exit (status 97) right after that step
+(steps: ``STEPS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from precision_pipeline.serving import pack
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import atomic_write_json, atomic_write_text, clean_stale, locked, read_json
+
+STATE_FILE = "releases.json"
+LOCK_FILE = ".releases.lock"
+CRASH_ENV = "PRECISION_RELEASE_CRASH_AT"
+CRASH_EXIT = 97
+STEPS = ("stage", "install", "load", "smoke", "ensemble_config", "switch", "bls_config", "commit", "gc")
+ROUTE_FILE = "route.json"  # tensorrt_llm_bls/route.json: the unit the running BLS calls (read per request)
+HISTORY_MAX = 200
+SMOKE_PROMPT = "What is 2 + 2?"
+
+
+def _crash_point(step: str) -> None:
+    if os.environ.get(CRASH_ENV) == step:
+        os._exit(CRASH_EXIT)
+
+
+def state_path(repo_dir: Path) -> Path:
+    return Path(repo_dir).resolve().parent / STATE_FILE
+
+
+def read_state(repo_dir: Path) -> dict | None:
+    return read_json(state_path(repo_dir))
+
+
+def _lock(repo_dir: Path):
+    return locked(Path(repo_dir).resolve().parent / LOCK_FILE)
+
+
+def serving_models(repo_dir: Path, state: dict) -> list[str]:
+    """Models to load for ``state``: pre/post, current unit, warm fallback, then ensemble and BLS."""
+    units = [state["current"]]
+    fb = state.get("fallback")
+    if fb and state.get("warm_fallback") and fb not in units and (Path(repo_dir) / fb).is_dir():
+        units.append(fb)
+    return ["preprocessing", "postprocessing", *units, "ensemble", "tensorrt_llm_bls"]
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+# --------------------------------------------------------------------------------------------
+# Config rewriting
+
+
+_CFG_CACHE: dict[str, tuple[tuple, Any]] = {}
+
+
+def _stat_key(path: Path) -> tuple:
+    st = os.stat(path)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def load_config(path: Path):
+    """Parsed config.pbtxt (a fresh copy), cached by (mtime, size, inode): protobuf's text parser is
+    pure Python and a rollback should not spend its budget re-parsing unchanged files."""
+    path = Path(path)
+    key = _stat_key(path)
+    hit = _CFG_CACHE.get(str(path))
+    if hit is None or hit[0] != key:
+        hit = (key, pack.parse_model_config(path.read_text(), str(path)))
+        _CFG_CACHE[str(path)] = hit
+    cfg = type(hit[1])()
+    cfg.CopyFrom(hit[1])
+    return cfg
+
+
+def _rewrite_config(path: Path, mutate) -> bool:
+    """Parse a config.pbtxt, apply ``mutate(cfg)``, write it back atomically if it changed."""
+    from google.protobuf import text_format
+
+    path = Path(path)
+    cfg = load_config(path)
+    before = cfg.SerializeToString()
+    mutate(cfg)
+    if cfg.SerializeToString() == before:
+        return False
+    atomic_write_text(path, "# Rewritten by build/precision_pipeline/serving/release.py (protobuf text format).\n" + text_format.MessageToString(cfg))
+    _CFG_CACHE[str(path)] = (_stat_key(path), cfg)
+    return True
+
+
+def current_of_configs(repo_dir: Path) -> tuple[str | None, str | None]:
+    """(unit named by the ensemble, unit named by the BLS; "param|route.json:X" when the two disagree)."""
+    repo_dir = Path(repo_dir)
+    ens = bls = None
+    p = repo_dir / "ensemble" / "config.pbtxt"
+    if p.is_file():
+        cfg = load_config(p)
+        ens = next((s.model_name for s in cfg.ensemble_scheduling.step if pack.is_unit(s.model_name)), None)
+    p = repo_dir / "tensorrt_llm_bls" / "config.pbtxt"
+    if p.is_file():
+        bls = pack.config_params(load_config(p)).get("tensorrt_llm_model_name")
+        route = (read_json(repo_dir / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}).get("tensorrt_llm_model_name")
+        if route and route != bls:
+            bls = f"{bls}|route.json:{route}"
+    return ens, bls
+
+
+def _max_batch(repo_dir: Path, model: str) -> int | None:
+    p = Path(repo_dir) / model / "config.pbtxt"
+    if not p.is_file():
+        return None
+    return load_config(p).max_batch_size
+
+
+def point_ensemble(repo_dir: Path, unit: str) -> bool:
+    """Point the ensemble's engine step at ``unit``. Triton refuses an ensemble whose max_batch_size
+    exceeds a step's, so it becomes min(unit, preprocessing, postprocessing)."""
+    sizes = [m for m in (_max_batch(repo_dir, unit), _max_batch(repo_dir, "preprocessing"),
+                         _max_batch(repo_dir, "postprocessing")) if m]
+
+    def mut(cfg):
+        for s in cfg.ensemble_scheduling.step:
+            if pack.is_unit(s.model_name):
+                s.model_name = unit
+        if sizes:
+            cfg.max_batch_size = min(sizes)
+    return _rewrite_config(Path(repo_dir) / "ensemble" / "config.pbtxt", mut)
+
+
+def point_bls(repo_dir: Path, unit: str) -> bool:
+    """Point the BLS at ``unit``: its config parameter (what a fresh load reads) and route.json (what
+    the running BLS reads on each request, so no reload is needed)."""
+    def mut(cfg):
+        cfg.parameters["tensorrt_llm_model_name"].string_value = unit
+    changed = _rewrite_config(Path(repo_dir) / "tensorrt_llm_bls" / "config.pbtxt", mut)
+    route = Path(repo_dir) / "tensorrt_llm_bls" / ROUTE_FILE
+    if (read_json(route, {}) or {}).get("tensorrt_llm_model_name") != unit:
+        atomic_write_json(route, {"tensorrt_llm_model_name": unit})
+        changed = True
+    return changed
+
+
+def _set_params(path: Path, values: dict[str, str]) -> None:
+    def mut(cfg):
+        for k, v in values.items():
+            cfg.parameters[k].string_value = v
+    _rewrite_config(path, mut)
+
+
+# --------------------------------------------------------------------------------------------
+# Units
+
+
+def resolve_unit_source(engine_unit: Path) -> Path:
+    """A unit directory, or a packed repository holding exactly one unit."""
+    p = Path(engine_unit)
+    if pack.is_unit(p.name) and (p / "config.pbtxt").is_file():
+        return p
+    units = [q for q in p.iterdir() if pack.is_unit(q.name)] if p.is_dir() else []
+    if len(units) != 1:
+        raise UserError("engine_unit", f"{p} is neither an engine unit (tensorrt_llm_<h12>/) nor a packed repository with one unit.",
+                        "pass <build output>/model_repository or its tensorrt_llm_<h12> directory.")
+    return units[0]
+
+
+def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None) -> str:
+    """Copy (hard links) a unit into the serving repository atomically; point gpt_model_path at its new place."""
+    repo_dir = Path(repo_dir)
+    unit_src = resolve_unit_source(unit_src)
+    name = unit_src.name
+    dst = repo_dir / name
+    if dst.is_dir():
+        return name
+    root = serve_root or str(repo_dir.resolve().parent)
+    tmp = repo_dir / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        pack.link_tree(unit_src, tmp)
+        cfg = tmp / "config.pbtxt"
+        # config.pbtxt is a hard link to the source: replace, never modify in place.
+        text = cfg.read_text()
+        cfg.unlink()
+        cfg.write_text(text)
+        _set_params(cfg, {"gpt_model_path": pack.serving_path(root, repo_dir.name, name, "engine")})
+        pack.parse_model_config(cfg.read_text(), str(cfg))
+        _crash_point("stage")
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return name
+
+
+def _remove_dir(p: Path) -> None:
+    trash = p.parent / f".{p.name}.old-{os.getpid()}"
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(p, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | None = None, profile: str = "",
+                      gate: dict | None = None, by: str = "init", fallback_repo: Path | None = None,
+                      warm_fallback: bool = False, keep_releases: int = 2) -> dict:
+    """Create a serving repository from a packed one (its unit becomes the current release).
+
+    ``fallback_repo``: a packed repository of the fallback profile whose unit is kept on disk
+    (and loaded when ``warm_fallback``).
+    """
+    repo_dir, packed_repo = Path(repo_dir), Path(packed_repo)
+    if repo_dir.exists():
+        raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
+    root = serve_root or str(repo_dir.resolve().parent)
+    unit_src = resolve_unit_source(packed_repo)
+    from precision_pipeline.core.store import atomic_dir
+
+    with _lock(repo_dir), atomic_dir(repo_dir) as tmp:
+        for m in pack.FIXED_MODELS:
+            pack.link_tree(packed_repo / m, tmp / m)
+            cfg = tmp / m / "config.pbtxt"
+            text = cfg.read_text()
+            cfg.unlink()
+            cfg.write_text(text)
+        tok = pack.serving_path(root, repo_dir.name, "preprocessing", "tokenizer")
+        for m in ("preprocessing", "postprocessing"):
+            _set_params(tmp / m / "config.pbtxt", {"tokenizer_dir": tok})
+        # install under the final name's parent: paths are computed for repo_dir, files staged in tmp
+        unit = _install_into(tmp, repo_dir.name, unit_src, root)
+        fb = None
+        if fallback_repo is not None:
+            fb = _install_into(tmp, repo_dir.name, resolve_unit_source(fallback_repo), root)
+        point_ensemble(tmp, unit)
+        point_bls(tmp, unit)
+        pack.check_repository(tmp)
+        state = {"version": 1, "current": unit, "fallback": fb, "warm_fallback": bool(warm_fallback and fb),
+                 "keep_releases": int(keep_releases), "releases": [], "history": []}
+        state["releases"].append(_release_record(tmp / unit, unit, profile, gate, by, "release"))
+        if fb:
+            state["releases"].append(_release_record(tmp / fb, fb, "", None, by, "fallback"))
+        state["history"].append({"action": "init", "from": None, "to": unit, "time": _now(), "by": by, "ms": 0.0})
+    atomic_write_json(state_path(repo_dir), state)
+    return state
+
+
+def _install_into(tmp_repo: Path, repo_name: str, unit_src: Path, root: str) -> str:
+    name = unit_src.name
+    if (tmp_repo / name).is_dir():
+        return name
+    pack.link_tree(unit_src, tmp_repo / name)
+    cfg = tmp_repo / name / "config.pbtxt"
+    text = cfg.read_text()
+    cfg.unlink()
+    cfg.write_text(text)
+    _set_params(cfg, {"gpt_model_path": pack.serving_path(root, repo_name, name, "engine")})
+    return name
+
+
+def _release_record(unit_dir: Path, unit: str, profile: str, gate: dict | None, by: str, kind: str) -> dict:
+    ref = read_json(unit_dir / "engine" / pack.CPU_REFERENCE_FILE, {}) or {}
+    return {"unit": unit, "engine_hash": ref.get("engine_hash", unit[len(pack.UNIT_PREFIX):]),
+            "profile": profile or ref.get("profile", ""), "gate": gate or {}, "time": _now(), "promoted_by": by,
+            "engine_present": bool(ref.get("engine_present", False)), "kind": kind}
+
+
+# --------------------------------------------------------------------------------------------
+# Recovery
+
+
+def recover(repo_dir: Path, server=None) -> list[str]:
+    """Make the repository agree with releases.json (after a crash). Returns what was fixed.
+
+    With a running ``server`` the re-pointed ensemble is reloaded too (the BLS follows route.json)."""
+    repo_dir = Path(repo_dir)
+    if not repo_dir.is_dir():
+        return []
+    with _lock(repo_dir):
+        fixed = _recover_locked(repo_dir)
+        if server is not None and any(f.startswith("ensemble") for f in fixed):
+            server.load("ensemble")
+        return fixed
+
+
+def _recover_locked(repo_dir: Path) -> list[str]:
+    fixed = []
+    stale = [p.name for p in repo_dir.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)]
+    if stale:
+        clean_stale(repo_dir)
+        fixed.append(f"removed staged leftovers: {', '.join(sorted(stale))}")
+    for m in ("ensemble", "tensorrt_llm_bls"):
+        for p in (repo_dir / m).glob(".config.pbtxt.*.tmp") if (repo_dir / m).is_dir() else []:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+    state = read_state(repo_dir)
+    if not state or not state.get("current"):
+        return fixed
+    cur = state["current"]
+    if not (repo_dir / cur / "config.pbtxt").is_file():
+        raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir}.",
+                        "restore the unit directory or roll back to one that exists.")
+    if point_ensemble(repo_dir, cur):
+        fixed.append(f"ensemble re-pointed at {cur}")
+    if point_bls(repo_dir, cur):
+        fixed.append(f"tensorrt_llm_bls re-pointed at {cur}")
+    return fixed
+
+
+# --------------------------------------------------------------------------------------------
+# Smoke test (direct, before the ensemble routes traffic to a unit)
+
+
+def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int = 8, expect: str | None = None) -> dict:
+    """Infer ``unit`` directly: preprocessing -> unit -> postprocessing, called one by one.
+
+    Fails (RuntimeError) on an error, a wrong tensor shape/dtype, an empty or over-long output, or a
+    text different from ``expect`` when given.
+    """
+    import numpy as np
+    import tritonclient.http as hc
+
+    t0 = time.perf_counter()
+    c = server.http_client()
+    try:
+        q = hc.InferInput("QUERY", [1, 1], "BYTES")
+        q.set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
+        n = hc.InferInput("REQUEST_OUTPUT_LEN", [1, 1], "INT32")
+        n.set_data_from_numpy(np.array([[max_tokens]], np.int32))
+        pre = c.infer("preprocessing", [q, n])
+        ids, lens = pre.as_numpy("INPUT_ID"), pre.as_numpy("REQUEST_INPUT_LEN")
+        ins = []
+        for name, arr in (("input_ids", ids), ("input_lengths", lens), ("request_output_len", np.array([[max_tokens]], np.int32)),
+                          ("end_id", pre.as_numpy("OUT_END_ID")), ("pad_id", pre.as_numpy("OUT_PAD_ID"))):
+            t = hc.InferInput(name, list(arr.shape), "INT32")
+            t.set_data_from_numpy(arr.astype(np.int32))
+            ins.append(t)
+        out = c.infer(unit, ins, outputs=[hc.InferRequestedOutput("output_ids"), hc.InferRequestedOutput("sequence_length")])
+        oids, slen = out.as_numpy("output_ids"), out.as_numpy("sequence_length")
+        if oids is None or oids.dtype != np.int32 or oids.ndim != 3 or slen is None or slen.dtype != np.int32:
+            raise RuntimeError(f"smoke test of {unit}: unexpected outputs {None if oids is None else (oids.dtype, oids.shape)}")
+        k = int(slen.reshape(-1)[0])
+        if not 0 < k <= max_tokens:
+            raise RuntimeError(f"smoke test of {unit}: sequence_length {k} outside 1..{max_tokens}")
+        tb = hc.InferInput("TOKENS_BATCH", list(oids.shape), "INT32")
+        tb.set_data_from_numpy(oids)
+        sl = hc.InferInput("SEQUENCE_LENGTH", list(slen.shape), "INT32")
+        sl.set_data_from_numpy(slen)
+        text = c.infer("postprocessing", [tb, sl]).as_numpy("OUTPUT").reshape(-1)[0].decode()
+    finally:
+        c.close()
+    if not text.strip():
+        raise RuntimeError(f"smoke test of {unit}: empty text")
+    if expect is not None and text != expect:
+        raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
+    return {"text": text, "tokens": k, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+# --------------------------------------------------------------------------------------------
+# Promote / rollback
+
+
+def _loaded(server) -> dict[str, str]:
+    if server is None:
+        return {}
+    try:
+        return server.loaded_models()
+    except Exception:
+        return {}
+
+
+def _switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> None:
+    """Point ensemble and BLS at ``unit`` and reload them; on a failure put both back as they were."""
+    try:
+        _switch_to(repo_dir, server, unit, timings)
+    except BaseException:
+        point_ensemble(repo_dir, previous)
+        point_bls(repo_dir, previous)
+        if server is not None:
+            with contextlib.suppress(Exception):
+                server.load("ensemble")
+        raise
+
+
+def _switch_to(repo_dir: Path, server, unit: str, timings: dict) -> None:
+    point_ensemble(repo_dir, unit)
+    _crash_point("ensemble_config")
+    if server is not None:
+        t = time.perf_counter()
+        server.load("ensemble")
+        timings["ensemble_load_ms"] = (time.perf_counter() - t) * 1e3
+    _crash_point("switch")
+    point_bls(repo_dir, unit)  # the running BLS follows route.json from its next request
+    _crash_point("bls_config")
+
+
+def _retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: str | None) -> list[str]:
+    """Unload units that need not stay loaded; delete units beyond keep_releases (fallback kept)."""
+    keep_n = int(state.get("keep_releases", 2))
+    order: list[str] = []
+    for h in reversed(state.get("history", [])):
+        for u in (h.get("to"), h.get("from")):
+            if u and u not in order:
+                order.append(u)
+    cur, fb = state["current"], state.get("fallback")
+    keep_disk = {cur} | ({fb} if fb else set())
+    prev = [u for u in order if u != cur and u != fb]
+    keep_disk |= set(prev[:keep_n])
+    warm = {cur} | ({fb} if fb and state.get("warm_fallback") else set()) | ({previous} if warm_previous and previous else set())
+    removed = []
+    loaded = _loaded(server)
+    for name, st in loaded.items():
+        if pack.is_unit(name) and st == "READY" and name not in warm:
+            with contextlib.suppress(Exception):
+                server.unload(name)
+    for p in sorted(Path(repo_dir).iterdir()):
+        if pack.is_unit(p.name) and p.name not in keep_disk:
+            if server is not None and loaded.get(p.name) == "READY":
+                with contextlib.suppress(Exception):
+                    server.unload(p.name)
+            _remove_dir(p)
+            removed.append(p.name)
+    state["releases"] = [r for r in state["releases"] if (Path(repo_dir) / r["unit"]).is_dir()]
+    return removed
+
+
+def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = "", gate: dict | None = None,
+            promoted_by: str = "manual", smoke: bool = True, expect: str | None = None, serve_root: str | None = None,
+            warm_previous: bool = False) -> dict:
+    """Make ``engine_unit`` (a unit dir or a packed repository) the current release of ``repo_dir``.
+
+    Steps: install the unit aside and rename it in; load it beside the current one (``server``);
+    smoke-test it directly; point ensemble and BLS at it (atomic rewrites) and reload them; commit
+    releases.json; unload/delete what retention no longer needs. Returns timings in ms.
+    """
+    repo_dir = Path(repo_dir)
+    t0 = time.perf_counter()
+    timings: dict[str, Any] = {}
+    with _lock(repo_dir):
+        _recover_locked(repo_dir)
+        state = read_state(repo_dir)
+        if not state:
+            raise UserError(str(state_path(repo_dir)), "no releases.json: this is not a serving repository.",
+                            "create one with release.init_serving_repo(repo_dir, <build>/model_repository).")
+        previous = state["current"]
+        unit = install_unit(repo_dir, engine_unit, serve_root)
+        _crash_point("install")
+        if unit == previous:
+            raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
+        if server is not None:
+            t = time.perf_counter()
+            server.load(unit)
+            timings["load_ms"] = (time.perf_counter() - t) * 1e3
+        _crash_point("load")
+        if server is not None and smoke:
+            try:
+                timings["smoke"] = smoke_test(server, unit, expect=expect)
+            except Exception:
+                if unit not in (state.get("fallback"),) or not state.get("warm_fallback"):
+                    with contextlib.suppress(Exception):
+                        server.unload(unit)
+                raise
+        _crash_point("smoke")
+        try:
+            _switch(repo_dir, server, unit, timings, previous)
+            timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
+        except BaseException:
+            if server is not None and not (unit == state.get("fallback") and state.get("warm_fallback")):
+                with contextlib.suppress(Exception):
+                    server.unload(unit)
+            raise
+        state["current"] = unit
+        state["releases"] = [r for r in state["releases"] if r["unit"] != unit or r["kind"] == "fallback"]
+        state["releases"].append(_release_record(repo_dir / unit, unit, profile, gate, promoted_by, "release"))
+        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        state["history"] = (state["history"] + [{"action": "promote", "from": previous, "to": unit, "time": _now(),
+                                                 "by": promoted_by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
+        atomic_write_json(state_path(repo_dir), state)  # commit point
+        _crash_point("commit")
+        timings["removed"] = _retain(repo_dir, state, server, warm_previous, previous)
+        atomic_write_json(state_path(repo_dir), state)
+        _crash_point("gc")
+    timings["unit"] = unit
+    return timings
+
+
+def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool = False, serve_root: str | None = None,
+                 by: str = "manual") -> dict:
+    """Install the fallback profile's prebuilt unit (kept on disk; loaded and smoke-tested when ``warm``)."""
+    repo_dir = Path(repo_dir)
+    timings: dict[str, Any] = {}
+    with _lock(repo_dir):
+        _recover_locked(repo_dir)
+        state = read_state(repo_dir)
+        if not state:
+            raise UserError(str(state_path(repo_dir)), "no releases.json.", "init the serving repository first.")
+        unit = install_unit(repo_dir, engine_unit, serve_root)
+        if server is not None and warm:
+            t = time.perf_counter()
+            server.load(unit)
+            timings["load_ms"] = (time.perf_counter() - t) * 1e3
+            timings["smoke"] = smoke_test(server, unit)
+        state["fallback"], state["warm_fallback"] = unit, bool(warm)
+        state["releases"] = [r for r in state["releases"] if r["kind"] != "fallback"]
+        state["releases"].append(_release_record(repo_dir / unit, unit, "", None, by, "fallback"))
+        atomic_write_json(state_path(repo_dir), state)
+    timings["unit"] = unit
+    return timings
+
+
+def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, server=None, by: str = "manual",
+             smoke: bool = True) -> dict:
+    """Switch back to an earlier release (``to``: unit name or engine-hash prefix; default: the
+    previous release) or to the fallback. A loaded (warm) target costs only the config switch;
+    a cold one is loaded and smoke-tested first. Returns timings in ms (``warm``: whether it was loaded)."""
+    repo_dir = Path(repo_dir)
+    t0 = time.perf_counter()
+    timings: dict[str, Any] = {}
+    with _lock(repo_dir):
+        _recover_locked(repo_dir)
+        state = read_state(repo_dir)
+        if not state:
+            raise UserError(str(state_path(repo_dir)), "no releases.json.", "init the serving repository first.")
+        cur = state["current"]
+        units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
+        if fallback:
+            target = state.get("fallback")
+            if not target:
+                raise UserError("--fallback", "this repository has no fallback release.", "set one with release.set_fallback().")
+        elif to:
+            t = to if to.startswith(pack.UNIT_PREFIX) else pack.UNIT_PREFIX + to[:12]
+            cands = [u for u in units if u.startswith(t)] if len(t) < len(pack.UNIT_PREFIX) + 12 else [t]
+            if len(cands) != 1 or cands[0] not in units:
+                raise UserError("--to", f"no single release on disk matches {to!r}.", f"on disk: {', '.join(sorted(units))}.")
+            target = cands[0]
+        else:
+            prev = [h["from"] for h in reversed(state.get("history", [])) if h.get("from") and h["from"] != cur and h["from"] in units]
+            if not prev:
+                raise UserError("rollback", "there is no previous release on disk.", "roll back to the fallback (--fallback).")
+            target = prev[0]
+        if target == cur:
+            raise UserError("rollback", f"{target} is already current.", "choose another release.")
+        if not (repo_dir / target).is_dir():
+            raise UserError("rollback", f"{target} is not on disk.", "pick a kept release.")
+        loaded = _loaded(server)
+        timings["warm"] = loaded.get(target) == "READY"
+        if server is not None and not timings["warm"]:
+            t = time.perf_counter()
+            server.load(target)
+            timings["load_ms"] = (time.perf_counter() - t) * 1e3
+            if smoke:
+                timings["smoke"] = smoke_test(server, target)
+        _switch(repo_dir, server, target, timings, cur)
+        timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
+        state["current"] = target
+        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        state["history"] = (state["history"] + [{"action": "rollback", "from": cur, "to": target, "time": _now(),
+                                                 "by": by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
+        atomic_write_json(state_path(repo_dir), state)  # commit point
+        timings["removed"] = _retain(repo_dir, state, server, False, None)
+        atomic_write_json(state_path(repo_dir), state)
+    timings["unit"] = target
+    return timings
+
+
+def list_releases(repo_dir: Path) -> dict:
+    """releases.json plus what is on disk (for `invoke releases`)."""
+    state = read_state(repo_dir) or {}
+    on_disk = sorted(p.name for p in Path(repo_dir).iterdir() if pack.is_unit(p.name)) if Path(repo_dir).is_dir() else []
+    return {"state": state, "on_disk": on_disk, "configs": current_of_configs(repo_dir) if Path(repo_dir).is_dir() else None}
+
+
+__all__: Iterable[str] = ["promote", "rollback", "set_fallback", "init_serving_repo", "recover", "smoke_test",
+                          "read_state", "serving_models", "list_releases", "STEPS", "CRASH_ENV"]

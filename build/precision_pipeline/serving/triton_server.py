@@ -1,0 +1,326 @@
+"""Start and stop a real Triton Inference Server (2.51, from the nvidia-pytriton wheel) on this machine.
+
+How it runs (facts in shared/reference/triton-on-cpu.md):
+
+* ``server_dir()`` copies ``pytriton/tritonserver`` once to ``<cache>/tritonserver-2.51`` and puts the
+  python-backend stub of the running Python at ``backends/python/triton_python_backend_stub``. The CPU
+  reference stand-in for the tensorrtllm backend (``triton_repo/backends/tensorrtllm/model.py``) is
+  installed as ``backends/tensorrtllm/model.py`` (a Python-based backend).
+* The server runs with ``LD_LIBRARY_PATH`` = the wheel's ``nvidia_pytriton.libs`` + the interpreter's
+  LIBDIR, ``PATH`` with the venv's ``bin`` first (the stub finds its packages through ``python3``),
+  ``OMP_NUM_THREADS=1``, explicit model control, 127.0.0.1 only and free ports.
+* ``TritonServer.stop()`` sends SIGTERM and waits (SIGKILL only after a timeout).
+
+``serve(model_repository, ...)`` is what ``invoke serve`` calls: it loads the current release (or every
+model of a freshly packed repository), prints the endpoints and runs until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterable
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.paths import REPO_ROOT
+
+STANDIN_BACKEND = REPO_ROOT / "triton_repo" / "backends" / "tensorrtllm"
+SERVER_VERSION = "2.51"
+
+
+def _pytriton_paths() -> tuple[Path, Path]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("tritonserver", "the nvidia-pytriton package is not installed.", "run ./run.sh (installs nvidia-pytriton==0.7.0).")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    return pkg / "tritonserver", pkg.parent / "nvidia_pytriton.libs"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("PRECISION_CACHE_DIR", REPO_ROOT / ".cache"))
+
+
+def _write_if_changed(src: Path, dst: Path) -> None:
+    data = src.read_bytes()
+    if dst.is_file() and dst.read_bytes() == data:
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, dst)
+
+
+def server_dir() -> Path:
+    """The prepared copy of the server (made once; the stand-in backend is refreshed every call)."""
+    src, _ = _pytriton_paths()
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    dst = _cache_root() / f"tritonserver-{SERVER_VERSION}-py{pyver}"
+    if not (dst / "bin" / "tritonserver").is_file():
+        stub = src / "python_backend_stubs" / pyver / "triton_python_backend_stub"
+        if not stub.is_file():
+            raise UserError("tritonserver", f"the pytriton wheel has no python-backend stub for Python {pyver}.", "use Python 3.8-3.13.")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
+        shutil.copytree(src, tmp / "s", symlinks=True)
+        shutil.copy2(stub, tmp / "s" / "backends" / "python" / "triton_python_backend_stub")
+        os.chmod(tmp / "s" / "backends" / "python" / "triton_python_backend_stub", 0o755)
+        (tmp / "s" / "caches").mkdir(exist_ok=True)
+        try:
+            os.replace(tmp / "s", dst)
+        except OSError:  # another process made it first
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_if_changed(STANDIN_BACKEND / "model.py", dst / "backends" / "tensorrtllm" / "model.py")
+    return dst
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(threads: int = 1) -> dict[str, str]:
+    _, libs = _pytriton_paths()
+    env = dict(os.environ)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(libs), libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[k] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+class TritonServer:
+    """A tritonserver process (explicit model control, 127.0.0.1)."""
+
+    def __init__(self, model_repository: Path, models: Iterable[str] = (), *, http_port: int | None = None,
+                 grpc_port: int | None = None, metrics_port: int | None = None, log_file: Path | None = None,
+                 threads: int = 1, stub_timeout_s: int = 120, verbose: bool = False):
+        self.model_repository = Path(model_repository).resolve()
+        self.models = list(models)
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_file = Path(log_file) if log_file else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.threads = threads
+        self.stub_timeout_s = stub_timeout_s
+        self.verbose = verbose
+        self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None
+
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def attach(cls, http_url: str) -> "TritonServer":
+        """A handle on a server that is already running (``HOST:PORT`` of its HTTP endpoint).
+
+        ``load``/``unload``/``loaded_models``/``http_client`` work on it; ``stop`` does nothing.
+        Raises UserError when nothing answers there.
+        """
+        host, _, port = http_url.rpartition(":")
+        if not port.isdigit():
+            raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
+        srv = cls(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
+        srv.host = host or "127.0.0.1"
+        if srv._get("/v2/health/ready") != 200:
+            raise UserError("--url", f"no ready Triton server answers at http://{http_url}.",
+                            "start one with `invoke serve`, or leave --url out to only rewrite the repository.")
+        return srv
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def argv(self) -> list[str]:
+        d = server_dir()
+        argv = [str(d / "bin" / "tritonserver"), f"--model-repository={self.model_repository}",
+                f"--backend-directory={d / 'backends'}", f"--cache-directory={d / 'caches'}",
+                "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+                "--allow-gpu-metrics=false", "--model-control-mode=explicit", "--exit-timeout-secs=10",
+                f"--backend-config=python,stub-timeout-seconds={self.stub_timeout_s}"]
+        argv += [f"--load-model={m}" for m in self.models]
+        if self.verbose:
+            argv.append("--log-verbose=1")
+        return argv
+
+    def start(self, timeout_s: float = 300) -> "TritonServer":
+        t0 = time.perf_counter()
+        log = open(self.log_file, "ab")
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=server_env(self.threads),
+                                     cwd=str(self.model_repository.parent), start_new_session=True)
+        log.close()
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self._get("/v2/health/ready") == 200:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def is_model_ready(self, name: str) -> bool:
+        return self._get(f"/v2/models/{name}/ready") == 200
+
+    def http_client(self, **kw):
+        import tritonclient.http as httpclient
+
+        kw.setdefault("connection_timeout", 600.0)
+        kw.setdefault("network_timeout", 600.0)
+        return httpclient.InferenceServerClient(self.http_url, **kw)
+
+    def grpc_client(self):
+        import tritonclient.grpc as grpcclient
+
+        return grpcclient.InferenceServerClient(self.grpc_url)
+
+    def load(self, name: str, config: str | None = None) -> float:
+        """Load (or reload) a model; returns seconds. Raises on failure (the old model keeps serving)."""
+        t0 = time.perf_counter()
+        body = {"parameters": {"config": config}} if config else {}
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{name}/load",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=900) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"loading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
+        return time.perf_counter() - t0
+
+    def unload(self, name: str) -> float:
+        t0 = time.perf_counter()
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{name}/unload",
+                                     data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"unloading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
+        return time.perf_counter() - t0
+
+    def loaded_models(self) -> dict[str, str]:
+        """{name: state} from the repository index."""
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return {m["name"]: m.get("state", "") for m in json.loads(r.read())}
+
+    def stop(self, timeout_s: float = 30) -> int | None:
+        """SIGTERM, wait; SIGKILL the process group only if it does not exit in time."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            # Unload first so every python-backend stub exits gracefully; then SIGTERM.
+            with contextlib.suppress(Exception):
+                for name, state in self.loaded_models().items():
+                    if state == "READY":
+                        with contextlib.suppress(Exception):
+                            self.unload(name)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> "TritonServer":
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def models_to_load(model_repository: Path) -> list[str]:
+    """The models a server should load: the current release's (releases.json) or, for a packed
+    repository without releases, every model directory (one engine unit)."""
+    from precision_pipeline.serving import release
+
+    repo = Path(model_repository)
+    state = release.read_state(repo)
+    if state and state.get("current"):
+        return release.serving_models(repo, state)
+    names = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file())
+    order = {"preprocessing": 0, "postprocessing": 1, "ensemble": 9, "tensorrt_llm_bls": 9}
+    return sorted(names, key=lambda n: (order.get(n, 5), n))
+
+
+def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+          models: Iterable[str] | None = None, block: bool = True, log_file: Path | None = None) -> TritonServer:
+    """Start tritonserver on ``model_repository``, print the endpoints, and (``block``) run until Ctrl-C."""
+    from precision_pipeline.serving import release
+
+    repo = Path(model_repository)
+    if not repo.is_dir():
+        raise UserError("model_repository", f"{repo} does not exist.", "run `invoke build --profile X` first.")
+    release.recover(repo)
+    names = list(models) if models is not None else models_to_load(repo)
+    srv = TritonServer(repo, names, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=log_file)
+    print(f"starting tritonserver {SERVER_VERSION} (CPU reference stand-in for tensorrtllm) on {repo} ...", flush=True)
+    srv.start()
+    print(f"ready in {srv.start_s:.1f} s; models: {', '.join(names)}")
+    print(f"  HTTP    http://{srv.http_url}/v2/models/ensemble/generate")
+    print(f"  gRPC    {srv.grpc_url}")
+    print(f"  metrics http://127.0.0.1:{srv.metrics_port}/metrics")
+    print(f"  log     {srv.log_file}")
+    if not block:
+        return srv
+    try:
+        while srv.proc.poll() is None:
+            time.sleep(0.5)
+        print(f"tritonserver exited with {srv.proc.returncode}; log tail:\n{srv.log_tail()}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("stopping (SIGTERM) ...", flush=True)
+    finally:
+        srv.stop()
+    return srv

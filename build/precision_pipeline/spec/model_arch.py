@@ -1,0 +1,198 @@
+"""Model architecture from a Hugging Face ``config.json`` (no torch, no transformers: fast).
+
+``read_model_arch(model_dir)`` reads the few numbers the planner needs: layers, hidden size,
+attention/KV heads, head_dim, MLP width, vocabulary, position limit, rope scaling and MoE shape.
+
+Supported architectures (what the TensorRT-LLM 1.2 ``LLaMAForCausalLM`` / ``QWenForCausalLM``
+converters accept from ModelOpt exports): LlamaForCausalLM, MistralForCausalLM,
+MixtralForCausalLM (``num_local_experts``), Qwen2ForCausalLM, Qwen2MoeForCausalLM
+(``num_experts``, ``moe_intermediate_size``), Qwen3ForCausalLM, Qwen3MoeForCausalLM.
+
+The rope scaling factor follows ``tensorrt_llm/builder.py`` ``_init_max_seq_len``: the
+``factor`` of ``rope_scaling`` unless its type is ``su``, ``longrope`` or ``llama3`` (those
+already describe the position range in ``max_position_embeddings``), else 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from precision_pipeline.core.errors import UserError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+# rope types whose factor does not extend max_position_embeddings (tensorrt_llm/builder.py)
+_ROPE_NO_FACTOR = ("su", "longrope", "llama3")
+
+
+class ModelArch(BaseModel):
+    """Shape of a decoder-only transformer (counts are elements, not bytes).
+
+    ``num_experts`` is 0 for a dense model. ``num_params`` counts every weight element once
+    (tied embeddings counted once), as the HF model holds them.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: Optional[int]
+    rope_scaling_factor: float = 1.0
+    rope_type: Optional[str] = None
+    tied_embeddings: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    attention_bias: bool = False
+    dtype: str = "bfloat16"
+    num_params: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def qkv_out(self) -> int:
+        """Output width of the fused QKV projection: (heads + 2 x kv_heads) x head_dim."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+def count_params(a: "ModelArch | dict") -> int:
+    """Weight elements of the HF model (embeddings, decoder layers, final norm, lm_head if untied)."""
+    g = a if isinstance(a, dict) else a.model_dump()
+    h, hd = g["hidden_size"], g["head_dim"]
+    attn = h * (g["num_heads"] + 2 * g["num_kv_heads"]) * hd + g["num_heads"] * hd * h
+    if g["attention_bias"]:
+        attn += (g["num_heads"] + 2 * g["num_kv_heads"]) * hd
+    if g["num_experts"]:
+        mlp = g["num_experts"] * 3 * h * g["moe_intermediate_size"] + h * g["num_experts"]
+        mlp += 3 * h * g["shared_expert_intermediate_size"]
+    else:
+        mlp = 3 * h * g["intermediate_size"]
+    per_layer = attn + mlp + 2 * h
+    emb = g["vocab_size"] * h
+    return g["num_layers"] * per_layer + emb + h + (0 if g["tied_embeddings"] else emb)
+
+
+# Sanity bounds (far above any real model) so a corrupt config cannot make planning slow.
+_MAX = {"num_hidden_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+        "head_dim": 8192, "intermediate_size": 1 << 24, "moe_intermediate_size": 1 << 24, "vocab_size": 1 << 24,
+        "max_position_embeddings": 1 << 30}
+
+
+def _int(cfg: dict, key: str, path: Path, default: Any = None, required: bool = True) -> Optional[int]:
+    v = cfg.get(key, default)
+    if v is None:
+        if required:
+            raise UserError("--model", f"{path} has no {key!r}.", "give a Hugging Face model folder whose config.json is complete.")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise UserError("--model", f"{path}: {key} must be a positive integer, got {v!r}.",
+                        "fix the model's config.json.")
+    if v > _MAX.get(key, 1 << 40):
+        raise UserError("--model", f"{path}: {key} {v} is implausibly large (limit {_MAX[key]}).", "fix the model's config.json.")
+    return v
+
+
+def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.json") -> ModelArch:
+    """Build a ModelArch from a parsed HF config dict (UserError on ``--model`` if invalid)."""
+    path = Path(path)
+    if not isinstance(cfg, dict):
+        raise UserError("--model", f"{path} does not hold a JSON object.", "give a Hugging Face model folder.")
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if arch is None:
+        raise UserError("--model", f"{path} has no 'architectures' list.",
+                        f"set architectures to one of: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UserError("--model", f"architecture {arch!r} is not supported by this pipeline.",
+                        f"use a model of: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+    layers = _int(cfg, "num_hidden_layers", path)
+    hidden = _int(cfg, "hidden_size", path)
+    heads = _int(cfg, "num_attention_heads", path)
+    kv = _int(cfg, "num_key_value_heads", path, default=heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise UserError("--model", f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads} and head_dim is missing.",
+                            "add head_dim to config.json.")
+        head_dim = hidden // heads
+    head_dim = _int({"head_dim": head_dim}, "head_dim", path)
+    if heads % kv:
+        raise UserError("--model", f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}.",
+                        "fix the model's config.json.")
+    vocab = _int(cfg, "vocab_size", path)
+    max_pos = _int(cfg, "max_position_embeddings", path, required=False)
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 0 <= num_experts <= 4096:
+        raise UserError("--model", f"{path}: number of experts must be a non-negative integer, got {num_experts!r}.",
+                        "fix the model's config.json.")
+    inter = _int(cfg, "intermediate_size", path, required=not num_experts) or 0
+    moe_inter = 0
+    if num_experts:
+        moe_inter = cfg.get("moe_intermediate_size") or inter
+        moe_inter = _int({"moe_intermediate_size": moe_inter}, "moe_intermediate_size", path)
+    shared = _int(cfg, "shared_expert_intermediate_size", path, required=False) or 0
+    topk = _int(cfg, "num_experts_per_tok", path, required=False) or (2 if num_experts else 0)
+    rs = cfg.get("rope_scaling")
+    factor, rtype = 1.0, None
+    if isinstance(rs, dict):
+        rtype = rs.get("rope_type", rs.get("type"))
+        f = rs.get("factor", 1.0)
+        if rtype not in _ROPE_NO_FACTOR:
+            try:
+                factor = float(f)
+            except (TypeError, ValueError):
+                raise UserError("--model", f"{path}: rope_scaling.factor must be a number, got {f!r}.", "fix the model's config.json.")
+            if not math.isfinite(factor) or factor <= 0:
+                raise UserError("--model", f"{path}: rope_scaling.factor must be positive, got {f!r}.", "fix the model's config.json.")
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    fields = dict(
+        name=name, architecture=arch, num_layers=layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+        max_position_embeddings=max_pos, rope_scaling_factor=factor, rope_type=rtype,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), num_experts=num_experts,
+        num_experts_per_tok=int(topk), moe_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=int(shared),
+        attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
+        dtype=str(dtype),
+    )
+    fields["num_params"] = count_params(fields)
+    return ModelArch(**fields)
+
+
+def read_model_arch(model_dir: Path) -> ModelArch:
+    """Read ``<model_dir>/config.json`` into a ModelArch. UserError naming ``--model`` on failure."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise UserError("--model", f"no config.json in {model_dir}.",
+                        "pass --model with a local Hugging Face model folder (or run the set-up to convert the default model).")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError("--model", f"{path} is not valid JSON: {e}.", "fix or re-create the model's config.json.")
+    return arch_from_config(cfg, name=model_dir.name, path=path)
+
+
+__all__ = ["ModelArch", "read_model_arch", "arch_from_config", "count_params", "SUPPORTED_ARCHITECTURES"]

@@ -1,0 +1,416 @@
+"""Precision profiles: YAML files that state precision path by path.
+
+A profile names the target GPU, the GEMM format (``quantization.quant_algo``), the KV-cache
+format (``quantization.kv_cache_quant_algo``), the context-phase (prefill) attention kernels,
+the generation-phase (decode) settings, FP32 logits, layers kept in high precision, the
+parallel layout (tp_size/pp_size/moe_tp_size/moe_ep_size), build limits, calibration, the
+runtime/deployment settings and the accuracy budget (``gate``).
+
+Loading rules (``load_profile``):
+
+* ``--profile`` is a shipped profile's name (``precision_profiles/<name>.yaml``) or a path to
+  a YAML file. Names are ``[a-z0-9][a-z0-9._-]*``; anything else (``../../etc``) is refused.
+* ``extends: NAME`` merges the profile over its parent: mappings merge key by key, lists and
+  scalars replace. Cycles are refused.
+* Validation is pydantic with ``extra="forbid"``: an unknown key is an error that suggests the
+  closest known key.
+
+Field names follow TensorRT-LLM 1.2 (``tensorrt_llm/builder.py`` BuildConfig,
+``tensorrt_llm/plugin/plugin.py`` PluginConfig, ``tensorrt_llm/quantization/mode.py`` QuantAlgo,
+``tensorrt_llm/llmapi/llm_args.py`` KvCacheConfig) and tensorrtllm_backend's
+``tensorrt_llm/config.pbtxt`` parameters.
+
+Errors: every failure raises ``precision_pipeline.core.errors.UserError`` (exit code 2) naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from precision_pipeline.core.errors import Problem, UserError, closest
+from precision_pipeline.core.paths import REPO_ROOT
+
+PROFILES_DIR = REPO_ROOT / "precision_profiles"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MAX_PROFILE_BYTES = 256 * 1024
+MAX_EXTENDS_DEPTH = 8
+
+
+class QuantAlgo(str, Enum):
+    """GEMM formats a profile may ask for (TensorRT-LLM 1.2 ``QuantAlgo`` names).
+
+    ``NO_QUANT`` means BF16/FP16 GEMMs (no quantization).
+    """
+
+    NO_QUANT = "NO_QUANT"
+    FP8 = "FP8"
+    NVFP4 = "NVFP4"
+    W4A16_AWQ = "W4A16_AWQ"
+    W4A8_AWQ = "W4A8_AWQ"
+    W8A8_SQ_PER_CHANNEL = "W8A8_SQ_PER_CHANNEL"
+    W8A16 = "W8A16"
+    W4A16_NVFP4 = "W4A16_NVFP4"  # ModelOpt exports it; TensorRT-LLM 1.2 cannot build it (refused by a rule)
+    MIXED_PRECISION = "MIXED_PRECISION"
+
+
+class KVCacheQuantAlgo(str, Enum):
+    """KV-cache formats (``KV_CACHE_QUANT_ALGO_LIST`` in quantization/mode.py, plus none)."""
+
+    NONE = "NONE"  # KV cache in the model dtype (BF16)
+    FP8 = "FP8"
+    INT8 = "INT8"
+    NVFP4 = "NVFP4"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+
+
+class Target(_Strict):
+    """Where the engine runs."""
+
+    gpu: str = Field(description="GPU id or alias from the hardware catalog, e.g. h100-sxm, h200, a100-80gb, b200, l4.")
+
+
+class Quantization(_Strict):
+    """Per-engine formats: GEMMs and KV cache. Attention kernels are per phase (see context_phase)."""
+
+    quant_algo: QuantAlgo = Field(QuantAlgo.NO_QUANT, description="GEMM format of the decoder linears (checkpoint quant_algo).")
+    kv_cache_quant_algo: KVCacheQuantAlgo = Field(KVCacheQuantAlgo.NONE, description="KV-cache format (checkpoint kv_cache_quant_algo).")
+    group_size: Optional[int] = Field(None, ge=1, le=4096, description="Block size for AWQ (per-group scales), also for an AWQ candidate of the per-layer search. NVFP4 is fixed at 16.")
+    exclude_modules: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="Modules kept in high precision (fnmatch patterns on TRT-LLM/HF module names), e.g. lm_head, *router*, *embed*.",
+    )
+    keep_first_layers: int = Field(0, ge=0, le=1024, description="Keep the first N decoder layers in high precision.")
+    keep_last_layers: int = Field(0, ge=0, le=1024, description="Keep the last N decoder layers in high precision.")
+    smoothquant_alpha: float = Field(0.5, gt=0.0, le=1.0, description="SmoothQuant migration strength (W8A8_SQ_PER_CHANNEL only).")
+    auto_quantize_bits: Optional[float] = Field(
+        None, gt=0.0, le=16.0, description="Effective-bits budget for a per-layer search (mtq.auto_quantize); None = off."
+    )
+    auto_quantize_formats: list[QuantAlgo] = Field(
+        default_factory=list, description="Candidate formats for the per-layer search."
+    )
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Dtype of unquantized tensors and activations.")
+
+
+class Calibration(_Strict):
+    """Calibration data for PTQ (real text; never random tokens)."""
+
+    dataset: str = Field("builtin", description="'builtin' (news, Python docs prose, Python source) or a path to a JSONL of {\"text\": ...}.")
+    num_samples: int = Field(64, ge=1, le=65536, description="Number of calibration samples.")
+    seq_len: int = Field(256, ge=8, le=131072, description="Tokens per calibration sample (longest).")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the stratified sample choice (same seed, same tokens).")
+    batch_size: int = Field(8, ge=1, le=1024, description="Samples per calibration forward pass.")
+
+
+class Parallel(_Strict):
+    """Parallel layout of one engine (TRT-LLM Mapping)."""
+
+    tp_size: int = Field(1, ge=1, le=1024, description="Tensor-parallel GPUs per engine (splits heads and FFN width).")
+    pp_size: int = Field(1, ge=1, le=1024, description="Pipeline-parallel stages per engine (splits layers).")
+    moe_tp_size: Optional[int] = Field(None, ge=1, le=1024, description="Default: tp_size / moe_ep_size.")
+    moe_ep_size: Optional[int] = Field(None, ge=1, le=1024, description="Default: 1.")
+    use_parallel_embedding: bool = Field(False, description="Shard the embedding over tp ranks (otherwise replicated).")
+
+
+class BuildLimits(_Strict):
+    """trtllm-build shape limits. None = what TensorRT-LLM 1.2 derives (shown in the plan)."""
+
+    max_batch_size: int = Field(64, ge=1, le=65536, description="Most sequences in flight per engine (also triton_max_batch_size).")
+    max_input_len: Optional[int] = Field(None, ge=1, le=10_000_000, description="Default 1024 (BuildConfig).")
+    max_seq_len: Optional[int] = Field(None, ge=1, le=10_000_000, description="Default max_position_embeddings x rope scaling factor.")
+    max_num_tokens: Optional[int] = Field(None, ge=1, le=10_000_000, description="Default 8192 (BuildConfig).")
+    max_beam_width: int = Field(1, ge=1, le=64, description="Beam search width (1 = greedy/sampling).")
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = Field("paged", description="--kv_cache_type; paged is needed for in-flight batching, reuse and chunked context.")
+    tokens_per_block: int = Field(32, ge=1, le=1024, description="Tokens per paged KV block (--tokens_per_block).")
+    logits_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="--logits_dtype; FP32 logits are the default.")
+    gather_context_logits: bool = Field(False, description="Needed to run the golden set against the engine (second gate).")
+
+
+class ContextPhase(_Strict):
+    """Context (prefill) phase attention kernels and plugins."""
+
+    context_fmha: bool = Field(True, description="Fused multi-head attention kernels in the context phase (--context_fmha).")
+    use_paged_context_fmha: bool = Field(True, description="Needed for KV-cache reuse and chunked context.")
+    use_fp8_context_fmha: bool = Field(False, description="FP8 Q/K/V and softmax in context FMHA (FP8/W4A8/NVFP4 on SM>=89).")
+    enable_chunked_context: bool = Field(False, description="Runtime: split long prompts into max_num_tokens chunks.")
+
+
+class GenerationPhase(_Strict):
+    """Generation (decode) phase settings."""
+
+    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Attention plugin dtype (XQA/MMHA decode kernels; auto = model dtype).")
+    multi_block_mode: bool = Field(True, description="Runtime (ExtendedRuntimePerfKnobConfig): split long-context decode attention over blocks.")
+    gemm_plugin: Literal["auto", "disable", "fp8", "nvfp4", "bfloat16", "float16"] = Field(
+        "auto", description="GEMM plugin for both phases; 'auto' picks what the format needs."
+    )
+
+
+class Runtime(_Strict):
+    """Serving runtime (tensorrtllm_backend config.pbtxt parameters)."""
+
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0.0, le=1.0, description="Share of the GPU memory left after weights and activations given to the KV cache.")
+    enable_kv_cache_reuse: bool = Field(True, description="Prefix caching across requests (needs paged context FMHA).")
+    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field("guaranteed_no_evict", description="In-flight batching scheduler policy.")
+    decoupled_mode: bool = Field(False, description="Needed for streaming.")
+    streaming: bool = Field(False, description="Stream tokens to clients (needs decoupled_mode).")
+    max_queue_delay_microseconds: int = Field(0, ge=0, le=10_000_000, description="Triton dynamic batching delay (µs).")
+    instance_count: int = Field(1, ge=1, le=64, description="Instances of preprocessing/postprocessing.")
+
+
+class Deployment(_Strict):
+    """Where and how the engine is served."""
+
+    gpus_per_replica: Optional[int] = Field(None, ge=1, le=1024, description="Default tp_size x pp_size; must equal it.")
+    replicas: int = Field(1, ge=1, le=10000, description="Pods of the Kubernetes Deployment.")
+    fallback: Optional[str] = Field(None, description="Profile whose prebuilt engine is kept for rollback (usually a bf16 one).")
+    warm_fallback: bool = Field(False, description="Keep the fallback loaded (instant rollback; costs its GPU memory).")
+    keep_releases: int = Field(2, ge=0, le=100, description="Previous releases kept on disk for rollback.")
+
+
+class GateThresholds(_Strict):
+    """Accuracy budget vs the FP32 reference. None = not checked."""
+
+    kl_mean_max: Optional[float] = Field(None, ge=0.0, description="Mean per-token KL (nats).")
+    kl_p99_max: Optional[float] = Field(None, ge=0.0, description="P99 per-token KL (nats).")
+    top1_min: Optional[float] = Field(None, ge=0.0, le=1.0, description="Top-1 agreement (fraction of tokens).")
+    ppl_delta_pct_max: Optional[float] = Field(None, ge=-100.0, description="Perplexity increase on held-out text (%).")
+    greedy_same_min: Optional[float] = Field(None, ge=0.0, le=1.0, description="Fraction of prompts whose greedy answer is unchanged.")
+
+
+class Gate(GateThresholds):
+    """Thresholds plus per-model overrides (keys: model folder name, e.g. SmolLM2-135M-Instruct)."""
+
+    measured_on: str = Field("", description="Which model the shipped thresholds were measured on.")
+    overrides: dict[str, GateThresholds] = Field(default_factory=dict, description="Per-model thresholds keyed by model folder name.")
+
+    def for_model(self, model_name: str) -> GateThresholds:
+        """Thresholds for ``model_name``: the override's set fields win over the profile's."""
+        base = GateThresholds(**{k: getattr(self, k) for k in GateThresholds.model_fields})
+        ov = self.overrides.get(model_name)
+        if ov is None:
+            return base
+        data = base.model_dump()
+        data.update(ov.model_dump(exclude_unset=True))
+        return GateThresholds(**data)
+
+
+class Profile(_Strict):
+    """A precision profile (top level of the YAML)."""
+
+    name: str = Field("", description="Set from the file name when empty.")
+    description: str = Field("", description="One line on what the profile is for.")
+    extends: Optional[str] = Field(None, description="Parent profile name (merged under this one).")
+    target: Target
+    quantization: Quantization = Field(default_factory=Quantization)
+    calibration: Calibration = Field(default_factory=Calibration)
+    parallel: Parallel = Field(default_factory=Parallel)
+    build: BuildLimits = Field(default_factory=BuildLimits)
+    context_phase: ContextPhase = Field(default_factory=ContextPhase)
+    generation_phase: GenerationPhase = Field(default_factory=GenerationPhase)
+    runtime: Runtime = Field(default_factory=Runtime)
+    deployment: Deployment = Field(default_factory=Deployment)
+    gate: Gate = Field(default_factory=Gate)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if v and not NAME_RE.match(v):
+            raise ValueError("must match [a-z0-9][a-z0-9._-]* (at most 64 characters)")
+        return v
+
+    @property
+    def world_size(self) -> int:
+        """GPUs per engine: tp_size x pp_size."""
+        return self.parallel.tp_size * self.parallel.pp_size
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles in ``precision_profiles/`` (sorted)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path, field: str) -> dict:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise UserError(field, f"cannot read {path}: {e.strerror}.", "give an existing YAML file or a shipped profile name.")
+    if size > MAX_PROFILE_BYTES:
+        raise UserError(field, f"{path} is {size} bytes; profiles are at most {MAX_PROFILE_BYTES}.", "trim the file.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(field, f"{path} is not UTF-8 text.", "save the profile as UTF-8 YAML.")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(field, f"{path} is not valid YAML{where}: {getattr(e, 'problem', e)}.", "fix the YAML syntax.")
+    except RecursionError:
+        raise UserError(field, f"{path} is nested too deeply.", "flatten the YAML.")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(field, f"{path} holds a {type(data).__name__}, not a mapping of profile fields.",
+                        "start the file with keys such as 'target:' and 'quantization:'.")
+    return data
+
+
+def _is_file(p: Path) -> bool:
+    """``Path.is_file`` that treats unusable names (too long, NUL bytes, loops) as missing."""
+    try:
+        return p.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def resolve_profile_path(name_or_path: str, field: str = "--profile") -> Path:
+    """Map a shipped name or a YAML path to a file. Raises UserError for unknown names."""
+    s = str(name_or_path)
+    if s.endswith((".yaml", ".yml")) or "/" in s or "\\" in s:
+        p = Path(s)
+        if not _is_file(p):
+            if NAME_RE.match(Path(s).stem or "") and "/" in s and not p.exists():
+                pass
+            raise UserError(field, f"no profile file at {s!r}.",
+                            f"use a shipped profile ({', '.join(shipped_profiles())}) or an existing .yaml path.")
+        return p
+    if not NAME_RE.match(s):
+        raise UserError(field, f"{s!r} is not a profile name (allowed: lower-case letters, digits, '.', '_', '-').",
+                        f"use one of: {', '.join(shipped_profiles())}.")
+    p = PROFILES_DIR / f"{s}.yaml"
+    if not _is_file(p):
+        hint = closest(s, shipped_profiles())
+        fix = f"did you mean {hint!r}? " if hint else ""
+        raise UserError(field, f"no shipped profile named {s!r}.",
+                        f"{fix}Shipped: {', '.join(shipped_profiles())}; or pass a path to a .yaml file.")
+    return p
+
+
+def deep_merge(base: Any, over: Any) -> Any:
+    """Merge ``over`` onto ``base``: mappings key by key (recursively); lists and scalars replace."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = deep_merge(base[k], v) if k in base else v
+        return out
+    return over
+
+
+def load_raw(name_or_path: str, _chain: tuple[str, ...] = ()) -> dict:
+    """The merged YAML mapping of a profile and its ``extends`` chain (not yet validated)."""
+    path = resolve_profile_path(name_or_path, field="extends" if _chain else "--profile")
+    key = str(path.resolve())
+    if key in _chain:
+        names = " -> ".join(Path(c).stem for c in _chain + (key,))
+        raise UserError("extends", f"profiles extend each other in a cycle: {names}.", "remove one 'extends:' so the chain ends.")
+    if len(_chain) >= MAX_EXTENDS_DEPTH:
+        raise UserError("extends", f"the extends chain is deeper than {MAX_EXTENDS_DEPTH}.", "shorten the chain.")
+    data = _read_yaml(path, "extends" if _chain else "--profile")
+    data.setdefault("name", path.stem if NAME_RE.match(path.stem) else "")
+    parent = data.get("extends")
+    if parent is not None:
+        if not isinstance(parent, str):
+            raise UserError("extends", f"must be a profile name, got {type(parent).__name__}.", "write e.g. 'extends: fp8-h100'.")
+        if "/" in parent or "\\" in parent or parent.endswith((".yaml", ".yml")):
+            # relative to the child file, but only inside its directory tree
+            try:
+                ppath = (path.parent / parent).resolve()
+            except (OSError, ValueError, RuntimeError):
+                ppath = None
+            if ppath is None or not _is_file(ppath):
+                raise UserError("extends", f"no profile file at {parent!r} (relative to {path.parent}).", "name a shipped profile or an existing file.")
+            parent_data = load_raw(str(ppath), _chain + (key,))
+        else:
+            parent_data = load_raw(parent, _chain + (key,))
+        merged = deep_merge(parent_data, data)
+        merged["name"] = data["name"]
+        return merged
+    return data
+
+
+def _loc_str(loc: tuple) -> str:
+    return ".".join(str(x) for x in loc)
+
+
+def _known_fields(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names at ``loc`` (minus its last element) of the Profile schema."""
+    cur: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(cur, type) and issubclass(cur, BaseModel)):
+            return []
+        f = cur.model_fields.get(str(part))
+        if f is None:
+            return []
+        ann = f.annotation
+        # unwrap Optional / dict
+        args = getattr(ann, "__args__", ())
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cur = ann
+        else:
+            cands = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            cur = cands[0] if cands else None
+    if isinstance(cur, type) and issubclass(cur, BaseModel):
+        return list(cur.model_fields)
+    return []
+
+
+def _problems_from_validation(e: ValidationError) -> list[Problem]:
+    problems = []
+    for err in e.errors():
+        loc = tuple(err.get("loc", ()))
+        field = _loc_str(loc) or "(top level)"
+        typ = err.get("type", "")
+        if typ == "extra_forbidden":
+            known = _known_fields(Profile, loc)
+            hint = closest(str(loc[-1]), known) if loc else None
+            fix = f"did you mean '{hint}'?" if hint else f"known keys here: {', '.join(known)}."
+            problems.append(Problem(field, "is not a known profile key.", fix))
+        elif typ == "enum" or typ == "literal_error":
+            problems.append(Problem(field, f"{err.get('msg')}; got {err.get('input')!r}.".replace("Input should be", "must be"),
+                                    "use one of the listed values."))
+        elif typ == "missing":
+            problems.append(Problem(field, "is required.", "add it (see `invoke schema`)."))
+        else:
+            inp = err.get("input")
+            shown = repr(inp)
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            problems.append(Problem(field, f"{err.get('msg')} (got {shown}).", "see `invoke schema` for the allowed values."))
+    return problems
+
+
+def validate_profile(data: dict, source: str = "") -> Profile:
+    """Validate a merged mapping into a ``Profile``. Raises UserError listing every bad field."""
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_problems_from_validation(e))
+    except RecursionError:
+        raise UserError("--profile", "the profile is nested too deeply.", "flatten the YAML.")
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load, merge (``extends``) and validate a profile by shipped name or YAML path.
+
+    Raises UserError (exit 2) with the field, the reason and a fix.
+    """
+    data = load_raw(name_or_path)
+    return validate_profile(data, source=str(name_or_path))
+
+
+def profile_json_schema() -> dict:
+    """The JSON Schema of a profile (for editors: ``invoke schema``)."""
+    return Profile.model_json_schema()
