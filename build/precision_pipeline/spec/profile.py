@@ -11,7 +11,16 @@ Loading rules (``load_profile``):
 * ``--profile`` is a shipped profile's name (``precision_profiles/<name>.yaml``) or a path to
   a YAML file. Names are ``[a-z0-9][a-z0-9._-]*``; anything else (``../../etc``) is refused.
 * ``extends: NAME`` merges the profile over its parent: mappings merge key by key, lists and
-  scalars replace. Cycles are refused.
+  scalars replace. Cycles are refused. ``NAME`` is looked up as ``NAME.yaml`` beside the
+  extending profile first, then among the shipped profiles. ``extends: sub/base.yaml`` is a
+  path relative to the extending profile's folder and must stay inside that folder tree or
+  inside ``precision_profiles/`` (symlinks resolved; absolute paths and ``..`` escapes are
+  refused), so a profile can never make the loader open an unrelated file.
+* YAML is read strictly: a key given twice in one mapping is refused with both line numbers
+  (PyYAML would keep the last one silently), anchors/aliases may expand to at most
+  ``MAX_YAML_NODES`` nodes (a "billion laughs" file is refused before it is built), numbers and
+  booleans are not converted into each other (``max_batch_size: true`` is refused), and
+  non-finite numbers (``.inf``, ``.nan``) are refused.
 * Validation is pydantic with ``extra="forbid"``: an unknown key is an error that suggests the
   closest known key.
 
@@ -25,13 +34,15 @@ Errors: every failure raises ``precision_pipeline.core.errors.UserError`` (exit 
 
 from __future__ import annotations
 
+import math
 import re
+import reprlib
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from precision_pipeline.core.errors import Problem, UserError, closest
 from precision_pipeline.core.paths import REPO_ROOT
@@ -40,6 +51,7 @@ PROFILES_DIR = REPO_ROOT / "precision_profiles"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MAX_PROFILE_BYTES = 256 * 1024
 MAX_EXTENDS_DEPTH = 8
+MAX_YAML_NODES = 20_000  # a full profile has about 150 nodes; aliases may not expand beyond this
 
 
 class QuantAlgo(str, Enum):
@@ -68,8 +80,49 @@ class KVCacheQuantAlgo(str, Enum):
     NVFP4 = "NVFP4"
 
 
+def _scalar_kind(annotation: Any) -> Optional[type]:
+    """``bool``, ``int`` or ``float`` when a field holds that scalar (``Optional`` unwrapped), else None."""
+    args = getattr(annotation, "__args__", None)
+    if args:
+        kinds = {a for a in args if a is not type(None)}
+        if len(kinds) == 1:
+            annotation = kinds.pop()
+    return annotation if annotation in (bool, int, float) else None
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+    """Profile section: unknown keys refused; numbers and booleans never coerced into each other."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict_scalars(cls, data: Any) -> Any:
+        # pydantic's lax mode turns `true` into 1 and "8" into 8; a profile means what it says
+        if not isinstance(data, dict):
+            return data
+        for name, f in cls.model_fields.items():
+            if name not in data or data[name] is None:
+                continue
+            kind, v = _scalar_kind(f.annotation), data[name]
+            if kind is bool and not isinstance(v, bool):
+                raise ValueError(f"{name}: must be true or false, got {_short(v)}")
+            if kind in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{name}: must be a number, got {_short(v)}")
+            if kind is int and isinstance(v, float):
+                raise ValueError(f"{name}: must be a whole number, got {_short(v)}")
+            if kind is float and isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name}: must be a finite number, got {_short(v)}")
+        return data
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 4, 4, 2
+
+
+def _short(value: Any) -> str:
+    """A bounded ``repr`` (never formats a whole input: a huge value costs nothing to describe)."""
+    return _REPR.repr(value)
 
 
 class Target(_Strict):
@@ -181,7 +234,7 @@ class GateThresholds(_Strict):
     kl_mean_max: Optional[float] = Field(None, ge=0.0, description="Mean per-token KL (nats).")
     kl_p99_max: Optional[float] = Field(None, ge=0.0, description="P99 per-token KL (nats).")
     top1_min: Optional[float] = Field(None, ge=0.0, le=1.0, description="Top-1 agreement (fraction of tokens).")
-    ppl_delta_pct_max: Optional[float] = Field(None, ge=-100.0, description="Perplexity increase on held-out text (%).")
+    ppl_delta_pct_max: Optional[float] = Field(None, ge=0.0, description="Perplexity increase on held-out text (%); a negative bar could never pass.")
     greedy_same_min: Optional[float] = Field(None, ge=0.0, le=1.0, description="Fraction of prompts whose greedy answer is unchanged.")
 
 
@@ -241,6 +294,58 @@ def shipped_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
+class _ProfileLoader(yaml.SafeLoader):
+    """``SafeLoader`` that refuses duplicate keys and alias expansion beyond ``MAX_YAML_NODES``."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # unhashable key: PyYAML refuses it below
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {_short(key)} (first at line {first}, again at line {line}); "
+                    "YAML keeps only the last one, which silently drops the first", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_nodes(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes the document has once every alias is expanded (linear time: shared nodes memoized)."""
+    n = memo.get(id(node))
+    if n is not None:
+        return n
+    memo[id(node)] = MAX_YAML_NODES + 1  # a node reached again while being counted: recursive alias
+    if isinstance(node, yaml.SequenceNode):
+        n = 1 + sum(_expanded_nodes(c, memo) for c in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n = 1 + sum(_expanded_nodes(k, memo) + _expanded_nodes(v, memo) for k, v in node.value)
+    else:
+        n = 1
+    memo[id(node)] = n
+    return n
+
+
+def _safe_load(text: str) -> Any:
+    """Parse one YAML document strictly (see the module docstring). Raises ``yaml.YAMLError``."""
+    loader = _ProfileLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_nodes(node, {})
+        if size > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"anchors and aliases expand to more than {MAX_YAML_NODES:,} nodes "
+                                 "(an alias bomb, or a profile far larger than any real one)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path, field: str) -> dict:
     try:
         size = path.stat().st_size
@@ -249,13 +354,16 @@ def _read_yaml(path: Path, field: str) -> dict:
     if size > MAX_PROFILE_BYTES:
         raise UserError(field, f"{path} is {size} bytes; profiles are at most {MAX_PROFILE_BYTES}.", "trim the file.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise UserError(field, f"{path} is not UTF-8 text.", "save the profile as UTF-8 YAML.")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(field, f"{path} is not valid YAML{where}: {getattr(e, 'problem', e)}.", "fix the YAML syntax.")
+        what = getattr(e, "problem", None) or str(e)
+        raise UserError(field, f"{path} is not valid YAML{where}: {what}.", "fix the YAML.")
+    except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's int limit)
+        raise UserError(field, f"{path} holds a value that cannot be read: {str(e)[:120]}.", "fix the value.")
     except RecursionError:
         raise UserError(field, f"{path} is nested too deeply.", "flatten the YAML.")
     if data is None:
@@ -318,25 +426,60 @@ def load_raw(name_or_path: str, _chain: tuple[str, ...] = ()) -> dict:
         raise UserError("extends", f"the extends chain is deeper than {MAX_EXTENDS_DEPTH}.", "shorten the chain.")
     data = _read_yaml(path, "extends" if _chain else "--profile")
     data.setdefault("name", path.stem if NAME_RE.match(path.stem) else "")
+    if not _chain and not data["name"]:
+        raise UserError("name", f"{path.name}: the file name is not a profile name and the file sets no 'name:'; "
+                        "every such profile would share one output folder.",
+                        "rename the file (lower-case letters, digits, '.', '_', '-'; at most 64 characters) "
+                        "or add a 'name:' line.")
     parent = data.get("extends")
     if parent is not None:
         if not isinstance(parent, str):
             raise UserError("extends", f"must be a profile name, got {type(parent).__name__}.", "write e.g. 'extends: fp8-h100'.")
-        if "/" in parent or "\\" in parent or parent.endswith((".yaml", ".yml")):
-            # relative to the child file, but only inside its directory tree
-            try:
-                ppath = (path.parent / parent).resolve()
-            except (OSError, ValueError, RuntimeError):
-                ppath = None
-            if ppath is None or not _is_file(ppath):
-                raise UserError("extends", f"no profile file at {parent!r} (relative to {path.parent}).", "name a shipped profile or an existing file.")
-            parent_data = load_raw(str(ppath), _chain + (key,))
-        else:
-            parent_data = load_raw(parent, _chain + (key,))
+        parent_data = load_raw(str(_extends_path(parent, path)), _chain + (key,))
         merged = deep_merge(parent_data, data)
         merged["name"] = data["name"]
         return merged
     return data
+
+
+def _inside(p: Path, folder: Path) -> bool:
+    try:
+        p.relative_to(folder)
+        return True
+    except ValueError:
+        return False
+
+
+def _extends_path(parent: str, child: Path) -> Path:
+    """The file ``extends: parent`` names, for the profile at ``child`` (rule in the module docstring).
+
+    Raises UserError (field ``extends``) for an absolute path, a path leaving the extending
+    profile's folder tree and ``precision_profiles/``, or a name found nowhere.
+    """
+    here = child.resolve().parent
+    roots = (here, PROFILES_DIR.resolve())
+    fix = ("name a profile (NAME.yaml beside this one, or a shipped one), or a relative path inside this "
+           "profile's folder.")
+    if "/" in parent or "\\" in parent or parent.endswith((".yaml", ".yml")):
+        if Path(parent).is_absolute() or parent.startswith("~"):
+            raise UserError("extends", f"{_short(parent)} is an absolute path; extends only reads profiles inside "
+                            f"{here} or the shipped precision_profiles/.", fix)
+        try:
+            ppath = (here / parent).resolve()
+        except (OSError, ValueError, RuntimeError):
+            ppath = None
+        if ppath is None or not any(_inside(ppath, r) for r in roots):
+            raise UserError("extends", f"{_short(parent)} leaves {here}; extends only reads profiles inside that "
+                            "folder tree or the shipped precision_profiles/.", fix)
+        if not _is_file(ppath):
+            raise UserError("extends", f"no profile file at {_short(parent)} (relative to {here}).", fix)
+        return ppath
+    if not NAME_RE.match(parent):
+        raise UserError("extends", f"{_short(parent)} is not a profile name (lower-case letters, digits, '.', '_', '-').", fix)
+    beside = here / f"{parent}.yaml"
+    if _is_file(beside):
+        return beside
+    return resolve_profile_path(parent, field="extends")
 
 
 def _loc_str(loc: tuple) -> str:
@@ -376,19 +519,22 @@ def _problems_from_validation(e: ValidationError) -> list[Problem]:
         if typ == "extra_forbidden":
             known = _known_fields(Profile, loc)
             hint = closest(str(loc[-1]), known) if loc else None
-            fix = f"did you mean '{hint}'?" if hint else f"known keys here: {', '.join(known)}."
+            fix = (f"did you mean '{hint}'?" if hint else f"known keys here: {', '.join(known)}." if known
+                   else "remove it (see `invoke schema` for the profile's keys).")
             problems.append(Problem(field, "is not a known profile key.", fix))
         elif typ == "enum" or typ == "literal_error":
-            problems.append(Problem(field, f"{err.get('msg')}; got {err.get('input')!r}.".replace("Input should be", "must be"),
+            problems.append(Problem(field, f"{err.get('msg')}; got {_short(err.get('input'))}.".replace("Input should be", "must be"),
                                     "use one of the listed values."))
         elif typ == "missing":
             problems.append(Problem(field, "is required.", "add it (see `invoke schema`)."))
         else:
-            inp = err.get("input")
-            shown = repr(inp)
-            if len(shown) > 80:
-                shown = shown[:77] + "..."
-            problems.append(Problem(field, f"{err.get('msg')} (got {shown}).", "see `invoke schema` for the allowed values."))
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            if typ == "value_error" and ": must be " in msg:  # from _Strict._strict_scalars: "name: must be ..."
+                name, _, msg = msg.partition(": ")
+                field = _loc_str(loc + (name,))
+                problems.append(Problem(field, f"{msg}.", "write the value without quotes, as the schema's type."))
+                continue
+            problems.append(Problem(field, f"{msg} (got {_short(err.get('input'))}).", "see `invoke schema` for the allowed values."))
     return problems
 
 

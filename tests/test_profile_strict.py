@@ -1,0 +1,177 @@
+"""Strict profile YAML (issue 11, items 7-10 and 15): alias bombs, duplicate keys, coerced scalars,
+non-finite and impossible thresholds, where ``extends`` may read, unnamed profiles, and a fuzz test
+of the loader and ``check`` under a time and memory budget.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.profile import MAX_YAML_NODES, PROFILES_DIR, load_profile
+
+BASE = "target:\n  gpu: h100-sxm\n"
+
+
+def write(d: Path, name: str, text: str) -> Path:
+    p = d / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def refusal(path) -> UserError:
+    with pytest.raises(UserError) as ei:
+        load_profile(str(path))
+    return ei.value
+
+
+def bomb(levels: int = 9, width: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "\n".join(lines)
+
+
+def test_alias_bomb_refused_fast_and_small(tmp_path):
+    """A ~500-byte billion-laughs file as description / exclude_modules: refused in well under a second."""
+    for where in ("description: *a8", "quantization:\n  exclude_modules: *a8"):
+        text = bomb() + "\n" + BASE + where + "\n"
+        assert len(text) < 700
+        p = write(tmp_path, "bomb.yaml", text)
+        t0 = time.perf_counter()
+        e = refusal(p)
+        assert time.perf_counter() - t0 < 2.0
+        assert f"expand to more than {MAX_YAML_NODES:,} nodes" in e.message
+        assert len(e.message) < 600  # never the whole input formatted into the message
+
+
+def test_small_aliases_still_allowed(tmp_path):
+    p = write(tmp_path, "anchors.yaml", BASE + "quantization:\n  quant_algo: FP8\n  exclude_modules: &keep [lm_head, '*router*']\n"
+              "gate:\n  measured_on: x\n")
+    assert load_profile(str(p)).quantization.exclude_modules == ["lm_head", "*router*"]
+
+
+def test_duplicate_keys_refused_with_both_lines(tmp_path):
+    p = write(tmp_path, "dup.yaml", BASE + "quantization:\n  kv_cache_quant_algo: FP8\nbuild:\n  max_batch_size: 8\n"
+              "quantization:\n  quant_algo: FP8\n")
+    e = refusal(p)
+    assert "duplicate key 'quantization' (first at line 3, again at line 7)" in e.message
+    p = write(tmp_path, "dup2.yaml", BASE + "build:\n  max_batch_size: 8\n  max_batch_size: 16\n")
+    assert "duplicate key 'max_batch_size' (first at line 4, again at line 5)" in refusal(p).message
+
+
+@pytest.mark.parametrize("snippet, field, says", [
+    ("build:\n  max_batch_size: true\n", "build.max_batch_size", "must be a number, got True"),
+    ("build:\n  max_batch_size: '8'\n", "build.max_batch_size", "must be a number, got '8'"),
+    ("build:\n  max_batch_size: 8.5\n", "build.max_batch_size", "must be a whole number"),
+    ("build:\n  gather_context_logits: 1\n", "build.gather_context_logits", "must be true or false, got 1"),
+    ("runtime:\n  kv_cache_free_gpu_mem_fraction: .nan\n", "runtime.kv_cache_free_gpu_mem_fraction", "finite"),
+    ("gate:\n  kl_mean_max: .inf\n", "gate.kl_mean_max", "finite"),
+    ("gate:\n  ppl_delta_pct_max: -100\n", "gate.ppl_delta_pct_max", "greater than or equal to 0"),
+])
+def test_strict_scalars(tmp_path, snippet, field, says):
+    e = refusal(write(tmp_path, "p.yaml", BASE + snippet))
+    assert [p.field for p in e.problems] == [field]
+    assert says in e.problems[0].reason
+
+
+def test_huge_integer_is_a_refusal(tmp_path):
+    e = refusal(write(tmp_path, "p.yaml", BASE + "build:\n  max_batch_size: " + "9" * 5000 + "\n"))
+    assert e.problems[0].field == "--profile" and "cannot be read" in e.message and len(e.message) < 600
+
+
+def test_extends_outside_the_profile_tree_refused(tmp_path):
+    outside = write(tmp_path, "outside/base.yaml", BASE)
+    for parent in ("../outside/base.yaml", str(outside), "../../etc/passwd", "/etc/passwd", "~/x.yaml"):
+        e = refusal(write(tmp_path, "mine/child.yaml", f"extends: {parent}\n"))
+        assert e.problems[0].field == "extends"
+        assert "absolute path" in e.message or "leaves" in e.message
+    # a symlink inside the tree pointing out of it is resolved and refused too
+    (tmp_path / "mine" / "link.yaml").symlink_to(outside)
+    assert "leaves" in refusal(write(tmp_path, "mine/child.yaml", "extends: link.yaml\n")).message
+
+
+def test_extends_inside_the_tree_and_name_beside_first(tmp_path):
+    write(tmp_path, "mine/sub/base.yaml", BASE + "build:\n  max_batch_size: 7\n")
+    assert load_profile(str(write(tmp_path, "mine/a.yaml", "extends: sub/base.yaml\n"))).build.max_batch_size == 7
+    # NAME finds NAME.yaml beside the extending profile before the shipped one of the same name
+    assert (PROFILES_DIR / "fp8-h100.yaml").is_file()
+    write(tmp_path, "mine/fp8-h100.yaml", BASE + "build:\n  max_batch_size: 3\n")
+    assert load_profile(str(write(tmp_path, "mine/b.yaml", "extends: fp8-h100\n"))).build.max_batch_size == 3
+    # and falls back to the shipped profiles
+    shipped = load_profile(str(write(tmp_path, "other/c.yaml", "extends: fp8-h100\n")))
+    assert shipped.quantization.quant_algo.value == "FP8" and shipped.name == "c"
+
+
+def test_unnamed_profile_file_refused(tmp_path):
+    e = refusal(write(tmp_path, "My Profile.yaml", BASE))
+    assert e.problems[0].field == "name" and "share one output folder" in e.message
+    assert load_profile(str(write(tmp_path, "My Other.yaml", BASE + "name: my-other\n"))).name == "my-other"
+
+
+def test_unknown_key_with_nothing_to_suggest(tmp_path):
+    e = refusal(write(tmp_path, "p.yaml", BASE + "gate:\n  overrides:\n    m:\n      zzzz: 1\n"))
+    assert "known keys here: ." not in e.message
+
+
+# ---------------------------------------------------------------------------------------------
+# fuzz: random YAML with duplicate keys, anchors and aliases; the loader and `check` answer with a
+# Profile or a UserError, within a time and memory budget, never another exception
+
+_keys = st.sampled_from(["target", "gpu", "quantization", "quant_algo", "build", "max_batch_size", "gate",
+                         "kl_mean_max", "description", "extends", "name", "exclude_modules", "x"])
+_scalars = st.one_of(st.integers(-10**30, 10**30), st.floats(allow_nan=True), st.booleans(), st.none(),
+                     st.text(max_size=12), st.sampled_from(["FP8", "h100-sxm", ".inf", "~", "[a]", "*a"]))
+
+
+def _render(value, indent=0):
+    pad = "  " * indent
+    if isinstance(value, list):
+        return "".join(f"{pad}{k}:\n{_render(v, indent + 1)}" if isinstance(v, list)
+                       else f"{pad}{k}: {v!r}\n" for k, v in value)
+    return f"{pad}{value!r}\n"
+
+
+_mapping = st.recursive(st.lists(st.tuples(_keys, _scalars), max_size=5),
+                        lambda inner: st.lists(st.tuples(_keys, st.one_of(_scalars, inner)), max_size=4), max_leaves=20)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_mapping, levels=st.integers(0, 10), width=st.integers(1, 12), use=st.booleans())
+def test_fuzz_loader_and_check(tmp_path, body, levels, width, use):
+    from precision_pipeline.resolve.plan import evaluate
+
+    text = _render(body)
+    if levels:
+        text = bomb(levels, width) + "\n" + text + (f"description: *a{levels - 1}\n" if use else "")
+    p = tmp_path / "fuzz.yaml"
+    p.write_text(text, encoding="utf-8")
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    try:
+        prof = load_profile(str(p))
+    except UserError as e:
+        assert len(e.message) < 20_000
+    else:
+        try:
+            evaluate(prof, _tiny_model())
+        except UserError:
+            pass
+    assert time.perf_counter() - t0 < 5.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 200 * 1024  # KiB: < 200 MiB growth
+
+
+def _tiny_model():
+    from precision_pipeline.spec.model_arch import arch_from_config
+
+    return arch_from_config({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+                             "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                             "vocab_size": 49152, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"},
+                            name="tiny")
