@@ -46,16 +46,24 @@ def guarded(fn):
         except Exit:
             raise
         except UserError as e:
+            from rich.markup import escape as esc  # user text and patterns such as [a-z0-9] are not markup
+
             con = _console()
             con.print("[bold red]error[/]: the input was refused; nothing was changed.")
             for p in e.problems:
-                con.print(f"  [bold]{p.field}[/]: {p.reason}" + (f"\n    fix: {p.fix}" if p.fix else "")
-                          + (f"\n    rule: {p.rule}" + (f" ({p.source})" if p.source else "") if p.rule else ""),
+                con.print(f"  [bold]{esc(p.field)}[/]: {esc(p.reason)}" + (f"\n    fix: {esc(p.fix)}" if p.fix else "")
+                          + (f"\n    rule: {esc(p.rule)}" + (f" ({esc(p.source)})" if p.source else "") if p.rule else ""),
                           soft_wrap=True)
             raise Exit(code=e.exit_code)
         except PipelineError as e:
-            _console().print(f"[bold red]error[/]: {e}", soft_wrap=True)
+            from rich.markup import escape as esc
+
+            _console().print(f"[bold red]error[/]: {esc(str(e))}", soft_wrap=True)
             raise Exit(code=e.exit_code)
+        except BrokenPipeError:  # `invoke releases | head`: the reader left; say nothing, as cat does
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise Exit(code=141)
         except KeyboardInterrupt:
             _console().print("interrupted; previous artifacts are intact.")
             raise Exit(code=130)
@@ -66,6 +74,18 @@ def guarded(fn):
             raise Exit(code=EXIT_INTERNAL)
 
     return wrapper
+
+
+def _int_arg(flag: str, value, lo: int = 0, hi: int = 2**31 - 1):
+    """``value`` as an int within [lo, hi]; None stays None. Raises UserError naming ``flag``."""
+    from precision_pipeline.core.errors import UserError
+
+    if value is None or isinstance(value, bool):
+        return None if value is None else int(value)
+    s = str(value).strip()
+    if not s.lstrip("-").isdigit() or len(s) > 12 or not lo <= int(s) <= hi:
+        raise UserError(flag, f"{s[:40]!r} is not a whole number from {lo:,} to {hi:,}.", f"pass e.g. {flag} {max(lo, 1)}.")
+    return int(s)
 
 
 def _print_build(result_or_stages) -> None:
@@ -109,7 +129,7 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
 
     try:
         res = run_build(profile, model=model, out=out, strict=strict, repo_root=repo_root,
-                        golden_limit=int(golden_limit) if golden_limit else None, checkpoint=checkpoint, image=image,
+                        golden_limit=_int_arg("--golden-limit", golden_limit, 1, 1000), checkpoint=checkpoint, image=image,
                         on_stage=on_stage)
     except Exception:
         if stages:
@@ -184,13 +204,15 @@ def profiles(c, gpu=None, model=None):
 @guarded
 def bench(c, name, args=""):
     """Run benchmarks/NAME.py (last line: key=value pairs)."""
-    path = ROOT / "benchmarks" / f"{name}.py"
-    if not path.is_file():
+    import re
+
+    names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_"))
+    if not re.fullmatch(r"[a-z0-9_]{1,64}", str(name)) or str(name) not in names:  # never a file outside benchmarks/
         from precision_pipeline.core.errors import UserError
 
-        names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_"))
-        raise UserError("NAME", f"no benchmark named {name!r}.", f"use one of: {', '.join(names)}.")
-    r = c.run(f"{sys.executable} {path} {args}", pty=False, warn=True, env={"PYTHONPATH": str(ROOT)})
+        raise UserError("NAME", f"no benchmark named {str(name)[:80]!r}.", f"use one of: {', '.join(names)}.")
+    path = ROOT / "benchmarks" / f"{name}.py"
+    r = c.run(f"{sys.executable} {path} {args}", pty=False, warn=True, env={"PYTHONPATH": str(SRC)})
     if r.exited:
         raise Exit(code=r.exited)
 
@@ -226,6 +248,10 @@ def _built_repo(profile, out=None):
     out_dir = Path(out).expanduser().resolve() if out else ROOT / "artifacts" / prof.name
     manifest = read_json(out_dir / "manifest.json", {}) or {}
     stages = manifest.get("stages", {})
+    if manifest.get("profile") not in (None, prof.name):
+        raise UserError("--profile", f"{out_dir} holds a build of {manifest.get('profile')!r}, not of {prof.name!r}; "
+                        "its release would be recorded under the wrong profile.",
+                        f"pass --profile {manifest.get('profile')}, or the output folder of {prof.name}'s build.")
     if stages.get("pack", {}).get("status") not in ("done", "cached"):
         raise UserError("--profile", f"{out_dir} holds no finished build of {prof.name}.",
                         f"run `invoke build --profile {profile}` first.")
@@ -240,12 +266,14 @@ def _built_repo(profile, out=None):
             "http_port": "HTTP port (default 8000)", "grpc_port": "gRPC port (default 8001)",
             "metrics_port": "metrics port (default 8002)"})
 @guarded
-def serve(c, profile=None, repo=None, http_port=8000, grpc_port=8001, metrics_port=8002):
+def serve(c, profile=None, repo=None, http_port=None, grpc_port=None, metrics_port=None):
     """Start a real Triton server (CPU reference backend) on 127.0.0.1; Ctrl-C stops it."""
     from precision_pipeline.serving.triton_server import serve as serve_repo
 
     path = _built_repo(profile)[2] if profile and not repo else _serving_repo(repo)
-    serve_repo(path, http_port=int(http_port), grpc_port=int(grpc_port), metrics_port=int(metrics_port))
+    serve_repo(path, http_port=_int_arg("--http-port", http_port, 1, 65535) or 8000,
+               grpc_port=_int_arg("--grpc-port", grpc_port, 1, 65535) or 8001,
+               metrics_port=_int_arg("--metrics-port", metrics_port, 1, 65535) or 8002)
 
 
 @task(help={"profile": "the built profile to promote", "repo": "serving repository (default artifacts/serving/model_repository)",
@@ -286,6 +314,12 @@ def rollback(c, repo=None, to=None, fallback=False, url=None):
     from precision_pipeline.serving import release
     from precision_pipeline.serving.triton_server import TritonServer
 
+    if to is not None and not str(to).strip():
+        from precision_pipeline.core.errors import UserError
+
+        raise UserError("--to", "is empty (an unset shell variable?); rolling back to the previous release instead "
+                        "would be a guess.", "pass an engine hash prefix or unit name, or leave --to out for the "
+                        "previous release.")
     server = TritonServer.attach(url) if url else None
     t = release.rollback(_serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
     _console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")

@@ -543,6 +543,10 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
     previous release) or to the fallback. A loaded (warm) target costs only the config switch;
     a cold one is loaded and smoke-tested first. Returns timings in ms (``warm``: whether it was loaded)."""
     repo_dir = Path(repo_dir)
+    if not repo_dir.is_dir():
+        raise UserError("--repo", f"{repo_dir} does not exist, so there is nothing to roll back.",
+                        "pass the serving repository that `invoke promote` created (default "
+                        "artifacts/serving/model_repository).")
     t0 = time.perf_counter()
     timings: dict[str, Any] = {}
     with _lock(repo_dir):

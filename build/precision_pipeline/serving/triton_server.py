@@ -18,6 +18,7 @@ model of a freshly packed repository), prints the endpoints and runs until Ctrl-
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -87,6 +88,15 @@ def server_dir() -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     _write_if_changed(STANDIN_BACKEND / "model.py", dst / "backends" / "tensorrtllm" / "model.py")
     return dst
+
+
+def _die_with_parent() -> None:
+    """In the forked child: ask Linux to SIGTERM us when the parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG (linux/prctl.h)
+    except (OSError, AttributeError):  # not Linux: a crashed parent may leave the server running
+        pass
 
 
 def free_port() -> int:
@@ -167,11 +177,35 @@ class TritonServer:
             argv.append("--log-verbose=1")
         return argv
 
+    def ports_in_use(self) -> list[tuple[str, int]]:
+        """``[(flag, port)]`` of this server's ports that another process already listens on (127.0.0.1)."""
+        busy = []
+        for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
+                           ("--metrics-port", self.metrics_port)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((self.host, port))
+                except OSError:
+                    busy.append((flag, port))
+        return busy
+
     def start(self, timeout_s: float = 300) -> "TritonServer":
+        """Start the process and wait until it is ready.
+
+        Raises UserError (exit 2) when a port is already taken -- otherwise the readiness probe
+        could be answered by the other server. The child gets ``PR_SET_PDEATHSIG`` (Linux), so it
+        is terminated when the process that started it dies, even by ``kill -9``.
+        """
+        busy = self.ports_in_use()
+        if busy:
+            raise UserError(busy[0][0], "port(s) already in use on 127.0.0.1: "
+                            + ", ".join(f"{p} ({f})" for f, p in busy) + "; another server is probably running.",
+                            "stop that server, or pass free ports (--http-port/--grpc-port/--metrics-port).")
         t0 = time.perf_counter()
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=server_env(self.threads),
-                                     cwd=str(self.model_repository.parent), start_new_session=True)
+                                     cwd=str(self.model_repository.parent), start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         log.close()
         try:
             self.wait_ready(timeout_s)
@@ -315,6 +349,11 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     print(f"  log     {srv.log_file}")
     if not block:
         return srv
+
+    def _terminate(signum, frame):  # SIGTERM/SIGHUP of the task: stop the server like Ctrl-C does
+        raise KeyboardInterrupt
+
+    old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while srv.proc.poll() is None:
             time.sleep(0.5)
@@ -323,4 +362,6 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
         print("stopping (SIGTERM) ...", flush=True)
     finally:
         srv.stop()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
     return srv

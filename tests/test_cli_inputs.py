@@ -1,0 +1,119 @@
+"""Bad command-line values get an exit code and a sentence, never a traceback (issue 11 items 10, 13-15)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+INVOKE = [sys.executable, "-m", "invoke"]
+
+
+def inv(*args, **kw):
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([*INVOKE, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["build", "--profile", "fp8-h100", "--golden-limit", "abc", "--out", "/nonexistent-dir/x"], "--golden-limit"),
+    (["serve", "--repo", "/tmp", "--http-port", "abc"], "--http-port"),
+    (["serve", "--repo", "/tmp", "--grpc-port", "99999"], "--grpc-port"),
+    (["rollback", "--repo", "/nonexistent/x"], "--repo"),
+    (["rollback", "--repo", "/tmp", "--to", ""], "--to"),
+    (["bench", "../tasks"], "NAME"),
+])
+def test_bad_values_exit_2_with_a_sentence(args, flag):
+    p = inv(*args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+    assert f"{flag}:" in p.stdout
+
+
+def test_markup_in_messages_is_printed_verbatim(tmp_path):
+    """rich must not eat the name pattern's brackets nor user text such as [bold red]h100[/]."""
+    prof = tmp_path / "p.yaml"
+    prof.write_text("name: 'Bad Name'\ntarget:\n  gpu: '[bold red]h100[/]'\n")
+    p = inv("check", "--profile", str(prof))
+    assert p.returncode == 2
+    assert "[a-z0-9][a-z0-9._-]*" in p.stdout
+
+
+def test_releases_into_a_closed_pipe_is_quiet(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    p = subprocess.run(f"{sys.executable} -m invoke releases --repo {repo} | head -c 1", shell=True, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
+
+
+def _busy_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+def test_serve_refuses_a_port_in_use(tmp_path):
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving.triton_server import serve
+
+    (tmp_path / "repo").mkdir()
+    s = _busy_port()
+    try:
+        with pytest.raises(UserError) as ei:
+            serve(tmp_path / "repo", http_port=s.getsockname()[1], grpc_port=0 or _free(), metrics_port=_free())
+        assert ei.value.problems[0].field == "--http-port"
+        assert f"{s.getsockname()[1]} (--http-port)" in ei.value.message
+    finally:
+        s.close()
+
+
+def _free():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(port):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_serve_takes_the_server_down_when_the_task_dies(tmp_path, how):
+    """A real tritonserver (empty repository) started by `invoke serve`: after SIGTERM or kill -9 of the
+    task, nothing answers on its port any more (no orphan)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    ports = [_free(), _free(), _free()]
+    proc = subprocess.Popen([*INVOKE, "serve", "--repo", str(repo), "--http-port", str(ports[0]), "--grpc-port",
+                             str(ports[1]), "--metrics-port", str(ports[2])], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _answers(ports[0]):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        proc.send_signal(how)
+        proc.wait(60)
+        deadline = time.monotonic() + 60
+        while _answers(ports[0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _answers(ports[0]), f"tritonserver still answers on {ports[0]} after the task got {how!r}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
