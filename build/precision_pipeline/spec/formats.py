@@ -400,7 +400,8 @@ GEMM: FormatTable[QuantAlgo, GemmFormat] = FormatTable(QuantAlgo, [
                modelopt_preset="INT8_WEIGHT_ONLY_CFG", modelopt_format="int8_wo", warn_on=((120, ANY),)),
     GemmFormat(QuantAlgo.W4A16_NVFP4, "w4a16-nvfp4", "NVFP4 weights, BF16 activations", (),
                "W4A16_NVFP4 is not a TensorRT-LLM 1.2 QuantAlgo", f"{SRC_MODE}; {SRC_CKPT}",
-               weight_bits=4, scales=ScaleLayout("per_block", scalars=2), stored_dtype=("U8",), codec="nvfp4",
+               # codec None: the reader refuses it (never exported here, and trtllm-build cannot build it)
+               weight_bits=4, scales=ScaleLayout("per_block", scalars=2), stored_dtype=("U8",), codec=None,
                modelopt_preset="W4A16_NVFP4_CFG", exported=False, grouping="fixed_block", pack=2,
                refusal="W4A16_NVFP4 is written by ModelOpt (W4A16_NVFP4_CFG) but is not in TensorRT-LLM 1.2's "
                        "QUANT_ALGO_LIST, so trtllm-build cannot build it on any GPU."),
