@@ -72,7 +72,7 @@ from precision_pipeline.quantize import search
 from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
 from precision_pipeline.quantize.names import LAYER_RE, trtllm_name
 from precision_pipeline.core.errors import Problem, UserError
-from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NVFP4_BLOCK
+from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
 
@@ -237,7 +237,7 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
             raise UserError("quantization.kv_cache_quant_algo",
                             f"quant_algo {algo} with a {q.kv_cache_quant_algo.value} KV cache is not exported by this pipeline.",
                             "use kv_cache_quant_algo: NONE with NO_QUANT, or quant_algo FP8 with an FP8 KV cache.")
-        return "NONE", None
+        return NO_MODELOPT_CONFIG, None
     cfg = copy.deepcopy(getattr(mtq, base_name))
     name = base_name
     if fmt.modelopt_adjust == "int4_block":

@@ -68,6 +68,7 @@ MIN_TRTLLM_SM = 80
 SCALE_F32 = 4  # bytes of one F32 scale
 NVFP4_BLOCK = 16  # NVFP4: one FP8 block scale per 16 elements along the input dim
 AWQ_DEFAULT_GROUP = 128  # INT4_AWQ_CFG / W4A8_AWQ_BETA_CFG block_sizes[-1]
+NO_MODELOPT_CONFIG = "NONE"  # the config name the quantize stage records when no ModelOpt PTQ runs
 SmRanges = tuple[tuple[int, int], ...]  # inclusive (lo, hi) SM ranges; hi = ANY: every later SM
 ActFakeQuant = Literal["fp8", "int8", "nvfp4"]
 
