@@ -220,14 +220,6 @@ class GemmFormat:
         """Catalog GPUs that run it."""
         return [g.id for g in gpus_with_sm(self.builds_on)]
 
-    @property
-    def sm_ranges(self) -> SmRanges:
-        return self.builds_on
-
-    @property
-    def warn_ranges(self) -> SmRanges:
-        return self.warn_on
-
     def linear_bytes(self, n_in: int, n_out: int, group_size: Optional[int] = None, dtype_bytes: int = 2,
                      bits: Optional[float] = None) -> float:
         """Bytes of one linear's checkpoint tensors (weight + scales) for ``n_in x n_out``.
@@ -295,15 +287,8 @@ class KvFormat:
         return sm_text(self.builds_on)
 
     def gpu_ids(self) -> list[str]:
+        """Catalog GPUs that run it."""
         return [g.id for g in gpus_with_sm(self.builds_on)]
-
-    @property
-    def sm_ranges(self) -> SmRanges:
-        return self.builds_on
-
-    @property
-    def weight_bytes(self) -> float:  # the old FormatEntry name
-        return self.bytes_per_element
 
 
 E = TypeVar("E", bound=Enum)
@@ -341,11 +326,8 @@ class FormatTable(Mapping, Generic[E, T]):
         except KeyError:
             return default
 
-    def where(self, **facts: Any) -> list[T]:
-        """Entries whose attributes equal ``facts`` (e.g. ``GEMM.where(grouping="per_group")``)."""
-        return [e for e in self._by.values() if all(getattr(e, k) == v for k, v in facts.items())]
-
     def runnable_on(self, sm: int) -> list[T]:
+        """Entries that build on ``sm``, in declaration order."""
         return [e for e in self._by.values() if e.supports(sm)]  # type: ignore[attr-defined]
 
 
@@ -427,11 +409,6 @@ KV: FormatTable[KVCacheQuantAlgo, KvFormat] = FormatTable(KVCacheQuantAlgo, [
              f"{SRC_MODE}; {SRC_QUANT_MD}; {SRC_MODELOPT_CFG}", 0.5 + 1 / 16,
              modelopt_preset="NVFP4_KV_CFG", fake_quant="nvfp4", cpu_model=False),
 ])
-
-# The old names: {quant_algo: entry} (keys are enum members; string look-ups work).
-GEMM_FORMATS = GEMM
-KV_FORMATS = KV
-FormatEntry = GemmFormat  # kept for type hints
 
 # Facts derived from the registry (string values, for messages and membership tests).
 SUGGEST_ORDER = tuple(f.value for f in sorted((f for f in GEMM.values() if f.suggest_rank is not None),
@@ -570,5 +547,5 @@ def join_or(items: list[str]) -> str:
 
 
 __all__ = [n for n in dir() if n.isupper() or n in (
-    "ScaleLayout", "GemmFormat", "KvFormat", "FormatTable", "FormatEntry", "gemm", "kv", "sm_text", "linear_weight_bytes",
+    "ScaleLayout", "GemmFormat", "KvFormat", "FormatTable", "gemm", "kv", "sm_text", "linear_weight_bytes",
     "supported_alternatives", "join_or", "normalize_candidates", "check_search_bits")]
