@@ -117,7 +117,7 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v < 0, -mag, mag)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block: int = 16) -> torch.Tensor:
+def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
     """Dynamic NVFP4 quantize-dequantize along the last dim (blocks of ``block``):
     ``sf_b = fp8(clamp(amax_b / (6 * s2), 2**-9, 448))``, ``x_q = e2m1(x / (sf_b*s2)) * sf_b*s2``."""
     shape = x.shape
