@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from precision_pipeline.quantize.search import FORMAT_BITS, _as_batches, _check_bits, choose_group_size, normalize_formats
+from precision_pipeline.quantize.search import FORMAT_BITS, _as_batches, check_bits, choose_group_size, normalize_formats
 from precision_pipeline.core.errors import UserError
 
 # --------------------------------------------------------------------------------------------
@@ -47,10 +47,10 @@ def test_unsupported_or_empty_formats_refused(fmts):
 
 
 def test_budget_checks():
-    assert _check_bits(6.0, ["FP8", "W4A16_AWQ"]) == 6.0
+    assert check_bits(6.0, ["FP8", "W4A16_AWQ"]) == 6.0
     for bad, fmts in [(3.5, ["FP8", "W4A16_AWQ"]), (7.0, ["FP8"]), (0, ["FP8"]), (17, ["FP8"]), ("x", ["FP8"])]:
         with pytest.raises(UserError) as ei:
-            _check_bits(bad, fmts)
+            check_bits(bad, fmts)
         assert ei.value.problems[0].field == "quantization.auto_quantize_bits"
     assert FORMAT_BITS == {"NO_QUANT": 16, "FP8": 8, "W4A16_AWQ": 4, "NVFP4": 4}
 

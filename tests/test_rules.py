@@ -58,7 +58,7 @@ def test_every_rule_has_a_source_and_unique_name():
 
 
 def test_format_tables_have_sources():
-    for e in list(F.GEMM_FORMATS.values()) + list(F.KV_FORMATS.values()):
+    for e in list(F.GEMM.values()) + list(F.KV.values()):
         assert e.source and e.needs
 
 
@@ -79,14 +79,14 @@ MATRIX = [
 
 @pytest.mark.parametrize("algo,sm,ok", MATRIX)
 def test_gemm_matrix(algo, sm, ok):
-    assert F.GEMM_FORMATS[algo].supports(sm) is ok
+    assert F.GEMM[algo].supports(sm) is ok
 
 
 @pytest.mark.parametrize("kv,sm,ok", [("FP8", 80, True), ("FP8", 86, True), ("FP8", 100, True), ("INT8", 80, True),
                                       ("INT8", 100, False), ("INT8", 103, False), ("NVFP4", 90, False), ("NVFP4", 100, True),
                                       ("NONE", 80, True)])
 def test_kv_matrix(kv, sm, ok):
-    assert F.KV_FORMATS[kv].supports(sm) is ok
+    assert F.KV[kv].supports(sm) is ok
 
 
 def test_linear_weight_bytes():

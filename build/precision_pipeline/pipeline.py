@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
+from precision_pipeline.spec.formats import GEMM
 from precision_pipeline.spec.profile import load_profile
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, clean_stale, hash_dir, hash_file, hash_obj, locked, read_json
 from precision_pipeline.core.paths import PACKAGE_DIR, REPO_ROOT
@@ -103,7 +104,7 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
 
     profile = load_profile(profile_ref)
     q = profile.quantization
-    if q.auto_quantize_bits is not None and q.quant_algo.value != "MIXED_PRECISION":
+    if q.auto_quantize_bits is not None and not GEMM[q.quant_algo].per_layer:
         raise UserError("quantization.auto_quantize_bits",
                         f"an effective-bits budget is set but quant_algo is {q.quant_algo.value}; the per-layer "
                         "search runs only for quant_algo MIXED_PRECISION.",
@@ -215,7 +216,7 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
             })
             if reused_ckpt is not None:
                 rec.reason = f"reused {reused_ckpt}"
-            if qz.get("quant_algo") == "MIXED_PRECISION":
+            if getattr(GEMM.get(qz.get("quant_algo")), "per_layer", False):
                 aq = read_json(ckpt_dir / "autoquant.json", {}) or {}
                 rec.numbers["effective_bits"] = aq.get("effective_bits_achieved")
                 rec.numbers["per_layer_counts"] = aq.get("counts")

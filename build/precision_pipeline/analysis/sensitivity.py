@@ -73,6 +73,7 @@ import torch.nn as nn
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, hash_dir, hash_file, hash_obj
+from precision_pipeline.spec import formats as FMT
 
 CODE_VERSION = 1
 LINEAR_KINDS: dict[str, tuple[str, ...]] = {
@@ -159,19 +160,18 @@ class Evaluator:
     def __init__(self, model_dir: Path, ck: Any, encoded: Sequence[Any], pack_tokens: int = DEFAULT_PACK_TOKENS):
         from transformers import AutoModelForCausalLM
 
-        from precision_pipeline.checkpoint.reader import ATTN_IMPL, _register_attention
+        from precision_pipeline.checkpoint.reader import ATTN_IMPL, act_fake_quant, register_attention
 
         self.ck = ck
         cfg = ck.config
         q = cfg.get("quantization") or {}
-        self.quant_algo = q.get("quant_algo") or "NO_QUANT"
+        self.quant_algo = FMT.gemm(q.get("quant_algo")).value
         self.kv_algo = getattr(ck, "kv_cache_quant_algo", None) or q.get("kv_cache_quant_algo")
         self.group_size = q.get("group_size")
-        from precision_pipeline.checkpoint.reader import _ACT_FORMAT
-
-        self.act_format = _ACT_FORMAT.get(self.quant_algo)
-        self.kv_format = {"FP8": "fp8", "INT8": "int8", "NVFP4": "nvfp4"}.get(self.kv_algo or "", None)
-        _register_attention()
+        self.act_format = act_fake_quant(self.quant_algo)
+        kvf = FMT.KV.get(self.kv_algo) if self.kv_algo else None
+        self.kv_format = kvf.fake_quant if kvf is not None else None
+        register_attention()
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         model.config._attn_implementation = ATTN_IMPL
         for layer in model.model.layers:
@@ -296,13 +296,11 @@ class Evaluator:
         return all(self._spec(t).quantized for t in cell.trt_linears)
 
     def _replacements(self, cell: Cell) -> list[tuple[nn.Module, str, nn.Module]]:
-        from precision_pipeline.checkpoint.reader import LinearSpec, QuantLinear
-
-        from precision_pipeline.checkpoint.reader import _ACT_FORMAT
+        from precision_pipeline.checkpoint.reader import LinearSpec, QuantLinear, act_fake_quant
 
         def act_of(spec: Any) -> Optional[str]:  # per linear (MIXED_PRECISION layers differ)
-            algo = getattr(spec, "quant_algo", "NO_QUANT")
-            return _ACT_FORMAT.get(algo) if algo != "NO_QUANT" else self.act_format
+            algo = getattr(spec, "quant_algo", None)
+            return act_fake_quant(algo) if FMT.gemm(algo).is_quantized else self.act_format
 
         if cell.kind == HEAD_KIND:
             spec = self._spec("lm_head")
@@ -373,11 +371,10 @@ class Evaluator:
     def cell_bytes(self, cell: Cell) -> dict[str, float]:
         """Checkpoint bytes of the cell in BF16 and quantized; excluding it costs the difference.
         kv_cache: KV bytes per token of that layer (BF16 vs quantized)."""
-        from precision_pipeline.spec.formats import KV_BYTES, linear_weight_bytes
-
         if cell.kind == KV_KIND:
             elems = 2 * self.nkv
-            q = elems * KV_BYTES.get(self.kv_algo or "NONE", 2.0)
+            kvf = FMT.KV.get(self.kv_algo) if self.kv_algo else FMT.kv(None)
+            q = elems * (kvf.bytes_per_element if kvf is not None else 2.0)
             return {"kv_bytes_per_token_bf16": elems * 2.0, "kv_bytes_per_token_quantized": q}
         bf16 = quant = 0.0
         for t in cell.trt_linears:
@@ -385,10 +382,10 @@ class Evaluator:
             n_out, n_in = spec.weight.shape
             bf16 += 2.0 * n_in * n_out
             # MIXED_PRECISION: each linear's own format and group size (from quant_cfg.json)
-            algo = getattr(spec, "quant_algo", "NO_QUANT")
-            algo = algo if algo != "NO_QUANT" or self.quant_algo == "MIXED_PRECISION" else self.quant_algo
+            algo = getattr(spec, "quant_algo", None)
+            algo = algo if FMT.gemm(algo).is_quantized or FMT.gemm(self.quant_algo).per_layer else self.quant_algo
             group = getattr(spec, "group_size", None) or self.group_size
-            quant += linear_weight_bytes(algo, n_in, n_out, group, dtype_bytes=2)
+            quant += FMT.linear_weight_bytes(algo, n_in, n_out, group, dtype_bytes=2)
         return {"bf16_bytes": bf16, "quantized_bytes": quant, "cost_bytes": bf16 - quant}
 
 
@@ -671,13 +668,13 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
     ck_dir = checkpoint_dir_for(out_dir, profile.name, checkpoint_dir)
     cfg = read_config(ck_dir)
     q = cfg.get("quantization") or {}
-    algo = q.get("quant_algo") or "NO_QUANT"
+    algo = q.get("quant_algo") or FMT.gemm(None).value  # config.json null = NO_QUANT
     want = profile.quantization.quant_algo
     want = getattr(want, "value", want)
     if algo != want:
         raise UserError("--profile", f"{ck_dir} is quantized with {algo}, but profile {profile.name} asks for {want}.",
                         f"rebuild it: `invoke build --profile {profile.name}`.")
-    if algo == "NO_QUANT":
+    if not FMT.gemm(algo).is_quantized:
         raise UserError("--profile", f"{profile.name} quantizes nothing: there is no sensitivity to measure.",
                         "use a profile with a quant_algo.")
     n_layers = int(cfg["num_hidden_layers"])

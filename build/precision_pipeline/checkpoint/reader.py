@@ -88,12 +88,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from precision_pipeline.checkpoint import codecs
+from precision_pipeline.checkpoint.codecs import (  # noqa: F401  (the element functions are part of this module's API)
+    E2M1_VALUES, FAKE_QUANT, FIELD, FP8_MAX, QUANTIZED_DTYPES, e2m1_to_float, fake_quant_fp8, fake_quant_int8,
+    fake_quant_nvfp4, fp8_e4m3_to_float, round_e2m1, unpack_int4_rows, unpack_nvfp4)
 from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec import formats as FMT
+from precision_pipeline.spec.profile import KVCacheQuantAlgo, QuantAlgo
 
-FIELD = "checkpoint"
-FP8_MAX = 448.0
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+NO_QUANT = QuantAlgo.NO_QUANT.value
+KV_NONE = KVCacheQuantAlgo.NONE.value
 ATTN_IMPL = "trtllm_kvq_sdpa"
 
 # per-linear TRT-LLM name -> (HF suffix, parallel kind)
@@ -106,101 +110,6 @@ _LINEARS = {
 }
 _SCALE_SUFFIXES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
                    "prequant_scaling_factor")
-
-
-# --------------------------------------------------------------------------------------------
-# Element formats
-
-
-def fp8_e4m3_to_float(t: torch.Tensor) -> torch.Tensor:
-    """float32 values of an FP8 E4M3 tensor (dtype float8_e4m3fn, or uint8/int8 raw bits)."""
-    if t.dtype in (torch.uint8, torch.int8):
-        t = t.view(torch.uint8).view(torch.float8_e4m3fn)
-    return t.to(torch.float32)
-
-
-def e2m1_to_float(nibbles: torch.Tensor) -> torch.Tensor:
-    """float32 values of E2M1 codes (ints 0..15): bit 3 sign, bits 0..2 index [0,.5,1,1.5,2,3,4,6]."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    n = nibbles.to(torch.int64)
-    mag = table[n & 0x7]
-    return torch.where((n & 0x8) != 0, -mag, mag)
-
-
-def unpack_nvfp4(packed: torch.Tensor) -> torch.Tensor:
-    """``[..., n/2]`` uint8 -> ``[..., n]`` float32 E2M1 values; element 2j = low nibble, 2j+1 = high."""
-    p = packed.view(torch.uint8).to(torch.int64)
-    lo = p & 0x0F
-    hi = (p >> 4) & 0x0F
-    out = torch.stack([lo, hi], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-    return e2m1_to_float(out)
-
-
-def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
-    """``[out/2, in]`` int8/uint8 -> ``[out, in]`` int64 in -8..7. Row ``2r`` = low nibble of byte
-    row ``r``, row ``2r+1`` = high nibble (``pack_int4_in_uint8``, modelopt/torch/export/quant_utils.py)."""
-    p = packed.view(torch.uint8).to(torch.int64)
-    lo = p & 0x0F
-    hi = (p >> 4) & 0x0F
-    lo = torch.where(lo >= 8, lo - 16, lo)
-    hi = torch.where(hi >= 8, hi - 16, hi)
-    out = torch.stack([lo, hi], dim=1)  # [out/2, 2, in]
-    return out.reshape(p.shape[0] * 2, *p.shape[1:])
-
-
-def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor (or broadcast) FP8 E4M3 quantize-dequantize of ``x`` with scale ``s`` (= amax/448):
-    ``fp8(clamp(x/s, ±448)) * s``, rounding to nearest even.
-
-    Computed in ModelOpt's operation order (``_fp8_eager`` in
-    ``modelopt/torch/quantization/tensor_quant.py``): ``amax = s*448``, ``k = 448/amax``,
-    ``fp8(clamp(x*k)) * (1/k)``, so that given the same scales the result is bit-identical to
-    ModelOpt's fake-quant (values exactly halfway between two FP8 codes round by this float path).
-    """
-    amax = scale.to(torch.float32) * FP8_MAX
-    k = FP8_MAX / amax
-    y = (x.to(torch.float32) * k).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    return (y * (1 / k)).to(x.dtype)
-
-
-def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor INT8 quantize-dequantize with scale ``s`` (= amax/127):
-    ``clamp(round(x/s), -128, 127) * s`` (round half to even).
-
-    Computed in ModelOpt's operation order (``_tensor_quant`` in
-    ``modelopt/torch/quantization/tensor_quant.py``, ``narrow_range=False``):
-    ``k = 127/amax``, ``clamp(round(x*k), -128, 127) / k``.
-    """
-    amax = scale.to(torch.float32) * 127.0
-    k = 127.0 / amax
-    return (torch.round(x.to(torch.float32) * k).clamp(-128, 127) / k).to(x.dtype)
-
-
-def round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Round float32 values to the nearest E2M1 value (ties to the even code, as ModelOpt's
-    ``NVFP4QTensor._cast_fp4``); magnitudes above 6 saturate to 6."""
-    a = v.abs()
-    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
-    idx = torch.searchsorted(bounds, a.contiguous())
-    odd = (a == 0.75) | (a == 1.75) | (a == 3.5)
-    idx = idx + odd.to(idx.dtype)
-    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)[idx.clamp(max=7)]
-    return torch.where(v < 0, -mag, mag)
-
-
-def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """Dynamic NVFP4 quantize-dequantize along the last dim (blocks of ``block``):
-    ``sf_b = fp8(clamp(amax_b / (6 * s2), 2**-9, 448))``, ``x_q = e2m1(x / (sf_b*s2)) * sf_b*s2``."""
-    shape = x.shape
-    xf = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // block, block)
-    s2 = global_scale.to(torch.float32)
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    sf = (amax / (6.0 * s2))
-    sf = torch.where(sf == 0, torch.ones_like(sf), sf)
-    sf = sf.clamp(2.0 ** -9, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    scale = sf * s2
-    q = round_e2m1(xf / scale) * scale
-    return q.reshape(shape).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,8 +128,14 @@ def read_config(ckpt_dir: Path) -> dict:
         raise UserError(FIELD, f"{p} is not valid JSON: {e}.", "re-run the quantize stage.")
 
 
-SINGLE_ALGOS = ("NO_QUANT", "FP8", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16")
-MIXED = "MIXED_PRECISION"
+# formats the reader decodes (a codec in checkpoint/codecs.py), for one linear / a whole checkpoint
+SINGLE_ALGOS = tuple(f.value for f in FMT.GEMM.values() if f.codec is not None)
+LAYER_ALGOS = tuple(f.value for f in FMT.GEMM.values() if f.codec is not None and f.is_quantized)
+READ_ALGOS = SINGLE_ALGOS + tuple(f.value for f in FMT.GEMM.values() if f.per_layer)
+
+
+def _group_ok(g: object) -> bool:
+    return not isinstance(g, bool) and isinstance(g, int) and g >= 1
 
 
 def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
@@ -234,12 +149,13 @@ def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
     """
     cfg = read_config(ckpt_dir) if cfg is None else cfg
     q = cfg.get("quantization") or {}
-    algo = q.get("quant_algo") or "NO_QUANT"
+    algo = q.get("quant_algo") or NO_QUANT
     out = {"quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"), "group_size": q.get("group_size"),
            "exclude_modules": list(q.get("exclude_modules") or []), "layers": {}}
-    if algo != MIXED:
+    fmt = FMT.GEMM.get(algo)  # None: an unknown name (dequantize_checkpoint refuses it)
+    if fmt is None or not fmt.per_layer:
         g = out["group_size"]
-        if algo in ("W4A16_AWQ", "W4A8_AWQ") and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+        if fmt is not None and fmt.grouping == "per_group" and not _group_ok(g):
             raise UserError(FIELD, f"config.json declares {algo} with group_size {g!r}; it needs a positive integer "
                             "(the input channels per scale).", "re-export the checkpoint.")
         return out
@@ -259,11 +175,11 @@ def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
         if not isinstance(entry, dict):
             raise UserError(FIELD, f"{p}: layer {name} is {entry!r}, not an object with quant_algo.", "re-export the checkpoint.")
         la = entry.get("quant_algo")
-        if la not in SINGLE_ALGOS or la == "NO_QUANT":
+        if la not in LAYER_ALGOS:
             raise UserError(FIELD, f"{p}: layer {name} has quant_algo {la!r}, which is not read here.",
-                            "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, W8A8_SQ_PER_CHANNEL or W8A16 per layer.")
+                            f"use {FMT.join_or(list(LAYER_ALGOS))} per layer.")
         g = entry.get("group_size")
-        if la in ("W4A16_AWQ", "W4A8_AWQ") and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+        if FMT.GEMM[la].grouping == "per_group" and not _group_ok(g):
             raise UserError(FIELD, f"{p}: layer {name} ({la}) has group_size {g!r}; it needs a positive integer "
                             "(the input channels per scale).", "re-export the checkpoint.")
         out["layers"][name] = {"quant_algo": la, "group_size": g}
@@ -277,17 +193,14 @@ def read_quant_cfg(ckpt_dir: Path, cfg: dict | None = None) -> dict:
     return out
 
 
-# stored weight dtype (safetensors name) of each declared format
-_STORED = {"FP8": ("F8_E4M3",), "NVFP4": ("U8",), "W4A16_AWQ": ("I8",), "W4A8_AWQ": ("I8",),
-           "W8A8_SQ_PER_CHANNEL": ("I8",), "W8A16": ("I8",), "NO_QUANT": ("BF16", "F16", "F32")}
-
-
 def check_declared_formats(ckpt_dir: Path, cfg: dict | None = None) -> None:
     """Every linear's stored weight (dtype, and for INT8-stored formats the scale layout) must match
     the format that config.json / quant_cfg.json declare for it; read from the safetensors headers
-    only. Raises UserError naming the layer, what is stored and what is declared."""
+    only (stored dtype: ``GemmFormat.stored_dtype``; scale layout: the codec's ``header_problem``).
+    Raises UserError naming the layer, what is stored and what is declared."""
     cfg = read_config(ckpt_dir) if cfg is None else cfg
     qinfo = read_quant_cfg(ckpt_dir, cfg)
+    top = FMT.GEMM.get(qinfo["quant_algo"])
     for f in _rank_files(ckpt_dir, cfg):
         h = safetensors_header(f)
         for key, meta in h.items():
@@ -297,30 +210,28 @@ def check_declared_formats(ckpt_dir: Path, cfg: dict | None = None) -> None:
             if not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
                 continue
             algo, _ = linear_format(qinfo, stem)
-            want = _STORED.get(algo, ())
+            fmt = FMT.GEMM.get(algo)
+            want = fmt.stored_dtype if fmt is not None else ()
             if meta["dtype"] not in want:
-                why = " (exclude_modules lists it)" if algo == "NO_QUANT" and qinfo["quant_algo"] not in (MIXED, "NO_QUANT") else ""
+                excluded = fmt is not None and not fmt.is_quantized and top is not None and top.is_quantized and not top.per_layer
+                why = " (exclude_modules lists it)" if excluded else ""
                 raise UserError(FIELD, f"{stem} is stored as {meta['dtype']} in {f.name} but declared {algo}{why} "
                                 f"(stored as {' or '.join(want)}).", "re-export the checkpoint.")
-            sf = h.get(stem + ".weights_scaling_factor")
-            if meta["dtype"] == "I8" and sf is not None:
-                packed = len(sf["shape"]) == 2 and sf["shape"][0] == 2 * meta["shape"][0]  # INT4: [out, in/g] for [out/2, in]
-                if algo in ("W4A16_AWQ", "W4A8_AWQ") and not packed:
-                    raise UserError(FIELD, f"{stem} is declared {algo} but stored as INT8 with per-channel scales "
-                                    f"{sf['shape']} (W8A16 / SmoothQuant layout).", "re-export the checkpoint.")
-                if algo in ("W8A8_SQ_PER_CHANNEL", "W8A16") and packed:
-                    raise UserError(FIELD, f"{stem} is declared {algo} but stored as packed INT4 with per-group scales "
-                                    f"{sf['shape']} (AWQ layout).", "re-export the checkpoint.")
+            codec = codecs.CODECS.get(fmt.codec or "")
+            problem = codec.header_problem(stem, fmt, meta, h.get(stem + ".weights_scaling_factor")) if codec else None
+            if problem:
+                raise UserError(FIELD, problem, "re-export the checkpoint.")
 
 
 def linear_format(qinfo: dict, name: str) -> tuple[str, int | None]:
     """``(quant_algo, group_size)`` that the checkpoint declares for TRT-LLM linear ``name``
     (``NO_QUANT`` for excluded / unlisted ones); ``qinfo`` from ``read_quant_cfg``."""
-    if qinfo["quant_algo"] == MIXED:
+    fmt = FMT.GEMM.get(qinfo["quant_algo"])
+    if fmt is not None and fmt.per_layer:
         e = qinfo["layers"].get(name)
-        return (e["quant_algo"], e.get("group_size")) if e else ("NO_QUANT", None)
-    if qinfo["quant_algo"] == "NO_QUANT" or _excluded(name, qinfo["exclude_modules"]):
-        return "NO_QUANT", None
+        return (e["quant_algo"], e.get("group_size")) if e else (NO_QUANT, None)
+    if (fmt is not None and not fmt.is_quantized) or _excluded(name, qinfo["exclude_modules"]):
+        return NO_QUANT, None
     return qinfo["quant_algo"], qinfo["group_size"]
 
 
@@ -366,8 +277,8 @@ def checkpoint_info(ckpt_dir: Path) -> dict:
     q = cfg.get("quantization") or {}
     qinfo = read_quant_cfg(ckpt_dir, cfg)
     return {
-        "quant_algo": q.get("quant_algo") or "NO_QUANT",
-        "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or "NONE",
+        "quant_algo": q.get("quant_algo") or NO_QUANT,
+        "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or KV_NONE,
         "layers": {n: e["quant_algo"] for n, e in qinfo["layers"].items()},
         "group_size": q.get("group_size"),
         "exclude_modules": list(q.get("exclude_modules") or []),
@@ -380,9 +291,6 @@ def checkpoint_info(ckpt_dir: Path) -> dict:
         "dtypes": dict(sorted(dtypes.items())),
         "num_tensors": n,
     }
-
-
-_PACKED_PER_BYTE = {"W4A16_AWQ": 2, "W4A8_AWQ": 2, "NVFP4": 2}  # 4-bit formats: 2 weights per stored byte
 
 
 def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
@@ -432,9 +340,10 @@ def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
     tot_bits = tot_params = 0
     for stem in sorted(names, key=key):
         algo, group = linear_format(qinfo, stem)
-        params = sizes[stem][0] * _PACKED_PER_BYTE.get(algo, 1)
+        fmt = FMT.GEMM.get(algo)
+        params = sizes[stem][0] * (fmt.pack if fmt else 1)  # 4-bit formats: 2 weights per stored byte
         nbytes = sizes[stem][1]
-        rows.append({"name": stem, "quant_algo": algo, "group_size": group if algo in _PACKED_PER_BYTE else None,
+        rows.append({"name": stem, "quant_algo": algo, "group_size": group if fmt and fmt.grouping != "none" else None,
                      "params": params, "bytes": nbytes, "bits_per_weight": round(nbytes * 8 / params, 4)})
         agg = by_fmt.setdefault(algo, {"linears": 0, "params": 0, "bytes": 0})
         agg["linears"] += 1
@@ -442,7 +351,7 @@ def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
         agg["bytes"] += nbytes
         tot_bits += nbytes * 8
         tot_params += params
-    out = {"quant_algo": qinfo["quant_algo"], "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or "NONE",
+    out = {"quant_algo": qinfo["quant_algo"], "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or KV_NONE,
            "source": "exported checkpoint (config.json" + (", quant_cfg.json" if qinfo["layers"] else "") +
                      ", rank*.safetensors headers)",
            "linears": rows, "by_format": dict(sorted(by_fmt.items())),
@@ -463,75 +372,15 @@ def _load_ranks(ckpt_dir: Path, cfg: dict) -> list[dict[str, torch.Tensor]]:
 # Dequantization of one rank's linear
 
 
-def _dequant_int4(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
-    """INT4 AWQ weight of one rank -> float32 ``[out, in]``.
-
-    ``w = q * weights_scaling_factor[o, i // group]`` (``pack_int4_in_uint8`` quantizes
-    ``round(w / s)`` with the INT4 quantizer's per-group scale; ``weights_scaling_factor_2`` is
-    not used for the packing). W4A8_AWQ: ``weights_scaling_factor_2`` is the per-tensor scale of
-    the second, FP8 weight quantizer (ModelOpt's ``SequentialQuantizer``, INT4 then FP8 E4M3;
-    ``get_weight_scaling_factor_2`` in ``modelopt/torch/export/quant_utils.py``): the INT4 values
-    times their group scales are represented in FP8 with that scale, so
-    ``w = fp8(q * s / s2) * s2`` (measured: without the FP8 step the relative error vs. the HF
-    weights is the same; multiplying by ``s2`` instead gives ~99% error).
-    """
-    q = unpack_int4_rows(t[prefix + "weight"]).to(torch.float32)
-    s = t[prefix + "weights_scaling_factor"].to(torch.float32)
-    if s.shape[0] != q.shape[0] and s.shape[-1] == q.shape[0]:
-        s = s.T  # [in/group, out] layout
-    if s.dim() != 2 or s.shape[0] != q.shape[0] or q.shape[1] != s.shape[1] * group:
-        raise UserError(FIELD, f"{prefix}weights_scaling_factor has shape {tuple(s.shape)}; expected "
-                        f"[{q.shape[0]}, {q.shape[1] // group}] for weight [{q.shape[0]}, {q.shape[1]}] and group {group}.",
-                        "re-export the checkpoint.")
-    w = q * s.repeat_interleave(group, dim=1)
-    s2 = t.get(prefix + "weights_scaling_factor_2")
-    if s2 is not None:
-        w = fake_quant_fp8(w, s2.to(torch.float32).reshape(()))
-    return w
-
-
 def dequantize_weight(t: dict[str, torch.Tensor], prefix: str, quant_algo: str, group_size: int | None) -> torch.Tensor:
     """float32 ``[out, in]`` weight of the linear ``prefix`` (e.g. ``transformer.layers.0.attention.qkv.``)
-    from one rank's tensors ``t``. Quantized iff the weight's dtype is FP8/INT8/UINT8.
+    from one rank's tensors ``t``, decoded by the codec that the registry names for ``quant_algo``
+    (``codecs.dequantize``). Quantized iff the weight's dtype is FP8/INT8/UINT8.
 
-    Raises UserError when the scales that the format needs are missing or have wrong shapes.
+    Raises UserError when the scales that the format needs are missing or have wrong shapes, or
+    the stored dtype is not the declared format's.
     """
-    w = t[prefix + "weight"]
-    if w.dtype not in QUANTIZED_DTYPES:
-        return w.to(torch.float32)
-
-    def need(name: str) -> torch.Tensor:
-        if prefix + name not in t:
-            raise UserError(FIELD, f"{prefix}weight is {w.dtype} but {prefix}{name} is missing.", "re-export the checkpoint.")
-        return t[prefix + name].to(torch.float32) if t[prefix + name].dtype != torch.float8_e4m3fn else t[prefix + name]
-
-    if w.dtype == torch.float8_e4m3fn:
-        s = need("weights_scaling_factor")
-        if s.numel() == 1:
-            return fp8_e4m3_to_float(w) * s.reshape(())
-        if s.numel() == w.shape[0]:  # per-channel FP8 (not produced by FP8_DEFAULT_CFG)
-            return fp8_e4m3_to_float(w) * s.reshape(-1, 1)
-        raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements for FP8 weight {tuple(w.shape)}.",
-                        "re-export the checkpoint.")
-    if w.dtype == torch.uint8:  # NVFP4
-        sf = need("weights_scaling_factor")
-        sf2 = need("weights_scaling_factor_2").reshape(())
-        vals = unpack_nvfp4(w)  # [out, in]
-        block = vals.shape[1] // sf.shape[1]
-        if sf.shape[0] != vals.shape[0] or block * sf.shape[1] != vals.shape[1]:
-            raise UserError(FIELD, f"{prefix}: NVFP4 scales {tuple(sf.shape)} do not tile weight {tuple(vals.shape)}.",
-                            "re-export the checkpoint.")
-        scale = fp8_e4m3_to_float(sf) * sf2
-        return vals * scale.repeat_interleave(block, dim=1)
-    # int8: AWQ int4 (packed) or int8 per-channel
-    if quant_algo in ("W4A16_AWQ", "W4A8_AWQ"):
-        need("weights_scaling_factor")
-        return _dequant_int4(t, prefix, int(group_size or 128))
-    s = need("weights_scaling_factor")
-    if s.numel() != w.shape[0]:
-        raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements; expected {w.shape[0]} (per output channel).",
-                        "re-export the checkpoint.")
-    return w.to(torch.float32) * s.reshape(-1, 1)
+    return codecs.dequantize(t, prefix, FMT.gemm(quant_algo), group_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,7 +405,7 @@ class LinearSpec:
     act_scale: Optional[torch.Tensor] = None
     act_scale_rows: list = field(default_factory=list)
     pre: Optional[torch.Tensor] = None
-    quant_algo: str = "NO_QUANT"
+    quant_algo: str = NO_QUANT
     group_size: Optional[int] = None
 
 
@@ -615,8 +464,9 @@ def merge_linear(ranks: list[dict], prefix: str, kind: str, cfg: dict, quant_alg
         weight = torch.cat(ws, dim=0)
     else:
         weight = torch.cat(ws, dim=1)
-    spec = LinearSpec(weight=weight, quantized=quantized, quant_algo=quant_algo if quantized else "NO_QUANT",
-                      group_size=group_size if quantized and quant_algo in ("W4A16_AWQ", "W4A8_AWQ") else None)
+    grouped = quantized and FMT.gemm(quant_algo).grouping == "per_group"
+    spec = LinearSpec(weight=weight, quantized=quantized, quant_algo=quant_algo if quantized else NO_QUANT,
+                      group_size=group_size if grouped else None)
     in_dim = weight.shape[1]
     if any(a is not None for a in acts):
         if any(a is None for a in acts):
@@ -691,10 +541,9 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     if cfg.get("architecture") not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise UserError(FIELD, f"architecture {cfg.get('architecture')!r} is not read here (Llama only).", "use a Llama checkpoint.")
     q = cfg.get("quantization") or {}
-    algo = q.get("quant_algo") or "NO_QUANT"
-    if algo not in SINGLE_ALGOS + (MIXED,):
-        raise UserError(FIELD, f"quant_algo {algo} is not read here.", "use FP8, NVFP4, W4A16_AWQ, W4A8_AWQ, "
-                        "W8A8_SQ_PER_CHANNEL, W8A16, MIXED_PRECISION or NO_QUANT.")
+    algo = q.get("quant_algo") or NO_QUANT
+    if algo not in READ_ALGOS:
+        raise UserError(FIELD, f"quant_algo {algo} is not read here.", f"use {FMT.join_or(list(READ_ALGOS))}.")
     qinfo = read_quant_cfg(ckpt_dir, cfg)
     check_declared_formats(ckpt_dir, cfg)
     kv_algo = qinfo["kv_cache_quant_algo"]
@@ -768,9 +617,6 @@ def _excluded(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-_NEEDS_ACT_SCALE = ("FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")
-
-
 def _check_layers(linears: dict[str, LinearSpec], qinfo: dict) -> None:
     """What the header check (``check_declared_formats``) cannot see: quant_cfg.json layers the
     checkpoint lacks, and activation scales the declared formats need."""
@@ -779,7 +625,7 @@ def _check_layers(linears: dict[str, LinearSpec], qinfo: dict) -> None:
         raise UserError(FIELD, f"quant_cfg.json lists {unknown[0]}, which the checkpoint does not have.",
                         "re-export the checkpoint.")
     for n, s in linears.items():
-        if s.quantized and s.quant_algo in _NEEDS_ACT_SCALE and s.act_scale is None and not s.act_scale_rows:
+        if s.quantized and FMT.gemm(s.quant_algo).needs_act_scale and s.act_scale is None and not s.act_scale_rows:
             raise UserError(FIELD, f"{n} lacks activation_scaling_factor, which {s.quant_algo} needs.", "re-export the checkpoint.")
 
 
@@ -805,13 +651,8 @@ class QuantLinear(nn.Module):
         self.out_features = spec.weight.shape[0]
 
     def _quant(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.act_format == "fp8":
-            return fake_quant_fp8(x, scale)
-        if self.act_format == "int8":
-            return fake_quant_int8(x, scale)
-        if self.act_format == "nvfp4":
-            return fake_quant_nvfp4(x, scale)
-        return x
+        fn = FAKE_QUANT.get(self.act_format or "")
+        return fn(x, scale) if fn is not None else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre is not None:
@@ -827,7 +668,16 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, act={self.act_format}, pre={self.pre is not None}"
 
 
-_ACT_FORMAT = {"FP8": "fp8", "W4A8_AWQ": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "NVFP4": "nvfp4"}
+def act_fake_quant(quant_algo: Optional[str]) -> Optional[str]:
+    """The activation fake-quant kind (``fp8`` / ``int8`` / ``nvfp4``, keys of ``codecs.FAKE_QUANT``)
+    that a linear of ``quant_algo`` gets (``GemmFormat.act_fake_quant``); None for weight-only,
+    unquantized or unknown formats."""
+    fmt = FMT.GEMM.get(quant_algo) if quant_algo else None
+    return fmt.act_fake_quant if fmt is not None else None
+
+
+# KV fake-quant kinds the CPU model reproduces (KvFormat.cpu_model) -> function (x, per-head scale)
+KV_FAKE_QUANT = {k.fake_quant: FAKE_QUANT[k.fake_quant] for k in FMT.KV.values() if k.fake_quant and k.cpu_model}
 
 
 def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -838,16 +688,14 @@ def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
     if fmt is not None:
         ks = module.k_scale.view(1, -1, 1, 1)  # [1, kv_heads, 1, 1]
         vs = module.v_scale.view(1, -1, 1, 1)
-        if fmt == "fp8":
-            key = fake_quant_fp8(key, ks)
-            value = fake_quant_fp8(value, vs)
-        elif fmt == "int8":
-            key = fake_quant_int8(key, ks)
-            value = fake_quant_int8(value, vs)
+        fn = KV_FAKE_QUANT.get(fmt)
+        if fn is not None:
+            key = fn(key, ks)
+            value = fn(value, vs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _register_attention() -> None:
+def register_attention() -> None:
     """Register the KV fake-quant attention and its mask function under ``ATTN_IMPL``.
 
     The mask function matters: transformers (masking_utils ``_preprocess_mask_arguments``) builds
@@ -899,16 +747,18 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
         raise UserError(FIELD, "checkpoint and HF config disagree: " + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in bad.items()) + ".",
                         "pass the HF folder the checkpoint was exported from.")
     kv_algo = ck.kv_cache_quant_algo
-    if kv_algo not in (None, "FP8", "INT8"):
-        # NVFP4 KV: the meaning of the exported k/v scales for TensorRT-LLM's FP4 cache was not
-        # verified here, so it is refused rather than approximated
-        raise UserError(FIELD, f"kv_cache_quant_algo {kv_algo} is not modelled by this reader (FP8 and INT8 are).",
+    kvf = FMT.KV.get(kv_algo) if kv_algo else None
+    if kv_algo and (kvf is None or not kvf.is_quantized or not kvf.cpu_model):
+        # NVFP4 KV (KvFormat.cpu_model False): the meaning of the exported k/v scales for
+        # TensorRT-LLM's FP4 cache was not verified here, so it is refused rather than approximated
+        modelled = " and ".join(k.value for k in FMT.KV.values() if k.is_quantized and k.cpu_model)
+        raise UserError(FIELD, f"kv_cache_quant_algo {kv_algo} is not modelled by this reader ({modelled} are).",
                         "gate an FP8-KV variant of the profile, or evaluate this one on the engine.")
 
     def act(spec: LinearSpec) -> Optional[str]:  # per linear: MIXED_PRECISION layers differ
-        return _ACT_FORMAT.get(spec.quant_algo) if spec.quantized else None
+        return act_fake_quant(spec.quant_algo) if spec.quantized else None
 
-    _register_attention()
+    register_attention()
     hf_cfg.tie_word_embeddings = False
     hf_cfg._attn_implementation = ATTN_IMPL
     with torch.device("meta"):
@@ -952,7 +802,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
         attn = layer.self_attn
         if kv_algo:
             ks, vs = ck.kv_scales[i]
-            attn.kv_format = {"FP8": "fp8", "INT8": "int8"}[kv_algo]
+            attn.kv_format = kvf.fake_quant
             attn.register_buffer("k_scale", ks.to(torch.float32))
             attn.register_buffer("v_scale", vs.to(torch.float32))
         else:
@@ -967,6 +817,6 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
 
 __all__ = [
     "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
-    "QuantLinear", "LinearSpec", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
+    "QuantLinear", "LinearSpec", "act_fake_quant", "register_attention", "KV_FAKE_QUANT", "ATTN_IMPL", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]

@@ -7,7 +7,9 @@ PTQ (``modelopt.torch.quantization.quantize``) on the profile's calibration set
 ``modelopt.torch.export.export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, dir,
 inference_tensor_parallel=tp_size)``.
 
-Formats (``quantization.quant_algo`` -> ModelOpt config, ``modelopt/torch/quantization/config.py``):
+Formats (``quantization.quant_algo`` -> ModelOpt config, ``modelopt/torch/quantization/config.py``;
+the facts are the registry's ``GemmFormat.modelopt_preset`` / ``modelopt_adjust`` / ``grouping``
+and ``KvFormat.modelopt_preset`` / ``not_exported``, ``precision_pipeline.spec.formats``):
 
 =====================  ============================================================
 FP8                    ``FP8_DEFAULT_CFG`` (per-tensor E4M3 weights and activations)
@@ -61,49 +63,26 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from precision_pipeline.quantize import search
 from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
+from precision_pipeline.quantize.names import LAYER_RE, trtllm_name
 from precision_pipeline.core.errors import Problem, UserError
-from precision_pipeline.spec.profile import Profile
+from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
+from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
 
-MAIN_CONFIGS: dict[str, str | None] = {
-    "FP8": "FP8_DEFAULT_CFG",
-    "NVFP4": "NVFP4_DEFAULT_CFG",
-    "W4A16_AWQ": "INT4_AWQ_CFG",
-    "W4A8_AWQ": "W4A8_AWQ_BETA_CFG",
-    "W8A8_SQ_PER_CHANNEL": "INT8_SMOOTHQUANT_CFG",
-    "W8A16": "INT8_WEIGHT_ONLY_CFG",
-    "NO_QUANT": None,
-    "MIXED_PRECISION": "auto_quantize",
-}
-MIXED = "MIXED_PRECISION"
 # HF model_type -> ModelOpt export decoder type (modelopt/torch/export/model_utils.py maps
 # MixtralForCausalLM to "llama" too; the MoE experts are exported by the same path)
 EXPORT_MODEL_TYPES = {"llama": "llama", "mixtral": "llama"}
-KV_CONFIGS: dict[str, str | None] = {"NONE": None, "FP8": "FP8_KV_CFG", "NVFP4": "NVFP4_KV_CFG", "INT8": None}
-AWQ_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
-NVFP4_GROUP = 16
-AWQ_DEFAULT_GROUP = 128  # INT4_AWQ_CFG / W4A8_AWQ_BETA_CFG block_sizes[-1]
-
-# HF Llama linear name (last component) -> TensorRT-LLM name (relative to transformer.layers.N.)
-_HF_TO_TRT = {
-    "self_attn.q_proj": "attention.qkv",
-    "self_attn.k_proj": "attention.qkv",
-    "self_attn.v_proj": "attention.qkv",
-    "self_attn.o_proj": "attention.dense",
-    "mlp.gate_proj": "mlp.fc",
-    "mlp.up_proj": "mlp.gate",
-    "mlp.down_proj": "mlp.proj",
-}
+NVFP4_GROUP = NVFP4_BLOCK
+NO_QUANT = QuantAlgo.NO_QUANT.value
 # fused groups (TensorRT-LLM GEMMs): excluding one member excludes all
 _FUSED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
-_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
 @dataclass
@@ -137,25 +116,6 @@ class QuantizeResult:
 # Names
 
 
-def trtllm_name(hf_name: str) -> str:
-    """TensorRT-LLM checkpoint module name of an HF Llama module name.
-
-    ``model.layers.3.self_attn.k_proj`` -> ``transformer.layers.3.attention.qkv``;
-    ``lm_head`` -> ``lm_head``; ``model.embed_tokens`` -> ``transformer.vocab_embedding``;
-    anything else is returned unchanged.
-    """
-    m = _LAYER_RE.match(hf_name)
-    if m:
-        idx, rest = m.groups()
-        if rest in _HF_TO_TRT:
-            return f"transformer.layers.{idx}.{_HF_TO_TRT[rest]}"
-    if hf_name == "model.embed_tokens":
-        return "transformer.vocab_embedding"
-    if hf_name == "model.norm":
-        return "transformer.ln_f"
-    return hf_name
-
-
 def _linear_names(model: Any) -> list[str]:
     import torch.nn as nn
 
@@ -187,12 +147,12 @@ def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], kee
         excluded.update(hit)
     keep = set(range(min(keep_first, num_layers))) | set(range(max(0, num_layers - keep_last), num_layers))
     for n in linear_names:
-        m = _LAYER_RE.match(n)
+        m = LAYER_RE.match(n)
         if m and int(m.group(1)) in keep:
             excluded.add(n)
     # fused groups
     for n in list(excluded):
-        m = _LAYER_RE.match(n)
+        m = LAYER_RE.match(n)
         if not m:
             continue
         prefix = n[: len(n) - len(m.group(2))]
@@ -210,14 +170,15 @@ def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], kee
 def _check_group_size(profile: Profile) -> int | None:
     q = profile.quantization
     algo = q.quant_algo.value
-    if algo == "NVFP4":
-        if q.group_size not in (None, NVFP4_GROUP):
-            raise UserError("quantization.group_size", f"NVFP4 uses blocks of {NVFP4_GROUP} elements; got {q.group_size}.",
-                            "remove quantization.group_size (or set it to 16).")
-        return NVFP4_GROUP
-    if algo in AWQ_ALGOS:
+    fmt = GEMM[q.quant_algo]
+    if fmt.grouping == "fixed_block":
+        if q.group_size not in (None, NVFP4_BLOCK):
+            raise UserError("quantization.group_size", f"{algo} uses blocks of {NVFP4_BLOCK} elements; got {q.group_size}.",
+                            f"remove quantization.group_size (or set it to {NVFP4_BLOCK}).")
+        return NVFP4_BLOCK
+    if fmt.grouping == "per_group":
         return q.group_size or AWQ_DEFAULT_GROUP
-    if algo == MIXED:
+    if fmt.per_layer:
         return q.group_size  # AWQ candidates: autoquant.choose_group_size checks / picks it
     if q.group_size is not None:
         raise UserError("quantization.group_size", f"{algo} has no per-group scales; group_size {q.group_size} would be ignored.",
@@ -234,13 +195,12 @@ def kv_config_for(kv_algo: str) -> tuple[str | None, list[dict] | None]:
     """
     import modelopt.torch.quantization as mtq
 
-    if kv_algo == "NONE":
+    fmt = KV[kv_algo]
+    if not fmt.is_quantized:
         return None, None
-    if kv_algo == "INT8":
-        from precision_pipeline.spec.formats import INT8_KV_NOT_EXPORTED
-
-        raise UserError("quantization.kv_cache_quant_algo", *INT8_KV_NOT_EXPORTED)
-    name = KV_CONFIGS[kv_algo]
+    if fmt.not_exported:
+        raise UserError("quantization.kv_cache_quant_algo", *fmt.not_exported)
+    name = fmt.modelopt_preset
     return name, copy.deepcopy(getattr(mtq, name)["quant_cfg"])
 
 
@@ -264,24 +224,23 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
 
     q = profile.quantization
     algo = q.quant_algo.value
-    if algo not in MAIN_CONFIGS:
-        raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
-                        f"use one of: {', '.join(MAIN_CONFIGS)}.")
-    if algo == MIXED:
+    fmt = GEMM[q.quant_algo]
+    _assert_exported(algo)
+    if fmt.per_layer:
         raise UserError("quantization.quant_algo", "MIXED_PRECISION has no single ModelOpt config: the per-layer "
                         "search (mtq.auto_quantize) picks one per layer.", "call quantize_model / run_quantize.")
     group = _check_group_size(profile)
     kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
-    base_name = MAIN_CONFIGS[algo]
+    base_name = fmt.modelopt_preset
     if base_name is None:
         if kv_cfg is not None:
             raise UserError("quantization.kv_cache_quant_algo",
-                            f"quant_algo NO_QUANT with a {q.kv_cache_quant_algo.value} KV cache is not exported by this pipeline.",
+                            f"quant_algo {algo} with a {q.kv_cache_quant_algo.value} KV cache is not exported by this pipeline.",
                             "use kv_cache_quant_algo: NONE with NO_QUANT, or quant_algo FP8 with an FP8 KV cache.")
-        return "NONE", None
+        return NO_MODELOPT_CONFIG, None
     cfg = copy.deepcopy(getattr(mtq, base_name))
     name = base_name
-    if algo in AWQ_ALGOS:
+    if fmt.modelopt_adjust == "int4_block":
         hits = 0
         for entry in cfg["quant_cfg"]:
             if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
@@ -294,7 +253,7 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
         if hits != 1:  # pragma: no cover - guards a ModelOpt layout change
             raise RuntimeError(f"{base_name}: expected one INT4 *weight_quantizer entry with block_sizes, found {hits}")
         name = f"{base_name}(group_size={group})"
-    if algo == "W8A8_SQ_PER_CHANNEL":
+    if fmt.modelopt_adjust == "smoothquant":
         cfg["algorithm"] = {"method": "smoothquant", "alpha": float(q.smoothquant_alpha)}
         name = f"{base_name}(alpha={q.smoothquant_alpha})"
     if kv_cfg is not None:
@@ -312,6 +271,15 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
         cfg["quant_cfg"].append({"quantizer_name": f"{n}.weight_quantizer", "enable": False})
         cfg["quant_cfg"].append({"quantizer_name": f"{n}.input_quantizer", "enable": False})
     return name, cfg
+
+
+def _assert_exported(algo: str) -> None:
+    """UserError unless the quantize stage produces ``algo`` (``GemmFormat.exported``; the resolve
+    rule format.trtllm_buildable refuses the one format it does not, W4A16_NVFP4, before a build)."""
+    if not GEMM[algo].exported:
+        ok = [f.value for f in GEMM.values() if f.exported]
+        raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
+                        f"use one of: {', '.join(ok)}.")
 
 
 def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int]:
@@ -478,9 +446,8 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
     q = profile.quantization
     algo = q.quant_algo.value
     kv_algo = q.kv_cache_quant_algo.value
-    if algo not in MAIN_CONFIGS:
-        raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
-                        f"use one of: {', '.join(MAIN_CONFIGS)}.")
+    fmt = GEMM[q.quant_algo]
+    _assert_exported(algo)
     if not (model_dir / "config.json").is_file():
         raise UserError("model", f"{model_dir} has no config.json (not a Hugging Face model folder).",
                         "pass the converted model folder (precision_pipeline.spec.default_model.ensure_default_model()).")
@@ -491,22 +458,20 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
                         "this quantize stage exports Llama-architecture models (and Mixtral MoE) only.",
                         "use a Llama-family model.")
     group = _check_group_size(profile)
-    if kv_algo != "NONE" and algo == "NO_QUANT":
+    if KV[kv_algo].is_quantized and not fmt.is_quantized:
         modelopt_config_for(profile, linear_names=[], num_hidden_layers=0)  # raises the NO_QUANT + KV error
     kv_config_for(kv_algo)  # INT8 refused here, before any heavy work
-    if algo == MIXED:
-        from precision_pipeline.quantize.search import _check_bits, normalize_formats
-
+    if fmt.per_layer:
         if q.auto_quantize_bits is None:
-            raise UserError("quantization.auto_quantize_bits", "MIXED_PRECISION needs an effective-bits budget.",
+            raise UserError("quantization.auto_quantize_bits", f"{algo} needs an effective-bits budget.",
                             "set quantization.auto_quantize_bits, e.g. 6.0 with auto_quantize_formats [FP8, W4A16_AWQ].")
-        _check_bits(q.auto_quantize_bits, normalize_formats(q.auto_quantize_formats))
-    check_layout(profile, hf_cfg, group if algo in AWQ_ALGOS else None)
+        search.check_bits(q.auto_quantize_bits, search.normalize_formats(q.auto_quantize_formats))
+    check_layout(profile, hf_cfg, group if fmt.grouping == "per_group" else None)
     moe_layout(profile, hf_cfg)  # refuses a bad moe_tp x moe_ep before any heavy work
     calib = calib_set
-    if calib is None and algo != "NO_QUANT":
+    if calib is None and fmt.is_quantized:
         calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
-    if algo == MIXED:
+    if fmt.per_layer:
         return _search_model(profile, model_dir, hf_cfg, calib, show_progress)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -525,12 +490,12 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
     calibrate_s = time.perf_counter() - t0
     return QuantizedModel(model=model, profile=profile, config_name=cfg_name, config=cfg, calibration=calib,
                           excluded_hf=excluded_hf if cfg is not None else [], unmatched=unmatched,
-                          calibrate_s=calibrate_s, group_size=group if algo in AWQ_ALGOS + ("NVFP4",) else None)
+                          calibrate_s=calibrate_s, group_size=group if fmt.grouping != "none" else None)
 
 
 def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: CalibrationSet,
                   show_progress: bool) -> QuantizedModel:
-    """MIXED_PRECISION: ``mtq.auto_quantize`` (``precision_pipeline.quantize.search._run_search``), then the KV cache.
+    """MIXED_PRECISION: ``mtq.auto_quantize`` (``precision_pipeline.quantize.search.run_search``), then the KV cache.
 
     Layers kept in high precision (``exclude_modules``, ``keep_first/last_layers``, fused groups
     expanded) are the search's ``disabled_layers`` and stay unquantized; everything else, lm_head
@@ -543,15 +508,13 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
 
     import modelopt.torch.quantization as mtq
 
-    from precision_pipeline.quantize.search import CANDIDATES, _run_search, normalize_formats
-
     q = profile.quantization
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     names = _linear_names(model)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
                                                 q.keep_last_layers, int(hf_cfg.num_hidden_layers))
     disabled = list(excluded_hf)
-    fmts = normalize_formats(q.auto_quantize_formats)
+    fmts = search.normalize_formats(q.auto_quantize_formats)
     t0 = time.perf_counter()
     batches = calib.batches(profile.calibration.batch_size)
     if show_progress:
@@ -560,7 +523,7 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
         Console(stderr=True).print(f"[bold]per-layer search[/] (mtq.auto_quantize, gradient scores) over "
                                    f"{', '.join(fmts)} at {q.auto_quantize_bits} bits: {len(calib.samples)} samples, "
                                    f"{len(batches)} batches")
-    model, per_layer_hf, stats = _run_search(model, batches, float(q.auto_quantize_bits), fmts,
+    model, per_layer_hf, stats = search.run_search(model, batches, float(q.auto_quantize_bits), fmts,
                                              disabled_layers=disabled, group_size=q.group_size)
     kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
     if kv_cfg is not None:
@@ -570,7 +533,7 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
             mtq.calibrate(model, algorithm="max", forward_loop=loop)
     calibrate_s = time.perf_counter() - t0
     name = "auto_quantize(" + ", ".join(
-        f"{CANDIDATES[f][0]}(group_size={stats.group_size})" if f == "W4A16_AWQ" else CANDIDATES[f][0]
+        GEMM[f].modelopt_preset + (f"(group_size={stats.group_size})" if GEMM[f].grouping == "per_group" else "")
         for f in fmts) + f"; effective_bits={q.auto_quantize_bits})" + (f"+{kv_name}" if kv_name else "")
     return QuantizedModel(model=model, profile=profile, config_name=name, config=None, calibration=calib,
                           excluded_hf=excluded_hf, unmatched=unmatched, calibrate_s=calibrate_s,
@@ -621,7 +584,7 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
         quant = conf.get("quantization") or {}
         per_layer: dict[str, str] = {}
         if qm.search:
-            per_layer = _check_mixed_export(tmp, qm.search["per_layer_hf"])
+            per_layer = search.check_mixed_export(tmp, qm.search["per_layer_hf"])
             atomic_write_json(tmp / "autoquant.json", {**{k: v for k, v in qm.search.items() if k != "per_layer_hf"},
                                                        "per_layer": per_layer})
         if qm.config is not None:
@@ -633,8 +596,8 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
             atomic_write_json(tmp / "calibration.json", qm.calibration.composition)
         nbytes = _dir_bytes(tmp)
     return QuantizeResult(
-        quant_algo=quant.get("quant_algo") or "NO_QUANT",
-        kv_cache_quant_algo=quant.get("kv_cache_quant_algo") or "NONE",
+        quant_algo=quant.get("quant_algo") or NO_QUANT,
+        kv_cache_quant_algo=quant.get("kv_cache_quant_algo") or KVCacheQuantAlgo.NONE.value,
         group_size=quant.get("group_size", qm.group_size),
         exclude_modules=list(quant.get("exclude_modules") or []),
         modelopt_config_name=qm.config_name,
@@ -649,26 +612,6 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
         search={k: v for k, v in qm.search.items() if k != "per_layer_hf"},
         moe_mapping=moe_mapping,
     )
-
-
-def _check_mixed_export(ckpt: Path, per_layer_hf: dict[str, str]) -> dict[str, str]:
-    """{TRT-LLM linear: format} from the exported ``quant_cfg.json``, checked against the search's
-    per-HF-linear result (RuntimeError when they disagree: the export lost a decision)."""
-    path = Path(ckpt) / "quant_cfg.json"
-    quantized = (json.loads(path.read_text()).get("quantized_layers") or {}) if path.is_file() else {}
-    out: dict[str, str] = {}
-    bad = []
-    for hf, fmt in per_layer_hf.items():
-        trt = trtllm_name(hf)
-        got = quantized.get(trt, {}).get("quant_algo", "NO_QUANT")
-        out[trt] = got
-        if got != fmt:
-            bad.append(f"{hf} ({fmt}) -> {trt} ({got})")
-    if bad:
-        raise RuntimeError("quant_cfg.json disagrees with the per-layer search: " + "; ".join(bad[:5]))
-    for trt, e in quantized.items():
-        out.setdefault(trt, e.get("quant_algo", "?"))
-    return out
 
 
 def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress: bool = True,

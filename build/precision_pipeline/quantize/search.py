@@ -11,7 +11,9 @@ TensorRT-LLM checkpoint with ``quantization.quant_algo = MIXED_PRECISION`` in ``
 "group_size": 64, ...}, "transformer.layers.0.mlp.fc": {"quant_algo": "FP8"}, ...}}``. Layers not
 listed there (``lm_head``, layers the search left unquantized) stay in the checkpoint dtype.
 
-Candidate formats (profile names, ``precision_pipeline.spec.profile.QuantAlgo``) -> ModelOpt configs:
+Candidate formats (profile names, ``precision_pipeline.spec.profile.QuantAlgo``) -> ModelOpt configs
+(the registry's ``GemmFormat.search_bits`` / ``modelopt_preset`` / ``aliases`` /
+``search_cuda_only``, ``precision_pipeline.spec.formats``):
 
 =============  =======================================================================
 FP8            ``FP8_DEFAULT_CFG`` (8 bits in the search's cost model)
@@ -55,28 +57,25 @@ from typing import Any, Iterable, Sequence
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
+from precision_pipeline.quantize.names import trtllm_name
+from precision_pipeline.spec.formats import (FIELD_SEARCH_BITS, FIELD_SEARCH_FORMATS, GEMM, SEARCH_BITS,
+                                             SEARCH_CANDIDATES, check_search_bits, normalize_candidates)
+from precision_pipeline.spec.profile import QuantAlgo
 
-FIELD_BITS = "quantization.auto_quantize_bits"
-FIELD_FORMATS = "quantization.auto_quantize_formats"
+FIELD_BITS = FIELD_SEARCH_BITS
+FIELD_FORMATS = FIELD_SEARCH_FORMATS
 FIELD_GROUP = "quantization.group_size"
 FIELD_CALIB = "calibration.dataset"
 
-# profile format -> (ModelOpt config name, weight bits in the search cost model)
-CANDIDATES: dict[str, tuple[str, int]] = {
-    "FP8": ("FP8_DEFAULT_CFG", 8),
-    "W4A16_AWQ": ("INT4_AWQ_CFG", 4),
-    "NVFP4": ("NVFP4_DEFAULT_CFG", 4),
-}
-ALIASES = {"INT4_AWQ": "W4A16_AWQ", "INT4_AWQ_CFG": "W4A16_AWQ", "FP8_DEFAULT_CFG": "FP8",
-           "NVFP4_DEFAULT_CFG": "NVFP4"}
-CUDA_ONLY = {"NVFP4"}
+# profile format -> (ModelOpt config name, weight bits in the search cost model), from the registry
+CANDIDATES: dict[str, tuple[str, int]] = {f.value: (f.modelopt_preset, f.search_bits) for f in SEARCH_CANDIDATES}
 GROUP_CHOICES = (128, 64, 32, 16)
-NO_QUANT = "NO_QUANT"
-FORMAT_BITS = {NO_QUANT: 16, **{k: v[1] for k, v in CANDIDATES.items()}}
+NO_QUANT = QuantAlgo.NO_QUANT.value
+FORMAT_BITS = SEARCH_BITS  # {format: bits in the search's cost model}, NO_QUANT = 16
 
 # ModelOpt export's per-module format string (modelopt/torch/export/model_config.py) -> profile name
-_MODELOPT_FORMAT = {None: NO_QUANT, "fp8": "FP8", "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ",
-                    "int8_wo": "W8A16", "int8_sq": "W8A8_SQ_PER_CHANNEL", "nvfp4": "NVFP4"}
+MODELOPT_FORMAT = {None: NO_QUANT, **{f.modelopt_format: f.value for f in GEMM.values() if f.modelopt_format}}
+check_bits = check_search_bits  # the search budget's input check (one home: spec/formats.py)
 
 
 @dataclass
@@ -112,46 +111,14 @@ def normalize_formats(formats: Iterable[Any], cuda_available: bool | None = None
     """Profile format names (``QuantAlgo`` members or strings, aliases accepted), validated.
 
     Raises ``UserError`` (``quantization.auto_quantize_formats``) for an empty list, an unknown
-    or unsupported format, or NVFP4 without CUDA.
+    or unsupported format, or NVFP4 without CUDA (``spec.formats.normalize_candidates``; this
+    wrapper only asks torch whether CUDA is there when ``cuda_available`` is None).
     """
     if cuda_available is None:
         import torch
 
         cuda_available = torch.cuda.is_available()
-    out: list[str] = []
-    names = [ALIASES.get(n, n) for n in (str(getattr(f, "value", f)).strip().upper() for f in formats)]
-    bad = [n for n in names if n not in CANDIDATES]
-    if bad:
-        raise UserError(FIELD_FORMATS, f"{', '.join(bad)} cannot be a per-layer search candidate (ModelOpt's "
-                        "auto_quantize candidates exported and read here: " + ", ".join(CANDIDATES) + ").",
-                        "use candidates from: " + ", ".join(CANDIDATES) + ".")
-    for name in names:
-        if name in CUDA_ONLY and not cuda_available:
-            raise UserError(FIELD_FORMATS, f"{name} cannot be a search candidate without a CUDA GPU: ModelOpt's "
-                            "fake-quantized forward asserts 'amax must be a CUDA tensor for dynamic block "
-                            "quantization' on CPU, and auto_quantize scores every candidate by running it.",
-                            "search over FP8 and W4A16_AWQ on CPU, or run the search on a GPU machine.")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise UserError(FIELD_FORMATS, "no candidate formats given for the per-layer search.",
-                        "list at least one, e.g. [FP8, W4A16_AWQ].")
-    return out
-
-
-def _check_bits(effective_bits: float, formats: list[str]) -> float:
-    try:
-        eb = float(effective_bits)
-    except (TypeError, ValueError):
-        raise UserError(FIELD_BITS, f"{effective_bits!r} is not a number.", "give the bits budget, e.g. 6.0.")
-    lowest = min(FORMAT_BITS[f] for f in formats)
-    if not (0 < eb <= 16):
-        raise UserError(FIELD_BITS, f"{eb} is outside (0, 16].", "give a budget between the candidates' bits and 16.")
-    if eb < lowest:
-        raise UserError(FIELD_BITS, f"a budget of {eb} bits per weight is below the cheapest candidate "
-                        f"({lowest} bits: {', '.join(f for f in formats if FORMAT_BITS[f] == lowest)}).",
-                        f"raise the budget to at least {lowest}, or add a cheaper candidate format.")
-    return eb
+    return normalize_candidates(formats, cuda_available)
 
 
 def _linears(model: Any) -> list[tuple[str, Any]]:
@@ -187,7 +154,7 @@ def _modelopt_config(fmt: str, group_size: int | None) -> dict:
     import modelopt.torch.quantization as mtq
 
     cfg = copy.deepcopy(getattr(mtq, CANDIDATES[fmt][0]))
-    if fmt == "W4A16_AWQ":
+    if GEMM[fmt].modelopt_adjust == "int4_block":
         for e in cfg["quant_cfg"]:
             if isinstance(e, dict) and e.get("quantizer_name") == "*weight_quantizer":
                 e["cfg"] = dict(e["cfg"], block_sizes={**e["cfg"]["block_sizes"], -1: group_size})
@@ -231,17 +198,18 @@ def _per_layer_formats(model: Any) -> dict[str, str]:
     out = {}
     for n, m in _linears(model):
         fmt = get_quantization_format(m)
-        out[n] = _MODELOPT_FORMAT.get(fmt, str(fmt).upper())
+        out[n] = MODELOPT_FORMAT.get(fmt, str(fmt).upper())
     return out
 
 
-def _run_search(model: Any, calib_batches: Any, effective_bits: float, formats: Sequence[Any],
+def run_search(model: Any, calib_batches: Any, effective_bits: float, formats: Sequence[Any],
                 disabled_layers: Sequence[str] = ("*lm_head*",), group_size: int | None = None,
                 method: str = "gradient", verbose: bool = False) -> tuple[Any, dict[str, str], AutoQuantStats]:
+    """``auto_quantize_model`` plus the search's figures: ``(model, {hf linear: format}, AutoQuantStats)``."""
     import modelopt.torch.quantization as mtq
 
     fmts = normalize_formats(formats)
-    eb = _check_bits(effective_bits, fmts)
+    eb = check_bits(effective_bits, fmts)
     if method not in ("gradient", "kl_div"):
         raise UserError("method", f"{method!r} is not an auto_quantize method.", "use 'gradient' or 'kl_div'.")
     disabled = [disabled_layers] if isinstance(disabled_layers, str) else list(disabled_layers or [])
@@ -254,7 +222,7 @@ def _run_search(model: Any, calib_batches: Any, effective_bits: float, formats: 
     w_srch = w_all - w_dis
     if w_srch == 0:
         raise UserError("disabled_layers", f"the patterns {disabled} exclude every linear layer.", "exclude fewer layers.")
-    group = choose_group_size(model, disabled, group_size) if "W4A16_AWQ" in fmts else None
+    group = choose_group_size(model, disabled, group_size) if any(GEMM[f].grouping == "per_group" for f in fmts) else None
     mo_budget = (eb * w_srch + 16.0 * w_dis) / w_all
     cfgs = [_modelopt_config(f, group) for f in fmts]
 
@@ -321,7 +289,7 @@ def auto_quantize_model(model: Any, calib_batches: Any, effective_bits: float, f
     Raises ``UserError`` (exit 2) for unsupported formats, NVFP4 on CPU, a budget below the
     cheapest candidate or infeasible, a group size that does not divide, bad calibration batches.
     """
-    model, per_layer, _ = _run_search(model, calib_batches, effective_bits, formats, disabled_layers, group_size,
+    model, per_layer, _ = run_search(model, calib_batches, effective_bits, formats, disabled_layers, group_size,
                                       method)
     return model, per_layer
 
@@ -350,7 +318,7 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     fmts = normalize_formats(formats)  # refuse before loading anything
-    _check_bits(effective_bits, fmts)
+    check_bits(effective_bits, fmts)
     if logits_dtype not in ("float32", "float16", "bfloat16"):
         raise UserError("build.logits_dtype", f"{logits_dtype!r} is not a logits dtype.", "use float32 or float16.")
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
@@ -358,7 +326,7 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
         raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model; the per-layer "
                         "search exports Llama-architecture models only.", "use a Llama-family model.")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model, per_layer_hf, stats = _run_search(model, calib_token_batches, effective_bits, fmts, disabled_layers,
+    model, per_layer_hf, stats = run_search(model, calib_token_batches, effective_bits, fmts, disabled_layers,
                                              group_size, method)
 
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
@@ -374,9 +342,7 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
         qpath = tmp / "quant_cfg.json"
         quant_cfg = json.loads(qpath.read_text()) if qpath.is_file() else {}
         quantized = dict(quant_cfg.get("quantized_layers") or {})
-        from precision_pipeline.quantize.ptq import _check_mixed_export
-
-        per_layer = _check_mixed_export(tmp, per_layer_hf)  # RuntimeError if the export lost a decision
+        per_layer = check_mixed_export(tmp, per_layer_hf)  # RuntimeError if the export lost a decision
         result = {
             "quant_algo": (conf.get("quantization") or {}).get("quant_algo"),
             "kv_cache_quant_algo": (conf.get("quantization") or {}).get("kv_cache_quant_algo"),
@@ -394,10 +360,30 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
     return result
 
 
+def check_mixed_export(ckpt: Path, per_layer_hf: dict[str, str]) -> dict[str, str]:
+    """{TRT-LLM linear: format} from the exported ``quant_cfg.json``, checked against the search's
+    per-HF-linear result (RuntimeError when they disagree: the export lost a decision)."""
+    path = Path(ckpt) / "quant_cfg.json"
+    quantized = (json.loads(path.read_text()).get("quantized_layers") or {}) if path.is_file() else {}
+    out: dict[str, str] = {}
+    bad = []
+    for hf, fmt in per_layer_hf.items():
+        trt = trtllm_name(hf)
+        got = quantized.get(trt, {}).get("quant_algo", NO_QUANT)
+        out[trt] = got
+        if got != fmt:
+            bad.append(f"{hf} ({fmt}) -> {trt} ({got})")
+    if bad:
+        raise RuntimeError("quant_cfg.json disagrees with the per-layer search: " + "; ".join(bad[:5]))
+    for trt, e in quantized.items():
+        out.setdefault(trt, e.get("quant_algo", "?"))
+    return out
+
+
 def _layer_sort_key(name: str) -> tuple:
     parts = name.split(".")
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in parts)
 
 
-__all__ = ["AutoQuantStats", "CANDIDATES", "auto_quantize_model", "auto_quantize_export", "normalize_formats",
-           "choose_group_size"]
+__all__ = ["AutoQuantStats", "CANDIDATES", "FORMAT_BITS", "MODELOPT_FORMAT", "auto_quantize_model", "auto_quantize_export",
+           "normalize_formats", "check_bits", "choose_group_size", "run_search", "check_mixed_export"]

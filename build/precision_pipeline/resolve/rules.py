@@ -32,7 +32,7 @@ from precision_pipeline.spec import formats as F
 from precision_pipeline.core.errors import Problem
 from precision_pipeline.spec.hardware import GIB, GPUSpec
 from precision_pipeline.spec.model_arch import ModelArch
-from precision_pipeline.spec.profile import Profile
+from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,13 +122,23 @@ class Context:
         return self.profile.quantization.kv_cache_quant_algo.value
 
     @property
+    def fmt(self) -> F.GemmFormat:
+        """The registry entry of ``quantization.quant_algo``."""
+        return F.GEMM[self.profile.quantization.quant_algo]
+
+    @property
+    def kv_fmt(self) -> F.KvFormat:
+        """The registry entry of ``quantization.kv_cache_quant_algo``."""
+        return F.KV[self.profile.quantization.kv_cache_quant_algo]
+
+    @property
     def gemm_format_ok(self) -> bool:
         """The GEMM format runs on the target SM (context rules stay quiet when it does not:
         format.gemm_sm already refuses, and the consequences would only repeat it)."""
-        e = F.GEMM_FORMATS[self.quant]
+        e = self.fmt
         if e.refusal or self.gpu is None:
             return not e.refusal
-        if self.quant == "MIXED_PRECISION":
+        if e.per_layer:
             return True
         return e.supports(self.gpu.sm)
 
@@ -225,14 +235,11 @@ def resolve_gemm_plugin(p: Profile) -> tuple[Optional[str], str]:
     * an explicit value is passed through.
     """
     asked = p.generation_phase.gemm_plugin
-    q = p.quantization.quant_algo.value
     if asked != "auto":
         return asked, "set in the profile"
-    if q == "NVFP4":
-        return "nvfp4", f"NVFP4 checkpoints turn the NVFP4 GEMM plugin on ({F.SRC_BUILDER})"
-    if q == "FP8":
-        return "disable", ("FP8 GEMMs via TensorRT Q/DQ fusion; GEMM plugin off for FP8 "
-                           "(docs/source/performance/perf-best-practices.md, GEMM Plugin)")
+    auto = F.GEMM[p.quantization.quant_algo].auto_gemm_plugin
+    if auto is not None:
+        return auto
     return "auto", f"cuBLASLt GEMM plugin in the model dtype ({p.quantization.dtype}) for the unquantized GEMMs"
 
 
@@ -243,7 +250,7 @@ def derive_effective(p: Profile, sm: int) -> tuple[dict, list[Override]]:
     """
     c = p.context_phase
     q = p.quantization.quant_algo.value
-    kv = p.quantization.kv_cache_quant_algo.value
+    fmt, kvf = F.GEMM[p.quantization.quant_algo], F.KV[p.quantization.kv_cache_quant_algo]
     fmha, paged, fp8 = c.context_fmha, c.use_paged_context_fmha, c.use_fp8_context_fmha
     ov: list[Override] = []
 
@@ -261,24 +268,24 @@ def derive_effective(p: Profile, sm: int) -> tuple[dict, list[Override]]:
     if not fmha:
         set_("use_fp8_context_fmha", False, "context_fmha is off, so FP8 context FMHA is off")
         set_("use_paged_context_fmha", False, "context_fmha is off, so paged context FMHA is off")
-    elif q not in F.FP8_CONTEXT_FMHA_ALGOS:
+    elif not fmt.fp8_context_fmha:
         set_("use_fp8_context_fmha", False,
              f"FP8 context FMHA needs the FP8 quantization workflow (quant_algo {fam}); quant_algo is {q}")
-        if kv == "FP8":
+        if kvf.fp8_context_fmha:
             set_("use_paged_context_fmha", False,
                  f"with an FP8 KV cache, paged context FMHA needs FP8 context FMHA, which quant_algo {q} does not have")
     elif sm and sm < F.FP8_CONTEXT_FMHA_MIN_SM:
         set_("use_fp8_context_fmha", False, f"FP8 context FMHA needs SM >= {F.FP8_CONTEXT_FMHA_MIN_SM} (Ada, Hopper); the GPU is SM {sm}")
-        if kv == "FP8":
+        if kvf.fp8_context_fmha:
             set_("use_paged_context_fmha", False,
                  f"with an FP8 KV cache, paged context FMHA needs FP8 context FMHA, which SM {sm} lacks")
     elif paged:
-        if kv != "FP8" and fp8:
+        if not kvf.fp8_context_fmha and fp8:
             set_("use_fp8_context_fmha", False,
                  "FP8 context FMHA with paged context FMHA reads the KV cache, so it needs an FP8 KV cache")
-        elif kv == "FP8" and not fp8:
+        elif kvf.fp8_context_fmha and not fp8:
             set_("use_fp8_context_fmha", True, "FP8 paged context FMHA over the FP8 KV cache needs FP8 context FMHA")
-    if paged and kv == "INT8":
+    if paged and not kvf.paged_context_fmha:
         set_("use_paged_context_fmha", False, "paged context FMHA does not work with an INT8 KV cache")
     gemm, gemm_reason = resolve_gemm_plugin(p)
     logits = p.build.logits_dtype
@@ -297,7 +304,7 @@ def derive_effective(p: Profile, sm: int) -> tuple[dict, list[Override]]:
         "multi_block_mode": p.generation_phase.multi_block_mode,
         "triton_logits_datatype": F.TRITON_DTYPE.get(logits, "TYPE_FP32"),
         "strongly_typed": True,
-        "use_fused_mlp": q in ("FP8", "MIXED_PRECISION"),
+        "use_fused_mlp": fmt.fused_mlp,
         "overrides": [o.__dict__ for o in ov],
     }
     return eff, ov
@@ -368,18 +375,19 @@ def weight_bytes(m: ModelArch, p: Profile, mapping: dict) -> dict:
     """
     q = p.quantization
     algo = q.quant_algo.value
+    fmt = F.GEMM[q.quant_algo]
     db = F.DTYPE_BYTES[q.dtype]
     tp, pp = mapping["tp_size"], mapping["pp_size"]
     mtp, ep = mapping["moe_tp_size"], mapping["moe_ep_size"]
     h, hd = m.hidden_size, m.head_dim
     heads_r = -(-m.num_heads // tp)
     kvh_r = kv_heads_per_rank(m, tp)
-    kv_scale = 3 * F.SCALE_F32 if q.kv_cache_quant_algo.value != "NONE" else 0
+    kv_scale = 3 * F.SCALE_F32 if F.KV[q.kv_cache_quant_algo].is_quantized else 0
 
     def lin(n_in: int, n_out: int, keep: bool) -> float:
-        if keep or algo == "NO_QUANT":
+        if keep or not fmt.is_quantized:
             return n_in * n_out * db
-        return F.linear_weight_bytes(algo, n_in, n_out, q.group_size, db, q.auto_quantize_bits)
+        return fmt.linear_bytes(n_in, n_out, q.group_size, db, q.auto_quantize_bits)
 
     def layer_bytes(i: int) -> float:
         b = lin(h, (heads_r + 2 * kvh_r) * hd, _layer_excluded(q, i, "qkv", m.num_layers))
@@ -409,7 +417,7 @@ def weight_bytes(m: ModelArch, p: Profile, mapping: dict) -> dict:
     emb = m.vocab_size * h * db
     if p.parallel.use_parallel_embedding:
         emb = -(-m.vocab_size // tp) * h * db
-    lm_keep = _excluded(q.exclude_modules, ["lm_head"]) or algo == "NO_QUANT"
+    lm_keep = _excluded(q.exclude_modules, ["lm_head"]) or not fmt.is_quantized
     lm_head = lin(h, -(-m.vocab_size // tp), lm_keep)
     best = None
     for r, idx in enumerate(ranks):
@@ -514,11 +522,11 @@ def _gpu_supported(ctx: Context) -> list[Finding]:
 # Rules: formats vs SM
 
 
-def _format_fix(ctx: Context, entry: F.FormatEntry) -> str:
+def _format_fix(ctx: Context, entry: F.GemmFormat) -> str:
     alts = F.supported_alternatives(ctx.sm, exclude=entry.algo)
     alt_txt = F.join_or([a.short for a in alts])
     gpus = [gid for gid in entry.gpu_ids() if gid != ctx.gpu.id]
-    if entry.algo in ("NVFP4", "W4A8_AWQ"):
+    if entry.fix_gpus_first:
         return (f"{entry.short} runs on {entry.sm_text()} ({', '.join(gpus)}); "
                 f"on SM {ctx.sm} use {alt_txt}.")
     return f"use {alt_txt} on SM {ctx.sm}" + (f", or a GPU of {entry.sm_text()} ({', '.join(gpus[:6])})." if gpus else ".")
@@ -526,7 +534,7 @@ def _format_fix(ctx: Context, entry: F.FormatEntry) -> str:
 
 @rule("format.trtllm_buildable", "quant_algo is a TensorRT-LLM 1.2 QuantAlgo", F.SRC_MODE, needs_gpu=False)
 def _buildable(ctx: Context) -> list[Finding]:
-    e = F.GEMM_FORMATS[ctx.quant]
+    e = ctx.fmt
     if e.refusal:
         return [refuse("quantization.quant_algo", e.refusal, "use NVFP4 (W4A4, Blackwell) or W4A16_AWQ (INT4 weight-only) instead.")]
     return []
@@ -534,11 +542,11 @@ def _buildable(ctx: Context) -> list[Finding]:
 
 @rule("format.gemm_sm", "GEMM format runs on the target SM", f"{F.SRC_QUANT_MD}; {F.SRC_BUILDER}")
 def _gemm_sm(ctx: Context) -> list[Finding]:
-    e = F.GEMM_FORMATS[ctx.quant]
+    e = ctx.fmt
     if e.refusal:
         return []  # format.trtllm_buildable reports it
     out = []
-    if ctx.quant == "MIXED_PRECISION":
+    if e.per_layer:
         q = ctx.profile.quantization
         if q.auto_quantize_bits is None:
             out.append(refuse("quantization.auto_quantize_bits", "MIXED_PRECISION needs an effective-bits budget.",
@@ -547,48 +555,47 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
             out.append(refuse("quantization.auto_quantize_formats", "MIXED_PRECISION needs candidate formats for the search.",
                               "set quantization.auto_quantize_formats, e.g. [FP8, W4A16_AWQ]."))
         for cand in q.auto_quantize_formats:
-            ce = F.GEMM_FORMATS[cand.value]
-            if cand.value in ("MIXED_PRECISION", "NO_QUANT"):
+            ce = F.GEMM[cand]
+            if ce.per_layer or not ce.is_quantized:
                 continue
             if ce.refusal or not ce.supports(ctx.sm):
                 out.append(refuse("quantization.auto_quantize_formats",
                                   f"candidate {cand.value}: {ce.needs}; {ctx.gpu_text()}.", _format_fix(ctx, ce)))
         return out
     if not e.supports(ctx.sm):
-        out.append(refuse("quantization.quant_algo", f"{e.algo}: {e.needs}; {ctx.gpu_text()}.",
+        out.append(refuse("quantization.quant_algo", f"{e.value}: {e.needs}; {ctx.gpu_text()}.",
                           _format_fix(ctx, e)))
     elif e.untested(ctx.sm):
         out.append(warn("quantization.quant_algo",
-                        f"{e.algo} on SM {ctx.sm}: the builder accepts it but the hardware support matrix does not list it.",
+                        f"{e.value} on SM {ctx.sm}: the builder accepts it but the hardware support matrix does not list it.",
                         "validate accuracy and speed on this GPU before shipping."))
     return out
 
 
 @rule("quantize.modelopt_inputs", "the quantize stage (ModelOpt 0.47) can produce what the profile asks",
-      "modelopt/torch/quantization/config.py (KV configs); build/precision_pipeline/quantize/search.py (search candidates); "
-      "build/precision_pipeline/quantize/ptq.py (check_layout)", needs_gpu=False)
+      "modelopt/torch/quantization/config.py (KV configs); build/precision_pipeline/spec/formats.py (search candidates: "
+      "normalize_candidates, check_search_bits); build/precision_pipeline/quantize/ptq.py (check_layout)", needs_gpu=False)
 def _modelopt_inputs(ctx: Context) -> list[Finding]:
     """Refusals the quantize stage would otherwise raise after the build started writing."""
-    from precision_pipeline.quantize.search import _check_bits, normalize_formats
     from precision_pipeline.core.errors import UserError
 
     q, m, par = ctx.profile.quantization, ctx.model, ctx.profile.parallel
     out = []
-    if ctx.quant == "MIXED_PRECISION":
+    if ctx.fmt.per_layer:
         if q.auto_quantize_formats:  # empty: format.gemm_sm refuses it
-            try:  # the search's own input checks (build/precision_pipeline/quantize/search.py); the machine it runs on is not known here
-                fmts = normalize_formats(q.auto_quantize_formats, cuda_available=True)
+            try:  # the search's own input checks (spec/formats.py); the machine it runs on is not known here
+                fmts = F.normalize_candidates(q.auto_quantize_formats, cuda_available=True)
                 if q.auto_quantize_bits is not None:
-                    _check_bits(q.auto_quantize_bits, fmts)
+                    F.check_search_bits(q.auto_quantize_bits, fmts)
             except UserError as e:
                 out.extend(refuse(p.field, p.reason, p.fix) for p in e.problems)
     elif q.auto_quantize_formats:
         out.append(warn("quantization.auto_quantize_formats",
                         f"candidate formats are only used by quant_algo MIXED_PRECISION; ignored for {ctx.quant}.",
                         "remove auto_quantize_formats, or set quant_algo: MIXED_PRECISION."))
-    if ctx.kv == "INT8":
-        out.append(refuse("quantization.kv_cache_quant_algo", *F.INT8_KV_NOT_EXPORTED))
-    if ctx.quant != "NO_QUANT" and q.keep_first_layers + q.keep_last_layers >= m.num_layers > 0:
+    if ctx.kv_fmt.not_exported:
+        out.append(refuse("quantization.kv_cache_quant_algo", *ctx.kv_fmt.not_exported))
+    if ctx.fmt.is_quantized and q.keep_first_layers + q.keep_last_layers >= m.num_layers > 0:
         out.append(refuse("quantization.keep_first_layers",
                           f"keep_first_layers {q.keep_first_layers} + keep_last_layers {q.keep_last_layers} keep all "
                           f"{m.num_layers} decoder layers of {m.name} in high precision: nothing would be quantized.",
@@ -604,10 +611,10 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
 
 @rule("format.kv_sm", "KV-cache format runs on the target SM", f"{F.SRC_QUANT_MD}; {F.SRC_BUILDER}")
 def _kv_sm(ctx: Context) -> list[Finding]:
-    e = F.KV_FORMATS[ctx.kv]
+    e = ctx.kv_fmt
     if not e.supports(ctx.sm):
-        ok = [k for k, v in F.KV_FORMATS.items() if v.supports(ctx.sm)]
-        return [refuse("quantization.kv_cache_quant_algo", f"{e.algo}: {e.needs}; {ctx.gpu_text()}.",
+        ok = [v.value for v in F.KV.runnable_on(ctx.sm)]
+        return [refuse("quantization.kv_cache_quant_algo", f"{e.value}: {e.needs}; {ctx.gpu_text()}.",
                        f"use kv_cache_quant_algo {F.join_or(ok)} on SM {ctx.sm}.")]
     return []
 
@@ -616,18 +623,18 @@ def _kv_sm(ctx: Context) -> list[Finding]:
       F.SRC_CKPT + "; shared/reference/models-and-data.md (INT4 groups per tp slice)", needs_gpu=False)
 def _group_size(ctx: Context) -> list[Finding]:
     q, m, mp = ctx.profile.quantization, ctx.model, ctx.mapping
-    algo = ctx.quant
+    algo, fmt = ctx.quant, ctx.fmt
     out = []
-    if algo in F.AWQ_ALGOS:
+    if fmt.grouping == "per_group":
         if q.group_size is None:
             return [refuse("quantization.group_size", f"{algo} needs a group size (scales per group of input channels).",
                            f"set quantization.group_size to a divisor of {_slice_text(m, mp)}, e.g. {_suggest_group(m, mp)}.")]
         g, what = q.group_size, "group_size"
-    elif algo == "MIXED_PRECISION" and any(c.value in F.AWQ_ALGOS for c in q.auto_quantize_formats):
+    elif fmt.per_layer and any(F.GEMM[c].grouping == "per_group" for c in q.auto_quantize_formats):
         if q.group_size is None:  # the search picks the largest of 128/64/32/16 that divides (autoquant.py)
             return []
         g, what = q.group_size, "group_size (AWQ search candidate)"
-    elif algo in ("NVFP4", "W4A16_NVFP4"):
+    elif fmt.grouping == "fixed_block":
         g, what = F.NVFP4_BLOCK, "the NVFP4 block (16)"
         if q.group_size not in (None, F.NVFP4_BLOCK):
             out.append(warn("quantization.group_size", f"NVFP4 uses a fixed block of 16; group_size {q.group_size} is ignored.",
@@ -788,14 +795,14 @@ def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> l
                           "(delete the checkpoint or change the profile's parallel layout back)."))
     qz = cfg.get("quantization") or {}
     if isinstance(qz, dict):
-        qa = qz.get("quant_algo") or "NO_QUANT"
-        kv = qz.get("kv_cache_quant_algo") or "NONE"
+        qa = qz.get("quant_algo") or QuantAlgo.NO_QUANT.value
+        kv = qz.get("kv_cache_quant_algo") or KVCacheQuantAlgo.NONE.value
         if qa != p.quantization.quant_algo.value or kv != p.quantization.kv_cache_quant_algo.value:
             out.append(refuse("quantization.quant_algo",
                               f"the reused checkpoint {checkpoint_dir} holds quant_algo {qa} / kv_cache_quant_algo {kv}, "
                               f"the profile asks for {p.quantization.quant_algo.value} / {p.quantization.kv_cache_quant_algo.value}.",
                               "leave out --checkpoint so that the build quantizes, or use a profile that matches it."))
-        elif qa == "MIXED_PRECISION":
+        elif F.GEMM[p.quantization.quant_algo].per_layer:
             out.extend(_mixed_reuse_findings(p, Path(checkpoint_dir)))
     return out
 
@@ -911,7 +918,7 @@ def _fp8_ctx(ctx: Context) -> list[Finding]:
     o = next(o for o in ctx.overrides if o.field == "context_phase.use_fp8_context_fmha")
     if not ctx.profile.context_phase.context_fmha:
         fix = "turn context_fmha on, or set use_fp8_context_fmha: false."
-    elif ctx.quant not in F.FP8_CONTEXT_FMHA_ALGOS:
+    elif not ctx.fmt.fp8_context_fmha:
         fix = f"set use_fp8_context_fmha: false, or use quant_algo {F.join_or(list(F.FP8_CONTEXT_FMHA_ALGOS))}."
     elif ctx.sm < F.FP8_CONTEXT_FMHA_MIN_SM:
         fix = "set use_fp8_context_fmha: false on this GPU."
@@ -948,10 +955,11 @@ def _overrides(ctx: Context) -> list[Finding]:
 
 
 def _paged_fix(ctx: Context, lost: list[str]) -> str:
-    if ctx.kv == "INT8":
+    if not ctx.kv_fmt.paged_context_fmha:
         return "use kv_cache_quant_algo FP8 or NONE, or turn " + " and ".join(lost) + " off."
-    if ctx.kv == "FP8" and ctx.quant not in F.FP8_CONTEXT_FMHA_ALGOS:
-        return ("use kv_cache_quant_algo NONE with this quant_algo, or a quant_algo with FP8 context FMHA (FP8, W4A8_AWQ, NVFP4), "
+    if ctx.kv_fmt.fp8_context_fmha and not ctx.fmt.fp8_context_fmha:
+        return ("use kv_cache_quant_algo NONE with this quant_algo, or a quant_algo with FP8 context FMHA "
+                f"({', '.join(F.FP8_CONTEXT_FMHA_ALGOS)}), "
                 "or turn " + " and ".join(lost) + " off.")
     if not ctx.profile.context_phase.context_fmha:
         return "turn context_fmha on, or turn " + " and ".join(lost) + " off."
@@ -973,7 +981,7 @@ def _reuse(ctx: Context) -> list[Finding]:
         out.append(refuse("runtime.enable_kv_cache_reuse",
                           "needs context_phase.use_paged_context_fmha (reused blocks are read by the context-phase attention).",
                           "set context_phase.use_paged_context_fmha: true, or enable_kv_cache_reuse: false."))
-    if ctx.kv == "INT8":
+    if not ctx.kv_fmt.paged_context_fmha:
         out.append(refuse("runtime.enable_kv_cache_reuse", "is not possible with an INT8 KV cache (paged context FMHA does not "
                                                            "support INT8 KV).",
                           "use kv_cache_quant_algo FP8 or NONE, or set enable_kv_cache_reuse: false."))
@@ -1024,14 +1032,13 @@ def _logits(ctx: Context) -> list[Finding]:
 @rule("plugins.gemm_plugin", "an explicit --gemm_plugin matches the GEMM format", f"{F.SRC_PLUGIN}; {F.SRC_BUILDER}", needs_gpu=False)
 def _gemm_plugin(ctx: Context) -> list[Finding]:
     g = ctx.profile.generation_phase.gemm_plugin
-    q = ctx.quant
-    if g == "fp8" and q != "FP8":
-        return [refuse("generation_phase.gemm_plugin", f"'fp8' is the FP8 GEMM plugin; quant_algo is {q}.", "use gemm_plugin: auto.")]
-    if g == "nvfp4" and q != "NVFP4":
-        return [refuse("generation_phase.gemm_plugin", f"'nvfp4' is the NVFP4 GEMM plugin; quant_algo is {q}.", "use gemm_plugin: auto.")]
-    if g == "disable" and q == "NVFP4":
-        return [warn("generation_phase.gemm_plugin", "NVFP4 GEMMs without the NVFP4 plugin use TensorRT's own (OOTB) kernels.",
-                     "use gemm_plugin: auto.")]
+    q, fmt = ctx.quant, ctx.fmt
+    owner = next((f for f in F.GEMM.values() if f.own_gemm_plugin == g), None)
+    if owner is not None and owner is not fmt:
+        return [refuse("generation_phase.gemm_plugin", f"'{g}' is the {owner.value} GEMM plugin; quant_algo is {q}.",
+                       "use gemm_plugin: auto.")]
+    if g == "disable" and fmt.plugin_off_warning:
+        return [warn("generation_phase.gemm_plugin", fmt.plugin_off_warning, "use gemm_plugin: auto.")]
     if g in ("bfloat16", "float16") and g != ctx.profile.quantization.dtype:
         return [refuse("generation_phase.gemm_plugin", f"{g} differs from the model dtype {ctx.profile.quantization.dtype}.",
                        "use gemm_plugin: auto (the model dtype).")]

@@ -46,6 +46,7 @@ from typing import Any, Mapping
 from precision_pipeline.core.errors import Problem, UserError, closest
 from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
+from precision_pipeline.spec.formats import TRITON_DTYPE
 
 TEMPLATES_DIR = REPO_ROOT / "triton_repo" / "all_models" / "inflight_batcher_llm"
 BACKENDS_DIR = REPO_ROOT / "triton_repo" / "backends"
@@ -58,7 +59,7 @@ CPU_REFERENCE_FILE = "cpu_reference.json"
 PACK_FILE = "pack.json"
 
 _PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
-_DTYPE_TO_TRITON = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
+_DTYPE_TO_TRITON = TRITON_DTYPE  # logits dtype -> Triton data type (one home: spec/formats.py)
 
 
 @dataclass

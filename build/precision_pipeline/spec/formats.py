@@ -1,7 +1,12 @@
-"""Data tables of the rules: which formats run on which SM, bytes per element, suggestions.
+"""The format registry (one entry per GEMM ``quant_algo`` and per KV-cache format) and the other
+data tables of the rules: which formats run on which SM, bytes per element, suggestions.
 
-Every entry names the TensorRT-LLM 1.2 source file (or NVIDIA document) it was read from.
-``build/precision_pipeline/resolve/rules.py`` turns these tables into checks; nothing here has logic beyond look-ups.
+Every entry names the TensorRT-LLM 1.2 / ModelOpt 0.47 source it was read from. Nothing outside
+this module branches on format names: the quantize stage, the search, the checkpoint reader and
+its codecs, the rules, pack and the sensitivity analysis look facts up here (``GEMM[algo]``,
+``KV[algo]``) and compare ``QuantAlgo`` / ``KVCacheQuantAlgo`` members, never strings. Adding a
+format = one ``GemmFormat`` (or ``KvFormat``) entry here, plus one codec class in
+``precision_pipeline/checkpoint/codecs.py`` if its numbers are new. Nothing here needs torch.
 
 Sources (NVIDIA/TensorRT-LLM, 1.0-1.2-era commits):
 
@@ -15,16 +20,22 @@ Sources (NVIDIA/TensorRT-LLM, 1.0-1.2-era commits):
   asserts) lacks ``W4A16_NVFP4``; ``KV_CACHE_QUANT_ALGO_LIST = [FP8, INT8, NVFP4]``.
 * ``docs/source/legacy/reference/support-matrix.md`` "Hardware"/"Precision": Ampere (SM80, SM86)
   and newer; BF16 on all of them.
-* Bytes per element / scale tensors: shared/reference/trtllm-1.2-build-reference.md section 7
-  (what ModelOpt 0.47 writes into a TensorRT-LLM checkpoint, measured on CPU).
+* Bytes per element / scale tensors / stored dtypes: shared/reference/trtllm-1.2-build-reference.md
+  section 7 (what ModelOpt 0.47 writes into a TensorRT-LLM checkpoint, measured on CPU).
+* ModelOpt config names: ``modelopt/torch/quantization/config.py``; per-module export format
+  strings: ``modelopt/torch/export/model_config.py`` (``QUANTIZATION_*``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from enum import Enum
+from typing import Any, Generic, Iterable, Iterator, Literal, Optional, TypeVar
 
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.hardware import gpus_with_sm
+from precision_pipeline.spec.profile import KVCacheQuantAlgo, QuantAlgo
 
 SRC_QUANT_MD = "tensorrt_llm docs/source/features/quantization.md (Hardware Support Matrix)"
 SRC_BUILDER = "tensorrt_llm/builder.py build()"
@@ -36,6 +47,11 @@ SRC_INIT_SEQ = "tensorrt_llm/builder.py _init_max_seq_len()"
 SRC_BUILDCONFIG = "tensorrt_llm/builder.py BuildConfig (defaults)"
 SRC_PLUGIN = "tensorrt_llm/plugin/plugin.py PluginConfig"
 SRC_BUILD_CMD = "tensorrt_llm/commands/build.py (trtllm-build flags)"
+SRC_MODELOPT_CFG = "modelopt/torch/quantization/config.py (ModelOpt 0.47 presets)"
+SRC_MODELOPT_EXPORT = "modelopt/torch/export/quant_utils.py, model_config.py (ModelOpt 0.47 export)"
+SRC_SEARCH = ("modelopt/torch/quantization/model_quant.py auto_quantize (ModelOpt 0.47); candidates exported "
+              "and read back in tests/test_autoquant.py, tests/test_mixed_precision.py")
+SRC_PERF = "docs/source/performance/perf-best-practices.md (GEMM Plugin)"
 
 # What the quantize stage (ModelOpt 0.47) cannot export although TensorRT-LLM could build it
 # (modelopt/torch/quantization/config.py defines FP8_KV_CFG, FP8_AFFINE_KV_CFG, NVFP4_KV_CFG,
@@ -49,108 +65,460 @@ SRC_KVCONFIG = "tensorrt_llm/llmapi/llm_args.py KvCacheConfig (free_gpu_memory_f
 
 ANY = 10_000  # upper bound meaning "and every later SM"
 MIN_TRTLLM_SM = 80
+SCALE_F32 = 4  # bytes of one F32 scale
+NVFP4_BLOCK = 16  # NVFP4: one FP8 block scale per 16 elements along the input dim
+AWQ_DEFAULT_GROUP = 128  # INT4_AWQ_CFG / W4A8_AWQ_BETA_CFG block_sizes[-1]
+NO_MODELOPT_CONFIG = "NONE"  # the config name the quantize stage records when no ModelOpt PTQ runs
+SmRanges = tuple[tuple[int, int], ...]  # inclusive (lo, hi) SM ranges; hi = ANY: every later SM
+ActFakeQuant = Literal["fp8", "int8", "nvfp4"]
+
+
+def _in(ranges: SmRanges, sm: int) -> bool:
+    return any(lo <= sm <= hi for lo, hi in ranges)
+
+
+def sm_text(ranges: SmRanges) -> str:
+    """e.g. 'SM 100, 103 or 120-121' / 'SM >= 89' / 'no SM'."""
+    parts = []
+    for lo, hi in ranges:
+        if hi >= ANY:
+            parts.append(f">= {lo}")
+        elif lo == hi:
+            parts.append(str(lo))
+        else:
+            parts.append(f"{lo}-{hi}")
+    if not parts:
+        return "no SM"
+    if len(parts) == 1:
+        return "SM " + parts[0]
+    return "SM " + ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
 @dataclass(frozen=True)
-class FormatEntry:
-    """Where a format runs.
+class ScaleLayout:
+    """How the scale tensors of one quantized linear ``[n_out, n_in]`` are counted, in bytes.
 
-    ``sm_ranges``: inclusive (lo, hi) SM ranges where TensorRT-LLM 1.2 builds it (empty = never).
-    ``warn_ranges``: SMs where the builder accepts it but the support matrix does not list it.
-    ``needs``: human text of the requirement, used in refusals.
-    ``weight_bytes``: bytes per weight element of a quantized linear (without scales).
+    ``kind``: ``none`` / ``per_tensor`` / ``per_channel`` (one F32 per output channel) /
+    ``per_group`` (one F32 per output channel and group of input channels) / ``per_block``
+    (one FP8 byte per ``NVFP4_BLOCK`` inputs). ``scalars``: extra F32 scalars (weight, activation,
+    global scales). ``prequant``: a model-dtype pre-quant scale per input channel (AWQ,
+    SmoothQuant). Source: SRC_CKPT.
     """
 
-    algo: str
-    kind: str  # "gemm" or "kv"
+    kind: Literal["none", "per_tensor", "per_channel", "per_group", "per_block"]
+    scalars: int = 0
+    prequant: bool = False
+
+    def bytes(self, n_in: int, n_out: int, group: Optional[int], dtype_bytes: int) -> float:
+        """Bytes of the scale tensors (``group``: AWQ group size, default ``AWQ_DEFAULT_GROUP``)."""
+        b: float = 0
+        if self.kind == "per_block":
+            b += n_in * n_out / NVFP4_BLOCK
+        elif self.kind == "per_group":
+            b += SCALE_F32 * n_out * -(-n_in // (group or AWQ_DEFAULT_GROUP))
+        elif self.kind == "per_channel":
+            b += SCALE_F32 * n_out
+        if self.prequant:
+            b += dtype_bytes * n_in
+        return b + self.scalars * SCALE_F32
+
+
+@dataclass(frozen=True)
+class GemmFormat:
+    """Everything the pipeline knows about one ``quantization.quant_algo``.
+
+    * ``algo``, ``short`` (name in suggestions, e.g. ``int4-awq``), ``label`` (human text).
+    * ``builds_on``: SM ranges where trtllm-build 1.2 accepts it; ``warn_on``: SMs where the
+      builder accepts it but the support matrix does not list it; ``needs``: the requirement in
+      words (refusals); ``refusal``: set = no TensorRT-LLM 1.2 build on any GPU (the text says why).
+    * ``weight_bits``: payload bits per weight, scales excluded (None: the model dtype -- NO_QUANT --
+      or per layer -- ``per_layer``); ``scales``: ``ScaleLayout``; ``grouping``: ``per_group``
+      (AWQ: ``quantization.group_size``, default ``AWQ_DEFAULT_GROUP``), ``fixed_block``
+      (NVFP4: ``NVFP4_BLOCK``), ``none``; ``pack``: weights per stored element (4-bit formats: 2).
+    * ``modelopt_preset``: ModelOpt config name (None: exported without PTQ, or per layer);
+      ``modelopt_adjust``: how the quantize stage adjusts the preset (``int4_block``: INT4
+      ``*weight_quantizer`` ``block_sizes[-1] = group_size``; ``smoothquant``: ``algorithm =
+      {"method": "smoothquant", "alpha": smoothquant_alpha}``); ``modelopt_format``: ModelOpt
+      export's per-module format string (``get_quantization_format``); ``exported``: the quantize
+      stage produces it.
+    * ``stored_dtype``: safetensors dtype(s) of the exported weight tensor; ``codec``: name of the
+      codec class that dequantizes it (``checkpoint/codecs.py`` ``CODECS``); ``act_fake_quant``:
+      the activation fake-quant the checkpoint implies (also: an ``activation_scaling_factor``
+      is required).
+    * ``search_bits``: set = usable as a MIXED_PRECISION candidate, with these bits in the
+      search's cost model; ``search_cuda_only``: ModelOpt's fake-quant asserts CUDA;
+      ``aliases``: other names accepted for it as a candidate (its ``modelopt_preset`` too).
+    * ``per_layer``: one format per layer from ``quant_cfg.json`` (MIXED_PRECISION).
+    * builder facts: ``fp8_context_fmha`` (builder keeps ``use_fp8_context_fmha``),
+      ``fused_mlp`` (``use_fused_mlp``), ``auto_gemm_plugin`` (``--gemm_plugin`` for ``auto``, and
+      why; None = the model dtype), ``own_gemm_plugin`` (the plugin named after this format),
+      ``plugin_off_warning`` (text when ``gemm_plugin: disable``).
+    * ``suggest_rank``: order when suggested instead of a refused format (None: never suggested);
+      ``fix_gpus_first``: the SM refusal's fix names this format's GPUs first (narrow SM range).
+    * ``source``: where the facts were read.
+    """
+
+    algo: QuantAlgo
     short: str
     label: str
-    sm_ranges: tuple[tuple[int, int], ...]
+    builds_on: SmRanges
     needs: str
     source: str
-    weight_bytes: float = 2.0
-    warn_ranges: tuple[tuple[int, int], ...] = ()
+    weight_bits: Optional[float]
+    scales: ScaleLayout
+    stored_dtype: tuple[str, ...]
+    codec: Optional[str]
+    modelopt_preset: Optional[str] = None
+    modelopt_adjust: Optional[Literal["int4_block", "smoothquant"]] = None
+    modelopt_format: Optional[str] = None
+    exported: bool = True
+    act_fake_quant: Optional[ActFakeQuant] = None
+    grouping: Literal["none", "per_group", "fixed_block"] = "none"
+    pack: int = 1
+    search_bits: Optional[int] = None
+    search_cuda_only: bool = False
+    aliases: tuple[str, ...] = ()
+    per_layer: bool = False
+    warn_on: SmRanges = ()
     refusal: str = ""
+    fp8_context_fmha: bool = False
+    fused_mlp: bool = False
+    auto_gemm_plugin: Optional[tuple[str, str]] = None
+    own_gemm_plugin: Optional[str] = None
+    plugin_off_warning: str = ""
+    suggest_rank: Optional[int] = None
+    fix_gpus_first: bool = False
+
+    kind = "gemm"
+
+    # -- look-ups -------------------------------------------------------------------------
+    @property
+    def value(self) -> str:
+        """The profile / config.json name (``QuantAlgo`` value)."""
+        return self.algo.value
+
+    @property
+    def is_quantized(self) -> bool:
+        """False for the unquantized format (model-dtype GEMMs)."""
+        return self.weight_bits is not None or self.per_layer
+
+    @property
+    def needs_act_scale(self) -> bool:
+        """Each linear of this format must carry an ``activation_scaling_factor``."""
+        return self.act_fake_quant is not None
 
     def supports(self, sm: int) -> bool:
-        return any(lo <= sm <= hi for lo, hi in self.sm_ranges)
+        return _in(self.builds_on, sm)
 
     def untested(self, sm: int) -> bool:
-        return any(lo <= sm <= hi for lo, hi in self.warn_ranges)
+        return _in(self.warn_on, sm)
 
     def sm_text(self) -> str:
-        """e.g. 'SM 100, 103 or 120-121' / 'SM >= 89'."""
-        parts = []
-        for lo, hi in self.sm_ranges:
-            if hi >= ANY:
-                parts.append(f">= {lo}")
-            elif lo == hi:
-                parts.append(str(lo))
-            else:
-                parts.append(f"{lo}-{hi}")
-        if not parts:
-            return "no SM"
-        if len(parts) == 1:
-            return "SM " + parts[0]
-        return "SM " + ", ".join(parts[:-1]) + " or " + parts[-1]
+        return sm_text(self.builds_on)
 
     def gpu_ids(self) -> list[str]:
         """Catalog GPUs that run it."""
-        return [g.id for g in gpus_with_sm(self.sm_ranges)]
+        return [g.id for g in gpus_with_sm(self.builds_on)]
 
+    def linear_bytes(self, n_in: int, n_out: int, group_size: Optional[int] = None, dtype_bytes: int = 2,
+                     bits: Optional[float] = None) -> float:
+        """Bytes of one linear's checkpoint tensors (weight + scales) for ``n_in x n_out``.
+
+        ``group_size``: AWQ group (default ``AWQ_DEFAULT_GROUP``); ``dtype_bytes``: model dtype
+        (unquantized weights, pre-quant scales); ``bits``: MIXED_PRECISION's budget (estimate;
+        8 when None). Source: SRC_CKPT.
+        """
+        n = n_in * n_out
+        if self.per_layer:
+            return n * (bits or 8.0) / 8
+        if self.weight_bits is None:
+            return n * dtype_bytes
+        return n * self.weight_bits / 8 + self.scales.bytes(n_in, n_out, group_size, dtype_bytes)
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """Everything the pipeline knows about one ``quantization.kv_cache_quant_algo``.
+
+    ``builds_on`` / ``needs`` / ``source`` as for ``GemmFormat``; ``bytes_per_element``: bytes of
+    one cached K or V value (NVFP4: 0.5 + one FP8 scale per 16); ``modelopt_preset``: ModelOpt KV
+    config merged into the PTQ config (None: nothing to merge); ``not_exported``: (reason, fix)
+    when the quantize stage cannot produce it; ``fake_quant``: the codec's fake-quant of the
+    cached K/V (None: unquantized); ``cpu_model``: the checkpoint reader's CPU model reproduces it
+    (NVFP4 KV: the meaning of the exported scales for TensorRT-LLM's FP4 cache was not verified);
+    ``paged_context_fmha``: paged context FMHA works with it (builder.py turns it off for INT8);
+    ``fp8_context_fmha``: FP8 context FMHA reads it (with paged context FMHA the builder
+    couples the two).
+    """
+
+    algo: KVCacheQuantAlgo
+    short: str
+    label: str
+    builds_on: SmRanges
+    needs: str
+    source: str
+    bytes_per_element: float
+    modelopt_preset: Optional[str] = None
+    not_exported: Optional[tuple[str, str]] = None
+    fake_quant: Optional[ActFakeQuant] = None
+    cpu_model: bool = True
+    paged_context_fmha: bool = True
+    fp8_context_fmha: bool = False
+
+    kind = "kv"
+    warn_on: SmRanges = ()
+    refusal: str = ""
+
+    @property
+    def value(self) -> str:
+        return self.algo.value
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.fake_quant is not None
+
+    def supports(self, sm: int) -> bool:
+        return _in(self.builds_on, sm)
+
+    def untested(self, sm: int) -> bool:
+        return _in(self.warn_on, sm)
+
+    def sm_text(self) -> str:
+        return sm_text(self.builds_on)
+
+    def gpu_ids(self) -> list[str]:
+        """Catalog GPUs that run it."""
+        return [g.id for g in gpus_with_sm(self.builds_on)]
+
+
+E = TypeVar("E", bound=Enum)
+T = TypeVar("T")
+
+
+class FormatTable(Mapping, Generic[E, T]):
+    """Read-only ``{enum member: entry}``; looked up by member or by its string value (a
+    ``str`` enum hashes as its value). Iterates in declaration order. ``KeyError`` for an
+    unknown name."""
+
+    def __init__(self, enum: type[E], entries: Iterable[T]):
+        self.enum = enum
+        self._by: dict[E, T] = {}
+        for e in entries:
+            if e.algo in self._by:  # type: ignore[attr-defined]
+                raise ValueError(f"two entries for {e.algo!r}")  # type: ignore[attr-defined]
+            self._by[e.algo] = e  # type: ignore[attr-defined]
+
+    def __getitem__(self, key: Any) -> T:
+        try:
+            return self._by[self.enum(getattr(key, "value", key))]
+        except ValueError:
+            raise KeyError(key) from None
+
+    def __iter__(self) -> Iterator[E]:
+        return iter(self._by)
+
+    def __len__(self) -> int:
+        return len(self._by)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def runnable_on(self, sm: int) -> list[T]:
+        """Entries that build on ``sm``, in declaration order."""
+        return [e for e in self._by.values() if e.supports(sm)]  # type: ignore[attr-defined]
+
+
+_INT_SM100 = "is refused by trtllm-build on SM 100-119 ('INT8/INT4 quantization is not supported on SM>=100')"
+_NO_SCALES = ScaleLayout("none")
 
 # GEMM formats (quantization.quant_algo) --------------------------------------------------------
-GEMM_FORMATS: dict[str, FormatEntry] = {e.algo: e for e in [
-    FormatEntry("NO_QUANT", "gemm", "bf16", "BF16 (no quantization)", ((80, ANY),),
-                "BF16 needs SM >= 80 (Ampere or newer)", SRC_SUPPORT, 2.0),
-    FormatEntry("FP8", "gemm", "fp8", "FP8 E4M3, per-tensor scales", ((89, ANY),),
-                "FP8 GEMMs need SM >= 89 (Ada, Hopper, Blackwell)", SRC_QUANT_MD, 1.0),
-    FormatEntry("NVFP4", "gemm", "nvfp4", "NVFP4 (FP4 E2M1, FP8 scale per 16 elements)", ((100, 100), (103, 103), (120, 121)),
-                "NVFP4 needs Blackwell: SM 100, 103, 120 or 121", SRC_QUANT_MD, 0.5),
-    FormatEntry("W4A8_AWQ", "gemm", "w4a8-awq", "INT4 AWQ weights, FP8 activations", ((89, 90),),
-                "W4A8 AWQ needs Ada or Hopper: SM 89 or 90", SRC_QUANT_MD, 0.5),
-    FormatEntry("W4A16_AWQ", "gemm", "int4-awq", "INT4 AWQ weights, BF16 activations", ((80, 99), (120, ANY)),
-                "INT4 weight-only (AWQ) is refused by trtllm-build on SM 100-119 ('INT8/INT4 quantization is not supported on SM>=100')", SRC_BUILDER, 0.5,
-                warn_ranges=((120, ANY),)),
-    FormatEntry("W8A16", "gemm", "int8-wo", "INT8 weight-only (per-channel)", ((80, 99), (120, ANY)),
-                "INT8 weight-only is refused by trtllm-build on SM 100-119 ('INT8/INT4 quantization is not supported on SM>=100')", SRC_BUILDER, 1.0,
-                warn_ranges=((120, ANY),)),
-    FormatEntry("W8A8_SQ_PER_CHANNEL", "gemm", "int8-sq", "INT8 SmoothQuant (per-channel weights)", ((80, 99), (120, ANY)),
-                "INT8 SmoothQuant is refused by trtllm-build on SM 100-119 ('SmoothQuant is not supported on SM>=100')", SRC_BUILDER, 1.0,
-                warn_ranges=((120, ANY),)),
-    FormatEntry("W4A16_NVFP4", "gemm", "w4a16-nvfp4", "NVFP4 weights, BF16 activations", (),
-                "W4A16_NVFP4 is not a TensorRT-LLM 1.2 QuantAlgo", SRC_MODE, 0.5,
-                refusal="W4A16_NVFP4 is written by ModelOpt (W4A16_NVFP4_CFG) but is not in TensorRT-LLM 1.2's "
-                        "QUANT_ALGO_LIST, so trtllm-build cannot build it on any GPU."),
-    FormatEntry("MIXED_PRECISION", "gemm", "mixed", "per-layer formats (mtq.auto_quantize)", ((80, ANY),),
-                "each candidate format must run on the GPU", SRC_MODE, 1.0),
-]}
+GEMM: FormatTable[QuantAlgo, GemmFormat] = FormatTable(QuantAlgo, [
+    GemmFormat(QuantAlgo.NO_QUANT, "bf16", "BF16 (no quantization)", ((80, ANY),),
+               "BF16 needs SM >= 80 (Ampere or newer)", f"{SRC_SUPPORT}; {SRC_CKPT}",
+               weight_bits=None, scales=_NO_SCALES, stored_dtype=("BF16", "F16", "F32"), codec="plain",
+               suggest_rank=5),
+    GemmFormat(QuantAlgo.FP8, "fp8", "FP8 E4M3, per-tensor scales", ((89, ANY),),
+               "FP8 GEMMs need SM >= 89 (Ada, Hopper, Blackwell)",
+               f"{SRC_QUANT_MD}; {SRC_CKPT}; {SRC_MODELOPT_CFG}; {SRC_SEARCH}; {SRC_PERF}",
+               weight_bits=8, scales=ScaleLayout("per_tensor", scalars=2), stored_dtype=("F8_E4M3",), codec="fp8",
+               modelopt_preset="FP8_DEFAULT_CFG", modelopt_format="fp8", act_fake_quant="fp8",
+               search_bits=8, fp8_context_fmha=True, fused_mlp=True,
+               auto_gemm_plugin=("disable", "FP8 GEMMs via TensorRT Q/DQ fusion; GEMM plugin off for FP8 "
+                                            "(docs/source/performance/perf-best-practices.md, GEMM Plugin)"),
+               own_gemm_plugin="fp8", suggest_rank=0),
+    GemmFormat(QuantAlgo.W4A16_AWQ, "int4-awq", "INT4 AWQ weights, BF16 activations", ((80, 99), (120, ANY)),
+               f"INT4 weight-only (AWQ) {_INT_SM100}", f"{SRC_BUILDER}; {SRC_CKPT}; {SRC_MODELOPT_CFG}; {SRC_SEARCH}",
+               weight_bits=4, scales=ScaleLayout("per_group", prequant=True), stored_dtype=("I8",), codec="int4_awq",
+               modelopt_preset="INT4_AWQ_CFG", modelopt_adjust="int4_block", modelopt_format="int4_awq",
+               grouping="per_group", pack=2, search_bits=4, aliases=("INT4_AWQ",), warn_on=((120, ANY),),
+               suggest_rank=4),
+    GemmFormat(QuantAlgo.W4A8_AWQ, "w4a8-awq", "INT4 AWQ weights, FP8 activations", ((89, 90),),
+               "W4A8 AWQ needs Ada or Hopper: SM 89 or 90", f"{SRC_QUANT_MD}; {SRC_CKPT}; {SRC_MODELOPT_CFG}",
+               weight_bits=4, scales=ScaleLayout("per_group", scalars=2, prequant=True), stored_dtype=("I8",),
+               codec="int4_awq", modelopt_preset="W4A8_AWQ_BETA_CFG", modelopt_adjust="int4_block",
+               modelopt_format="w4a8_awq", act_fake_quant="fp8", grouping="per_group", pack=2,
+               fp8_context_fmha=True, suggest_rank=2, fix_gpus_first=True),
+    GemmFormat(QuantAlgo.NVFP4, "nvfp4", "NVFP4 (FP4 E2M1, FP8 scale per 16 elements)", ((100, 100), (103, 103), (120, 121)),
+               "NVFP4 needs Blackwell: SM 100, 103, 120 or 121",
+               f"{SRC_QUANT_MD}; {SRC_CKPT}; modelopt/torch/quantization/qtensor/nvfp4_tensor.py; {SRC_SEARCH}",
+               weight_bits=4, scales=ScaleLayout("per_block", scalars=2), stored_dtype=("U8",), codec="nvfp4",
+               modelopt_preset="NVFP4_DEFAULT_CFG", modelopt_format="nvfp4", act_fake_quant="nvfp4",
+               grouping="fixed_block", pack=2, search_bits=4, search_cuda_only=True, fp8_context_fmha=True,
+               auto_gemm_plugin=("nvfp4", f"NVFP4 checkpoints turn the NVFP4 GEMM plugin on ({SRC_BUILDER})"),
+               own_gemm_plugin="nvfp4",
+               plugin_off_warning="NVFP4 GEMMs without the NVFP4 plugin use TensorRT's own (OOTB) kernels.",
+               suggest_rank=1, fix_gpus_first=True),
+    GemmFormat(QuantAlgo.W8A8_SQ_PER_CHANNEL, "int8-sq", "INT8 SmoothQuant (per-channel weights)", ((80, 99), (120, ANY)),
+               "INT8 SmoothQuant is refused by trtllm-build on SM 100-119 ('SmoothQuant is not supported on SM>=100')",
+               f"{SRC_BUILDER}; {SRC_CKPT}; {SRC_MODELOPT_CFG}",
+               weight_bits=8, scales=ScaleLayout("per_channel", scalars=1, prequant=True), stored_dtype=("I8",),
+               codec="int8_channel", modelopt_preset="INT8_SMOOTHQUANT_CFG", modelopt_adjust="smoothquant",
+               modelopt_format="int8_sq", act_fake_quant="int8", warn_on=((120, ANY),), suggest_rank=3),
+    GemmFormat(QuantAlgo.W8A16, "int8-wo", "INT8 weight-only (per-channel)", ((80, 99), (120, ANY)),
+               f"INT8 weight-only {_INT_SM100}", f"{SRC_BUILDER}; {SRC_CKPT}; {SRC_MODELOPT_CFG}",
+               weight_bits=8, scales=ScaleLayout("per_channel"), stored_dtype=("I8",), codec="int8_channel",
+               modelopt_preset="INT8_WEIGHT_ONLY_CFG", modelopt_format="int8_wo", warn_on=((120, ANY),)),
+    GemmFormat(QuantAlgo.W4A16_NVFP4, "w4a16-nvfp4", "NVFP4 weights, BF16 activations", (),
+               "W4A16_NVFP4 is not a TensorRT-LLM 1.2 QuantAlgo", f"{SRC_MODE}; {SRC_CKPT}",
+               # codec None: the reader refuses it (never exported here, and trtllm-build cannot build it)
+               weight_bits=4, scales=ScaleLayout("per_block", scalars=2), stored_dtype=("U8",), codec=None,
+               modelopt_preset="W4A16_NVFP4_CFG", exported=False, grouping="fixed_block", pack=2,
+               refusal="W4A16_NVFP4 is written by ModelOpt (W4A16_NVFP4_CFG) but is not in TensorRT-LLM 1.2's "
+                       "QUANT_ALGO_LIST, so trtllm-build cannot build it on any GPU."),
+    GemmFormat(QuantAlgo.MIXED_PRECISION, "mixed", "per-layer formats (mtq.auto_quantize)", ((80, ANY),),
+               "each candidate format must run on the GPU", f"{SRC_MODE}; {SRC_SEARCH}",
+               weight_bits=None, scales=_NO_SCALES, stored_dtype=(), codec=None, per_layer=True, fused_mlp=True),
+])
 
 # KV-cache formats (quantization.kv_cache_quant_algo) -------------------------------------------
-KV_FORMATS: dict[str, FormatEntry] = {e.algo: e for e in [
-    FormatEntry("NONE", "kv", "bf16", "KV cache in the model dtype", ((80, ANY),),
-                "a BF16 KV cache needs SM >= 80", SRC_SUPPORT, 2.0),
-    FormatEntry("FP8", "kv", "fp8", "FP8 KV cache", ((80, ANY),),
-                "an FP8 KV cache needs SM >= 80 (the matrix lists it for Ampere too)", SRC_QUANT_MD, 1.0),
-    FormatEntry("INT8", "kv", "int8", "INT8 KV cache", ((80, 99), (120, ANY)),
-                "an INT8 KV cache is refused by trtllm-build on SM 100-119 ('INT8/INT4 quantization is not supported on SM>=100')", SRC_BUILDER, 1.0),
-    FormatEntry("NVFP4", "kv", "nvfp4", "NVFP4 KV cache", ((100, 100), (103, 103), (120, 121)),
-                "an NVFP4 KV cache needs Blackwell: SM 100, 103, 120 or 121", SRC_MODE + "; " + SRC_QUANT_MD, 0.5 + 1 / 16),
-]}
+KV: FormatTable[KVCacheQuantAlgo, KvFormat] = FormatTable(KVCacheQuantAlgo, [
+    KvFormat(KVCacheQuantAlgo.NONE, "bf16", "KV cache in the model dtype", ((80, ANY),),
+             "a BF16 KV cache needs SM >= 80", SRC_SUPPORT, 2.0),
+    KvFormat(KVCacheQuantAlgo.FP8, "fp8", "FP8 KV cache", ((80, ANY),),
+             "an FP8 KV cache needs SM >= 80 (the matrix lists it for Ampere too)",
+             f"{SRC_QUANT_MD}; {SRC_MODELOPT_CFG}; {SRC_BUILDER}", 1.0,
+             modelopt_preset="FP8_KV_CFG", fake_quant="fp8", fp8_context_fmha=True),
+    KvFormat(KVCacheQuantAlgo.INT8, "int8", "INT8 KV cache", ((80, 99), (120, ANY)),
+             "an INT8 KV cache " + _INT_SM100, f"{SRC_BUILDER}; {SRC_MODELOPT_CFG}", 1.0,
+             not_exported=INT8_KV_NOT_EXPORTED, fake_quant="int8", paged_context_fmha=False),
+    KvFormat(KVCacheQuantAlgo.NVFP4, "nvfp4", "NVFP4 KV cache", ((100, 100), (103, 103), (120, 121)),
+             "an NVFP4 KV cache needs Blackwell: SM 100, 103, 120 or 121",
+             f"{SRC_MODE}; {SRC_QUANT_MD}; {SRC_MODELOPT_CFG}", 0.5 + 1 / 16,
+             modelopt_preset="NVFP4_KV_CFG", fake_quant="nvfp4", cpu_model=False),
+])
 
-# Formats suggested instead of a refused one, in order of preference (speed, then accuracy).
-SUGGEST_ORDER = ("FP8", "NVFP4", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ", "NO_QUANT")
-
-# Quant algos for which the builder keeps use_fp8_context_fmha (builder.py build()).
-FP8_CONTEXT_FMHA_ALGOS = ("FP8", "W4A8_AWQ", "NVFP4")
+# Facts derived from the registry (string values, for messages and membership tests).
+SUGGEST_ORDER = tuple(f.value for f in sorted((f for f in GEMM.values() if f.suggest_rank is not None),
+                                               key=lambda f: f.suggest_rank))
+FP8_CONTEXT_FMHA_ALGOS = tuple(f.value for f in GEMM.values() if f.fp8_context_fmha)
+AWQ_ALGOS = tuple(f.value for f in GEMM.values() if f.grouping == "per_group")
+KV_BYTES = {k.algo: k.bytes_per_element for k in KV.values()}  # bytes per K or V element
+# Quant algos for which the builder keeps use_fp8_context_fmha needs SM >= 89 (builder.py build()).
 FP8_CONTEXT_FMHA_MIN_SM = 89
 
-# Group / block sizes along the input dimension of a linear.
-NVFP4_BLOCK = 16
-AWQ_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
 
-# KV cache bytes per element (K or V value) by kv_cache_quant_algo.
-KV_BYTES = {"NONE": 2.0, "FP8": 1.0, "INT8": 1.0, "NVFP4": 0.5 + 1 / 16}
+def gemm(algo: Any) -> GemmFormat:
+    """``GEMM[algo]`` (``QuantAlgo`` member or its string); a missing / null name is NO_QUANT
+    (config.json writes ``quant_algo: null`` for an unquantized checkpoint)."""
+    return GEMM[algo or QuantAlgo.NO_QUANT]
+
+
+def kv(algo: Any) -> KvFormat:
+    """``KV[algo]``; a missing / null name is NONE."""
+    return KV[algo or KVCacheQuantAlgo.NONE]
+
+
+def linear_weight_bytes(algo: Any, n_in: int, n_out: int, group_size: Optional[int], dtype_bytes: int = 2,
+                        bits: Optional[float] = None) -> float:
+    """Bytes of one quantized linear's checkpoint tensors (weight + scales), for ``n_in x n_out``:
+    ``GEMM[algo].linear_bytes(...)`` (an unknown name counts as unquantized).
+
+    Per SRC_CKPT: FP8: F8 weight + F32 weight & activation scales. NVFP4: packed U8 (0.5 B/elt) +
+    F8 scale per 16 inputs + two F32 scalars. W4A16_AWQ: int4 (0.5 B/elt) + F32 scale per group +
+    BF16 pre-quant scale per input; W4A8_AWQ adds two F32 scalars. W8A8_SQ_PER_CHANNEL: I8 + F32
+    per output channel + F32 activation scale + BF16 pre-quant scale. W8A16: I8 + F32 per output.
+    MIXED_PRECISION: ``bits`` per element (estimate). NO_QUANT: model dtype.
+    """
+    fmt = GEMM.get(algo) or GEMM[QuantAlgo.NO_QUANT]
+    return fmt.linear_bytes(n_in, n_out, group_size, dtype_bytes, bits)
+
+
+def supported_alternatives(sm: int, exclude: Any = "") -> list[GemmFormat]:
+    """GEMM formats of SUGGEST_ORDER that run on ``sm`` (minus ``exclude``)."""
+    ex = getattr(exclude, "value", exclude)
+    return [GEMM[a] for a in SUGGEST_ORDER if a != ex and GEMM[a].supports(sm)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Search candidates (MIXED_PRECISION): the user-input checks, one place (resolve rule
+# quantize.modelopt_inputs and the quantize stage call them)
+
+FIELD_SEARCH_BITS = "quantization.auto_quantize_bits"
+FIELD_SEARCH_FORMATS = "quantization.auto_quantize_formats"
+UNQUANTIZED_SEARCH_BITS = 16  # a layer the search leaves unquantized, in its cost model
+SEARCH_CANDIDATES = tuple(f for f in GEMM.values() if f.search_bits is not None)
+SEARCH_BITS = {GEMM[QuantAlgo.NO_QUANT].value: UNQUANTIZED_SEARCH_BITS,
+               **{f.value: f.search_bits for f in SEARCH_CANDIDATES}}
+SEARCH_ALIASES = {a: f.value for f in SEARCH_CANDIDATES for a in f.aliases + (f.modelopt_preset,) if a}
+
+
+def normalize_candidates(formats: Iterable[Any], cuda_available: bool) -> list[str]:
+    """Search candidates (``QuantAlgo`` members or names; aliases and ModelOpt preset names
+    accepted, any case) as ``QuantAlgo`` values, deduplicated in order.
+
+    Raises ``UserError`` (``quantization.auto_quantize_formats``) for an empty list, a format
+    that is not a candidate (``GemmFormat.search_bits`` unset), or a CUDA-only candidate
+    without CUDA. Source: SRC_SEARCH.
+    """
+    names = [SEARCH_ALIASES.get(n, n) for n in (str(getattr(f, "value", f)).strip().upper() for f in formats)]
+    cands = [f.value for f in SEARCH_CANDIDATES]
+    bad = [n for n in names if n not in cands]
+    if bad:
+        raise UserError(FIELD_SEARCH_FORMATS, f"{', '.join(bad)} cannot be a per-layer search candidate (ModelOpt's "
+                        "auto_quantize candidates exported and read here: " + ", ".join(cands) + ").",
+                        "use candidates from: " + ", ".join(cands) + ".")
+    out: list[str] = []
+    for name in names:
+        if GEMM[name].search_cuda_only and not cuda_available:
+            cpu_ok = " and ".join(f.value for f in SEARCH_CANDIDATES if not f.search_cuda_only)
+            raise UserError(FIELD_SEARCH_FORMATS, f"{name} cannot be a search candidate without a CUDA GPU: ModelOpt's "
+                            "fake-quantized forward asserts 'amax must be a CUDA tensor for dynamic block "
+                            "quantization' on CPU, and auto_quantize scores every candidate by running it.",
+                            f"search over {cpu_ok} on CPU, or run the search on a GPU machine.")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise UserError(FIELD_SEARCH_FORMATS, "no candidate formats given for the per-layer search.",
+                        "list at least one, e.g. [FP8, W4A16_AWQ].")
+    return out
+
+
+def check_search_bits(effective_bits: Any, formats: list[str]) -> float:
+    """The search budget as a float: in (0, 16] and at least the cheapest candidate's bits.
+
+    ``formats``: candidates from ``normalize_candidates``. Raises ``UserError``
+    (``quantization.auto_quantize_bits``) otherwise.
+    """
+    try:
+        eb = float(effective_bits)
+    except (TypeError, ValueError):
+        raise UserError(FIELD_SEARCH_BITS, f"{effective_bits!r} is not a number.", "give the bits budget, e.g. 6.0.")
+    lowest = min(SEARCH_BITS[f] for f in formats)
+    if not (0 < eb <= UNQUANTIZED_SEARCH_BITS):
+        raise UserError(FIELD_SEARCH_BITS, f"{eb} is outside (0, 16].", "give a budget between the candidates' bits and 16.")
+    if eb < lowest:
+        raise UserError(FIELD_SEARCH_BITS, f"a budget of {eb} bits per weight is below the cheapest candidate "
+                        f"({lowest} bits: {', '.join(f for f in formats if SEARCH_BITS[f] == lowest)}).",
+                        f"raise the budget to at least {lowest}, or add a cheaper candidate format.")
+    return eb
+
+
+# ---------------------------------------------------------------------------------------------
+# Other tables
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # BuildConfig defaults when a limit is left out (tensorrt_llm/builder.py BuildConfig).
@@ -166,40 +534,6 @@ LOGITS_DTYPES_TRTLLM_BUILD = ("float16", "float32")
 
 # Memory planning constants (estimates, documented in build/precision_pipeline/resolve/plan.py).
 RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, cuBLAS/NCCL workspaces, Triton: ~1 GiB (estimate)
-SCALE_F32 = 4
-
-
-def linear_weight_bytes(algo: str, n_in: int, n_out: int, group_size: Optional[int], dtype_bytes: int = 2,
-                        bits: Optional[float] = None) -> float:
-    """Bytes of one quantized linear's checkpoint tensors (weight + scales), for ``n_in x n_out``.
-
-    Per SRC_CKPT: FP8: F8 weight + F32 weight & activation scales. NVFP4: packed U8 (0.5 B/elt) +
-    F8 scale per 16 inputs + two F32 scalars. W4A16_AWQ: int4 (0.5 B/elt) + F32 scale per group +
-    BF16 pre-quant scale per input; W4A8_AWQ adds two F32 scalars. W8A8_SQ_PER_CHANNEL: I8 + F32
-    per output channel + F32 activation scale + BF16 pre-quant scale. W8A16: I8 + F32 per output.
-    MIXED_PRECISION: ``bits`` per element (estimate). NO_QUANT: model dtype.
-    """
-    n = n_in * n_out
-    if algo == "FP8":
-        return n + 2 * SCALE_F32
-    if algo in ("NVFP4", "W4A16_NVFP4"):
-        return n / 2 + n / NVFP4_BLOCK + 2 * SCALE_F32
-    if algo in AWQ_ALGOS:
-        g = group_size or 128
-        b = n / 2 + SCALE_F32 * n_out * -(-n_in // g) + dtype_bytes * n_in
-        return b + (2 * SCALE_F32 if algo == "W4A8_AWQ" else 0)
-    if algo == "W8A8_SQ_PER_CHANNEL":
-        return n + SCALE_F32 * n_out + SCALE_F32 + dtype_bytes * n_in
-    if algo == "W8A16":
-        return n + SCALE_F32 * n_out
-    if algo == "MIXED_PRECISION":
-        return n * (bits or 8.0) / 8
-    return n * dtype_bytes
-
-
-def supported_alternatives(sm: int, exclude: str = "") -> list[FormatEntry]:
-    """GEMM formats of SUGGEST_ORDER that run on ``sm`` (minus ``exclude``)."""
-    return [GEMM_FORMATS[a] for a in SUGGEST_ORDER if a != exclude and GEMM_FORMATS[a].supports(sm)]
 
 
 def join_or(items: list[str]) -> str:
@@ -212,4 +546,6 @@ def join_or(items: list[str]) -> str:
     return ", ".join(items[:-1]) + " or " + items[-1]
 
 
-__all__ = [n for n in dir() if n.isupper() or n in ("FormatEntry", "linear_weight_bytes", "supported_alternatives", "join_or")]
+__all__ = [n for n in dir() if n.isupper() or n in (
+    "ScaleLayout", "GemmFormat", "KvFormat", "FormatTable", "gemm", "kv", "sm_text", "linear_weight_bytes",
+    "supported_alternatives", "join_or", "normalize_candidates", "check_search_bits")]

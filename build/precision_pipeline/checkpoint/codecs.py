@@ -1,0 +1,323 @@
+"""Codecs: one class per number format of an exported TensorRT-LLM checkpoint (torch, CPU).
+
+Each codec knows how its weights are stored (torch dtype of the weight tensor, which scale
+tensors it needs and their shapes) and how to turn them back into float32, plus -- where the
+format quantizes activations or the KV cache -- the fake-quant of those values. The reader picks a
+codec through the format registry (``precision_pipeline.spec.formats``: ``GemmFormat.codec`` ->
+``CODECS``; ``GemmFormat.act_fake_quant`` / ``KvFormat.fake_quant`` -> ``FAKE_QUANT``), never by
+comparing format names. A new number format = one class here + its name in ``CODECS``.
+
+Bit layouts (what ModelOpt 0.47 writes; sources per class):
+
+* ``Fp8E4M3`` (FP8, per-tensor): ``weight`` F8_E4M3 ``[out, in]``, ``weights_scaling_factor`` F32
+  ``[1]`` (= amax / 448); ``w = fp8.float() * s``. E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa
+  bits, no infinities, max 448 (``to_quantized_weight``, ``modelopt/torch/export/quant_utils.py``).
+* ``Nvfp4`` (E2M1 + FP8 block scales + F32 global): ``weight`` U8 ``[out, in/2]``, element ``2j``
+  in the LOW nibble; ``weights_scaling_factor`` F8_E4M3 ``[out, in/16]``, ``weights_scaling_factor_2``
+  F32 scalar; ``w = e2m1 * (sf * sf2)`` (``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``).
+* ``Int4Awq`` (INT4 packed along the OUTPUT dim, per-group F32 scales; ``pack_int4_in_uint8``):
+  ``weight`` I8 ``[out/2, in]``, ``weights_scaling_factor`` ``[out, in/group]``; W4A8 adds an FP8
+  re-quantization with ``weights_scaling_factor_2``.
+* ``Int8PerChannel`` (SmoothQuant / W8A16): ``weight`` I8 ``[out, in]``, ``weights_scaling_factor``
+  F32 ``[out]``; ``w = q * s[:, None]``; activations / KV: per-tensor INT8 fake-quant.
+* ``Plain``: BF16/F16/F32 cast to float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, NVFP4_BLOCK, GemmFormat
+
+FIELD = "checkpoint"
+FP8_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# Element formats
+
+def fp8_e4m3_to_float(t: torch.Tensor) -> torch.Tensor:
+    """float32 values of an FP8 E4M3 tensor (dtype float8_e4m3fn, or uint8/int8 raw bits)."""
+    if t.dtype in (torch.uint8, torch.int8):
+        t = t.view(torch.uint8).view(torch.float8_e4m3fn)
+    return t.to(torch.float32)
+
+
+def e2m1_to_float(nibbles: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes (ints 0..15): bit 3 sign, bits 0..2 index [0,.5,1,1.5,2,3,4,6]."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    n = nibbles.to(torch.int64)
+    mag = table[n & 0x7]
+    return torch.where((n & 0x8) != 0, -mag, mag)
+
+
+def unpack_nvfp4(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., n/2]`` uint8 -> ``[..., n]`` float32 E2M1 values; element 2j = low nibble, 2j+1 = high."""
+    p = packed.view(torch.uint8).to(torch.int64)
+    lo = p & 0x0F
+    hi = (p >> 4) & 0x0F
+    out = torch.stack([lo, hi], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+    return e2m1_to_float(out)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """``[out/2, in]`` int8/uint8 -> ``[out, in]`` int64 in -8..7. Row ``2r`` = low nibble of byte
+    row ``r``, row ``2r+1`` = high nibble (``pack_int4_in_uint8``, modelopt/torch/export/quant_utils.py)."""
+    p = packed.view(torch.uint8).to(torch.int64)
+    lo = p & 0x0F
+    hi = (p >> 4) & 0x0F
+    lo = torch.where(lo >= 8, lo - 16, lo)
+    hi = torch.where(hi >= 8, hi - 16, hi)
+    out = torch.stack([lo, hi], dim=1)  # [out/2, 2, in]
+    return out.reshape(p.shape[0] * 2, *p.shape[1:])
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor (or broadcast) FP8 E4M3 quantize-dequantize of ``x`` with scale ``s`` (= amax/448):
+    ``fp8(clamp(x/s, ±448)) * s``, rounding to nearest even.
+
+    Computed in ModelOpt's operation order (``_fp8_eager`` in
+    ``modelopt/torch/quantization/tensor_quant.py``): ``amax = s*448``, ``k = 448/amax``,
+    ``fp8(clamp(x*k)) * (1/k)``, so that given the same scales the result is bit-identical to
+    ModelOpt's fake-quant (values exactly halfway between two FP8 codes round by this float path).
+    """
+    amax = scale.to(torch.float32) * FP8_MAX
+    k = FP8_MAX / amax
+    y = (x.to(torch.float32) * k).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return (y * (1 / k)).to(x.dtype)
+
+
+def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor INT8 quantize-dequantize with scale ``s`` (= amax/127):
+    ``clamp(round(x/s), -128, 127) * s`` (round half to even).
+
+    Computed in ModelOpt's operation order (``_tensor_quant`` in
+    ``modelopt/torch/quantization/tensor_quant.py``, ``narrow_range=False``):
+    ``k = 127/amax``, ``clamp(round(x*k), -128, 127) / k``.
+    """
+    amax = scale.to(torch.float32) * 127.0
+    k = 127.0 / amax
+    return (torch.round(x.to(torch.float32) * k).clamp(-128, 127) / k).to(x.dtype)
+
+
+def round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to the nearest E2M1 value (ties to the even code, as ModelOpt's
+    ``NVFP4QTensor._cast_fp4``); magnitudes above 6 saturate to 6."""
+    a = v.abs()
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+    idx = torch.searchsorted(bounds, a.contiguous())
+    odd = (a == 0.75) | (a == 1.75) | (a == 3.5)
+    idx = idx + odd.to(idx.dtype)
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)[idx.clamp(max=7)]
+    return torch.where(v < 0, -mag, mag)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
+    """Dynamic NVFP4 quantize-dequantize along the last dim (blocks of ``block``):
+    ``sf_b = fp8(clamp(amax_b / (6 * s2), 2**-9, 448))``, ``x_q = e2m1(x / (sf_b*s2)) * sf_b*s2``."""
+    shape = x.shape
+    xf = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // block, block)
+    s2 = global_scale.to(torch.float32)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    sf = (amax / (6.0 * s2))
+    sf = torch.where(sf == 0, torch.ones_like(sf), sf)
+    sf = sf.clamp(2.0 ** -9, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    scale = sf * s2
+    q = round_e2m1(xf / scale) * scale
+    return q.reshape(shape).to(x.dtype)
+
+
+def dequant_int4(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
+    """INT4 AWQ weight of one rank -> float32 ``[out, in]``.
+
+    ``w = q * weights_scaling_factor[o, i // group]`` (``pack_int4_in_uint8`` quantizes
+    ``round(w / s)`` with the INT4 quantizer's per-group scale; ``weights_scaling_factor_2`` is
+    not used for the packing). W4A8_AWQ: ``weights_scaling_factor_2`` is the per-tensor scale of
+    the second, FP8 weight quantizer (ModelOpt's ``SequentialQuantizer``, INT4 then FP8 E4M3;
+    ``get_weight_scaling_factor_2`` in ``modelopt/torch/export/quant_utils.py``): the INT4 values
+    times their group scales are represented in FP8 with that scale, so
+    ``w = fp8(q * s / s2) * s2`` (measured: without the FP8 step the relative error vs. the HF
+    weights is the same; multiplying by ``s2`` instead gives ~99% error).
+    """
+    q = unpack_int4_rows(t[prefix + "weight"]).to(torch.float32)
+    s = t[prefix + "weights_scaling_factor"].to(torch.float32)
+    if s.shape[0] != q.shape[0] and s.shape[-1] == q.shape[0]:
+        s = s.T  # [in/group, out] layout
+    if s.dim() != 2 or s.shape[0] != q.shape[0] or q.shape[1] != s.shape[1] * group:
+        raise UserError(FIELD, f"{prefix}weights_scaling_factor has shape {tuple(s.shape)}; expected "
+                        f"[{q.shape[0]}, {q.shape[1] // group}] for weight [{q.shape[0]}, {q.shape[1]}] and group {group}.",
+                        "re-export the checkpoint.")
+    w = q * s.repeat_interleave(group, dim=1)
+    s2 = t.get(prefix + "weights_scaling_factor_2")
+    if s2 is not None:
+        w = fake_quant_fp8(w, s2.to(torch.float32).reshape(()))
+    return w
+
+
+# --------------------------------------------------------------------------------------------
+# Codec classes
+
+
+def _need(t: dict[str, torch.Tensor], prefix: str, name: str) -> torch.Tensor:
+    """``t[prefix + name]`` as float32 (FP8 tensors as stored); UserError when missing."""
+    if prefix + name not in t:
+        raise UserError(FIELD, f"{prefix}weight is {t[prefix + 'weight'].dtype} but {prefix}{name} is missing.",
+                        "re-export the checkpoint.")
+    v = t[prefix + name]
+    return v.to(torch.float32) if v.dtype != torch.float8_e4m3fn else v
+
+
+class Codec:
+    """One number format: ``dequantize`` (one rank's tensors -> float32 ``[out, in]``),
+    ``header_problem`` (what the safetensors header alone shows against the declared format),
+    and ``fake_quant`` when the format also quantizes activations / the KV cache."""
+
+    name: ClassVar[str] = ""
+    weight_dtype: ClassVar[Optional[torch.dtype]] = None  # torch dtype of the stored weight
+
+    def dequantize(self, t: dict[str, torch.Tensor], prefix: str, group_size: Optional[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def header_problem(self, stem: str, fmt: GemmFormat, weight: dict, scale: Optional[dict]) -> Optional[str]:
+        """Reason text when the header's weight / ``weights_scaling_factor`` (``{"dtype", "shape"}``)
+        contradict ``fmt`` beyond the stored dtype (checked from ``fmt.stored_dtype``), else None."""
+        return None
+
+    fake_quant: ClassVar[Optional[Callable[..., torch.Tensor]]] = None
+
+
+class Plain(Codec):
+    """BF16 / F16 / F32 weights: cast to float32."""
+
+    name = "plain"
+
+    def dequantize(self, t, prefix, group_size):
+        return t[prefix + "weight"].to(torch.float32)
+
+
+class Fp8E4M3(Codec):
+    """FP8 E4M3 weights with a per-tensor (or, not produced by FP8_DEFAULT_CFG, per-channel) F32
+    scale; activations / KV cache: per-tensor FP8 fake-quant (``fake_quant_fp8``)."""
+
+    name = "fp8"
+    weight_dtype = torch.float8_e4m3fn
+    fake_quant = staticmethod(fake_quant_fp8)
+
+    def dequantize(self, t, prefix, group_size):
+        w = t[prefix + "weight"]
+        s = _need(t, prefix, "weights_scaling_factor")
+        if s.numel() == 1:
+            return fp8_e4m3_to_float(w) * s.reshape(())
+        if s.numel() == w.shape[0]:  # per-channel FP8 (not produced by FP8_DEFAULT_CFG)
+            return fp8_e4m3_to_float(w) * s.reshape(-1, 1)
+        raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements for FP8 weight {tuple(w.shape)}.",
+                        "re-export the checkpoint.")
+
+
+class Nvfp4(Codec):
+    """NVFP4: packed E2M1 nibbles, an FP8 E4M3 scale per ``NVFP4_BLOCK`` elements and an F32 global
+    scale; activations: dynamic NVFP4 fake-quant (``fake_quant_nvfp4``)."""
+
+    name = "nvfp4"
+    weight_dtype = torch.uint8
+    fake_quant = staticmethod(fake_quant_nvfp4)
+
+    def dequantize(self, t, prefix, group_size):
+        w = t[prefix + "weight"]
+        sf = _need(t, prefix, "weights_scaling_factor")
+        sf2 = _need(t, prefix, "weights_scaling_factor_2").reshape(())
+        vals = unpack_nvfp4(w)  # [out, in]
+        block = vals.shape[1] // sf.shape[1]
+        if sf.shape[0] != vals.shape[0] or block * sf.shape[1] != vals.shape[1]:
+            raise UserError(FIELD, f"{prefix}: NVFP4 scales {tuple(sf.shape)} do not tile weight {tuple(vals.shape)}.",
+                            "re-export the checkpoint.")
+        scale = fp8_e4m3_to_float(sf) * sf2
+        return vals * scale.repeat_interleave(block, dim=1)
+
+
+def _int4_packed(weight: dict, scale: dict) -> bool:
+    """Header shapes say INT4 packed rows with per-group scales: ``[out, in/g]`` for ``[out/2, in]``."""
+    return len(scale["shape"]) == 2 and scale["shape"][0] == 2 * weight["shape"][0]
+
+
+class Int4Awq(Codec):
+    """INT4 AWQ: two signed int4 per byte along the output dim, F32 scale per group of
+    ``group_size`` inputs (default ``AWQ_DEFAULT_GROUP``); W4A8_AWQ's ``weights_scaling_factor_2``
+    re-quantizes the result to FP8 (``dequant_int4``)."""
+
+    name = "int4_awq"
+    weight_dtype = torch.int8
+
+    def dequantize(self, t, prefix, group_size):
+        _need(t, prefix, "weights_scaling_factor")
+        return dequant_int4(t, prefix, int(group_size or AWQ_DEFAULT_GROUP))
+
+    def header_problem(self, stem, fmt, weight, scale):
+        if weight["dtype"] == "I8" and scale is not None and not _int4_packed(weight, scale):
+            return (f"{stem} is declared {fmt.value} but stored as INT8 with per-channel scales "
+                    f"{scale['shape']} (W8A16 / SmoothQuant layout).")
+        return None
+
+
+class Int8PerChannel(Codec):
+    """INT8 weights with one F32 scale per output channel (SmoothQuant, W8A16); activations /
+    KV cache: per-tensor INT8 fake-quant (``fake_quant_int8``)."""
+
+    name = "int8_channel"
+    weight_dtype = torch.int8
+    fake_quant = staticmethod(fake_quant_int8)
+
+    def dequantize(self, t, prefix, group_size):
+        w = t[prefix + "weight"]
+        s = _need(t, prefix, "weights_scaling_factor")
+        if s.numel() != w.shape[0]:
+            raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements; expected {w.shape[0]} (per output channel).",
+                            "re-export the checkpoint.")
+        return w.to(torch.float32) * s.reshape(-1, 1)
+
+    def header_problem(self, stem, fmt, weight, scale):
+        if weight["dtype"] == "I8" and scale is not None and _int4_packed(weight, scale):
+            return (f"{stem} is declared {fmt.value} but stored as packed INT4 with per-group scales "
+                    f"{scale['shape']} (AWQ layout).")
+        return None
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (Plain(), Fp8E4M3(), Nvfp4(), Int4Awq(), Int8PerChannel())}
+# GemmFormat.act_fake_quant / KvFormat.fake_quant kind -> quantize-dequantize function (x, scale)
+FAKE_QUANT: dict[str, Callable[..., torch.Tensor]] = {"fp8": fake_quant_fp8, "int8": fake_quant_int8,
+                                                      "nvfp4": fake_quant_nvfp4}
+
+
+def codec_for(fmt: GemmFormat) -> Codec:
+    """The codec of ``fmt`` (``CODECS[fmt.codec]``); UserError when the reader has none for it."""
+    c = CODECS.get(fmt.codec or "")
+    if c is None:
+        raise UserError(FIELD, f"quant_algo {fmt.value} is not read here (no codec).",
+                        "use a format with a codec in build/precision_pipeline/checkpoint/codecs.py.")
+    return c
+
+
+def dequantize(t: dict[str, torch.Tensor], prefix: str, fmt: GemmFormat, group_size: Optional[int]) -> torch.Tensor:
+    """float32 ``[out, in]`` weight of linear ``prefix`` from one rank's tensors, decoded as ``fmt``
+    declares. An unquantized stored dtype is cast (a linear kept in high precision); a quantized
+    one must be the codec's own (else UserError: stored differs from declared)."""
+    w = t[prefix + "weight"]
+    if w.dtype not in QUANTIZED_DTYPES:
+        return w.to(torch.float32)
+    codec = codec_for(fmt)
+    if codec.weight_dtype is not None and w.dtype != codec.weight_dtype:
+        raise UserError(FIELD, f"{prefix}weight is stored as {w.dtype} but declared {fmt.value}.", "re-export the checkpoint.")
+    if codec.weight_dtype is None:
+        raise UserError(FIELD, f"{prefix}weight is stored quantized ({w.dtype}) but declared {fmt.value}.",
+                        "re-export the checkpoint.")
+    return codec.dequantize(t, prefix, group_size)
+
+
+__all__ = ["Codec", "Plain", "Fp8E4M3", "Nvfp4", "Int4Awq", "Int8PerChannel", "CODECS", "FAKE_QUANT", "codec_for", "dequantize",
+           "dequant_int4", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4", "unpack_int4_rows", "fake_quant_fp8",
+           "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "FP8_MAX", "E2M1_VALUES", "QUANTIZED_DTYPES"]
