@@ -187,7 +187,7 @@ def test_case2_nvfp4_on_h100(default_model_dir):
     pr = refusals(prof("nvfp4-b200", target={"gpu": "h100"}), default_model_dir)
     p = by_rule(pr, "format.gemm_sm")
     assert p.reason == "NVFP4: NVFP4 needs Blackwell: SM 100, 103, 120 or 121; h100-sxm (NVIDIA H100 80GB HBM3) is SM 90."
-    assert p.fix == ("nvfp4 runs on SM 100, 103 or 120-121 (b200, gb200, b300, rtx-5090, rtx-pro-6000-blackwell); "
+    assert p.fix == ("nvfp4 runs on SM 100, 103 or 120-121 (b200, gb200, b300, rtx-5090, rtx-pro-6000-blackwell, gb10); "
                      "on SM 90 use fp8, w4a8-awq, int8-sq, int4-awq or bf16.")
 
 

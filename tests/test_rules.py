@@ -140,7 +140,7 @@ def test_nvfp4_runs_on_rtx_pro_6000_blackwell_and_gb200_b300():
 def test_w4a8_awq_on_b200():
     pr = only(run(gemm("W4A8_AWQ", "b200")), "format.gemm_sm")
     assert pr.reason == "W4A8_AWQ: W4A8 AWQ needs Ada or Hopper: SM 89 or 90; b200 (NVIDIA B200) is SM 100."
-    assert pr.fix == "w4a8-awq runs on SM 89-90 (l4, l40s, rtx-4090, rtx-6000-ada, h100-pcie, h100-sxm, h100-nvl, h200, gh200); " \
+    assert pr.fix == "w4a8-awq runs on SM 89-90 (l4, l40s, rtx-4090, rtx-6000-ada, l40, l20, rtx-5000-ada, rtx-4500-ada and 10 more); " \
                      "on SM 100 use fp8, nvfp4 or bf16."
     assert run(gemm("W4A8_AWQ", "h100")).ok and run(gemm("W4A8_AWQ", "l4")).ok
 

@@ -526,10 +526,14 @@ def _format_fix(ctx: Context, entry: F.GemmFormat) -> str:
     alts = F.supported_alternatives(ctx.sm, exclude=entry.algo)
     alt_txt = F.join_or([a.short for a in alts])
     gpus = [gid for gid in entry.gpu_ids() if gid != ctx.gpu.id]
+
+    def some(ids: list[str], n: int) -> str:  # the catalog grows: name a few, count the rest
+        return ", ".join(ids[:n]) + (f" and {len(ids) - n} more" if len(ids) > n else "")
+
     if entry.fix_gpus_first:
-        return (f"{entry.short} runs on {entry.sm_text()} ({', '.join(gpus)}); "
+        return (f"{entry.short} runs on {entry.sm_text()} ({some(gpus, 8)}); "
                 f"on SM {ctx.sm} use {alt_txt}.")
-    return f"use {alt_txt} on SM {ctx.sm}" + (f", or a GPU of {entry.sm_text()} ({', '.join(gpus[:6])})." if gpus else ".")
+    return f"use {alt_txt} on SM {ctx.sm}" + (f", or a GPU of {entry.sm_text()} ({some(gpus, 6)})." if gpus else ".")
 
 
 @rule("format.trtllm_buildable", "quant_algo is a TensorRT-LLM 1.2 QuantAlgo", F.SRC_MODE, needs_gpu=False)
