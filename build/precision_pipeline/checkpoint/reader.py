@@ -827,7 +827,8 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, act={self.act_format}, pre={self.pre is not None}"
 
 
-_ACT_FORMAT = {"FP8": "fp8", "W4A8_AWQ": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "NVFP4": "nvfp4"}
+ACT_FORMAT = {"FP8": "fp8", "W4A8_AWQ": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "NVFP4": "nvfp4"}
+"""quant_algo -> the input fake-quant ``QuantLinear`` applies (weight-only formats are absent)."""
 
 
 def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -847,7 +848,7 @@ def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _register_attention() -> None:
+def register_attention() -> None:
     """Register the KV fake-quant attention and its mask function under ``ATTN_IMPL``.
 
     The mask function matters: transformers (masking_utils ``_preprocess_mask_arguments``) builds
@@ -906,9 +907,9 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
                         "gate an FP8-KV variant of the profile, or evaluate this one on the engine.")
 
     def act(spec: LinearSpec) -> Optional[str]:  # per linear: MIXED_PRECISION layers differ
-        return _ACT_FORMAT.get(spec.quant_algo) if spec.quantized else None
+        return ACT_FORMAT.get(spec.quant_algo) if spec.quantized else None
 
-    _register_attention()
+    register_attention()
     hf_cfg.tie_word_embeddings = False
     hf_cfg._attn_implementation = ATTN_IMPL
     with torch.device("meta"):
