@@ -171,7 +171,7 @@ def corrupted_run(fp8_checkpoint, default_model_dir, golden_file, tmp_path_facto
     from precision_pipeline.gate.checkpoint_gate import GateResult, write_gate_dir
 
     root = tmp_path_factory.mktemp("corrupt")
-    ck = _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)
+    _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)
     gate_dir = root / "gate"
     try:
         from test_report import _synthetic  # the report tests' synthetic gate numbers

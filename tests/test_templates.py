@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import deploy, pack, templates
+from precision_pipeline.serving import deploy, pack
 from precision_pipeline.serving.templates import PBTXT, YAML_VALUE, render
 
 

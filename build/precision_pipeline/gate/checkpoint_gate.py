@@ -91,8 +91,7 @@ import torch.nn.functional as F
 from precision_pipeline.core.errors import GateFailed, UserError
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, hash_obj, locked, read_json
 from precision_pipeline.gate.golden import EncodedPrompt, encode_golden, end_of_turn_id, golden_hash, load_golden, summarize
-from precision_pipeline.gate.options import (DEFAULT_BOOTSTRAP, DEFAULT_GREEDY_BATCH, DEFAULT_GREEDY_NEW_TOKENS,
-                                             DEFAULT_HELDOUT_WINDOW, GateOptions, GateRuntime)
+from precision_pipeline.gate.options import DEFAULT_BOOTSTRAP, DEFAULT_HELDOUT_WINDOW, GateOptions, GateRuntime
 from precision_pipeline.spec.profile import GateThresholds
 
 CACHE_VERSION = 2  # 2: the key hashes GateOptions.reference_key_fields()

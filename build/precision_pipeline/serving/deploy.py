@@ -44,7 +44,6 @@ label syntax, replicas >= 1, selector matching the pod labels, GPU requests = li
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
