@@ -372,7 +372,7 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.pipeline import _model_dir, default_out_dir
     from precision_pipeline.spec.profile import load_profile
-    from precision_pipeline.analysis.sensitivity import run_sensitivity
+    from precision_pipeline.analysis.sensitivity import SensitivityOptions, SensitivityRuntime, run_sensitivity
 
     prof = load_profile(profile)
     model_dir = _model_dir(model)
@@ -383,8 +383,9 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
         n = 0
     if n < 1:
         raise UserError("--prompts", f"{prompts!r} is not a positive number of prompts per category.", "pass e.g. --prompts 1.")
-    res = run_sensitivity(prof, model_dir, out_dir, checkpoint_dir=Path(checkpoint).expanduser() if checkpoint else None,
-                          prompts_per_category=n, layers=_parse_layers(layers), fresh=bool(fresh))
+    res = run_sensitivity(prof, model_dir, out_dir, SensitivityOptions(prompts_per_category=n),
+                          SensitivityRuntime(fresh=bool(fresh)),
+                          checkpoint_dir=Path(checkpoint).expanduser() if checkpoint else None, layers=_parse_layers(layers))
     d = res.data
     con = _console()
     from rich.table import Table

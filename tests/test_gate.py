@@ -15,6 +15,7 @@ import torch
 from precision_pipeline.core.errors import EXIT_GATE_FAILED, GateFailed, UserError
 from precision_pipeline.gate.checkpoint_gate import (CallableCandidate, as_candidate, bootstrap_ci, compare_generations, kl_summary,
                         perplexity, run_gate, token_metrics, _check)
+from precision_pipeline.gate.options import GateOptions, GateRuntime
 from precision_pipeline.spec.profile import GateThresholds, load_profile
 
 # ------------------------------------------------------------------------------------------------
@@ -103,15 +104,70 @@ def test_as_candidate_wrappers():
         as_candidate(42)
 
 
+
+# ------------------------------------------------------------------------------------------------
+# Options: what is measured (hashed) vs how it runs (never hashed)
+
+# every GateOptions field with another value; True = the cached reference depends on it
+OPTION_CHANGES = {
+    "prompts_per_category": (2, True), "golden_path": ("/elsewhere/golden.jsonl", False),
+    "heldout_tokens": (64, True), "heldout_window": (256, True), "greedy_new_tokens": (4, True),
+    "greedy_batch": (2, True), "noise_floor": (False, True), "bootstrap_resamples": (10, False), "seed": (1, False),
+}
+
+
+def test_gate_options_are_frozen_and_strict():
+    from pydantic import ValidationError
+
+    o = GateOptions(prompts_per_category=1)
+    with pytest.raises(ValidationError):
+        o.heldout_tokens = 5  # frozen: an options object cannot change after its key was taken
+    with pytest.raises(ValidationError):
+        GateOptions(bootstrap=200)  # the old keyword is refused, not ignored
+    with pytest.raises(ValidationError):
+        GateOptions(prompts_per_category=0)
+    with pytest.raises(ValidationError):
+        GateRuntime(threads=0)
+    assert GateOptions().key_fields() == {
+        "prompts_per_category": None, "golden_path": None, "heldout_tokens": 2048, "heldout_window": 512,
+        "greedy_new_tokens": 32, "greedy_batch": 8, "noise_floor": True, "bootstrap_resamples": 1000, "seed": 0}
+
+
+def test_reference_key_hashes_gate_options(default_model_dir):
+    from precision_pipeline.gate.checkpoint_gate import reference_key
+    from precision_pipeline.gate.golden import EncodedPrompt
+
+    assert set(OPTION_CHANGES) == set(GateOptions.model_fields), "classify the new GateOptions field here"
+    enc = [EncodedPrompt("p", "facts", "q", "a", [1, 2, 3, 4], 1, 2, 4)]
+    base = GateOptions()
+    key = reference_key(default_model_dir, enc, [[5, 6]], 2, base)
+    assert len(key) == 64 and key == reference_key(default_model_dir, enc, [[5, 6]], 2, GateOptions())
+    for name, (value, hashed) in OPTION_CHANGES.items():
+        other = reference_key(default_model_dir, enc, [[5, 6]], 2, base.model_copy(update={name: value}))
+        assert (other != key) is hashed, name
+    assert reference_key(default_model_dir, enc, [[5, 7]], 2, base) != key  # held-out tokens
+    assert reference_key(default_model_dir, enc, [[5, 6]], 3, base) != key  # stop id
+
+
+def test_gate_checkpoint_refuses_two_prompt_limits(tmp_path):
+    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
+
+    with pytest.raises(ValueError, match="golden_limit"):
+        gate_checkpoint(tmp_path, tmp_path, GateThresholds(), tmp_path / "gate", GateOptions(), golden_limit=1)
+
 # ------------------------------------------------------------------------------------------------
 # End to end on the default model (small subset)
 
-SUBSET = dict(golden_limit=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap=200, progress=False)
+SUBSET = GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200)
 
 
 @pytest.fixture(scope="session")
 def gate_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("gate-ref-cache")
+
+
+def _runtime(cache) -> GateRuntime:
+    return GateRuntime(progress=False, reference_cache=cache)
 
 
 @pytest.fixture(scope="session")
@@ -125,7 +181,7 @@ def fp32_model(default_model_dir):
 def self_gate(default_model_dir, fp32_model, gate_cache, tmp_path_factory):
     thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
     out = tmp_path_factory.mktemp("gate-self") / "gate"
-    return run_gate(fp32_model, default_model_dir, thr, out, cache_root=gate_cache, **SUBSET)
+    return run_gate(fp32_model, default_model_dir, thr, out, SUBSET, _runtime(gate_cache))
 
 
 def test_model_against_itself(self_gate):
@@ -197,8 +253,7 @@ def test_perturbed_model_fails_on_kl(default_model_dir, fp32_model, gate_cache, 
         return bad(input_ids=ids, use_cache=False).logits
 
     thr = GateThresholds(kl_mean_max=0.01, top1_min=0.0)
-    res = run_gate(fn, default_model_dir, thr, tmp_path / "gate", cache_root=gate_cache, candidate_name="perturbed",
-                   **SUBSET)
+    res = run_gate(fn, default_model_dir, thr, tmp_path / "gate", SUBSET, _runtime(gate_cache), candidate_name="perturbed")
     m = res.metrics["metrics"]
     assert res.metrics["reference_cache"]["hit"] is True  # reference and floor reused
     assert not res.passed
@@ -248,7 +303,7 @@ def test_fp8_checkpoint_gate(default_model_dir, fp8_checkpoint, gate_cache, tmp_
     from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
 
     thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
-    res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, tmp_path / "gate", cache_root=gate_cache, **SUBSET)
+    res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, tmp_path / "gate", SUBSET, _runtime(gate_cache))
     m = res.metrics["metrics"]
     assert res.metrics["reference_cache"]["hit"] is True
     assert m["kl_mean"]["value"] > 5 * m["kl_mean"]["noise_floor"]

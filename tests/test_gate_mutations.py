@@ -54,8 +54,8 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-GATE_KW = dict(golden_limit=1, heldout_tokens=512, greedy_new_tokens=0, bootstrap=200, progress=False,
-               write_report=False)
+GATE_OPTIONS = dict(prompts_per_category=1, heldout_tokens=512, greedy_new_tokens=0, bootstrap_resamples=200)
+GATE_RUNTIME = dict(progress=False, write_report=False)
 HEADROOM = 1.25  # a good checkpoint must sit this far inside each threshold
 
 
@@ -76,8 +76,10 @@ def shipped(default_model_dir):
 
 def _gate(ckpt: Path, model_dir: Path, thr, out: Path):
     from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
+    from precision_pipeline.gate.options import GateOptions, GateRuntime
 
-    return gate_checkpoint(ckpt, model_dir, thr, out, candidate_name=ckpt.parent.name, **GATE_KW)
+    return gate_checkpoint(ckpt, model_dir, thr, out, GateOptions(**GATE_OPTIONS), GateRuntime(**GATE_RUNTIME),
+                           candidate_name=ckpt.parent.name)
 
 
 @pytest.fixture(scope="module")

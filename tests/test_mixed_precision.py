@@ -286,16 +286,16 @@ def test_sensitivity_prices_each_layer_in_its_own_format(mixed_export, smollm_2l
     (FP8 input fake-quant or weight-only INT4) and its cost uses that format's bytes."""
     from precision_pipeline.spec.formats import linear_weight_bytes
     from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
-    from precision_pipeline.analysis.sensitivity import run_sensitivity
+    from precision_pipeline.analysis.sensitivity import SensitivityOptions, SensitivityRuntime, run_sensitivity
 
     _, ck, _, _ = mixed_export
     golden = tmp_path / "golden.jsonl"
     golden.write_text(json.dumps({"id": "facts-t1", "category": "facts", "prompt": "What is the capital of France?",
                                   "answer": "The capital of France is Paris."}) + "\n")
     prof = validate_profile(deep_merge(load_raw("mixed-fp8-int4-h100"), {}))
-    res = run_sensitivity(prof, smollm_2layers, tmp_path / "out", checkpoint_dir=ck, layers=[0, 1],
-                          kinds=["attention.qkv", "mlp.proj"], golden_path=golden, threads=1, progress=False,
-                          verify=False)
+    res = run_sensitivity(prof, smollm_2layers, tmp_path / "out", SensitivityOptions(golden_path=golden),
+                          SensitivityRuntime(threads=1, progress=False), checkpoint_dir=ck, layers=[0, 1],
+                          kinds=["attention.qkv", "mlp.proj"], verify=False)
     layers = _layers(ck)
     cells = res.data["cells"]
     for i in (0, 1):

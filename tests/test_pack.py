@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_pipeline.serving import pack
+from precision_pipeline.serving import pack, templates
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.profile import load_profile, shipped_profiles
 
@@ -200,7 +200,7 @@ def engine_config(world=1, paged_ctx=True, kv_type="PAGED", logits="float32", ma
 def trt_params(model_dir):
     prof = load_profile("fp8-h100")
     params, _ = pack.compute_params(make_plan(prof), prof, model_dir, "cd" * 32, "/r")
-    return {k: pack._fmt(v) for k, v in params["tensorrt_llm"].items()}
+    return {k: templates.pbtxt_text(v) for k, v in params["tensorrt_llm"].items()}
 
 
 def test_cross_check_consistent(trt_params):

@@ -293,14 +293,16 @@ def real_gate(tmp_path_factory, request) -> tuple[Path, int]:
     if (REAL_GATE / "metrics.json").is_file() and (REAL_GATE / "per_token.npz").is_file():
         return REAL_GATE, 60
     from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
+    from precision_pipeline.gate.options import GateOptions, GateRuntime
     from precision_pipeline.spec.profile import load_profile
 
     ckpt = request.getfixturevalue("fp8_checkpoint")
     model_dir = request.getfixturevalue("default_model_dir")
     root = tmp_path_factory.mktemp("real-gate")
     thr = load_profile("fp8-h100").gate.for_model(model_dir.name)
-    gate_checkpoint(ckpt, model_dir, thr, root / "gate", cache_root=root / "ref", golden_limit=1, heldout_tokens=128,
-                    greedy_new_tokens=3, bootstrap=200, progress=False)
+    gate_checkpoint(ckpt, model_dir, thr, root / "gate",
+                    GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200),
+                    GateRuntime(progress=False, reference_cache=root / "ref"))
     return root / "gate", 6
 
 

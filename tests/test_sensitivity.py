@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.analysis.sensitivity import (KINDS, Cell, Evaluator, exclude_patterns, heatmap_size, plot_heatmap,
-                               resolved_trt_names, run_sensitivity, suggest_exclusions)
+from precision_pipeline.analysis.sensitivity import (KINDS, Cell, Evaluator, SensitivityOptions, SensitivityRuntime,
+                                                     exclude_patterns, heatmap_size, plot_heatmap, resolved_trt_names,
+                                                     run_sensitivity, suggest_exclusions)
 
 LAYERS = [28, 29]
 PROMPTS = [
@@ -119,8 +120,9 @@ class _Killed(Exception):
 
 def test_resume_after_kill(fp8_checkpoint, default_model_dir, golden_file, tmp_path):
     kinds = ["attention.qkv", "mlp.proj"]
-    kw = dict(checkpoint_dir=fp8_checkpoint, layers=LAYERS, kinds=kinds, golden_path=golden_file, threads=1,
-              progress=False, verify=False)
+    kw = dict(checkpoint_dir=fp8_checkpoint, layers=LAYERS, kinds=kinds, verify=False)
+    options = SensitivityOptions(golden_path=golden_file)
+    quiet = SensitivityRuntime(threads=1, progress=False)
     seen: list[str] = []
 
     def die_after_3(jid, rec):
@@ -129,12 +131,13 @@ def test_resume_after_kill(fp8_checkpoint, default_model_dir, golden_file, tmp_p
             raise _Killed()
 
     with pytest.raises(_Killed):
-        run_sensitivity(_profile(), default_model_dir, tmp_path, on_measured=die_after_3, **kw)
+        run_sensitivity(_profile(), default_model_dir, tmp_path, options,
+                        quiet.model_copy(update={"on_measured": die_after_3}), **kw)
     state = tmp_path / "sensitivity" / "cells.jsonl"
     assert [json.loads(x)["id"] for x in state.read_text().splitlines()] == seen
     with open(state, "a") as f:
         f.write('{"key": "torn')  # killed mid-write
-    res = run_sensitivity(_profile(), default_model_dir, tmp_path, **kw)
+    res = run_sensitivity(_profile(), default_model_dir, tmp_path, options, quiet, **kw)
     every = [f"cell:{Cell(i, k).name}" for i in LAYERS for k in kinds] + [f"kind:{k}" for k in kinds] + ["full"]
     assert res.reused == seen
     assert res.computed == [j for j in every if j not in seen]
@@ -168,7 +171,7 @@ def corrupted_run(fp8_checkpoint, default_model_dir, golden_file, tmp_path_facto
     from precision_pipeline.gate.checkpoint_gate import GateResult, write_gate_dir
 
     root = tmp_path_factory.mktemp("corrupt")
-    ck = _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)
+    _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)
     gate_dir = root / "gate"
     try:
         from test_report import _synthetic  # the report tests' synthetic gate numbers
@@ -179,8 +182,8 @@ def corrupted_run(fp8_checkpoint, default_model_dir, golden_file, tmp_path_facto
     except ImportError:  # pragma: no cover
         gate_dir = None
     prof = _profile(kl_mean_max=0.02, kl_p99_max=None)
-    res = run_sensitivity(prof, default_model_dir, root, layers=LAYERS, golden_path=golden_file, threads=1,
-                          progress=False)
+    res = run_sensitivity(prof, default_model_dir, root, SensitivityOptions(golden_path=golden_file),
+                          SensitivityRuntime(threads=1, progress=False), layers=LAYERS)
     return res, gate_dir
 
 
@@ -280,13 +283,30 @@ def test_exclude_patterns_resolve():
     assert Cell.parse("L07.mlp.fc_gate") == Cell(7, "mlp.fc_gate") and Cell.parse("lm_head").name == "lm_head"
 
 
+def test_options_key_the_measurements_and_runtime_does_not(fp8_checkpoint, default_model_dir, golden_file, tmp_path):
+    kw = dict(checkpoint_dir=fp8_checkpoint, layers=[29], kinds=["mlp.proj"], verify=False)
+    jobs = ["cell:L29.mlp.proj", "kind:mlp.proj", "full"]
+    options = SensitivityOptions(golden_path=golden_file)
+    first = run_sensitivity(_profile(), default_model_dir, tmp_path, options,
+                            SensitivityRuntime(threads=1, progress=False), **kw)
+    assert first.computed == jobs and first.reused == []
+    again = run_sensitivity(_profile(), default_model_dir, tmp_path, options,
+                            SensitivityRuntime(threads=2, progress=False, rerender_gate=False), **kw)
+    assert again.computed == [] and again.reused == jobs  # how it runs is not in the key
+    assert again.data["key"] == first.data["key"]
+    repacked = run_sensitivity(_profile(), default_model_dir, tmp_path, options.model_copy(update={"pack_tokens": 64}),
+                               SensitivityRuntime(threads=1, progress=False), **kw)
+    assert repacked.computed == jobs and repacked.reused == []  # what is measured is
+    assert repacked.data["key"] != first.data["key"]
+
+
 def test_missing_checkpoint_is_a_user_error(default_model_dir, tmp_path):
     with pytest.raises(UserError) as ei:
-        run_sensitivity(_profile(), default_model_dir, tmp_path, progress=False)
+        run_sensitivity(_profile(), default_model_dir, tmp_path, runtime=SensitivityRuntime(progress=False))
     assert "invoke build --profile fp8-h100" in ei.value.problems[0].fix
 
 
 def test_wrong_layers_refused(fp8_checkpoint, default_model_dir, tmp_path):
     with pytest.raises(UserError):
-        run_sensitivity(_profile(), default_model_dir, tmp_path, checkpoint_dir=fp8_checkpoint, layers=[30],
-                        progress=False)
+        run_sensitivity(_profile(), default_model_dir, tmp_path, runtime=SensitivityRuntime(progress=False),
+                        checkpoint_dir=fp8_checkpoint, layers=[30])

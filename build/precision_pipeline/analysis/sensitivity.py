@@ -4,7 +4,7 @@
 TensorRT-LLM checkpoint (``<out>/checkpoint``; it does NOT quantize: without a checkpoint it raises
 ``UserError`` asking for ``invoke build --profile X`` first, or ``checkpoint_dir=`` / ``--checkpoint``),
 loads the FP32 HF model once and measures, on a small stratified subset of the golden prompts
-(``prompts_per_category`` per category, default 1: 6 prompts, ~940 tokens, ~400 answer tokens),
+(``SensitivityOptions.prompts_per_category`` per category, default 1: 6 prompts, ~940 tokens, ~400 answer tokens),
 what quantizing ONE cell costs while everything else stays FP32:
 
 * cells: decoder layer ``i`` x kind, kinds ``attention.qkv``, ``attention.dense``, ``mlp.fc_gate``
@@ -19,7 +19,7 @@ what quantizing ONE cell costs while everything else stays FP32:
 * metrics vs the FP32 reference on the answer positions: KL mean / P95 / P99 / max and top-1,
   with ``gate.token_metrics`` / ``gate.kl_summary`` (the gate's own code).
 
-Speed (the run is ~170 forwards): prompts are packed into sequences of up to ``pack_tokens``
+Speed (the run is ~170 forwards): prompts are packed into sequences of up to ``options.pack_tokens``
 tokens (block-diagonal causal mask, positions restart per prompt; exact, since every fake-quant
 here is per tensor or per token); the FP32 input of every decoder layer is cached once, so a cell
 in layer ``i`` only runs layers ``i..L-1``; logits are computed only on the answer positions.
@@ -48,7 +48,8 @@ Outputs in ``<out>/sensitivity/``:
 
 * ``cells.jsonl``: one JSON line per finished measurement (cell, per-kind row, full, verify) with
   its per-token KL; the resume state. A restarted run skips measurements whose ``key`` (checkpoint
-  content hash + golden subset hash + model fingerprint + code version) matches; ``fresh=True``
+  content hash + golden subset hash + model fingerprint + ``SensitivityOptions`` + code version) matches;
+  ``SensitivityRuntime(fresh=True)``
   starts over. A torn last line (killed mid-write) is dropped.
 * ``sensitivity.json``: the matrix, per-kind rows, full, bytes, ranking, suggestion, timings.
 * ``heatmap.png``: layers x kinds, KL mean, log colour scale, annotated (per-kind rows underneath).
@@ -70,12 +71,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, hash_dir, hash_file, hash_obj
 from precision_pipeline.spec import formats as FMT
 
-CODE_VERSION = 1
+CODE_VERSION = 2  # 2: the measurement key hashes SensitivityOptions
 LINEAR_KINDS: dict[str, tuple[str, ...]] = {
     "attention.qkv": ("attention.qkv",),
     "attention.dense": ("attention.dense",),
@@ -642,25 +644,59 @@ def checkpoint_dir_for(out_dir: Path, profile_name: str, checkpoint_dir: Optiona
     return ck.resolve()
 
 
-def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_dir: Optional[Path] = None,
-                    prompts_per_category: int = 1, layers: Optional[Sequence[int]] = None,
-                    kinds: Optional[Sequence[str]] = None, fresh: bool = False, threads: Optional[int] = None,
-                    progress: bool = True, pack_tokens: int = DEFAULT_PACK_TOKENS, verify: bool = True,
-                    rerender_gate: bool = True, golden_path: Optional[Path] = None,
-                    on_measured: Optional[Callable[[str, dict], None]] = None,
-                    prepare: Optional[Callable[[Evaluator], None]] = None) -> SensitivityResult:
+class SensitivityOptions(BaseModel):
+    """How each measurement is made. Every field can change a number, so every field is in each measurement's key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompts_per_category: PositiveInt = 1
+    """Golden prompts per category in the subset (first N in file order; 1 = 6 prompts)."""
+    golden_path: Optional[Path] = None
+    """Golden prompt file (JSON lines); None = the shipped ``gate/data/golden_prompts.jsonl``."""
+    pack_tokens: PositiveInt = DEFAULT_PACK_TOKENS
+    """Tokens per packed sequence (block-diagonal mask; exact up to float summation order)."""
+
+    def key_fields(self) -> dict[str, Any]:
+        """All fields as JSON values (what the measurement key hashes)."""
+        return self.model_dump(mode="json")
+
+
+class SensitivityRuntime(BaseModel):
+    """How the analysis runs. Never hashed: the measurements are the same whatever is set here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    threads: Optional[PositiveInt] = None
+    """Torch CPU threads; None = the cores not already busy (``checkpoint_gate.auto_threads``)."""
+    progress: bool = True
+    """Rich progress bar on stderr."""
+    fresh: bool = False
+    """Delete ``cells.jsonl`` first and measure every cell again."""
+    rerender_gate: bool = True
+    """Copy the heatmap into ``<out>/gate`` and re-render its reports when a gate result is there."""
+    on_measured: Optional[Callable[[str, dict], None]] = None
+    """Called as ``on_measured(id, record)`` after each measurement is saved (tests raise from it to simulate a kill)."""
+    prepare: Optional[Callable[[Any], None]] = None
+    """Called as ``prepare(evaluator)`` before any measurement (tests alter ``evaluator.ck``)."""
+
+
+def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: SensitivityOptions = SensitivityOptions(),
+                    runtime: SensitivityRuntime = SensitivityRuntime(), *, checkpoint_dir: Optional[Path] = None,
+                    layers: Optional[Sequence[int]] = None, kinds: Optional[Sequence[str]] = None,
+                    verify: bool = True) -> SensitivityResult:
     """Measure per-cell sensitivity of ``<out_dir>/checkpoint`` and suggest exclusions (module doc).
 
     ``profile``: a validated Profile (thresholds from ``profile.gate.for_model(model_dir.name)``,
-    existing ``quantization.exclude_modules`` kept in the suggestion). ``layers`` / ``kinds``:
-    restrict the analysed cells (default all). ``on_measured(id, record)`` runs after each
-    measurement is saved (tests raise from it to simulate a kill). ``prepare(evaluator)`` runs
-    before any measurement (tests alter ``evaluator.ck``). Raises UserError for a missing or
-    mismatching checkpoint or bad ``layers`` / ``kinds``.
+    existing ``quantization.exclude_modules`` kept in the suggestion). ``options``: how each cell is
+    measured (hashed into each measurement's key); ``runtime``: threads, progress, resume, hooks (not
+    hashed). ``checkpoint_dir``: analyse this checkpoint instead of ``<out_dir>/checkpoint``.
+    ``layers`` / ``kinds``: restrict the analysed cells (default all; a measurement's id names its
+    cells, so a narrower run reuses a wider one's cells). ``verify``: measure the suggestion.
+    Raises UserError for a missing or mismatching checkpoint or bad ``layers`` / ``kinds``.
     """
     from precision_pipeline.gate import golden as golden_mod
     from precision_pipeline.checkpoint.reader import dequantize_checkpoint, read_config
-    from precision_pipeline.gate.checkpoint_gate import _threads, model_fingerprint
+    from precision_pipeline.gate.checkpoint_gate import model_fingerprint, torch_threads
 
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
@@ -695,20 +731,21 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
     sens_dir.mkdir(parents=True, exist_ok=True)
 
     timings: dict[str, float] = {}
-    with _threads(threads):
+    with torch_threads(runtime.threads):
         used_threads = torch.get_num_threads()
         t0 = time.perf_counter()
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model_dir))
-        encoded = golden_mod.encode_golden(tok, golden_mod.load_golden(golden_path, per_category=prompts_per_category))
+        encoded = golden_mod.encode_golden(
+            tok, golden_mod.load_golden(options.golden_path, per_category=options.prompts_per_category))
         key = hash_obj({
-            "v": CODE_VERSION, "ckpt": hash_dir(ck_dir), "golden": golden_mod.golden_hash(encoded),
-            "model": model_fingerprint(model_dir), "pack": pack_tokens, "torch": torch.__version__,
+            "v": CODE_VERSION, "options": options.key_fields(), "ckpt": hash_dir(ck_dir),
+            "golden": golden_mod.golden_hash(encoded), "model": model_fingerprint(model_dir), "torch": torch.__version__,
             "code": [hash_file(Path(__file__)), hash_file(Path(__file__).resolve().parents[1] / "checkpoint" / "reader.py")],
         })
         state_path = sens_dir / "cells.jsonl"
-        if fresh and state_path.exists():
+        if runtime.fresh and state_path.exists():
             state_path.unlink()
         done = _load_state(state_path, key)
         timings["prepare"] = time.perf_counter() - t0
@@ -716,9 +753,9 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
         t0 = time.perf_counter()
         ck = dequantize_checkpoint(ck_dir)
         ck.tensors.clear()  # embedding / norms come from the FP32 model
-        ev = Evaluator(model_dir, ck, encoded, pack_tokens)
-        if prepare is not None:
-            prepare(ev)
+        ev = Evaluator(model_dir, ck, encoded, options.pack_tokens)
+        if runtime.prepare is not None:
+            runtime.prepare(ev)
         timings["load_and_reference"] = time.perf_counter() - t0
 
         all_cells = [Cell(i, k) for i in layers for k in kinds]
@@ -746,12 +783,12 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
             computed.append(jid)
             prog.advance(task)
             _update_rate(prog, task, t_jobs, len(computed))
-            if on_measured is not None:
-                on_measured(jid, rec)
+            if runtime.on_measured is not None:
+                runtime.on_measured(jid, rec)
             return rec
 
         t_jobs = time.perf_counter()
-        with _progress(progress) as prog:
+        with _progress(runtime.progress) as prog:
             total = len(jobs) + (1 if verify else 0)
             already = sum(1 for j, _ in jobs if j in done)
             task = prog.add_task("sensitivity", total=total, completed=already, rate="", current="")
@@ -840,7 +877,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
         "checkpoint_dir": str(ck_dir), "quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
         "checkpoint_exclude_modules": list(q.get("exclude_modules") or []),
         "key": key, "layers": layers, "kinds": lin_kinds,
-        "prompts": {"per_category": prompts_per_category, "ids": [e.id for e in encoded], "tokens": ev.tokens,
+        "prompts": {"per_category": options.prompts_per_category, "ids": [e.id for e in encoded], "tokens": ev.tokens,
                     "answer_tokens": ev.answer_tokens, "packs": len(ev.packs)},
         "thresholds": thresholds,
         "matrix_kl_mean": [[None if not np.isfinite(v) else float(v) for v in row] for row in matrix],
@@ -866,7 +903,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, *, checkpoint_
     timings["total"] = time.perf_counter() - t_start
     data["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     atomic_write_json(sens_dir / "sensitivity.json", data)
-    if rerender_gate and (gate_dir / "metrics.json").is_file():
+    if runtime.rerender_gate and (gate_dir / "metrics.json").is_file():
         _rerender_gate(gate_dir, sens_dir / "heatmap.png")
     return SensitivityResult(sens_dir, data, computed, reused)
 
@@ -888,6 +925,7 @@ def _rerender_gate(gate_dir: Path, heatmap: Path) -> None:
     render_dir(gate_dir)
 
 
-__all__ = ["Cell", "Evaluator", "Measurement", "SensitivityResult", "run_sensitivity", "suggest_exclusions",
+__all__ = ["Cell", "Evaluator", "Measurement", "SensitivityOptions", "SensitivityRuntime", "SensitivityResult",
+           "run_sensitivity", "suggest_exclusions",
            "exclude_patterns", "resolved_trt_names", "plot_heatmap", "heatmap_size", "checkpoint_dir_for",
            "KINDS", "LINEAR_KINDS", "KV_KIND", "HEAD_KIND"]

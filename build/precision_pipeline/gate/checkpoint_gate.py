@@ -1,11 +1,12 @@
 """The accuracy gate: compare a quantized model with the unquantized FP32 reference.
 
-``run_gate(candidate, reference_model_dir, thresholds, out_dir)`` scores ``candidate`` on the
+``run_gate(candidate, reference_model_dir, thresholds, out_dir, options, runtime)`` scores ``candidate`` on the
 golden prompt set (``build/precision_pipeline/gate/golden.py``: chat template applied by the tokenizer, teacher-forced
 on hand-written reference answers; gated positions are the answer tokens) and on held-out news
 text, against the FP32 reference it loads itself from ``reference_model_dir``. It writes
 ``out_dir/metrics.json``, ``out_dir/report.md``, ``out_dir/report.html`` and
 ``out_dir/per_token.npz`` (``out_dir`` is the gate's own folder, e.g. ``artifacts/<profile>/gate``).
+What is measured is a ``gate.options.GateOptions`` (hashed); how it runs is a ``GateRuntime`` (not hashed).
 
 Candidate: anything that gives next-token logits (``as_candidate``):
 
@@ -25,15 +26,15 @@ streaming, so at most two ``[T, vocab]`` logit tensors exist at any time):
   distribution, in nats, per token, pooled over all answer tokens of all prompts.
 * ``top1``: fraction of answer positions where the candidate's argmax equals the reference's.
 * ``ppl_delta_pct``: perplexity change on held-out news (``calibrate.heldout_news_texts()``,
-  disjoint from calibration), raw text without BOS, first ``heldout_tokens`` tokens cut into
-  windows of ``heldout_window`` tokens: ``(ppl_cand / ppl_ref - 1) * 100``.
-* ``greedy_same``: fraction of prompts whose greedy answer (``greedy_new_tokens`` new tokens, or
+  disjoint from calibration), raw text without BOS, first ``options.heldout_tokens`` tokens cut into
+  windows of ``options.heldout_window`` tokens: ``(ppl_cand / ppl_ref - 1) * 100``.
+* ``greedy_same``: fraction of prompts whose greedy answer (``options.greedy_new_tokens`` new tokens, or
   up to ``<|im_end|>``) is token-identical to the reference's; first divergence per prompt.
 * Informational: answer NLL/perplexity of both models on the golden answers, the prompt segment
   (user-turn positions), per-category breakdown, worst prompts with both generations.
 
 95% confidence intervals: percentile bootstrap over prompts (the prompts are resampled with
-replacement and their tokens pooled; ``bootstrap`` resamples, fixed ``seed``).
+replacement and their tokens pooled; ``options.bootstrap_resamples`` resamples, fixed ``options.seed``).
 
 Noise floor: the same folder loaded in BF16 (``torch.bfloat16`` weights and compute), scored with
 the same code on the same tokens. It is what "no quantization, just BF16 inference" costs; a
@@ -48,8 +49,9 @@ AND of the checked metrics. ``GateResult.raise_if_failed()`` raises ``GateFailed
 Reference cache: the FP32 reference's final hidden states (after the last norm; logits are
 ``lm_head(h)``, recomputed per prompt in FP32), its greedy generations and held-out NLL, and all
 noise-floor results are cached under ``precision_pipeline.spec.default_model.cache_dir()/gate-ref/<key>/``, keyed by a
-fingerprint of the model folder, the golden token ids, the held-out token ids, the greedy
-length and batch, and the library versions. The first gate of a model pays the FP32 + BF16 passes; later
+fingerprint of the model folder, the golden token ids, the held-out token ids, the stop id,
+``GateOptions.reference_key_fields()`` (every option but the bootstrap's and the golden file's path) and
+the library versions (``reference_key``). The first gate of a model pays the FP32 + BF16 passes; later
 gates only run the candidate.
 
 
@@ -87,15 +89,12 @@ import torch
 import torch.nn.functional as F
 
 from precision_pipeline.core.errors import GateFailed, UserError
-from precision_pipeline.gate.golden import EncodedPrompt, encode_golden, end_of_turn_id, golden_hash, load_golden, summarize
-from precision_pipeline.spec.profile import GateThresholds
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, hash_obj, locked, read_json
+from precision_pipeline.gate.golden import EncodedPrompt, encode_golden, end_of_turn_id, golden_hash, load_golden, summarize
+from precision_pipeline.gate.options import DEFAULT_BOOTSTRAP, DEFAULT_HELDOUT_WINDOW, GateOptions, GateRuntime
+from precision_pipeline.spec.profile import GateThresholds
 
-CACHE_VERSION = 1
-DEFAULT_GREEDY_NEW_TOKENS = 32
-DEFAULT_GREEDY_BATCH = 8
-DEFAULT_HELDOUT_WINDOW = 512
-DEFAULT_BOOTSTRAP = 1000
+CACHE_VERSION = 2  # 2: the key hashes GateOptions.reference_key_fields()
 WORST_PROMPTS = 5
 KL_CHUNK_ROWS = 256
 
@@ -466,7 +465,11 @@ def auto_threads() -> int:
 
 
 @contextlib.contextmanager
-def _threads(n: Optional[int]) -> Iterator[None]:
+def torch_threads(n: Optional[int]) -> Iterator[None]:
+    """Run the block with ``n`` torch CPU threads (None: ``auto_threads()``); the old count is restored after.
+
+    Shared by the gate and the sensitivity analysis (both are CPU inference on a shared machine).
+    """
     old = torch.get_num_threads()
     torch.set_num_threads(max(1, n or auto_threads()))
     try:
@@ -505,8 +508,9 @@ def greedy_all(cand: Any, encoded: Sequence[EncodedPrompt], max_new_tokens: int,
     return [o or [] for o in out]
 
 
-def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], greedy_new: int,
-                       stop_id: int, with_floor: bool, progress: bool, greedy_batch: int = 8) -> ReferenceData:
+def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], stop_id: int,
+                       options: GateOptions, progress: bool) -> ReferenceData:
+    greedy_new, greedy_batch, with_floor = options.greedy_new_tokens, options.greedy_batch, options.noise_floor
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     ref = load_hf_model(model_dir, torch.float32)
@@ -606,21 +610,30 @@ def _load_reference(path: Path) -> ReferenceData:
                          meta.get("seconds", {}), cache_hit=True)
 
 
-def reference_data(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], greedy_new: int,
-                   stop_id: int, with_floor: bool = True, cache_root: Optional[Path] = None, use_cache: bool = True,
-                   progress: bool = True, greedy_batch: int = 8) -> ReferenceData:
-    """Reference and floor results for these tokens: from the cache, or computed (and cached)."""
+def reference_key(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], stop_id: int,
+                  options: GateOptions) -> str:
+    """The reference cache key (sha256 hex): ``options.reference_key_fields()``, the model folder's
+    fingerprint, the golden token ids, the held-out token ids, the stop id and the torch/transformers versions."""
     import transformers
 
-    key = hash_obj({
-        "v": CACHE_VERSION, "model": model_fingerprint(model_dir), "golden": golden_hash(encoded),
-        "heldout": hashlib.sha256(json.dumps(windows).encode()).hexdigest(), "greedy_new": greedy_new,
-        "greedy_batch": greedy_batch, "stop_id": stop_id, "floor": with_floor, "torch": torch.__version__, "transformers": transformers.__version__,
+    return hash_obj({
+        "v": CACHE_VERSION, "options": options.reference_key_fields(), "model": model_fingerprint(model_dir),
+        "golden": golden_hash(encoded), "heldout": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
+        "stop_id": stop_id, "torch": torch.__version__, "transformers": transformers.__version__,
     })
-    if not use_cache:
-        d = _compute_reference(model_dir, encoded, windows, greedy_new, stop_id, with_floor, progress, greedy_batch)
+
+
+def reference_data(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], stop_id: int,
+                   options: GateOptions, runtime: GateRuntime = GateRuntime()) -> ReferenceData:
+    """Reference and floor results for these tokens: from the cache (``runtime.reference_cache``), or
+    computed (and cached unless ``runtime.use_reference_cache`` is False). Keyed by ``reference_key``."""
+    key = reference_key(model_dir, encoded, windows, stop_id, options)
+    progress = runtime.progress
+    if not runtime.use_reference_cache:
+        d = _compute_reference(model_dir, encoded, windows, stop_id, options, progress)
         d.key = key
         return d
+    cache_root = runtime.reference_cache
     if cache_root is None:
         from precision_pipeline.spec.default_model import cache_dir
 
@@ -634,7 +647,7 @@ def reference_data(model_dir: Path, encoded: list[EncodedPrompt], windows: list[
                 return d
             except Exception:  # a damaged cache entry is recomputed
                 pass
-        d = _compute_reference(model_dir, encoded, windows, greedy_new, stop_id, with_floor, progress, greedy_batch)
+        d = _compute_reference(model_dir, encoded, windows, stop_id, options, progress)
         with atomic_dir(target) as tmp:
             _save_reference(d, tmp, {"key": key, "model_dir": str(model_dir), "prompts": len(encoded),
                                      "created": time.time()})
@@ -707,19 +720,17 @@ def _load_tokenizer(model_dir: Path):
 
 
 def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThresholds, out_dir: Path,
-             golden_limit: Optional[int] = None, heldout_tokens: int = 2048, *,
-             heldout_window: int = DEFAULT_HELDOUT_WINDOW, greedy_new_tokens: int = DEFAULT_GREEDY_NEW_TOKENS,
-             greedy_batch: int = DEFAULT_GREEDY_BATCH, noise_floor: bool = True, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0,
-             golden_path: Optional[Path] = None, cache_root: Optional[Path] = None, use_cache: bool = True,
-             threads: Optional[int] = None, progress: bool = True, candidate_name: str = "",
-             model_name: Optional[str] = None, heatmap_png: Optional[Path] = None,
-             write_report: bool = True, extra: Optional[dict] = None) -> GateResult:
+             options: GateOptions = GateOptions(), runtime: GateRuntime = GateRuntime(), *,
+             candidate_name: str = "", model_name: Optional[str] = None, extra: Optional[dict] = None) -> GateResult:
     """Score ``candidate`` against the FP32 reference in ``reference_model_dir`` (see module doc).
 
-    ``golden_limit``: prompts per category (first k in file order; None = all).
-    ``out_dir``: the gate's folder; metrics.json, report.md, report.html and per_token.npz are
-    written into it atomically (the folder is replaced as a whole).
-    Returns a ``GateResult``; it does not raise on failure (call ``raise_if_failed()``).
+    ``options``: what is measured (prompts per category, held-out tokens, greedy length, bootstrap,
+    ...; every field can change a number). ``runtime``: threads, progress, reference cache, reports
+    (never changes a number). ``candidate_name`` / ``model_name`` label metrics.json; ``extra`` is
+    merged into it. ``out_dir``: the gate's folder; metrics.json, report.md, report.html and
+    per_token.npz are written into it atomically (the folder is replaced as a whole).
+    Returns a ``GateResult``; it does not raise on failure (call ``raise_if_failed()``). Raises
+    ``UserError`` when ``reference_model_dir`` is not an HF folder or the candidate gives no logits.
     """
     t_start = time.perf_counter()
     reference_model_dir = Path(reference_model_dir)
@@ -729,19 +740,18 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
     cand = as_candidate(candidate, candidate_name)
     model_name = model_name or reference_model_dir.name
     timings: dict[str, float] = {}
-    with _threads(threads):
+    with torch_threads(runtime.threads):
         used_threads = torch.get_num_threads()
         t0 = time.perf_counter()
         tok = _load_tokenizer(reference_model_dir)
-        prompts = load_golden(golden_path, per_category=golden_limit)
+        prompts = load_golden(options.golden_path, per_category=options.prompts_per_category)
         encoded = encode_golden(tok, prompts)
         stop_id = end_of_turn_id(tok)
-        windows = heldout_windows(tok, heldout_tokens, heldout_window)
+        windows = heldout_windows(tok, options.heldout_tokens, options.heldout_window)
         timings["prepare"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        ref = reference_data(reference_model_dir, encoded, windows, greedy_new_tokens, stop_id, noise_floor,
-                             cache_root, use_cache, progress, greedy_batch)
+        ref = reference_data(reference_model_dir, encoded, windows, stop_id, options, runtime)
         timings["reference"] = time.perf_counter() - t0
 
         # FP32 lm_head for recomputing reference logits from the cached hidden states
@@ -751,7 +761,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
 
         t0 = time.perf_counter()
         per_prompt = []
-        with _progress(progress) as prog, torch.inference_mode():
+        with _progress(runtime.progress) as prog, torch.inference_mode():
             task = prog.add_task(f"candidate {cand.name}", total=len(encoded))
             for i, e in enumerate(encoded):
                 ref_logits = F.linear(torch.from_numpy(ref.hidden[i]), lm_w)
@@ -769,9 +779,9 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
             timings["candidate_teacher_forced"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             cand_greedy: list[list[int]] = []
-            if greedy_new_tokens > 0:
-                task = prog.add_task(f"candidate greedy ({greedy_new_tokens} tokens)", total=len(encoded))
-                cand_greedy = greedy_all(cand, encoded, greedy_new_tokens, stop_id, greedy_batch,
+            if options.greedy_new_tokens > 0:
+                task = prog.add_task(f"candidate greedy ({options.greedy_new_tokens} tokens)", total=len(encoded))
+                cand_greedy = greedy_all(cand, encoded, options.greedy_new_tokens, stop_id, options.greedy_batch,
                                          lambda n: prog.advance(task, n))
             timings["candidate_greedy"] = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -781,8 +791,9 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
         t0 = time.perf_counter()
         metrics, per_token = _assemble(
             encoded=encoded, tok=tok, per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
-            cand_heldout=cand_heldout, thresholds=thresholds, bootstrap=bootstrap, seed=seed,
-            greedy_new_tokens=greedy_new_tokens, heldout_window=heldout_window, windows=windows)
+            cand_heldout=cand_heldout, thresholds=thresholds, bootstrap=options.bootstrap_resamples,
+            seed=options.seed, greedy_new_tokens=options.greedy_new_tokens, heldout_window=options.heldout_window,
+            windows=windows)
         timings["metrics"] = time.perf_counter() - t0
     metrics.update({
         "schema": 1, "model": model_name, "candidate": cand.name,
@@ -795,7 +806,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
     result = GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
     timings["total_before_report"] = time.perf_counter() - t_start
     metrics["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    write_gate_dir(result, heatmap_png=heatmap_png, write_report=write_report)
+    write_gate_dir(result, heatmap_png=runtime.heatmap_png, write_report=runtime.write_report)
     metrics["timings_s"]["total"] = round(time.perf_counter() - t_start, 3)
     atomic_write_json(result.metrics_path, metrics)
     os.chmod(result.metrics_path, 0o644)
@@ -1024,11 +1035,21 @@ def write_gate_dir(result: GateResult, heatmap_png: Optional[Path] = None, write
 
 
 def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds, gate_dir: Path,
-                    golden_limit: Optional[int] = None, **kw: Any) -> GateResult:
+                    options: Optional[GateOptions] = None, runtime: GateRuntime = GateRuntime(), *,
+                    golden_limit: Optional[int] = None, candidate_name: Optional[str] = None) -> GateResult:
     """The pipeline's gate stage: dequantize the exported TRT-LLM checkpoint
-    (``precision_pipeline.checkpoint.reader.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``."""
-    from precision_pipeline.checkpoint.reader import load_checkpoint_model  # type: ignore
+    (``precision_pipeline.checkpoint.reader.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
 
+    ``golden_limit`` is shorthand for ``GateOptions(prompts_per_category=golden_limit)`` (the pipeline's
+    ``--golden-limit``); passing both ``options`` and ``golden_limit`` is a ``ValueError``.
+    ``candidate_name`` defaults to ``checkpoint <folder name>``.
+    """
+    from precision_pipeline.checkpoint.reader import load_checkpoint_model
+
+    if options is not None and golden_limit is not None:
+        raise ValueError("pass golden_limit inside options (GateOptions.prompts_per_category), not both")
+    if options is None:
+        options = GateOptions(prompts_per_category=golden_limit)
     t0 = time.perf_counter()
     model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=torch.float32)
     load_s = time.perf_counter() - t0
@@ -1036,13 +1057,14 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}
     if cfg.get("quantization"):
         extra["checkpoint_quantization"] = cfg["quantization"]
-    return run_gate(model, Path(model_dir), thresholds, Path(gate_dir), golden_limit=golden_limit,
-                    candidate_name=kw.pop("candidate_name", f"checkpoint {Path(ckpt_dir).name}"), extra=extra, **kw)
+    return run_gate(model, Path(model_dir), thresholds, Path(gate_dir), options, runtime,
+                    candidate_name=candidate_name or f"checkpoint {Path(ckpt_dir).name}", extra=extra)
 
 
 __all__ = [
     "Candidate", "HFCandidate", "CallableCandidate", "as_candidate", "TokenMetrics", "token_metrics", "kl_summary",
     "bootstrap_ci", "compare_generations", "greedy_all", "perplexity", "heldout_texts", "heldout_windows", "model_fingerprint",
-    "ReferenceData", "reference_data", "GateResult", "run_gate", "gate_checkpoint", "write_gate_dir", "CHECKS",
+    "ReferenceData", "reference_data", "reference_key", "torch_threads", "auto_threads", "GateOptions", "GateRuntime",
+    "GateResult", "run_gate", "gate_checkpoint", "write_gate_dir", "CHECKS",
     "METRIC_ORDER", "METRIC_LABELS",
 ]

@@ -5,7 +5,7 @@ activations and KV cache in PyTorch). It cannot see the engine's own kernels: FP
 (Q, K, V and the softmax output quantized inside attention), the GEMM plugins' accumulation
 order and tactics, fused kernels, paged/chunked context. This module runs the same golden
 prompts, the same held-out windows and the same metric code (``gate.run_gate`` with an
-``EngineCandidate``) against the engine itself:
+``EngineCandidate``, the same ``GateOptions``) against the engine itself:
 
 * teacher-forced logits: the engine's **context logits** of the full formatted conversation.
   The engine must be built with ``--gather_context_logits`` (profile: ``build.gather_context_logits:
@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from precision_pipeline.core.errors import PipelineError, StrictSkip, UserError
-from precision_pipeline.spec.profile import GateThresholds
 from precision_pipeline.core.store import atomic_write_json
+from precision_pipeline.gate.options import GateOptions, GateRuntime
+from precision_pipeline.spec.profile import GateThresholds
 
 SKIP_REASON = "skipped: needs tensorrt_llm and a GPU"
 
@@ -165,12 +166,13 @@ class EngineCandidate:
 
 
 def run_engine_gate(engine_dir: Path, reference_model_dir: Path, thresholds: GateThresholds, out_dir: Path,
-                    golden_limit: Optional[int] = None, heldout_tokens: int = 2048, *, strict: bool = False,
-                    greedy_new_tokens: int = 32, **gate_kwargs: Any):
+                    options: GateOptions = GateOptions(), runtime: GateRuntime = GateRuntime(), *,
+                    strict: bool = False):
     """Run the golden set against a built engine; a ``gate.GateResult`` or ``EngineGateSkipped``.
 
-    ``out_dir`` is the engine gate's folder (e.g. ``artifacts/<profile>/engine_gate``). Raises
-    ``StrictSkip`` (exit 4) instead of skipping when ``strict``.
+    ``options`` / ``runtime``: as for ``checkpoint_gate.run_gate``; ``options.heldout_window`` is
+    lowered to the engine's ``max_input_len``. ``out_dir`` is the engine gate's folder (e.g.
+    ``artifacts/<profile>/engine_gate``). Raises ``StrictSkip`` (exit 4) instead of skipping when ``strict``.
     """
     ok, why = engine_available()
     out_dir = Path(out_dir)
@@ -191,18 +193,16 @@ def run_engine_gate(engine_dir: Path, reference_model_dir: Path, thresholds: Gat
     except Exception:  # pragma: no cover
         mpi_rank, mpi_barrier = (lambda: 0), (lambda: None)
     rank = mpi_rank()
-    cand = EngineCandidate(Path(engine_dir), max_new_tokens=greedy_new_tokens, rank=rank)
+    cand = EngineCandidate(Path(engine_dir), max_new_tokens=options.greedy_new_tokens, rank=rank)
     if rank != 0:  # the other ranks host their shards; rank 0 enqueues requests and scores
         mpi_barrier()
         return EngineGateSkipped(f"rank {rank}: scoring happens on rank 0", status="worker")
     max_in = (cfg.get("build_config", {}) or {}).get("max_input_len")
+    options = options.model_copy(update={"heldout_window": min(options.heldout_window, int(max_in or options.heldout_window))})
     extra = {"engine_dir": str(engine_dir), "engine_build_config": cfg.get("build_config", {}),
              "gate_kind": "engine"}
     try:
-        res = gate.run_gate(cand, Path(reference_model_dir), thresholds, out_dir, golden_limit=golden_limit,
-                            heldout_tokens=heldout_tokens, greedy_new_tokens=greedy_new_tokens,
-                            heldout_window=min(gate.DEFAULT_HELDOUT_WINDOW, int(max_in or gate.DEFAULT_HELDOUT_WINDOW)),
-                            extra=extra, **gate_kwargs)
+        res = gate.run_gate(cand, Path(reference_model_dir), thresholds, out_dir, options, runtime, extra=extra)
     finally:
         mpi_barrier()
     return res
@@ -223,7 +223,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         model_dir = a.model_dir or default_model_dir()
         thr = load_profile(a.profile).gate.for_model(Path(model_dir).name)
-        res = run_engine_gate(a.engine_dir, model_dir, thr, a.out_dir, golden_limit=a.golden_limit, strict=a.strict)
+        res = run_engine_gate(a.engine_dir, model_dir, thr, a.out_dir, GateOptions(prompts_per_category=a.golden_limit),
+                              strict=a.strict)
     except PipelineError as e:
         print(str(e), file=sys.stderr)
         return e.exit_code

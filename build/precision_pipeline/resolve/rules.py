@@ -374,7 +374,6 @@ def weight_bytes(m: ModelArch, p: Profile, mapping: dict) -> dict:
     tied embeddings (ModelOpt export), so both are counted; lm_head is split over tp.
     """
     q = p.quantization
-    algo = q.quant_algo.value
     fmt = F.GEMM[q.quant_algo]
     db = F.DTYPE_BYTES[q.dtype]
     tp, pp = mapping["tp_size"], mapping["pp_size"]

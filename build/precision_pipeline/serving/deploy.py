@@ -35,7 +35,7 @@ image you serve with, or pass ``image=`` for the image your build node used.
 
 Checks (each failure is a ``UserError``, exit 2, naming the file and the path in it): every
 ``${name}`` placeholder is filled and is a whole YAML value, every parameter exists in its template
-(a misspelt key is an error), gpus_per_replica = tp_size x pp_size = the repository's world size,
+(a misspelt key is an error; ``serving/templates.py``, style ``YAML_VALUE``), gpus_per_replica = tp_size x pp_size = the repository's world size,
 every manifest passes ``kubernetes_validate`` against Kubernetes ``K8S_VERSION`` in strict mode
 (unknown fields are errors), plus the API-server rules the JSON schemas do not carry (DNS names,
 label syntax, replicas >= 1, selector matching the pod labels, GPU requests = limits).
@@ -44,7 +44,6 @@ label syntax, replicas >= 1, selector matching the pod labels, GPU requests = li
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +52,9 @@ from typing import Any, Mapping, Optional
 import yaml
 from packaging.version import Version
 
-from precision_pipeline.serving import pack
-from precision_pipeline.core.errors import Problem, UserError, closest
+from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.store import atomic_dir, hash_file, read_json
+from precision_pipeline.serving import pack, templates
 
 from precision_pipeline.core.paths import REPO_ROOT
 TEMPLATES_DIR = REPO_ROOT / "k8s"
@@ -87,9 +86,6 @@ STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes to load engines before the kubelet
 TERMINATION_GRACE_S = 60
 LABEL_PREFIX = "precision-pipeline"
 
-_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
-# a placeholder must be a whole value: "key: ${x}", "- ${x}" or "- key: ${x}"
-_WHOLE_VALUE = re.compile(r"^\s*(?:-\s+)?(?:[A-Za-z0-9_./-]+:\s+)?\$\{[^}]*\}\s*(?:#.*)?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -261,33 +257,10 @@ def triton_command(world_size: int, repo_path: str, load_models: list[str], unit
 # Templates
 
 
-def template_placeholders(text: str) -> set[str]:
-    return set(_PLACEHOLDER.findall(text))
-
-
 def render_template(text: str, params: Mapping[str, Any], where: str) -> str:
-    """Fill ``${name}`` placeholders with JSON values (JSON is YAML).
-
-    Refuses unknown parameters (with the closest placeholder), unfilled placeholders, and placeholders
-    that are not a whole YAML value (``name: x-${a}`` would not survive quoting).
-    """
-    wanted = template_placeholders(text)
-    problems: list[Problem] = []
-    for key in sorted(set(params) - wanted):
-        hint = closest(key, wanted)
-        problems.append(Problem(f"{where}: parameter {key!r}", "is not in the template.",
-                                f"did you mean {hint!r}?" if hint else f"template parameters: {', '.join(sorted(wanted)) or '(none)'}."))
-    for key in sorted(wanted - set(params)):
-        hint = closest(key, list(params))
-        problems.append(Problem(f"{where}: ${{{key}}}", "is not filled.",
-                                f"did you mean ${{{hint}}}?" if hint else "give a value for it (no silent defaults)."))
-    for n, line in enumerate(text.splitlines(), 1):
-        if "${" in line and not _WHOLE_VALUE.match(line):
-            problems.append(Problem(f"{where}: line {n}", f"{line.strip()!r}: a placeholder must be a whole YAML value.",
-                                    "write 'key: ${name}' or '- ${name}' and compute the value in build/precision_pipeline/serving/deploy.py."))
-    if problems:
-        raise UserError(problems)
-    return _PLACEHOLDER.sub(lambda m: json.dumps(params[m.group(1)], ensure_ascii=True), text)
+    """Fill the ``${name}`` placeholders of a manifest template with JSON values (``templates.render`` in the
+    ``YAML_VALUE`` style: unknown, missing and unused names are refused; each placeholder is a whole YAML value)."""
+    return templates.render(text, params, where, templates.YAML_VALUE)
 
 
 def parse_manifest(text: str, where: str) -> dict:

@@ -28,7 +28,8 @@ user message (or a JSON list of {"role","content"} messages), and the templated 
 ``add_special_tokens=false`` (the template already carries the markers). Clients never template.
 
 Every template placeholder ``${name}`` must be filled, every parameter given must exist in the template
-(a misspelt key is an error, not a silent default), and every rendered config.pbtxt must parse with
+(a misspelt key is an error, not a silent default; ``serving/templates.py``, style ``PBTXT``), and every
+rendered config.pbtxt must parse with
 ``tritonclient.grpc.model_config_pb2`` (the 2.51 schema, same as the server). Failures raise
 ``UserError`` (exit 2).
 """
@@ -43,9 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from precision_pipeline.core.errors import Problem, UserError, closest
-from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj
+from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
+from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj
+from precision_pipeline.serving import templates
 from precision_pipeline.spec.formats import TRITON_DTYPE
 
 TEMPLATES_DIR = REPO_ROOT / "triton_repo" / "all_models" / "inflight_batcher_llm"
@@ -58,7 +60,6 @@ ENGINE_ARGS_FILE = "trtllm-build.args.json"  # written by build/precision_pipeli
 CPU_REFERENCE_FILE = "cpu_reference.json"
 PACK_FILE = "pack.json"
 
-_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _DTYPE_TO_TRITON = TRITON_DTYPE  # logits dtype -> Triton data type (one home: spec/formats.py)
 
 
@@ -87,42 +88,10 @@ class PackResult:
 # Rendering and validation
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return repr(v)
-    return str(v)
-
-
-def template_placeholders(text: str) -> set[str]:
-    """Names of the ``${...}`` placeholders in a template."""
-    return set(_PLACEHOLDER.findall(text))
-
-
 def render_template(text: str, params: Mapping[str, Any], where: str) -> str:
-    """Fill ``${name}`` placeholders. Refuses unknown keys, unfilled placeholders and unsafe values."""
-    wanted = template_placeholders(text)
-    problems: list[Problem] = []
-    for key in sorted(set(params) - wanted):
-        hint = closest(key, wanted)
-        problems.append(Problem(f"{where}: parameter {key!r}", "is not in the template.",
-                                f"did you mean {hint!r}?" if hint else f"template parameters: {', '.join(sorted(wanted))}."))
-    for key in sorted(wanted - set(params)):
-        problems.append(Problem(f"{where}: ${{{key}}}", "is not filled.", "give a value for it (no silent defaults)."))
-    for key, v in params.items():
-        s = _fmt(v)
-        if any(c in s for c in "\n\r\0"):
-            problems.append(Problem(f"{where}: parameter {key!r}", f"value {s!r} contains a line break or NUL.",
-                                    "use a one-line value."))
-    if problems:
-        raise UserError(problems)
-    # Values land inside quoted pbtxt strings or as bare numbers/enums; escaping quotes and
-    # backslashes keeps strings intact (a bare value with them fails the parse below).
-    out = _PLACEHOLDER.sub(lambda m: _fmt(params[m.group(1)]).replace("\\", "\\\\").replace('"', '\\"'), text)
-    if "${" in out:
-        raise UserError(where, "still contains '${' after rendering.", "fix the template.")
-    return out
+    """Fill the ``${name}`` placeholders of a config.pbtxt template (``templates.render`` in the ``PBTXT``
+    style: unknown, missing and unused names are refused, values are one line, quotes are escaped)."""
+    return templates.render(text, params, where, templates.PBTXT)
 
 
 def parse_model_config(text: str, where: str):
@@ -504,7 +473,7 @@ def pack_repository(plan: dict, profile, model_dir: Path, checkpoint_dir: Path, 
                    profile_name=str(plan.get("profile") or profile.name))
         res = PackResult(out_dir=out_dir, models=sorted([*FIXED_MODELS, unit]), engine_unit=unit, engine_hash=ehash,
                          engine_present=bool(engine_built),
-                         params={k: {pk: _fmt(pv) for pk, pv in v.items()} for k, v in params.items()},
+                         params={k: {pk: templates.pbtxt_text(pv) for pk, pv in v.items()} for k, v in params.items()},
                          chat_template_applied_by="preprocessing" if has_template else "client (tokenizer has no chat template)",
                          notes=notes)
         (tmp / PACK_FILE).write_text(json.dumps(res.to_json(), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,86 @@
+"""What the accuracy gate measures (``GateOptions``, hashed) and how it runs (``GateRuntime``, never hashed).
+
+Torch-free on purpose: a stage key can be computed from these objects without importing the gate.
+
+``GateOptions`` holds every setting that changes a number in ``metrics.json``; two gates with equal
+options, the same candidate, the same reference folder and the same golden prompts give the same
+report. ``GateRuntime`` holds only how the work is done (threads, progress bars, where the
+reference cache lives, whether the reports are rendered): changing it never changes a number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
+
+DEFAULT_HELDOUT_TOKENS = 2048
+DEFAULT_HELDOUT_WINDOW = 512
+DEFAULT_GREEDY_NEW_TOKENS = 32
+DEFAULT_GREEDY_BATCH = 8
+DEFAULT_BOOTSTRAP = 1000
+
+# GateOptions fields the FP32 reference / BF16 floor results do not depend on: the bootstrap only
+# resamples per-token numbers computed after the reference, and the golden file's *content* (its
+# token ids) is hashed into the reference key instead of its path.
+REFERENCE_INDEPENDENT = frozenset({"bootstrap_resamples", "seed", "golden_path"})
+
+
+class GateOptions(BaseModel):
+    """How the gate measures. Every field can change the numbers, so every field is part of a key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompts_per_category: Optional[PositiveInt] = None
+    """Only the first N golden prompts of each category (file order); None evaluates all of them."""
+    golden_path: Optional[Path] = None
+    """Golden prompt file (JSON lines); None = the shipped ``gate/data/golden_prompts.jsonl``."""
+    heldout_tokens: NonNegativeInt = DEFAULT_HELDOUT_TOKENS
+    """Tokens of held-out news for the perplexity change; 0 skips that metric."""
+    heldout_window: PositiveInt = DEFAULT_HELDOUT_WINDOW
+    """Held-out tokens per forward pass (the engine gate lowers it to the engine's max_input_len)."""
+    greedy_new_tokens: NonNegativeInt = DEFAULT_GREEDY_NEW_TOKENS
+    """New tokens per greedy generation; 0 skips ``greedy_same``."""
+    greedy_batch: PositiveInt = DEFAULT_GREEDY_BATCH
+    """Prompts per batched ``generate`` call (HF models); left padding can flip a near-tie."""
+    noise_floor: bool = True
+    """Also score the reference folder loaded in BF16 (the noise floor in the report)."""
+    bootstrap_resamples: NonNegativeInt = DEFAULT_BOOTSTRAP
+    """Percentile-bootstrap resamples over prompts for the 95% intervals; 0 gives no intervals."""
+    seed: int = 0
+    """Seed of the bootstrap's resampling."""
+
+    def key_fields(self) -> dict[str, Any]:
+        """All fields as JSON values (what a stage key hashes)."""
+        return self.model_dump(mode="json")
+
+    def reference_key_fields(self) -> dict[str, Any]:
+        """The fields the cached FP32 reference and BF16 floor depend on: all but ``REFERENCE_INDEPENDENT``.
+
+        A new field is part of the reference key unless it is added to ``REFERENCE_INDEPENDENT``.
+        """
+        return self.model_dump(mode="json", exclude=set(REFERENCE_INDEPENDENT))
+
+
+class GateRuntime(BaseModel):
+    """How the gate runs. Never hashed: the same inputs give the same numbers whatever is set here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    threads: Optional[PositiveInt] = None
+    """Torch CPU threads; None = the cores not already busy (``checkpoint_gate.auto_threads``)."""
+    progress: bool = True
+    """Rich progress bars on stderr."""
+    reference_cache: Optional[Path] = None
+    """Root of the reference cache; None = ``spec.default_model.cache_dir()/gate-ref``."""
+    use_reference_cache: bool = True
+    """False recomputes the reference and floor and stores nothing."""
+    write_report: bool = True
+    """Render report.md and report.html next to metrics.json."""
+    heatmap_png: Optional[Path] = None
+    """A sensitivity heatmap to embed in the reports; None looks for one next to the gate folder."""
+
+
+__all__ = ["GateOptions", "GateRuntime", "REFERENCE_INDEPENDENT", "DEFAULT_HELDOUT_TOKENS", "DEFAULT_HELDOUT_WINDOW",
+           "DEFAULT_GREEDY_NEW_TOKENS", "DEFAULT_GREEDY_BATCH", "DEFAULT_BOOTSTRAP"]
