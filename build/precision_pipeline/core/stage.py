@@ -28,6 +28,7 @@ the next build runs the stage again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -38,8 +39,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from precision_pipeline.core.paths import PACKAGE_DIR
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, canonical_json, hash_dir, hash_file, read_json
-
-import hashlib
 
 CODE_ROOT: Path = PACKAGE_DIR
 """Where ``Stage.code`` paths are resolved (tests point it at a copy of the package)."""
@@ -179,6 +178,11 @@ class Manifest:
         self.stages[rec.name] = rec.to_json()
         self.save()
 
+    def finish(self, engine_present: bool) -> None:
+        self.finished = time.time()
+        self.engine_present = engine_present
+        self.save()
+
     def save(self) -> None:
         atomic_write_json(self.path, self.render())
 
@@ -216,33 +220,42 @@ class StageRunner:
 
     def run(self, stage: Stage, plan: Any, request: Any, done: Mapping[str, Done]) -> Done:
         """Run (or reuse) ``stage``; record its row; return what later stages see."""
-        upstream = {n: done[n] for n in stage.needs}
-        t0 = time.perf_counter()
-        inputs = stage.inputs(plan, request, upstream)
-        key = stage_key(stage, inputs, {n: d.key for n, d in upstream.items()})
-        out = self.out_dir / stage.output if stage.output else None
-        art = self._cached(stage, key)
-        if art is not None:
-            rec = StageRecord(stage.name, "cached", 0.0, key=key, numbers=art.summary())
-        else:
-            if out is not None:
-                with atomic_dir(out) as tmp:
-                    art = stage.run(inputs, tmp)
-            else:
-                art = stage.run(inputs, None)
-            if not isinstance(art, stage.artifact_type):
-                raise TypeError(f"stage {stage.name} returned {type(art).__qualname__}, not {stage.artifact_type.__qualname__}")
-            if stage.cacheable:
-                atomic_write_json(self._record_path(stage), {"stage": stage.name, "key": key,
-                                                             "artifact": art.model_dump(mode="json")})
-            rec = StageRecord(stage.name, art.status, time.perf_counter() - t0, reason=art.reason, key=key,
-                              numbers=art.summary())
-        self.manifest.record(rec)
-        self.records.append(rec)
+        return self.record(execute(stage, plan, request, done, self.out_dir, self._cached))
+
+    def record(self, d: Done) -> Done:
+        """Write ``d``'s manifest row (and tell ``on_stage``)."""
+        self.manifest.record(d.record)
+        self.records.append(d.record)
         if self.on_stage:
-            self.on_stage(rec)
-        return Done(artifact=art, key=key, dir=out, record=rec)
+            self.on_stage(d.record)
+        return d
 
 
-__all__ = ["Frozen", "Artifact", "Stage", "StageRunner", "StageRecord", "Done", "Manifest", "stage_key",
+def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out_dir: Optional[Path] = None,
+            cached: Optional[Callable[[Stage, str], Optional[Artifact]]] = None) -> Done:
+    """Key ``stage``, reuse its artifact when ``cached`` returns one, else run it (atomically into
+    ``<out_dir>/<stage.output>``) and store its typed record. Records no manifest row."""
+    upstream = {n: done[n] for n in stage.needs}
+    t0 = time.perf_counter()
+    inputs = stage.inputs(plan, request, upstream)
+    key = stage_key(stage, inputs, {n: d.key for n, d in upstream.items()})
+    out = Path(out_dir) / stage.output if (stage.output and out_dir is not None) else None
+    art = cached(stage, key) if cached is not None else None
+    if art is not None:
+        return Done(artifact=art, key=key, dir=out, record=StageRecord(stage.name, "cached", 0.0, key=key, numbers=art.summary()))
+    if out is not None:
+        with atomic_dir(out) as tmp:
+            art = stage.run(inputs, tmp)
+    else:
+        art = stage.run(inputs, None)
+    if not isinstance(art, stage.artifact_type):
+        raise TypeError(f"stage {stage.name} returned {type(art).__qualname__}, not {stage.artifact_type.__qualname__}")
+    if stage.cacheable and out_dir is not None:
+        atomic_write_json(Path(out_dir) / RECORDS_DIR / f"{stage.name}.json",
+                          {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")})
+    rec = StageRecord(stage.name, art.status, time.perf_counter() - t0, reason=art.reason, key=key, numbers=art.summary())
+    return Done(artifact=art, key=key, dir=out, record=rec)
+
+
+__all__ = ["Frozen", "Artifact", "Stage", "StageRunner", "StageRecord", "Done", "Manifest", "stage_key", "execute",
            "code_fingerprint", "CODE_ROOT", "RECORDS_DIR"]
