@@ -152,7 +152,7 @@ def check(c, profile=None, all=False, model=None):
     con = _console()
     if all:
         bad = 0
-        for name, ok, line in plan_mod.check_all(model_dir):
+        for name, ok, line in plan_mod.check_all(model_dir, for_build=True):
             con.print(("[green]ok[/]      " if ok else "[red]refused[/] ") + f"{name}: {line}", soft_wrap=True)
             bad += 0 if ok else 1
         if bad:
@@ -162,12 +162,11 @@ def check(c, profile=None, all=False, model=None):
         from precision_pipeline.core.errors import UserError
 
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
-    p = plan_mod.resolve(load_profile(profile), model_dir)
-    plan = p.to_json()
-    mem = plan.get("memory", {})
-    con.print(f"[green]ok[/] {profile}: weights {mem.get('weight_gib_per_gpu', 0):.3f} GiB/GPU, "
-              f"KV {mem.get('kv_bytes_per_token')} B/token, capacity {mem.get('kv_tokens_capacity')} tokens")
-    for w in plan.get("warnings", []):
+    p = plan_mod.resolve(load_profile(profile), model_dir, for_build=True)  # the same rules as invoke build
+    mem = p.memory
+    con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
+              f"KV {mem.kv_bytes_per_token} B/token, capacity {mem.kv_tokens_capacity} tokens")
+    for w in p.warnings:
         con.print(f"  [yellow]warning[/]: {w}", soft_wrap=True)
 
 

@@ -28,7 +28,7 @@ def default_model_dir() -> Path:
 # Each fixture returns the Path of a checkpoint folder (config.json + rank*.safetensors). They
 # are built lazily (only when a test asks) and cached under <cache>/test-checkpoints/<name>-<key>,
 # where key hashes the profile, the sources of build/precision_pipeline/quantize/ptq.py + build/precision_pipeline/quantize/calibration.py, the
-# ModelOpt/transformers/torch versions and the model's config.json: a code change rebuilds them.
+# ModelOpt/transformers/torch versions and the model's content fingerprint: a code or model change rebuilds them.
 # PRECISION_TEST_CKPT_CACHE=0 builds into pytest's tmp dir instead (every session).
 # Next to each checkpoint, modelopt.pt holds ModelOpt's state (mto.modelopt_state + quantizer
 # buffers) so a test can rebuild ModelOpt's own fake-quant model (restore_modelopt_model).
@@ -59,13 +59,14 @@ def checkpoint_profile(name: str):
 def _checkpoint_key(name: str, model_dir: Path) -> str:
     import importlib.metadata as md
 
-    from precision_pipeline.core.store import hash_dir, hash_file, hash_obj
+    from precision_pipeline.core.fingerprint import model_fingerprint
+    from precision_pipeline.core.store import hash_dir, hash_obj
 
     parts = {
         "profile": checkpoint_profile(name).model_dump(mode="json"),
         "src": hash_dir(REPO_ROOT / "build" / "precision_pipeline" / "quantize", suffixes=(".py",)),
         "versions": [md.version(p) for p in ("nvidia-modelopt", "transformers", "torch")],
-        "model": hash_file(Path(model_dir) / "config.json"),
+        "model": model_fingerprint(model_dir).sha256,
     }
     return hash_obj(parts)[:16]
 

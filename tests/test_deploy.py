@@ -26,16 +26,20 @@ def make_profile(name: str = "fp8-h100", **over):
     return validate_profile(data)
 
 
-def make_plan(profile, tp: int = 1, pp: int = 1, gpu_id: str = "h100-sxm", gpu_name: str = H100_NAME) -> dict:
-    """The plan.json keys deploy reads (shape of build/precision_pipeline/resolve/plan.py Plan.to_json)."""
-    return {
-        "profile": profile.name,
-        "gpu": {"id": gpu_id, "name": gpu_name, "sm": 90, "memory_mib": 81559},
-        "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "moe_tp_size": tp, "moe_ep_size": 1},
-        "limits": {"max_batch_size": 64, "max_seq_len": 8192},
-        "effective": {},
-        "memory": {},
-    }
+def make_plan(profile, tp: int = 1, pp: int = 1, gpu_id: str = "h100-sxm", gpu_name: str = H100_NAME):
+    """A typed ResolvedPlan of ``profile`` on the default model, with the mapping and GPU given
+    (the parts deploy reads; they may disagree with the profile on purpose)."""
+    import dataclasses
+
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.spec.default_model import ensure_default_model
+    from precision_pipeline.spec.hardware import resolve_gpu
+
+    base = P.evaluate(profile, ensure_default_model())
+    return base.model_copy(update={
+        "gpu": dataclasses.replace(resolve_gpu(gpu_id), name=gpu_name),
+        "mapping": P.Mapping(world_size=tp * pp, tp_size=tp, pp_size=pp, moe_tp_size=tp, moe_ep_size=1),
+    })
 
 
 def make_repo(root: Path, world: int = 1, engine_hash: str = "ab" * 32, *, releases: dict | None = None,
@@ -285,7 +289,7 @@ def test_bad_names_and_paths(tmp_path):
         assert str(e.value).startswith(field), (kw, str(e.value))
     with pytest.raises(UserError, match="--repo-root"):
         deploy.render_manifests(plan, prof, repo, tmp_path / "b", "relative/path")
-    unknown = {**plan, "gpu": {"id": None, "asked": "h900"}}
+    unknown = plan.model_copy(update={"gpu": None})
     with pytest.raises(UserError, match="target.gpu"):
         deploy.render_manifests(unknown, prof, repo, tmp_path / "b", "/x")
     with pytest.raises(UserError, match="model_repository"):

@@ -6,16 +6,23 @@ import json
 
 from precision_pipeline.engine.trtllm_build import ARGS_FILE, Toolchain, build_args, run_engine
 
-PLAN = {
-    "gpu": {"id": "h100-sxm", "sm": 90},
-    "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
-    "limits": {"max_batch_size": 64, "max_input_len": 4096, "max_seq_len": 8192, "max_num_tokens": 8192,
-               "max_beam_width": 1},
-    "effective": {"context_fmha": True, "use_paged_context_fmha": True, "use_fp8_context_fmha": True,
-                  "enable_chunked_context": True, "kv_cache_type": "paged", "tokens_per_block": 32,
-                  "gemm_plugin": "auto", "gpt_attention_plugin": "auto", "logits_dtype": "float32",
-                  "multi_block_mode": True},
-}
+def _plan():
+    """A typed plan (tp 1, SM 90) with the limits and per-phase settings the tests below assert."""
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.spec.default_model import ensure_default_model
+    from precision_pipeline.spec.profile import load_profile
+
+    base = P.evaluate(load_profile("fp8-h100"), ensure_default_model())
+    return base.model_copy(update={
+        "limits": P.Limits(max_batch_size=64, max_input_len=4096, max_seq_len=8192, max_num_tokens=8192, max_beam_width=1),
+        "effective": base.effective.model_copy(update={
+            "context_fmha": True, "use_paged_context_fmha": True, "use_fp8_context_fmha": True,
+            "enable_chunked_context": True, "kv_cache_type": "paged", "tokens_per_block": 32, "gemm_plugin": "auto",
+            "gpt_attention_plugin": "auto", "logits_dtype": "float32", "multi_block_mode": True}),
+    })
+
+
+PLAN = _plan()
 
 
 def _argmap(argv):
@@ -46,7 +53,7 @@ def test_build_args_per_phase_flags(tmp_path):
 
 
 def test_skip_without_tensorrt_llm_writes_args_only(tmp_path):
-    res = run_engine(PLAN, tmp_path / "ckpt", tmp_path / "engine", toolchain=Toolchain(False, None, []))
+    res = run_engine(PLAN, tmp_path / "ckpt", tmp_path / "engine", PLAN.gpu.sm, toolchain=Toolchain(False, None, []))
     assert res.status == "skipped"
     assert "tensorrt_llm is not installed" in res.reason
     files = sorted(p.name for p in (tmp_path / "engine").iterdir())

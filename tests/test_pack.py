@@ -17,25 +17,28 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "chat_template.jinja")
 
 
-def make_plan(profile, **over) -> dict:
+def make_plan(profile, **over):
+    """A typed ResolvedPlan of ``profile`` on the default model, with the limits the profile states
+    (1024 / 8192 / 8192 where it leaves them out) and a KV capacity of 262144 tokens.
+    ``over``: plan fields replaced as given (e.g. ``limits=...``)."""
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.spec.default_model import ensure_default_model
+
     b = profile.build
-    plan = {
-        "profile": profile.name,
-        "limits": {"max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len or 1024,
-                   "max_seq_len": b.max_seq_len or 8192, "max_num_tokens": b.max_num_tokens or 8192,
-                   "max_beam_width": b.max_beam_width},
-        "effective": {"use_paged_context_fmha": profile.context_phase.use_paged_context_fmha,
-                      "use_fp8_context_fmha": profile.context_phase.use_fp8_context_fmha,
-                      "enable_kv_cache_reuse": profile.runtime.enable_kv_cache_reuse,
-                      "enable_chunked_context": profile.context_phase.enable_chunked_context,
-                      "kv_cache_type": b.kv_cache_type, "logits_dtype": b.logits_dtype,
-                      "triton_logits_datatype": "TYPE_FP32", "multi_block_mode": True},
-        "mapping": {"world_size": profile.world_size, "tp_size": profile.parallel.tp_size, "pp_size": profile.parallel.pp_size},
-        "memory": {"kv_tokens_capacity": 262144},
-    }
-    for k, v in over.items():
-        plan[k] = v
-    return plan
+    base = P.evaluate(profile, ensure_default_model())
+    plan = base.model_copy(update={
+        "limits": base.limits.model_copy(update={
+            "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len or 1024,
+            "max_seq_len": b.max_seq_len or 8192, "max_num_tokens": b.max_num_tokens or 8192,
+            "max_beam_width": b.max_beam_width}),
+        "memory": base.memory.model_copy(update={"kv_tokens_capacity": 262144}),
+    })
+    return plan.model_copy(update=over)
+
+
+def with_limits(plan, **limits):
+    """``plan`` with some limits replaced (the plan is frozen)."""
+    return plan.model_copy(update={"limits": plan.limits.model_copy(update=limits)})
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +178,7 @@ def test_engine_hash_follows_checkpoint_and_plan(tmp_path, model_dir, ckpt):
     prof = load_profile("fp8-h100")
     h1 = pack.engine_hash_of(make_plan(prof), ckpt, tmp_path / "e", False)
     assert h1 == pack.engine_hash_of(make_plan(prof), ckpt, tmp_path / "e", False)
-    plan2 = make_plan(prof)
-    plan2["limits"]["max_batch_size"] = 8
+    plan2 = with_limits(make_plan(prof), max_batch_size=8)
     assert pack.engine_hash_of(plan2, ckpt, tmp_path / "e", False) != h1
     (ckpt / "rank0.safetensors").write_bytes(b"x")
     assert pack.engine_hash_of(make_plan(prof), ckpt, tmp_path / "e", False) != h1

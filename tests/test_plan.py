@@ -80,7 +80,7 @@ def m70(tmp_path):
 def test_all_shipped_profiles_resolve(default_model_dir):
     for name in shipped_profiles():
         plan = P.resolve(prof(name), default_model_dir)
-        assert plan.ok and plan.memory["fits"], name
+        assert plan.ok and plan.memory.fits, name
 
 
 def test_plan_json_keys(default_model_dir):
@@ -114,13 +114,13 @@ def test_plan_json_keys(default_model_dir):
 def test_fp8_checkpoint_size_prediction_within_2pct(default_model_dir):
     """ModelOpt 0.47 export of the default model, FP8 + FP8 KV: 219,555,793 bytes (measured)."""
     plan = P.resolve(prof("fp8-h100"), default_model_dir)
-    pred = plan.memory["weight_bytes_per_gpu"]
+    pred = plan.memory.weight_bytes_per_gpu
     measured = 219_555_793
     assert abs(pred - measured) / measured < 0.02, pred
     # the checkpoint stores lm_head separately even though the HF model ties it
-    bd = plan.memory["weight_breakdown"]
-    assert bd["embedding"] == 49152 * 576 * 2
-    assert bd["lm_head"] >= 49152 * 576 * 2
+    bd = plan.memory.weight_breakdown
+    assert bd.embedding == 49152 * 576 * 2
+    assert bd.lm_head >= 49152 * 576 * 2
 
 
 def test_check_all_ok_and_one_line_each(default_model_dir):
@@ -264,15 +264,15 @@ def test_case8_derived_max_seq_len_131072(tmp_path):
     p = prof("bf16-h100", build={"max_batch_size": 8}, deployment={"gpus_per_replica": 1})
     plan = P.resolve(p, md)
     lim = plan.limits
-    assert lim["max_seq_len"] == 131072
-    assert lim["derived"]["max_seq_len"].startswith("not set: max_position_embeddings 131,072 x rope scaling factor 1 = 131,072 tokens")
-    assert lim["max_input_len"] == 1024 and lim["max_num_tokens"] == 8192
-    assert set(lim["derived"]) == {"max_seq_len", "max_input_len", "max_num_tokens"}
+    assert lim.max_seq_len == 131072
+    assert lim.derived["max_seq_len"].startswith("not set: max_position_embeddings 131,072 x rope scaling factor 1 = 131,072 tokens")
+    assert lim.max_input_len == 1024 and lim.max_num_tokens == 8192
+    assert set(lim.derived) == {"max_seq_len", "max_input_len", "max_num_tokens"}
     mem = plan.memory
-    assert mem["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131072
-    assert mem["kv_bytes_per_seq_at_max_seq_len"] == 131072 * 131072  # 16 GiB per full sequence
-    assert mem["concurrent_seqs_at_max_seq_len"] == mem["kv_tokens_capacity"] // 131072
-    assert 1 <= mem["concurrent_seqs_at_max_seq_len"] < 8
+    assert mem.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072
+    assert mem.kv_bytes_per_seq_at_max_seq_len == 131072 * 131072  # 16 GiB per full sequence
+    assert mem.concurrent_seqs_at_max_seq_len == mem.kv_tokens_capacity // 131072
+    assert 1 <= mem.concurrent_seqs_at_max_seq_len < 8
     assert any("max_batch_size" in w for w in plan.warnings)  # capacity < 8 x 131,072
     # the memory check uses the derived length: on a 24 GB L4 one sequence no longer fits
     pr = refusals(prof("bf16-h100", target={"gpu": "l4"}, build={"max_batch_size": 8}), md)
@@ -295,7 +295,7 @@ def test_case10_13b_bf16_on_24gb(tmp_path):
     x = by_rule(pr, "memory.fit")
     assert x.field == "target.gpu"
     plan = P.evaluate(p, md)
-    w = plan.memory["weight_bytes_per_gpu"]
+    w = plan.memory.weight_bytes_per_gpu
     assert 25.5e9 < w < 26.5e9  # ~13B x 2 bytes
     assert x.reason.startswith(f"does not fit on rtx-4090 (24,564 MiB = 23.99 GiB per GPU): weights {w / GIB:,.2f} GiB + activations ~")
     assert "(max_num_tokens 16,384)" in x.reason and "too much, before any KV cache" in x.reason
@@ -314,8 +314,8 @@ def test_tp2_with_nine_heads(default_model_dir):
 
 def test_tp3_ok_with_nine_heads(default_model_dir):
     plan = P.resolve(prof("fp8-h100", parallel={"tp_size": 3}, deployment={"gpus_per_replica": 3}), default_model_dir)
-    assert plan.mapping == {"world_size": 3, "tp_size": 3, "pp_size": 1, "moe_tp_size": 3, "moe_ep_size": 1}
-    assert plan.memory["kv_bytes_per_token"] == 2 * 30 * 1 * 64 * 1
+    assert plan.mapping.model_dump() == {"world_size": 3, "tp_size": 3, "pp_size": 1, "moe_tp_size": 3, "moe_ep_size": 1}
+    assert plan.memory.kv_bytes_per_token == 2 * 30 * 1 * 64 * 1
 
 
 def test_max_input_len_over_max_seq_len(default_model_dir):
@@ -355,7 +355,7 @@ def test_llama70b_fp8_fits_one_h100(m70):
              deployment={"fallback": None, "warm_fallback": False, "gpus_per_replica": 1})
     plan = P.resolve(p, m70)
     mem = plan.memory
-    w = mem["weight_bytes_per_gpu"]
+    w = mem.weight_bytes_per_gpu
     assert abs(w - 72.6e9) / 72.6e9 < 0.01, w
     # FP8 linears + BF16 embedding + BF16 lm_head
     linears = 80 * (8192 * (64 + 16) * 128 + 8192 * 8192 + 3 * 8192 * 28672)
@@ -363,14 +363,14 @@ def test_llama70b_fp8_fits_one_h100(m70):
     # the KV capacity, computed here by hand from the plan's terms
     total = CATALOG["h100-sxm"].memory_mib * 2**20
     assert total == 85_520_809_984
-    usable = total - w - mem["activation_bytes_estimate"] - mem["runtime_reserve_bytes"]
-    assert mem["usable_bytes"] == usable
+    usable = total - w - mem.activation_bytes_estimate - mem.runtime_reserve_bytes
+    assert mem.usable_bytes == usable
     kv = int(usable * 0.9)
     cap = kv // (163_840 * 32) * 32
-    assert mem["kv_cache_bytes"] == kv and mem["kv_tokens_capacity"] == cap
+    assert mem.kv_cache_bytes == kv and mem.kv_tokens_capacity == cap
     assert 40_000 < cap < 60_000  # ~8 GB of FP8 KV cache
-    assert mem["concurrent_seqs_at_max_seq_len"] == cap // 8192
-    assert mem["fits"]
+    assert mem.concurrent_seqs_at_max_seq_len == cap // 8192
+    assert mem.fits
     assert any("max_batch_size" in x for x in plan.warnings)  # 64 x 8192 tokens do not fit
 
 
@@ -379,35 +379,35 @@ def test_llama70b_bf16_needs_tp2_on_h100(m70):
                 deployment={"fallback": None, "warm_fallback": False})
     p1 = prof("bf16-h100", **base)
     plan1 = P.evaluate(p1, m70)
-    assert abs(plan1.memory["weight_bytes_per_gpu"] - 141e9) / 141e9 < 0.01
+    assert abs(plan1.memory.weight_bytes_per_gpu - 141e9) / 141e9 < 0.01
     x = by_rule(plan1.problems, "memory.fit")
     assert "tp_size 2" in x.fix
     p2 = prof("bf16-h100", parallel={"tp_size": 2}, build=base["build"],
               deployment={"fallback": None, "warm_fallback": False, "gpus_per_replica": 2})
     plan2 = P.resolve(p2, m70)
-    w2 = plan2.memory["weight_bytes_per_gpu"]
+    w2 = plan2.memory.weight_bytes_per_gpu
     # decoder and lm_head halve; the embedding is replicated on both ranks
     assert 70e9 < w2 < 73e9
-    assert plan2.memory["weight_breakdown"]["embedding"] == 128256 * 8192 * 2
+    assert plan2.memory.weight_breakdown.embedding == 128256 * 8192 * 2
     p3 = prof("bf16-h100", parallel={"tp_size": 2, "use_parallel_embedding": True}, build=base["build"],
               deployment={"fallback": None, "warm_fallback": False, "gpus_per_replica": 2})
-    assert P.resolve(p3, m70).memory["weight_breakdown"]["embedding"] == 128256 * 8192
+    assert P.resolve(p3, m70).memory.weight_breakdown.embedding == 128256 * 8192
 
 
 def test_warm_fallback_counted(default_model_dir):
     warm = P.resolve(prof("fp8-h100"), default_model_dir).memory
     cold = P.resolve(prof("fp8-h100", deployment={"warm_fallback": False, "gpus_per_replica": 1, "fallback": "bf16-h100"}),
                      default_model_dir).memory
-    assert cold["fallback_bytes"] == 0
+    assert cold.fallback_bytes == 0
     bf16 = P.resolve(prof("bf16-h100"), default_model_dir).memory
-    assert warm["fallback_bytes"] == bf16["weight_bytes_per_gpu"] + bf16["activation_bytes_estimate"]
-    assert warm["usable_bytes"] == cold["usable_bytes"] - warm["fallback_bytes"]
+    assert warm.fallback_bytes == bf16.weight_bytes_per_gpu + bf16.activation_bytes_estimate
+    assert warm.usable_bytes == cold.usable_bytes - warm.fallback_bytes
 
 
 def test_bf16_weights_of_default_model(default_model_dir):
     """BF16 checkpoint: 134.5 M params x 2 bytes + a separate lm_head (tied in HF)."""
     mem = P.resolve(prof("bf16-h100"), default_model_dir).memory
-    assert mem["weight_bytes_per_gpu"] == 2 * (134_515_008 + 49152 * 576)
+    assert mem.weight_bytes_per_gpu == 2 * (134_515_008 + 49152 * 576)
 
 
 # ----------------------------------------------------------------------------------------------

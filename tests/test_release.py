@@ -21,14 +21,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def units(tmp_path_factory, default_model_dir):
     """Three packed repositories (different plans -> different engine hashes) of the default model."""
-    from tests.test_pack import make_plan
+    from tests.test_pack import make_plan, with_limits
 
     base = tmp_path_factory.mktemp("units")
     prof = load_profile("bf16-h100")
     out = []
     for i, mb in enumerate((64, 32, 16)):
-        plan = make_plan(prof)
-        plan["limits"]["max_batch_size"] = mb
+        plan = with_limits(make_plan(prof), max_batch_size=mb)
         d = base / f"build{i}"
         res = pack.pack_repository(plan, prof, Path(default_model_dir), d / "no-checkpoint", d / "engine", False,
                                    d / "model_repository", str(d))

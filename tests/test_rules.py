@@ -257,14 +257,14 @@ def test_pp_uneven_warns():
     assert plan.ok
     assert only(plan, "layout.pipeline", "warn")["message"].startswith("parallel.pp_size: 30 layers over 4 pipeline ranks")
     # heaviest rank: 8 layers
-    assert plan.memory["kv_bytes_per_token"] == 2 * 8 * 3 * 64 * 2
+    assert plan.memory.kv_bytes_per_token == 2 * 8 * 3 * 64 * 2
 
 
 def test_kv_head_replication_warns():
     p = prof(parallel={"tp_size": 9}, deployment={"gpus_per_replica": 9})
     plan = run(p)
     assert only(plan, "layout.kv_heads", "warn")
-    assert plan.memory["kv_bytes_per_token"] == 2 * 30 * 1 * 64 * 2
+    assert plan.memory.kv_bytes_per_token == 2 * 30 * 1 * 64 * 2
     # ... and tp 9 is refused anyway: the MLP's 1536 columns do not split over 9 ranks
     assert [x.rule for x in plan.problems] == ["quantize.modelopt_inputs"]
     pr = only(plan, "quantize.modelopt_inputs")
@@ -304,9 +304,9 @@ def test_default_gpus_per_replica_equals_world():
 def test_limits_derived_with_reasons():
     p = prof(build={"max_batch_size": 64, "max_input_len": None, "max_seq_len": None, "max_num_tokens": None})
     lim = run(p).limits
-    assert (lim["max_seq_len"], lim["max_input_len"], lim["max_num_tokens"]) == (8192, 1024, 8192)
-    assert lim["derived"]["max_input_len"] == "not set: BuildConfig default 1,024 (tensorrt_llm/builder.py BuildConfig (defaults))"
-    assert lim["derived"]["max_num_tokens"] == "not set: BuildConfig default 8,192 (tensorrt_llm/builder.py BuildConfig (defaults))"
+    assert (lim.max_seq_len, lim.max_input_len, lim.max_num_tokens) == (8192, 1024, 8192)
+    assert lim.derived["max_input_len"] == "not set: BuildConfig default 1,024 (tensorrt_llm/builder.py BuildConfig (defaults))"
+    assert lim.derived["max_num_tokens"] == "not set: BuildConfig default 8,192 (tensorrt_llm/builder.py BuildConfig (defaults))"
 
 
 def test_rope_factor_scales_derived_max_seq_len():
@@ -315,14 +315,14 @@ def test_rope_factor_scales_derived_max_seq_len():
                           "max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     p = prof(build={"max_input_len": None, "max_seq_len": None, "max_num_tokens": None})
     lim = run(p, m).limits
-    assert lim["max_seq_len"] == 131072
-    assert "x rope scaling factor 4 = 131,072 tokens" in lim["derived"]["max_seq_len"]
+    assert lim.max_seq_len == 131072
+    assert "x rope scaling factor 4 = 131,072 tokens" in lim.derived["max_seq_len"]
 
 
 def test_derived_input_len_clipped_to_short_seq():
     p = prof(build={"max_input_len": None, "max_seq_len": 512, "max_num_tokens": 512})
     lim = run(p).limits
-    assert lim["max_input_len"] == 512 and "clipped to max_seq_len 512" in lim["derived"]["max_input_len"]
+    assert lim.max_input_len == 512 and "clipped to max_seq_len 512" in lim.derived["max_input_len"]
 
 
 def test_seq_over_positions_warns():
@@ -334,8 +334,8 @@ def test_seq_over_positions_warns():
 
 def test_num_tokens_clamped_and_reported():
     plan = run(prof(build={"max_batch_size": 1, "max_seq_len": 4096, "max_input_len": 2048, "max_num_tokens": 8192}))
-    assert plan.limits["max_num_tokens"] == 4096
-    assert "clamped to 4,096" in plan.limits["derived"]["max_num_tokens"]
+    assert plan.limits.max_num_tokens == 4096
+    assert "clamped to 4,096" in plan.limits.derived["max_num_tokens"]
     c = only(plan, "limits.derived", "warn")
     assert "trtllm-build clamps it to 4,096" in c["message"]
 
@@ -365,7 +365,7 @@ def test_builder_turns_paged_fmha_off_for_bf16_with_fp8_kv():
     assert pr.reason == ("trtllm-build would turn paged context FMHA off (with an FP8 KV cache, paged context FMHA needs FP8 "
                          "context FMHA, which quant_algo NO_QUANT does not have), which disables "
                          "runtime.enable_kv_cache_reuse and context_phase.enable_chunked_context that the profile asks for.")
-    assert plan.effective["use_paged_context_fmha"] is False
+    assert plan.effective.use_paged_context_fmha is False
 
 
 @pytest.mark.parametrize("algo", ["W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"])
@@ -375,8 +375,8 @@ def test_override_warns_when_features_not_asked(algo):
                                                                          "use_fp8_context_fmha": False}})
     plan = run(p)
     assert plan.ok
-    assert plan.effective["use_paged_context_fmha"] is False
-    assert plan.effective["overrides"][0]["field"] == "context_phase.use_paged_context_fmha"
+    assert plan.effective.use_paged_context_fmha is False
+    assert plan.effective.overrides[0].field == "context_phase.use_paged_context_fmha"
     assert only(plan, "context.builder_overrides", "warn")
 
 
@@ -391,7 +391,7 @@ def test_int8_kv_turns_paged_fmha_off_and_refuses_reuse():
 def test_fp8_kv_paged_turns_fp8_context_fmha_on():
     p = prof("fp8-h100", context_phase={"use_fp8_context_fmha": False})
     plan = run(p)
-    assert plan.ok and plan.effective["use_fp8_context_fmha"] is True
+    assert plan.ok and plan.effective.use_fp8_context_fmha is True
     assert "trtllm-build sets it to True" in only(plan, "context.builder_overrides", "warn")["message"]
 
 
@@ -431,19 +431,19 @@ def test_logits_bfloat16_refused_and_fp32_recorded():
     pr = only(run(prof(build={"logits_dtype": "bfloat16"})), "build.logits_dtype")
     assert pr.reason == "'bfloat16' is not a trtllm-build --logits_dtype choice (float16, float32)."
     plan = run(prof())
-    assert plan.effective["logits_dtype"] == "float32" and plan.effective["triton_logits_datatype"] == "TYPE_FP32"
+    assert plan.effective.logits_dtype == "float32" and plan.effective.triton_logits_datatype == "TYPE_FP32"
     plan16 = run(prof(build={"logits_dtype": "float16"}))
-    assert plan16.ok and plan16.effective["triton_logits_datatype"] == "TYPE_FP16"
+    assert plan16.ok and plan16.effective.triton_logits_datatype == "TYPE_FP16"
 
 
 def test_gemm_plugin_resolution():
-    assert run(prof()).effective["gemm_plugin"] == "auto"
-    assert run(prof("fp8-h100")).effective["gemm_plugin"] == "disable"
-    assert run(prof("nvfp4-b200")).effective["gemm_plugin"] == "nvfp4"
-    assert run(prof("int4-awq-a100")).effective["gemm_plugin"] == "auto"
+    assert run(prof()).effective.gemm_plugin == "auto"
+    assert run(prof("fp8-h100")).effective.gemm_plugin == "disable"
+    assert run(prof("nvfp4-b200")).effective.gemm_plugin == "nvfp4"
+    assert run(prof("int4-awq-a100")).effective.gemm_plugin == "auto"
     pr = only(run(prof(generation_phase={"gemm_plugin": "fp8"})), "plugins.gemm_plugin")
     assert pr.reason == "'fp8' is the FP8 GEMM plugin; quant_algo is NO_QUANT."
-    assert run(prof("fp8-h100", generation_phase={"gemm_plugin": "fp8"})).effective["gemm_plugin"] == "fp8"
+    assert run(prof("fp8-h100", generation_phase={"gemm_plugin": "fp8"})).effective.gemm_plugin == "fp8"
 
 
 # ---------------------------------------------------------------------------------------------

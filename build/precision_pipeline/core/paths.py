@@ -7,6 +7,7 @@ The package lives at ``<repo>/build/precision_pipeline``; ``build/`` is a *sourc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -15,3 +16,9 @@ SOURCE_ROOT = PACKAGE_DIR.parent
 """``build/``: the folder to put on ``sys.path`` (the Triton CPU reference backend does)."""
 REPO_ROOT = SOURCE_ROOT.parent
 """The repository: ``tasks.py``, ``precision_profiles/``, ``triton_repo/``, ``k8s/``, ``artifacts/``."""
+
+
+def cache_dir() -> Path:
+    """Cache root: ``$PRECISION_CACHE_DIR`` or ``<repo>/.cache`` (gitignored): the converted default
+    model, gate references, test checkpoints, the prepared Triton server, model fingerprints."""
+    return Path(os.environ.get("PRECISION_CACHE_DIR", REPO_ROOT / ".cache"))

@@ -2,8 +2,8 @@
 
 Every stage writes its artifact directory aside (``<dir>.tmp-<pid>``) and renames it into
 place, so a crash mid-stage leaves the previous artifact intact. A stage's *content key* is
-the sha256 of a canonical JSON of its inputs (upstream keys included); a stage whose key is
-unchanged is not redone.
+the sha256 of the strict canonical JSON of its inputs (``canonical``: unknown types are a
+TypeError, never hashed by their ``str()``); the runner in ``core/stage.py`` computes it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -22,13 +23,60 @@ from filelock import FileLock
 _CHUNK = 1 << 20
 
 
+def canonical(obj: Any, where: str = "$") -> Any:
+    """The strict canonical form of ``obj``: plain JSON values only, or ``TypeError``.
+
+    Allowed: None, bool, int, finite float, str, list/tuple (-> list), dict with str keys,
+    enums (-> their value), pydantic models (-> their fields, by name; a model with a
+    ``canonical()`` method, such as ``core.fingerprint.Fingerprint``, is replaced by what that
+    returns). Anything else -- a Path outside a Fingerprint, a set, bytes, NaN or infinity, an
+    arbitrary object -- raises ``TypeError`` naming the path of the value (``$.inputs.model``),
+    so nothing is ever hashed by its ``str()``.
+    """
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    if isinstance(obj, Enum):
+        return canonical(obj.value, where)
+    if obj is None or isinstance(obj, bool):
+        return obj
+    if isinstance(obj, str):
+        return str(obj)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise TypeError(f"{where}: {obj!r} is not a finite float; keys hash only finite numbers")
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [canonical(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: dict key {k!r} is a {type(k).__name__}, not a str")
+            out[k] = canonical(v, f"{where}.{k}")
+        return out
+    if isinstance(obj, BaseModel):
+        custom = getattr(obj, "canonical", None)
+        if callable(custom):
+            return canonical(custom(), where)
+        return {name: canonical(getattr(obj, name), f"{where}.{name}") for name in type(obj).model_fields}
+    raise TypeError(f"{where}: {type(obj).__module__}.{type(obj).__qualname__} is not a canonical type "
+                    "(None, bool, int, finite float, str, list, dict with str keys, enum, pydantic model, "
+                    "Fingerprint for paths)")
+
+
 def canonical_json(obj: Any) -> str:
-    """JSON with sorted keys and no whitespace variation (the form that is hashed)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    """JSON of ``canonical(obj)`` with sorted keys and no whitespace variation (the form that is hashed).
+
+    Raises TypeError for any value ``canonical`` refuses."""
+    return json.dumps(canonical(obj), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def hash_obj(obj: Any) -> str:
-    """sha256 hex digest of ``canonical_json(obj)``."""
+    """sha256 hex digest of ``canonical_json(obj)`` (TypeError for non-canonical values)."""
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 

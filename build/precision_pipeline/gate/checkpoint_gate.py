@@ -406,18 +406,11 @@ def heldout_windows(tokenizer: Any, n_tokens: int, window: int = DEFAULT_HELDOUT
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """Cheap content fingerprint of an HF folder: each file's relative path, size, and sha256
-    of its first and last MiB (full hashing of multi-GB weights would dominate a cache hit)."""
-    h = hashlib.sha256()
-    for p in sorted(q for q in Path(model_dir).rglob("*") if q.is_file()):
-        st = p.stat()
-        h.update(f"{p.relative_to(model_dir).as_posix()}\0{st.st_size}\0".encode())
-        with open(p, "rb") as f:
-            h.update(f.read(1 << 20))
-            if st.st_size > (2 << 20):
-                f.seek(-(1 << 20), os.SEEK_END)
-                h.update(f.read(1 << 20))
-    return h.hexdigest()
+    """Content fingerprint (hex sha256) of an HF folder: the one policy of
+    ``precision_pipeline.core.fingerprint.model_fingerprint`` (full sha256, memoized by path, size, mtime)."""
+    from precision_pipeline.core.fingerprint import model_fingerprint as _fp
+
+    return _fp(model_dir).sha256
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``resolve(profile, model_dir, checkpoint_dir=None)`` runs every rule of ``build/precision_pipeline/resolve/rules.py``
 and raises one ``UserError`` (exit 2) listing **all** refused problems, each with its rule
-name and source. When nothing is refused it returns a ``Plan``; ``Plan.to_json()`` is what
+name and source. When nothing is refused it returns a frozen, typed ``ResolvedPlan``; ``to_json()`` is what
 the build writes as ``artifacts/<profile>/plan.json``:
 
 * ``gpu``: the catalog entry (SM, driver-reported MiB, datasheet GB, bandwidth, TFLOPS).
@@ -23,9 +23,10 @@ replaced (``invoke profiles --gpu h100``). Nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from precision_pipeline.spec import formats as F
 from precision_pipeline.resolve import rules as R
@@ -35,42 +36,174 @@ from precision_pipeline.spec.model_arch import ModelArch, read_model_arch
 from precision_pipeline.spec.profile import Profile, Target, load_profile, shipped_profiles
 
 
-@dataclass
-class Plan:
-    """Result of evaluating a profile. ``problems``: every refusal (empty when it can be built)."""
+class _Section(BaseModel):
+    """A frozen, closed section of the resolved plan (unknown or missing fields are errors)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Mapping(_Section):
+    """TensorRT-LLM ``Mapping`` of one engine (tensorrt_llm/mapping.py): GPU counts."""
+
+    world_size: int
+    tp_size: int
+    pp_size: int
+    moe_tp_size: int
+    moe_ep_size: int
+
+
+class Limits(_Section):
+    """Effective trtllm-build limits (tokens / sequences); ``derived``: field -> why it has this value."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    max_beam_width: int
+    derived: dict[str, str] = Field(default_factory=dict)
+
+
+class OverrideRecord(_Section):
+    """A setting trtllm-build changes on its own (tensorrt_llm/builder.py build())."""
+
+    field: str
+    asked: Union[bool, int, str, None]
+    effective: Union[bool, int, str, None]
+    reason: str
+
+
+class Effective(_Section):
+    """Per-phase engine settings after the builder's own overrides (see rules.derive_effective)."""
+
+    context_fmha: bool
+    use_paged_context_fmha: bool
+    use_fp8_context_fmha: bool
+    enable_kv_cache_reuse: bool
+    enable_chunked_context: bool
+    kv_cache_type: str
+    tokens_per_block: int
+    gemm_plugin: Optional[str]
+    gemm_plugin_reason: str
+    gpt_attention_plugin: str
+    logits_dtype: str
+    multi_block_mode: bool
+    triton_logits_datatype: str
+    strongly_typed: bool
+    use_fused_mlp: bool
+    overrides: tuple[OverrideRecord, ...] = ()
+
+
+class WeightBreakdown(_Section):
+    """Weight bytes on the heaviest GPU of one engine (rules.weight_bytes)."""
+
+    total: int
+    decoder: int
+    embedding: int
+    lm_head: int
+    pp_rank: int
+
+
+class FallbackMemory(_Section):
+    """Bytes a warm fallback engine holds on each GPU."""
+
+    weights: int
+    activations: int
+    total: int
+
+
+class MemoryPlan(_Section):
+    """Per-GPU memory plan in bytes (rules.memory_plan; activations and reserve are estimates)."""
+
+    gpu_memory_bytes: int
+    weight_bytes_per_gpu: int
+    weight_gib_per_gpu: float
+    weight_breakdown: WeightBreakdown
+    kv_bytes_per_token: Union[int, float]
+    kv_bytes_per_seq_at_max_seq_len: int
+    activation_bytes_estimate: int
+    fallback_bytes: int
+    fallback_breakdown: Optional[FallbackMemory] = None
+    runtime_reserve_bytes: int
+    usable_bytes: int
+    kv_cache_free_gpu_mem_fraction: float
+    kv_cache_bytes: int
+    kv_tokens_capacity: int
+    concurrent_seqs_at_max_seq_len: int
+    fits: bool
+    notes: str
+
+    def to_json(self) -> dict:
+        d = self.model_dump(mode="json")
+        d["fallback_breakdown"] = d["fallback_breakdown"] or {}
+        return d
+
+
+class FallbackInfo(_Section):
+    """deployment.fallback as resolved on this GPU (``ok`` None: the GPU is unknown)."""
+
+    profile: str
+    ok: Optional[bool] = None
+    target_gpu: Optional[str] = None
+    warm: Optional[bool] = None
+    memory: Optional[FallbackMemory] = None
+
+
+class ResolvedPlan(BaseModel):
+    """The resolve stage's artifact: a frozen, typed plan. ``problems``: every refusal (empty when it builds).
+
+    Downstream stages read typed fields (``plan.limits.max_seq_len``); a missing field is a
+    validation error here, never a silent default later. ``memory`` is None when the GPU is
+    unknown or unsupported. ``to_json()`` renders plan.json (layout documented in the README);
+    plan.json is a view, never read back as an input.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     profile: Profile
     model: ModelArch
     gpu: Optional[GPUSpec]
-    mapping: dict
-    limits: dict
-    effective: dict
-    memory: dict
-    checks: list[dict]
-    problems: list[Problem]
-    warnings: list[str]
-    fallback: Optional[dict] = None
+    mapping: Mapping
+    limits: Limits
+    effective: Effective
+    memory: Optional[MemoryPlan]
+    checks: tuple[dict, ...]
+    problems: tuple[Problem, ...]
+    warnings: tuple[str, ...]
+    fallback: Optional[FallbackInfo] = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
-    def to_json(self) -> dict:
-        """The plan.json mapping (JSON-serialisable)."""
-        return {
+    @property
+    def gather_context_logits(self) -> bool:
+        """``--gather_context_logits`` (build.gather_context_logits; the engine gate needs it)."""
+        return self.profile.build.gather_context_logits
+
+    def to_json(self, layers: Optional[dict] = None) -> dict:
+        """The plan.json mapping (JSON-serialisable). ``layers``: the checkpoint artifact's per-layer
+        table (``checkpoint.reader.layer_table``), shown after quantize."""
+        out = {
             "profile": self.profile.name,
             "profile_resolved": self.profile.model_dump(mode="json"),
             "gpu": self.gpu.to_json() if self.gpu else {"id": None, "asked": self.profile.target.gpu},
             "model": self.model.model_dump(mode="json"),
-            "mapping": dict(self.mapping),
-            "limits": dict(self.limits),
-            "effective": dict(self.effective),
-            "memory": dict(self.memory),
-            "fallback": self.fallback,
+            "mapping": self.mapping.model_dump(mode="json"),
+            "limits": self.limits.model_dump(mode="json"),
+            "effective": self.effective.model_dump(mode="json"),
+            "memory": self.memory.to_json() if self.memory else {},
+            "fallback": self.fallback.model_dump(mode="json", exclude_none=True) if self.fallback else None,
             "warnings": list(self.warnings),
-            "checks": list(self.checks),
+            "checks": [dict(c) for c in self.checks],
             "ok": self.ok,
         }
+        if layers is not None:
+            out["layers"] = layers
+        return out
+
+    def canonical(self) -> dict:
+        """What a stage key sees of the plan: its plan.json view (see core.store.canonical)."""
+        return self.to_json()
 
     def summary(self) -> str:
         """One line: formats, GPU, layout, weights/KV numbers, warning count (or the first refusal)."""
@@ -83,10 +216,13 @@ class Plan:
         mp = self.mapping
         n = len(self.warnings)
         return (f"{q.quant_algo.value} GEMMs, {q.kv_cache_quant_algo.value} KV on {self.gpu.id} (SM {self.gpu.sm}), "
-                f"tp {mp['tp_size']} x pp {mp['pp_size']}: weights {m['weight_gib_per_gpu']:.3f} GiB/GPU, "
-                f"KV {m['kv_bytes_per_token']:,} B/token, {m['kv_tokens_capacity']:,} tokens "
-                f"({m['concurrent_seqs_at_max_seq_len']:,} seqs at {self.limits['max_seq_len']:,})"
+                f"tp {mp.tp_size} x pp {mp.pp_size}: weights {m.weight_gib_per_gpu:.3f} GiB/GPU, "
+                f"KV {m.kv_bytes_per_token:,} B/token, {m.kv_tokens_capacity:,} tokens "
+                f"({m.concurrent_seqs_at_max_seq_len:,} seqs at {self.limits.max_seq_len:,})"
                 + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
+
+
+Plan = ResolvedPlan  # the name callers used before the plan was typed
 
 
 def one_line(pr: Problem) -> str:
@@ -124,17 +260,25 @@ def _fallback_part(ctx: R.Context, model: ModelArch) -> Optional[dict]:
             pr = sub.problems[0]
             ctx.fallback_problem = Problem(pr.field, f"on {ctx.gpu.id}: {pr.reason}", pr.fix, pr.rule, pr.source)
         elif d.warm_fallback:
-            w = sub.memory["weight_bytes_per_gpu"]
-            a = sub.memory["activation_bytes_estimate"]
+            w = sub.memory.weight_bytes_per_gpu
+            a = sub.memory.activation_bytes_estimate
             ctx.fallback_memory = {"weights": w, "activations": a, "total": w + a}
             info["memory"] = ctx.fallback_memory
     return info
 
 
+def _memory(d: dict) -> Optional[MemoryPlan]:
+    if not d:
+        return None
+    return MemoryPlan(**{**d, "fallback_breakdown": d.get("fallback_breakdown") or None})
+
+
 def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None,
-             _with_fallback: bool = True) -> Plan:
+             _with_fallback: bool = True, for_build: bool = False) -> ResolvedPlan:
     """Run every rule; return the Plan with all problems (never raises for a refused check).
 
+    ``for_build``: the whole build will run (``invoke build`` and ``invoke check``), so the rules
+    about what the later stages need (``model.gate_reads``) apply too.
     Raises UserError only for an unreadable model (``--model``).
     """
     m = _model(model)
@@ -149,7 +293,8 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
         for pr in e.problems:
             problems.append(pr)
             checks.append({"rule": "gpu.known", "status": "refused", "message": pr.render(), "source": "build/precision_pipeline/spec/hardware.py"})
-    ctx = R.Context(profile=profile, model=m, gpu=gpu, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None)
+    ctx = R.Context(profile=profile, model=m, gpu=gpu, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                    for_build=for_build)
     ctx.mapping = R.derive_mapping(profile)
     ctx.limits, ctx.limit_notes = R.derive_limits(profile, m)
     ctx.effective, ctx.overrides = R.derive_effective(profile, gpu.sm if gpu else 0)
@@ -175,28 +320,31 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
                 problems.append(pr)
             else:
                 warnings.append(pr.render())
-    return Plan(profile=profile, model=m, gpu=gpu, mapping=ctx.mapping, limits=ctx.limits, effective=ctx.effective,
-                memory=ctx.memory, checks=checks, problems=problems, warnings=warnings, fallback=fallback)
+    return ResolvedPlan(profile=profile, model=m, gpu=gpu, mapping=Mapping(**ctx.mapping), limits=Limits(**ctx.limits),
+                        effective=Effective(**ctx.effective), memory=_memory(ctx.memory),
+                        checks=tuple(checks), problems=tuple(problems), warnings=tuple(warnings),
+                        fallback=FallbackInfo(**fallback) if fallback else None)
 
 
-def resolve(profile: Profile, model_dir: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None) -> Plan:
+def resolve(profile: Profile, model_dir: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None,
+            for_build: bool = False) -> ResolvedPlan:
     """Check ``profile`` against the model (and a reused checkpoint); return the Plan.
 
     Raises UserError (exit 2) carrying every refused Problem (with rule names) if any.
     """
-    plan = evaluate(profile, model_dir, checkpoint_dir)
+    plan = evaluate(profile, model_dir, checkpoint_dir, for_build=for_build)
     if plan.problems:
         raise UserError(plan.problems)
     return plan
 
 
-def check_all(model_dir: Union[Path, str, ModelArch]) -> list[tuple[str, bool, str]]:
+def check_all(model_dir: Union[Path, str, ModelArch], for_build: bool = False) -> list[tuple[str, bool, str]]:
     """(name, ok, one-line summary) for every shipped profile, against the model."""
     m = _model(model_dir)
     out = []
     for name in shipped_profiles():
         try:
-            plan = evaluate(load_profile(name), m)
+            plan = evaluate(load_profile(name), m, for_build=for_build)
         except UserError as e:
             out.append((name, False, one_line(e.problems[0]) + (f" (+{len(e.problems) - 1} more)" if len(e.problems) > 1 else "")))
             continue
@@ -227,4 +375,5 @@ def profiles_for_gpu(gpu: str, model_dir: Union[Path, str, ModelArch]) -> list[t
     return out
 
 
-__all__ = ["Plan", "evaluate", "resolve", "check_all", "profiles_for_gpu", "one_line"]
+__all__ = ["ResolvedPlan", "Plan", "Mapping", "Limits", "Effective", "OverrideRecord", "MemoryPlan", "WeightBreakdown",
+           "FallbackMemory", "FallbackInfo", "evaluate", "resolve", "check_all", "profiles_for_gpu", "one_line"]

@@ -108,6 +108,7 @@ class Context:
     fallback: Optional[Profile] = None
     fallback_problem: Optional[Problem] = None
     fallback_memory: dict = field(default_factory=dict)
+    for_build: bool = False  # the whole build will run (quantize + gate): rules about what the gate reads apply
 
     @property
     def sm(self) -> int:
@@ -1141,6 +1142,38 @@ def _tp_hint(ctx: Context) -> str:
         if w + a + F.RUNTIME_RESERVE_BYTES + ctx.memory.get("fallback_bytes", 0) < ctx.gpu.memory_bytes * 0.9:
             return f"tp_size {tp} (weights {gib(w)} per GPU), "
     return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules: what the build itself needs of the profile and the model (before: checks inside run_build)
+
+
+@rule("quantize.search_budget", "an effective-bits budget (auto_quantize_bits) only with quant_algo MIXED_PRECISION",
+      "build/precision_pipeline/quantize/search.py (the per-layer search runs for MIXED_PRECISION only)", needs_gpu=False)
+def _search_budget(ctx: Context) -> list[Finding]:
+    q = ctx.profile.quantization
+    if q.auto_quantize_bits is None or ctx.fmt.per_layer:
+        return []
+    return [refuse("quantization.auto_quantize_bits",
+                   f"an effective-bits budget is set but quant_algo is {q.quant_algo.value}; the per-layer "
+                   "search runs only for quant_algo MIXED_PRECISION.",
+                   "set quant_algo: MIXED_PRECISION (with auto_quantize_formats), or remove auto_quantize_bits.")]
+
+
+GATE_ARCHITECTURES = ("LlamaForCausalLM",)
+"""Architectures whose exported checkpoints the accuracy gate reads (checkpoint/reader.py: Llama layout only)."""
+
+
+@rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (Llama architecture; builds and checks only)",
+      "build/precision_pipeline/checkpoint/reader.py (load_checkpoint_model: Llama checkpoints)", needs_gpu=False)
+def _gate_reads(ctx: Context) -> list[Finding]:
+    if not ctx.for_build or ctx.model.architecture in GATE_ARCHITECTURES:
+        return []
+    return [refuse("--model",
+                   f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate reads Llama-architecture "
+                   "checkpoints only, so the build would stop after quantizing.",
+                   "use a Llama-family model; a Mixtral MoE can be quantized and exported with expert "
+                   "parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
 
 
 def describe_rules() -> list[dict]:

@@ -43,6 +43,7 @@ label syntax, replicas >= 1, selector matching the pod labels, GPU requests = li
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from precision_pipeline.core.store import atomic_dir, hash_file, read_json
 from precision_pipeline.serving import pack, templates
 
 from precision_pipeline.core.paths import REPO_ROOT
+from precision_pipeline.resolve.plan import ResolvedPlan
 TEMPLATES_DIR = REPO_ROOT / "k8s"
 OUT_SUBDIR = "k8s"
 
@@ -413,12 +415,10 @@ def semantic_problems(doc: dict, where: str) -> list[Problem]:
 # Parameters
 
 
-def _gpus(plan: dict, profile) -> tuple[int, int, int]:
-    """(gpus_per_replica, tp_size, pp_size); refuses any disagreement."""
-    mp = plan.get("mapping") or {}
-    tp = int(mp.get("tp_size") or profile.parallel.tp_size)
-    pp = int(mp.get("pp_size") or profile.parallel.pp_size)
-    world = int(mp.get("world_size") or tp * pp)
+def _gpus(plan: ResolvedPlan, profile) -> tuple[int, int, int]:
+    """(gpus_per_replica, tp_size, pp_size) from the plan's mapping; refuses any disagreement."""
+    mp = plan.mapping
+    tp, pp, world = int(mp.tp_size), int(mp.pp_size), int(mp.world_size)
     if world != tp * pp:
         raise UserError("plan.mapping.world_size", f"is {world} but tp_size x pp_size = {tp} x {pp} = {tp * pp}.",
                         "re-resolve the plan (build/precision_pipeline/resolve/plan.py).")
@@ -437,7 +437,7 @@ def _check_pod_spec_inputs(value: str, field_name: str, pattern: re.Pattern, wha
         raise UserError(field_name, f"{value!r} is not {what} (<= {max_len} characters).", "use lower-case letters, digits and '-'.")
 
 
-def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, image: str, namespace: str, *,
+def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_root: str, image: str, namespace: str, *,
                    pvc_name: str = DEFAULT_PVC, gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
                    startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD) -> tuple[dict[str, Optional[dict]], dict]:
     """Template parameters per template file (None = template not rendered) and facts for DeployResult."""
@@ -452,11 +452,11 @@ def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, 
     if not isinstance(startup_failure_threshold, int) or startup_failure_threshold < 1:
         raise UserError("startup_failure_threshold", f"is {startup_failure_threshold!r}.", "use a positive number of probe periods.")
 
-    gpu = plan.get("gpu") or {}
-    if not gpu.get("id") or not gpu.get("name"):
-        raise UserError("target.gpu", f"plan.json has no known GPU (asked: {gpu.get('asked')!r}).", "resolve the profile on a catalog GPU first.")
+    gpu = plan.gpu
+    if gpu is None or not gpu.id or not gpu.name:
+        raise UserError("target.gpu", f"plan.json has no known GPU (asked: {plan.profile.target.gpu!r}).", "resolve the profile on a catalog GPU first.")
     world, tp, pp = _gpus(plan, profile)
-    products = list(gpu_products) if gpu_products else [gpu_product_label(gpu["name"])]
+    products = list(gpu_products) if gpu_products else [gpu_product_label(gpu.name)]
     for p in products:
         if not isinstance(p, str) or len(p) > 63 or not p or not _LABEL_VALUE.match(p):
             raise UserError("gpu_products", f"{p!r} is not a valid {GPU_PRODUCT_LABEL} label value.", "use the value GPU Feature Discovery sets, e.g. NVIDIA-H100-80GB-HBM3.")
@@ -477,7 +477,7 @@ def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, 
         notes.append(f"engine built by TensorRT-LLM {ev} but {image} ships {DEFAULT_IMAGE_TRTLLM}: engines load only under the "
                      "version that built them; pass image= with the build's container.")
 
-    profile_name = str(plan.get("profile") or profile.name)
+    profile_name = plan.profile.name or profile.name
     name = k8s_name(profile_name)
     repo_path = pack.serving_path(repo_root, model_repository.name)
     command, args, launcher = triton_command(world, repo_path, ss.models, ss.units)
@@ -500,7 +500,7 @@ def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, 
         f"{LABEL_PREFIX}/engine-hash": ss.engine_hash,
         f"{LABEL_PREFIX}/engine-unit": ss.unit,
         f"{LABEL_PREFIX}/profile": profile_name,
-        f"{LABEL_PREFIX}/gpu": str(gpu["id"]),
+        f"{LABEL_PREFIX}/gpu": str(gpu.id),
         f"{LABEL_PREFIX}/parallel": f"tp{tp}xpp{pp}",
         f"{LABEL_PREFIX}/release-source": _rel_source(ss.source, model_repository),
         f"{LABEL_PREFIX}/launcher": launcher,
@@ -529,16 +529,18 @@ def compute_params(plan: dict, profile, model_repository: Path, repo_root: str, 
 # Stage
 
 
-def render_manifests(plan: dict, profile, model_repository: Path, out_dir: Path, repo_root: str,
+def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_dir: Path, repo_root: str,
                      image: str = DEFAULT_IMAGE, namespace: str = "default", *, pvc_name: str = DEFAULT_PVC,
                      gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
                      startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD, k8s_version: str = K8S_VERSION,
-                     templates_dir: Path = TEMPLATES_DIR) -> DeployResult:
+                     templates_dir: Path = TEMPLATES_DIR, workdir: Optional[Path] = None) -> DeployResult:
     """Render and validate the manifests; write ``<out_dir>/k8s/*.yaml`` atomically (all or nothing).
 
     ``repo_root``: where the build output (the parent of ``model_repository``) is mounted in the pod
     (the PVC ``pvc_name``, read-only). ``gpu_products``: node label values to accept instead of the one
-    derived from the plan's GPU name. Raises UserError (exit 2) on any refused input or invalid manifest.
+    derived from the plan's GPU name. ``workdir``: write the manifests there instead of
+    ``<out_dir>/k8s`` (the stage runner renames it into place). Raises UserError (exit 2) on any
+    refused input or invalid manifest.
     """
     templates_dir = Path(templates_dir)
     params, facts = compute_params(plan, profile, Path(model_repository), repo_root, image, namespace, pvc_name=pvc_name,
@@ -560,12 +562,12 @@ def render_manifests(plan: dict, profile, model_repository: Path, out_dir: Path,
         text = render_template((templates_dir / tname).read_text(), p, where)
         doc = parse_manifest(text, where)
         validate_manifest(doc, where, k8s_version)
-        header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {plan.get('profile') or profile.name}, "
+        header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {plan.profile.name or profile.name}, "
                   f"engine unit {facts['serving'].unit}.\n# Validated against Kubernetes {k8s_version} (strict). Re-render; do not edit.\n")
         rendered[tname] = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
     out_dir = Path(out_dir)
     target = out_dir / OUT_SUBDIR
-    with atomic_dir(target) as tmp:
+    with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(target)) as tmp:
         for tname, text in rendered.items():
             (tmp / tname).write_text(text)
     ss: ServingSet = facts["serving"]
@@ -577,11 +579,11 @@ def render_manifests(plan: dict, profile, model_repository: Path, out_dir: Path,
         notes=facts["notes"])
 
 
-def stage_inputs(plan: dict, profile, repo_root: str, image: str = DEFAULT_IMAGE, *, namespace: str = "default",
+def stage_inputs(plan: ResolvedPlan, profile, repo_root: str, image: str = DEFAULT_IMAGE, *, namespace: str = "default",
                  pvc_name: str = DEFAULT_PVC, templates_dir: Path = TEMPLATES_DIR) -> dict:
     """What the deploy stage's content key hashes, besides the pack stage's key and build/precision_pipeline/serving/deploy.py's source
     (the caller adds those: the release state of the repository comes from pack/release)."""
-    gpu = plan.get("gpu") or {}
+    gpu = plan.gpu
     return {
         "stage": "deploy",
         "k8s_version": K8S_VERSION,
@@ -589,11 +591,11 @@ def stage_inputs(plan: dict, profile, repo_root: str, image: str = DEFAULT_IMAGE
         "repo_root": repo_root,
         "namespace": namespace,
         "pvc_name": pvc_name,
-        "profile": str(plan.get("profile") or profile.name),
+        "profile": plan.profile.name or profile.name,
         "deployment": profile.deployment.model_dump(mode="json"),
         "parallel": {"tp_size": profile.parallel.tp_size, "pp_size": profile.parallel.pp_size},
-        "gpu": {"id": gpu.get("id"), "name": gpu.get("name")},
-        "mapping": dict(plan.get("mapping") or {}),
+        "gpu": {"id": gpu.id if gpu else None, "name": gpu.name if gpu else None},
+        "mapping": plan.mapping.model_dump(mode="json"),
         "templates": {p.name: hash_file(p) for p in sorted(Path(templates_dir).glob("*.yaml"))},
     }
 

@@ -36,6 +36,7 @@ rendered config.pbtxt must parse with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -47,6 +48,7 @@ from typing import Any, Mapping
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
 from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj
+from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.serving import templates
 from precision_pipeline.spec.formats import TRITON_DTYPE
 
@@ -178,35 +180,26 @@ def _chat_template(model_dir: Path) -> str | None:
 # Parameters
 
 
-def _get(d: Mapping | None, key: str, default: Any = None) -> Any:
-    if not isinstance(d, Mapping):
-        return default
-    v = d.get(key)
-    return default if v is None else v
-
-
-def compute_params(plan: dict, profile, model_dir: Path, engine_hash: str, repo_root: str,
+def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: str, repo_root: str,
                    repo_name: str = "model_repository") -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Template parameters for each model, from plan.json, the profile and the model's files."""
+    """Template parameters for each model, from the typed plan, the profile's runtime section and the model's files.
+
+    Limits, mapping, the effective per-phase settings and the KV-cache capacity are read from
+    ``plan`` only (no profile fallbacks). Raises UserError when the plan has no memory plan
+    (unknown GPU) or names a logits type Triton does not have.
+    """
     notes: list[str] = []
-    limits = plan.get("limits") or {}
-    eff = plan.get("effective") or {}
-    mapping = plan.get("mapping") or {}
-    memory = plan.get("memory") or {}
+    limits, eff, mapping, memory = plan.limits, plan.effective, plan.mapping, plan.memory
     rt = profile.runtime
 
-    max_batch = int(_get(limits, "max_batch_size", profile.build.max_batch_size))
-    max_beam = int(_get(limits, "max_beam_width", profile.build.max_beam_width))
-    max_seq = _get(limits, "max_seq_len", profile.build.max_seq_len)
-    world = int(_get(mapping, "world_size", profile.world_size))
-    kv_tokens = _get(memory, "kv_tokens_capacity")
-    if kv_tokens is None:
-        if max_seq is None:
-            raise UserError("plan.memory.kv_tokens_capacity", "is missing and plan.limits.max_seq_len is unknown.",
-                            "resolve the plan (build/precision_pipeline/resolve/plan.py) before packing.")
-        kv_tokens = max_batch * int(max_seq)
-        notes.append(f"plan.memory.kv_tokens_capacity missing: max_tokens_in_paged_kv_cache = max_batch_size x max_seq_len = {kv_tokens}")
-    logits_dt = _get(eff, "triton_logits_datatype") or _DTYPE_TO_TRITON.get(_get(eff, "logits_dtype", profile.build.logits_dtype))
+    max_batch = int(limits.max_batch_size)
+    max_beam = int(limits.max_beam_width)
+    world = int(mapping.world_size)
+    if memory is None:
+        raise UserError("plan.memory", "is missing: the plan was resolved without a known, supported GPU.",
+                        "resolve the plan (build/precision_pipeline/resolve/plan.py) on a catalog GPU before packing.")
+    kv_tokens = memory.kv_tokens_capacity
+    logits_dt = eff.triton_logits_datatype
     if logits_dt not in _DTYPE_TO_TRITON.values():
         raise UserError("plan.effective.triton_logits_datatype", f"{logits_dt!r} is not a Triton logits type.",
                         "use TYPE_FP32, TYPE_FP16 or TYPE_BF16.")
@@ -233,11 +226,11 @@ def compute_params(plan: dict, profile, model_dir: Path, engine_hash: str, repo_
         "max_beam_width": max_beam,
         "max_tokens_in_paged_kv_cache": int(kv_tokens),
         "kv_cache_free_gpu_mem_fraction": float(rt.kv_cache_free_gpu_mem_fraction),
-        "enable_kv_cache_reuse": bool(_get(eff, "enable_kv_cache_reuse", rt.enable_kv_cache_reuse)),
-        "enable_chunked_context": bool(_get(eff, "enable_chunked_context", profile.context_phase.enable_chunked_context)),
+        "enable_kv_cache_reuse": bool(eff.enable_kv_cache_reuse),
+        "enable_chunked_context": bool(eff.enable_chunked_context),
         "batch_scheduler_policy": rt.batch_scheduler_policy,
         "exclude_input_in_output": True,
-        "multi_block_mode": bool(_get(eff, "multi_block_mode", profile.generation_phase.multi_block_mode)),
+        "multi_block_mode": bool(eff.multi_block_mode),
         "gpu_device_ids": ",".join(str(i) for i in range(world)),
         "cpu_reference": True,
         "cpu_reference_threads": 1,
@@ -338,12 +331,12 @@ def cross_check_engine(engine_config: dict, trt_params: Mapping[str, Any]) -> li
     return problems
 
 
-def cross_check_plan(engine_config: dict, plan: dict) -> list[Problem]:
-    """Compare the engine's build_config limits with plan.json's limits (equal is expected)."""
+def cross_check_plan(engine_config: dict, plan: ResolvedPlan) -> list[Problem]:
+    """Compare the engine's build_config limits with the plan's limits (equal is expected)."""
     bc = engine_config.get("build_config") or {}
     problems = []
-    for k, v in (plan.get("limits") or {}).items():
-        if v is None or k not in bc or bc[k] is None:
+    for k, v in plan.limits.model_dump(exclude={"derived"}).items():
+        if k not in bc or bc[k] is None:
             continue
         if int(bc[k]) != int(v):
             problems.append(Problem(f"engine/config.json: build_config.{k}", f"is {bc[k]} but plan.json says {v}.",
@@ -355,7 +348,7 @@ def _truthy(v: Any) -> bool:
     return v is True or str(v).lower() in ("true", "1", "yes")
 
 
-def check_engine_dir(engine_dir: Path, trt_params: Mapping[str, Any], plan: dict | None = None) -> None:
+def check_engine_dir(engine_dir: Path, trt_params: Mapping[str, Any], plan: ResolvedPlan | None = None) -> None:
     """Raise UserError when the engine's config.json contradicts the rendered parameters or the plan."""
     cfg_path = Path(engine_dir) / "config.json"
     try:
@@ -389,13 +382,14 @@ def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
                 shutil.copy2(p, q)
 
 
-def engine_hash_of(plan: dict, checkpoint_dir: Path, engine_dir: Path, engine_built: bool) -> str:
-    """sha256 naming an engine unit (engine files when built; checkpoint + plan otherwise)."""
+def engine_hash_of(plan: ResolvedPlan, checkpoint_dir: Path, engine_dir: Path, engine_built: bool) -> str:
+    """sha256 naming an engine unit (engine files when built; checkpoint + the plan's limits,
+    effective settings, mapping and profile name otherwise)."""
     if engine_built:
         return hash_dir(engine_dir, exclude=(ENGINE_ARGS_FILE,))
     ck = hash_dir(checkpoint_dir) if Path(checkpoint_dir).is_dir() else None
-    return hash_obj({"checkpoint": ck, "limits": plan.get("limits"), "effective": plan.get("effective"),
-                     "mapping": plan.get("mapping"), "profile": plan.get("profile")})
+    return hash_obj({"checkpoint": ck, "limits": plan.limits, "effective": plan.effective,
+                     "mapping": plan.mapping, "profile": plan.profile.name})
 
 
 def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,
@@ -431,12 +425,13 @@ def copy_python_models(dst_repo: Path) -> None:
     (dst_repo / "ensemble" / "1").mkdir(parents=True, exist_ok=True)
 
 
-def pack_repository(plan: dict, profile, model_dir: Path, checkpoint_dir: Path, engine_dir: Path, engine_built: bool,
-                    out_dir: Path, repo_root: str) -> PackResult:
+def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir: Path, engine_dir: Path, engine_built: bool,
+                    out_dir: Path, repo_root: str, *, workdir: Path | None = None) -> PackResult:
     """Render the model repository for this build into ``out_dir`` (atomic replace).
 
     ``repo_root``: where the build output (``out_dir``'s parent) will be inside the serving container.
     When the engine was built, its config.json is cross-checked against the rendered parameters.
+    ``workdir``: write the repository there instead (the stage runner renames it onto ``out_dir``).
     """
     model_dir, checkpoint_dir, engine_dir, out_dir = Path(model_dir), Path(checkpoint_dir), Path(engine_dir), Path(out_dir)
     if not (model_dir / "tokenizer.json").is_file():
@@ -459,7 +454,7 @@ def pack_repository(plan: dict, profile, model_dir: Path, checkpoint_dir: Path, 
                      "only the CPU reference backend can serve this repository.")
     unit = unit_name(ehash)
     has_template = params["preprocessing"]["apply_chat_template"]
-    with atomic_dir(out_dir) as tmp:
+    with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(out_dir)) as tmp:
         copy_python_models(tmp)
         for m in FIXED_MODELS:
             (tmp / m / "config.pbtxt").write_text(texts[m])
@@ -470,7 +465,7 @@ def pack_repository(plan: dict, profile, model_dir: Path, checkpoint_dir: Path, 
                 shutil.copy2(model_dir / name, tok / name)
         write_unit(tmp / unit, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
                    checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
-                   profile_name=str(plan.get("profile") or profile.name))
+                   profile_name=plan.profile.name)
         res = PackResult(out_dir=out_dir, models=sorted([*FIXED_MODELS, unit]), engine_unit=unit, engine_hash=ehash,
                          engine_present=bool(engine_built),
                          params={k: {pk: templates.pbtxt_text(pv) for pk, pv in v.items()} for k, v in params.items()},

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Iterable
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.core.paths import REPO_ROOT
+from precision_pipeline.core.paths import REPO_ROOT, cache_dir
 
 STANDIN_BACKEND = REPO_ROOT / "triton_repo" / "backends" / "tensorrtllm"
 SERVER_VERSION = "2.51"
@@ -49,10 +49,6 @@ def _pytriton_paths() -> tuple[Path, Path]:
         raise UserError("tritonserver", "the nvidia-pytriton package is not installed.", "run ./run.sh (installs nvidia-pytriton==0.7.0).")
     pkg = Path(list(spec.submodule_search_locations)[0])
     return pkg / "tritonserver", pkg.parent / "nvidia_pytriton.libs"
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("PRECISION_CACHE_DIR", REPO_ROOT / ".cache"))
 
 
 def _write_if_changed(src: Path, dst: Path) -> None:
@@ -70,7 +66,7 @@ def server_dir() -> Path:
     """The prepared copy of the server (made once; the stand-in backend is refreshed every call)."""
     src, _ = _pytriton_paths()
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    dst = _cache_root() / f"tritonserver-{SERVER_VERSION}-py{pyver}"
+    dst = cache_dir() / f"tritonserver-{SERVER_VERSION}-py{pyver}"
     if not (dst / "bin" / "tritonserver").is_file():
         stub = src / "python_backend_stubs" / pyver / "triton_python_backend_stub"
         if not stub.is_file():

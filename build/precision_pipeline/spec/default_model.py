@@ -17,15 +17,10 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
-from precision_pipeline.core.paths import REPO_ROOT
+from precision_pipeline.core.paths import REPO_ROOT, cache_dir  # noqa: F401 (cache_dir re-exported)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Cache root: ``$PRECISION_CACHE_DIR`` or ``<repo>/.cache`` (gitignored)."""
-    return Path(os.environ.get("PRECISION_CACHE_DIR", REPO_ROOT / ".cache"))
 
 
 def default_model_dir() -> Path:

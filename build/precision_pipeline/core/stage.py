@@ -1,0 +1,261 @@
+"""The stage protocol and the one runner that keys, caches, commits and records every stage.
+
+A stage (``Stage[I, O]``) declares:
+
+* ``name`` (the manifest row and, with ``output``, the folder it writes under the build output),
+  ``version`` (bump when the artifact's meaning changes),
+* ``code``: paths relative to the package (``"quantize"``, ``"gate/data/golden_prompts.jsonl"``)
+  whose bytes go into its key (a folder counts its ``.py`` and ``.jsonl`` files),
+* ``needs``: the upstream stages whose artifacts its inputs read (their keys go into its key),
+* ``inputs(plan, request, upstream) -> I``: a frozen pydantic model holding exactly what
+  changes its output (the resolved plan is given to every stage; a stage copies what it reads
+  of it into ``I``, so a change of ``deployment.replicas`` does not re-quantize),
+* ``run(inputs, workdir) -> O``: the work; ``workdir`` is a fresh temporary folder that the
+  runner renames onto ``<out>/<output>`` when ``run`` returns (None for stages without a folder).
+
+Only ``StageRunner`` computes keys::
+
+    key = sha256(canonical_json({"stage": name, "version": version, "inputs": I,
+                                 "upstream": {need: key}, "code": code fingerprint}))
+
+with the strict canonical form of ``core.store.canonical`` (unknown types are a TypeError that
+names the offending value's path; paths enter only as ``core.fingerprint.Fingerprint``). A stage
+is *cached* when its key equals the manifest row's key, that row was done or cached, and its
+typed artifact record (``<out>/.stages/<name>.json``) is present and valid; otherwise it runs.
+An artifact whose ``status`` is not ``done`` (a skipped engine, a failed gate) is never reused:
+the next build runs the stage again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Generic, Literal, Mapping, Optional, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from precision_pipeline.core.paths import PACKAGE_DIR
+from precision_pipeline.core.store import atomic_dir, atomic_write_json, canonical_json, hash_dir, hash_file, read_json
+
+CODE_ROOT: Path = PACKAGE_DIR
+"""Where ``Stage.code`` paths are resolved (tests point it at a copy of the package)."""
+
+RECORDS_DIR = ".stages"
+"""Folder under the build output holding each stage's typed artifact record (``<name>.json``)."""
+
+CODE_SUFFIXES = (".py", ".jsonl")
+
+Status = Literal["done", "cached", "skipped", "failed"]
+
+
+class Frozen(BaseModel):
+    """Base of stage inputs and artifacts: immutable, unknown fields refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Artifact(Frozen):
+    """A stage's typed result. ``status``: done | skipped | failed (``reason`` says why when not done)."""
+
+    status: Literal["done", "skipped", "failed"] = "done"
+    reason: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        """The manifest row's ``numbers`` (and the build table's key numbers)."""
+        return {}
+
+    def present(self, out_dir: Path) -> bool:
+        """Whether what the artifact describes is still on disk (checked before a cache hit)."""
+        return True
+
+
+I = TypeVar("I", bound=BaseModel)
+O = TypeVar("O", bound=Artifact)
+
+
+@dataclass
+class StageRecord:
+    """One row of the build summary (and of manifest.json ``stages``)."""
+
+    name: str
+    status: str = "pending"  # done | cached | skipped | failed | pending
+    seconds: float = 0.0
+    reason: str = ""
+    key: str = ""
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"status": self.status, "seconds": round(self.seconds, 3), "reason": self.reason,
+                "key": self.key, "numbers": self.numbers}
+
+
+@dataclass(frozen=True)
+class Done(Generic[O]):
+    """A finished stage as later stages see it: its artifact, key and output folder (None if it has none)."""
+
+    artifact: O
+    key: str
+    dir: Optional[Path]
+    record: StageRecord
+
+
+class Stage(Generic[I, O]):
+    """Base class of the pipeline's stages (see the module docstring for the contract)."""
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    code: ClassVar[tuple[str, ...]] = ()
+    needs: ClassVar[tuple[str, ...]] = ()
+    output: ClassVar[Optional[str]] = None
+    artifact_type: ClassVar[type[Artifact]] = Artifact
+    cacheable: ClassVar[bool] = True
+
+    def inputs(self, plan: Any, request: Any, upstream: Mapping[str, Done]) -> I:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def run(self, inputs: I, workdir: Optional[Path]) -> O:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def code_fingerprint(code: tuple[str, ...], root: Optional[Path] = None) -> dict[str, str]:
+    """{path: sha256} for each declared code path (folders: their .py/.jsonl files). Missing paths are an error."""
+    root = Path(root or CODE_ROOT)
+    out: dict[str, str] = {}
+    for rel in code:
+        p = root / rel
+        if p.is_dir():
+            out[rel] = hash_dir(p, suffixes=CODE_SUFFIXES)
+        elif p.is_file():
+            out[rel] = hash_file(p)
+        else:
+            raise FileNotFoundError(f"stage code path {rel!r} does not exist under {root}")
+    return out
+
+
+def stage_key(stage: Stage, inputs: BaseModel, upstream_keys: Mapping[str, str]) -> str:
+    """sha256 of the strict canonical form of (name, version, inputs, upstream keys, code fingerprint)."""
+    if not isinstance(inputs, BaseModel) or not inputs.model_config.get("frozen"):
+        raise TypeError(f"{stage.name}: inputs must be a frozen pydantic model, got {type(inputs).__qualname__}")
+    body = {"stage": stage.name, "version": stage.version, "inputs": inputs,
+            "upstream": dict(upstream_keys), "code": code_fingerprint(stage.code)}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+@dataclass
+class Manifest:
+    """manifest.json as an object: rendered with the layout the README documents."""
+
+    path: Path
+    profile: str
+    profile_source: str
+    model_dir: str
+    out_dir: str
+    previous: dict[str, dict] = field(default_factory=dict)
+    stages: dict[str, dict] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    finished: Optional[float] = None
+    engine_present: Optional[bool] = None
+
+    @classmethod
+    def open(cls, path: Path, **head: str) -> "Manifest":
+        old = read_json(path, default={}) or {}
+        prev = old.get("stages", {}) if isinstance(old, dict) else {}
+        prev = prev if isinstance(prev, dict) else {}
+        return cls(path=Path(path), previous=dict(prev), stages=dict(prev), **head)
+
+    def render(self) -> dict:
+        out: dict[str, Any] = {"profile": self.profile, "profile_source": self.profile_source, "model_dir": self.model_dir,
+                               "out_dir": self.out_dir, "stages": self.stages, "started": self.started}
+        if self.finished is not None:
+            out["finished"] = self.finished
+            out["engine_present"] = self.engine_present
+        return out
+
+    def record(self, rec: StageRecord) -> None:
+        self.stages[rec.name] = rec.to_json()
+        self.save()
+
+    def finish(self, engine_present: bool) -> None:
+        self.finished = time.time()
+        self.engine_present = engine_present
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, self.render())
+
+
+class StageRunner:
+    """Runs stages for one build output folder: key, cache decision, atomic commit, manifest row."""
+
+    def __init__(self, out_dir: Path, manifest: Manifest, on_stage: Optional[Callable[[StageRecord], None]] = None):
+        self.out_dir = Path(out_dir)
+        self.manifest = manifest
+        self.on_stage = on_stage
+        self.records: list[StageRecord] = []
+
+    def _record_path(self, stage: Stage) -> Path:
+        return self.out_dir / RECORDS_DIR / f"{stage.name}.json"
+
+    def _cached(self, stage: Stage, key: str) -> Optional[Artifact]:
+        if not stage.cacheable:
+            return None
+        row = self.manifest.previous.get(stage.name) or {}
+        if row.get("key") != key or row.get("status") not in ("done", "cached"):
+            return None
+        if stage.output is not None and not (self.out_dir / stage.output).exists():
+            return None
+        try:
+            rec = json.loads(self._record_path(stage).read_text())
+            if rec.get("key") != key or rec.get("stage") != stage.name:
+                return None
+            art = stage.artifact_type.model_validate(rec["artifact"])
+        except (OSError, ValueError, KeyError, TypeError, ValidationError):
+            return None
+        if art.status != "done" or not art.present(self.out_dir):
+            return None
+        return art
+
+    def run(self, stage: Stage, plan: Any, request: Any, done: Mapping[str, Done]) -> Done:
+        """Run (or reuse) ``stage``; record its row; return what later stages see."""
+        return self.record(execute(stage, plan, request, done, self.out_dir, self._cached))
+
+    def record(self, d: Done) -> Done:
+        """Write ``d``'s manifest row (and tell ``on_stage``)."""
+        self.manifest.record(d.record)
+        self.records.append(d.record)
+        if self.on_stage:
+            self.on_stage(d.record)
+        return d
+
+
+def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out_dir: Optional[Path] = None,
+            cached: Optional[Callable[[Stage, str], Optional[Artifact]]] = None) -> Done:
+    """Key ``stage``, reuse its artifact when ``cached`` returns one, else run it (atomically into
+    ``<out_dir>/<stage.output>``) and store its typed record. Records no manifest row."""
+    upstream = {n: done[n] for n in stage.needs}
+    t0 = time.perf_counter()
+    inputs = stage.inputs(plan, request, upstream)
+    key = stage_key(stage, inputs, {n: d.key for n, d in upstream.items()})
+    out = Path(out_dir) / stage.output if (stage.output and out_dir is not None) else None
+    art = cached(stage, key) if cached is not None else None
+    if art is not None:
+        return Done(artifact=art, key=key, dir=out, record=StageRecord(stage.name, "cached", 0.0, key=key, numbers=art.summary()))
+    if out is not None:
+        with atomic_dir(out) as tmp:
+            art = stage.run(inputs, tmp)
+    else:
+        art = stage.run(inputs, None)
+    if not isinstance(art, stage.artifact_type):
+        raise TypeError(f"stage {stage.name} returned {type(art).__qualname__}, not {stage.artifact_type.__qualname__}")
+    if stage.cacheable and out_dir is not None:
+        atomic_write_json(Path(out_dir) / RECORDS_DIR / f"{stage.name}.json",
+                          {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")})
+    rec = StageRecord(stage.name, art.status, time.perf_counter() - t0, reason=art.reason, key=key, numbers=art.summary())
+    return Done(artifact=art, key=key, dir=out, record=rec)
+
+
+__all__ = ["Frozen", "Artifact", "Stage", "StageRunner", "StageRecord", "Done", "Manifest", "stage_key", "execute",
+           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR"]

@@ -1,0 +1,113 @@
+"""Quantize as a stage: typed inputs (what changes the checkpoint) and the checkpoint artifact.
+
+Two input kinds: ``QuantizeInputs`` (ModelOpt PTQ + export of the model) and ``ReuseInputs``
+(``--checkpoint``: the reused checkpoint is copied, and its content fingerprint is the key).
+The code key covers quantize/ (ptq, search, calibration, moe_reshard), checkpoint/, spec/, core/.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_fingerprint
+from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
+from precision_pipeline.spec.formats import GEMM
+from precision_pipeline.spec.profile import Profile
+
+
+class QuantizeInputs(Frozen):
+    """The model, and the profile the quantizer is called with. Keyed: only the sections it reads
+    (quantization, calibration, parallel, build.logits_dtype) and a calibration file's content."""
+
+    model: Fingerprint
+    profile: Profile
+    calibration_data: Optional[Fingerprint] = None
+
+    def canonical(self) -> dict[str, Any]:
+        p = self.profile
+        return {"model": self.model, "quantization": p.quantization, "calibration": p.calibration,
+                "parallel": p.parallel, "logits_dtype": p.build.logits_dtype, "calibration_data": self.calibration_data}
+
+
+class ReuseInputs(Frozen):
+    """``--checkpoint``: the reused checkpoint's content is all that decides the artifact."""
+
+    checkpoint: Fingerprint
+
+
+class CheckpointArtifact(Artifact):
+    """The exported TensorRT-LLM checkpoint (``<out>/checkpoint``), as read back from its files."""
+
+    quant_algo: Optional[str]
+    kv_cache_quant_algo: Optional[str]
+    logits_dtype: Optional[str]
+    checkpoint_bytes: int
+    calibration: Optional[dict[str, Any]] = None
+    effective_bits: Optional[float] = None
+    per_layer_counts: Optional[dict[str, int]] = None
+    layers: dict[str, Any]
+    """The checkpoint GEMM by GEMM (``checkpoint.reader.layer_table``): plan.json shows it as ``layers``."""
+
+    def summary(self) -> dict[str, Any]:
+        out = {"quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
+               "logits_dtype": self.logits_dtype, "checkpoint_bytes": self.checkpoint_bytes, "calibration": self.calibration}
+        if self.quant_algo is not None and GEMM.get(self.quant_algo) is not None and GEMM[self.quant_algo].per_layer:
+            out["effective_bits"] = self.effective_bits
+            out["per_layer_counts"] = self.per_layer_counts
+        return out
+
+    def present(self, out_dir: Path) -> bool:
+        return (Path(out_dir) / "checkpoint" / "config.json").is_file()
+
+
+def _calibration_file(profile: Profile) -> Optional[Fingerprint]:
+    ds = profile.calibration.dataset
+    if ds == "builtin":
+        return None
+    p = Path(ds).expanduser()
+    return fingerprint(p) if p.exists() else None
+
+
+class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact]):
+    name = "quantize"
+    version = 1
+    code = ("quantize", "checkpoint", "spec", "core")
+    needs = ()
+    output = "checkpoint"
+    artifact_type = CheckpointArtifact
+
+    def inputs(self, plan, request, upstream: Mapping[str, Done]) -> Union[QuantizeInputs, ReuseInputs]:
+        if request.checkpoint is not None:
+            return ReuseInputs(checkpoint=fingerprint(request.checkpoint))
+        return QuantizeInputs(model=model_fingerprint(request.model_dir), profile=plan.profile,
+                              calibration_data=_calibration_file(plan.profile))
+
+    def run(self, inputs: Union[QuantizeInputs, ReuseInputs], workdir: Path) -> CheckpointArtifact:
+        from precision_pipeline.checkpoint.reader import layer_table
+        from precision_pipeline.core.store import read_json
+
+        calibration = None
+        reason = ""
+        if isinstance(inputs, ReuseInputs):
+            shutil.copytree(inputs.checkpoint.path, workdir, dirs_exist_ok=True)
+            reason = f"reused {inputs.checkpoint.path}"
+        else:
+            from precision_pipeline.quantize import ptq
+
+            calibration = ptq.run_quantize(inputs.profile, inputs.model.path, workdir).calibration
+        cfg = json.loads((workdir / "config.json").read_text())
+        qz = cfg.get("quantization", {}) or {}
+        aq = read_json(workdir / "autoquant.json", None)
+        return CheckpointArtifact(
+            reason=reason, quant_algo=qz.get("quant_algo"), kv_cache_quant_algo=qz.get("kv_cache_quant_algo"),
+            logits_dtype=cfg.get("logits_dtype"),
+            checkpoint_bytes=sum(p.stat().st_size for p in workdir.glob("rank*.safetensors")),
+            calibration=json.loads(json.dumps(calibration, default=str)) if calibration is not None else None,
+            effective_bits=(aq or {}).get("effective_bits_achieved"), per_layer_counts=(aq or {}).get("counts"),
+            layers=layer_table(workdir, aq))
+
+
+__all__ = ["QuantizeInputs", "ReuseInputs", "CheckpointArtifact", "QuantizeStage"]

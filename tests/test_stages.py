@@ -1,0 +1,249 @@
+"""The stage runner: strict keys, declared code, the one model fingerprint, and what a build re-runs.
+
+Fast tests check keys directly; the slow ones run ``run_build`` on a reused FP8 test checkpoint
+with one golden prompt per category, and once with a stand-in ``trtllm-build`` (a test double:
+it records its argv and writes a minimal engine folder) found by the engine stage's own probe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core import fingerprint as fp_mod
+from precision_pipeline.core import stage as stage_mod
+from precision_pipeline.core.fingerprint import Fingerprint, fingerprint
+from precision_pipeline.core.paths import PACKAGE_DIR
+from precision_pipeline.core.store import canonical, hash_obj
+
+SHA0 = "0" * 64
+
+
+# ---- strict canonical form
+
+
+@pytest.mark.parametrize("bad,where", [
+    ({"a": {"b": object()}}, "$.a.b"),
+    ({"s": {1, 2}}, "$.s"),
+    ({"x": [1.0, math.nan]}, "$.x[1]"),
+    ({"inf": math.inf}, "$.inf"),
+    ({"p": Path("/tmp")}, "$.p"),
+    ({"b": b"bytes"}, "$.b"),
+    ({1: "int key"}, "$"),
+])
+def test_canonical_refuses_unknown_types(bad, where):
+    with pytest.raises(TypeError) as e:
+        hash_obj(bad)
+    assert str(e.value).startswith(where + ":"), str(e.value)
+
+
+def test_canonical_accepts_models_enums_and_fingerprints_without_their_path(tmp_path):
+    from precision_pipeline.spec.profile import QuantAlgo
+
+    a = Fingerprint(sha256=SHA0, path=tmp_path / "a")
+    b = Fingerprint(sha256=SHA0, path=tmp_path / "b")
+    assert canonical({"f": a, "q": QuantAlgo.FP8, "t": (1, 2)}) == {"f": {"sha256": SHA0}, "q": "FP8", "t": [1, 2]}
+    assert hash_obj({"f": a}) == hash_obj({"f": b})
+
+
+# ---- declared code: editing the MoE re-sharding code changes the quantize key (and only that)
+
+
+def test_moe_reshard_code_is_in_the_quantize_key(tmp_path, monkeypatch):
+    from precision_pipeline.gate.options import GateOptions
+    from precision_pipeline.gate.stage import GateInputs, GateStage
+    from precision_pipeline.quantize.stage import QuantizeStage, ReuseInputs
+    from precision_pipeline.spec.profile import GateThresholds
+
+    pkg = tmp_path / "precision_pipeline"
+    shutil.copytree(PACKAGE_DIR, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(stage_mod, "CODE_ROOT", pkg)
+    q_in = ReuseInputs(checkpoint=Fingerprint(sha256=SHA0, path=tmp_path))
+    g_in = GateInputs(checkpoint=Fingerprint(sha256=SHA0, path=tmp_path), model=Fingerprint(sha256=SHA0, path=tmp_path),
+                      thresholds=GateThresholds(), golden=Fingerprint(sha256=SHA0, path=tmp_path),
+                      options=GateOptions(prompts_per_category=1))
+    q1 = stage_mod.stage_key(QuantizeStage(), q_in, {})
+    g1 = stage_mod.stage_key(GateStage(), g_in, {"quantize": SHA0})
+    assert q1 == stage_mod.stage_key(QuantizeStage(), q_in, {})  # deterministic
+    with open(pkg / "quantize" / "moe_reshard.py", "a") as f:
+        f.write("\n# an edit to the expert re-sharding\n")
+    assert stage_mod.stage_key(QuantizeStage(), q_in, {}) != q1
+    assert stage_mod.stage_key(GateStage(), g_in, {"quantize": SHA0}) == g1
+
+
+def test_stage_inputs_must_be_frozen_models():
+    from precision_pipeline.quantize.stage import QuantizeStage
+
+    with pytest.raises(TypeError, match="frozen pydantic model"):
+        stage_mod.stage_key(QuantizeStage(), {"not": "a model"}, {})
+
+
+# ---- one model-fingerprint policy: full sha256, memoized by (path, size, mtime_ns)
+
+
+def test_model_fingerprint_is_full_and_memoized(tmp_path, monkeypatch):
+    from precision_pipeline.core.store import hash_dir
+
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    big = m / "model.safetensors"
+    big.write_bytes(b"a" * (3 << 20))
+    calls = []
+    real = fp_mod.hash_file
+    monkeypatch.setattr(fp_mod, "hash_file", lambda p: calls.append(Path(p).name) or real(p))
+    f1 = fp_mod.model_fingerprint(m)
+    assert f1.sha256 == hash_dir(m) and sorted(calls) == ["config.json", "model.safetensors"]
+    calls.clear()
+    assert fp_mod.model_fingerprint(m) == f1 and calls == []  # unchanged files are not read again
+    # a change in the middle of the file (first/last MiB untouched) is seen
+    with open(big, "r+b") as f:
+        f.seek(3 << 19)
+        f.write(b"b")
+    os.utime(big, ns=(big.stat().st_atime_ns, big.stat().st_mtime_ns + 1000))
+    f2 = fp_mod.model_fingerprint(m)
+    assert calls == ["model.safetensors"] and f2.sha256 != f1.sha256
+
+
+def test_gate_fingerprint_is_the_same_policy(tmp_path, monkeypatch):
+    from precision_pipeline.gate.checkpoint_gate import model_fingerprint as gate_fp
+
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "w").write_bytes(b"x" * 10)
+    assert gate_fp(tmp_path / "m") == fingerprint(tmp_path / "m").sha256
+
+
+# ---- builds
+
+
+LOOSE = ("extends: fp8-h100\ngate:\n  kl_mean_max: 5.0\n  kl_p99_max: 50.0\n  top1_min: 0.1\n  ppl_delta_pct_max: 500.0\n"
+         "  greedy_same_min: 0.0\n  overrides: {}\n")
+
+
+def _statuses(res) -> dict[str, str]:
+    return {s.name: s.status for s in res.stages}
+
+
+@pytest.fixture
+def golden_copy(tmp_path, monkeypatch) -> Path:
+    from precision_pipeline.gate import golden
+
+    g = tmp_path / "golden_prompts.jsonl"
+    shutil.copy2(golden.GOLDEN_PATH, g)
+    monkeypatch.setattr(golden, "GOLDEN_PATH", g)
+    return g
+
+
+@pytest.mark.slow
+def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default_model_dir, golden_copy):
+    from precision_pipeline.pipeline import run_build
+
+    prof = tmp_path / "loose.yaml"
+    prof.write_text(LOOSE)
+    out = tmp_path / "out"
+
+    def build(model=None):
+        return run_build(str(prof), model=str(model) if model else None, out=str(out), golden_limit=1,
+                         checkpoint=str(fp8_checkpoint))
+
+    assert _statuses(build()) == {"resolve": "done", "quantize": "done", "gate": "done", "engine": "skipped",
+                                  "pack": "done", "deploy": "done"}
+    assert _statuses(build()) == {"resolve": "done", "quantize": "cached", "gate": "cached", "engine": "skipped",
+                                  "pack": "cached", "deploy": "cached"}
+    # editing the golden set re-runs the gate and what follows it, not quantize
+    lines = golden_copy.read_text().splitlines()
+    row = json.loads(lines[0])
+    lines[0] = json.dumps({**row, "answer": row["answer"] + " (edited)"})
+    golden_copy.write_text("\n".join(lines) + "\n")
+    st = _statuses(build())
+    assert st == {"resolve": "done", "quantize": "cached", "gate": "done", "engine": "skipped", "pack": "done",
+                  "deploy": "done"}, st
+    # the same checkpoint against another model (same name, one file differs) is not a gate cache hit
+    other = tmp_path / "models" / Path(default_model_dir).name
+    other.mkdir(parents=True)
+    for p in Path(default_model_dir).iterdir():
+        if p.is_file():
+            (other / p.name).symlink_to(p)
+    (other / "generation_config.json").unlink()
+    gen = json.loads((Path(default_model_dir) / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**gen, "note": "another model"}))
+    st = _statuses(build(other))
+    assert st["quantize"] == "cached" and st["gate"] == "done", st
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model_dir"] == str(other.resolve()) and manifest["stages"]["gate"]["status"] == "done"
+    assert json.loads((out / "plan.json").read_text())["layers"]["linears"]
+
+
+FAKE_TRTLLM_BUILD = r'''#!/usr/bin/env python3
+"""Test double for trtllm-build: records argv, writes a minimal engine folder."""
+import json, os, sys
+argv = sys.argv[1:]
+with open(os.environ["FAKE_TRTLLM_LOG"], "a") as f:
+    f.write(json.dumps(argv) + "\n")
+a = {argv[i]: argv[i + 1] for i in range(0, len(argv) - 1) if argv[i].startswith("--") and not argv[i + 1].startswith("--")}
+out = a["--output_dir"]
+os.makedirs(out, exist_ok=True)
+bc = {k: int(a["--" + k]) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_beam_width")}
+bc["kv_cache_type"] = a["--kv_cache_type"].upper()
+bc["plugin_config"] = {"use_paged_context_fmha": a["--use_paged_context_fmha"] == "enable", "paged_kv_cache": True}
+cfg = {"version": "1.2.0", "build_config": bc,
+       "pretrained_config": {"architecture": "LlamaForCausalLM", "logits_dtype": a["--logits_dtype"],
+                             "mapping": {"world_size": int(a["--workers"]), "tp_size": int(a["--workers"]), "pp_size": 1}}}
+open(os.path.join(out, "config.json"), "w").write(json.dumps(cfg))
+open(os.path.join(out, "rank0.engine"), "wb").write(b"stand-in, not an engine")
+'''
+
+
+@pytest.mark.slow
+def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
+    """With a toolchain the engine stage's probe accepts (fake tensorrt_llm package, nvidia-smi
+    reporting SM 9.0, trtllm-build on PATH), the stage runs once, is cached, and runs again only
+    when a limit changes."""
+    from precision_pipeline.pipeline import run_build
+
+    bin_dir, lib_dir = tmp_path / "bin", tmp_path / "lib"
+    (lib_dir / "tensorrt_llm").mkdir(parents=True)
+    (lib_dir / "tensorrt_llm" / "__init__.py").write_text("# stand-in for the probe's find_spec only\n")
+    bin_dir.mkdir()
+    (bin_dir / "trtllm-build").write_text(FAKE_TRTLLM_BUILD)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 9.0\n")
+    for p in bin_dir.iterdir():
+        p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "trtllm-build.calls"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(log))
+    monkeypatch.syspath_prepend(str(lib_dir))
+
+    prof = tmp_path / "loose.yaml"
+    out = tmp_path / "out"
+
+    def build(max_batch_size: int):
+        prof.write_text(LOOSE + f"build:\n  max_batch_size: {max_batch_size}\n")
+        return _statuses(run_build(str(prof), out=str(out), golden_limit=1, checkpoint=str(fp8_checkpoint)))
+
+    def calls() -> list[list[str]]:
+        return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+    st = build(64)
+    assert st["engine"] == "done" and st["pack"] == "done", st
+    assert len(calls()) == 1
+    assert (out / "engine" / "config.json").is_file() and not (out / "engine" / "ENGINE_ABSENT").exists()
+    st = build(64)
+    assert st["engine"] == "cached" and st["pack"] == "cached", st
+    assert len(calls()) == 1  # not run again
+    st = build(32)
+    assert st["gate"] == "cached" and st["engine"] == "done", st
+    assert len(calls()) == 2
+    argv = calls()[-1]
+    assert argv[argv.index("--max_batch_size") + 1] == "32"
+    rec = json.loads((out / "engine" / "trtllm-build.args.json").read_text())
+    assert rec["argv"][rec["argv"].index("--output_dir") + 1] == str((out / "engine").resolve())
+    assert json.loads((out / "manifest.json").read_text())["engine_present"] is True
