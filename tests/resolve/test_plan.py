@@ -165,7 +165,7 @@ def test_no_torch_imported():
     code = ("import sys; import precision_pipeline.resolve.plan, precision_pipeline.resolve.rules, precision_pipeline.spec.hardware, precision_pipeline.spec.formats, precision_pipeline.spec.model_arch; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent / "build", check=True)
+                         cwd=Path(__file__).resolve().parents[2] / "build", check=True)
     assert out.stdout.strip() == "False"
 
 

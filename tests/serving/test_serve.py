@@ -27,7 +27,7 @@ MAX_NEW = 16
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory, default_model_dir):
-    from tests.test_pack import make_plan
+    from tests.serving.test_pack import make_plan
 
     out = tmp_path_factory.mktemp("serve") / "out"
     prof = load_profile("bf16-h100")

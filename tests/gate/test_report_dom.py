@@ -29,7 +29,7 @@ from precision_pipeline.spec.profile import GateThresholds
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 REAL_GATE = REPO_ROOT / "artifacts" / "fp8-h100" / "gate"
 
 

@@ -15,13 +15,13 @@ from precision_pipeline.serving import pack, release
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.profile import load_profile
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def units(tmp_path_factory, default_model_dir):
     """Three packed repositories (different plans -> different engine hashes) of the default model."""
-    from tests.test_pack import make_plan, with_limits
+    from tests.serving.test_pack import make_plan, with_limits
 
     base = tmp_path_factory.mktemp("units")
     prof = load_profile("bf16-h100")

@@ -15,7 +15,7 @@ import pytest
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, QuantAlgo
 
-PKG = Path(__file__).resolve().parent.parent / "build" / "precision_pipeline"
+PKG = Path(__file__).resolve().parents[2] / "build" / "precision_pipeline"
 REGISTRY_FILES = {"spec/formats.py", "spec/profile.py"}  # the registry and the enums it is keyed by
 
 
