@@ -187,7 +187,7 @@ def test_checkpoint_info_fp8(fp8_checkpoint):
 
 
 def test_fp8_dequantized_weights_vs_modelopt_fake_quant(fp8_checkpoint, default_model_dir):
-    from conftest import restore_modelopt_model
+    from tests.conftest import restore_modelopt_model
 
     mo = restore_modelopt_model(fp8_checkpoint, default_model_dir)
     ck = dequantize_checkpoint(fp8_checkpoint)
@@ -246,7 +246,7 @@ def heldout_ids(default_model_dir):
 
 
 def test_fp8_logits_equal_modelopt_given_checkpoint_numbers(fp8_checkpoint, default_model_dir, fp8_model, heldout_ids):
-    from conftest import restore_modelopt_model
+    from tests.conftest import restore_modelopt_model
 
     mo = restore_modelopt_model(fp8_checkpoint, default_model_dir)
     _sync_modelopt_to_checkpoint(mo, fp8_model, fp8_checkpoint)
@@ -258,7 +258,7 @@ def test_fp8_logits_equal_modelopt_given_checkpoint_numbers(fp8_checkpoint, defa
 
 
 def test_fp8_logits_vs_modelopt_as_calibrated(fp8_checkpoint, default_model_dir, fp8_model, heldout_ids):
-    from conftest import restore_modelopt_model
+    from tests.conftest import restore_modelopt_model
 
     mo = restore_modelopt_model(fp8_checkpoint, default_model_dir)
     with torch.no_grad():

@@ -17,7 +17,7 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.hardware import CATALOG, GIB
 from precision_pipeline.spec.model_arch import arch_from_config
 from precision_pipeline.spec.profile import shipped_profiles
-from conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
+from tests.conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
 
 # ----------------------------------------------------------------------------------------------
 # helpers

@@ -14,7 +14,7 @@ from precision_pipeline.resolve import rules as R
 from precision_pipeline.spec.hardware import CATALOG
 from precision_pipeline.spec.model_arch import arch_from_config
 from precision_pipeline.spec.profile import validate_profile
-from conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
+from tests.conftest import prof  # noqa: E402  (shared with test_plan / test_rules)
 
 SMOL = arch_from_config({
     "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
