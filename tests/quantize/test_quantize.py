@@ -12,7 +12,6 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
 from precision_pipeline.quantize.ptq import (
     QuantizeResult,
-    check_layout,
     make_forward_loop,
     modelopt_config_for,
     resolve_exclusions,
@@ -123,8 +122,6 @@ def test_config_exclusion_entries():
 
 @pytest.mark.parametrize("sections,field,text", [
     ({"quantization": {"kv_cache_quant_algo": "INT8"}}, "quantization.kv_cache_quant_algo", "no INT8 KV-cache config"),
-    ({"quantization": {"group_size": 64}}, "quantization.group_size", "no per-group scales"),
-    ({"quantization": {"quant_algo": "NVFP4", "group_size": 32}}, "quantization.group_size", "blocks of 16"),
     ({"quantization": {"quant_algo": "NO_QUANT"}}, "quantization.kv_cache_quant_algo", "NO_QUANT with a FP8 KV cache"),
 ])
 def test_config_refusals(sections, field, text):
@@ -141,19 +138,28 @@ def test_config_from_model_dir(default_model_dir):
     assert len(disabled) == 2 * 7 * 2
 
 
-def test_layout_checks(default_model_dir):
-    from transformers import AutoConfig
+@pytest.mark.parametrize("name, sections, rule, field, text", [
+    ("fp8-h100", {"parallel": {"tp_size": 2}}, "layout.attention_heads", "parallel.tp_size", "use tp_size 1, 3 or 9."),
+    ("int4-awq-a100", {"quantization": {"group_size": 128}}, "format.group_size", "quantization.group_size",
+     "hidden (qkv/fc/gate input) 576"),
+    ("int4-awq-a100", {"parallel": {"tp_size": 3}, "quantization": {"group_size": 128}}, "format.group_size",
+     "quantization.group_size", "does not divide"),
+    ("fp8-h100", {"quantization": {"group_size": 64}}, "format.group_size", "quantization.group_size", "no per-group scales"),
+    ("fp8-h100", {"quantization": {"quant_algo": "NVFP4", "group_size": 32}, "target": {"gpu": "b200"}},
+     "format.group_size", "quantization.group_size", "fixed block of 16"),
+    ("fp8-h100", {"parallel": {"pp_size": 2}, "deployment": {"gpus_per_replica": 2}}, "quantize.modelopt_inputs",
+     "parallel.pp_size", "not exported by the quantize stage"),
+])
+def test_layout_and_group_refusals_are_resolve_rules(default_model_dir, name, sections, rule, field, text):
+    """The quantize stage re-checks nothing itself: its entry points refuse with the resolve rules' problems."""
+    from precision_pipeline.quantize.ptq import refuse_by_rules
 
-    hf = AutoConfig.from_pretrained(str(default_model_dir))
     with pytest.raises(UserError) as e:
-        check_layout(profile("fp8-h100", parallel={"tp_size": 2}), hf, None)
-    assert e.value.problems[0].field == "parallel.tp_size" and "use one of: 1, 3." in e.value.message
-    with pytest.raises(UserError) as e:
-        check_layout(profile("int4-awq-a100", quantization={"group_size": 128}), hf, 128)
-    assert e.value.problems[0].field == "quantization.group_size" and "hidden_size (qkv/fc/gate input) = 576" in e.value.message
-    check_layout(profile("int4-awq-a100", parallel={"tp_size": 3}), hf, 64)  # 576/3 = 192, 1536/3 = 512: whole groups
-    with pytest.raises(UserError):
-        check_layout(profile("int4-awq-a100", parallel={"tp_size": 3}, quantization={"group_size": 128}), hf, 128)
+        refuse_by_rules(profile(name, **sections), default_model_dir)
+    mine = [p for p in e.value.problems if p.rule == rule]
+    assert mine and mine[0].field == field and text in mine[0].reason + mine[0].fix, e.value.message
+    refuse_by_rules(profile("int4-awq-a100", parallel={"tp_size": 3}, deployment={"gpus_per_replica": 3}),
+                    default_model_dir)  # 576/3 = 192, 1536/3 = 512: whole groups of 64
 
 
 def test_run_quantize_refuses_before_loading(default_model_dir, tmp_path, monkeypatch):

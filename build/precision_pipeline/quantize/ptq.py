@@ -71,7 +71,7 @@ from typing import Any, Callable
 from precision_pipeline.quantize import search
 from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
 from precision_pipeline.quantize.names import LAYER_RE, trtllm_name
-from precision_pipeline.core.errors import Problem, UserError
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
@@ -167,23 +167,35 @@ def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], kee
 # Configs
 
 
-def _check_group_size(profile: Profile) -> int | None:
+def group_size_of(profile: Profile) -> int | None:
+    """The group (block) size the export uses: NVFP4's fixed block, the AWQ group (profile or the
+    default), the search's AWQ candidate group (None: the search picks it), None otherwise.
+
+    Input checks (a group size that does not apply or does not divide the tp slices) are resolve
+    rule ``format.group_size``; this only reads the resolved profile.
+    """
     q = profile.quantization
-    algo = q.quant_algo.value
     fmt = GEMM[q.quant_algo]
     if fmt.grouping == "fixed_block":
-        if q.group_size not in (None, NVFP4_BLOCK):
-            raise UserError("quantization.group_size", f"{algo} uses blocks of {NVFP4_BLOCK} elements; got {q.group_size}.",
-                            f"remove quantization.group_size (or set it to {NVFP4_BLOCK}).")
         return NVFP4_BLOCK
     if fmt.grouping == "per_group":
         return q.group_size or AWQ_DEFAULT_GROUP
     if fmt.per_layer:
-        return q.group_size  # AWQ candidates: autoquant.choose_group_size checks / picks it
-    if q.group_size is not None:
-        raise UserError("quantization.group_size", f"{algo} has no per-group scales; group_size {q.group_size} would be ignored.",
-                        "remove quantization.group_size (it applies to W4A16_AWQ, W4A8_AWQ and NVFP4).")
+        return q.group_size  # AWQ candidates: the search checks / picks it
     return None
+
+
+def refuse_by_rules(profile: Profile, model_dir: Path) -> None:
+    """Raise UserError with the resolve rules' refusals of ``profile`` for the model in ``model_dir``.
+
+    The quantize stage's entry points call it before loading anything, so a caller that skipped
+    ``resolve`` gets the same named refusals as ``invoke check`` (one home per check).
+    """
+    from precision_pipeline.resolve.plan import evaluate
+
+    plan = evaluate(profile, Path(model_dir))
+    if plan.problems:
+        raise UserError(list(plan.problems))
 
 
 def kv_config_for(kv_algo: str) -> tuple[str | None, list[dict] | None]:
@@ -229,7 +241,7 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
     if fmt.per_layer:
         raise UserError("quantization.quant_algo", "MIXED_PRECISION has no single ModelOpt config: the per-layer "
                         "search (mtq.auto_quantize) picks one per layer.", "call quantize_model / run_quantize.")
-    group = _check_group_size(profile)
+    group = group_size_of(profile)
     kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
     base_name = fmt.modelopt_preset
     if base_name is None:
@@ -298,37 +310,6 @@ def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int]:
 
 # --------------------------------------------------------------------------------------------
 # Checks before the heavy work
-
-
-def check_layout(profile: Profile, hf_config: Any, group: int | None) -> None:
-    """Refuse tensor-parallel sizes and group sizes the export cannot split (UserError)."""
-    tp = profile.parallel.tp_size
-    problems = []
-    if profile.parallel.pp_size != 1:
-        problems.append(Problem("parallel.pp_size", f"pipeline parallel {profile.parallel.pp_size} is not exported by this stage.",
-                                "use pp_size: 1 (tensor parallel covers the supported models)."))
-    heads = int(hf_config.num_attention_heads)
-    kv = int(getattr(hf_config, "num_key_value_heads", heads) or heads)
-    inter = int(hf_config.intermediate_size)
-    hidden = int(hf_config.hidden_size)
-    divisors = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0) and inter % d == 0]
-    if heads % tp or inter % tp or (kv % tp and tp % kv):
-        problems.append(Problem("parallel.tp_size", f"tp_size {tp} does not split {heads} attention heads, {kv} KV heads "
-                                f"and intermediate size {inter} evenly.",
-                                f"use one of: {', '.join(map(str, divisors))}."))
-    elif group:
-        # row-parallel linears (dense, proj) are split along their input dim: each slice must be whole groups
-        ins = {"hidden_size (qkv/fc/gate input)": hidden, "hidden_size/tp (dense input per rank)": hidden // tp,
-               "intermediate_size/tp (proj input per rank)": inter // tp}
-        bad = {k: v for k, v in ins.items() if v % group}
-        if bad:
-            ok = [g for g in (16, 32, 64, 128, 256) if all(v % g == 0 for v in ins.values())]
-            problems.append(Problem("quantization.group_size",
-                                    f"group_size {group} does not divide " + ", ".join(f"{k} = {v}" for k, v in bad.items()) + ".",
-                                    f"use a group_size that divides them ({', '.join(map(str, ok)) or 'none of 16..256'}) "
-                                    "or another tp_size."))
-    if problems:
-        raise UserError(problems)
 
 
 def moe_layout(profile: Profile, hf_config: Any) -> tuple[int, int] | None:
@@ -445,7 +426,6 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
     model_dir = Path(model_dir)
     q = profile.quantization
     algo = q.quant_algo.value
-    kv_algo = q.kv_cache_quant_algo.value
     fmt = GEMM[q.quant_algo]
     _assert_exported(algo)
     if not (model_dir / "config.json").is_file():
@@ -457,17 +437,8 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
         raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model ({arch}); "
                         "this quantize stage exports Llama-architecture models (and Mixtral MoE) only.",
                         "use a Llama-family model.")
-    group = _check_group_size(profile)
-    if KV[kv_algo].is_quantized and not fmt.is_quantized:
-        modelopt_config_for(profile, linear_names=[], num_hidden_layers=0)  # raises the NO_QUANT + KV error
-    kv_config_for(kv_algo)  # INT8 refused here, before any heavy work
-    if fmt.per_layer:
-        if q.auto_quantize_bits is None:
-            raise UserError("quantization.auto_quantize_bits", f"{algo} needs an effective-bits budget.",
-                            "set quantization.auto_quantize_bits, e.g. 6.0 with auto_quantize_formats [FP8, W4A16_AWQ].")
-        search.check_bits(q.auto_quantize_bits, search.normalize_formats(q.auto_quantize_formats))
-    check_layout(profile, hf_cfg, group if fmt.grouping == "per_group" else None)
-    moe_layout(profile, hf_cfg)  # refuses a bad moe_tp x moe_ep before any heavy work
+    refuse_by_rules(profile, model_dir)  # every user-input check lives in a resolve rule: nothing is re-checked here
+    group = group_size_of(profile)
     calib = calib_set
     if calib is None and fmt.is_quantized:
         calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
@@ -628,4 +599,4 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
 
 
 __all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
-           "resolve_exclusions", "make_forward_loop", "check_layout", "moe_layout"]
+           "resolve_exclusions", "make_forward_loop", "moe_layout", "group_size_of", "refuse_by_rules"]

@@ -578,7 +578,7 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
 
 @rule("quantize.modelopt_inputs", "the quantize stage (ModelOpt 0.47) can produce what the profile asks",
       "modelopt/torch/quantization/config.py (KV configs); build/precision_pipeline/spec/formats.py (search candidates: "
-      "normalize_candidates, check_search_bits); build/precision_pipeline/quantize/ptq.py (check_layout)", needs_gpu=False)
+      "normalize_candidates, check_search_bits); build/precision_pipeline/quantize/ptq.py (what the export writes)", needs_gpu=False)
 def _modelopt_inputs(ctx: Context) -> list[Finding]:
     """Refusals the quantize stage would otherwise raise after the build started writing."""
     from precision_pipeline.core.errors import UserError
@@ -604,6 +604,11 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
                           f"keep_first_layers {q.keep_first_layers} + keep_last_layers {q.keep_last_layers} keep all "
                           f"{m.num_layers} decoder layers of {m.name} in high precision: nothing would be quantized.",
                           f"keep fewer layers (together < {m.num_layers}), or use quant_algo NO_QUANT."))
+    if par.pp_size != 1 and ctx.checkpoint_dir is None:
+        out.append(refuse("parallel.pp_size", f"pipeline parallel {par.pp_size} is not exported by the quantize stage "
+                          "(it writes tensor-parallel rank files only).",
+                          "use pp_size: 1 (tensor parallel covers the supported models), or reuse a checkpoint "
+                          "exported with that mapping (--checkpoint)."))
     tp = par.tp_size
     if not m.is_moe and m.intermediate_size and m.intermediate_size % tp:
         ok_tp = [d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0 and m.intermediate_size % d == 0]
@@ -641,13 +646,13 @@ def _group_size(ctx: Context) -> list[Finding]:
     elif fmt.grouping == "fixed_block":
         g, what = F.NVFP4_BLOCK, "the NVFP4 block (16)"
         if q.group_size not in (None, F.NVFP4_BLOCK):
-            out.append(warn("quantization.group_size", f"NVFP4 uses a fixed block of 16; group_size {q.group_size} is ignored.",
-                            "remove group_size."))
+            out.append(refuse("quantization.group_size", f"{algo} uses a fixed block of {F.NVFP4_BLOCK} elements; "
+                              f"got {q.group_size}.", f"remove quantization.group_size (or set it to {F.NVFP4_BLOCK})."))
     else:
         if q.group_size is not None:
-            out.append(warn("quantization.group_size", f"group_size is only used by AWQ and NVFP4 (and a per-layer "
-                            f"search with an AWQ candidate); ignored for {algo}.",
-                            "remove group_size."))
+            out.append(refuse("quantization.group_size", f"{algo} has no per-group scales; group_size {q.group_size} "
+                              "would be ignored.", "remove quantization.group_size (it applies to AWQ, NVFP4 and a "
+                              "per-layer search with an AWQ candidate)."))
         return out
     bad = [(name, n) for name, n in _input_slices(m, mp, q) if n % g]
     if bad:
