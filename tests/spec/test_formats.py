@@ -16,7 +16,7 @@ from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, QuantAlgo
 
 PKG = Path(__file__).resolve().parents[2] / "build" / "precision_pipeline"
-REGISTRY_FILES = {"spec/formats.py", "spec/profile.py"}  # the registry and the enums it is keyed by
+REGISTRY_FILES = {"spec/formats.py", "spec/algos.py", "spec/profile.py"}  # the registry and the enums it is keyed by
 
 
 def _sorted_disjoint(ranges) -> bool:

@@ -175,3 +175,24 @@ def _tiny_model():
                              "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                              "vocab_size": 49152, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"},
                             name="tiny")
+
+
+@pytest.mark.parametrize("value, says", [
+    ("INT8", "per-tensor INT8 (ModelOpt INT8_DEFAULT_CFG)"),
+    ("w8a8_sq_per_tensor", "per-tensor INT8"),
+    ("FP9", "'FP9' is not a quant_algo"),
+])
+def test_quant_algo_refusal_lists_only_buildable_formats(tmp_path, value, says):
+    e = refusal(write(tmp_path, "p.yaml", BASE + f"quantization:\n  quant_algo: {value}\n"))
+    pr = e.problems[0]
+    assert pr.field == "quantization.quant_algo" and says in pr.reason
+    assert "W4A16_NVFP4" not in pr.reason + pr.fix  # never offered: the resolve stage would refuse it
+    assert "W8A8_SQ_PER_CHANNEL" in pr.fix
+
+
+def test_unbuildable_quantalgo_is_refused_by_its_rule(default_model_dir, tmp_path):
+    from precision_pipeline.resolve.plan import evaluate
+
+    prof = load_profile(str(write(tmp_path, "p.yaml", BASE + "quantization:\n  quant_algo: W4A16_NVFP4\n")))
+    (pr,) = [p for p in evaluate(prof, default_model_dir).problems if p.rule == "format.trtllm_buildable"]
+    assert "W4A16_NVFP4" in pr.reason and "W4A16_AWQ" in pr.fix

@@ -35,7 +35,7 @@ from typing import Any, Generic, Iterable, Iterator, Literal, Optional, TypeVar
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.hardware import gpus_with_sm
-from precision_pipeline.spec.profile import KVCacheQuantAlgo, QuantAlgo
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 
 SRC_QUANT_MD = "tensorrt_llm docs/source/features/quantization.md (Hardware Support Matrix)"
 SRC_BUILDER = "tensorrt_llm/builder.py build()"
@@ -444,6 +444,40 @@ def linear_weight_bytes(algo: Any, n_in: int, n_out: int, group_size: Optional[i
     """
     fmt = GEMM.get(algo) or GEMM[QuantAlgo.NO_QUANT]
     return fmt.linear_bytes(n_in, n_out, group_size, dtype_bytes, bits)
+
+
+# Names of formats ModelOpt can produce that are not TensorRT-LLM 1.2 QuantAlgo values at all (so they
+# are not in the QuantAlgo enum): name a profile might use -> (reason, fix). Per-tensor INT8 is ModelOpt's
+# INT8_DEFAULT_CFG (modelopt/torch/quantization/config.py); TensorRT-LLM 1.2 builds INT8 activations only
+# per channel with SmoothQuant (W8A8_SQ_PER_CHANNEL) or INT8 weight-only (W8A16) (SRC_MODE).
+_INT8_PER_TENSOR = ("per-tensor INT8 (ModelOpt INT8_DEFAULT_CFG) is not a quant_algo TensorRT-LLM 1.2 builds.",
+                    "use W8A8_SQ_PER_CHANNEL (SmoothQuant, INT8 activations) or W8A16 (INT8 weight-only).")
+NOT_TRTLLM_NAMES: dict[str, tuple[str, str]] = {
+    "INT8": _INT8_PER_TENSOR, "INT8_DEFAULT": _INT8_PER_TENSOR, "INT8_DEFAULT_CFG": _INT8_PER_TENSOR,
+    "W8A8": _INT8_PER_TENSOR, "W8A8_SQ_PER_TENSOR": _INT8_PER_TENSOR, "INT8_SQ": _INT8_PER_TENSOR,
+}
+
+
+def buildable_gemm_names() -> list[str]:
+    """quant_algo values a profile may name that TensorRT-LLM 1.2 can build on some GPU (registry order)."""
+    return [f.value for f in GEMM.values() if not f.refusal]
+
+
+def refuse_gemm_name(value: Any) -> Optional[tuple[str, str]]:
+    """(reason, fix) when ``value`` is not an acceptable quant_algo name, else None.
+
+    The fix lists only buildable values (``buildable_gemm_names``), never one the resolve stage then
+    refuses; a ModelOpt-only name (``NOT_TRTLLM_NAMES``) or an unbuildable QuantAlgo gets its own
+    reason and the buildable alternative.
+    """
+    if isinstance(value, QuantAlgo) or (isinstance(value, str) and GEMM.get(value) is not None):
+        return None  # a QuantAlgo; one TensorRT-LLM cannot build is refused by rule format.trtllm_buildable
+    listed = ", ".join(buildable_gemm_names())
+    if isinstance(value, str) and value.upper() in NOT_TRTLLM_NAMES:
+        reason, fix = NOT_TRTLLM_NAMES[value.upper()]
+        return reason, fix
+    shown = repr(value) if isinstance(value, str) and len(value) <= 40 else type(value).__name__
+    return f"{shown} is not a quant_algo; TensorRT-LLM 1.2 builds {listed}.", f"use one of: {listed}."
 
 
 def supported_alternatives(sm: int, exclude: Any = "") -> list[GemmFormat]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -46,38 +45,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from precision_pipeline.core.errors import Problem, UserError, closest
 from precision_pipeline.core.paths import REPO_ROOT
+from precision_pipeline.spec import formats as F
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MAX_PROFILE_BYTES = 256 * 1024
 MAX_EXTENDS_DEPTH = 8
 MAX_YAML_NODES = 20_000  # a full profile has about 150 nodes; aliases may not expand beyond this
-
-
-class QuantAlgo(str, Enum):
-    """GEMM formats a profile may ask for (TensorRT-LLM 1.2 ``QuantAlgo`` names).
-
-    ``NO_QUANT`` means BF16/FP16 GEMMs (no quantization).
-    """
-
-    NO_QUANT = "NO_QUANT"
-    FP8 = "FP8"
-    NVFP4 = "NVFP4"
-    W4A16_AWQ = "W4A16_AWQ"
-    W4A8_AWQ = "W4A8_AWQ"
-    W8A8_SQ_PER_CHANNEL = "W8A8_SQ_PER_CHANNEL"
-    W8A16 = "W8A16"
-    W4A16_NVFP4 = "W4A16_NVFP4"  # ModelOpt exports it; TensorRT-LLM 1.2 cannot build it (refused by a rule)
-    MIXED_PRECISION = "MIXED_PRECISION"
-
-
-class KVCacheQuantAlgo(str, Enum):
-    """KV-cache formats (``KV_CACHE_QUANT_ALGO_LIST`` in quantization/mode.py, plus none)."""
-
-    NONE = "NONE"  # KV cache in the model dtype (BF16)
-    FP8 = "FP8"
-    INT8 = "INT8"
-    NVFP4 = "NVFP4"
 
 
 def _scalar_kind(annotation: Any) -> Optional[type]:
@@ -151,6 +126,16 @@ class Quantization(_Strict):
         default_factory=list, description="Candidate formats for the per-layer search."
     )
     dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Dtype of unquantized tensors and activations.")
+
+    @field_validator("quant_algo", "auto_quantize_formats", mode="before")
+    @classmethod
+    def _known_gemm_names(cls, v: Any) -> Any:
+        # the refusal lists only formats TensorRT-LLM 1.2 builds (the registry), not every enum value
+        for item in (v if isinstance(v, list) else [v]):
+            bad = F.refuse_gemm_name(item)
+            if bad:
+                raise ValueError(f"{bad[0]} Fix: {bad[1]}")
+        return v
 
 
 class Calibration(_Strict):
@@ -529,6 +514,10 @@ def _problems_from_validation(e: ValidationError) -> list[Problem]:
             problems.append(Problem(field, "is required.", "add it (see `invoke schema`)."))
         else:
             msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            if typ == "value_error" and " Fix: " in msg:  # our validators: "reason Fix: fix"
+                reason, _, fix = msg.partition(" Fix: ")
+                problems.append(Problem(field, reason, fix))
+                continue
             if typ == "value_error" and ": must be " in msg:  # from _Strict._strict_scalars: "name: must be ..."
                 name, _, msg = msg.partition(": ")
                 field = _loc_str(loc + (name,))
