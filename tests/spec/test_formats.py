@@ -220,7 +220,7 @@ def _private_imports(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("rel", ["spec/formats.py", "resolve/rules.py", "quantize/ptq.py", "quantize/search.py",
-                                 "quantize/names.py", "checkpoint/reader.py", "checkpoint/codecs.py", "serving/pack.py"])
+                                 "spec/names.py", "checkpoint/reader.py", "checkpoint/codecs.py", "serving/pack.py"])
 def test_no_private_imports_across_modules(rel):
     assert _private_imports(PKG / rel) == []
 

@@ -61,7 +61,6 @@ tensors to BF16 (``dtype=torch.bfloat16``). ``config.json`` ``logits_dtype`` is 
 from __future__ import annotations
 
 import copy
-import fnmatch
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -70,7 +69,7 @@ from typing import Any, Callable
 
 from precision_pipeline.quantize import search
 from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
-from precision_pipeline.quantize.names import LAYER_RE, trtllm_name
+from precision_pipeline.spec.names import resolve_exclusions, trtllm_name
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
@@ -82,7 +81,6 @@ EXPORT_MODEL_TYPES = {"llama": "llama", "mixtral": "llama"}
 NVFP4_GROUP = NVFP4_BLOCK
 NO_QUANT = QuantAlgo.NO_QUANT.value
 # fused groups (TensorRT-LLM GEMMs): excluding one member excludes all
-_FUSED = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")]
 
 
 @dataclass
@@ -124,43 +122,6 @@ def _linear_names(model: Any) -> list[str]:
         if isinstance(mod, nn.Linear) or (type(mod).__name__.endswith("Linear") and hasattr(mod, "weight")):
             names.append(name)
     return names
-
-
-def _matches(pattern: str, hf_name: str) -> bool:
-    trt = trtllm_name(hf_name)
-    last = hf_name.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(n, pattern) for n in (hf_name, trt, last))
-
-
-def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], keep_first: int, keep_last: int,
-                       num_layers: int) -> tuple[list[str], list[str]]:
-    """HF names of the linears to keep unquantized, and the patterns that matched nothing.
-
-    ``linear_names``: HF names of the model's linears. Fused groups are expanded (see module doc).
-    """
-    excluded: set[str] = set()
-    unmatched = []
-    for p in exclude_patterns:
-        hit = [n for n in linear_names if _matches(p, n)]
-        if not hit:
-            unmatched.append(p)
-        excluded.update(hit)
-    keep = set(range(min(keep_first, num_layers))) | set(range(max(0, num_layers - keep_last), num_layers))
-    for n in linear_names:
-        m = LAYER_RE.match(n)
-        if m and int(m.group(1)) in keep:
-            excluded.add(n)
-    # fused groups
-    for n in list(excluded):
-        m = LAYER_RE.match(n)
-        if not m:
-            continue
-        prefix = n[: len(n) - len(m.group(2))]
-        for group in _FUSED:
-            if m.group(2) in group:
-                excluded.update(prefix + g for g in group if prefix + g in linear_names)
-    order = {n: i for i, n in enumerate(linear_names)}
-    return sorted(excluded, key=lambda n: order[n]), unmatched
 
 
 # --------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from typing import Any, Iterable, Sequence
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
-from precision_pipeline.quantize.names import trtllm_name
+from precision_pipeline.spec.names import trtllm_name
 from precision_pipeline.spec.formats import (FIELD_SEARCH_BITS, FIELD_SEARCH_FORMATS, GEMM, SEARCH_BITS,
                                              SEARCH_CANDIDATES, check_search_bits, normalize_candidates)
 from precision_pipeline.spec.profile import QuantAlgo

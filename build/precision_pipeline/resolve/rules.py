@@ -32,6 +32,7 @@ from precision_pipeline.spec import formats as F
 from precision_pipeline.core.errors import Problem
 from precision_pipeline.spec.hardware import GIB, GPUSpec
 from precision_pipeline.spec.model_arch import ModelArch
+from precision_pipeline.spec.names import llama_linear_names, resolve_exclusions
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 
 
@@ -576,6 +577,11 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
     return out
 
 
+def _short_list(items: list[str], n: int = 4) -> str:
+    shown = ", ".join(repr(s[:40]) for s in items[:n])
+    return f"[{shown}{', ...' if len(items) > n else ''}]"
+
+
 @rule("quantize.modelopt_inputs", "the quantize stage (ModelOpt 0.47) can produce what the profile asks",
       "modelopt/torch/quantization/config.py (KV configs); build/precision_pipeline/spec/formats.py (search candidates: "
       "normalize_candidates, check_search_bits); build/precision_pipeline/quantize/ptq.py (what the export writes)", needs_gpu=False)
@@ -604,6 +610,17 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
                           f"keep_first_layers {q.keep_first_layers} + keep_last_layers {q.keep_last_layers} keep all "
                           f"{m.num_layers} decoder layers of {m.name} in high precision: nothing would be quantized.",
                           f"keep fewer layers (together < {m.num_layers}), or use quant_algo NO_QUANT."))
+    elif ctx.fmt.is_quantized and not m.is_moe and m.num_layers > 0 and q.exclude_modules:
+        # the same matching the export applies (spec/names.py): patterns on HF, TensorRT-LLM and short names
+        names = llama_linear_names(m.num_layers)
+        decoder = [n for n in names if n != "lm_head"]
+        kept, _ = resolve_exclusions(decoder, list(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
+                                     m.num_layers)
+        if len(kept) == len(decoder):
+            out.append(refuse("quantization.exclude_modules",
+                              f"the patterns {_short_list(q.exclude_modules)} keep every one of the {len(decoder)} "
+                              f"decoder linears of {m.name} in high precision: nothing would be quantized.",
+                              "exclude fewer modules (e.g. lm_head, *router*), or use quant_algo NO_QUANT."))
     if par.pp_size != 1 and ctx.checkpoint_dir is None:
         out.append(refuse("parallel.pp_size", f"pipeline parallel {par.pp_size} is not exported by the quantize stage "
                           "(it writes tensor-parallel rank files only).",
@@ -616,6 +633,32 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
                           f"{m.intermediate_size} of {m.name} evenly (each rank holds intermediate_size/tp columns).",
                           f"use a tp_size dividing both the heads and {m.intermediate_size}: {', '.join(map(str, ok_tp))}."))
     return out
+
+
+@rule("model.unquantized", "--model holds unquantized weights (the quantize stage's input and the gate's reference)",
+      "Hugging Face config.json quantization_config (transformers quantizers)", needs_gpu=False)
+def _unquantized(ctx: Context) -> list[Finding]:
+    m = ctx.model
+    if not m.quantized_as:
+        return []
+    return [refuse("--model", f"{m.name}'s config.json has a quantization_config (quant_method {m.quantized_as!r}): "
+                   "it is a pre-quantized checkpoint, so quantizing it again and gating against it would measure the "
+                   "wrong reference.", "give the original BF16/FP16 model folder.")]
+
+
+@rule("calibration.seq_len", "calibration samples fit in the model's positions",
+      "config.json max_position_embeddings (and rope_scaling factor); modelopt calibration forward passes",
+      needs_gpu=False)
+def _calib_seq_len(ctx: Context) -> list[Finding]:
+    m, c = ctx.model, ctx.profile.calibration
+    if not ctx.fmt.is_quantized or ctx.checkpoint_dir is not None or not m.max_position_embeddings:
+        return []
+    positions = int(m.max_position_embeddings * (m.rope_scaling_factor or 1.0))
+    if c.seq_len <= positions:
+        return []
+    return [refuse("calibration.seq_len", f"{c.seq_len:,} tokens per sample is more than {m.name}'s "
+                   f"{positions:,} positions; the calibration forward passes would run past them.",
+                   f"use seq_len <= {positions:,} (256-2048 is typical).")]
 
 
 @rule("format.kv_sm", "KV-cache format runs on the target SM", f"{F.SRC_QUANT_MD}; {F.SRC_BUILDER}")
@@ -1091,9 +1134,11 @@ def _fallback(ctx: Context) -> list[Finding]:
                             f"{ctx.gpu.id} (SM {ctx.gpu.sm}) for this deployment (it is checked here with that target)."))
     fws = fb.parallel.tp_size * fb.parallel.pp_size
     ws = ctx.mapping.get("world_size", 1)
-    if d.warm_fallback and fws > ws:
-        out.append(refuse("deployment.fallback", f"the warm fallback {d.fallback!r} needs {fws} GPUs per engine; a replica has {ws}.",
-                          "use a fallback profile with the same or fewer GPUs, or warm_fallback: false."))
+    if fws > ws:  # a rollback to it, warm or cold, runs on the replica's GPUs
+        out.append(refuse("deployment.fallback", f"the {'warm' if d.warm_fallback else 'cold'} fallback {d.fallback!r} "
+                          f"needs {fws} GPUs per engine; a replica has {ws}, so a rollback to it could not load.",
+                          "use a fallback profile with the same or fewer GPUs (tp_size x pp_size), or more GPUs per "
+                          "replica."))
     return out
 
 
@@ -1115,10 +1160,21 @@ def _memory(ctx: Context) -> list[Finding]:
         out.append(refuse("target.gpu",
                           f"does not fit on {g.id} ({g.memory_mib:,} MiB = {gib(g.memory_bytes)} per GPU): {parts} = {gib(need)} "
                           f"per GPU, {gib(-mem['usable_bytes'])} too much, before any KV cache.",
-                          f"use a smaller format (e.g. fp8/int4-awq), {tp_need}a larger GPU, or lower max_num_tokens."))
+                          f"use a smaller format (e.g. fp8/int4-awq), {tp_need}a larger GPU, or lower max_num_tokens"
+                          + (", or set deployment.warm_fallback: false (the fallback then loads only on rollback)."
+                             if mem["fallback_bytes"] else ".")))
         return out
     msl = lim["max_seq_len"]
     if ctx.profile.build.kv_cache_type != "disabled" and mem["kv_tokens_capacity"] < msl:
+        frac = ctx.profile.runtime.kv_cache_free_gpu_mem_fraction
+        at_09 = int(mem["kv_cache_bytes"] / frac * 0.9 / max(mem["kv_bytes_per_token"], 1)) if frac else 0
+        if frac < 0.9 and at_09 >= msl:  # the fraction, not the sequence length, is what starves the cache
+            out.append(refuse("runtime.kv_cache_free_gpu_mem_fraction",
+                              f"{frac} gives the KV cache on {g.id} only {mem['kv_tokens_capacity']:,} tokens "
+                              f"({gib(mem['kv_cache_bytes'])}), less than one sequence of max_seq_len {msl:,}; at 0.9 it "
+                              f"would hold {at_09:,}.",
+                              "raise kv_cache_free_gpu_mem_fraction (0.9 is TensorRT-LLM's default)."))
+            return out
         out.append(refuse("build.max_seq_len",
                           f"the KV cache on {g.id} holds {mem['kv_tokens_capacity']:,} tokens ({gib(mem['kv_cache_bytes'])} at "
                           f"{mem['kv_bytes_per_token']:,} B/token), less than one sequence of max_seq_len {msl:,} "

@@ -66,6 +66,8 @@ class ModelArch(BaseModel):
     attention_bias: bool = False
     dtype: str = "bfloat16"
     num_params: int = 0
+    quantized_as: Optional[str] = None
+    """``quantization_config.quant_method`` when config.json says the weights are already quantized."""
 
     @property
     def is_moe(self) -> bool:
@@ -177,6 +179,10 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
         attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
         dtype=str(dtype),
     )
+    qc = cfg.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        fields["quantized_as"] = str(method)[:40] if method else "unknown"
     fields["num_params"] = count_params(fields)
     return ModelArch(**fields)
 
