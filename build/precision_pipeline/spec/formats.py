@@ -123,8 +123,28 @@ class ScaleLayout:
         return b + self.scalars * SCALE_F32
 
 
+class _BuildsOn:
+    """Where a format builds (``builds_on``/``warn_on``: inclusive SM ranges); shared by GEMM and KV entries."""
+
+    builds_on: tuple[tuple[int, int], ...]
+    warn_on: tuple[tuple[int, int], ...]
+
+    def supports(self, sm: int) -> bool:
+        return _in(self.builds_on, sm)
+
+    def untested(self, sm: int) -> bool:
+        return _in(self.warn_on, sm)
+
+    def sm_text(self) -> str:
+        return sm_text(self.builds_on)
+
+    def gpu_ids(self) -> list[str]:
+        """Catalog GPUs that run it."""
+        return [g.id for g in gpus_with_sm(self.builds_on)]
+
+
 @dataclass(frozen=True)
-class GemmFormat:
+class GemmFormat(_BuildsOn):
     """Everything the pipeline knows about one ``quantization.quant_algo``.
 
     * ``algo``, ``short`` (name in suggestions, e.g. ``int4-awq``), ``label`` (human text).
@@ -207,18 +227,6 @@ class GemmFormat:
         """Each linear of this format must carry an ``activation_scaling_factor``."""
         return self.act_fake_quant is not None
 
-    def supports(self, sm: int) -> bool:
-        return _in(self.builds_on, sm)
-
-    def untested(self, sm: int) -> bool:
-        return _in(self.warn_on, sm)
-
-    def sm_text(self) -> str:
-        return sm_text(self.builds_on)
-
-    def gpu_ids(self) -> list[str]:
-        """Catalog GPUs that run it."""
-        return [g.id for g in gpus_with_sm(self.builds_on)]
 
     def linear_bytes(self, n_in: int, n_out: int, group_size: Optional[int] = None, dtype_bytes: int = 2,
                      bits: Optional[float] = None) -> float:
@@ -237,7 +245,7 @@ class GemmFormat:
 
 
 @dataclass(frozen=True)
-class KvFormat:
+class KvFormat(_BuildsOn):
     """Everything the pipeline knows about one ``quantization.kv_cache_quant_algo``.
 
     ``builds_on`` / ``needs`` / ``source`` as for ``GemmFormat``; ``bytes_per_element``: bytes of
@@ -277,18 +285,6 @@ class KvFormat:
     def is_quantized(self) -> bool:
         return self.fake_quant is not None
 
-    def supports(self, sm: int) -> bool:
-        return _in(self.builds_on, sm)
-
-    def untested(self, sm: int) -> bool:
-        return _in(self.warn_on, sm)
-
-    def sm_text(self) -> str:
-        return sm_text(self.builds_on)
-
-    def gpu_ids(self) -> list[str]:
-        """Catalog GPUs that run it."""
-        return [g.id for g in gpus_with_sm(self.builds_on)]
 
 
 E = TypeVar("E", bound=Enum)
