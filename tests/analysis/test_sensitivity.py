@@ -174,7 +174,7 @@ def corrupted_run(fp8_checkpoint, default_model_dir, golden_file, tmp_path_facto
     _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)
     gate_dir = root / "gate"
     try:
-        from test_report import _synthetic  # the report tests' synthetic gate numbers
+        from tests.gate.test_report import _synthetic  # the report tests' synthetic gate numbers
         from precision_pipeline.spec.profile import GateThresholds
 
         metrics, per_token = _synthetic(GateThresholds(kl_mean_max=0.1, top1_min=0.8))

@@ -222,7 +222,7 @@ def check_report(dom: dict, external: list[str], m: dict, n_images: int, check_o
 
 
 def _synthetic_gate(tmp_path: Path, thr: GateThresholds, heatmap: bool) -> Path:
-    from test_report import _write  # the report tests' synthetic gate folder writer
+    from tests.gate.test_report import _write  # the report tests' synthetic gate folder writer
 
     return _write(tmp_path, thr, heatmap=heatmap).out_dir
 
