@@ -113,10 +113,14 @@ def _print_build(result_or_stages) -> None:
     "golden_limit": "evaluate only the first N golden prompts per category (quick runs)",
     "checkpoint": "reuse this TensorRT-LLM checkpoint instead of quantizing (its mapping must match)",
     "image": "Triton + TensorRT-LLM container image for the Kubernetes manifests",
+    "no_wait": "when another build is writing the same --out, stop at once (exit 2) instead of waiting for it",
 })
 @guarded
-def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None, image=None):
+def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None, image=None,
+          no_wait=False):
     """Run the pipeline: resolve, quantize, gate, engine, pack, deploy (Kubernetes manifests)."""
+    from rich.markup import escape as esc
+
     from precision_pipeline.pipeline import run_build
 
     con = _console()
@@ -130,7 +134,8 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
     try:
         res = run_build(profile, model=model, out=out, strict=strict, repo_root=repo_root,
                         golden_limit=_int_arg("--golden-limit", golden_limit, 1, 1000), checkpoint=checkpoint, image=image,
-                        on_stage=on_stage)
+                        on_stage=on_stage, wait=not no_wait,
+                        on_wait=lambda msg: con.print(f"[yellow]{esc(msg)}[/]", soft_wrap=True))
     except Exception:
         if stages:
             _print_build(stages)
@@ -145,8 +150,7 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
 def check(c, profile=None, all=False, model=None):
     """Resolve and check profiles (no heavy work); one line per profile."""
     from precision_pipeline.resolve import plan as plan_mod
-    from precision_pipeline.pipeline import _model_dir
-    from precision_pipeline.spec.profile import load_profile
+    from precision_pipeline.pipeline import _model_dir, load_build_profile
 
     model_dir = _model_dir(model)
     con = _console()
@@ -162,7 +166,7 @@ def check(c, profile=None, all=False, model=None):
         from precision_pipeline.core.errors import UserError
 
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
-    p = plan_mod.resolve(load_profile(profile), model_dir, for_build=True)  # the same rules as invoke build
+    p = plan_mod.resolve(load_build_profile(profile), model_dir, for_build=True)  # the same rules as invoke build
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
               f"KV {mem.kv_bytes_per_token} B/token, capacity {mem.kv_tokens_capacity} tokens")

@@ -27,8 +27,11 @@ def run_task(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 @pytest.fixture()
 def previous_output(tmp_path) -> Path:
     """An output directory holding a previous build (must be left untouched)."""
+    from precision_pipeline.pipeline import write_output_marker
+
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
+    write_output_marker(out, "earlier")  # what a build writes first: the folder is a build output
     (out / "manifest.json").write_text('{"profile": "earlier"}\n')
     (out / "plan.json").write_text("{}\n")
     (out / "checkpoint" / "config.json").write_text('{"quantization": {"quant_algo": "FP8"}}\n')

@@ -7,13 +7,34 @@ its row in ``manifest.json``. So a repeated identical build takes seconds, and o
 unchanged engine is not built again. Output layout (``artifacts/<profile>/`` by default)::
 
     plan.json  checkpoint/  gate/  engine/  model_repository/  k8s/  manifest.json  (.stages/: typed artifact records)
+    .precision-build.json  (the marker: this folder is a build output)  .build.lock (+ .build.lock.json: its holder)
 
-Errors: ``UserError`` (exit 2) before any heavy work for bad input or refused checks;
+Whose folder: a build writes only into a new or empty ``--out``, or into one holding the marker
+``.precision-build.json`` (``{"format": "precision-pipeline-build", "version": 1}``) that a build
+wrote. Any other non-empty folder is refused (exit 2), whatever files it holds (a
+``manifest.json`` or ``plan.json`` of a web project is not ours). An output of a pipeline version
+from before the marker (``manifest.json`` with ``stages`` and ``.stages/``) is refused too, with
+the fix to delete it or pick a new ``--out``: it cannot be told apart from a user's folder safely.
+
+Order: every input is checked before the first write (profile, ``--model``, ``--out``,
+``--checkpoint`` down to each tensor's byte range, ``--golden-limit``, ``--repo-root``,
+``--image``, the resolve rules including ``calibration.dataset``, and the dataset's token lengths).
+Then the output is created and locked (``.build.lock`` inside it: a writable ``--out`` in a
+read-only parent works; a second build of the same output waits and says who holds it, or with
+``wait=False`` / ``--no-wait`` is refused at once), interrupted stage swaps are rolled forward
+(``core.store.clean_stale``), and the stages run. ``plan.json`` is written after each stage that
+ran and at the end, so a kill during a stage leaves the previous build's plan.json with the
+previous artifacts.
+
+Errors: ``UserError`` (exit 2) before any write for bad input or refused checks;
 ``GateFailed`` (exit 3); ``StrictSkip`` (exit 4) when a stage was skipped under ``strict``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,7 +42,7 @@ from typing import Callable
 from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Done, Manifest, Stage, StageRecord, StageRunner, execute
-from precision_pipeline.core.store import atomic_write_json, clean_stale, locked, read_json
+from precision_pipeline.core.store import atomic_write_json, clean_stale, locked, read_json, read_json_safe
 from precision_pipeline.engine.stage import EngineStage
 from precision_pipeline.gate.stage import GateStage
 from precision_pipeline.quantize.stage import QuantizeStage
@@ -45,14 +66,82 @@ def default_out_dir(profile_name: str) -> Path:
     return REPO_ROOT / "artifacts" / profile_name
 
 
+OUTPUT_MARKER = ".precision-build.json"
+"""The file that makes a folder a build output (written by the first build into it)."""
+OUTPUT_FORMAT = "precision-pipeline-build"
+OUTPUT_VERSION = 1
+LOCK_FILE = ".build.lock"
+"""The build lock, inside the output; its sidecar ``.build.lock.json`` names the holder (core.store.locked)."""
+_OWN_FILES = (OUTPUT_MARKER, LOCK_FILE, LOCK_FILE + ".json")
+
+
+def stage_folders() -> tuple[str, ...]:
+    """The folders the stages write under the output (their interrupted swaps are recovered)."""
+    from precision_pipeline.core.stage import RECORDS_DIR
+
+    return tuple(s.output for s in STAGES if s.output) + (RECORDS_DIR,)
+
+
+def read_output_marker(out: Path) -> dict | None:
+    """The marker of build output ``out`` ({"format", "version", ...}), or None when it has none (or not ours)."""
+    m = read_json_safe(Path(out) / OUTPUT_MARKER)
+    return m if isinstance(m, dict) and m.get("format") == OUTPUT_FORMAT else None
+
+
+def write_output_marker(out: Path, profile: str = "") -> None:
+    """Mark ``out`` as a build output (``.precision-build.json``)."""
+    atomic_write_json(Path(out) / OUTPUT_MARKER, {"format": OUTPUT_FORMAT, "version": OUTPUT_VERSION,
+                                                  "created": time.time(), "profile": profile})
+
+
+def _looks_like_old_output(out: Path) -> bool:
+    m = read_json_safe(out / "manifest.json")
+    return isinstance(m, dict) and isinstance(m.get("stages"), dict) and "profile" in m and (
+        (out / ".stages").is_dir() or any((out / f).is_dir() for f in stage_folders()))
+
+
 def _validate_out_dir(out: Path) -> Path:
+    """``--out``: new, empty, or a build output (its marker). Raises UserError otherwise (nothing written)."""
     out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError("--out", f"{out} exists and is not a directory.", "give a directory path.")
-    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").exists() and not (out / "plan.json").exists():
-        raise UserError("--out", f"{out} is a non-empty directory that is not a build output.",
-                        "give an empty or new directory, or a previous build's output.")
-    return out.resolve()
+    field = "--out"
+    try:
+        exists, is_dir = out.exists(), out.is_dir()
+    except (OSError, ValueError) as e:
+        raise UserError(field, f"{str(out)[:200]!r} cannot be used ({type(e).__name__}).", "give a directory path.")
+    if exists and not is_dir:
+        raise UserError(field, f"{out} exists and is not a directory.", "give a directory path.")
+    if not exists:
+        anc = out.parent
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
+            raise UserError(field, f"{out} does not exist and {anc} is not writable, so it cannot be created.",
+                            "create the folder (writable) first, or give a path in a writable place.")
+        return out.resolve()
+    try:
+        entries = [p.name for p in out.iterdir() if p.name not in _OWN_FILES]
+    except OSError as e:
+        raise UserError(field, f"{out} cannot be listed ({type(e).__name__}).", "give a readable, writable directory.")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(field, f"{out} is not writable.", "give a writable directory.")
+    marker = read_json_safe(out / OUTPUT_MARKER)
+    if isinstance(marker, dict) and marker.get("format") == OUTPUT_FORMAT:
+        v = marker.get("version")
+        if not isinstance(v, int) or isinstance(v, bool) or v > OUTPUT_VERSION:
+            raise UserError(field, f"{out} is a build output of format version {v!r}; this pipeline writes version "
+                            f"{OUTPUT_VERSION}.", "use the pipeline version that wrote it, or give a new --out.")
+        return out.resolve()
+    if not entries:
+        return out.resolve()
+    shown = ", ".join(sorted(entries)[:5]) + (f" (+{len(entries) - 5} more)" if len(entries) > 5 else "")
+    if _looks_like_old_output(out):
+        raise UserError(field, f"{out} looks like the output of a build from before output folders were marked "
+                        f"({OUTPUT_MARKER} is missing), and this pipeline does not take over unmarked folders: "
+                        "it cannot tell them from a folder of yours.",
+                        f"delete it yourself (rm -r {out}) and build again, or give a new --out.")
+    raise UserError(field, f"{out} is not empty ({shown}) and is not a build output (no {OUTPUT_MARKER}); "
+                    "a build replaces its stage folders, so its files would be lost.",
+                    "give a new or empty directory, or a previous build's output folder.")
 
 
 def _model_dir(model: str | None) -> Path:
@@ -85,56 +174,117 @@ def check_checkpoint_dir(checkpoint: str) -> Path:
     if not (ck / "config.json").is_file() or not list(ck.glob("rank*.safetensors")):
         raise UserError("--checkpoint", f"{checkpoint} is not a TensorRT-LLM checkpoint (config.json + rank*.safetensors).",
                         "give a checkpoint directory written by a previous build, or leave --checkpoint out to quantize.")
-    from precision_pipeline.checkpoint.reader import check_declared_formats
+    from precision_pipeline.checkpoint.reader import check_declared_formats, safetensors_header
 
+    for f in sorted(ck.glob("rank*.safetensors")):
+        safetensors_header(f, field="--checkpoint")  # every tensor's byte range within the file, before any copy
     check_declared_formats(ck)  # header-level: a broken checkpoint is refused before anything is written
     return ck
+
+
+def load_build_profile(profile_ref: str):
+    """``load_profile`` plus what depends on where the profile file is: a relative
+    ``calibration.dataset`` becomes absolute against the profile file's folder (``invoke build``
+    and ``invoke check`` both load profiles through this)."""
+    from precision_pipeline.resolve.dataset import with_dataset_resolved
+    from precision_pipeline.spec.profile import resolve_profile_path
+
+    profile = load_profile(profile_ref)
+    return with_dataset_resolved(profile, resolve_profile_path(profile_ref))
+
+
+def check_golden_limit(golden_limit) -> None:
+    """``--golden-limit``: None or a whole number >= 1 (prompts per golden category). UserError if not."""
+    if golden_limit is None:
+        return
+    if isinstance(golden_limit, bool) or not isinstance(golden_limit, int) or golden_limit < 1:
+        raise UserError("--golden-limit", f"{str(golden_limit)[:40]!r} is not a whole number >= 1.",
+                        "pass e.g. --golden-limit 1, or leave it out for every golden prompt.")
 
 
 def build_request(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
                   repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
                   image: str | None = None) -> BuildRequest:
-    """Load the profile and validate the paths (folders, files, JSON); profile/model rules run in resolve."""
-    from precision_pipeline.serving.deploy import DEFAULT_IMAGE
+    """Load the profile and validate every path and option (folders, files, JSON, tensor byte ranges,
+    limits, image); profile/model rules run in resolve. Writes nothing; raises UserError."""
+    from precision_pipeline.serving.deploy import DEFAULT_IMAGE, check_image, check_repo_root
 
-    profile = load_profile(profile_ref)
+    profile = load_build_profile(profile_ref)
     model_dir = _model_dir(model)
     out_dir = _validate_out_dir(Path(out) if out else default_out_dir(profile.name or "profile"))
     ck = check_checkpoint_dir(checkpoint) if checkpoint is not None else None
+    check_golden_limit(golden_limit)
+    if repo_root is not None:
+        check_repo_root(repo_root)
+    if image is not None:
+        check_image(image, "--image")
     return BuildRequest(profile=profile, profile_source=str(profile_ref), model_dir=model_dir, out_dir=out_dir,
                         checkpoint=ck, golden_limit=golden_limit, repo_root=repo_root or str(out_dir),
                         image=image or DEFAULT_IMAGE, strict=strict)
 
 
+def _check_dataset_tokens(req: BuildRequest, plan) -> None:
+    """The calibration checks that need the tokenizer (texts longer than ``calibration.seq_len``), before any write."""
+    from precision_pipeline.resolve.dataset import BUILTIN
+
+    cal = plan.profile.calibration
+    if req.checkpoint is not None or cal.dataset == BUILTIN:
+        return
+    from precision_pipeline.quantize.calibration import build_calibration_set, load_tokenizer
+
+    build_calibration_set(cal, load_tokenizer(req.model_dir))
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
               repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
-              image: str | None = None, on_stage: Callable[[StageRecord], None] | None = None) -> BuildResult:
-    """Run the main job for a profile. See the module docstring for stages and errors.
+              image: str | None = None, on_stage: Callable[[StageRecord], None] | None = None, wait: bool = True,
+              on_wait: Callable[[str], None] | None = None) -> BuildResult:
+    """Run the main job for a profile. See the module docstring for stages, order and errors.
 
     ``checkpoint`` reuses an existing TensorRT-LLM checkpoint directory instead of quantizing;
     resolve then refuses it unless its mapping and quantization equal the profile's.
     ``golden_limit`` evaluates only the first prompts of each golden category (tests).
     ``on_stage`` is called after each stage (for live printing).
+    ``wait``: when another build holds the output's lock, wait for it (``on_wait(message)`` every
+    few seconds, default: printed to stderr); False: refuse at once (UserError on ``--out`` naming
+    the holder's pid, host and start time).
     """
     req = build_request(profile_ref, model, out, strict, repo_root, golden_limit, checkpoint, image)
     resolve, rest = STAGES[0], STAGES[1:]
     resolved = execute(resolve, None, req, {})  # refuses bad input before anything is written
     plan = resolved.artifact.plan
+    _check_dataset_tokens(req, plan)
     out_dir = req.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with locked(out_dir.parent / f".{out_dir.name}.lock"):
-        clean_stale(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # the first write: every input was checked above
+    with locked(out_dir / LOCK_FILE, timeout_s=None if wait else 0, what=f"build of {req.profile.name}", field="--out",
+                on_wait=on_wait or _say,
+                busy_fix="wait for that build to finish (leave out --no-wait to wait for it), or give another --out."):
+        _validate_out_dir(out_dir)  # again, under the lock
+        if read_output_marker(out_dir) is None:
+            write_output_marker(out_dir, req.profile.name)
+        clean_stale(out_dir, names=stage_folders())
         manifest = Manifest.open(out_dir / "manifest.json", profile=req.profile.name, profile_source=req.profile_source,
                                  model_dir=str(req.model_dir), out_dir=str(out_dir))
         runner = StageRunner(out_dir, manifest, on_stage)
-        atomic_write_json(out_dir / "plan.json", plan.to_json())
         done: dict[str, Done] = {resolve.name: runner.record(resolved)}
+        layers = None
+
+        def write_plan() -> None:  # the plan goes with the stages it describes (plan.json shows the checkpoint)
+            atomic_write_json(out_dir / "plan.json", plan.to_json(layers=layers))
+
         for stage in rest:
             d = done[stage.name] = runner.run(stage, plan, req, done)
-            if stage.name == "quantize":  # plan.json shows the checkpoint layer by layer
-                atomic_write_json(out_dir / "plan.json", plan.to_json(layers=d.artifact.layers))
+            if stage.name == "quantize":
+                layers = d.artifact.layers
+            if d.record.status != "cached":
+                write_plan()
             if stage.name == "gate" and not d.artifact.passed:
                 raise GateFailed(f"accuracy gate failed for {req.profile.name}; see {out_dir / 'gate' / 'report.md'}")
+        write_plan()
         manifest.finish(engine_present=bool(done["engine"].artifact.built))
     skipped = [r for r in runner.records if r.status == "skipped"]
     if strict and skipped:

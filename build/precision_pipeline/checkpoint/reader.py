@@ -245,11 +245,64 @@ def _rank_files(ckpt_dir: Path, cfg: dict) -> list[Path]:
     return files
 
 
-def safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names -> dtype, shape, data_offsets), without loading data."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return json.loads(f.read(n))
+# bytes per element of the safetensors dtypes (the format's spec, huggingface/safetensors README "Format")
+SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                           "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit on the JSON header
+
+
+def safetensors_header(path: Path, field: str = FIELD) -> dict:
+    """The JSON header of a safetensors file (names -> dtype, shape, data_offsets), without loading data.
+
+    Layout (safetensors format): 8 bytes little-endian header length N, N bytes of JSON, then the
+    data; each tensor's ``data_offsets`` [begin, end) are relative to the data's start. Every tensor's
+    byte range is checked against the file size (and against dtype x shape for known dtypes), so a
+    truncated or garbage file is a ``UserError`` on ``field`` naming the file, never an
+    ``OverflowError``/``MemoryError`` or a half-read checkpoint later."""
+    path = Path(path)
+    fix = "give a complete checkpoint (a copy may have been cut short); re-export it if it was written by a build."
+
+    def bad(why: str) -> UserError:
+        return UserError(field, f"{path} is not a complete safetensors file: {why}.", fix)
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8 or n > MAX_SAFETENSORS_HEADER:
+                raise bad(f"its header claims {n} bytes but the file has {size}")
+            text = f.read(n)
+    except OSError as e:
+        raise UserError(field, f"{path} cannot be read ({type(e).__name__}: {e}).", "check the file's permissions.")
+    try:
+        h = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise bad("its header is not JSON")
+    if not isinstance(h, dict):
+        raise bad("its header is not a JSON object")
+    data = size - 8 - n
+    for name, meta in h.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(meta, dict) and isinstance(meta.get("dtype"), str) and isinstance(meta.get("shape"), list) \
+            and isinstance(meta.get("data_offsets"), list) and len(meta["data_offsets"]) == 2 \
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in meta["shape"] + meta["data_offsets"])
+        if not ok:
+            raise bad(f"tensor {name[:120]!r} has no valid dtype, shape and data_offsets")
+        begin, end = meta["data_offsets"]
+        if not begin <= end <= data:
+            raise bad(f"tensor {name[:120]!r} needs bytes {begin}..{end} of the data but only {data} are there")
+        width = SAFETENSORS_DTYPE_BYTES.get(meta["dtype"])
+        count = 1
+        for d in meta["shape"]:
+            count *= d
+        if width is not None and end - begin != count * width:
+            raise bad(f"tensor {name[:120]!r} ({meta['dtype']} {meta['shape']}) needs {count * width} bytes, "
+                      f"its data_offsets give {end - begin}")
+    return h
 
 
 def checkpoint_info(ckpt_dir: Path) -> dict:

@@ -20,8 +20,11 @@ Only ``StageRunner`` computes keys::
 
 with the strict canonical form of ``core.store.canonical`` (unknown types are a TypeError that
 names the offending value's path; paths enter only as ``core.fingerprint.Fingerprint``). A stage
-is *cached* when its key equals the manifest row's key, that row was done or cached, and its
-typed artifact record (``<out>/.stages/<name>.json``) is present and valid; otherwise it runs.
+is *cached* when its typed artifact record (``<out>/.stages/<name>.json``) is present, valid and
+holds its key, and its folder is present; otherwise it runs. The record is the authority, not the
+manifest row: it is committed together with the stage's folder (a commit file of
+``core.store.atomic_dir``), so a kill during the folder swap is rolled forward with its record by
+the next build's ``clean_stale``.
 An artifact whose ``status`` is not ``done`` (a skipped engine, a failed gate) is never reused:
 the next build runs the stage again.
 """
@@ -202,9 +205,6 @@ class StageRunner:
     def _cached(self, stage: Stage, key: str) -> Optional[Artifact]:
         if not stage.cacheable:
             return None
-        row = self.manifest.previous.get(stage.name) or {}
-        if row.get("key") != key or row.get("status") not in ("done", "cached"):
-            return None
         if stage.output is not None and not (self.out_dir / stage.output).exists():
             return None
         try:
@@ -243,16 +243,24 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
     art = cached(stage, key) if cached is not None else None
     if art is not None:
         return Done(artifact=art, key=key, dir=out, record=StageRecord(stage.name, "cached", 0.0, key=key, numbers=art.summary()))
+    record_path = Path(out_dir) / RECORDS_DIR / f"{stage.name}.json" if (stage.cacheable and out_dir is not None) else None
+
+    def checked(a: Any) -> O:
+        if not isinstance(a, stage.artifact_type):
+            raise TypeError(f"stage {stage.name} returned {type(a).__qualname__}, not {stage.artifact_type.__qualname__}")
+        return a
+
     if out is not None:
-        with atomic_dir(out) as tmp:
-            art = stage.run(inputs, tmp)
+        # the record is a commit file of the folder's swap: a kill mid-swap is rolled forward with it
+        commit: dict[Path, Any] = {}
+        with atomic_dir(out, commit_files=commit) as tmp:
+            art = checked(stage.run(inputs, tmp))
+            if record_path is not None:
+                commit[record_path] = {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")}
     else:
-        art = stage.run(inputs, None)
-    if not isinstance(art, stage.artifact_type):
-        raise TypeError(f"stage {stage.name} returned {type(art).__qualname__}, not {stage.artifact_type.__qualname__}")
-    if stage.cacheable and out_dir is not None:
-        atomic_write_json(Path(out_dir) / RECORDS_DIR / f"{stage.name}.json",
-                          {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")})
+        art = checked(stage.run(inputs, None))
+        if record_path is not None:
+            atomic_write_json(record_path, {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")})
     rec = StageRecord(stage.name, art.status, time.perf_counter() - t0, reason=art.reason, key=key, numbers=art.summary())
     return Done(artifact=art, key=key, dir=out, record=rec)
 

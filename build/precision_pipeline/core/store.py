@@ -14,9 +14,11 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from filelock import FileLock
 
@@ -129,52 +131,211 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+SWAP_JOURNAL = ".swap.json"
+"""Suffix of a directory swap's journal, ``.<name>.swap.json`` beside the target (see ``atomic_dir``)."""
+
+CRASH_ENV = "PRECISION_STORE_CRASH_AT"
+"""Test hook: ``PRECISION_STORE_CRASH_AT=<step>`` makes ``atomic_dir`` exit the process (status
+``CRASH_EXIT``) right after that step of a swap (``SWAP_STEPS``), as a kill there would."""
+CRASH_EXIT = 97
+SWAP_STEPS = ("journal", "swap", "commit")
+
+
+def _crash_point(step: str) -> None:
+    if os.environ.get(CRASH_ENV) == step:
+        os._exit(CRASH_EXIT)
+
+
+def _journal_path(target: Path) -> Path:
+    return target.parent / f".{target.name}{SWAP_JOURNAL}"
+
+
+def _finish_swap(parent: Path, journal: dict, crash: Callable[[str], None]) -> None:
+    """Roll a journaled swap forward: the complete new copy becomes ``target``, then the commit files are
+    written, then the journal is removed (the commit), then the old copy is deleted. Idempotent."""
+    target = parent / journal["target"]
+    tmp = parent / journal["tmp"]
+    old = parent / journal["old"]
+    if tmp.is_dir():
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+        crash("swap")
+        os.replace(tmp, target)
+    for rel, obj in (journal.get("files") or {}).items():
+        atomic_write_json(parent / rel, obj)
+    crash("commit")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_journal_path(target))
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def atomic_dir(target: Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success it replaces ``target`` atomically.
+def atomic_dir(target: Path, commit_files: Optional[dict[Path, Any]] = None,
+               crash: Optional[Callable[[str], None]] = None) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success it replaces ``target``, recoverably.
 
     On an exception the temporary directory is removed and ``target`` is left untouched.
-    The old ``target`` is moved aside first and deleted only after the new one is in place.
+    The swap, once the body has returned:
+
+    1. write the journal ``.<name>.swap.json`` beside ``target`` (the mark that the temporary copy
+       is complete; it names the copies and the ``commit_files`` to write);
+    2. rename ``target`` to ``.<name>.old-<pid>`` (when it exists), 3. rename the temporary copy to
+       ``target``; 4. write each of ``commit_files`` ({path in ``target.parent``'s tree: JSON
+       object}, e.g. the stage record that describes the new folder) atomically; 5. remove the
+       journal (the commit); 6. delete the old copy.
+
+    A kill before step 1 leaves the previous ``target`` (the incomplete copy is removed by
+    ``clean_stale``); a kill after it is rolled forward by ``clean_stale`` (``recover_swaps``): no
+    state ever has no ``target`` with both copies deleted. ``crash``: test hook called with each
+    of ``SWAP_STEPS`` (default: the ``PRECISION_STORE_CRASH_AT`` environment hook).
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    crash = crash or _crash_point
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}.tmp-"))
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    files = {}
+    for path, obj in (commit_files or {}).items():
+        rel = os.path.relpath(Path(path), parent)
+        if rel.startswith(".."):
+            raise ValueError(f"commit file {path} is outside {parent}")
+        files[rel] = obj
+    journal = {"target": target.name, "tmp": tmp.name, "old": f".{target.name}.old-{os.getpid()}", "files": files}
+    try:
+        atomic_write_json(_journal_path(target), journal)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    crash("journal")
+    _finish_swap(parent, journal, crash)
 
 
-def clean_stale(parent: Path) -> None:
-    """Remove leftovers of interrupted atomic writes (``.NAME.tmp-*`` / ``.NAME.old-*``) in ``parent``."""
+def recover_swaps(parent: Path, names: Optional[Iterable[str]] = None) -> list[str]:
+    """Finish the directory swaps a kill interrupted in ``parent`` (their journals, see ``atomic_dir``).
+
+    Each journaled swap is rolled forward (its complete copy becomes the target, its commit files are
+    written). ``names``: only swaps of these target names. Returns the target names recovered."""
     parent = Path(parent)
     if not parent.is_dir():
-        return
+        return []
+    wanted = None if names is None else set(names)
+    done = []
+    for j in sorted(parent.glob(f".*{SWAP_JOURNAL}")):
+        name = j.name[1:-len(SWAP_JOURNAL)]
+        if wanted is not None and name not in wanted:
+            continue
+        try:
+            journal = json.loads(j.read_text())
+            ok = isinstance(journal, dict) and journal.get("target") == name and all(
+                isinstance(journal.get(k), str) and journal[k].startswith(f".{name}.") and "/" not in journal[k]
+                for k in ("tmp", "old"))
+        except (OSError, ValueError):
+            ok = False
+        if not ok:  # a journal we did not write completely: atomic_write_json makes this impossible
+            continue
+        _finish_swap(parent, journal, lambda step: None)
+        done.append(name)
+    return done
+
+
+def clean_stale(parent: Path, names: Optional[Iterable[str]] = None) -> list[str]:
+    """Recover interrupted swaps (``recover_swaps``), then remove leftovers of interrupted atomic
+    writes (``.NAME.tmp-*`` / ``.NAME.old-*``) in ``parent``. ``names``: only leftovers of these
+    targets (a build output passes its stage folders, so no other dot-file is ever touched).
+    Returns the names removed."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    wanted = None if names is None else tuple(names)
+    recover_swaps(parent, wanted)
+    removed = []
     for p in parent.iterdir():
-        if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name):
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+        n = p.name
+        if not (n.startswith(".") and (".tmp-" in n or ".old-" in n)):
+            continue
+        if wanted is not None and not any(n.startswith((f".{w}.tmp-", f".{w}.old-")) for w in wanted):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        removed.append(n)
+    return removed
+
+
+LOCK_INFO_SUFFIX = ".json"
+"""The lock's sidecar, ``<lock>.json``: who holds it (``pid``, ``host``, ``since``, ``what``)."""
+
+
+def lock_holder(path: Path) -> dict:
+    """What the sidecar of lock ``path`` says about its holder ({} when unknown)."""
+    info = read_json_safe(Path(str(path) + LOCK_INFO_SUFFIX))
+    return info if isinstance(info, dict) else {}
+
+
+def describe_holder(info: dict) -> str:
+    """``pid 123 on host x since 2026-01-01T10:00:00 (invoke build ...)``, or ``an unknown process``."""
+    if not info.get("pid"):
+        return "an unknown process"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"])) if isinstance(info.get("since"), (int, float)) else "?"
+    what = f" ({info['what']})" if info.get("what") else ""
+    return f"pid {info['pid']} on {info.get('host', '?')} since {since}{what}"
 
 
 @contextlib.contextmanager
-def locked(path: Path, timeout_s: float = 600) -> Iterator[None]:
-    """Hold an inter-process file lock at ``path`` (``filelock``) for the duration."""
+def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", field: str = "lock",
+           on_wait: Optional[Callable[[str], None]] = None, interval_s: float = 5.0,
+           busy_fix: str = "wait for it to finish, then run again.") -> Iterator[None]:
+    """Hold an inter-process file lock at ``path`` (``filelock``) for the duration.
+
+    The holder writes ``<path>.json`` (pid, host, start time, ``what``) so a process that finds the
+    lock taken can say who holds it. ``timeout_s``: seconds to wait (None: for ever; 0: not at all);
+    ``on_wait(message)`` is called every ``interval_s`` seconds while waiting. When the time is up,
+    raises ``UserError(field, "... held by pid N on HOST since T ...", busy_fix)`` (exit 2), never a
+    timeout traceback."""
+    from filelock import Timeout
+
+    from precision_pipeline.core.errors import UserError
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path), timeout=timeout_s):
+    lock = FileLock(str(path))
+    t0 = time.monotonic()
+    while True:
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+        step = interval_s if left is None else min(interval_s, left)
+        try:
+            lock.acquire(timeout=step)
+            break
+        except Timeout:
+            who = describe_holder(lock_holder(path))
+            if left is not None and left <= step:
+                raise UserError(field, f"{path} is held by {who}.", busy_fix)
+            if on_wait is not None:
+                on_wait(f"waiting for {path}: held by {who} ({time.monotonic() - t0:.0f} s so far)")
+    info = Path(str(path) + LOCK_INFO_SUFFIX)
+    try:
+        atomic_write_json(info, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "what": what})
         yield
+    finally:
+        with contextlib.suppress(OSError):
+            info.unlink()
+        lock.release()
+
+
+def read_json_safe(path: Path) -> Any:
+    """``read_json`` that returns None for a missing, unreadable or invalid file."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
 
 
 def read_json(path: Path, default: Any = None) -> Any:

@@ -39,7 +39,9 @@ GGUF-converted SmolLM2 tokenizer has ``add_bos_token: true`` with ``<|im_start|>
 prepends nothing to plain text. ``encode_raw`` is the one function that does this.
 
 User set (``calibration.dataset: <path>``): a JSONL file, one ``{"text": "..."}`` object per
-line. Refused with ``UserError("calibration.dataset", ...)`` naming line numbers: invalid JSON,
+line, read by ``resolve/dataset.py`` (the same reader the ``calibration.dataset`` resolve rule uses,
+so ``invoke check`` refuses what the build would; a relative path is relative to the profile's
+folder). Refused with ``UserError("calibration.dataset", ...)`` naming line numbers: invalid JSON,
 a line that is not an object with a string ``text``, blank lines or blank texts, texts longer
 than ``seq_len`` tokens (never silently truncated), fewer usable lines than ``num_samples``.
 With more lines than ``num_samples``, a seed-chosen subset (kept in file order) is used.
@@ -57,13 +59,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.errors import Problem, UserError
+from precision_pipeline.resolve.dataset import MAX_USER_FILE_BYTES, count_problem, lines_msg, scan_user_dataset  # noqa: F401
 
 KINDS = ("news", "docs", "code")
 LENGTHS = ("short", "medium", "long")
 FIELD = "calibration.dataset"
-MAX_REPORTED_LINES = 20
-MAX_USER_FILE_BYTES = 1 << 30  # 1 GiB
 
 NEWS_FILE = "test/test_data/lee_background.cor"
 HELDOUT_NEWS_FILE = "test/test_data/lee.cor"
@@ -334,78 +335,27 @@ def token_sha256(samples: Iterable[Sequence[int]]) -> str:
 # User JSONL
 
 
-def _lines_msg(nums: list[int]) -> str:
-    shown = ", ".join(str(n) for n in nums[:MAX_REPORTED_LINES])
-    more = f" (and {len(nums) - MAX_REPORTED_LINES} more)" if len(nums) > MAX_REPORTED_LINES else ""
-    return f"line{'s' if len(nums) > 1 else ''} {shown}{more}"
-
-
 def _user_set(tokenizer: Any, path_str: str, num_samples: int, seq_len: int, seed: int) -> CalibrationSet:
-    path = Path(path_str).expanduser()
-    if not path.is_file():
-        raise UserError(FIELD, f"no file at {path_str!r} (not 'builtin' either).",
-                        "write 'builtin' or the path of a JSONL file with one {\"text\": ...} per line.")
-    size = path.stat().st_size
-    if size > MAX_USER_FILE_BYTES:
-        raise UserError(FIELD, f"{path} is {size} bytes (more than {MAX_USER_FILE_BYTES}).", "use a smaller file.")
-    raw = path.read_bytes()
-    try:
-        content = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise UserError(FIELD, f"{path} is not UTF-8 (line {line}).", "save the file as UTF-8 JSONL.")
-    lines = content.split("\n")
-    if lines and lines[-1] == "":
-        lines = lines[:-1]  # final newline
-    bad_json: list[int] = []
-    not_text: list[int] = []
-    blank: list[int] = []
-    texts: list[tuple[int, str]] = []
-    for no, line in enumerate(lines, start=1):
-        line = line.rstrip("\r")
-        if not line.strip():
-            blank.append(no)
-            continue
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            bad_json.append(no)
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            not_text.append(no)
-            continue
-        if not obj["text"].strip():
-            blank.append(no)
-            continue
-        texts.append((no, obj["text"]))
-    problems = []
-    from precision_pipeline.core.errors import Problem
-
-    if bad_json:
-        problems.append(Problem(FIELD, f"{path}: {_lines_msg(bad_json)} {'are' if len(bad_json) > 1 else 'is'} not valid JSON.",
-                                "write one JSON object per line: {\"text\": \"...\"}."))
-    if not_text:
-        problems.append(Problem(FIELD, f"{path}: {_lines_msg(not_text)} {'have' if len(not_text) > 1 else 'has'} no string \"text\" field.",
-                                "write one JSON object per line: {\"text\": \"...\"}."))
-    if blank:
-        problems.append(Problem(FIELD, f"{path}: {_lines_msg(blank)} {'are' if len(blank) > 1 else 'is'} empty or blank text.",
-                                "remove empty lines and empty texts."))
+    # the file and its lines are checked by the one reader the resolve rule uses (resolve/dataset.py);
+    # what needs the tokenizer (texts longer than seq_len, usable count after that) is checked here
+    data, problems = scan_user_dataset(path_str)
+    if data is None:
+        raise UserError(problems)
+    path = data.path
     encoded: list[tuple[int, list[int]]] = []
     too_long: list[int] = []
-    for no, text in texts:
+    for no, text in data.texts:
         ids = encode_raw(tokenizer, text)
         if len(ids) > seq_len:
             too_long.append(no)
         encoded.append((no, ids))
     if too_long:
-        problems.append(Problem(FIELD, f"{path}: {_lines_msg(too_long)} {'are' if len(too_long) > 1 else 'is'} longer than "
+        problems.append(Problem(FIELD, f"{path}: {lines_msg(too_long)} {'are' if len(too_long) > 1 else 'is'} longer than "
                                 f"calibration.seq_len = {seq_len} tokens (texts are never truncated).",
                                 "split those texts, or raise calibration.seq_len."))
-    usable = len(encoded) - len(too_long)
-    if usable < num_samples:
-        problems.append(Problem(FIELD, f"{path}: {usable} usable sample{'s' if usable != 1 else ''}, but "
-                                f"calibration.num_samples = {num_samples}.",
-                                f"add at least {num_samples - usable} more lines, or lower calibration.num_samples."))
+    count = count_problem(path, len(encoded) - len(too_long), num_samples)
+    if count is not None:
+        problems.append(count)
     if problems:
         raise UserError(problems)
     rng = random.Random(f"calibration-user:{seed}")
@@ -419,8 +369,8 @@ def _user_set(tokenizer: Any, path_str: str, num_samples: int, seq_len: int, see
         tokens[k] = tokens.get(k, 0) + len(s)
     comp = {
         "dataset": str(path),
-        "sources": {"user": {"file": str(path), "sha256": hashlib.sha256(raw).hexdigest(),
-                             "lines": len(lines), "lines_used": [encoded[i][0] for i in chosen]}},
+        "sources": {"user": {"file": str(path), "sha256": data.sha256,
+                             "lines": data.lines, "lines_used": [encoded[i][0] for i in chosen]}},
         "strata": strata,
         "stratum_tokens": tokens,
         "lengths": stratum_lengths(seq_len),

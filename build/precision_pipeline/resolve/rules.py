@@ -1237,6 +1237,18 @@ def _gate_reads(ctx: Context) -> list[Finding]:
                    "parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
 
 
+@rule("calibration.dataset", "the calibration dataset is 'builtin' or a readable UTF-8 JSONL of {\"text\": ...} lines, "
+      "at least num_samples of them (builds and checks that quantize)",
+      "build/precision_pipeline/resolve/dataset.py", needs_gpu=False)
+def _calibration_dataset(ctx: Context) -> list[Finding]:
+    if not ctx.for_build or ctx.checkpoint_dir is not None:  # a reused checkpoint is not calibrated again
+        return []
+    from precision_pipeline.resolve.dataset import dataset_problems
+
+    c = ctx.profile.calibration
+    return [refuse(pr.field, pr.reason, pr.fix) for pr in dataset_problems(c.dataset, c.num_samples)]
+
+
 def describe_rules() -> list[dict]:
     """Every rule: name, what it checks, and its source (for docs and ``invoke``)."""
     return [{"rule": "gpu.known", "summary": "target.gpu is a catalog id or alias", "source": "build/precision_pipeline/spec/hardware.py"}] + [

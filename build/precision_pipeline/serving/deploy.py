@@ -437,16 +437,27 @@ def _check_pod_spec_inputs(value: str, field_name: str, pattern: re.Pattern, wha
         raise UserError(field_name, f"{value!r} is not {what} (<= {max_len} characters).", "use lower-case letters, digits and '-'.")
 
 
+def check_repo_root(repo_root: str) -> None:
+    """``--repo-root`` must be an absolute POSIX path (where the output is mounted in the container). UserError if not."""
+    if not isinstance(repo_root, str) or not repo_root.startswith("/"):
+        raise UserError("--repo-root", f"{str(repo_root)[:200]!r} is not an absolute path.",
+                        "give the absolute path of the build output in the serving container.")
+
+
+def check_image(image: str, field: str = "--image") -> None:
+    """A container image reference: non-empty, no whitespace. UserError on ``field`` if not."""
+    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
+        raise UserError(field, f"{str(image)[:200]!r} is not a container image reference.", f"e.g. {DEFAULT_IMAGE}.")
+
+
 def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_root: str, image: str, namespace: str, *,
                    pvc_name: str = DEFAULT_PVC, gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
                    startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD) -> tuple[dict[str, Optional[dict]], dict]:
     """Template parameters per template file (None = template not rendered) and facts for DeployResult."""
     notes: list[str] = []
     model_repository = Path(model_repository)
-    if not str(repo_root).startswith("/"):
-        raise UserError("--repo-root", f"{repo_root!r} is not an absolute path.", "give the absolute path of the build output in the serving container.")
-    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
-        raise UserError("image", f"{image!r} is not a container image reference.", f"e.g. {DEFAULT_IMAGE}.")
+    check_repo_root(repo_root)
+    check_image(image, "image")
     _check_pod_spec_inputs(namespace, "namespace", _DNS_LABEL, "a DNS-1123 label", 63)
     _check_pod_spec_inputs(pvc_name, "pvc_name", _DNS_SUBDOMAIN, "a DNS-1123 subdomain", 253)
     if not isinstance(startup_failure_threshold, int) or startup_failure_threshold < 1:

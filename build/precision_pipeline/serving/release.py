@@ -20,7 +20,10 @@ the fallback when ``warm_fallback`` (rollback to it is then a config switch, no 
 
 Atomicity: every file is written aside and renamed (units are staged as hidden ``.<unit>.tmp-*``
 directories, configs through ``atomic_write_text``), and ``releases.json`` is written LAST: it is the
-commit point. A crash before it leaves the previous release recorded; ``recover()`` (run at the start
+commit point. The first promote (``init_serving_repo``) stages the whole repository and renames it
+into place with ``releases.json`` as a commit file of that swap (``core.store.atomic_dir``): a kill
+before the swap's journal leaves no repository, a kill after it is completed by ``recover()``, so
+no state is a repository without its ``releases.json`` (steps: ``INIT_STEPS``). A crash before it leaves the previous release recorded; ``recover()`` (run at the start
 of promote/rollback/serve) re-points ensemble/BLS configs at the recorded release and removes staged
 leftovers, so the repository always loads and serves the recorded release. Test hook: environment
 ``PRECISION_RELEASE_CRASH_AT=<step>`` makes the process exit (status 97) right after that step
@@ -45,6 +48,11 @@ LOCK_FILE = ".releases.lock"
 CRASH_ENV = "PRECISION_RELEASE_CRASH_AT"
 CRASH_EXIT = 97
 STEPS = ("stage", "install", "load", "smoke", "ensemble_config", "switch", "bls_config", "commit", "gc")
+INIT_STEPS = ("init_stage", "init_journal", "init_swap", "init_commit")
+"""Crash points of the first promote (``init_serving_repo``): after the staged repository is complete,
+after the swap journal is written, between the renames, after releases.json is written. A crash at
+``init_stage`` leaves no repository (the old state); at any later step ``recover()`` (or the next
+promote/rollback/init) completes it (the new state)."""
 ROUTE_FILE = "route.json"  # tensorrt_llm_bls/route.json: the unit the running BLS calls (read per request)
 HISTORY_MAX = 200
 SMOKE_PROMPT = "What is 2 + 2?"
@@ -240,13 +248,40 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
     (and loaded when ``warm_fallback``).
     """
     repo_dir, packed_repo = Path(repo_dir), Path(packed_repo)
-    if repo_dir.exists():
-        raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
-    root = serve_root or str(repo_dir.resolve().parent)
     unit_src = resolve_unit_source(packed_repo)
+    with _lock(repo_dir):
+        _recover_first_promote(repo_dir)
+        if repo_dir.exists():
+            state = read_state(repo_dir)
+            if state and state.get("current") == unit_src.name and [h.get("action") for h in state.get("history", [])] == ["init"]:
+                return state  # an interrupted init of this same unit, now completed by the recovery above
+            if state is None:
+                raise UserError("repo_dir", f"{repo_dir} exists but has no {STATE_FILE} beside it, so it is not a serving "
+                                "repository this pipeline can use.",
+                                f"delete {repo_dir} (or move it away) and promote again, or choose a new directory.")
+            raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
+        return _init_locked(repo_dir, packed_repo, unit_src, serve_root=serve_root, profile=profile, gate=gate, by=by,
+                            fallback_repo=fallback_repo, warm_fallback=warm_fallback, keep_releases=keep_releases)
+
+
+def _recover_first_promote(repo_dir: Path) -> list[str]:
+    """Finish an init (first promote) that a kill interrupted after its staged copy was complete."""
+    from precision_pipeline.core.store import recover_swaps
+
+    parent, name = Path(repo_dir).resolve().parent, Path(repo_dir).name
+    done = recover_swaps(parent, names=(name,))
+    clean_stale(parent, names=(name,))  # an init killed before its journal: its incomplete copy
+    return [f"first promote into {repo_dir} completed (interrupted before releases.json)"] if done else []
+
+
+def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_root, profile, gate, by, fallback_repo,
+                 warm_fallback, keep_releases) -> dict:
     from precision_pipeline.core.store import atomic_dir
 
-    with _lock(repo_dir), atomic_dir(repo_dir) as tmp:
+    root = serve_root or str(repo_dir.resolve().parent)
+    commit: dict[Path, Any] = {}
+    # releases.json is a commit file of the repository's swap: written with it, or rolled forward with it
+    with atomic_dir(repo_dir, commit_files=commit, crash=lambda step: _crash_point(f"init_{step}")) as tmp:
         for m in pack.FIXED_MODELS:
             pack.link_tree(packed_repo / m, tmp / m)
             cfg = tmp / m / "config.pbtxt"
@@ -270,7 +305,8 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
         if fb:
             state["releases"].append(_release_record(tmp / fb, fb, "", None, by, "fallback"))
         state["history"].append({"action": "init", "from": None, "to": unit, "time": _now(), "by": by, "ms": 0.0})
-    atomic_write_json(state_path(repo_dir), state)
+        commit[state_path(repo_dir)] = state
+        _crash_point("init_stage")
     return state
 
 
@@ -303,7 +339,7 @@ def recover(repo_dir: Path, server=None) -> list[str]:
 
     With a running ``server`` the re-pointed ensemble is reloaded too (the BLS follows route.json)."""
     repo_dir = Path(repo_dir)
-    if not repo_dir.is_dir():
+    if not repo_dir.is_dir() and not repo_dir.resolve().parent.is_dir():
         return []
     with _lock(repo_dir):
         fixed = _recover_locked(repo_dir)
@@ -313,7 +349,9 @@ def recover(repo_dir: Path, server=None) -> list[str]:
 
 
 def _recover_locked(repo_dir: Path) -> list[str]:
-    fixed = []
+    fixed = _recover_first_promote(repo_dir)
+    if not repo_dir.is_dir():
+        return fixed
     stale = [p.name for p in repo_dir.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)]
     if stale:
         clean_stale(repo_dir)
@@ -604,4 +642,4 @@ def list_releases(repo_dir: Path) -> dict:
 
 
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "init_serving_repo", "recover", "smoke_test",
-                          "read_state", "serving_models", "list_releases", "STEPS", "CRASH_ENV"]
+                          "read_state", "serving_models", "list_releases", "STEPS", "INIT_STEPS", "CRASH_ENV"]

@@ -1,0 +1,182 @@
+"""The user calibration dataset (``calibration.dataset``): where it is, and whether it is a usable JSONL.
+
+One implementation, used by the resolve rule ``calibration.dataset`` (so ``invoke check`` and
+``invoke build`` refuse a bad file before anything is written) and by the quantize stage's
+calibration set (``quantize/calibration.py``, which adds the checks that need the tokenizer:
+texts longer than ``calibration.seq_len`` tokens).
+
+* ``"builtin"`` is the shipped set; any other value is a path.
+* A relative path is relative to the folder of the profile file that was given (``--profile
+  path/to/p.yaml``; for a shipped name, ``precision_profiles/``), never to the current directory:
+  ``with_dataset_resolved`` makes it absolute right after the profile is loaded.
+* Refused (``Problem`` on ``calibration.dataset``): an empty value, a misspelt ``builtin``, a
+  missing file, a directory or anything that is not a regular file (``/dev/zero``), a file over
+  ``MAX_USER_FILE_BYTES``, bytes that are not UTF-8 (with the line), and, naming line numbers:
+  invalid JSON, lines that are not an object with a string ``text``, blank lines or texts, and
+  fewer usable lines than ``calibration.num_samples``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from precision_pipeline.core.errors import Problem
+
+FIELD = "calibration.dataset"
+BUILTIN = "builtin"
+MAX_USER_FILE_BYTES = 1 << 30  # 1 GiB
+MAX_REPORTED_LINES = 20
+_FORMAT_FIX = "write one JSON object per line: {\"text\": \"...\"}."
+
+
+@dataclass(frozen=True)
+class UserDataset:
+    """A readable JSONL: ``texts`` are (line number from 1, text) of the usable lines."""
+
+    path: Path
+    sha256: str
+    lines: int
+    texts: tuple[tuple[int, str], ...]
+
+
+def lines_msg(nums: list[int]) -> str:
+    """``line 3`` / ``lines 2, 5 (and 7 more)``."""
+    shown = ", ".join(str(n) for n in nums[:MAX_REPORTED_LINES])
+    more = f" (and {len(nums) - MAX_REPORTED_LINES} more)" if len(nums) > MAX_REPORTED_LINES else ""
+    return f"line{'s' if len(nums) > 1 else ''} {shown}{more}"
+
+
+def _short(s: str, n: int = 120) -> str:
+    return repr(s if len(s) <= n else s[:n] + "...")
+
+
+def with_dataset_resolved(profile: Any, profile_file: Optional[Path]) -> Any:
+    """``profile`` with a relative ``calibration.dataset`` made absolute against ``profile_file``'s folder.
+
+    ``"builtin"``, ``""``, absolute and ``~`` paths are returned unchanged (the rule judges them);
+    ``profile_file`` None (a profile built in code) leaves relative paths as they are."""
+    ds = profile.calibration.dataset
+    if not ds or ds == BUILTIN or profile_file is None:
+        return profile
+    p = Path(ds).expanduser()
+    if p.is_absolute():
+        return profile
+    absolute = Path(profile_file).resolve().parent / p
+    if _near_builtin(ds) and not os.path.lexists(absolute):
+        return profile  # refused as a misspelt 'builtin'
+    absolute = str(absolute)
+    return profile.model_copy(update={"calibration": profile.calibration.model_copy(update={"dataset": absolute})})
+
+
+def _near_builtin(ds: str) -> bool:
+    """A value that reads as a misspelt ``builtin`` (``Builtin``, ``built-in``, ``bultin``), not a path."""
+    s = ds.strip().lower()
+    return ds != BUILTIN and "/" not in s and "." not in s and (
+        s.replace("-", "").replace("_", "").replace(" ", "") == BUILTIN
+        or bool(difflib.get_close_matches(s, [BUILTIN], n=1, cutoff=0.7)))
+
+
+def _path_problem(ds: str) -> tuple[Optional[Path], Optional[Problem]]:
+    fix = "write 'builtin' or the path of a JSONL file with one {\"text\": ...} per line (relative to the profile's folder)."
+    if not isinstance(ds, str) or not ds.strip():
+        return None, Problem(FIELD, "is empty.", fix)
+    if _near_builtin(ds) and not os.path.lexists(Path(ds).expanduser()):
+        return None, Problem(FIELD, f"{_short(ds)} is not 'builtin' (the shipped set) nor a file path.",
+                             "did you mean 'builtin'? Write it in lower case, as one word.")
+    p = Path(ds).expanduser()
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return None, Problem(FIELD, f"no file at {_short(ds)} (not 'builtin' either).", fix)
+    except (OSError, ValueError) as e:
+        return None, Problem(FIELD, f"{_short(ds)} cannot be read ({type(e).__name__}: {str(e)[:120]}).", fix)
+    if stat.S_ISDIR(st.st_mode):
+        return None, Problem(FIELD, f"{_short(ds)} is a directory, not a JSONL file.", fix)
+    if not stat.S_ISREG(st.st_mode):
+        return None, Problem(FIELD, f"{_short(ds)} is not a regular file (a device, pipe or socket).", fix)
+    if st.st_size > MAX_USER_FILE_BYTES:
+        return None, Problem(FIELD, f"{p} is {st.st_size} bytes (more than {MAX_USER_FILE_BYTES}).", "use a smaller file.")
+    return p, None
+
+
+def scan_user_dataset(ds: str) -> tuple[Optional[UserDataset], list[Problem]]:
+    """Read the JSONL at ``ds`` (a path; not ``"builtin"``). Returns (dataset or None, problems).
+
+    None with one problem when the file itself is unusable (see the module docstring); otherwise
+    the dataset and the problems of its lines (invalid JSON, no string ``text``, blank)."""
+    path, problem = _path_problem(ds)
+    if problem is not None:
+        return None, [problem]
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        return None, [Problem(FIELD, f"{path} cannot be read ({type(e).__name__}: {str(e)[:120]}).", "check the file's permissions.")]
+    try:
+        content = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        return None, [Problem(FIELD, f"{path} is not UTF-8 (line {line}).", "save the file as UTF-8 JSONL.")]
+    lines = content.split("\n")
+    if lines and lines[-1] == "":
+        lines = lines[:-1]  # final newline
+    bad_json: list[int] = []
+    not_text: list[int] = []
+    blank: list[int] = []
+    texts: list[tuple[int, str]] = []
+    for no, line in enumerate(lines, start=1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            blank.append(no)
+            continue
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            bad_json.append(no)
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            not_text.append(no)
+            continue
+        if not obj["text"].strip():
+            blank.append(no)
+            continue
+        texts.append((no, obj["text"]))
+    problems = []
+    if bad_json:
+        problems.append(Problem(FIELD, f"{path}: {lines_msg(bad_json)} {'are' if len(bad_json) > 1 else 'is'} not valid JSON.", _FORMAT_FIX))
+    if not_text:
+        problems.append(Problem(FIELD, f"{path}: {lines_msg(not_text)} {'have' if len(not_text) > 1 else 'has'} no string \"text\" field.",
+                                _FORMAT_FIX))
+    if blank:
+        problems.append(Problem(FIELD, f"{path}: {lines_msg(blank)} {'are' if len(blank) > 1 else 'is'} empty or blank text.",
+                                "remove empty lines and empty texts."))
+    return UserDataset(path, hashlib.sha256(raw).hexdigest(), len(lines), tuple(texts)), problems
+
+
+def count_problem(path: Path, usable: int, num_samples: int) -> Optional[Problem]:
+    """The problem when ``usable`` lines are fewer than ``calibration.num_samples``."""
+    if usable >= num_samples:
+        return None
+    return Problem(FIELD, f"{path}: {usable} usable sample{'s' if usable != 1 else ''}, but calibration.num_samples = {num_samples}.",
+                   f"add at least {num_samples - usable} more lines, or lower calibration.num_samples.")
+
+
+def dataset_problems(ds: str, num_samples: int) -> list[Problem]:
+    """Every problem of ``calibration.dataset`` that needs no tokenizer ([] for ``"builtin"``)."""
+    if ds == BUILTIN:
+        return []
+    data, problems = scan_user_dataset(ds)
+    if data is not None:
+        c = count_problem(data.path, len(data.texts), num_samples)
+        problems += [c] if c else []
+    return problems
+
+
+__all__ = ["FIELD", "BUILTIN", "UserDataset", "scan_user_dataset", "count_problem", "dataset_problems",
+           "with_dataset_resolved", "lines_msg", "MAX_USER_FILE_BYTES"]

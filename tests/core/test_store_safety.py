@@ -1,0 +1,173 @@
+"""The artifact store under kills and concurrency (issue 11 items 3 and 6).
+
+* a kill at each step of a directory swap (``atomic_dir``): the next ``clean_stale`` never leaves
+  the target missing; from the journal on, the new copy and its commit files are rolled forward;
+* only leftovers of the named targets are removed (never a user's ``.env.tmp-backup``);
+* the lock names its holder (pid, host, since) to a second process, which waits with messages or
+  is refused at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core import store
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import CRASH_ENV, CRASH_EXIT, SWAP_STEPS, atomic_dir, clean_stale
+
+BUILD = Path(__file__).resolve().parents[2] / "build"
+
+
+def _python(code: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=BUILD, capture_output=True, text=True,
+                          env=dict(os.environ, **(env or {})), timeout=120, **kw)
+
+
+def _swap_in_subprocess(target: Path, record: Path, step: str | None) -> subprocess.CompletedProcess:
+    """A second version of ``target`` (file f = "new") with ``record`` as commit file, killed at ``step``."""
+    code = f"""
+        from pathlib import Path
+        from precision_pipeline.core.store import atomic_dir
+        commit = {{}}
+        with atomic_dir(Path({str(target)!r}), commit_files=commit) as tmp:
+            (tmp / "f").write_text("new")
+            commit[Path({str(record)!r})] = {{"key": "new"}}
+    """
+    return _python(code, {CRASH_ENV: step} if step else {})
+
+
+def _first_version(tmp_path: Path) -> tuple[Path, Path]:
+    target, record = tmp_path / "checkpoint", tmp_path / ".stages" / "quantize.json"
+    with atomic_dir(target, commit_files={record: {"key": "old"}}) as d:
+        (d / "f").write_text("old")
+    assert json.loads(record.read_text()) == {"key": "old"}
+    return target, record
+
+
+@pytest.mark.parametrize("step", SWAP_STEPS)
+def test_kill_inside_the_swap_is_rolled_forward(tmp_path, step):
+    target, record = _first_version(tmp_path)
+    p = _swap_in_subprocess(target, record, step)
+    assert p.returncode == CRASH_EXIT, p.stderr
+    if step == "swap":  # killed between the two renames: no target at all until the next start
+        assert not target.exists()
+    clean_stale(tmp_path, names=["checkpoint", ".stages"])
+    assert (target / "f").read_text() == "new"
+    assert json.loads(record.read_text()) == {"key": "new"}  # the folder's record came with it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".stages", "checkpoint"]
+
+
+def test_kill_before_the_journal_keeps_the_previous_copy(tmp_path):
+    target, record = _first_version(tmp_path)
+    code = f"""
+        import os
+        from pathlib import Path
+        from precision_pipeline.core.store import atomic_dir
+        with atomic_dir(Path({str(target)!r})) as tmp:
+            (tmp / "f").write_text("half")
+            os._exit(9)
+    """
+    assert _python(code).returncode == 9
+    assert any(".checkpoint.tmp-" in q.name for q in tmp_path.iterdir())
+    clean_stale(tmp_path, names=["checkpoint"])
+    assert (target / "f").read_text() == "old" and json.loads(record.read_text()) == {"key": "old"}
+    assert sorted(q.name for q in tmp_path.iterdir()) == [".stages", "checkpoint"]
+
+
+def test_a_stage_killed_mid_swap_is_a_cache_hit_after_recovery(tmp_path, monkeypatch):
+    """Through the runner: the record is committed with the folder, so the next build reuses it."""
+    from precision_pipeline.core.stage import Artifact, Frozen, Manifest, Stage, StageRunner, execute
+
+    class In(Frozen):
+        n: int
+
+    class Writes(Stage):
+        name, output, artifact_type = "quantize", "checkpoint", Artifact
+
+        def inputs(self, plan, request, upstream):
+            return In(n=plan)
+
+        def run(self, inputs, workdir):
+            (workdir / "f").write_text(str(inputs.n))
+            return Artifact()
+
+    execute(Writes(), 1, None, {}, tmp_path)
+
+    def kill(step):
+        if step == "swap":
+            raise SystemExit("killed between the renames")
+    monkeypatch.setattr(store, "_crash_point", kill)
+    with pytest.raises(SystemExit):
+        execute(Writes(), 2, None, {}, tmp_path)
+    assert not (tmp_path / "checkpoint").exists()
+    monkeypatch.undo()
+    clean_stale(tmp_path, names=["checkpoint", ".stages"])
+    assert (tmp_path / "checkpoint" / "f").read_text() == "2"
+    runner = StageRunner(tmp_path, Manifest.open(tmp_path / "manifest.json", profile="p", profile_source="p",
+                                                 model_dir="m", out_dir=str(tmp_path)))
+    assert runner.run(Writes(), 2, None, {}).record.status == "cached"
+    assert runner.run(Writes(), 1, None, {}).record.status == "done"  # the old key is not taken for the new folder
+
+
+def test_clean_stale_with_names_touches_only_those_leftovers(tmp_path):
+    (tmp_path / ".env.tmp-backup").write_text("user secret")
+    (tmp_path / ".gate.tmp-abc").mkdir()
+    (tmp_path / ".gate.old-12").mkdir()
+    clean_stale(tmp_path, names=["gate", "checkpoint"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".env.tmp-backup"]
+    assert (tmp_path / ".env.tmp-backup").read_text() == "user secret"
+
+
+HOLDER = """
+    import sys, time
+    from pathlib import Path
+    from precision_pipeline.core.store import locked
+    with locked(Path(sys.argv[1]), what="holder test"):
+        print("held", flush=True)
+        time.sleep(float(sys.argv[2]))
+"""
+
+
+def _hold(lock: Path, seconds: float) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(lock), str(seconds)], cwd=BUILD,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_lock_held_by_another_process_is_refused_naming_it(tmp_path):
+    lock = tmp_path / "out" / ".build.lock"
+    holder = _hold(lock, 30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UserError) as e:
+            with store.locked(lock, timeout_s=0, field="--out", busy_fix="use --out elsewhere"):
+                pass
+        assert time.monotonic() - t0 < 5
+        pr = e.value.problems[0]
+        assert pr.field == "--out" and f"pid {holder.pid} on " in pr.reason and "since " in pr.reason
+        assert "(holder test)" in pr.reason and pr.fix == "use --out elsewhere"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_waiter_says_who_it_waits_for_then_gets_the_lock(tmp_path):
+    lock = tmp_path / "out" / ".build.lock"
+    holder = _hold(lock, 1.5)
+    said: list[str] = []
+    try:
+        with store.locked(lock, timeout_s=None, on_wait=said.append, interval_s=0.3):
+            assert store.lock_holder(lock)["pid"] == os.getpid()
+    finally:
+        holder.wait()
+    assert said and all(f"held by pid {holder.pid}" in m for m in said), said
+    assert not Path(str(lock) + ".json").exists()  # the sidecar goes with the lock

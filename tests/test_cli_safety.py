@@ -1,0 +1,336 @@
+"""Nothing lost, nothing written before a refusal (issue 11 items 1, 2, 5, 6), as a user runs the tasks.
+
+* ``--out``: only a new/empty folder or one with our marker is written; a web project holding
+  ``manifest.json``, ``k8s/``, ``gate/`` and ``.env.tmp-backup`` is refused and left as it was;
+* ``--checkpoint``: random bytes or a truncated rank file are refused before anything is copied;
+* ``calibration.dataset``: ``invoke check`` refuses the 8 bad datasets as ``build`` does, with
+  relative paths read from the profile's folder;
+* a Ctrl-C during a stage leaves the previous plan.json; the lock lives inside ``--out`` and names
+  its holder; ``--no-wait`` refuses at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core.store import hash_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+INVOKE = [sys.executable, "-m", "invoke"]
+
+
+def run_task(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="250")
+    return subprocess.run([*INVOKE, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _refused(r: subprocess.CompletedProcess, field: str, *needles: str) -> str:
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text
+    assert "Traceback" not in text and "internal error" not in text, text
+    assert f"{field}:" in r.stdout, text
+    for n in needles:
+        assert n in text, f"{n!r} not in:\n{text}"
+    return text
+
+
+def _tree(d: Path) -> dict[str, str]:
+    return {p.relative_to(d).as_posix(): (p.read_text() if p.is_file() else "/") for p in sorted(d.rglob("*"))}
+
+
+@pytest.fixture()
+def previous_output(tmp_path) -> Path:
+    """A previous build's output (marker written, as every build does first)."""
+    from precision_pipeline.pipeline import write_output_marker
+
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    write_output_marker(out, "earlier")
+    (out / "manifest.json").write_text('{"profile": "earlier"}\n')
+    (out / "plan.json").write_text('{"profile": "earlier"}\n')
+    (out / "checkpoint" / "config.json").write_text('{"quantization": {"quant_algo": "FP8"}}\n')
+    return out
+
+
+# ---- item 1: our output is recognised by our marker only
+
+
+def test_web_project_as_out_is_refused_and_survives(tmp_path):
+    web = tmp_path / "web"
+    (web / "k8s").mkdir(parents=True)
+    (web / "gate").mkdir()
+    (web / "manifest.json").write_text('{"name": "my-web-app", "version": "1.0.0"}\n')
+    (web / "k8s" / "web-deployment.yaml").write_text("kind: Deployment\n")
+    (web / "gate" / "notes.txt").write_text("release notes\n")
+    (web / ".env.tmp-backup").write_text("SECRET=1\n")
+    before = _tree(web)
+    r = run_task("build", "--profile", "fp8-h100", "--out", str(web))
+    _refused(r, "--out", "is not a build output", ".precision-build.json", "fix:")
+    assert _tree(web) == before
+
+
+def test_output_from_before_the_marker_is_refused_with_how_to_proceed(tmp_path):
+    old = tmp_path / "artifacts" / "fp8-h100"
+    (old / ".stages").mkdir(parents=True)
+    (old / "checkpoint").mkdir()
+    (old / "manifest.json").write_text(json.dumps({"profile": "fp8-h100", "stages": {"quantize": {"status": "done"}}}))
+    before = _tree(old)
+    r = run_task("build", "--profile", "fp8-h100", "--out", str(old))
+    _refused(r, "--out", "from before output folders were marked", "delete it yourself", "give a new --out")
+    assert _tree(old) == before
+
+
+# ---- item 2: every tensor's byte range is checked before anything is copied
+
+
+def _checkpoint(d: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architecture": "LlamaForCausalLM", "mapping": {"world_size": 1, "tp_size": 1},
+                                               "quantization": {"quant_algo": None}}))
+    save_file({"lm_head.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}, str(d / "rank0.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("damage", ["random-bytes", "truncated", "header-only", "empty"])
+def test_damaged_checkpoint_is_refused_before_anything_is_copied(damage, tmp_path, previous_output):
+    ck = _checkpoint(tmp_path / "ck")
+    rank = ck / "rank0.safetensors"
+    data = rank.read_bytes()
+    if damage == "random-bytes":
+        rank.write_bytes(os.urandom(4096))
+    elif damage == "truncated":
+        rank.write_bytes(data[: len(data) // 2])
+    elif damage == "header-only":
+        rank.write_bytes(data[: 8 + int.from_bytes(data[:8], "little")])
+    else:
+        rank.write_bytes(b"")
+    before = hash_dir(previous_output)
+    r = run_task("build", "--profile", "bf16-h100", "--checkpoint", str(ck), "--out", str(previous_output))
+    _refused(r, "--checkpoint", str(rank), "is not a complete safetensors file")
+    assert hash_dir(previous_output) == before
+
+
+def test_header_reader_checks_each_range(tmp_path):
+    from precision_pipeline.checkpoint.reader import safetensors_header
+    from precision_pipeline.core.errors import UserError
+
+    ck = _checkpoint(tmp_path / "ck")
+    rank = ck / "rank0.safetensors"
+    h = safetensors_header(rank)
+    assert h["lm_head.weight"]["data_offsets"] == [0, 64 * 64 * 2]
+    data = bytearray(rank.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["lm_head.weight"]["shape"] = [64, 65]  # dtype x shape no longer matches the range
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    rank.write_bytes(bytes(data[:8]) + text + bytes(data[8 + n:]))
+    with pytest.raises(UserError, match=r"needs 8320 bytes, its data_offsets give 8192") as e:
+        safetensors_header(rank, field="--checkpoint")
+    assert e.value.problems[0].field == "--checkpoint"
+    rank.write_bytes((2**63).to_bytes(8, "little") + b"{}")  # a header length that used to raise OverflowError
+    with pytest.raises(UserError, match="claims"):
+        safetensors_header(rank)
+
+
+# ---- item 5: the calibration dataset is one rule that check and build both run
+
+
+def _dataset_profile(d: Path, dataset: str, name: str) -> Path:
+    prof = d / "profiles" / f"{name}.yaml"
+    prof.parent.mkdir(parents=True, exist_ok=True)
+    prof.write_text(f"extends: fp8-h100\nname: {name}\ncalibration:\n  dataset: {json.dumps(dataset)}\n  num_samples: 2\n")
+    return prof
+
+
+def _bad_datasets(d: Path) -> dict[str, tuple[str, str]]:
+    """name -> (dataset value, expected text)."""
+    (d / "profiles").mkdir(parents=True, exist_ok=True)
+    (d / "adir").mkdir()
+    (d / "profiles" / "line3.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": broken\n')
+    (d / "profiles" / "latin1.jsonl").write_bytes('{"text": "caf\u00e9"}\n{"text": "ok"}\n'.encode("latin-1"))
+    (d / "calib.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')  # beside the cwd-ish parent, not the profile
+    return {
+        "missing": (str(d / "nope.jsonl"), "no file at"),
+        "directory": (str(d / "adir"), "is a directory"),
+        "dev-zero": ("/dev/zero", "is not a regular file"),
+        "invalid-json-line-3": ("line3.jsonl", "line 3 is not valid JSON"),
+        "latin-1": ("latin1.jsonl", "is not UTF-8 (line 1)"),
+        "relative-not-beside-profile": ("../calib-missing.jsonl", "no file at"),
+        "empty": ("", "is empty"),
+        "misspelt-builtin": ("bultin", "did you mean 'builtin'"),
+    }
+
+
+def test_check_refuses_every_bad_dataset(tmp_path):
+    cases = _bad_datasets(tmp_path)
+    for name, (value, expected) in cases.items():
+        prof = _dataset_profile(tmp_path, value, name)
+        r = run_task("check", "--profile", str(prof))
+        text = _refused(r, "calibration.dataset", expected)
+        assert "rule: calibration.dataset" in text, (name, text)
+
+
+def test_relative_dataset_is_read_beside_the_profile(tmp_path):
+    prof = _dataset_profile(tmp_path, "data/calib.jsonl", "relative-ok")
+    (prof.parent / "data").mkdir()
+    (prof.parent / "data" / "calib.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    r = run_task("check", "--profile", str(prof))
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+    from precision_pipeline.pipeline import load_build_profile
+
+    assert load_build_profile(str(prof)).calibration.dataset == str((prof.parent / "data" / "calib.jsonl").resolve())
+
+
+def test_build_refuses_a_bad_dataset_before_writing(tmp_path, previous_output):
+    prof = _dataset_profile(tmp_path, "/dev/zero", "devzero")
+    before = hash_dir(previous_output)
+    names = sorted(p.name for p in previous_output.iterdir())
+    r = run_task("build", "--profile", str(prof), "--out", str(previous_output))
+    _refused(r, "calibration.dataset", "is not a regular file")
+    assert hash_dir(previous_output) == before and sorted(p.name for p in previous_output.iterdir()) == names
+
+
+def test_build_refuses_texts_longer_than_seq_len_before_writing(tmp_path, previous_output):
+    prof = _dataset_profile(tmp_path, "long.jsonl", "longtexts")
+    prof.write_text(prof.read_text().replace("num_samples: 2\n", "num_samples: 2\n  seq_len: 16\n"))
+    (prof.parent / "long.jsonl").write_text(json.dumps({"text": "word " * 50}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    before = hash_dir(previous_output)
+    r = run_task("build", "--profile", str(prof), "--out", str(previous_output))
+    _refused(r, "calibration.dataset", "line 1 is longer than calibration.seq_len = 16 tokens")
+    assert hash_dir(previous_output) == before
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--repo-root", "relative/path"], "--repo-root"),
+    (["--image", "bad image"], "--image"),
+])
+def test_bad_serving_options_are_refused_before_writing(flags, field, previous_output):
+    before = hash_dir(previous_output)
+    _refused(run_task("build", "--profile", "fp8-h100", "--out", str(previous_output), *flags), field)
+    assert hash_dir(previous_output) == before
+
+
+def test_golden_limit_is_checked_by_run_build_itself(previous_output):
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.pipeline import run_build
+
+    before = hash_dir(previous_output)
+    with pytest.raises(UserError) as e:
+        run_build("fp8-h100", out=str(previous_output), golden_limit=0)
+    assert e.value.problems[0].field == "--golden-limit"
+    assert hash_dir(previous_output) == before
+
+
+# ---- item 5 (plan.json goes with its stages) and item 6 (lock inside the output), with stand-in stages
+
+
+def _fake_stages(monkeypatch, interrupt_in: str | None = None):
+    from precision_pipeline import pipeline
+    from precision_pipeline.core.stage import Artifact, Frozen, Stage
+
+    class In(Frozen):
+        profile: str
+
+    class Art(Artifact):
+        layers: dict = {}
+        built: bool = False
+        passed: bool = True
+
+    def make(stage_name: str, folder: str):
+        class Fake(Stage):
+            name, output, artifact_type = stage_name, folder, Art
+
+            def inputs(self, plan, request, upstream):
+                return In(profile=plan.profile.name)
+
+            def run(self, inputs, workdir):
+                (workdir / "made-by").write_text(f"{stage_name} of {inputs.profile}\n")
+                if stage_name == interrupt_in:
+                    raise KeyboardInterrupt
+                return Art()
+        return Fake()
+
+    monkeypatch.setattr(pipeline, "STAGES", (pipeline.STAGES[0], make("quantize", "checkpoint"), make("gate", "gate"),
+                                             make("engine", "engine")))
+
+
+def test_ctrl_c_during_a_stage_leaves_the_previous_plan(monkeypatch, previous_output):
+    from precision_pipeline.pipeline import run_build
+
+    _fake_stages(monkeypatch, interrupt_in="quantize")
+    before = {n: (previous_output / n).read_text() for n in ("plan.json",)}
+    ck = hash_dir(previous_output / "checkpoint")
+    with pytest.raises(KeyboardInterrupt):
+        run_build("fp8-h100", out=str(previous_output))
+    assert (previous_output / "plan.json").read_text() == before["plan.json"]
+    assert hash_dir(previous_output / "checkpoint") == ck
+    assert not [p.name for p in previous_output.iterdir() if ".tmp-" in p.name]
+
+
+def test_lock_lives_inside_out_and_parent_is_untouched(monkeypatch, tmp_path):
+    from precision_pipeline.pipeline import run_build
+
+    _fake_stages(monkeypatch)
+    parent = tmp_path / "volume-root"
+    out = parent / "out"
+    out.mkdir(parents=True)
+    if os.geteuid() != 0:  # as root, permissions do not stop writes: the listing below is the check
+        parent.chmod(0o555)
+    try:
+        res = run_build("fp8-h100", out=str(out))
+    finally:
+        parent.chmod(0o755)
+    assert sorted(p.name for p in parent.iterdir()) == ["out"]
+    assert {".build.lock", ".precision-build.json", "plan.json", "manifest.json", "checkpoint"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "plan.json").read_text())["profile"] == "fp8-h100"
+    assert [s.status for s in res.stages] == ["done", "done", "done", "done"]
+
+
+HOLD = """
+    import sys, time
+    from pathlib import Path
+    from precision_pipeline.core.store import locked
+    with locked(Path(sys.argv[1]) / ".build.lock", what="build of fp8-h100"):
+        print("held", flush=True)
+        time.sleep(120)
+"""
+
+
+def test_second_build_of_the_same_out_names_the_first(tmp_path, previous_output):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD), str(previous_output)], cwd=ROOT / "build",
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = hash_dir(previous_output, exclude=(".build.lock", ".build.lock.json"))
+        r = run_task("build", "--profile", "fp8-h100", "--out", str(previous_output), "--no-wait")
+        _refused(r, "--out", f"held by pid {holder.pid} on ", "since ", "--no-wait")
+        assert hash_dir(previous_output, exclude=(".build.lock", ".build.lock.json")) == before
+        # without --no-wait it waits, saying for whom, every few seconds
+        waiter = subprocess.Popen([*INVOKE, "build", "--profile", "fp8-h100", "--out", str(previous_output)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=dict(os.environ, COLUMNS="250"))
+        try:
+            t0, line = time.monotonic(), ""
+            while time.monotonic() - t0 < 60 and "waiting for" not in line:
+                line = waiter.stdout.readline()
+                assert line or waiter.poll() is None, "the waiting build ended"
+            assert "waiting for" in line and f"held by pid {holder.pid}" in line, line
+            assert waiter.poll() is None
+        finally:
+            waiter.kill()
+            waiter.wait()
+    finally:
+        holder.kill()
+        holder.wait()
