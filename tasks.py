@@ -233,6 +233,26 @@ def test(c, k=None, fast=False):
         raise Exit(code=r.exited)
 
 
+@task(help={"module": "one module under build/precision_pipeline, e.g. resolve/rules.py (default: every configured one)",
+            "max_mutants": "sample at most N mutants per module (default: [tool.mutate] max_mutants in pyproject.toml)",
+            "seed": "sampling seed (default 0)", "jobs": "parallel test runs (default 2)",
+            "min_score": "exit 1 when the score over the run is below this fraction, e.g. 0.9"})
+def mutate(c, module=None, max_mutants=None, seed=0, jobs=2, min_score=None):
+    """Mutation testing of the core modules (tests/mutate.py); not part of `invoke test`."""
+    cmd = [sys.executable, str(ROOT / "tests" / "mutate.py"), "--seed", str(int(seed)), "--jobs", str(int(jobs))]
+    if module:
+        cmd += ["--module", str(module)]
+    if max_mutants is not None:
+        cmd += ["--max-mutants", str(int(max_mutants))]
+    if min_score is not None:
+        cmd += ["--min-score", str(float(min_score))]
+    import shlex
+
+    r = c.run(" ".join(shlex.quote(x) for x in cmd), pty=False, warn=True)
+    if r.exited:
+        raise Exit(code=r.exited)
+
+
 # --------------------------------------------------------------------------------------------
 # Serving: a real Triton server (CPU reference stand-in for the tensorrtllm backend), releases
 

@@ -7,9 +7,9 @@ Tolerances used below and why:
   (``x * (448/amax)``) and the export (``w / weights_scaling_factor``) may break the tie in opposite
   directions, so the two differ by exactly one E4M3 step. Bf16 weights and bf16 amax make such
   ties common.
-* Logits of ``load_checkpoint_model`` vs ModelOpt's fake-quant model given the checkpoint's numbers
-  (weights = the checkpoint's, activation and KV quantizer amax = 448 x the checkpoint's scales):
-  1e-4 absolute (same float operations; measured 0.0).
+* Logits of ``load_checkpoint_model`` vs ModelOpt's fake-quant model on the checkpoint's codes
+  (weights = the file's E4M3 bytes x scales, decoded in the test, ModelOpt's own weight/input
+  quantizers on, its KV amax clamped as the export does): 1e-4 absolute.
 * ModelOpt's fake-quant model as calibrated vs the checkpoint: only statistical agreement
   (KL, top-1), because the export clamps FP8 KV scales to >= 1.0, breaks weight ties differently
   and the default model amplifies single FP8 rounding flips (residual activations reach ~24,000).
@@ -216,20 +216,44 @@ def test_fp8_dequantized_weights_vs_modelopt_fake_quant(fp8_checkpoint, default_
     assert ties / total < 0.2
 
 
-def _sync_modelopt_to_checkpoint(mo, mine, ckpt: Path):
-    """Give ModelOpt's fake-quant model the checkpoint's numbers: weights, input and KV amax."""
+_HF_TO_TRT = {"self_attn.q_proj": ("attention.qkv", 0, 576), "self_attn.k_proj": ("attention.qkv", 576, 768),
+              "self_attn.v_proj": ("attention.qkv", 768, 960), "self_attn.o_proj": ("attention.dense", 0, None),
+              "mlp.gate_proj": ("mlp.fc", 0, None), "mlp.up_proj": ("mlp.gate", 0, None), "mlp.down_proj": ("mlp.proj", 0, None)}
+
+
+def _modelopt_on_checkpoint_codes(mo, ckpt: Path) -> None:
+    """Put the checkpoint's FP8 codes into ModelOpt's fake-quant model; keep ModelOpt's own quantizers.
+
+    Weights: the checkpoint's raw E4M3 bytes x its raw weights_scaling_factor, decoded here (not by
+    the reader), so that the weight tie-breaks of the export are the model's; ModelOpt's own
+    weight_quantizer (its calibrated amax) must leave those codes unchanged, then it is switched off.
+    Activations and KV: the file's scales x 448, after asserting that they are ModelOpt's own
+    quantizer state (input amax / 448; k/v amax / 448 clamped to >= 1, as the export writes).
+    Nothing comes from the reader, so a reader that drops or alters a scale cannot match.
+    """
     from safetensors.torch import load_file
 
     raw = load_file(str(Path(ckpt) / "rank0.safetensors"))
     with torch.no_grad():
-        for i, (a, b) in enumerate(zip(mo.model.layers, mine.model.layers)):
-            for n in LINEARS:
-                ma, mb = a.get_submodule(n), b.get_submodule(n)
-                ma.weight.copy_(mb.weight)
-                ma.weight_quantizer.disable()
-                ma.input_quantizer.amax = mb.act_scale.float() * 448.0
-            a.self_attn.k_bmm_quantizer.amax = 448.0 * raw[f"transformer.layers.{i}.attention.k_cache_scaling_factor"].reshape(())
-            a.self_attn.v_bmm_quantizer.amax = 448.0 * raw[f"transformer.layers.{i}.attention.v_cache_scaling_factor"].reshape(())
+        for i, layer in enumerate(mo.model.layers):
+            base = f"transformer.layers.{i}."
+            for hf, (trt, a, b) in _HF_TO_TRT.items():
+                mod = layer.get_submodule(hf)
+                ws = raw[base + trt + ".weights_scaling_factor"].float()
+                assert torch.allclose(mod.weight_quantizer.amax.float().max() / 448.0, ws.reshape(()), rtol=1e-6), (i, hf)
+                acts = raw[base + trt + ".activation_scaling_factor"].float()
+                assert torch.allclose(mod.input_quantizer.amax.float() / 448.0, acts.reshape(()), rtol=1e-6), (i, hf)
+                codes = raw[base + trt + ".weight"][a:b].float() * ws
+                assert torch.allclose(mod.weight_quantizer(codes), codes, rtol=1e-6, atol=0), (i, hf)
+                # bit-exact from here on: the default model turns a 1e-7 change into FP8 rounding flips
+                mod.weight.copy_(codes)
+                mod.weight_quantizer.disable()
+                mod.input_quantizer.amax = acts.reshape(()) * 448.0
+            attn = layer.self_attn
+            for q, key in ((attn.k_bmm_quantizer, "k_cache_scaling_factor"), (attn.v_bmm_quantizer, "v_cache_scaling_factor")):
+                scale = raw[base + "attention." + key].float().reshape(())
+                assert torch.allclose(torch.clamp(q.amax.float() / 448.0, min=1.0), scale, rtol=1e-6), (i, key)
+                q.amax = 448.0 * scale
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +273,7 @@ def test_fp8_logits_equal_modelopt_given_checkpoint_numbers(fp8_checkpoint, defa
     from tests.conftest import restore_modelopt_model
 
     mo = restore_modelopt_model(fp8_checkpoint, default_model_dir)
-    _sync_modelopt_to_checkpoint(mo, fp8_model, fp8_checkpoint)
+    _modelopt_on_checkpoint_codes(mo, fp8_checkpoint)
     with torch.no_grad():
         a = mo(heldout_ids).logits
         b = fp8_model(heldout_ids).logits
@@ -337,6 +361,20 @@ def test_broken_checkpoint_refused(fp8_checkpoint, default_model_dir, tmp_path, 
     with pytest.raises(UserError) as e:
         load_checkpoint_model(d, default_model_dir)
     assert e.value.problems[0].field == "checkpoint"
+    pr = e.value.problems[0]
+    assert pr.reason == BROKEN_REASONS[case].format(d=d), pr.reason  # the reason names what is wrong, and where
+    assert pr.fix
+
+
+BROKEN_REASONS = {
+    "missing_scale": "transformer.layers.2.attention.dense.weight is torch.float8_e4m3fn but "
+                     "transformer.layers.2.attention.dense.weights_scaling_factor is missing.",
+    "extra_tensor": "1 tensors are not understood by the reader, e.g. transformer.layers.2.attention.rotary_inv_freq.",
+    "exclude_mismatch": "transformer.layers.0.mlp.fc is stored as F8_E4M3 in rank0.safetensors but declared NO_QUANT "
+                        "(exclude_modules lists it) (stored as BF16 or F16 or F32).",
+    "missing_rank": "{d} lacks rank1.safetensors, rank2.safetensors (mapping.world_size = 3).",
+    "bf16_linear": "transformer.layers.5.mlp.gate is stored as BF16 in rank0.safetensors but declared FP8 (stored as F8_E4M3).",
+}
 
 
 def test_hf_config_mismatch_refused(fp8_checkpoint, default_model_dir, tmp_path):

@@ -115,6 +115,12 @@ def test_crash_at_each_step_leaves_loadable_repo(tmp_path, units, step):
 # ---- live: one real server for this part
 
 
+def _assert_smoke(r: dict) -> None:
+    """A real smoke test's result: non-empty text of 1..8 tokens (max_tokens 8), timed."""
+    assert set(r) == {"text", "tokens", "ms"}, r
+    assert r["text"].strip() and 1 <= r["tokens"] <= 8 and r["ms"] > 0, r
+
+
 @pytest.mark.slow
 def test_live_crash_recovery_promote_and_warm_rollback(tmp_path, units):
     from precision_pipeline.serving.triton_server import serve
@@ -155,12 +161,14 @@ def test_live_crash_recovery_promote_and_warm_rollback(tmp_path, units):
         t = release.promote(repo, units[2].out_dir, server=srv, promoted_by="live-test")
         print(f"[release] promote: {json.dumps({k: v for k, v in t.items() if k != 'smoke'})}")
         assert ask() == (text, c)
+        _assert_smoke(t["smoke"])                                    # promote smoke-tested the new unit
         assert srv.loaded_models().get(a) != "READY"                 # previous release unloaded (kept on disk)
         t = release.rollback(repo, fallback=True, server=srv)
         print(f"[release] warm rollback: {json.dumps(t)}")
-        assert t["warm"] and ask()[1] == b
+        assert t["warm"] and "smoke" not in t and ask()[1] == b    # warm: only the switch
         t = release.rollback(repo, to=a, server=srv)
         print(f"[release] cold rollback: {json.dumps({k: v for k, v in t.items() if k != 'smoke'})}")
         assert not t["warm"] and ask()[1] == a
+        _assert_smoke(t["smoke"])                                    # a cold rollback target is smoke-tested
     finally:
         srv.stop()

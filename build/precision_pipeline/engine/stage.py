@@ -28,7 +28,7 @@ class EngineInputs(Frozen):
     mapping: PlanMapping
     limits: Limits
     effective: Effective
-    gather_context_logits: bool
+    """Everything the argv's plugin flags are made of, gather_context_logits included."""
     toolchain: Toolchain
 
 
@@ -59,7 +59,7 @@ class EngineStage(Stage[EngineInputs, EngineArtifact]):
         return EngineInputs(checkpoint=Fingerprint(sha256=q.key, path=q.dir),
                             engine_dir=str((Path(request.out_dir) / self.output).resolve()), sm=plan.gpu.sm,
                             mapping=plan.mapping, limits=plan.limits, effective=plan.effective,
-                            gather_context_logits=plan.gather_context_logits, toolchain=toolchain_mod.detect_toolchain())
+                            toolchain=toolchain_mod.detect_toolchain())
 
     def run(self, inputs: EngineInputs, workdir: Path) -> EngineArtifact:
         res = run_engine(inputs, inputs.checkpoint.path, Path(inputs.engine_dir), inputs.sm, inputs.toolchain, workdir=workdir)

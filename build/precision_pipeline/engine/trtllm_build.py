@@ -52,7 +52,8 @@ def build_args(plan: EnginePlan, checkpoint_dir: Path, output_dir: Path, workers
 
     ``plan.limits`` (max_batch_size, max_input_len, max_seq_len, max_num_tokens, max_beam_width:
     tokens / sequences), ``plan.effective`` (the per-phase plugin values after the builder's own
-    overrides) and ``plan.mapping.world_size``. Every limit is passed explicitly, so nothing is
+    overrides, gather_context_logits included) and ``plan.mapping.world_size``: the argv is a
+    function of these effective values only, never of the profile's requested ones. Every limit is passed explicitly, so nothing is
     left for ``trtllm-build`` to derive silently; every value is a typed plan field (no defaults here).
     """
     lim, eff = plan.limits, plan.effective
@@ -81,7 +82,7 @@ def build_args(plan: EnginePlan, checkpoint_dir: Path, output_dir: Path, workers
         "--gpt_attention_plugin", str(eff.gpt_attention_plugin or "auto"),
         "--remove_input_padding", "enable",
     ]
-    if getattr(plan, "gather_context_logits", False):
+    if eff.gather_context_logits:
         args.append("--gather_context_logits")
     return args
 

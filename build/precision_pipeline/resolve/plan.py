@@ -90,6 +90,8 @@ class Effective(_Section):
     triton_logits_datatype: str
     strongly_typed: bool
     use_fused_mlp: bool
+    gather_context_logits: bool
+    """``--gather_context_logits``: the engine returns every prompt position's logits (the engine gate needs it)."""
     overrides: tuple[OverrideRecord, ...] = ()
 
 
@@ -177,8 +179,8 @@ class ResolvedPlan(BaseModel):
 
     @property
     def gather_context_logits(self) -> bool:
-        """``--gather_context_logits`` (build.gather_context_logits; the engine gate needs it)."""
-        return self.profile.build.gather_context_logits
+        """``--gather_context_logits`` as the engine is built (``effective``; from build.gather_context_logits)."""
+        return self.effective.gather_context_logits
 
     def to_json(self, layers: Optional[dict] = None) -> dict:
         """The plan.json mapping (JSON-serialisable). ``layers``: the checkpoint artifact's per-layer

@@ -307,6 +307,7 @@ def derive_effective(p: Profile, sm: int) -> tuple[dict, list[Override]]:
         "triton_logits_datatype": F.TRITON_DTYPE.get(logits, "TYPE_FP32"),
         "strongly_typed": True,
         "use_fused_mlp": fmt.fused_mlp,
+        "gather_context_logits": p.build.gather_context_logits,
         "overrides": [o.__dict__ for o in ov],
     }
     return eff, ov
@@ -437,13 +438,15 @@ def weight_bytes(m: ModelArch, p: Profile, mapping: dict) -> dict:
     return best
 
 
-def activation_bytes(m: ModelArch, p: Profile, mapping: dict, limits: dict) -> int:
+def activation_bytes(m: ModelArch, p: Profile, mapping: dict, limits: dict, gather_context_logits: bool | None = None) -> int:
     """Estimate of the engine's activation memory per GPU (bytes; an estimate, not a measurement).
 
     max_num_tokens x (2 x hidden + qkv/tp + attention output/tp + 2 x MLP width/tp) x 2 bytes
     (live BF16 activation buffers of one layer, twice for TensorRT's double buffering), plus the
     logits buffer: max_batch_size x beam x vocab x logits bytes (x max_num_tokens rows when
     gather_context_logits). trtllm-build prints the exact engine device memory.
+    ``gather_context_logits``: the engine's effective value (``derive_effective``); None reads
+    ``p.build.gather_context_logits``.
     """
     tp = mapping["tp_size"]
     t = limits["max_num_tokens"]
@@ -451,7 +454,8 @@ def activation_bytes(m: ModelArch, p: Profile, mapping: dict, limits: dict) -> i
     width = 2 * m.hidden_size + m.qkv_out / tp + m.num_heads * m.head_dim / tp + 2 * mlp / tp
     act = 2 * t * width * 2
     lb = F.DTYPE_BYTES.get(p.build.logits_dtype, 4)
-    rows = t if p.build.gather_context_logits else limits["max_batch_size"] * limits["max_beam_width"]
+    gather = p.build.gather_context_logits if gather_context_logits is None else gather_context_logits
+    rows = t if gather else limits["max_batch_size"] * limits["max_beam_width"]
     act += rows * m.vocab_size * lb
     return int(act)
 
@@ -468,7 +472,7 @@ def memory_plan(ctx: Context) -> dict:
     m, p, g = ctx.model, ctx.profile, ctx.gpu
     w = weight_bytes(m, p, ctx.mapping)
     kvt = kv_bytes_per_token(m, p, ctx.mapping)
-    act = activation_bytes(m, p, ctx.mapping, ctx.limits)
+    act = activation_bytes(m, p, ctx.mapping, ctx.limits, ctx.effective["gather_context_logits"])
     fb = int(ctx.fallback_memory.get("total", 0)) if ctx.fallback_memory else 0
     total = g.memory_bytes if g else 0
     reserve = F.RUNTIME_RESERVE_BYTES

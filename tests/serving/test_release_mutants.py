@@ -1,0 +1,178 @@
+"""Release facts pinned down by mutation testing (tests/mutate.py survivors on serving/release.py).
+
+No server: ``smoke_test`` talks to a stand-in HTTP client that answers the three calls it makes
+(preprocessing, the unit, postprocessing) with the tensors a real one returns; promote/rollback use
+the recording server of test_release_planted.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from precision_pipeline.serving import release
+from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
+from tests.serving.test_release_planted import RecordingServer, smoke_calls  # noqa: F401  (fixture)
+
+
+class _Result:
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def as_numpy(self, name):
+        return self.arrays.get(name)
+
+
+class FakeClient:
+    """Answers smoke_test's three infer calls; ``unit_out`` replaces the unit's outputs."""
+
+    def __init__(self, unit_out=None, text="4"):
+        self.unit_out, self.text, self.calls, self.closed = unit_out, text, [], False
+
+    def infer(self, model, inputs, outputs=None):
+        self.calls.append((model, sorted(i.name() for i in inputs)))
+        if model == "preprocessing":
+            return _Result({"INPUT_ID": np.array([[1, 2, 3]], np.int32), "REQUEST_INPUT_LEN": np.array([[3]], np.int32),
+                            "OUT_END_ID": np.array([[2]], np.int32), "OUT_PAD_ID": np.array([[2]], np.int32)})
+        if model == "postprocessing":
+            return _Result({"OUTPUT": np.array([self.text.encode()], dtype=object)})
+        out = {"output_ids": np.array([[[5, 6]]], np.int32), "sequence_length": np.array([[2]], np.int32)}
+        out.update(self.unit_out or {})
+        return _Result(out)
+
+    def close(self):
+        self.closed = True
+
+
+class ClientServer:
+    def __init__(self, client):
+        self.client = client
+
+    def http_client(self):
+        return self.client
+
+
+def test_smoke_test_result_and_calls():
+    c = FakeClient()
+    r = release.smoke_test(ClientServer(c), "tensorrt_llm_abc", max_tokens=8)
+    assert r["text"] == "4" and r["tokens"] == 2 and r["ms"] >= 0 and set(r) == {"text", "tokens", "ms"}
+    assert [m for m, _ in c.calls] == ["preprocessing", "tensorrt_llm_abc", "postprocessing"]
+    assert c.calls[1][1] == ["end_id", "input_ids", "input_lengths", "pad_id", "request_output_len"]
+    assert c.closed
+    assert release.smoke_test(ClientServer(FakeClient(text="four")), "u", expect="four")["text"] == "four"
+
+
+@pytest.mark.parametrize("unit_out, text, match", [
+    ({"output_ids": np.array([[[5, 6]]], np.int64)}, "4", "unexpected outputs"),
+    ({"output_ids": np.array([[5, 6]], np.int32)}, "4", "unexpected outputs"),
+    ({"output_ids": None}, "4", "unexpected outputs"),
+    ({"sequence_length": np.array([[2]], np.int64)}, "4", "unexpected outputs"),
+    ({"sequence_length": None}, "4", "unexpected outputs"),
+    ({"sequence_length": np.array([[0]], np.int32)}, "4", "sequence_length 0 outside 1..8"),
+    ({"sequence_length": np.array([[9]], np.int32)}, "4", "sequence_length 9 outside 1..8"),
+    (None, "  ", "empty text"),
+])
+def test_smoke_test_refuses_bad_outputs(unit_out, text, match):
+    c = FakeClient(unit_out, text)
+    with pytest.raises(RuntimeError, match=match):
+        release.smoke_test(ClientServer(c), "u", max_tokens=8)
+    assert c.closed
+
+
+def test_smoke_test_accepts_the_bounds():
+    for k in (1, 8):
+        r = release.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[k]], np.int32)})), "u", max_tokens=8)
+        assert r["tokens"] == k
+    with pytest.raises(RuntimeError, match="got '4', expected '5'"):
+        release.smoke_test(ClientServer(FakeClient()), "u", expect="5")
+
+
+def test_init_defaults_and_list_releases(tmp_path, units):  # noqa: F811
+    repo = tmp_path / "serving" / "model_repository"
+    st = release.init_serving_repo(repo, units[0].out_dir, fallback_repo=units[1].out_dir)
+    assert st["warm_fallback"] is False and st["keep_releases"] == 2
+    a, b = units[0].engine_unit, units[1].engine_unit
+    lr = release.list_releases(repo)
+    assert lr["state"]["current"] == a and lr["state"]["fallback"] == b
+    assert lr["on_disk"] == sorted([a, b]) and lr["configs"] == (a, a)
+    assert release.list_releases(tmp_path / "nothing") == {"state": {}, "on_disk": [], "configs": None}
+
+
+def test_serving_models_order_and_warm_fallback(tmp_path, units):  # noqa: F811
+    repo = new_repo(tmp_path, units, warm=True)
+    a, b = units[0].engine_unit, units[1].engine_unit
+    st = release.read_state(repo)
+    assert release.serving_models(repo, st) == ["preprocessing", "postprocessing", a, b, "ensemble", "tensorrt_llm_bls"]
+    assert release.serving_models(repo, dict(st, warm_fallback=False)) == [
+        "preprocessing", "postprocessing", a, "ensemble", "tensorrt_llm_bls"]
+    assert release.serving_models(repo, dict(st, current=b))[2:4] == [b, "ensemble"]       # fallback is current
+    assert release.serving_models(repo, dict(st, fallback="tensorrt_llm_000000000000"))[3] == "ensemble"  # not on disk
+
+
+def test_promote_smoke_tests_by_default_and_keeps_the_fallback_record(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    a, b, c = (u.engine_unit for u in units)
+    srv = RecordingServer(repo, ready={a, b, "ensemble"})  # the fallback is loaded but not warm: unloaded after
+    t0 = time.perf_counter()
+    t = release.promote(repo, units[2].out_dir, server=srv)
+    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    assert smoke_calls[0] == [c] and t["smoke"]["text"] == "4"
+    assert 0 <= t["load_ms"] <= t["switched_ms"] <= t["total_ms"] <= elapsed_ms
+    assert 0 <= t["ensemble_load_ms"] <= t["switched_ms"]
+    st = release.read_state(repo)
+    assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(a, "release"), (b, "fallback"), (c, "release")]
+    assert ("unload", b) in [x[:2] for x in srv.calls] and ("unload", a) in [x[:2] for x in srv.calls]
+
+
+def test_promote_keeps_a_warm_fallback_loaded(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units, warm=True)
+    a, b, c = (u.engine_unit for u in units)
+    srv = RecordingServer(repo, ready={a, b, "ensemble"})
+    release.promote(repo, units[2].out_dir, server=srv)
+    assert ("unload", b) not in [x[:2] for x in srv.calls] and ("unload", a) in [x[:2] for x in srv.calls]
+
+
+def test_failed_promote_of_the_warm_fallback_leaves_it_loaded(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units, warm=True)
+    a, b = units[0].engine_unit, units[1].engine_unit
+    srv = RecordingServer(repo, ready={a, b, "ensemble"}, fail_load="ensemble")
+    with pytest.raises(RuntimeError, match="load ensemble failed"):
+        release.promote(repo, units[1].out_dir, server=srv)
+    assert ("unload", b) not in [x[:2] for x in srv.calls]
+    srv2 = RecordingServer(repo, ready={a, "ensemble"}, fail_load="ensemble")
+    with pytest.raises(RuntimeError):
+        release.promote(repo, units[2].out_dir, server=srv2)
+    assert ("unload", units[2].engine_unit) in [x[:2] for x in srv2.calls]
+
+
+def test_failed_smoke_unloads_the_new_unit(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units, warm=True)
+    smoke_calls[1].append(True)
+    srv = RecordingServer(repo, ready={units[0].engine_unit, "ensemble"})
+    with pytest.raises(RuntimeError, match="smoke test of"):
+        release.promote(repo, units[2].out_dir, server=srv)
+    assert ("unload", units[2].engine_unit) in [x[:2] for x in srv.calls]
+    assert release.read_state(repo)["current"] == units[0].engine_unit
+
+
+def test_set_fallback_replaces_the_fallback_record(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    c = units[2].engine_unit
+    t = release.set_fallback(repo, units[2].out_dir, server=RecordingServer(repo), warm=True)
+    assert t["unit"] == c and t["smoke"]["text"] == "4" and t["load_ms"] >= 0
+    st = release.read_state(repo)
+    assert st["fallback"] == c and st["warm_fallback"] is True and (repo / c).is_dir()
+    assert [r["unit"] for r in st["releases"] if r["kind"] == "fallback"] == [c]
+    t = release.set_fallback(repo, units[1].out_dir)
+    assert "smoke" not in t and release.read_state(repo)["warm_fallback"] is False
+
+
+def test_rollback_timings_are_milliseconds(tmp_path, units):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    release.promote(repo, units[2].out_dir)
+    t0 = time.perf_counter()
+    t = release.rollback(repo)
+    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    assert 0 <= t["switched_ms"] <= t["total_ms"] <= elapsed_ms
