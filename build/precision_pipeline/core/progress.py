@@ -114,16 +114,17 @@ class StageProgress:
     """Progress of one stage (``[stage]`` prefix). Use as ``with StageProgress("gate") as p:``.
 
     ``enabled=False`` prints nothing; ``mode`` forces ``bars``/``lines``/``off`` (default:
-    ``choose_mode``). ``every``: seconds between lines in ``lines`` mode. ``write``: where lines go
+    ``choose_mode``). ``every``: seconds between lines in ``lines`` mode (None: ``DEFAULT_EVERY_S``,
+    read at call time). ``write``: where lines go
     (default: stdout, flushed). ``heartbeat=False`` leaves the periodic lines to ``tick()`` calls.
     """
 
-    def __init__(self, stage: str, *, enabled: bool = True, mode: Optional[str] = None, every: float = DEFAULT_EVERY_S,
+    def __init__(self, stage: str, *, enabled: bool = True, mode: Optional[str] = None, every: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic, write: Optional[Callable[[str], None]] = None,
                  heartbeat: bool = True):
         self.stage = stage
         self.mode = mode or choose_mode(enabled)
-        self.every = float(every)
+        self.every = float(DEFAULT_EVERY_S if every is None else every)
         self.clock = clock
         self._write = write
         self.lock = threading.RLock()
