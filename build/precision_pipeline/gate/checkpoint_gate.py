@@ -11,8 +11,11 @@ What is measured is a ``gate.options.GateOptions`` (hashed); how it runs is a ``
 Candidate: anything that gives next-token logits (``as_candidate``):
 
 * an HF causal LM (``torch.nn.Module`` whose output has ``.logits``, e.g. what
-  ``precision_pipeline.checkpoint.reader.load_checkpoint_model`` returns): logits from ``model(input_ids)``, greedy
-  generations from ``model.generate`` (KV cache);
+  ``precision_pipeline.checkpoint.reader.load_checkpoint_model`` returns): one forward pass per prompt
+  (``forward_with_prefix``) gives its teacher-forced logits and the KV cache of its generation prompt
+  (a strict prefix), and the greedy answers are decoded from those caches in batches of prompts of
+  similar length (``decode_greedy``; the same tokens as ``model.generate`` on a left-padded batch,
+  without re-running the prompts);
 * a callable ``f(input_ids: LongTensor[1, T]) -> logits`` (``[1, T, V]``, ``[T, V]`` or an object
   with ``.logits``): greedy generation then re-runs the whole sequence per new token;
 * an object with ``logits(ids: list[int]) -> Tensor[T, V]`` and
@@ -1019,24 +1022,26 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
             timings["candidate_heldout"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        ph = prog.phase("metrics, bootstrap intervals" + (" and reports" if runtime.write_report else ""))
         metrics, per_token = _assemble(
             encoded=encoded, tok=tok, per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
             cand_heldout=cand_heldout, thresholds=thresholds, bootstrap=options.bootstrap_resamples,
             seed=options.seed, greedy_new_tokens=options.greedy_new_tokens, heldout_window=options.heldout_window,
             windows=windows)
         timings["metrics"] = time.perf_counter() - t0
-    metrics.update({
-        "schema": 1, "model": model_name, "candidate": cand.name,
-        "reference_model_dir": str(reference_model_dir),
-        "reference_cache": {"hit": ref.cache_hit, "key": ref.key, "seconds_when_computed": ref.seconds},
-        "torch_threads": used_threads,
-    })
-    if extra:
-        metrics.update(extra)
-    result = GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
-    timings["total_before_report"] = time.perf_counter() - t_start
-    metrics["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    write_gate_dir(result, heatmap_png=runtime.heatmap_png, write_report=runtime.write_report)
+        metrics.update({
+            "schema": 1, "model": model_name, "candidate": cand.name,
+            "reference_model_dir": str(reference_model_dir),
+            "reference_cache": {"hit": ref.cache_hit, "key": ref.key, "seconds_when_computed": ref.seconds},
+            "torch_threads": used_threads,
+        })
+        if extra:
+            metrics.update(extra)
+        result = GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
+        timings["total_before_report"] = time.perf_counter() - t_start
+        metrics["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+        write_gate_dir(result, heatmap_png=runtime.heatmap_png, write_report=runtime.write_report)
+        ph.finish()
     metrics["timings_s"]["total"] = round(time.perf_counter() - t_start, 3)
     atomic_write_json(result.metrics_path, metrics)
     os.chmod(result.metrics_path, 0o644)
@@ -1297,7 +1302,8 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     if options is None:
         options = GateOptions(prompts_per_category=golden_limit)
     t0 = time.perf_counter()
-    model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=torch.float32)
+    with StageProgress("gate", enabled=runtime.progress) as prog, prog.phase("load the checkpoint (dequantized to FP32)"):
+        model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=torch.float32)
     load_s = time.perf_counter() - t0
     extra = {"checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3)}
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}

@@ -459,7 +459,7 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
                           group_size=stats.group_size, search={**stats.to_dict(), "per_layer_hf": per_layer_hf})
 
 
-def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
+def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = True) -> QuantizeResult:
     """Export ``qm`` as a TensorRT-LLM checkpoint into ``out_dir`` (replaced atomically).
 
     ``export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp,
@@ -480,7 +480,8 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
     with atomic_dir(out_dir) as tmp:
         stage = tmp / "modelopt-export" if reshard else tmp
         t1 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), StageProgress("quantize", enabled=show_progress) as prog, \
+                prog.phase("export the TensorRT-LLM checkpoint"):
             export_tensorrt_llm_checkpoint(qm.model, EXPORT_MODEL_TYPES.get(hf_cfg.model_type, "llama"), torch.bfloat16,
                                            stage, inference_tensor_parallel=profile.parallel.tp_size)
         if reshard:
@@ -545,7 +546,7 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
     log_path = Path(out_dir).parent / QUANTIZE_LOG
     with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress)):
         qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set)
-        return export_checkpoint(qm, out_dir)
+        return export_checkpoint(qm, out_dir, show_progress=show_progress)
 
 
 QUANTIZE_LOG = "quantize.log"
