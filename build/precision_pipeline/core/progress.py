@@ -83,6 +83,10 @@ class Phase:
         now = self.owner.clock() if now is None else now
         elapsed = max(0.0, (self.ended if self.ended is not None else now) - self.started)
         unit = f" {self.unit}" if self.unit else ""
+        if self.total is None and not self.done:  # a phase without a count: only how long it has run
+            if final:
+                return f"[{self.owner.stage}] {self.name}: done in {fmt_duration(elapsed)}"
+            return f"[{self.owner.stage}] {self.name}: running ({fmt_duration(elapsed)})"
         count = f"{self.done}/{self.total}" if self.total is not None else f"{self.done}"
         rate = self.done / elapsed if elapsed > 0 else 0.0
         rate_s = f"{rate:.3g}{unit}/s" if self.done else f"-{unit}/s"

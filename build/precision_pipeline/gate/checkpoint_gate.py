@@ -702,7 +702,7 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
     what = "reference FP32" + (" + BF16 floor" if with_floor else "")
     with torch.inference_mode():
         ph = prog.phase(what + (f", teacher-forced + greedy ({greedy_new} tokens)" if greedy_new > 0 else
-                                ", teacher-forced"), total=n, unit="prompts")
+                                ", teacher-forced"), total=sum(len(e.input_ids) for e in encoded), unit="tokens")
         for idx in _batches_by_length(encoded, greedy_batch):
             t0 = time.perf_counter()
             ref_passes, floor_passes = [], []
@@ -741,7 +741,7 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
                         fl["greedy"][i] = g
             del ref_passes, floor_passes
             seconds["greedy"] += time.perf_counter() - t0
-            ph.advance(len(idx))
+            ph.advance(sum(len(encoded[i].input_ids) for i in idx))
         ph.finish()
         t0 = time.perf_counter()
         ph = prog.phase(what + ", held-out perplexity", total=len(windows) * (2 if floor_c is not None else 1),
@@ -980,7 +980,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                 cand_greedy = [[] for _ in encoded] if greedy_new > 0 else []
                 ph = prog.phase(f"candidate {cand.name}, teacher-forced"
                                 + (f" + greedy ({greedy_new} tokens)" if greedy_new > 0 else ""),
-                                total=len(encoded), unit="prompts")
+                                total=sum(len(e.input_ids) for e in encoded), unit="tokens")
                 for idx in _batches_by_length(encoded, options.greedy_batch):
                     t0 = time.perf_counter()
                     passes = []
@@ -996,7 +996,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                             cand_greedy[i] = g
                     del passes
                     greedy_s += time.perf_counter() - t0
-                    ph.advance(len(idx))
+                    ph.advance(sum(len(encoded[i].input_ids) for i in idx))
                 ph.finish()
                 timings["candidate_teacher_forced"] = tf_s
                 timings["candidate_greedy"] = greedy_s

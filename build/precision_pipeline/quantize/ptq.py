@@ -569,7 +569,9 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
 
     Every one is appended to ``log_path`` (UTF-8 text, one block per warning with its category and
     origin). Expected ones (``EXPECTED_WARNINGS``) print nothing; any other prints one line of
-    ours (``[quantize] warning: <first line> (see <log_path>)``). Yields the list of messages.
+    ours per distinct message (``[quantize] warning: <first line> (see <log_path>)``). What is
+    recorded is what the active warning filters would show (DeprecationWarnings of libraries stay
+    hidden). Yields the list of log-record messages (warnings are added when the block ends).
     """
     import logging
     import re
@@ -588,8 +590,7 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
         lg.addHandler(handler)
         lg.propagate = False
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:  # the active filters decide what is recorded
             yield records
     finally:
         for lg, prop in saved:
@@ -603,10 +604,13 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
                 f.write(f"# quantize run {time.strftime('%Y-%m-%d %H:%M:%S')}: {len(msgs)} warning(s)\n")
                 for m in msgs:
                     f.write(m.rstrip() + "\n\n")
-        unexpected = [m for m in msgs if not any(re.search(rx, m) for rx in EXPECTED_WARNINGS)]
-        for m in unexpected:
-            first = str(m).strip().splitlines()[0] if str(m).strip() else str(m)
-            prog.say(f"warning: {first[:200]} (see {log_path})")
+        unexpected: dict[str, int] = {}
+        for m in msgs:
+            if not any(re.search(rx, m) for rx in EXPECTED_WARNINGS):
+                first = re.sub(r"^(\w+) \([^)]*\): ", r"\1: ", m.strip()).splitlines()[0][:200] if m.strip() else m
+                unexpected[first] = unexpected.get(first, 0) + 1
+        for first, count in unexpected.items():
+            prog.say(f"warning: {first}{f' ({count} times)' if count > 1 else ''} (see {log_path})")
 
 
 __all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
