@@ -114,8 +114,9 @@ def test_gate_phases_print_lines_often_enough(tiny, smollm_2layers, tmp_path, mo
     assert res.metrics["metrics"]["kl_mean"]["value"] == pytest.approx(0.0, abs=1e-7)
     assert res.metrics["metrics"]["greedy_same"]["value"] == 1.0
     assert lines[0].startswith("[gate] ") and "torch thread" in lines[0]
+    assert lines[1] == f"[gate] candidate LlamaForCausalLM against the FP32 reference {smollm_2layers}"
     phases = ["reference FP32 + BF16 floor, teacher-forced + greedy (6 tokens)", "reference FP32 + BF16 floor, held-out",
-              "candidate LlamaForCausalLM, teacher-forced + greedy (6 tokens)", "candidate LlamaForCausalLM, held-out"]
+              "candidate, teacher-forced + greedy (6 tokens)", "candidate, held-out"]
     for ph in phases:
         assert any(ln.startswith(f"[gate] {ph}") and ": 0/" in ln for ln in lines), ph
         assert any(ln.startswith(f"[gate] {ph}") and " done in " in ln for ln in lines), ph

@@ -937,6 +937,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
     with torch_threads(runtime.threads or choice.threads), StageProgress("gate", enabled=runtime.progress) as prog:
         used_threads = torch.get_num_threads()
         prog.say(choice.reason if choice is not None else f"{used_threads} torch threads (set by the caller)")
+        prog.say(f"candidate {cand.name} against the FP32 reference {reference_model_dir}")
         t0 = time.perf_counter()
         tok = _load_tokenizer(reference_model_dir)
         prompts = load_golden(options.golden_path, per_category=options.prompts_per_category)
@@ -978,7 +979,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                 # greedy answer continues from (batches of prompts of similar length)
                 tf_s = greedy_s = 0.0
                 cand_greedy = [[] for _ in encoded] if greedy_new > 0 else []
-                ph = prog.phase(f"candidate {cand.name}, teacher-forced"
+                ph = prog.phase("candidate, teacher-forced"
                                 + (f" + greedy ({greedy_new} tokens)" if greedy_new > 0 else ""),
                                 total=sum(len(e.input_ids) for e in encoded), unit="tokens")
                 for idx in _batches_by_length(encoded, options.greedy_batch):
@@ -1002,7 +1003,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                 timings["candidate_greedy"] = greedy_s
             else:
                 t0 = time.perf_counter()
-                ph = prog.phase(f"candidate {cand.name}, teacher-forced", total=len(encoded), unit="prompts")
+                ph = prog.phase("candidate, teacher-forced", total=len(encoded), unit="prompts")
                 for i, e in enumerate(encoded):
                     score(i, cand.logits(e.input_ids))
                     ph.advance()
@@ -1010,13 +1011,13 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                 timings["candidate_teacher_forced"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 if greedy_new > 0:
-                    ph = prog.phase(f"candidate {cand.name}, greedy ({greedy_new} tokens)", total=len(encoded),
+                    ph = prog.phase(f"candidate, greedy ({greedy_new} tokens)", total=len(encoded),
                                     unit="prompts")
                     cand_greedy = greedy_all(cand, encoded, greedy_new, stop_id, options.greedy_batch, ph.advance)
                     ph.finish()
                 timings["candidate_greedy"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ph = prog.phase(f"candidate {cand.name}, held-out perplexity", total=len(windows), unit="windows")
+            ph = prog.phase("candidate, held-out perplexity", total=len(windows), unit="windows")
             cand_heldout = _heldout_nll(cand.logits, windows, ph.advance)
             ph.finish()
             timings["candidate_heldout"] = time.perf_counter() - t0
