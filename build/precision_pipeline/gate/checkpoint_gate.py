@@ -70,9 +70,14 @@ held-out tokens; 32 greedy tokens), 2 shared CPU cores, torch 2.13, transformers
 - greedy answers unchanged: floor 0.57 [0.45, 0.69]; FP8 0.06
 
 ``greedy_same`` is noisy: BF16 alone changes 43 % of the 32-token greedy answers (0.982^32 ~ 0.56),
-so a ``greedy_same_min`` above ~0.4 would fail BF16 itself. Times (load average 2-5 on 2 cores, 1
-torch thread): first gate of a model 745 s (reference FP32 + BF16 floor 378 s, cached after);
-later gates 370-480 s (candidate teacher-forced 90-180 s, greedy 195-265 s, held-out 20 s).
+so a ``greedy_same_min`` above ~0.4 would fail BF16 itself.
+
+Work per model scored (full set): one teacher-forced forward per prompt (11,564 tokens; it also
+yields the generation prompt's KV cache), at most ``9 x 31`` batched decode steps (the first
+greedy token comes from the teacher-forced logits) and 4 held-out windows of 512 tokens: about
+15,600 tokens, where a separate ``generate`` prefill made it about 22,000. Threads: the cores other
+processes leave free (``thread_choice``; the log says how many and why). Times: ``invoke bench
+build`` (README, Measured times).
 """
 
 from __future__ import annotations
