@@ -35,3 +35,13 @@ def test_nothing_to_log_writes_no_file(tmp_path):
     with captured_warnings(tmp_path / QUANTIZE_LOG, prog):
         pass
     assert not (tmp_path / QUANTIZE_LOG).exists()
+
+
+def test_a_failed_run_writes_no_log(tmp_path):
+    import pytest
+
+    prog = StageProgress("quantize", mode="lines", write=lambda s: None, heartbeat=False)
+    with pytest.raises(RuntimeError), captured_warnings(tmp_path / QUANTIZE_LOG, prog):
+        warnings.warn("something before the refusal")
+        raise RuntimeError("refused")
+    assert not (tmp_path / QUANTIZE_LOG).exists()

@@ -568,7 +568,8 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
     """Collect Python warnings and ``modelopt``/``transformers`` log records raised in the block.
 
     Every one is appended to ``log_path`` (UTF-8 text, one block per warning with its category and
-    origin). Expected ones (``EXPECTED_WARNINGS``) print nothing; any other prints one line of
+    origin), when the block finishes without an exception (a refused run writes nothing). Expected
+    ones (``EXPECTED_WARNINGS``) print nothing; any other prints one line of
     ours per distinct message (``[quantize] warning: <first line> (see <log_path>)``). What is
     recorded is what the active warning filters would show (DeprecationWarnings of libraries stay
     hidden). Yields the list of log-record messages (warnings are added when the block ends).
@@ -596,21 +597,22 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
         for lg, prop in saved:
             lg.removeHandler(handler)
             lg.propagate = prop
-        msgs = [f"{w.category.__name__} ({Path(w.filename).name}:{w.lineno}): {w.message}" for w in caught] + records
-        if msgs:
-            log_path = Path(log_path)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(f"# quantize run {time.strftime('%Y-%m-%d %H:%M:%S')}: {len(msgs)} warning(s)\n")
-                for m in msgs:
-                    f.write(m.rstrip() + "\n\n")
-        unexpected: dict[str, int] = {}
-        for m in msgs:
-            if not any(re.search(rx, m) for rx in EXPECTED_WARNINGS):
-                first = re.sub(r"^(\w+) \([^)]*\): ", r"\1: ", m.strip()).splitlines()[0][:200] if m.strip() else m
-                unexpected[first] = unexpected.get(first, 0) + 1
-        for first, count in unexpected.items():
-            prog.say(f"warning: {first}{f' ({count} times)' if count > 1 else ''} (see {log_path})")
+    # only after a run that finished: a refused or failed run leaves the output folder as it was
+    msgs = [f"{w.category.__name__} ({Path(w.filename).name}:{w.lineno}): {w.message}" for w in caught] + records
+    if msgs:
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(f"# quantize run {time.strftime('%Y-%m-%d %H:%M:%S')}: {len(msgs)} warning(s)\n")
+            for m in msgs:
+                f.write(m.rstrip() + "\n\n")
+    unexpected: dict[str, int] = {}
+    for m in msgs:
+        if not any(re.search(rx, m) for rx in EXPECTED_WARNINGS):
+            first = re.sub(r"^(\w+) \([^)]*\): ", r"\1: ", m.strip()).splitlines()[0][:200] if m.strip() else m
+            unexpected[first] = unexpected.get(first, 0) + 1
+    for first, count in unexpected.items():
+        prog.say(f"warning: {first}{f' ({count} times)' if count > 1 else ''} (see {log_path})")
 
 
 __all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
