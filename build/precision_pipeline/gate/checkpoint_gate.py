@@ -11,8 +11,11 @@ What is measured is a ``gate.options.GateOptions`` (hashed); how it runs is a ``
 Candidate: anything that gives next-token logits (``as_candidate``):
 
 * an HF causal LM (``torch.nn.Module`` whose output has ``.logits``, e.g. what
-  ``precision_pipeline.checkpoint.reader.load_checkpoint_model`` returns): logits from ``model(input_ids)``, greedy
-  generations from ``model.generate`` (KV cache);
+  ``precision_pipeline.checkpoint.reader.load_checkpoint_model`` returns): one forward pass per prompt
+  (``forward_with_prefix``) gives its teacher-forced logits and the KV cache of its generation prompt
+  (a strict prefix), and the greedy answers are decoded from those caches in batches of prompts of
+  similar length (``decode_greedy``; the same tokens as ``model.generate`` on a left-padded batch,
+  without re-running the prompts);
 * a callable ``f(input_ids: LongTensor[1, T]) -> logits`` (``[1, T, V]``, ``[T, V]`` or an object
   with ``.logits``): greedy generation then re-runs the whole sequence per new token;
 * an object with ``logits(ids: list[int]) -> Tensor[T, V]`` and
@@ -67,9 +70,14 @@ held-out tokens; 32 greedy tokens), 2 shared CPU cores, torch 2.13, transformers
 - greedy answers unchanged: floor 0.57 [0.45, 0.69]; FP8 0.06
 
 ``greedy_same`` is noisy: BF16 alone changes 43 % of the 32-token greedy answers (0.982^32 ~ 0.56),
-so a ``greedy_same_min`` above ~0.4 would fail BF16 itself. Times (load average 2-5 on 2 cores, 1
-torch thread): first gate of a model 745 s (reference FP32 + BF16 floor 378 s, cached after);
-later gates 370-480 s (candidate teacher-forced 90-180 s, greedy 195-265 s, held-out 20 s).
+so a ``greedy_same_min`` above ~0.4 would fail BF16 itself.
+
+Work per model scored (full set): one teacher-forced forward per prompt (11,564 tokens; it also
+yields the generation prompt's KV cache), at most ``9 x 31`` batched decode steps (the first
+greedy token comes from the teacher-forced logits) and 4 held-out windows of 512 tokens: about
+15,600 tokens, where a separate ``generate`` prefill made it about 22,000. Threads: the cores other
+processes leave free (``thread_choice``; the log says how many and why). Times: ``invoke bench
+build`` (README, Measured times).
 """
 
 from __future__ import annotations
@@ -89,12 +97,13 @@ import torch
 import torch.nn.functional as F
 
 from precision_pipeline.core.errors import GateFailed, UserError
+from precision_pipeline.core.progress import StageProgress
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, hash_obj, locked, read_json
 from precision_pipeline.gate.golden import EncodedPrompt, encode_golden, end_of_turn_id, golden_hash, load_golden, summarize
 from precision_pipeline.gate.options import DEFAULT_BOOTSTRAP, DEFAULT_HELDOUT_WINDOW, GateOptions, GateRuntime
 from precision_pipeline.spec.profile import GateThresholds
 
-CACHE_VERSION = 2  # 2: the key hashes GateOptions.reference_key_fields()
+CACHE_VERSION = 3  # 2: the key hashes GateOptions.reference_key_fields(); 3: greedy decoded from the teacher-forced KV cache
 WORST_PROMPTS = 5
 KL_CHUNK_ROWS = 256
 
@@ -434,27 +443,95 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     return m.eval()
 
 
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+THREAD_SAMPLE_S = 0.5
+"""Seconds ``thread_choice`` watches /proc/stat to see how busy the other processes keep the cores."""
 
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True, disable=not enabled)
+
+def _proc_jiffies() -> Optional[tuple[float, float]]:
+    """(busy jiffies of all CPUs, this process's own user+system jiffies, threads included), or None."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [float(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0.0)  # idle + iowait
+    busy = sum(cpu[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return busy, float(own[11]) + float(own[12])  # utime, stime (fields 14, 15)
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """How many torch threads the gate uses and why (``reason`` is printed in the build log)."""
+
+    threads: int
+    cores: int
+    others_busy: Optional[float]   # cores kept busy by other processes while sampled (None: not measurable)
+    load1: Optional[float]         # 1-minute load average (all processes, ours included)
+    reason: str
+
+
+def thread_choice(sample_s: float = THREAD_SAMPLE_S, cores: Optional[int] = None) -> ThreadChoice:
+    """Torch threads for CPU inference on a machine that may be shared: the cores that *other*
+    processes leave free, ``round(cores - others_busy + 0.5)``, at least 1, at most ``cores``.
+
+    ``others_busy``: from /proc/stat over ``sample_s`` seconds, all CPUs' busy time minus this
+    process's own CPU time (so a build that just calibrated on every core does not count itself
+    as load, which the load average would). Where /proc is unreadable: the 1-minute load average
+    minus this process's own average CPU use since it started. More threads than free cores makes
+    PyTorch CPU inference several times *slower* (2 cores with 3 other jobs: a 256-token forward
+    2.4 s with 1 thread, 4.6-17 s with 2), so the gate does not oversubscribe.
+    """
+    n = cores or os.cpu_count() or 1
+    try:
+        load1: Optional[float] = os.getloadavg()[0]
+    except (OSError, AttributeError):  # pragma: no cover - not on Linux
+        load1 = None
+    others: Optional[float] = None
+    how = ""
+    a = _proc_jiffies()
+    if a is not None and sample_s > 0:
+        t0 = time.monotonic()
+        time.sleep(sample_s)
+        b = _proc_jiffies()
+        dt = time.monotonic() - t0
+        if b is not None and dt > 0:
+            hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+            others = max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / hz / dt)
+            how = f"other processes kept {others:.1f} of {n} cores busy over {dt:.1f} s (/proc/stat minus this process)"
+    if others is None and load1 is not None:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        own_rate = 0.0
+        try:
+            age = time.time() - _process_start_time()
+            own_rate = (ru.ru_utime + ru.ru_stime) / age if age > 0 else 0.0
+        except (OSError, ValueError):
+            pass
+        others = max(0.0, load1 - own_rate)
+        how = f"load average {load1:.2f} minus this process's own {own_rate:.2f}"
+    busy = others or 0.0
+    threads = max(1, min(n, int(round(n - busy + 0.5))))
+    if others is None:
+        how = "load unknown"
+    load_s = f"; load average {load1:.2f}" if load1 is not None else ""
+    return ThreadChoice(threads, n, others, load1, f"{threads} torch thread{'s' if threads != 1 else ''}: {how}{load_s}")
+
+
+def _process_start_time() -> float:
+    """This process's start (epoch seconds), from /proc/self/stat and /proc/stat btime."""
+    with open("/proc/self/stat") as f:
+        start_ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        btime = next(float(ln.split()[1]) for ln in f if ln.startswith("btime"))
+    return btime + start_ticks / float(os.sysconf("SC_CLK_TCK"))
 
 
 def auto_threads() -> int:
-    """Torch threads for the gate: the cores not already busy (``cpu_count - loadavg``, at least 1).
-
-    On a shared machine, more threads than free cores makes PyTorch CPU inference several times
-    *slower* (measured on 2 cores with 3 other jobs: 256-token forward 2.4 s with 1 thread,
-    4.6-17 s with 2), so the gate does not oversubscribe by default.
-    """
-    n = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]
-    except (OSError, AttributeError):  # pragma: no cover - not on Linux
-        busy = 0.0
-    return max(1, min(n, int(round(n - busy + 0.5))))
+    """Torch threads for the gate: ``thread_choice().threads`` (the cores other processes leave free)."""
+    return thread_choice().threads
 
 
 @contextlib.contextmanager
@@ -472,12 +549,15 @@ def torch_threads(n: Optional[int]) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def _heldout_nll(logits_fn: Callable[[Sequence[int]], torch.Tensor], windows: list[list[int]]) -> np.ndarray:
+def _heldout_nll(logits_fn: Callable[[Sequence[int]], torch.Tensor], windows: list[list[int]],
+                 on_done: Optional[Callable[[int], None]] = None) -> np.ndarray:
     out = []
     for w in windows:
         lg = logits_fn(w)[:-1]
         tg = torch.tensor(w[1:], dtype=torch.long)
         out.append((F.cross_entropy(lg.float(), tg, reduction="none")).double().numpy())
+        if on_done:
+            on_done(1)
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -501,10 +581,115 @@ def greedy_all(cand: Any, encoded: Sequence[EncodedPrompt], max_new_tokens: int,
     return [o or [] for o in out]
 
 
+def _batches_by_length(encoded: Sequence[EncodedPrompt], batch: int) -> list[list[int]]:
+    """Prompt indices sorted by generation-prompt length, cut into groups of ``batch`` (``greedy_all``'s order)."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].generation_prompt))
+    step = max(1, batch)
+    return [order[s:s + step] for s in range(0, len(order), step)]
+
+
+def _hf_model(cand: Any) -> Optional[torch.nn.Module]:
+    """The HF causal LM behind ``cand`` when the fused teacher-forced + greedy path applies, else None."""
+    if isinstance(cand, HFCandidate) and hasattr(cand.model, "generate"):
+        return cand.model
+    return None
+
+
+@dataclass
+class PromptPass:
+    """One teacher-forced forward of a prompt with its generation-prompt KV cache kept for greedy decoding."""
+
+    logits: torch.Tensor                      # [T, V] float32
+    hidden: Optional[torch.Tensor]            # [T, H] float32 final hidden states (when asked)
+    prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer ([1, kv_heads, P, d] keys, values), P = prompt length
+    first_token: int                          # argmax of the logits at the last generation-prompt position
+
+
+@torch.inference_mode()
+def forward_with_prefix(model: torch.nn.Module, e: EncodedPrompt, hidden: bool = False) -> PromptPass:
+    """Teacher-forced forward of ``e.input_ids`` that also keeps the KV cache of the generation prompt.
+
+    The generation prompt is a strict token prefix of the full sequence (``gate.golden``), and
+    attention is causal, so the keys/values of its ``P`` positions and the logits at position
+    ``P - 1`` are what a separate prefill of the prompt computes (up to float rounding of the
+    larger matrix product): greedy decoding continues from them (``decode_greedy``) instead of
+    re-running the prompt. One forward pass per prompt instead of two.
+    """
+    ids = list(e.input_ids)
+    plen = len(e.generation_prompt)
+    x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    out = model(input_ids=x, use_cache=True, output_hidden_states=hidden)
+    logits = out.logits[0].to("cpu", torch.float32)
+    h = out.hidden_states[-1][0].to("cpu", torch.float32) if hidden else None
+    cache = out.past_key_values
+    kv = [(cache[i][0][:, :, :plen].clone(), cache[i][1][:, :, :plen].clone()) for i in range(len(cache.layers))]
+    del out, cache
+    return PromptPass(logits, h, kv, int(torch.argmax(logits[plen - 1]).item()))
+
+
+@torch.inference_mode()
+def decode_greedy(model: torch.nn.Module, passes: Sequence[PromptPass], max_new_tokens: int,
+                  stop_id: int) -> list[list[int]]:
+    """Greedy continuations of several prompts from their kept KV caches, decoded as one batch.
+
+    The caches are left-padded to the longest prompt (padding masked by ``attention_mask``;
+    position ids are each row's own ``prompt_length + step``, as ``generate`` derives them from the
+    mask). A finished row is fed ``stop_id`` (``generate``'s pad) and decoding stops when every row
+    has produced ``stop_id`` or ``max_new_tokens`` tokens exist. Returns per prompt the new tokens,
+    up to and including ``stop_id``; ``max_new_tokens`` forward passes less one (the first token
+    comes from the teacher-forced logits).
+    """
+    from transformers import DynamicCache
+
+    if max_new_tokens <= 0 or not passes:
+        return [[] for _ in passes]
+    lens = [p.prefix_kv[0][0].shape[2] for p in passes]
+    width = max(lens)
+    n_layers = len(passes[0].prefix_kv)
+    data = []
+    for li in range(n_layers):
+        ks = [F.pad(p.prefix_kv[li][0], (0, 0, width - n, 0)) for p, n in zip(passes, lens)]
+        vs = [F.pad(p.prefix_kv[li][1], (0, 0, width - n, 0)) for p, n in zip(passes, lens)]
+        data.append((torch.cat(ks), torch.cat(vs)))
+    cache = DynamicCache(ddp_cache_data=data)
+    del data
+    b = len(passes)
+    device = passes[0].prefix_kv[0][0].device
+    mask = torch.zeros((b, width + max_new_tokens), dtype=torch.long, device=device)
+    for i, n in enumerate(lens):
+        mask[i, width - n:width] = 1
+    out_tokens = [[p.first_token] for p in passes]
+    done = [p.first_token == stop_id for p in passes]
+    cur = torch.tensor([p.first_token for p in passes], dtype=torch.long, device=device)
+    base = torch.tensor(lens, dtype=torch.long, device=device)
+    for step in range(max_new_tokens - 1):
+        if all(done):
+            break
+        mask[:, width + step] = 1
+        out = model(input_ids=cur.view(b, 1), attention_mask=mask[:, :width + step + 1],
+                    position_ids=(base + step).view(b, 1), past_key_values=cache,
+                    cache_position=torch.tensor([width + step], dtype=torch.long, device=device), use_cache=True)
+        nxt = out.logits[:, -1].float().argmax(-1)
+        for i in range(b):
+            if done[i]:
+                nxt[i] = stop_id
+            else:
+                t = int(nxt[i].item())
+                out_tokens[i].append(t)
+                done[i] = t == stop_id
+        cur = nxt
+        del out
+    return [_trim_after_stop(t, stop_id) for t in out_tokens]
+
+
 def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], stop_id: int,
-                       options: GateOptions, progress: bool) -> ReferenceData:
+                       options: GateOptions, prog: Optional[StageProgress] = None) -> ReferenceData:
+    """FP32 reference (and BF16 floor) results. Per batch of prompts of similar length: one
+    teacher-forced forward per prompt and model (hidden states, answer NLL, floor metrics; the
+    prompt's KV cache kept), then the batch's greedy answers decoded from those caches."""
     greedy_new, greedy_batch, with_floor = options.greedy_new_tokens, options.greedy_batch, options.noise_floor
-    seconds: dict[str, float] = {}
+    prog = prog or StageProgress("gate", enabled=False)
+    seconds: dict[str, float] = {"teacher_forced": 0.0, "greedy": 0.0}
     t0 = time.perf_counter()
     ref = load_hf_model(model_dir, torch.float32)
     lm_head = ref.get_output_embeddings()
@@ -512,53 +697,68 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
     seconds["load"] = time.perf_counter() - t0
     ref_c = HFCandidate(ref, "fp32")
     floor_c = HFCandidate(floor_model, "bf16") if floor_model is not None else None
-    hidden, ref_answer_nll = [], []
-    fl: dict[str, Any] = {"answer": [], "prompt": [], "greedy": [], "heldout_nll": None}
-    t0 = time.perf_counter()
-    with _progress(progress) as prog, torch.inference_mode():
-        task = prog.add_task("reference FP32" + (" + BF16 floor" if with_floor else ""), total=len(encoded))
-        for i, e in enumerate(encoded):
-            x = torch.tensor([e.input_ids], dtype=torch.long)
-            out = ref(input_ids=x, output_hidden_states=True, use_cache=False)
-            logits = out.logits[0].float()
-            h = out.hidden_states[-1][0].float()
-            if i == 0:  # the cache stores h and recomputes lm_head(h): check that this is what the model does
-                again = lm_head(h)
-                if not torch.allclose(again, logits, atol=1e-3, rtol=1e-4):
-                    raise RuntimeError("lm_head(last hidden state) does not reproduce the model's logits "
-                                       "(logit soft-capping or scaling?); the gate's reference cache needs it")
-            hidden.append(h.numpy().astype(np.float32))
-            tg = torch.tensor(e.input_ids[1:] + [0], dtype=torch.long)
-            a, p = e.answer_positions, e.prompt_positions
-            ref_answer_nll.append(F.cross_entropy(logits[a], tg[a], reduction="none").double().numpy())
-            if floor_c is not None:
-                fl_logits = floor_c.logits(e.input_ids)
-                ma = token_metrics(logits[a], fl_logits[a], tg[a])
-                mp = token_metrics(logits[p], fl_logits[p])
-                fl["answer"].append({"kl": ma.kl, "top1": ma.top1, "nll": ma.cand_nll})
-                fl["prompt"].append({"kl": mp.kl, "top1": mp.top1})
-                del fl_logits
-            del out, logits
-            prog.advance(task)
-        seconds["teacher_forced"] = time.perf_counter() - t0
+    n = len(encoded)
+    hidden: list[Optional[np.ndarray]] = [None] * n
+    ref_answer_nll: list[Optional[np.ndarray]] = [None] * n
+    ref_greedy: list[list[int]] = [[] for _ in range(n)] if greedy_new > 0 else []
+    fl: dict[str, Any] = {"answer": [None] * n, "prompt": [None] * n,
+                          "greedy": [[] for _ in range(n)] if greedy_new > 0 else [], "heldout_nll": None}
+    checked = False
+    what = "reference FP32" + (" + BF16 floor" if with_floor else "")
+    with torch.inference_mode():
+        ph = prog.phase(what + (f", teacher-forced + greedy ({greedy_new} tokens)" if greedy_new > 0 else
+                                ", teacher-forced"), total=sum(len(e.input_ids) for e in encoded), unit="tokens")
+        for idx in _batches_by_length(encoded, greedy_batch):
+            t0 = time.perf_counter()
+            ref_passes, floor_passes = [], []
+            for i in idx:
+                e = encoded[i]
+                rp = forward_with_prefix(ref, e, hidden=True)
+                logits, h = rp.logits, rp.hidden
+                if not checked:  # the cache stores h and recomputes lm_head(h): check that this is what the model does
+                    again = lm_head(h)
+                    if not torch.allclose(again, logits, atol=1e-3, rtol=1e-4):
+                        raise RuntimeError("lm_head(last hidden state) does not reproduce the model's logits "
+                                           "(logit soft-capping or scaling?); the gate's reference cache needs it")
+                    checked = True
+                hidden[i] = h.numpy().astype(np.float32)
+                tg = torch.tensor(e.input_ids[1:] + [0], dtype=torch.long)
+                a, p = e.answer_positions, e.prompt_positions
+                ref_answer_nll[i] = F.cross_entropy(logits[a], tg[a], reduction="none").double().numpy()
+                if floor_model is not None:
+                    fp = forward_with_prefix(floor_model, e)
+                    ma = token_metrics(logits[a], fp.logits[a], tg[a])
+                    mp = token_metrics(logits[p], fp.logits[p])
+                    fl["answer"][i] = {"kl": ma.kl, "top1": ma.top1, "nll": ma.cand_nll}
+                    fl["prompt"][i] = {"kl": mp.kl, "top1": mp.top1}
+                    fp.logits = fp.hidden = None  # type: ignore[assignment]
+                    floor_passes.append(fp)
+                rp.logits = rp.hidden = None  # type: ignore[assignment]
+                ref_passes.append(rp)
+                del logits, h
+            seconds["teacher_forced"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if greedy_new > 0:
+                for i, g in zip(idx, decode_greedy(ref, ref_passes, greedy_new, stop_id)):
+                    ref_greedy[i] = g
+                if floor_model is not None:
+                    for i, g in zip(idx, decode_greedy(floor_model, floor_passes, greedy_new, stop_id)):
+                        fl["greedy"][i] = g
+            del ref_passes, floor_passes
+            seconds["greedy"] += time.perf_counter() - t0
+            ph.advance(sum(len(encoded[i].input_ids) for i in idx))
+        ph.finish()
         t0 = time.perf_counter()
-        ref_greedy: list[list[int]] = []
-        if greedy_new > 0:
-            task = prog.add_task("reference greedy", total=len(encoded))
-            ref_greedy = greedy_all(ref_c, encoded, greedy_new, stop_id, greedy_batch,
-                                    lambda n: prog.advance(task, n))
-            if floor_c is not None:
-                task = prog.add_task("BF16 floor greedy", total=len(encoded))
-                fl["greedy"] = greedy_all(floor_c, encoded, greedy_new, stop_id, greedy_batch,
-                                          lambda n: prog.advance(task, n))
-        seconds["greedy"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ref_heldout = _heldout_nll(ref_c.logits, windows)
+        ph = prog.phase(what + ", held-out perplexity", total=len(windows) * (2 if floor_c is not None else 1),
+                        unit="windows")
+        ref_heldout = _heldout_nll(ref_c.logits, windows, ph.advance)
         if floor_c is not None:
-            fl["heldout_nll"] = _heldout_nll(floor_c.logits, windows)
+            fl["heldout_nll"] = _heldout_nll(floor_c.logits, windows, ph.advance)
+        ph.finish()
         seconds["heldout"] = time.perf_counter() - t0
     del ref, floor_model
-    return ReferenceData(hidden, ref_greedy, ref_heldout, ref_answer_nll, fl if with_floor else None, seconds)
+    return ReferenceData([h for h in hidden if h is not None], ref_greedy, ref_heldout,
+                         [x for x in ref_answer_nll if x is not None], fl if with_floor else None, seconds)
 
 
 def _save_reference(d: ReferenceData, path: Path, meta: dict) -> None:
@@ -617,11 +817,16 @@ def reference_key(model_dir: Path, encoded: list[EncodedPrompt], windows: list[l
 
 
 def reference_data(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], stop_id: int,
-                   options: GateOptions, runtime: GateRuntime = GateRuntime()) -> ReferenceData:
+                   options: GateOptions, runtime: GateRuntime = GateRuntime(),
+                   prog: Optional[StageProgress] = None) -> ReferenceData:
     """Reference and floor results for these tokens: from the cache (``runtime.reference_cache``), or
-    computed (and cached unless ``runtime.use_reference_cache`` is False). Keyed by ``reference_key``."""
+    computed (and cached unless ``runtime.use_reference_cache`` is False). Keyed by ``reference_key``.
+    ``prog``: where the phases report (default: a ``StageProgress("gate")`` per ``runtime.progress``)."""
+    if prog is None:
+        with StageProgress("gate", enabled=runtime.progress) as own:
+            return reference_data(model_dir, encoded, windows, stop_id, options, runtime, own)
     key = reference_key(model_dir, encoded, windows, stop_id, options)
-    progress = runtime.progress
+    progress = prog
     if not runtime.use_reference_cache:
         d = _compute_reference(model_dir, encoded, windows, stop_id, options, progress)
         d.key = key
@@ -733,8 +938,11 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
     cand = as_candidate(candidate, candidate_name)
     model_name = model_name or reference_model_dir.name
     timings: dict[str, float] = {}
-    with torch_threads(runtime.threads):
+    choice = None if runtime.threads else thread_choice()
+    with torch_threads(runtime.threads or choice.threads), StageProgress("gate", enabled=runtime.progress) as prog:
         used_threads = torch.get_num_threads()
+        prog.say(choice.reason if choice is not None else f"{used_threads} torch threads (set by the caller)")
+        prog.say(f"candidate {cand.name} against the FP32 reference {reference_model_dir}")
         t0 = time.perf_counter()
         tok = _load_tokenizer(reference_model_dir)
         prompts = load_golden(options.golden_path, per_category=options.prompts_per_category)
@@ -744,62 +952,102 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
         timings["prepare"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        ref = reference_data(reference_model_dir, encoded, windows, stop_id, options, runtime)
+        ref = reference_data(reference_model_dir, encoded, windows, stop_id, options, runtime, prog)
         timings["reference"] = time.perf_counter() - t0
+        if ref.cache_hit:
+            prog.say(f"reference FP32{' + BF16 floor' if ref.floor is not None else ''} from the cache "
+                     f"(key {ref.key[:12]}; computed once in {sum(ref.seconds.values()):.0f} s)")
 
         # FP32 lm_head for recomputing reference logits from the cached hidden states
         t0 = time.perf_counter()
         lm_w = _lm_head_weight(reference_model_dir)
         timings["lm_head"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        per_prompt = []
-        with _progress(runtime.progress) as prog, torch.inference_mode():
-            task = prog.add_task(f"candidate {cand.name}", total=len(encoded))
-            for i, e in enumerate(encoded):
-                ref_logits = F.linear(torch.from_numpy(ref.hidden[i]), lm_w)
-                cl = cand.logits(e.input_ids)
-                if cl.shape[0] != len(e.input_ids):
-                    raise UserError("candidate", f"returned {cl.shape[0]} logit rows for {len(e.input_ids)} tokens.",
-                                    "return one row of logits per input token.")
-                tg = torch.tensor(e.input_ids[1:] + [0], dtype=torch.long)
-                a, p = e.answer_positions, e.prompt_positions
-                ma = token_metrics(ref_logits[a], cl[a], tg[a])
-                mp = token_metrics(ref_logits[p], cl[p])
-                per_prompt.append((ma, mp))
-                del ref_logits, cl
-                prog.advance(task)
-            timings["candidate_teacher_forced"] = time.perf_counter() - t0
+        per_prompt: list[Any] = [None] * len(encoded)
+        cand_greedy: list[list[int]] = []
+        greedy_new = options.greedy_new_tokens
+        model = _hf_model(cand)
+
+        def score(i: int, cl: torch.Tensor) -> None:
+            e = encoded[i]
+            if cl.shape[0] != len(e.input_ids):
+                raise UserError("candidate", f"returned {cl.shape[0]} logit rows for {len(e.input_ids)} tokens.",
+                                "return one row of logits per input token.")
+            ref_logits = F.linear(torch.from_numpy(ref.hidden[i]), lm_w)
+            tg = torch.tensor(e.input_ids[1:] + [0], dtype=torch.long)
+            a, p = e.answer_positions, e.prompt_positions
+            per_prompt[i] = (token_metrics(ref_logits[a], cl[a], tg[a]), token_metrics(ref_logits[p], cl[p]))
+
+        with torch.inference_mode():
+            if model is not None:
+                # HF model: one forward per prompt gives its teacher-forced logits and the KV cache its
+                # greedy answer continues from (batches of prompts of similar length)
+                tf_s = greedy_s = 0.0
+                cand_greedy = [[] for _ in encoded] if greedy_new > 0 else []
+                ph = prog.phase("candidate, teacher-forced"
+                                + (f" + greedy ({greedy_new} tokens)" if greedy_new > 0 else ""),
+                                total=sum(len(e.input_ids) for e in encoded), unit="tokens")
+                for idx in _batches_by_length(encoded, options.greedy_batch):
+                    t0 = time.perf_counter()
+                    passes = []
+                    for i in idx:
+                        pp = forward_with_prefix(model, encoded[i])
+                        score(i, pp.logits)
+                        pp.logits = None  # type: ignore[assignment]
+                        passes.append(pp)
+                    tf_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    if greedy_new > 0:
+                        for i, g in zip(idx, decode_greedy(model, passes, greedy_new, stop_id)):
+                            cand_greedy[i] = g
+                    del passes
+                    greedy_s += time.perf_counter() - t0
+                    ph.advance(sum(len(encoded[i].input_ids) for i in idx))
+                ph.finish()
+                timings["candidate_teacher_forced"] = tf_s
+                timings["candidate_greedy"] = greedy_s
+            else:
+                t0 = time.perf_counter()
+                ph = prog.phase("candidate, teacher-forced", total=len(encoded), unit="prompts")
+                for i, e in enumerate(encoded):
+                    score(i, cand.logits(e.input_ids))
+                    ph.advance()
+                ph.finish()
+                timings["candidate_teacher_forced"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if greedy_new > 0:
+                    ph = prog.phase(f"candidate, greedy ({greedy_new} tokens)", total=len(encoded),
+                                    unit="prompts")
+                    cand_greedy = greedy_all(cand, encoded, greedy_new, stop_id, options.greedy_batch, ph.advance)
+                    ph.finish()
+                timings["candidate_greedy"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            cand_greedy: list[list[int]] = []
-            if options.greedy_new_tokens > 0:
-                task = prog.add_task(f"candidate greedy ({options.greedy_new_tokens} tokens)", total=len(encoded))
-                cand_greedy = greedy_all(cand, encoded, options.greedy_new_tokens, stop_id, options.greedy_batch,
-                                         lambda n: prog.advance(task, n))
-            timings["candidate_greedy"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            cand_heldout = _heldout_nll(cand.logits, windows)
+            ph = prog.phase("candidate, held-out perplexity", total=len(windows), unit="windows")
+            cand_heldout = _heldout_nll(cand.logits, windows, ph.advance)
+            ph.finish()
             timings["candidate_heldout"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        ph = prog.phase("metrics, bootstrap intervals" + (" and reports" if runtime.write_report else ""))
         metrics, per_token = _assemble(
             encoded=encoded, tok=tok, per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
             cand_heldout=cand_heldout, thresholds=thresholds, bootstrap=options.bootstrap_resamples,
             seed=options.seed, greedy_new_tokens=options.greedy_new_tokens, heldout_window=options.heldout_window,
             windows=windows)
         timings["metrics"] = time.perf_counter() - t0
-    metrics.update({
-        "schema": 1, "model": model_name, "candidate": cand.name,
-        "reference_model_dir": str(reference_model_dir),
-        "reference_cache": {"hit": ref.cache_hit, "key": ref.key, "seconds_when_computed": ref.seconds},
-        "torch_threads": used_threads,
-    })
-    if extra:
-        metrics.update(extra)
-    result = GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
-    timings["total_before_report"] = time.perf_counter() - t_start
-    metrics["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    write_gate_dir(result, heatmap_png=runtime.heatmap_png, write_report=runtime.write_report)
+        metrics.update({
+            "schema": 1, "model": model_name, "candidate": cand.name,
+            "reference_model_dir": str(reference_model_dir),
+            "reference_cache": {"hit": ref.cache_hit, "key": ref.key, "seconds_when_computed": ref.seconds},
+            "torch_threads": used_threads,
+        })
+        if extra:
+            metrics.update(extra)
+        result = GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
+        timings["total_before_report"] = time.perf_counter() - t_start
+        metrics["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+        write_gate_dir(result, heatmap_png=runtime.heatmap_png, write_report=runtime.write_report)
+        ph.finish()
     metrics["timings_s"]["total"] = round(time.perf_counter() - t_start, 3)
     atomic_write_json(result.metrics_path, metrics)
     os.chmod(result.metrics_path, 0o644)
@@ -807,7 +1055,23 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
 
 
 def _lm_head_weight(model_dir: Path) -> torch.Tensor:
-    """The FP32 lm_head weight of the HF folder (loads the model once, keeps only that tensor)."""
+    """The FP32 lm_head weight ``[vocab, hidden]`` of the HF folder.
+
+    Read from its safetensors (``lm_head.weight``, or ``model.embed_tokens.weight`` when the
+    config ties them), cast to float32 as ``from_pretrained(dtype=float32)`` does; other layouts
+    load the model once and keep only that tensor.
+    """
+    model_dir = Path(model_dir)
+    cfg = read_json(model_dir / "config.json", {}) or {}
+    name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+    index = read_json(model_dir / "model.safetensors.index.json", None)
+    shard = (index or {}).get("weight_map", {}).get(name) if index else "model.safetensors"
+    if shard and (model_dir / shard).is_file() and cfg.get("model_type") == "llama":
+        from safetensors import safe_open
+
+        with safe_open(str(model_dir / shard), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name).to(torch.float32).contiguous()
     m = load_hf_model(model_dir, torch.float32)
     head = m.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
@@ -1044,7 +1308,8 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     if options is None:
         options = GateOptions(prompts_per_category=golden_limit)
     t0 = time.perf_counter()
-    model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=torch.float32)
+    with StageProgress("gate", enabled=runtime.progress) as prog, prog.phase("load the checkpoint (dequantized to FP32)"):
+        model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=torch.float32)
     load_s = time.perf_counter() - t0
     extra = {"checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3)}
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}

@@ -69,9 +69,9 @@ class GateRuntime(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     threads: Optional[PositiveInt] = None
-    """Torch CPU threads; None = the cores not already busy (``checkpoint_gate.auto_threads``)."""
+    """Torch CPU threads; None = the cores other processes leave free (``checkpoint_gate.thread_choice``)."""
     progress: bool = True
-    """Rich progress bars on stderr."""
+    """Progress: rich bars in a terminal, a line at least every 10 s in a log (``core.progress``)."""
     reference_cache: Optional[Path] = None
     """Root of the reference cache; None = ``spec.default_model.cache_dir()/gate-ref``."""
     use_reference_cache: bool = True

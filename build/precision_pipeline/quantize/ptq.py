@@ -60,17 +60,19 @@ tensors to BF16 (``dtype=torch.bfloat16``). ``config.json`` ``logits_dtype`` is 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from precision_pipeline.quantize import search
 from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
 from precision_pipeline.spec.names import resolve_exclusions, trtllm_name
 from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.progress import StageProgress
 from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
@@ -326,24 +328,12 @@ def make_forward_loop(calib: CalibrationSet, batch_size: int, show_progress: boo
             on_pass(state["pass"])
         device = next(model.parameters()).device
         target = _calib_target(model)
-        with torch.no_grad():
-            if not show_progress:
-                for b in batches:
-                    target(torch.tensor(b, dtype=torch.long, device=device), use_cache=False)
-                return
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            cols = [TextColumn("[bold]calibration pass {task.fields[pass_no]}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("samples"), TextColumn("{task.fields[rate]} samples/s"), TimeElapsedColumn()]
-            with Progress(*cols, transient=False) as prog:
-                task = prog.add_task("calib", total=len(calib.samples), pass_no=state["pass"], rate="-")
-                t0 = time.perf_counter()
-                done = 0
-                for b in batches:
-                    target(torch.tensor(b, dtype=torch.long, device=device), use_cache=False)
-                    done += len(b)
-                    dt = time.perf_counter() - t0
-                    prog.update(task, advance=len(b), rate=f"{done / dt:.2f}" if dt > 0 else "-")
+        with torch.no_grad(), StageProgress("quantize", enabled=show_progress) as prog:
+            ph = prog.phase(f"calibration pass {state['pass']}", total=len(calib.samples), unit="samples")
+            for b in batches:
+                target(torch.tensor(b, dtype=torch.long, device=device), use_cache=False)
+                ph.advance(len(b))
+            ph.finish()
 
     return loop
 
@@ -449,14 +439,11 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
     fmts = search.normalize_formats(q.auto_quantize_formats)
     t0 = time.perf_counter()
     batches = calib.batches(profile.calibration.batch_size)
-    if show_progress:
-        from rich.console import Console
-
-        Console(stderr=True).print(f"[bold]per-layer search[/] (mtq.auto_quantize, gradient scores) over "
-                                   f"{', '.join(fmts)} at {q.auto_quantize_bits} bits: {len(calib.samples)} samples, "
-                                   f"{len(batches)} batches")
-    model, per_layer_hf, stats = search.run_search(model, batches, float(q.auto_quantize_bits), fmts,
-                                             disabled_layers=disabled, group_size=q.group_size)
+    with StageProgress("quantize", enabled=show_progress) as prog:
+        prog.say(f"per-layer search (mtq.auto_quantize, gradient scores) over {', '.join(fmts)} at "
+                 f"{q.auto_quantize_bits} bits: {len(calib.samples)} samples, {len(batches)} batches")
+        model, per_layer_hf, stats = search.run_search(model, batches, float(q.auto_quantize_bits), fmts,
+                                                       disabled_layers=disabled, group_size=q.group_size, progress=prog)
     kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
     if kv_cfg is not None:
         mtq.set_quantizer_by_cfg(model, kv_cfg)
@@ -472,7 +459,7 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
                           group_size=stats.group_size, search={**stats.to_dict(), "per_layer_hf": per_layer_hf})
 
 
-def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
+def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = True) -> QuantizeResult:
     """Export ``qm`` as a TensorRT-LLM checkpoint into ``out_dir`` (replaced atomically).
 
     ``export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp,
@@ -493,7 +480,8 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path) -> QuantizeResult:
     with atomic_dir(out_dir) as tmp:
         stage = tmp / "modelopt-export" if reshard else tmp
         t1 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), StageProgress("quantize", enabled=show_progress) as prog, \
+                prog.phase("export the TensorRT-LLM checkpoint"):
             export_tensorrt_llm_checkpoint(qm.model, EXPORT_MODEL_TYPES.get(hf_cfg.model_type, "llama"), torch.bfloat16,
                                            stage, inference_tensor_parallel=profile.parallel.tp_size)
         if reshard:
@@ -555,8 +543,76 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
     ``calibration.json``. Raises UserError (exit 2) before loading the model for bad inputs (see
     ``quantize_model``). Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
     """
-    qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set)
-    return export_checkpoint(qm, out_dir)
+    log_path = Path(out_dir).parent / QUANTIZE_LOG
+    with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress)):
+        qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set)
+        return export_checkpoint(qm, out_dir, show_progress=show_progress)
+
+
+QUANTIZE_LOG = "quantize.log"
+"""Third-party warnings of a quantize run, next to its checkpoint folder (``<out>/quantize.log`` in a build)."""
+
+# Third-party warnings that are expected and say nothing about this build (regex -> why): kept in the
+# log, not printed. ModelOpt's lm_head notice fires although the exported lm_head stays BF16 (it is
+# excluded; checkpoint config.json lists it in exclude_modules); the TensorRT-LLM config notice fires
+# on every machine without tensorrt_llm (ModelOpt then writes the config itself).
+EXPECTED_WARNINGS: dict[str, str] = {
+    r"Enable lm_head quantization": "lm_head stays BF16 in the exported checkpoint (excluded)",
+    r"Cannot export tensorrt_llm checkpoint config[\s\S]*No module named 'tensorrt_llm'":
+        "tensorrt_llm is not installed here; ModelOpt writes the checkpoint config itself",
+}
+
+
+@contextlib.contextmanager
+def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]]:
+    """Collect Python warnings and ``modelopt``/``transformers`` log records raised in the block.
+
+    Every one is appended to ``log_path`` (UTF-8 text, one block per warning with its category and
+    origin), when the block finishes without an exception (a refused run writes nothing). Expected
+    ones (``EXPECTED_WARNINGS``) print nothing; any other prints one line of
+    ours per distinct message (``[quantize] warning: <first line> (see <log_path>)``). What is
+    recorded is what the active warning filters would show (DeprecationWarnings of libraries stay
+    hidden). Yields the list of log-record messages (warnings are added when the block ends).
+    """
+    import logging
+    import re
+    import warnings
+
+    records: list[str] = []
+
+    class _Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+    handler = _Handler(level=logging.WARNING)
+    loggers = [logging.getLogger(n) for n in ("modelopt", "transformers")]
+    saved = [(lg, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the active filters decide what is recorded
+            yield records
+    finally:
+        for lg, prop in saved:
+            lg.removeHandler(handler)
+            lg.propagate = prop
+    # only after a run that finished: a refused or failed run leaves the output folder as it was
+    msgs = [f"{w.category.__name__} ({Path(w.filename).name}:{w.lineno}): {w.message}" for w in caught] + records
+    if msgs:
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(f"# quantize run {time.strftime('%Y-%m-%d %H:%M:%S')}: {len(msgs)} warning(s)\n")
+            for m in msgs:
+                f.write(m.rstrip() + "\n\n")
+    unexpected: dict[str, int] = {}
+    for m in msgs:
+        if not any(re.search(rx, m) for rx in EXPECTED_WARNINGS):
+            first = re.sub(r"^(\w+) \([^)]*\): ", r"\1: ", m.strip()).splitlines()[0][:200] if m.strip() else m
+            unexpected[first] = unexpected.get(first, 0) + 1
+    for first, count in unexpected.items():
+        prog.say(f"warning: {first}{f' ({count} times)' if count > 1 else ''} (see {log_path})")
 
 
 __all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",

@@ -204,8 +204,14 @@ def _per_layer_formats(model: Any) -> dict[str, str]:
 
 def run_search(model: Any, calib_batches: Any, effective_bits: float, formats: Sequence[Any],
                 disabled_layers: Sequence[str] = ("*lm_head*",), group_size: int | None = None,
-                method: str = "gradient", verbose: bool = False) -> tuple[Any, dict[str, str], AutoQuantStats]:
-    """``auto_quantize_model`` plus the search's figures: ``(model, {hf linear: format}, AutoQuantStats)``."""
+                method: str = "gradient", verbose: bool = False,
+                progress: Any = None) -> tuple[Any, dict[str, str], AutoQuantStats]:
+    """``auto_quantize_model`` plus the search's figures: ``(model, {hf linear: format}, AutoQuantStats)``.
+
+    ``progress``: a ``core.progress.StageProgress``; each ``forward_step`` of the search counts as
+    one step of its ``per-layer search`` phase (total: one calibration pass per format plus one
+    scoring pass, ``len(batches) * (len(formats) + 1)``, ModelOpt's count as configured below).
+    """
     import modelopt.torch.quantization as mtq
 
     fmts = normalize_formats(formats)
@@ -238,6 +244,15 @@ def run_search(model: Any, calib_batches: Any, effective_bits: float, formats: S
         def forward_step(m, batch):
             return m(input_ids=batch["input_ids"], use_cache=False).logits
 
+    if progress is not None:
+        phase = progress.phase("per-layer search", total=len(data) * (len(cfgs) + 1), unit="steps")
+        inner = forward_step
+
+        def forward_step(m, batch):  # noqa: F811 - the counted wrapper of the step above
+            out = inner(m, batch)
+            phase.advance()
+            return out
+
     t0 = time.perf_counter()
     try:
         model, state = mtq.auto_quantize(
@@ -250,6 +265,8 @@ def run_search(model: Any, calib_batches: Any, effective_bits: float, formats: S
                             "raise quantization.auto_quantize_bits or disable fewer layers.")
         raise
     search_s = time.perf_counter() - t0
+    if progress is not None:
+        phase.finish()
     # auto_quantize turns on gradient checkpointing for HF models (its gradient scoring); undo it
     if getattr(model, "is_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_disable"):
         model.gradient_checkpointing_disable()
