@@ -162,7 +162,7 @@ def test_lock_held_by_another_process_is_refused_naming_it(tmp_path):
 
 def test_lock_waiter_says_who_it_waits_for_then_gets_the_lock(tmp_path):
     lock = tmp_path / "out" / ".build.lock"
-    holder = _hold(lock, 1.5)
+    holder = _hold(lock, 4)  # long enough that a loaded machine still finds it held
     said: list[str] = []
     try:
         with store.locked(lock, timeout_s=None, on_wait=said.append, interval_s=0.3):
