@@ -323,7 +323,8 @@ def test_quantize_stage_exports_mixtral_with_expert_parallelism(tmp_path, defaul
     for p in Path(default_model_dir).glob("*token*"):
         shutil.copy2(p, model_dir / p.name)
 
-    over = {"calibration": {"num_samples": 4, "seq_len": 32}, "parallel": {"tp_size": 2, "moe_ep_size": 2}}
+    over = {"calibration": {"num_samples": 4, "seq_len": 32}, "parallel": {"tp_size": 2, "moe_ep_size": 2},
+            "deployment": {"gpus_per_replica": 2, "fallback": None, "warm_fallback": False}}
     prof = validate_profile(deep_merge(load_raw("fp8-h100"), over))
     qm = quantize_model(prof, model_dir, show_progress=False)
     r = export_checkpoint(qm, tmp_path / "ep2")
