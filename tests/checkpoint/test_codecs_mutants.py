@@ -38,6 +38,9 @@ def test_fake_quant_nvfp4_zero_and_tiny_blocks():
     tiny = torch.full((1, 16), 1e-6)
     # block scale 1e-6/6 clamps up to 2**-9 (the smallest E4M3 subnormal): 1e-6 / 2**-9 rounds to 0
     assert torch.equal(C.fake_quant_nvfp4(tiny, torch.tensor(1.0)), torch.zeros(1, 16))
+    # amax 6e-4: block scale 1e-4 clamps up to 2**-9; 6e-4 / 2**-9 = 0.31 -> 0.5, so 0.5 * 2**-9 (not 0)
+    small = torch.full((1, 16), 6e-4)
+    assert torch.equal(C.fake_quant_nvfp4(small, torch.tensor(1.0)), torch.full((1, 16), 0.5 * 2.0 ** -9))
 
 
 def test_fp8_per_channel_scales():

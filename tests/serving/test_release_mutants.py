@@ -114,13 +114,13 @@ def test_serving_models_order_and_warm_fallback(tmp_path, units):  # noqa: F811
 def test_promote_smoke_tests_by_default_and_keeps_the_fallback_record(tmp_path, units, smoke_calls):  # noqa: F811
     repo = new_repo(tmp_path, units)
     a, b, c = (u.engine_unit for u in units)
-    srv = RecordingServer(repo, ready={a, b, "ensemble"})  # the fallback is loaded but not warm: unloaded after
+    srv = RecordingServer(repo, ready={a, b, "ensemble"}, load_s=0.02)  # fallback loaded, not warm: unloaded after
     t0 = time.perf_counter()
     t = release.promote(repo, units[2].out_dir, server=srv)
     elapsed_ms = (time.perf_counter() - t0) * 1e3
     assert smoke_calls[0] == [c] and t["smoke"]["text"] == "4"
     assert 0 <= t["load_ms"] <= t["switched_ms"] <= t["total_ms"] <= elapsed_ms
-    assert 0 <= t["ensemble_load_ms"] <= t["switched_ms"]
+    assert 20 <= t["load_ms"] and 20 <= t["ensemble_load_ms"] <= t["switched_ms"]  # each load sleeps 20 ms
     st = release.read_state(repo)
     assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(a, "release"), (b, "fallback"), (c, "release")]
     assert ("unload", b) in [x[:2] for x in srv.calls] and ("unload", a) in [x[:2] for x in srv.calls]
@@ -176,3 +176,13 @@ def test_rollback_timings_are_milliseconds(tmp_path, units):  # noqa: F811
     t = release.rollback(repo)
     elapsed_ms = (time.perf_counter() - t0) * 1e3
     assert 0 <= t["switched_ms"] <= t["total_ms"] <= elapsed_ms
+
+
+def test_promoting_a_previous_release_again_keeps_one_record_per_unit(tmp_path, units):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    a, b, c = (u.engine_unit for u in units)
+    release.promote(repo, units[2].out_dir)
+    release.promote(repo, units[0].out_dir)  # a again
+    st = release.read_state(repo)
+    assert st["current"] == a
+    assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(b, "fallback"), (c, "release"), (a, "release")]

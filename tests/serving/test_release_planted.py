@@ -11,6 +11,8 @@ The stand-in server records, at every call, what releases.json and the configs s
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from precision_pipeline.serving import release
@@ -20,8 +22,8 @@ from tests.serving.test_release import new_repo, units  # noqa: F401  (units: mo
 class RecordingServer:
     """The calls ``release.rollback`` makes on a server, with the repository's state at each call."""
 
-    def __init__(self, repo, ready=(), fail_load=None):
-        self.repo, self.ready, self.fail_load, self.calls = repo, set(ready), fail_load, []
+    def __init__(self, repo, ready=(), fail_load=None, load_s=0.0):
+        self.repo, self.ready, self.fail_load, self.calls, self.load_s = repo, set(ready), fail_load, [], load_s
 
     def _snap(self, what, name):
         self.calls.append((what, name, release.read_state(self.repo)["current"], release.current_of_configs(self.repo)))
@@ -33,6 +35,7 @@ class RecordingServer:
         self._snap("load", name)
         if name == self.fail_load:
             raise RuntimeError(f"load {name} failed")
+        time.sleep(self.load_s)
         self.ready.add(name)
         return 0.0
 
