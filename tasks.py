@@ -34,12 +34,18 @@ def _console():
     return Console(stderr=False, highlight=False)
 
 
+def _internal_error() -> None:
+    traceback.print_exc()
+    print("\ninternal error: this is a bug in the pipeline, not in your input. Please report it "
+          "with the traceback above and the command line.", file=sys.stderr)
+
+
 def guarded(fn):
     """Map pipeline errors to exit codes; only unexpected errors print a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from precision_pipeline.core.errors import EXIT_INTERNAL, PipelineError, UserError
+        from precision_pipeline.core.errors import EXIT_INTERNAL, EXIT_INVALID, PipelineError, UserError
 
         try:
             return fn(*args, **kwargs)
@@ -60,17 +66,29 @@ def guarded(fn):
 
             _console().print(f"[bold red]error[/]: {esc(str(e))}", soft_wrap=True)
             raise Exit(code=e.exit_code)
-        except BrokenPipeError:  # `invoke releases | head`: the reader left; say nothing, as cat does
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            raise Exit(code=141)
+        except OSError as e:
+            import errno as _errno
+
+            if isinstance(e, BrokenPipeError):  # `invoke releases | head`: the reader left; say nothing
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                raise Exit(code=141)
+            if e.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS, _errno.ENOSPC, _errno.EDQUOT,
+                           _errno.ENAMETOOLONG, _errno.EMFILE):
+                from rich.markup import escape as esc
+
+                where = str(e.filename or "")[:200]
+                _console().print(f"[bold red]error[/]: cannot write {esc(where)}: {esc(e.strerror or str(e))}. "
+                                 "Writes are atomic, so the previous artifacts and the serving repository are "
+                                 "intact; free space or fix permissions and run again.", soft_wrap=True)
+                raise Exit(code=EXIT_INVALID)
+            _internal_error()
+            raise Exit(code=EXIT_INTERNAL)
         except KeyboardInterrupt:
             _console().print("interrupted; previous artifacts are intact.")
             raise Exit(code=130)
         except Exception:
-            traceback.print_exc()
-            print("\ninternal error: this is a bug in the pipeline, not in your input. Please report it "
-                  "with the traceback above and the command line.", file=sys.stderr)
+            _internal_error()
             raise Exit(code=EXIT_INTERNAL)
 
     return wrapper

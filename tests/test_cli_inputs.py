@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -116,3 +117,27 @@ def test_serve_takes_the_server_down_when_the_task_dies(tmp_path, how):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC, errno.EACCES])
+def test_unwritable_output_is_a_sentence_not_a_traceback(err, capsys):
+    """A read-only or full disk under --out (as root, chmod cannot simulate it: the error is raised
+    where the write would fail) ends with exit 2 and one sentence."""
+    import importlib.util
+
+    from invoke import Exit
+
+    spec = importlib.util.spec_from_file_location("tasks_under_test", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+
+    @tasks.guarded
+    def job():
+        raise OSError(err, os.strerror(err), "/srv/out/.checkpoint.tmp-1/rank0.safetensors")
+
+    with pytest.raises(Exit) as ei:
+        job()
+    out = capsys.readouterr()
+    assert ei.value.code == 2
+    assert "cannot write /srv/out/.checkpoint.tmp-1/rank0.safetensors" in out.out and "intact" in out.out
+    assert "Traceback" not in out.out + out.err
