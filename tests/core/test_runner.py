@@ -81,6 +81,7 @@ def test_first_run_writes_folder_record_and_row(tmp_path):
     rec = json.loads((tmp_path / S.RECORDS_DIR / "toy.json").read_text())
     assert rec["stage"] == "toy" and rec["key"] == d.key and rec["artifact"]["value"] == 7
     assert d.record.numbers == {"value": 7} and d.record.key == d.key
+    assert 0.0 <= d.record.seconds < 60.0  # wall seconds of this run, not a clock reading
 
 
 def test_unchanged_key_is_reused(tmp_path):
