@@ -43,8 +43,11 @@ CHECKPOINT_SPECS: dict[str, tuple[str, dict]] = {
     "int8_sq": ("int8-sq-l4", _TINY_SLOW),
     "nvfp4": ("nvfp4-b200", _TINY_SLOW),
     "w8a16": ("int8-sq-l4", {**_TINY_SLOW, "quantization": {"quant_algo": "W8A16"}}),
-    "w4a8_awq": ("int4-awq-a100", {**_TINY_SLOW, "quantization": {"quant_algo": "W4A8_AWQ", "kv_cache_quant_algo": "FP8"}}),
-    "fp8_tp3": ("fp8-h100", {**_TINY, "parallel": {"tp_size": 3}}),
+    # every spec is a valid profile: the quantize stage refuses through the resolve rules
+    "w4a8_awq": ("int4-awq-a100", {**_TINY_SLOW, "quantization": {"quant_algo": "W4A8_AWQ", "kv_cache_quant_algo": "FP8"},
+                                   "target": {"gpu": "h100-sxm"}}),
+    "fp8_tp3": ("fp8-h100", {**_TINY, "parallel": {"tp_size": 3},
+                             "deployment": {"gpus_per_replica": 3, "fallback": None, "warm_fallback": False}}),
 }
 
 
