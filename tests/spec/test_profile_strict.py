@@ -196,3 +196,8 @@ def test_unbuildable_quantalgo_is_refused_by_its_rule(default_model_dir, tmp_pat
     prof = load_profile(str(write(tmp_path, "p.yaml", BASE + "quantization:\n  quant_algo: W4A16_NVFP4\n")))
     (pr,) = [p for p in evaluate(prof, default_model_dir).problems if p.rule == "format.trtllm_buildable"]
     assert "W4A16_NVFP4" in pr.reason and "W4A16_AWQ" in pr.fix
+
+
+def test_a_6kb_profile_path_is_refused_briefly():
+    e = refusal("/tmp/" + "a" * 6000 + ".yaml")
+    assert e.problems[0].field == "--profile" and len(e.message) < 600

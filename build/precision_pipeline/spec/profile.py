@@ -375,17 +375,17 @@ def resolve_profile_path(name_or_path: str, field: str = "--profile") -> Path:
         if not _is_file(p):
             if NAME_RE.match(Path(s).stem or "") and "/" in s and not p.exists():
                 pass
-            raise UserError(field, f"no profile file at {s!r}.",
+            raise UserError(field, f"no profile file at {_short(s)}.",
                             f"use a shipped profile ({', '.join(shipped_profiles())}) or an existing .yaml path.")
         return p
     if not NAME_RE.match(s):
-        raise UserError(field, f"{s!r} is not a profile name (allowed: lower-case letters, digits, '.', '_', '-').",
+        raise UserError(field, f"{_short(s)} is not a profile name (allowed: lower-case letters, digits, '.', '_', '-').",
                         f"use one of: {', '.join(shipped_profiles())}.")
     p = PROFILES_DIR / f"{s}.yaml"
     if not _is_file(p):
         hint = closest(s, shipped_profiles())
         fix = f"did you mean {hint!r}? " if hint else ""
-        raise UserError(field, f"no shipped profile named {s!r}.",
+        raise UserError(field, f"no shipped profile named {_short(s)}.",
                         f"{fix}Shipped: {', '.join(shipped_profiles())}; or pass a path to a .yaml file.")
     return p
 
