@@ -27,10 +27,10 @@ def test_a_fallback_that_does_not_load_is_not_ok(default_model_dir):
     plan = P.evaluate(prof("fp8-h100", deployment__fallback="no-such-profile"), default_model_dir)
     assert plan.fallback is not None and plan.fallback.ok is False
     assert "deployment.fallback" in {p.rule for p in plan.problems}
-    good = P.evaluate(prof("fp8-h100"), default_model_dir)
-    assert good.fallback.ok is True
+    good = P.evaluate(prof("fp8-h100", deployment__warm_fallback=False), default_model_dir)
+    assert good.fallback.ok is True and good.fallback.memory is None
     rendered = good.to_json()["fallback"]
-    assert rendered["profile"] == "bf16-h100" and None not in rendered.values()
+    assert rendered["profile"] == "bf16-h100" and "memory" not in rendered and None not in rendered.values()
 
 
 def test_check_all_counts_the_other_problems(default_model_dir, tmp_path, monkeypatch):
@@ -42,8 +42,12 @@ def test_check_all_counts_the_other_problems(default_model_dir, tmp_path, monkey
     shutil.copytree(profile_mod.PROFILES_DIR, shipped)
     (shipped / "zz-bad.yaml").write_text("target:\n  gpu: h100\nbuild:\n  max_batch_size: 0\n  tokens_per_block: 0\n"
                                          "  max_beam_width: 0\n")
+    (shipped / "zz-two.yaml").write_text("target:\n  gpu: h100\nbuild:\n  max_batch_size: 0\n  max_beam_width: 0\n")
+    (shipped / "zz-one.yaml").write_text("target:\n  gpu: h100\nbuild:\n  max_batch_size: 0\n")
     monkeypatch.setattr(profile_mod, "PROFILES_DIR", shipped)
     rows = {n: (ok, line) for n, ok, line in P.check_all(default_model_dir)}
     ok, line = rows["zz-bad"]
-    assert ok is False and line.endswith(" (+2 more)"), line
-    assert all(ok for n, (ok, _) in rows.items() if n != "zz-bad")
+    assert ok is False and line.startswith("build.max_batch_size: ") and line.endswith(" (+2 more)"), line
+    assert rows["zz-two"][1].startswith("build.max_batch_size: ") and rows["zz-two"][1].endswith(" (+1 more)")
+    assert rows["zz-one"][1].startswith("build.max_batch_size: ") and "more)" not in rows["zz-one"][1]
+    assert all(ok for n, (ok, _) in rows.items() if not n.startswith("zz-"))

@@ -65,3 +65,21 @@ def test_pdb_keeps_one_replica_available(tmp_path):
     prof = make_profile("fp8-h100-r3", deployment={"replicas": 3})
     res = deploy.render_manifests(make_plan(prof), prof, make_repo(tmp_path / "b"), tmp_path / "b", "/srv")
     assert load_out(res)["pdb.yaml"]["spec"]["minAvailable"] == 1
+
+
+def _with_claim(name):
+    d = _deployment("d")
+    d["spec"]["template"]["spec"]["volumes"] = [{"name": "v", "persistentVolumeClaim": {"claimName": name}}]
+    return d
+
+
+def test_claim_name_at_most_253():
+    field = "dep: spec.template.spec.volumes[0].persistentVolumeClaim.claimName"
+    assert field not in {p.field for p in deploy.semantic_problems(_with_claim("c" * 253), "dep")}
+    assert field in {p.field for p in deploy.semantic_problems(_with_claim("c" * 254), "dep")}
+
+
+def test_startup_failure_threshold_of_one_is_allowed(tmp_path):
+    render(tmp_path, startup_failure_threshold=1)
+    with pytest.raises(UserError):
+        render(tmp_path, startup_failure_threshold=0)
