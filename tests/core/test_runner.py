@@ -44,7 +44,10 @@ class Toy(S.Stage[ToyInputs, ToyArtifact]):
         return ToyInputs(value=self.value)
 
     def run(self, inputs, workdir):
+        import time
+
         self.runs += 1
+        time.sleep(0.0123)  # a duration with more than 3 decimals, so the row's rounding shows
         (Path(workdir) / "out.txt").write_text(str(inputs.value))
         return ToyArtifact(value=inputs.value, status=self.status)
 
@@ -170,6 +173,7 @@ def test_manifest_row_and_render(tmp_path):
     row = json.loads((tmp_path / "manifest.json").read_text())["stages"]["toy"]
     assert row == {"status": "done", "seconds": round(d.record.seconds, 3), "reason": "", "key": d.key,
                    "numbers": {"value": 5}}
+    assert row["seconds"] >= 0.012 and row["seconds"] == round(row["seconds"], 3) != d.record.seconds
     assert [x.name for x in r.records] == ["toy"]
     r.manifest.finish(engine_present=False)
     m = json.loads((tmp_path / "manifest.json").read_text())

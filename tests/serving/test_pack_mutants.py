@@ -1,0 +1,53 @@
+"""Pack details that mutation testing found unpinned (issue 12): fixed parameter values, the pad id
+fallback, truthy parsing of rendered values, the engine mapping's world size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from precision_pipeline.serving import pack
+from precision_pipeline.spec.profile import load_profile
+from tests.serving.test_pack import make_plan
+
+
+@pytest.fixture
+def params(default_model_dir):
+    prof = load_profile("bf16-h100")
+    return pack.compute_params(make_plan(prof), prof, default_model_dir, "ab" * 32, "/r")[0]
+
+
+def test_fixed_parameters(params):
+    assert params["tensorrt_llm"]["cpu_reference_threads"] == 1
+    assert params["postprocessing"]["skip_special_tokens"] is True
+
+
+def test_pad_falls_back_to_the_first_eos(tmp_path, default_model_dir):
+    import shutil
+
+    m = tmp_path / "m"
+    shutil.copytree(default_model_dir, m)
+    gen = json.loads((m / "generation_config.json").read_text())
+    cfg = json.loads((m / "config.json").read_text())
+    gen.pop("pad_token_id", None)
+    cfg.pop("pad_token_id", None)
+    gen["eos_token_id"] = [2, 1]
+    (m / "generation_config.json").write_text(json.dumps(gen))
+    (m / "config.json").write_text(json.dumps(cfg))
+    end_id, pad_id, stops = pack.token_ids(m)
+    assert (end_id, pad_id) == (2, 2) and len(stops) == 1
+
+
+@pytest.mark.parametrize("v, want", [(True, True), ("true", True), ("1", True), ("YES", True), (False, False),
+                                     ("false", False), (0, False), (None, False)])
+def test_truthy(v, want):
+    assert pack._truthy(v) is want
+
+
+def test_engine_world_size_from_tp_and_pp_when_not_given():
+    cfg = {"pretrained_config": {"mapping": {"tp_size": 2, "pp_size": 2}}, "build_config": {}}
+    probs = pack.cross_check_engine(cfg, {"gpu_device_ids": "0,1"})
+    assert [p.rule for p in probs if p.rule == "pack.world_size"] == ["pack.world_size"]
+    assert "is 4 but gpu_device_ids lists 2" in next(p.reason for p in probs if p.rule == "pack.world_size")
+    assert not [p for p in pack.cross_check_engine(cfg, {"gpu_device_ids": "0,1,2,3"}) if p.rule == "pack.world_size"]
