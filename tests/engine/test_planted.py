@@ -19,23 +19,12 @@ from precision_pipeline.resolve import plan as P
 from precision_pipeline.resolve import rules as R
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.default_model import ensure_default_model
+from tests.engine.test_engine import _argmap  # one argv parser for the engine tests
 from tests.conftest import prof
 
 CK, OUT = Path("/ckpt"), Path("/eng")
 PLUGIN_FLAGS = {"context_fmha": "--context_fmha", "use_paged_context_fmha": "--use_paged_context_fmha",
                 "use_fp8_context_fmha": "--use_fp8_context_fmha"}
-
-
-def _argmap(argv: list[str]) -> dict:
-    out, i = {}, 0
-    while i < len(argv):
-        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            out[argv[i]] = argv[i + 1]
-            i += 2
-        else:
-            out[argv[i]] = True
-            i += 1
-    return out
 
 
 def _plan(base: str, **dotted) -> P.ResolvedPlan:
