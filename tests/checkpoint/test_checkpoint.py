@@ -309,6 +309,71 @@ def test_fp8_model_generates(fp8_model, default_model_dir):
     assert isinstance(fp8_model.lm_head, QuantLinear) and fp8_model.lm_head.act_format is None
 
 
+def _decode_logits(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Prefill ``ids`` [B, T] with a cache, then ``steps`` greedy steps of one token: every step's logits."""
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        logits, past = [out.logits[:, -1]], out.past_key_values
+        for _ in range(steps):
+            nxt = logits[-1].argmax(-1, keepdim=True)
+            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+            logits.append(out.logits[:, -1])
+            past = out.past_key_values
+    return logits
+
+
+def _counting(monkeypatch, table: dict, key: str) -> list[int]:
+    """Wrap ``table[key]`` so that each call records how many elements it fake-quantized."""
+    seen: list[int] = []
+    fn = table[key]
+
+    def counted(x, scale, *a, **k):
+        seen.append(x.numel())
+        return fn(x, scale, *a, **k)
+
+    monkeypatch.setitem(table, key, counted)
+    return seen
+
+
+def test_kv_cache_fake_quantized_once_same_numbers(fp8_model, heldout_ids, monkeypatch):
+    """Decoding from an appending DynamicCache fake-quantizes only the new positions (the stored ones
+    already are), with logits bit-identical to fake-quantizing the whole cache on every step."""
+    from precision_pipeline.checkpoint import reader
+
+    ids, steps = heldout_ids[:, :20], 4
+    b, heads, d, layers = ids.shape[0], 3, 64, len(fp8_model.model.layers)
+    seen = _counting(monkeypatch, reader.KV_FAKE_QUANT, "fp8")
+    fast = _decode_logits(fp8_model, ids, steps)
+    per_call = [b * heads * 20 * d] * (2 * layers) + [b * heads * 1 * d] * (2 * layers * steps)
+    assert seen == per_call  # prefill: all 20 positions once; each step: its one new position
+    seen.clear()
+    monkeypatch.setattr(reader, "_appending_storage", lambda module, key, value: None)
+    slow = _decode_logits(fp8_model, ids, steps)
+    assert seen[-1] == b * heads * (20 + steps) * d  # the whole cache, every step
+    assert all(torch.equal(x, y) for x, y in zip(fast, slow))
+
+
+def test_shared_input_fake_quant_once_same_numbers(fp8_model, heldout_ids, monkeypatch):
+    """q/k/v and gate/up fake-quantize their common input once (4 activation fake-quants per layer,
+    not 7); the logits are bit-identical to quantizing it per linear."""
+    from precision_pipeline.checkpoint import codecs
+
+    ids = heldout_ids[:, :24]
+    layers = len(fp8_model.model.layers)
+    seen = _counting(monkeypatch, codecs.FAKE_QUANT, "fp8")
+    with torch.inference_mode():
+        fast = fp8_model(input_ids=ids).logits
+    assert len(seen) == 4 * layers
+    seen.clear()
+    for m in fp8_model.modules():
+        if isinstance(m, QuantLinear):
+            monkeypatch.setattr(m, "shared", None)
+    with torch.inference_mode():
+        slow = fp8_model(input_ids=ids).logits
+    assert len(seen) == 7 * layers
+    assert torch.equal(fast, slow)
+
+
 # --------------------------------------------------------------------------------------------
 # A broken checkpoint cannot pass
 

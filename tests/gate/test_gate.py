@@ -130,7 +130,7 @@ def test_gate_options_are_frozen_and_strict():
         GateRuntime(threads=0)
     assert GateOptions().key_fields() == {
         "prompts_per_category": None, "golden_path": None, "heldout_tokens": 2048, "heldout_window": 512,
-        "greedy_new_tokens": 32, "greedy_batch": 8, "noise_floor": True, "bootstrap_resamples": 1000, "seed": 0}
+        "greedy_new_tokens": 32, "greedy_batch": 48, "noise_floor": True, "bootstrap_resamples": 1000, "seed": 0}
 
 
 def test_reference_key_hashes_gate_options(default_model_dir):

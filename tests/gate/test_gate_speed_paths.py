@@ -55,6 +55,27 @@ def test_decode_greedy_matches_generate(tiny):
     assert cg.decode_greedy(model, passes, 0, stop) == [[] for _ in passes]
 
 
+def _prompts(lengths):
+    from precision_pipeline.gate.golden import EncodedPrompt
+    return [EncodedPrompt(id=f"p{i}", category="c", prompt="", answer="", input_ids=list(range(n + 2)), user_start=1,
+                          answer_start=n, answer_end=n + 2) for i, n in enumerate(lengths)]
+
+
+def test_batches_are_balanced_and_sorted_by_length():
+    """65 prompts at batch 48: 33 + 32 (not 48 + 17), each batch sorted by length; every prompt once."""
+    enc = _prompts([(i * 37) % 101 + 5 for i in range(65)])
+    groups = cg._batches_by_length(enc, 48)
+    assert [len(g) for g in groups] == [33, 32]
+    flat = [i for g in groups for i in g]
+    assert sorted(flat) == list(range(65))
+    lens = [len(enc[i].generation_prompt) for i in flat]
+    assert lens == sorted(lens)
+    assert [len(g) for g in cg._batches_by_length(enc, 8)] == [8, 8] + [7] * 7
+    assert [len(g) for g in cg._batches_by_length(enc, 65)] == [65]
+    assert [len(g) for g in cg._batches_by_length(enc, 1)] == [1] * 65
+    assert cg._batches_by_length([], 48) == []
+
+
 def test_others_busy_excludes_our_own_cpu(monkeypatch):
     """Both cores busy during the sample, all of it this process: 2 threads, not 1."""
     seq = iter([(1000.0, 500.0), (1100.0, 599.0)])     # 100 busy jiffies, 99 of them ours

@@ -80,6 +80,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -686,6 +687,47 @@ def _check_layers(linears: dict[str, LinearSpec], qinfo: dict) -> None:
 # The CPU model
 
 
+class SharedInputQuant:
+    """The input fake-quant of ``consumers`` linears that read the same tensor, computed once.
+
+    q/k/v (split from one fused ``qkv``) and gate/up read one input with one activation scale and
+    prequant scale, so their fake-quantized inputs are equal: the first call computes it, the next
+    ``consumers - 1`` calls with the *same tensor object* get that result, then both are dropped
+    (nothing is held between layers). A call with another tensor recomputes (identity is safe: the
+    held tensor cannot be freed, so its id cannot be reused). Same numbers, fewer passes.
+    """
+
+    def __init__(self, consumers: int):
+        self.consumers = consumers
+        self._x: Optional[torch.Tensor] = None
+        self._y: Optional[torch.Tensor] = None
+        self._left = 0
+
+    def __call__(self, x: torch.Tensor, compute) -> torch.Tensor:
+        if self._x is x and self._left > 0:
+            y = self._y
+            self._left -= 1
+            if self._left == 0:
+                self._x = self._y = None
+            assert y is not None
+            return y
+        y = compute(x)
+        self._x, self._y, self._left = (x, y, self.consumers - 1) if self.consumers > 1 else (None, None, 0)
+        return y
+
+
+def _shares_input_quant(specs: list["LinearSpec"]) -> bool:
+    """True when every spec fake-quantizes its input identically (one format, equal act and prequant
+    scales, no per-row scales): their ``QuantLinear`` s may share one ``SharedInputQuant``."""
+    first = specs[0]
+
+    def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+        return (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
+
+    return all(s.quantized == first.quantized and s.quant_algo == first.quant_algo and not s.act_scale_rows
+               and same(s.act_scale, first.act_scale) and same(s.pre, first.pre) for s in specs)
+
+
 class QuantLinear(nn.Module):
     """A linear with the checkpoint's dequantized weight and its input fake-quant.
 
@@ -693,10 +735,12 @@ class QuantLinear(nn.Module):
     ``x * pre`` (if any), then fake-quant with ``act_scale``, then ``x @ weight.T``.
     """
 
-    def __init__(self, spec: LinearSpec, act_format: Optional[str], dtype: torch.dtype):
+    def __init__(self, spec: LinearSpec, act_format: Optional[str], dtype: torch.dtype,
+                 shared: Optional["SharedInputQuant"] = None):
         super().__init__()
         self.weight = nn.Parameter(spec.weight.to(dtype), requires_grad=False)
         self.act_format = act_format
+        self.shared = shared if act_format is not None and not spec.act_scale_rows else None
         self.register_buffer("pre", None if spec.pre is None else spec.pre.to(torch.float32))
         self.register_buffer("act_scale", None if spec.act_scale is None else spec.act_scale.to(torch.float32))
         self.act_scale_rows = [(a, b, s.to(torch.float32)) for a, b, s in spec.act_scale_rows]
@@ -707,15 +751,24 @@ class QuantLinear(nn.Module):
         fn = FAKE_QUANT.get(self.act_format or "")
         return fn(x, scale) if fn is not None else x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _prepared(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre is not None:
             x = (x.to(torch.float32) * self.pre).to(x.dtype)
+        return self._quant(x, self.act_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_format is None:
+            if self.pre is not None:
+                x = (x.to(torch.float32) * self.pre).to(x.dtype)
             return F.linear(x, self.weight)
         if self.act_scale_rows:
+            if self.pre is not None:
+                x = (x.to(torch.float32) * self.pre).to(x.dtype)
             outs = [F.linear(self._quant(x, s), self.weight[a:b]) for a, b, s in self.act_scale_rows]
             return torch.cat(outs, dim=-1)
-        return F.linear(self._quant(x, self.act_scale), self.weight)
+        if self.shared is not None:
+            return F.linear(self.shared(x, self._prepared), self.weight)
+        return F.linear(self._prepared(x), self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, act={self.act_format}, pre={self.pre is not None}"
@@ -733,18 +786,65 @@ def act_fake_quant(quant_algo: Optional[str]) -> Optional[str]:
 KV_FAKE_QUANT = {k.fake_quant: FAKE_QUANT[k.fake_quant] for k in FMT.KV.values() if k.fake_quant and k.cpu_model}
 
 
+_KV_CACHE = threading.local()   # .by_module: {id(attention module): the cache its current call updates}
+_KVQ_DONE = "_precision_pipeline_kvq_layers"  # attribute of a cache: layer indices stored fake-quantized
+
+
+def _kv_cache_prehook(module, args, kwargs):
+    """Forward pre-hook of a KV fake-quant attention: note the cache this call updates (or None)."""
+    by = getattr(_KV_CACHE, "by_module", None)
+    if by is None:
+        by = _KV_CACHE.by_module = {}
+    by[id(module)] = kwargs.get("past_key_values")
+
+
+def _appending_storage(module, key: torch.Tensor, value: torch.Tensor):
+    """The cache whose storage ``key``/``value`` are when that storage only appends new positions at the
+    end (a transformers ``DynamicCache`` with plain ``DynamicLayer`` s, the cache ``generate`` and the
+    gate use), else None (no cache, or another kind: fake-quantized out of place, as a whole)."""
+    cache = (getattr(_KV_CACHE, "by_module", None) or {}).pop(id(module), None)
+    if cache is None or torch.is_grad_enabled():
+        return None
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+        layer = cache.layers[module.layer_idx]
+    except (ImportError, AttributeError, IndexError, TypeError):
+        return None
+    if type(cache) is not DynamicCache or type(layer) is not DynamicLayer:
+        return None
+    return cache if layer.keys is key and layer.values is value else None
+
+
 def _kvq_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """SDPA with the KV cache fake-quantized as the checkpoint says (module.kv_format/k_scale/v_scale)."""
+    """SDPA with the KV cache fake-quantized as the checkpoint says (module.kv_format/k_scale/v_scale).
+
+    Fake-quant is elementwise with a per-head scale and idempotent (``fq(fq(x)) == fq(x)``: the
+    codes of an FP8 value survive the round trip), so when the keys/values are the storage of an
+    appending ``DynamicCache`` (``_appending_storage``) they are fake-quantized *in place* and the
+    cache remembers it per layer: later calls quantize only their ``query.shape[-2]`` new positions
+    instead of the whole cache on every decode step. The attention sees the same numbers either way.
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     fmt = getattr(module, "kv_format", None)
+    cache = _appending_storage(module, key, value) if fmt is not None else None
     if fmt is not None:
         ks = module.k_scale.view(1, -1, 1, 1)  # [1, kv_heads, 1, 1]
         vs = module.v_scale.view(1, -1, 1, 1)
         fn = KV_FAKE_QUANT.get(fmt)
-        if fn is not None:
+        if fn is not None and cache is None:
             key = fn(key, ks)
             value = fn(value, vs)
+        elif fn is not None:
+            done = getattr(cache, _KVQ_DONE, None)
+            if done is None:
+                done = set()
+                setattr(cache, _KVQ_DONE, done)
+            new = query.shape[-2] if module.layer_idx in done else key.shape[-2]
+            new = min(new, key.shape[-2])
+            key[..., -new:, :] = fn(key[..., -new:, :], ks)
+            value[..., -new:, :] = fn(value[..., -new:, :], vs)
+            done.add(module.layer_idx)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -837,11 +937,16 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
             raise UserError(FIELD, f"{base}attention.qkv has {qkv.weight.shape[0]} rows; expected {nq + 2 * nkv}.",
                             "use the HF folder the checkpoint was made from.")
         # q/k/v share one input (and one activation scale): split the rows into three linears
+        specs = []
         for name, (a, b) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, nq + 2 * nkv))):
             rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in qkv.act_scale_rows if s < b and e > a]
-            spec = LinearSpec(weight=qkv.weight[a:b], quantized=qkv.quantized, act_scale=qkv.act_scale,
-                              act_scale_rows=rows, pre=qkv.pre, quant_algo=qkv.quant_algo)
-            setattr(layer.self_attn, name, QuantLinear(spec, act(spec), dtype))
+            specs.append((name, LinearSpec(weight=qkv.weight[a:b], quantized=qkv.quantized, act_scale=qkv.act_scale,
+                                           act_scale_rows=rows, pre=qkv.pre, quant_algo=qkv.quant_algo)))
+        shared = SharedInputQuant(3) if _shares_input_quant([sp for _, sp in specs]) else None
+        for name, spec in specs:
+            setattr(layer.self_attn, name, QuantLinear(spec, act(spec), dtype, shared))
+        mlp_in = [ck.linears[base + "mlp.fc"], ck.linears[base + "mlp.gate"]]  # gate_proj and up_proj read one input
+        shared = SharedInputQuant(2) if _shares_input_quant(mlp_in) else None
         for trt, hf in (("attention.dense", "self_attn.o_proj"), ("mlp.fc", "mlp.gate_proj"),
                         ("mlp.gate", "mlp.up_proj"), ("mlp.proj", "mlp.down_proj")):
             spec = ck.linears[base + trt]
@@ -851,13 +956,14 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
             if tuple(old.weight.shape) != tuple(spec.weight.shape):
                 raise UserError(FIELD, f"{base}{trt} has shape {tuple(spec.weight.shape)}; the model expects {tuple(old.weight.shape)}.",
                                 "use the HF folder the checkpoint was made from.")
-            setattr(parent, attr, QuantLinear(spec, act(spec), dtype))
+            setattr(parent, attr, QuantLinear(spec, act(spec), dtype, shared if trt in ("mlp.fc", "mlp.gate") else None))
         attn = layer.self_attn
         if kv_algo:
             ks, vs = ck.kv_scales[i]
             attn.kv_format = kvf.fake_quant
             attn.register_buffer("k_scale", ks.to(torch.float32))
             attn.register_buffer("v_scale", vs.to(torch.float32))
+            attn.register_forward_pre_hook(_kv_cache_prehook, with_kwargs=True)
         else:
             attn.kv_format = None
     model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_cfg, device="cpu")
@@ -870,6 +976,6 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
 
 __all__ = [
     "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
-    "QuantLinear", "LinearSpec", "act_fake_quant", "register_attention", "KV_FAKE_QUANT", "ATTN_IMPL", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
+    "QuantLinear", "SharedInputQuant", "LinearSpec", "act_fake_quant", "register_attention", "KV_FAKE_QUANT", "ATTN_IMPL", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]

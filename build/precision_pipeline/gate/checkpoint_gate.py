@@ -73,8 +73,8 @@ held-out tokens; 32 greedy tokens), 2 shared CPU cores, torch 2.13, transformers
 so a ``greedy_same_min`` above ~0.4 would fail BF16 itself.
 
 Work per model scored (full set): one teacher-forced forward per prompt (11,564 tokens; it also
-yields the generation prompt's KV cache), at most ``9 x 31`` batched decode steps (the first
-greedy token comes from the teacher-forced logits) and 4 held-out windows of 512 tokens: about
+yields the generation prompt's KV cache), at most ``2 x 31`` batched decode steps (two batches,
+33 and 32 prompts, at ``greedy_batch`` 48; the first greedy token comes from the teacher-forced logits) and 4 held-out windows of 512 tokens: about
 15,600 tokens, where a separate ``generate`` prefill made it about 22,000. Threads: the cores other
 processes leave free (``thread_choice``; the log says how many and why). Times: ``invoke bench
 build`` (README, Measured times).
@@ -204,8 +204,8 @@ class HFCandidate:
     def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_id: int) -> list[list[int]]:
         """Greedy generations of several prompts in one left-padded ``generate`` call.
 
-        Decoding on a CPU is bound by reading the weights once per step, so a batch of 8 costs
-        little more than one prompt. Padding positions are masked (``attention_mask``) and HF
+        A decode step of many rows costs far less per row than one of a single prompt (the
+        weights are read once per step; ``invoke bench build`` has the numbers). Padding positions are masked (``attention_mask``) and HF
         derives position ids from the mask, so each row computes what it would alone up to
         float rounding (a near-tie could flip; the reference and the candidate are batched alike).
         """
@@ -566,11 +566,9 @@ def greedy_all(cand: Any, encoded: Sequence[EncodedPrompt], max_new_tokens: int,
     """Greedy generations of every prompt, in prompt order. Candidates with ``greedy_batch`` get
     batches of ``batch`` prompts of similar length (sorted by length: little padding)."""
     out: list[Optional[list[int]]] = [None] * len(encoded)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].generation_prompt))
-    step = max(1, batch) if hasattr(cand, "greedy_batch") else 1
-    for s in range(0, len(order), step):
-        idx = order[s:s + step]
-        if step > 1:
+    batched = hasattr(cand, "greedy_batch") and batch > 1
+    for idx in _batches_by_length(encoded, batch if batched else 1):
+        if batched and len(idx) > 1:
             res = cand.greedy_batch([encoded[i].generation_prompt for i in idx], max_new_tokens, stop_id)
         else:
             res = [cand.greedy(encoded[i].generation_prompt, max_new_tokens, stop_id) for i in idx]
@@ -582,10 +580,23 @@ def greedy_all(cand: Any, encoded: Sequence[EncodedPrompt], max_new_tokens: int,
 
 
 def _batches_by_length(encoded: Sequence[EncodedPrompt], batch: int) -> list[list[int]]:
-    """Prompt indices sorted by generation-prompt length, cut into groups of ``batch`` (``greedy_all``'s order)."""
+    """Prompt indices sorted by generation-prompt length, cut into ``ceil(n / batch)`` consecutive
+    groups of near-equal size (sizes differ by at most one; none larger than ``batch``).
+
+    Equal sizes, not ``batch, batch, ..., rest``: 65 prompts at ``batch=48`` are 33 + 32, not
+    48 + 17, so no short last batch pays a full run of decode steps for a few rows.
+    """
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].generation_prompt))
-    step = max(1, batch)
-    return [order[s:s + step] for s in range(0, len(order), step)]
+    if not order:
+        return []
+    groups = -(-len(order) // max(1, batch))
+    size, extra = divmod(len(order), groups)
+    out, s = [], 0
+    for g in range(groups):
+        n = size + (1 if g < extra else 0)
+        out.append(order[s:s + n])
+        s += n
+    return out
 
 
 def _hf_model(cand: Any) -> Optional[torch.nn.Module]:

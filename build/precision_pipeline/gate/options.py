@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 DEFAULT_HELDOUT_TOKENS = 2048
 DEFAULT_HELDOUT_WINDOW = 512
 DEFAULT_GREEDY_NEW_TOKENS = 32
-DEFAULT_GREEDY_BATCH = 8
+DEFAULT_GREEDY_BATCH = 48
 DEFAULT_BOOTSTRAP = 1000
 
 # GateOptions fields the FP32 reference / BF16 floor results do not depend on: the bootstrap only
@@ -43,7 +43,11 @@ class GateOptions(BaseModel):
     greedy_new_tokens: NonNegativeInt = DEFAULT_GREEDY_NEW_TOKENS
     """New tokens per greedy generation; 0 skips ``greedy_same``."""
     greedy_batch: PositiveInt = DEFAULT_GREEDY_BATCH
-    """Prompts per batched ``generate`` call (HF models); left padding can flip a near-tie."""
+    """Most prompts decoded together (HF models; an engine gate caps it at the engine's max_batch_size).
+
+    The prompts, sorted by length, are split into ``ceil(n / greedy_batch)`` batches of near-equal
+    size. Left padding changes float rounding, so a near-tie can flip between batch sizes: the
+    reference and the candidate are batched alike, and the value is part of the reference key."""
     noise_floor: bool = True
     """Also score the reference folder loaded in BF16 (the noise floor in the report)."""
     bootstrap_resamples: NonNegativeInt = DEFAULT_BOOTSTRAP
