@@ -457,3 +457,50 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
                   f"{m.get('top1', float('nan')):.3f}", soft_wrap=True)
     con.print(f"{len(res.computed)} measured, {len(res.reused)} reused, {d['timings_s']['total']:.0f} s; "
               f"{res.json_path}, {res.heatmap_path}")
+
+
+# --------------------------------------------------------------------------------------------
+# Nightly
+
+
+@task(help={
+    "profiles": "comma-separated profile names or YAML paths, or all (default: all shipped profiles)",
+    "strict": "a skipped stage (the engine without TensorRT-LLM and a GPU) is exit 4",
+    "baseline": "releases.json, or a nightly folder holding summary.json (default: the serving repository's "
+                "releases.json, else the previous nightly)",
+    "promote": "promote the build when every check passed (one profile only)",
+    "out": "output root: builds in OUT/<profile>/, the summary in OUT/nightly/ (default: artifacts)",
+    "model": "local HF model folder (default: the default model)",
+    "golden_limit": "evaluate only the first N golden prompts per category (quick runs)",
+    "checkpoint": "reuse checkpoints instead of quantizing: DIR (one profile) or NAME=DIR[,NAME=DIR]",
+    "upgrade": "upgrade canary: a throw-away venv with the newest ModelOpt / transformers runs the nightly; "
+               "reports what breaks or changes (the pinned .venv is not touched)",
+    "cronjob": "render the Kubernetes CronJob for this GPU (e.g. h100) into OUT/nightly/k8s/ and stop",
+    "image": "container image of the CronJob (default: the serving image)",
+})
+@guarded
+def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=None, model=None, golden_limit=None,
+            checkpoint=None, upgrade=False, cronjob=None, image=None):
+    """Nightly rebuild: check every profile, rebuild what changed, gate, compare with the baseline (exit 5: regressed)."""
+    from precision_pipeline import nightly as nl
+
+    out_root = Path(out).expanduser().resolve() if out else ROOT / "artifacts"
+    if cronjob:
+        print(f"wrote {nl.render_cronjob(cronjob, out_root / nl.NIGHTLY_DIR / 'k8s', image=image)}")
+        return
+    names = nl.select_profiles(profiles)
+    opts = nl.NightlyOptions(profiles=names, out_root=out_root, model=model, strict=strict,
+                             golden_limit=_int_arg("--golden-limit", golden_limit, 1, 1000),
+                             checkpoints=nl.parse_checkpoints(checkpoint, names),
+                             baseline=Path(baseline) if baseline else None, promote=promote)
+    if upgrade:
+        rep = nl.run_upgrade(opts)
+        print(nl.render_upgrade_markdown(rep))
+        if rep["exit_code"]:
+            raise Exit(code=rep["exit_code"])
+        return
+    summary = nl.run_nightly(opts)
+    print(nl.render_markdown(summary.to_json()))
+    print(f"summary: {opts.nightly_dir / 'summary.md'}")
+    if summary.exit_code:
+        raise Exit(code=summary.exit_code)

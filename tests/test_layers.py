@@ -25,6 +25,7 @@ rank  layer       what it is
 7     serving     templates, Triton repository, releases, manifests, local server
 8     analysis    per-layer sensitivity (uses the gate and the checkpoint reader)
 9     pipeline    the stage runner (pipeline.py)
+10    nightly     the nightly rebuild over many profiles (nightly.py: runs run_build per profile)
 ====  ==========  ====================================================================
 
 Parts that fail because of code the format-registry branch rewrites are ``xfail(strict=True)``
@@ -45,7 +46,7 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1] / "build"
 PACKAGE = "precision_pipeline"
 
 LAYERS: dict[str, int] = {"core": 0, "spec": 1, "resolve": 2, "checkpoint": 3, "quantize": 4, "gate": 5,
-                          "engine": 6, "serving": 7, "analysis": 8, "pipeline": 9}
+                          "engine": 6, "serving": 7, "analysis": 8, "pipeline": 9, "nightly": 10}
 TORCH_FREE = ("core", "spec", "resolve")
 NEEDS_TORCH = ("torch", "transformers", "modelopt", "safetensors.torch")
 # functions of the torch-free layers allowed to import torch, and why; no torch-free module may import them

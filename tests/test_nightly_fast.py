@@ -1,0 +1,271 @@
+"""The nightly's logic without builds: comparison, exit codes, the summary table, the upgrade canary's
+report (through its installer seam: nothing is created or installed), the CronJob and the workflows."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from precision_pipeline import nightly as nl
+from precision_pipeline.core.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _row(**gate) -> nl.Row:
+    return nl.Row(profile="p", source="p", gate={k: dict(v) for k, v in gate.items()}, checkpoint_bytes=100,
+                  provenance={"producer": {"version": "0.47.0"}})
+
+
+def test_regression_only_beyond_the_interval_and_in_the_right_direction():
+    base = {"gate": {"kl_mean": 0.05, "top1": 0.90}, "checkpoint_bytes": 100, "provenance": {"producer": {"version": "0.47.0"}}}
+    inside = _row(kl_mean={"value": 0.06, "ci95": [0.045, 0.07], "passed": True, "op": "<="},
+                  top1={"value": 0.89, "ci95": [0.88, 0.91], "passed": True, "op": ">="})
+    assert nl.compare(inside, base) == []
+    worse = _row(kl_mean={"value": 0.09, "ci95": [0.07, 0.11], "passed": True, "op": "<="},
+                 top1={"value": 0.85, "ci95": [0.83, 0.87], "passed": True, "op": ">="})
+    f = {x["what"]: x for x in nl.compare(worse, base)}
+    assert f["kl_mean"]["kind"] == "regression" and (f["kl_mean"]["before"], f["kl_mean"]["after"]) == (0.05, 0.09)
+    assert f["top1"]["kind"] == "regression" and f["top1"]["before"] == 0.90
+    better = _row(kl_mean={"value": 0.01, "ci95": [0.005, 0.02], "passed": True, "op": "<="},
+                  top1={"value": 0.99, "ci95": [0.98, 1.0], "passed": True, "op": ">="})
+    assert nl.compare(better, base) == []  # improvements are not findings
+
+
+def test_newly_failing_size_and_provenance_are_findings():
+    base = {"gate": {"kl_mean": {"value": 0.2, "passed": True}}, "checkpoint_bytes": 100,
+            "provenance": {"producer": {"version": "0.47.0"}}}
+    row = _row(kl_mean={"value": 0.21, "ci95": None, "passed": False, "op": "<="})
+    row.checkpoint_bytes, row.provenance = 120, {"producer": {"version": "0.48.0"}}
+    kinds = {(x["kind"], x["what"]): x for x in nl.compare(row, base)}
+    assert set(kinds) == {("newly_failing", "kl_mean"), ("checkpoint_size", "checkpoint_bytes"), ("provenance", "producer")}
+    assert kinds[("checkpoint_size", "checkpoint_bytes")]["after"] == 120 and "+20.00%" in kinds[("checkpoint_size", "checkpoint_bytes")]["detail"]
+    # a metric that already failed in the baseline is not "newly" failing
+    base["gate"]["kl_mean"]["passed"] = False
+    assert ("newly_failing", "kl_mean") not in {(x["kind"], x["what"]) for x in nl.compare(row, base)}
+
+
+@pytest.mark.parametrize("verdicts,code", [
+    (["pass", "pass"], 0), (["pass", "skipped"], 4), (["skipped", "refused"], 2), (["refused", "failed"], 3),
+    (["failed", "regressed"], 5), (["regressed", "error", "pass"], 1), ([], 0)])
+def test_exit_code_is_the_most_severe_row(verdicts, code):
+    assert nl.exit_code(verdicts) == code
+
+
+def test_release_baseline_comes_before_the_previous_nightly():
+    releases = {"releases": [{"profile": "p", "unit": "u1", "gate": {"kl_mean": 0.1}, "kind": "release"},
+                             {"profile": "p", "unit": "fb", "gate": {"kl_mean": 0.9}, "kind": "fallback"},
+                             {"profile": "q", "unit": "u2", "gate": {"kl_mean": 0.3}}]}
+    prev = {"last_measured": {"p": {"time": "t", "gate": {"kl_mean": 0.2}}, "r": {"time": "t2", "gate": {"kl_mean": 0.4}}}}
+    assert nl.find_baseline("p", releases, prev)["gate"] == {"kl_mean": 0.1}
+    assert nl.find_baseline("r", releases, prev)["source"] == "nightly t2"
+    assert nl.find_baseline("z", releases, prev) is None
+
+
+def test_summary_markdown_renders_one_table(tmp_path, monkeypatch):
+    row = _row(kl_mean={"value": 0.09, "ci95": [0.07, 0.11], "passed": True, "op": "<="},
+               kl_p99={"value": 0.5, "ci95": [0.4, 0.6], "passed": True, "op": "<="})
+    row.rebuilt, row.stages, row.skipped = ["gate"], {"gate": "done", "engine": "skipped"}, {"engine": "tensorrt_llm is not installed"}
+    row.baseline = {"source": "nightly t", "gate": {"kl_mean": 0.05}}
+    row.findings = nl.compare(row, row.baseline)
+    row.verdict = "regressed"
+    refused = nl.Row(profile="bad", source="bad.yaml", verdict="refused", reason="target.gpu: unknown")
+    s = nl.NightlySummary(rows=[row, refused], started=0.0, finished=1.0, baseline_source="previous nightly", last_measured={})
+    step = tmp_path / "step.md"
+    step.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
+    js, md = nl.write_summary(s, tmp_path / "nightly")
+    text = md.read_text()
+    table = [ln for ln in text.splitlines() if ln.startswith("|")]
+    assert table[0] == "| profile | stages rebuilt | kl_mean | kl_p99 | top1 | ppl_delta_pct | delta vs baseline | verdict |"
+    assert table[2] == "| p | gate | 0.09 | 0.5 | - | - | kl_mean +0.04 | **regressed (1 finding)** |"
+    assert table[3] == "| bad | - | - | - | - | - | - | **refused** |"
+    assert "- `p` engine skipped: tensorrt_llm is not installed" in text
+    assert "- `bad` refused: target.gpu: unknown" in text
+    assert json.loads(js.read_text())["exit_code"] == 5
+    assert step.read_text() == "earlier step\n" + text + "\n"
+
+
+def test_profile_and_checkpoint_options():
+    from precision_pipeline.spec.profile import shipped_profiles
+
+    assert nl.select_profiles("all") == nl.select_profiles(None) == shipped_profiles()
+    assert nl.select_profiles(" a, b ,a") == ["a", "b"]
+    with pytest.raises(UserError):
+        nl.select_profiles(",")
+    assert nl.parse_checkpoints("x=/c1,y=/c2", ["x", "y"]) == {"x": "/c1", "y": "/c2"}
+    assert nl.parse_checkpoints("/c", ["x"]) == {"*": "/c"}
+    with pytest.raises(UserError, match="ambiguous"):
+        nl.parse_checkpoints("/c", ["x", "y"])
+
+
+def test_promote_needs_exactly_one_profile(tmp_path):
+    with pytest.raises(UserError, match="one profile"):
+        nl.run_nightly(nl.NightlyOptions(profiles=["a", "b"], out_root=tmp_path, promote=True), build=lambda *a, **k: None)
+
+
+# ---- the upgrade canary, through its seam
+
+
+@pytest.mark.parametrize("version,word", [("0.47.0", None), ("0.48.0", "DEPRECATES"), ("0.48.1", "DEPRECATES"),
+                                          ("0.49.0", "REMOVES"), ("1.0.0", "REMOVES")])
+def test_export_notice(version, word):
+    n = nl.export_notice(version)
+    assert (n is None) if word is None else (word in n and "export_tensorrt_llm_checkpoint" in n)
+
+
+class FakeInstaller:
+    """Records what the canary asks; writes the canary nightly's summary instead of running it."""
+
+    def __init__(self, versions, canary_rows, rc=0):
+        self.versions, self.canary_rows, self.rc, self.calls = versions, canary_rows, rc, []
+
+    def create(self, venv_dir):
+        self.calls.append(("create", Path(venv_dir)))
+
+    def install(self, packages):
+        self.calls.append(("install", tuple(packages)))
+        return dict(self.versions)
+
+    def run(self, argv, cwd):
+        self.calls.append(("run", list(argv)))
+        out = Path(argv[argv.index("--out") + 1]) / "nightly"
+        if self.canary_rows is not None:
+            out.mkdir(parents=True)
+            (out / "summary.json").write_text(json.dumps({"profiles": self.canary_rows}))
+        return self.rc
+
+
+def test_upgrade_canary_reports_per_profile_and_says_when_the_export_is_removed(tmp_path):
+    nd = tmp_path / "out" / "nightly"
+    nd.mkdir(parents=True)
+    gate = {"kl_mean": {"value": 0.05, "ci95": [0.04, 0.06], "passed": True, "op": "<="}}
+    (nd / "summary.json").write_text(json.dumps({"profiles": [
+        {"profile": "a", "verdict": "pass", "gate": gate, "checkpoint_bytes": 10, "provenance": {}},
+        {"profile": "b", "verdict": "pass", "gate": gate, "checkpoint_bytes": 10, "provenance": {}}]}))
+    canary = [{"profile": "a", "verdict": "pass", "gate": {"kl_mean": {"value": 0.09, "ci95": [0.08, 0.1], "passed": True, "op": "<="}},
+               "checkpoint_bytes": 10, "provenance": {}},
+              {"profile": "b", "verdict": "error", "reason": "AttributeError: export_tensorrt_llm_checkpoint", "gate": {}}]
+    fake = FakeInstaller({"nvidia-modelopt": "0.49.0", "transformers": "5.1.0"}, canary)
+    before = sorted(p.name for p in (ROOT / ".venv").iterdir()) if (ROOT / ".venv").exists() else []
+    rep = nl.run_upgrade(nl.NightlyOptions(profiles=["a", "b"], out_root=tmp_path / "out", golden_limit=1), installer=fake,
+                         workdir=tmp_path / "work", say=lambda m: None)
+    assert fake.calls[0] == ("create", tmp_path / "work" / "venv") and fake.calls[1] == ("install", nl.UPGRADED)
+    assert fake.calls[2][1][:5] == ["nightly", "--out", str(tmp_path / "work" / "artifacts"), "--profiles", "a,b"]
+    by = {r["profile"]: r for r in rep["profiles"]}
+    assert by["a"]["verdict"] == "changes" and by["a"]["changes"][0]["what"] == "kl_mean"
+    assert by["b"]["verdict"] == "breaks"
+    assert "REMOVES" in rep["notice"] and rep["exit_code"] == 5
+    md = (nd / "upgrade.md").read_text()
+    assert "**ModelOpt 0.49.0 REMOVES export_tensorrt_llm_checkpoint" in md and "| b | breaks |" in md
+    assert json.loads((nd / "upgrade.json").read_text())["versions"]["nvidia-modelopt"] == "0.49.0"
+    after = sorted(p.name for p in (ROOT / ".venv").iterdir()) if (ROOT / ".venv").exists() else []
+    assert before == after  # the pinned venv is not touched
+
+
+def test_upgrade_canary_without_a_summary_breaks(tmp_path):
+    fake = FakeInstaller({"nvidia-modelopt": "0.47.1", "transformers": "4.57.6"}, None, rc=1)
+    rep = nl.run_upgrade(nl.NightlyOptions(profiles=["a"], out_root=tmp_path), installer=fake, workdir=tmp_path / "w",
+                         say=lambda m: None)
+    assert rep["notice"] is None and rep["profiles"][0]["verdict"] == "breaks" and rep["exit_code"] == 5
+
+
+# ---- the CronJob
+
+
+def test_cronjob_renders_valid_with_forbid_and_history_limits(tmp_path):
+    from precision_pipeline.serving import deploy
+
+    path = nl.render_cronjob("h100", tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    deploy.validate_manifest(doc, "cronjob")  # the Kubernetes schemas, strict
+    spec = doc["spec"]
+    assert (doc["kind"], spec["concurrencyPolicy"]) == ("CronJob", "Forbid")
+    assert spec["successfulJobsHistoryLimit"] == 3 and spec["failedJobsHistoryLimit"] == 5
+    pod = spec["jobTemplate"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"][:3] == ["./run.sh", "nightly", "--strict"]
+    assert c["command"][c["command"].index("--profiles") + 1] == "bf16-h100,fp8-h100,fp8-h200,mixed-fp8-int4-h100"
+    assert c["image"] == deploy.DEFAULT_IMAGE and c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == deploy.DEFAULT_PVC
+    assert c["volumeMounts"][0]["mountPath"] == c["command"][c["command"].index("--out") + 1]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["values"] == ["NVIDIA-H100-80GB-HBM3"]
+    with pytest.raises(UserError):
+        nl.render_cronjob("h100", tmp_path, image="not an image")
+
+
+def test_cronjob_template_is_not_a_deploy_template():
+    assert nl.CRONJOB_TEMPLATE.parent != ROOT / "k8s" and nl.CRONJOB_TEMPLATE.is_file()
+
+
+# ---- the workflows
+
+
+WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+
+
+def _actionlint() -> str:
+    exe = Path(sys.executable).parent / "actionlint"
+    return str(exe) if exe.is_file() else (shutil.which("actionlint") or pytest.fail("actionlint is not installed "
+                                                                                      "(requirements.lock pins it)"))
+
+
+def test_workflows_pass_actionlint():
+    assert [w.name for w in WORKFLOWS] == ["ci.yml", "nightly.yml"]
+    r = subprocess.run([_actionlint(), "-config-file", str(ROOT / ".github" / "actionlint.yaml"), *map(str, WORKFLOWS)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _run_lines():
+    for w in WORKFLOWS:
+        doc = yaml.safe_load(w.read_text())
+        for job_name, job in doc["jobs"].items():
+            for step in job.get("steps", []):
+                if "run" in step:
+                    yield w.name, job_name, step["run"]
+
+
+def test_workflow_steps_call_only_commands_that_exist():
+    import tasks
+
+    task_names = {n for n in dir(tasks) if hasattr(getattr(tasks, n), "body")}
+    lines = list(_run_lines())
+    assert lines
+    for wf, job, run in lines:
+        for cmd in run.strip().splitlines():
+            m = re.fullmatch(r"\./run\.sh (\w+)(?: .*)?", cmd.strip())
+            assert m, f"{wf} {job}: {cmd!r} is not a ./run.sh TASK call"
+            assert m.group(1) in task_names, f"{wf} {job}: no task {m.group(1)!r}"
+    assert ("ci.yml", "test", "./run.sh test") in lines  # the README's test command
+    # every flag given to the nightly task exists
+    help_text = subprocess.run([sys.executable, "-m", "invoke", "--help", "nightly"], capture_output=True, text=True,
+                               cwd=ROOT, timeout=120).stdout
+    for wf, job, run in lines:
+        for flag in re.findall(r"(--[a-z-]+)", run):
+            assert flag in help_text, f"{wf} {job}: {flag} is not a flag of invoke nightly"
+
+
+def test_gpu_matrix_covers_every_profile_once_by_its_sm():
+    from precision_pipeline.spec.profile import shipped_profiles
+
+    doc = yaml.safe_load((ROOT / ".github" / "workflows" / "nightly.yml").read_text())
+    gpu = doc["jobs"]["gpu"]
+    assert gpu["runs-on"] == ["self-hosted", "gpu", "sm${{ matrix.sm }}"]
+    seen = []
+    for entry in gpu["strategy"]["matrix"]["include"]:
+        names = entry["profiles"].split(",")
+        assert names == nl.profiles_for_sm(int(entry["sm"])), entry
+        seen += names
+    assert sorted(seen) == shipped_profiles()
+    labels = yaml.safe_load((ROOT / ".github" / "actionlint.yaml").read_text())["self-hosted-runner"]["labels"]
+    assert sorted(labels) == sorted(["gpu"] + [f"sm{e['sm']}" for e in gpu["strategy"]["matrix"]["include"]])
+    assert "--strict" in gpu["steps"][1]["run"] and "tritonserver" in gpu["container"]["image"]
