@@ -132,10 +132,12 @@ def _print_build(result_or_stages) -> None:
     "checkpoint": "reuse this TensorRT-LLM checkpoint instead of quantizing (its mapping must match)",
     "image": "Triton + TensorRT-LLM container image for the Kubernetes manifests",
     "no_wait": "when another build is writing the same --out, stop at once (exit 2) instead of waiting for it",
+    "device": "where calibration, the per-layer search and the gate run: auto (CUDA when torch sees a GPU, else CPU), cpu, cuda",
+    "reference_dtype": "the gate's reference: float32 (default; BF16 noise floor) or bfloat16 (when FP32 does not fit)",
 })
 @guarded
 def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None, image=None,
-          no_wait=False):
+          no_wait=False, device="auto", reference_dtype="float32"):
     """Run the pipeline: resolve, quantize, gate, engine, pack, deploy (Kubernetes manifests)."""
     from rich.markup import escape as esc
 
@@ -153,7 +155,8 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
         res = run_build(profile, model=model, out=out, strict=strict, repo_root=repo_root,
                         golden_limit=_int_arg("--golden-limit", golden_limit, 1, 1000), checkpoint=checkpoint, image=image,
                         on_stage=on_stage, wait=not no_wait,
-                        on_wait=lambda msg: con.print(f"[yellow]{esc(msg)}[/]", soft_wrap=True))
+                        on_wait=lambda msg: con.print(f"[yellow]{esc(msg)}[/]", soft_wrap=True),
+                        device=device, reference_dtype=reference_dtype)
     except Exception:
         if stages:
             _print_build(stages)

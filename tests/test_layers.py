@@ -53,6 +53,8 @@ NEEDS_TORCH = ("torch", "transformers", "modelopt", "safetensors.torch")
 SET_UP_ONLY: dict[tuple[str, str], str] = {
     ("precision_pipeline.spec.default_model", "ensure_default_model"):
         "the one-time GGUF -> HF conversion of the default model (run.sh, quantize); resolve never runs it",
+    ("precision_pipeline.spec.device", "probe_cuda"):
+        "asks torch.cuda which GPUs a build may use (pipeline.choose_device, once per build); resolve gets its result",
 }
 
 REGISTRY_BRANCH = "fixed by the format registry branch"

@@ -202,11 +202,21 @@ def check_golden_limit(golden_limit) -> None:
                         "pass e.g. --golden-limit 1, or leave it out for every golden prompt.")
 
 
+def choose_device(device: str = "auto", reference_dtype: str = "float32"):
+    """``--device`` / ``--reference-dtype`` on this machine (``spec.device``: probe, then select).
+    UserError for an unknown value or ``cuda`` without a usable GPU."""
+    from precision_pipeline.spec.device import probe_machine, select_device
+
+    select_device(device, probe_machine("cpu"), reference_dtype)  # a bad value is refused before torch is asked
+    return select_device(device, probe_machine(device), reference_dtype)
+
+
 def build_request(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
                   repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
-                  image: str | None = None) -> BuildRequest:
+                  image: str | None = None, device: str = "auto", reference_dtype: str = "float32") -> BuildRequest:
     """Load the profile and validate every path and option (folders, files, JSON, tensor byte ranges,
-    limits, image); profile/model rules run in resolve. Writes nothing; raises UserError."""
+    limits, image, ``--device``); profile/model rules (and the build's memory on the chosen device)
+    run in resolve. Writes nothing; raises UserError."""
     from precision_pipeline.serving.deploy import DEFAULT_IMAGE, check_image, check_repo_root
 
     profile = load_build_profile(profile_ref)
@@ -218,9 +228,10 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
         check_repo_root(repo_root)
     if image is not None:
         check_image(image, "--image")
+    choice = choose_device(device, reference_dtype)
     return BuildRequest(profile=profile, profile_source=str(profile_ref), model_dir=model_dir, out_dir=out_dir,
                         checkpoint=ck, golden_limit=golden_limit, repo_root=repo_root or str(out_dir),
-                        image=image or DEFAULT_IMAGE, strict=strict)
+                        image=image or DEFAULT_IMAGE, strict=strict, device=choice)
 
 
 def _check_dataset_tokens(req: BuildRequest, plan) -> None:
@@ -242,7 +253,8 @@ def _say(message: str) -> None:
 def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
               repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
               image: str | None = None, on_stage: Callable[[StageRecord], None] | None = None, wait: bool = True,
-              on_wait: Callable[[str], None] | None = None) -> BuildResult:
+              on_wait: Callable[[str], None] | None = None, device: str = "auto",
+              reference_dtype: str = "float32") -> BuildResult:
     """Run the main job for a profile. See the module docstring for stages, order and errors.
 
     ``checkpoint`` reuses an existing TensorRT-LLM checkpoint directory instead of quantizing;
@@ -252,8 +264,13 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
     ``wait``: when another build holds the output's lock, wait for it (``on_wait(message)`` every
     few seconds, default: printed to stderr); False: refuse at once (UserError on ``--out`` naming
     the holder's pid, host and start time).
+    ``device``: ``auto`` | ``cpu`` | ``cuda`` (``spec.device``; the choice and why are printed and go
+    into plan.json ``build_memory`` and the manifest's resolve row); ``reference_dtype``: the gate's
+    reference, ``float32`` or ``bfloat16`` (when FP32 does not fit; the report says which).
     """
-    req = build_request(profile_ref, model, out, strict, repo_root, golden_limit, checkpoint, image)
+    req = build_request(profile_ref, model, out, strict, repo_root, golden_limit, checkpoint, image, device,
+                        reference_dtype)
+    _say(f"[device] {req.device.short()}: {req.device.reason}")
     resolve, rest = STAGES[0], STAGES[1:]
     resolved = execute(resolve, None, req, {})  # refuses bad input before anything is written
     plan = resolved.artifact.plan

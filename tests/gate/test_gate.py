@@ -113,6 +113,7 @@ OPTION_CHANGES = {
     "prompts_per_category": (2, True), "golden_path": ("/elsewhere/golden.jsonl", False),
     "heldout_tokens": (64, True), "heldout_window": (256, True), "greedy_new_tokens": (4, True),
     "greedy_batch": (2, True), "noise_floor": (False, True), "bootstrap_resamples": (10, False), "seed": (1, False),
+    "device": ("cuda", True), "reference_dtype": ("bfloat16", True), "candidate_dtype": ("bfloat16", False),
 }
 
 
@@ -131,6 +132,11 @@ def test_gate_options_are_frozen_and_strict():
     assert GateOptions().key_fields() == {
         "prompts_per_category": None, "golden_path": None, "heldout_tokens": 2048, "heldout_window": 512,
         "greedy_new_tokens": 32, "greedy_batch": 48, "noise_floor": True, "bootstrap_resamples": 1000, "seed": 0}
+    # device and dtypes enter the key only away from the CPU defaults: keys (and caches) of CPU runs are unchanged
+    assert GateOptions(device="cuda", candidate_dtype="bfloat16").key_fields() == {
+        **GateOptions().key_fields(), "device": "cuda", "candidate_dtype": "bfloat16"}
+    assert GateOptions(reference_dtype="bfloat16").reference_key_fields()["reference_dtype"] == "bfloat16"
+    assert not GateOptions(reference_dtype="bfloat16").measures_floor and GateOptions().measures_floor
 
 
 def test_reference_key_hashes_gate_options(default_model_dir):

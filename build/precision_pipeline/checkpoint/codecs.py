@@ -50,7 +50,7 @@ def fp8_e4m3_to_float(t: torch.Tensor) -> torch.Tensor:
 
 def e2m1_to_float(nibbles: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes (ints 0..15): bit 3 sign, bits 0..2 index [0,.5,1,1.5,2,3,4,6]."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
     n = nibbles.to(torch.int64)
     mag = table[n & 0x7]
     return torch.where((n & 0x8) != 0, -mag, mag)
@@ -110,11 +110,11 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Round float32 values to the nearest E2M1 value (ties to the even code, as ModelOpt's
     ``NVFP4QTensor._cast_fp4``); magnitudes above 6 saturate to 6."""
     a = v.abs()
-    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32, device=a.device)
     idx = torch.searchsorted(bounds, a.contiguous())
     odd = (a == 0.75) | (a == 1.75) | (a == 3.5)
     idx = idx + odd.to(idx.dtype)
-    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)[idx.clamp(max=7)]
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=a.device)[idx.clamp(max=7)]
     return torch.where(v < 0, -mag, mag)
 
 

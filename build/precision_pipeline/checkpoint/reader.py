@@ -96,6 +96,7 @@ from precision_pipeline.checkpoint.codecs import (  # noqa: F401  (the element f
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec import formats as FMT
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, QuantAlgo
+from precision_pipeline.spec.model_arch import GATE_ARCHITECTURES
 
 NO_QUANT = QuantAlgo.NO_QUANT.value
 KV_NONE = KVCacheQuantAlgo.NONE.value
@@ -592,8 +593,9 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     tp = int(mapping.get("tp_size", 1))
     if int(mapping.get("pp_size", 1)) != 1:
         raise UserError(FIELD, f"pp_size {mapping.get('pp_size')} checkpoints are not read here.", "export with pp_size 1.")
-    if cfg.get("architecture") not in ("LlamaForCausalLM", "MistralForCausalLM"):
-        raise UserError(FIELD, f"architecture {cfg.get('architecture')!r} is not read here (Llama only).", "use a Llama checkpoint.")
+    if cfg.get("architecture") not in GATE_ARCHITECTURES:
+        raise UserError(FIELD, f"architecture {cfg.get('architecture')!r} is not read here ({', '.join(GATE_ARCHITECTURES)} only).",
+                        "use a checkpoint of: " + ", ".join(GATE_ARCHITECTURES) + ".")
     q = cfg.get("quantization") or {}
     algo = q.get("quant_algo") or NO_QUANT
     if algo not in READ_ALGOS:
@@ -871,8 +873,10 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
-def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """An HF ``LlamaForCausalLM`` that computes what the TRT-LLM checkpoint says, on CPU.
+def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32,
+                          device: str = "cpu") -> nn.Module:
+    """An HF ``LlamaForCausalLM`` that computes what the TRT-LLM checkpoint says, on CPU
+    (``device="cuda"``: built on the host, then placed over the visible GPUs, ``place_on_cuda``).
 
     Architecture from ``hf_model_dir``'s config (checked against the checkpoint's config.json);
     every weight from the checkpoint, dequantized to float32 (then ``dtype``). Quantized linears
@@ -971,11 +975,26 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
     if leftover:
         raise UserError(FIELD, f"no checkpoint tensor for {', '.join(leftover[:5])}.", "re-export the checkpoint.")
     model.eval()
+    return place_on_cuda(model) if device == "cuda" else model
+
+
+def place_on_cuda(model: nn.Module) -> nn.Module:
+    """Spread ``model`` over the visible GPUs in whole decoder layers (accelerate's
+    ``infer_auto_device_map`` + ``dispatch_model``, what ``from_pretrained(device_map="auto")`` does);
+    the per-row activation scales of fused q/k/v (a plain list, not buffers) follow their weights."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    device_map = infer_auto_device_map(model, no_split_module_classes=list(getattr(model, "_no_split_modules", None) or []))
+    model = dispatch_model(model, device_map=device_map)
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and mod.act_scale_rows:
+            dev = mod.weight.device
+            mod.act_scale_rows = [(a, b, s.to(dev)) for a, b, s in mod.act_scale_rows]
     return model
 
 
 __all__ = [
-    "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
+    "place_on_cuda", "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
     "QuantLinear", "SharedInputQuant", "LinearSpec", "act_fake_quant", "register_attention", "KV_FAKE_QUANT", "ATTN_IMPL", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]

@@ -43,6 +43,14 @@ Noise floor: the same folder loaded in BF16 (``torch.bfloat16`` weights and comp
 the same code on the same tokens. It is what "no quantization, just BF16 inference" costs; a
 threshold below the floor cannot be met even by a BF16 engine (the report flags it).
 
+Device and dtypes (``GateOptions.device`` / ``reference_dtype`` / ``candidate_dtype``, chosen by
+``invoke build --device`` / ``--reference-dtype``): on the CPU everything runs as described here
+(FP32 reference, FP32 candidate); on CUDA the models are spread over the visible GPUs
+(``device_map="auto"``) and the candidate runs in the profile's dtype. A BF16 reference (when FP32
+does not fit) has no noise floor (metrics.json ``reference`` says so); its cached hidden states are
+still turned into logits by the FP32 lm_head. Logits always come back to the CPU as FP32, where
+every metric is computed. The reference cache key includes the device and the reference dtype.
+
 Pass/fail: each metric's point estimate against its threshold (``None`` = not checked):
 ``kl_mean <= kl_mean_max``, ``kl_p99 <= kl_p99_max``, ``top1 >= top1_min``,
 ``ppl_delta_pct <= ppl_delta_pct_max``, ``greedy_same >= greedy_same_min``. A checked metric
@@ -436,11 +444,23 @@ class ReferenceData:
     key: str = ""
 
 
-def load_hf_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``GateOptions`` dtype names -> torch dtypes."""
+
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """The HF model of ``model_dir`` in ``dtype``: on the CPU, or with ``device="cuda"`` over the
+    visible GPUs (``device_map="auto"``: GPU 0 first, whole decoder layers)."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    extra = {"device_map": "auto"} if device == "cuda" else {}
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **extra)
     return m.eval()
+
+
+def reference_label(options: GateOptions) -> str:
+    """``FP32`` / ``BF16`` (+ `` on CUDA``): what the report and the log call the reference."""
+    return ("FP32" if options.reference_dtype == "float32" else "BF16") + (" on CUDA" if options.device == "cuda" else "")
 
 
 THREAD_SAMPLE_S = 0.5
@@ -698,13 +718,13 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
     """FP32 reference (and BF16 floor) results. Per batch of prompts of similar length: one
     teacher-forced forward per prompt and model (hidden states, answer NLL, floor metrics; the
     prompt's KV cache kept), then the batch's greedy answers decoded from those caches."""
-    greedy_new, greedy_batch, with_floor = options.greedy_new_tokens, options.greedy_batch, options.noise_floor
+    greedy_new, greedy_batch, with_floor = options.greedy_new_tokens, options.greedy_batch, options.measures_floor
     prog = prog or StageProgress("gate", enabled=False)
     seconds: dict[str, float] = {"teacher_forced": 0.0, "greedy": 0.0}
     t0 = time.perf_counter()
-    ref = load_hf_model(model_dir, torch.float32)
+    ref = load_hf_model(model_dir, TORCH_DTYPES[options.reference_dtype], options.device)
     lm_head = ref.get_output_embeddings()
-    floor_model = load_hf_model(model_dir, torch.bfloat16) if with_floor else None
+    floor_model = load_hf_model(model_dir, torch.bfloat16, options.device) if with_floor else None
     seconds["load"] = time.perf_counter() - t0
     ref_c = HFCandidate(ref, "fp32")
     floor_c = HFCandidate(floor_model, "bf16") if floor_model is not None else None
@@ -715,7 +735,7 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
     fl: dict[str, Any] = {"answer": [None] * n, "prompt": [None] * n,
                           "greedy": [[] for _ in range(n)] if greedy_new > 0 else [], "heldout_nll": None}
     checked = False
-    what = "reference FP32" + (" + BF16 floor" if with_floor else "")
+    what = f"reference {reference_label(options)}" + (" + BF16 floor" if with_floor else "")
     with torch.inference_mode():
         ph = prog.phase(what + (f", teacher-forced + greedy ({greedy_new} tokens)" if greedy_new > 0 else
                                 ", teacher-forced"), total=sum(len(e.input_ids) for e in encoded), unit="tokens")
@@ -727,7 +747,7 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
                 rp = forward_with_prefix(ref, e, hidden=True)
                 logits, h = rp.logits, rp.hidden
                 if not checked:  # the cache stores h and recomputes lm_head(h): check that this is what the model does
-                    again = lm_head(h)
+                    again = lm_head(h.to(lm_head.weight.device, lm_head.weight.dtype)).to("cpu", torch.float32)
                     if not torch.allclose(again, logits, atol=1e-3, rtol=1e-4):
                         raise RuntimeError("lm_head(last hidden state) does not reproduce the model's logits "
                                            "(logit soft-capping or scaling?); the gate's reference cache needs it")
@@ -953,7 +973,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
     with torch_threads(runtime.threads or choice.threads), StageProgress("gate", enabled=runtime.progress) as prog:
         used_threads = torch.get_num_threads()
         prog.say(choice.reason if choice is not None else f"{used_threads} torch threads (set by the caller)")
-        prog.say(f"candidate {cand.name} against the FP32 reference {reference_model_dir}")
+        prog.say(f"candidate {cand.name} against the {reference_label(options)} reference {reference_model_dir}")
         t0 = time.perf_counter()
         tok = _load_tokenizer(reference_model_dir)
         prompts = load_golden(options.golden_path, per_category=options.prompts_per_category)
@@ -966,7 +986,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
         ref = reference_data(reference_model_dir, encoded, windows, stop_id, options, runtime, prog)
         timings["reference"] = time.perf_counter() - t0
         if ref.cache_hit:
-            prog.say(f"reference FP32{' + BF16 floor' if ref.floor is not None else ''} from the cache "
+            prog.say(f"reference {reference_label(options)}{' + BF16 floor' if ref.floor is not None else ''} from the cache "
                      f"(key {ref.key[:12]}; computed once in {sum(ref.seconds.values()):.0f} s)")
 
         # FP32 lm_head for recomputing reference logits from the cached hidden states
@@ -1050,6 +1070,11 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
             "schema": 1, "model": model_name, "candidate": cand.name,
             "reference_model_dir": str(reference_model_dir),
             "reference_cache": {"hit": ref.cache_hit, "key": ref.key, "seconds_when_computed": ref.seconds},
+            "reference": {"dtype": options.reference_dtype, "device": options.device,
+                          "candidate_dtype": options.candidate_dtype,
+                          "noise_floor": ("BF16 copy of the FP32 reference" if ref.floor is not None else
+                                          "not measured: a BF16 reference has no BF16-vs-FP32 floor"
+                                          if options.reference_dtype != "float32" else "not measured (noise_floor off)")},
             "torch_threads": used_threads,
         })
         if extra:
@@ -1319,8 +1344,11 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     if options is None:
         options = GateOptions(prompts_per_category=golden_limit)
     t0 = time.perf_counter()
-    with StageProgress("gate", enabled=runtime.progress) as prog, prog.phase("load the checkpoint (dequantized to FP32)"):
-        model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=torch.float32)
+    label = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}[options.candidate_dtype]
+    where = " on CUDA" if options.device == "cuda" else ""
+    with StageProgress("gate", enabled=runtime.progress) as prog, prog.phase(f"load the checkpoint (dequantized to {label}){where}"):
+        model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=TORCH_DTYPES[options.candidate_dtype],
+                                      device=options.device)
     load_s = time.perf_counter() - t0
     extra = {"checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3)}
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}

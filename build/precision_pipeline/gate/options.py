@@ -11,7 +11,7 @@ reference cache lives, whether the reports are rendered): changing it never chan
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 
@@ -22,9 +22,13 @@ DEFAULT_GREEDY_BATCH = 48
 DEFAULT_BOOTSTRAP = 1000
 
 # GateOptions fields the FP32 reference / BF16 floor results do not depend on: the bootstrap only
-# resamples per-token numbers computed after the reference, and the golden file's *content* (its
-# token ids) is hashed into the reference key instead of its path.
-REFERENCE_INDEPENDENT = frozenset({"bootstrap_resamples", "seed", "golden_path"})
+# resamples per-token numbers computed after the reference, the golden file's *content* (its
+# token ids) is hashed into the reference key instead of its path, and the candidate's dtype is
+# the candidate's alone.
+REFERENCE_INDEPENDENT = frozenset({"bootstrap_resamples", "seed", "golden_path", "candidate_dtype"})
+# Fields added with device selection: keyed only when not at these values, so every key computed
+# before them (CPU, FP32 reference, FP32 candidate) stays the same and CPU results are reused.
+COMPUTE_DEFAULTS: dict[str, str] = {"device": "cpu", "reference_dtype": "float32", "candidate_dtype": "float32"}
 
 
 class GateOptions(BaseModel):
@@ -54,17 +58,42 @@ class GateOptions(BaseModel):
     """Percentile-bootstrap resamples over prompts for the 95% intervals; 0 gives no intervals."""
     seed: int = 0
     """Seed of the bootstrap's resampling."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the reference, the noise floor and the candidate run (``spec.device.DeviceChoice.device``);
+    CUDA kernels round differently, so it is keyed (the reference cache too)."""
+    reference_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The reference's dtype. FP32 is the default and its BF16 copy is the noise floor; a BF16
+    reference (``--reference-dtype bfloat16``, when FP32 does not fit) has no floor to measure."""
+    candidate_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the dequantized checkpoint: FP32 on the CPU, the profile's dtype on CUDA."""
+
+    @property
+    def measures_floor(self) -> bool:
+        """The BF16 noise floor is measured: asked for, and the reference is FP32."""
+        return self.noise_floor and self.reference_dtype == "float32"
+
+    def _keyed(self, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+        d = self.model_dump(mode="json", exclude=set(exclude))
+        for k, v in COMPUTE_DEFAULTS.items():
+            if d.get(k) == v:
+                d.pop(k)
+        return d
 
     def key_fields(self) -> dict[str, Any]:
-        """All fields as JSON values (what a stage key hashes)."""
-        return self.model_dump(mode="json")
+        """All fields as JSON values (what a stage key hashes); ``COMPUTE_DEFAULTS`` fields only when not default."""
+        return self._keyed()
+
+    def canonical(self) -> dict[str, Any]:
+        """What a stage key sees (``core.store.canonical``): ``key_fields()``."""
+        return self.key_fields()
 
     def reference_key_fields(self) -> dict[str, Any]:
-        """The fields the cached FP32 reference and BF16 floor depend on: all but ``REFERENCE_INDEPENDENT``.
+        """The fields the cached reference and BF16 floor depend on: all but ``REFERENCE_INDEPENDENT``
+        (and ``COMPUTE_DEFAULTS`` fields at their defaults). Device and reference dtype are part of it.
 
         A new field is part of the reference key unless it is added to ``REFERENCE_INDEPENDENT``.
         """
-        return self.model_dump(mode="json", exclude=set(REFERENCE_INDEPENDENT))
+        return self._keyed(REFERENCE_INDEPENDENT)
 
 
 class GateRuntime(BaseModel):
@@ -86,5 +115,5 @@ class GateRuntime(BaseModel):
     """A sensitivity heatmap to embed in the reports; None looks for one next to the gate folder."""
 
 
-__all__ = ["GateOptions", "GateRuntime", "REFERENCE_INDEPENDENT", "DEFAULT_HELDOUT_TOKENS", "DEFAULT_HELDOUT_WINDOW",
+__all__ = ["GateOptions", "GateRuntime", "REFERENCE_INDEPENDENT", "COMPUTE_DEFAULTS", "DEFAULT_HELDOUT_TOKENS", "DEFAULT_HELDOUT_WINDOW",
            "DEFAULT_GREEDY_NEW_TOKENS", "DEFAULT_GREEDY_BATCH", "DEFAULT_BOOTSTRAP"]

@@ -107,6 +107,11 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _ref_dtype(m: dict) -> str:
+    """FP32 or BF16: the gate's reference (metrics.json ``reference.dtype``; FP32 before it was recorded)."""
+    return "BF16" if (m.get("reference") or {}).get("dtype") == "bfloat16" else "FP32"
+
+
 def plot_kl_histogram(kl: np.ndarray, floor_kl: Optional[np.ndarray], thresholds: dict) -> bytes:
     import matplotlib
 
@@ -186,8 +191,10 @@ def render_markdown(m: dict) -> str:
     lines = [
         f"# Accuracy gate: {'PASSED' if m['passed'] else 'FAILED'}",
         "",
-        f"- Model: `{m.get('model', '')}`; candidate: `{m.get('candidate', '')}`; reference: FP32 "
+        f"- Model: `{m.get('model', '')}`; candidate: `{m.get('candidate', '')}`; reference: {_ref_dtype(m)} "
         f"`{m.get('reference_model_dir', '')}`",
+        *([f"- Reference: {_ref_dtype(m)} on {r['device']}, candidate in {r['candidate_dtype']}; noise floor: "
+           f"{r['noise_floor']}"] if (r := m.get("reference")) else []),
         f"- Golden set: {tok['prompts']} prompts, {tok['answer_tokens']} evaluated answer tokens "
         f"({tok['prompt_tokens']} prompt-segment tokens reported separately); held-out text: "
         f"{tok['heldout_predicted_tokens']} predicted tokens in {tok['heldout_windows']} windows; greedy: "
@@ -296,7 +303,9 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
          f'<h1>Accuracy gate report</h1><div id="verdict" class="{verdict}">{"PASSED" if m["passed"] else "FAILED"}</div>',
          '<section id="summary"><ul>',
          f"<li>Model: <code>{_e(m.get('model', ''))}</code>; candidate: <code>{_e(m.get('candidate', ''))}</code>; "
-         f"reference: FP32 <code>{_e(m.get('reference_model_dir', ''))}</code></li>",
+         f"reference: {_ref_dtype(m)} <code>{_e(m.get('reference_model_dir', ''))}</code></li>",
+         *([f"<li id=\"reference\">Reference: {_ref_dtype(m)} on {_e(r['device'])}, candidate in "
+            f"{_e(r['candidate_dtype'])}; noise floor: {_e(r['noise_floor'])}</li>"] if (r := m.get("reference")) else []),
          f"<li>Golden set: <span id=\"n-prompts\">{tok['prompts']}</span> prompts, "
          f"<span id=\"n-answer-tokens\">{tok['answer_tokens']}</span> evaluated answer tokens; held-out: "
          f"{tok['heldout_predicted_tokens']} predicted tokens; greedy: {tok['greedy_new_tokens']} new tokens.</li>"]

@@ -3,7 +3,8 @@
 Keyed: the checkpoint (the quantize stage's key), the model's content fingerprint (so the same
 checkpoint gated against another ``--model`` is not a cache hit), the thresholds, the golden
 file's content and every ``GateOptions`` field (what is measured: prompts per category, held-out
-tokens, greedy tokens, bootstrap, seed). ``GateRuntime`` (threads, progress) is never keyed. The
+tokens, greedy tokens, bootstrap, seed; the build's device, reference dtype and candidate dtype
+when they are not the CPU defaults). ``GateRuntime`` (threads, progress) is never keyed. The
 code key covers gate/, checkpoint/, spec/, core/.
 """
 
@@ -60,10 +61,13 @@ class GateStage(Stage[GateInputs, GateArtifact]):
 
     def inputs(self, plan, request, upstream: Mapping[str, Done]) -> GateInputs:
         q = upstream["quantize"]
+        d = getattr(request, "device", None)
+        compute = {} if d is None else {"device": d.device, "reference_dtype": d.reference_dtype,
+                                        "candidate_dtype": d.compute_dtype(plan.profile.quantization.dtype)}
         return GateInputs(checkpoint=Fingerprint(sha256=q.key, path=q.dir), model=model_fingerprint(request.model_dir),
                           thresholds=plan.profile.gate.for_model(Path(request.model_dir).name),
                           golden=fingerprint(golden_file()),
-                          options=GateOptions(prompts_per_category=request.golden_limit))
+                          options=GateOptions(prompts_per_category=request.golden_limit, **compute))
 
     def run(self, inputs: GateInputs, workdir: Path) -> GateArtifact:
         from precision_pipeline.gate import checkpoint_gate

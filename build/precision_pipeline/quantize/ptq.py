@@ -51,9 +51,12 @@ the tp_size export is re-sharded by ``precision_pipeline.quantize.moe_reshard.re
 moe_ep_size, each expert's FFN over moe_tp_size) and ``config.json`` ``mapping`` says so;
 ``QuantizeResult.moe_mapping`` lists each rank's experts.
 
-Calibration runs in FP32 (on 2 CPU cores an FP32 forward is ~4x faster than BF16, and the
+Calibration runs in FP32 on the CPU (on 2 CPU cores an FP32 forward is ~4x faster than BF16, and the
 activation ranges are at least as accurate); the weights of the default model are BF16 values,
-so quantizing their FP32 copies gives the same scales as BF16. The export casts unquantized
+so quantizing their FP32 copies gives the same scales as BF16. With ``device="cuda"``
+(``invoke build --device``, ``spec.device``) the model is loaded in the profile's dtype
+(``quantization.dtype``) over the visible GPUs (``device_map="auto"``, as ModelOpt's
+``examples/llm_ptq/hf_ptq.py`` loads it) and calibration, the search and the export run there. The export casts unquantized
 tensors to BF16 (``dtype=torch.bfloat16``). ``config.json`` ``logits_dtype`` is then set to
 ``build.logits_dtype`` (ModelOpt writes ``float16``).
 """
@@ -362,17 +365,27 @@ class QuantizedModel:
     search: dict[str, Any] = field(default_factory=dict)  # MIXED_PRECISION: autoquant stats + per_layer_hf
 
 
+def load_model(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> Any:
+    """The HF model of ``model_dir`` in ``dtype`` (a torch dtype name), in eval mode: on the CPU, or
+    with ``device="cuda"`` over the visible GPUs (``device_map="auto"``: GPU 0 first, whole layers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    extra = {"device_map": "auto"} if device == "cuda" else {}
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), **extra).eval()
+
+
 def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True,
-                   calib_set: CalibrationSet | None = None) -> QuantizedModel:
-    """Load the HF model of ``model_dir`` in FP32 and run ModelOpt PTQ as ``profile`` says.
+                   calib_set: CalibrationSet | None = None, device: str = "cpu",
+                   dtype: str = "float32") -> QuantizedModel:
+    """Load the HF model of ``model_dir`` (``load_model``: FP32 on the CPU by default) and run ModelOpt PTQ as ``profile`` says.
 
     Returns the fake-quant model (``mtq.quantize`` result; for NO_QUANT the plain model).
     Raises UserError (before loading the model) for: a non-Llama model, INT8 KV, a group size that
     does not apply or does not divide the layer widths, a tp_size that does not split the heads, a
     bad calibration dataset.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     model_dir = Path(model_dir)
     q = profile.quantization
@@ -394,10 +407,9 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
     if calib is None and fmt.is_quantized:
         calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
     if fmt.per_layer:
-        return _search_model(profile, model_dir, hf_cfg, calib, show_progress)
+        return _search_model(profile, model_dir, hf_cfg, calib, show_progress, device, dtype)
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
+    model = load_model(model_dir, device, dtype)
     names = _linear_names(model)
     n_layers = int(hf_cfg.num_hidden_layers)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
@@ -416,7 +428,7 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
 
 
 def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: CalibrationSet,
-                  show_progress: bool) -> QuantizedModel:
+                  show_progress: bool, device: str = "cpu", dtype: str = "float32") -> QuantizedModel:
     """MIXED_PRECISION: ``mtq.auto_quantize`` (``precision_pipeline.quantize.search.run_search``), then the KV cache.
 
     Layers kept in high precision (``exclude_modules``, ``keep_first/last_layers``, fused groups
@@ -425,13 +437,10 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
     the KV-cache quantizers (``FP8_KV_CFG``) are enabled and calibrated with every other quantizer
     temporarily off, so the searched formats' scales are untouched.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     import modelopt.torch.quantization as mtq
 
     q = profile.quantization
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = load_model(model_dir, device, dtype)
     names = _linear_names(model)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
                                                 q.keep_last_layers, int(hf_cfg.num_hidden_layers))
@@ -535,8 +544,11 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
 
 
 def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress: bool = True,
-                 calib_set: CalibrationSet | None = None) -> QuantizeResult:
+                 calib_set: CalibrationSet | None = None, device: str = "cpu", dtype: str = "float32") -> QuantizeResult:
     """Quantize the HF model in ``model_dir`` as ``profile`` says; write the TRT-LLM checkpoint to ``out_dir``.
+
+    ``device`` / ``dtype``: where and in what the model is calibrated (``load_model``; the build's
+    ``spec.device.DeviceChoice``: FP32 on the CPU, the profile's dtype on CUDA).
 
     ``quantize_model`` then ``export_checkpoint``. ``out_dir`` is replaced atomically
     (``precision_pipeline.core.store.atomic_dir``): it holds ``config.json``, ``rank{0..tp_size-1}.safetensors`` and
@@ -545,8 +557,10 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
     """
     log_path = Path(out_dir).parent / QUANTIZE_LOG
     with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress)):
-        qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set)
-        return export_checkpoint(qm, out_dir, show_progress=show_progress)
+        qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set, device=device, dtype=dtype)
+        res = export_checkpoint(qm, out_dir, show_progress=show_progress)
+        res.calib_dtype = dtype
+        return res
 
 
 QUANTIZE_LOG = "quantize.log"

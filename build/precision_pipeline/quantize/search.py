@@ -221,6 +221,8 @@ def run_search(model: Any, calib_batches: Any, effective_bits: float, formats: S
     disabled = [disabled_layers] if isinstance(disabled_layers, str) else list(disabled_layers or [])
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     batches = _as_batches(calib_batches, vocab)
+    dev = next(model.parameters()).device  # the model's first device (device_map models: the embedding's GPU)
+    batches = [b.to(dev) for b in batches]  # a no-op on the CPU
 
     lin = _linears(model)
     w_dis = sum(m.weight.numel() for n, m in lin if _is_disabled(n, disabled))

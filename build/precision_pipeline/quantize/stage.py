@@ -25,11 +25,18 @@ class QuantizeInputs(Frozen):
     model: Fingerprint
     profile: Profile
     calibration_data: Optional[Fingerprint] = None
+    device: str = "cpu"
+    """Where calibration and the search run (``spec.device.DeviceChoice.device``)."""
+    compute_dtype: str = "float32"
+    """Their dtype: FP32 on the CPU, the profile's ``quantization.dtype`` on CUDA."""
 
     def canonical(self) -> dict[str, Any]:
         p = self.profile
-        return {"model": self.model, "quantization": p.quantization, "calibration": p.calibration,
-                "parallel": p.parallel, "logits_dtype": p.build.logits_dtype, "calibration_data": self.calibration_data}
+        out = {"model": self.model, "quantization": p.quantization, "calibration": p.calibration,
+               "parallel": p.parallel, "logits_dtype": p.build.logits_dtype, "calibration_data": self.calibration_data}
+        if (self.device, self.compute_dtype) != ("cpu", "float32"):  # CPU keys stay what they were before devices
+            out["compute"] = {"device": self.device, "dtype": self.compute_dtype}
+        return out
 
 
 class ReuseInputs(Frozen):
@@ -82,8 +89,11 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
     def inputs(self, plan, request, upstream: Mapping[str, Done]) -> Union[QuantizeInputs, ReuseInputs]:
         if request.checkpoint is not None:
             return ReuseInputs(checkpoint=fingerprint(request.checkpoint))
+        d = getattr(request, "device", None)
         return QuantizeInputs(model=model_fingerprint(request.model_dir), profile=plan.profile,
-                              calibration_data=_calibration_file(plan.profile))
+                              calibration_data=_calibration_file(plan.profile),
+                              device=d.device if d is not None else "cpu",
+                              compute_dtype=d.compute_dtype(plan.profile.quantization.dtype) if d is not None else "float32")
 
     def run(self, inputs: Union[QuantizeInputs, ReuseInputs], workdir: Path) -> CheckpointArtifact:
         from precision_pipeline.checkpoint.reader import layer_table
@@ -97,7 +107,8 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
         else:
             from precision_pipeline.quantize import ptq
 
-            calibration = ptq.run_quantize(inputs.profile, inputs.model.path, workdir).calibration
+            calibration = ptq.run_quantize(inputs.profile, inputs.model.path, workdir, device=inputs.device,
+                                           dtype=inputs.compute_dtype).calibration
         cfg = json.loads((workdir / "config.json").read_text())
         qz = cfg.get("quantization", {}) or {}
         aq = read_json(workdir / "autoquant.json", None)

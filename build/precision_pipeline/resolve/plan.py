@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from precision_pipeline.spec import formats as F
 from precision_pipeline.resolve import rules as R
 from precision_pipeline.core.errors import Problem, UserError
+from precision_pipeline.spec.device import DeviceChoice
 from precision_pipeline.spec.hardware import GPUSpec, resolve_gpu
 from precision_pipeline.spec.model_arch import ModelArch, read_model_arch
 from precision_pipeline.spec.profile import Profile, Target, load_profile, shipped_profiles
@@ -172,6 +173,9 @@ class ResolvedPlan(BaseModel):
     problems: tuple[Problem, ...]
     warnings: tuple[str, ...]
     fallback: Optional[FallbackInfo] = None
+    build_memory: Optional[dict] = None
+    """What quantize and the gate need on the chosen device and in host memory (``rules.build_memory_plan``;
+    None unless a build's device was given)."""
 
     @property
     def ok(self) -> bool:
@@ -199,6 +203,8 @@ class ResolvedPlan(BaseModel):
             "checks": [dict(c) for c in self.checks],
             "ok": self.ok,
         }
+        if self.build_memory is not None:
+            out["build_memory"] = self.build_memory
         if layers is not None:
             out["layers"] = layers
         return out
@@ -276,11 +282,13 @@ def _memory(d: dict) -> Optional[MemoryPlan]:
 
 
 def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None,
-             _with_fallback: bool = True, for_build: bool = False) -> ResolvedPlan:
+             _with_fallback: bool = True, for_build: bool = False, device: Optional[DeviceChoice] = None) -> ResolvedPlan:
     """Run every rule; return the Plan with all problems (never raises for a refused check).
 
     ``for_build``: the whole build will run (``invoke build`` and ``invoke check``), so the rules
-    about what the later stages need (``model.gate_reads``) apply too.
+    about what the later stages need (``model.gate_reads``) apply too. ``device``: where that
+    build's quantize and gate run (``spec.device.select_device``); with ``for_build`` the build's
+    memory is planned on it and checked (``memory.build_fit``).
     Raises UserError only for an unreadable model (``--model``).
     """
     m = _model(model)
@@ -296,7 +304,7 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
             problems.append(pr)
             checks.append({"rule": "gpu.known", "status": "refused", "message": pr.render(), "source": "build/precision_pipeline/spec/hardware.py"})
     ctx = R.Context(profile=profile, model=m, gpu=gpu, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-                    for_build=for_build)
+                    for_build=for_build, device=device if for_build else None)
     ctx.mapping = R.derive_mapping(profile)
     ctx.limits, ctx.limit_notes = R.derive_limits(profile, m)
     ctx.effective, ctx.overrides = R.derive_effective(profile, gpu.sm if gpu else 0)
@@ -305,6 +313,8 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
     fallback = _fallback_part(ctx, m) if _with_fallback and (gpu is None or usable_gpu) else None
     if usable_gpu:
         ctx.memory = R.memory_plan(ctx)
+    if ctx.device is not None:
+        ctx.build_memory = R.build_memory_plan(ctx)
     warnings: list[str] = []
     for r in R.RULES:
         if r.needs_gpu and gpu is None:
@@ -325,16 +335,17 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
     return ResolvedPlan(profile=profile, model=m, gpu=gpu, mapping=Mapping(**ctx.mapping), limits=Limits(**ctx.limits),
                         effective=Effective(**ctx.effective), memory=_memory(ctx.memory),
                         checks=tuple(checks), problems=tuple(problems), warnings=tuple(warnings),
-                        fallback=FallbackInfo(**fallback) if fallback else None)
+                        fallback=FallbackInfo(**fallback) if fallback else None,
+                        build_memory=ctx.build_memory or None)
 
 
 def resolve(profile: Profile, model_dir: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None,
-            for_build: bool = False) -> ResolvedPlan:
+            for_build: bool = False, device: Optional[DeviceChoice] = None) -> ResolvedPlan:
     """Check ``profile`` against the model (and a reused checkpoint); return the Plan.
 
     Raises UserError (exit 2) carrying every refused Problem (with rule names) if any.
     """
-    plan = evaluate(profile, model_dir, checkpoint_dir, for_build=for_build)
+    plan = evaluate(profile, model_dir, checkpoint_dir, for_build=for_build, device=device)
     if plan.problems:
         raise UserError(plan.problems)
     return plan

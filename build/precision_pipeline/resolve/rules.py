@@ -30,8 +30,9 @@ from typing import Any, Callable, Optional
 
 from precision_pipeline.spec import formats as F
 from precision_pipeline.core.errors import Problem
-from precision_pipeline.spec.hardware import GIB, GPUSpec
-from precision_pipeline.spec.model_arch import ModelArch
+from precision_pipeline.spec.device import DeviceChoice
+from precision_pipeline.spec.hardware import GIB, GPUSpec, resolve_gpu
+from precision_pipeline.spec.model_arch import GATE_ARCHITECTURES, ModelArch
 from precision_pipeline.spec.names import llama_linear_names, resolve_exclusions
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 
@@ -110,6 +111,8 @@ class Context:
     fallback_problem: Optional[Problem] = None
     fallback_memory: dict = field(default_factory=dict)
     for_build: bool = False  # the whole build will run (quantize + gate): rules about what the gate reads apply
+    device: Optional[DeviceChoice] = None  # where quantize and the gate run (``invoke build --device``); None: not planned
+    build_memory: dict = field(default_factory=dict)  # build_memory_plan(ctx) when ``device`` is set
 
     @property
     def sm(self) -> int:
@@ -507,6 +510,107 @@ def memory_plan(ctx: Context) -> dict:
 
 def gib(x: float) -> str:
     return f"{x / GIB:,.2f} GiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the build itself needs (quantize and the gate, on the chosen device and in host memory)
+
+GATE_TOKENS_PER_FORWARD = 1024
+"""Tokens of the gate's longest forward, for its activation estimate: every golden prompt is under
+1,024 tokens (build/precision_pipeline/gate/data/golden_prompts.jsonl) and held-out windows are 512."""
+GATE_DECODE_BATCH = 8
+"""Prompts whose KV caches the gate keeps at once per model (``GateOptions.greedy_batch`` default)."""
+PLANNING_GPU = "h100-sxm"
+"""The GPU a CPU refusal prices its ``--device cuda`` alternative in (spec/hardware.py)."""
+
+
+def _bytes_of(dtype: str) -> int:
+    return F.DTYPE_BYTES[dtype]
+
+
+def build_memory_plan(ctx: Context) -> dict:
+    """Peak bytes of the quantize stage and of the gate on ``ctx.device`` and in host memory.
+
+    Estimates from config.json alone (``ModelArch.num_params`` = ``spec.model_arch.count_params``,
+    layers, hidden size, vocabulary), nothing loaded. P parameters; c = the compute dtype's bytes
+    (``DeviceChoice.compute_dtype``: FP32 = 4 on the CPU, the profile's dtype = 2 on CUDA); r = the
+    reference dtype's bytes (4 FP32, 2 BF16); K = one copy of the exported checkpoint
+    (``weight_bytes`` at tp 1):
+
+    * quantize: weights P x c + calibration activations batch_size x seq_len x (4 hidden + 3 MLP
+      width + vocab) x c (one layer's live buffers and the logits; SDPA attention keeps no
+      seq_len^2 scores); the per-layer search (MIXED_PRECISION, gradient scores with gradient
+      checkpointing) adds each layer's input (layers x batch x seq x hidden x c), the FP32 logits
+      and their gradient (2 x batch x seq x vocab x 4) and twice the layer buffers. Host: on the
+      CPU everything plus the export's copy K; on CUDA the export's copy K (``from_pretrained``
+      with a device map reads the safetensors shards straight to the GPUs).
+    * gate: reference P x r + its BF16 copy P x 2 (the noise floor, only with an FP32 reference)
+      + the candidate P x c, all held at once on a first gate of the model (the candidate is
+      loaded before the reference is computed), plus per model a forward of
+      ``GATE_TOKENS_PER_FORWARD`` tokens and ``GATE_DECODE_BATCH`` KV caches. Host: on the CPU all
+      of it plus K (the reader reads the checkpoint); on CUDA the reader's FP32 dequantized tensors
+      P x 4 plus the candidate built on the host, P x c, before it moves to the GPUs.
+    * device capacity on CUDA: sum over visible GPUs of (free - ``RUNTIME_RESERVE_BYTES``), less
+      (GPUs - 1) x the largest whole decoder layer (a device map never splits a layer).
+    Returns {} when ``ctx.device`` is None.
+    """
+    d = ctx.device
+    if d is None:
+        return {}
+    m, p = ctx.model, ctx.profile
+    q, cal = p.quantization, p.calibration
+    P = int(m.num_params)
+    cdt = d.compute_dtype(q.dtype)
+    c, r = _bytes_of(cdt), _bytes_of(d.reference_dtype)
+    mlp = (m.moe_intermediate_size * max(1, m.num_experts_per_tok)) if m.is_moe else m.intermediate_size
+    width = 4 * m.hidden_size + 3 * mlp
+    one = dict(ctx.mapping, tp_size=1, pp_size=1, world_size=1, moe_tp_size=1, moe_ep_size=1)
+    ckpt = int(weight_bytes(m, p, one)["total"])
+    b, s = cal.batch_size, cal.seq_len
+    calib = b * s * (width + m.vocab_size) * c
+    search = 0
+    if ctx.fmt.per_layer:
+        search = m.num_layers * b * s * m.hidden_size * c + 2 * b * s * m.vocab_size * 4 + 2 * b * s * width * c
+    q_dev = P * c + calib + search
+    floor = 2 * P if d.reference_dtype == "float32" else 0
+    t = GATE_TOKENS_PER_FORWARD
+    kv = GATE_DECODE_BATCH * t * 2 * m.num_layers * m.num_kv_heads * m.head_dim
+
+    def act(nbytes: int) -> int:
+        return t * width * nbytes + 2 * t * m.vocab_size * 4 + kv * nbytes
+
+    g_act = act(r) + (act(2) if floor else 0) + act(c)
+    g_dev = P * r + floor + P * c + g_act
+    if d.is_cuda:
+        q_host, g_host = ckpt, P * 4 + P * c
+    else:
+        q_host, g_host = q_dev + ckpt, g_dev + ckpt
+    emb = m.vocab_size * m.hidden_size
+    layer = (P - emb * (1 if m.tied_embeddings else 2)) // max(1, m.num_layers)
+    block = max(layer, emb) * max(c, r)
+    n = len(d.gpus)
+    usable = sum(g.free_bytes - F.RUNTIME_RESERVE_BYTES for g in d.gpus) - max(0, n - 1) * block if d.is_cuda else 0
+    q_need = q_dev if d.is_cuda else q_host
+    g_need = g_dev if d.is_cuda else g_host
+    return {
+        "device": d.to_json(),
+        "compute_dtype": cdt,
+        "reference_dtype": d.reference_dtype,
+        "noise_floor": bool(floor),
+        "num_params": P,
+        "checkpoint_bytes_estimate": ckpt,
+        "quantize": {"weights": P * c, "calibration_activations": calib, "search": search,
+                     "device_bytes": q_dev if d.is_cuda else 0, "host_bytes": q_host},
+        "gate": {"reference": P * r, "floor": floor, "candidate": P * c, "activations": g_act,
+                 "device_bytes": g_dev if d.is_cuda else 0, "host_bytes": g_host},
+        "device_usable_bytes": usable,
+        "largest_block_bytes": block,
+        "host_available_bytes": d.host_available_bytes,
+        "fits_device": (not d.is_cuda) or max(q_dev, g_dev) <= usable,
+        "fits_host": max(q_host, g_host) <= d.host_available_bytes,
+        "peak_bytes": max(q_need, g_need),
+        "notes": "estimates from config.json (parameters, dtype, layers, vocabulary); nothing was loaded",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1195,6 +1299,128 @@ def _memory(ctx: Context) -> list[Finding]:
     return out
 
 
+def gpus_needed(need: int, free_per_gpu: int, block: int) -> Optional[int]:
+    """Smallest GPU count k with k x (free - reserve) - (k - 1) x block >= need (None: a layer alone does not fit)."""
+    per = free_per_gpu - F.RUNTIME_RESERVE_BYTES
+    if per <= 0 or (need > per and per <= block):
+        return None
+    if need <= per:
+        return 1
+    return max(1, math.ceil((need - block) / (per - block)))
+
+
+def _as_cuda(ctx: Context, gpus: int, free: int, name: str, reference_dtype: Optional[str] = None) -> dict:
+    """The build memory plan as if ``gpus`` GPUs with ``free`` bytes each were used (for a fix's numbers)."""
+    from dataclasses import replace
+
+    from precision_pipeline.spec.device import GpuInfo
+
+    d = ctx.device
+    alt = d.model_copy(update={"device": "cuda", "reference_dtype": reference_dtype or d.reference_dtype,
+                               "gpus": tuple(GpuInfo(index=i, name=name, total_bytes=free, free_bytes=free)
+                                             for i in range(gpus))})
+    return build_memory_plan(replace(ctx, device=alt))
+
+
+def _as_reference(ctx: Context, reference_dtype: str) -> dict:
+    from dataclasses import replace
+
+    return build_memory_plan(replace(ctx, device=ctx.device.model_copy(update={"reference_dtype": reference_dtype})))
+
+
+def _gate_parts(bm: dict) -> str:
+    g = bm["gate"]
+    ref = f"{'FP32' if bm['reference_dtype'] == 'float32' else 'BF16'} reference {gib(g['reference'])}"
+    floor = f" + its BF16 copy for the noise floor {gib(g['floor'])}" if g["floor"] else ""
+    return (f"{ref}{floor} + the candidate in {bm['compute_dtype']} {gib(g['candidate'])} + activations "
+            f"~{gib(g['activations'])}")
+
+
+def _quant_parts(ctx: Context, bm: dict) -> str:
+    qz, cal = bm["quantize"], ctx.profile.calibration
+    out = (f"weights {bm['num_params']:,} parameters x {_bytes_of(bm['compute_dtype'])} B ({bm['compute_dtype']}) = "
+           f"{gib(qz['weights'])} + calibration activations ~{gib(qz['calibration_activations'])} "
+           f"(batch_size {cal.batch_size} x seq_len {cal.seq_len})")
+    if qz["search"]:
+        out += f" + the per-layer search's gradients ~{gib(qz['search'])}"
+    return out
+
+
+@rule("memory.build_fit", "quantize and the gate fit the chosen device and host memory (estimated from config.json "
+      "before anything is loaded; builds only)",
+      "build/precision_pipeline/resolve/rules.py build_memory_plan; build/precision_pipeline/spec/device.py "
+      "(torch.cuda.mem_get_info, /proc/meminfo MemAvailable)", needs_gpu=False)
+def _build_fit(ctx: Context) -> list[Finding]:
+    bm = ctx.build_memory
+    if not bm:
+        return []
+    d = ctx.device
+    out: list[Finding] = []
+    reused = ctx.checkpoint_dir is not None  # --checkpoint: nothing is quantized
+    host = d.host_available_bytes
+    qz, g = bm["quantize"], bm["gate"]
+    bf16_ref = _as_reference(ctx, "bfloat16") if d.reference_dtype == "float32" else None
+    if d.is_cuda:
+        n = len(d.gpus)
+        name = d.gpus[0].name
+        free = min(x.free_bytes for x in d.gpus)
+        have = (f"the {n} visible GPU(s) ({name}, {gib(free)} free on the fullest) hold ~{gib(bm['device_usable_bytes'])} "
+                f"after {gib(F.RUNTIME_RESERVE_BYTES)} per GPU for CUDA and whole-layer placement")
+        cpu_plan = build_memory_plan(_replace_device(ctx, "cpu"))
+        cpu_fix = (f"--device cpu (needs ~{gib(cpu_plan['peak_bytes'])} of host memory, {gib(host)} available"
+                   + (", so it does not fit either)" if cpu_plan["peak_bytes"] > host else "; slow for large models)"))
+        for phase, need, parts in (("quantize", qz["device_bytes"], _quant_parts(ctx, bm)),
+                                   ("the gate", g["device_bytes"], _gate_parts(bm))):
+            if need <= bm["device_usable_bytes"] or (phase == "quantize" and reused):
+                continue
+            k = gpus_needed(need, free, bm["largest_block_bytes"])
+            fixes = [f"make at least {k} such GPUs visible" if k else "use GPUs with more memory"]
+            if phase == "the gate" and bf16_ref is not None:
+                alt = bf16_ref["gate"]["device_bytes"]
+                fixes.append(f"--reference-dtype bfloat16 (then ~{gib(alt)}: "
+                             + ("fits)" if alt <= bf16_ref["device_usable_bytes"] else "still too much)"))
+            if phase == "quantize":
+                fixes.append(f"lower calibration.batch_size or calibration.seq_len (fewer samples per forward; "
+                             f"activations ~{gib(qz['calibration_activations'] + qz['search'])})")
+            fixes.append(cpu_fix)
+            out.append(refuse("--device", f"{phase} needs ~{gib(need)} on the GPUs ({parts}); {have}.",
+                              "; or ".join(fixes) + "."))
+        for phase, need, what in (("quantize", qz["host_bytes"], "the export's copy of the checkpoint"),
+                                  ("the gate", g["host_bytes"], "the checkpoint reader's FP32 tensors and the candidate "
+                                                                "built on the host")):
+            if need > host and not (phase == "quantize" and reused):
+                out.append(refuse("--device", f"{phase} needs ~{gib(need)} of host memory on CUDA ({what}); "
+                                  f"{gib(host)} available.", "run on a node with more host memory, or free memory."))
+        return out
+    spec = resolve_gpu(PLANNING_GPU)
+    for phase, need, parts in (("quantize", qz["host_bytes"], _quant_parts(ctx, bm) + f" + the export's copy "
+                                f"{gib(bm['checkpoint_bytes_estimate'])}"),
+                               ("the gate", g["host_bytes"], _gate_parts(bm) + f" + the checkpoint read "
+                                f"{gib(bm['checkpoint_bytes_estimate'])}")):
+        if need <= host or (phase == "quantize" and reused):
+            continue
+        cuda = _as_cuda(ctx, 1, spec.memory_bytes, spec.name)
+        cneed = cuda["quantize" if phase == "quantize" else "gate"]["device_bytes"]
+        k = gpus_needed(cneed, spec.memory_bytes, cuda["largest_block_bytes"])
+        fixes = [f"--device cuda on a GPU node (~{gib(cneed)} of GPU memory in {cuda['compute_dtype']}"
+                 + (f", e.g. {k} x {spec.name}" if k else "") + ")"]
+        if phase == "the gate" and bf16_ref is not None:
+            alt = bf16_ref["gate"]["host_bytes"]
+            fixes.append(f"--reference-dtype bfloat16 (then ~{gib(alt)}: " + ("fits)" if alt <= host else "still too much)"))
+        if phase == "quantize":
+            fixes.append("lower calibration.batch_size or calibration.seq_len (fewer samples per forward; "
+                         f"activations ~{gib(qz['calibration_activations'] + qz['search'])})")
+        out.append(refuse("--device", f"{phase} on the CPU needs ~{gib(need)} of host memory ({parts}); "
+                          f"{gib(host)} available ({d.reason}).", "; or ".join(fixes) + "."))
+    return out
+
+
+def _replace_device(ctx: Context, device: str) -> Context:
+    from dataclasses import replace
+
+    return replace(ctx, device=ctx.device.model_copy(update={"device": device, "gpus": ()}))
+
+
 def _tp_hint(ctx: Context) -> str:
     """'tp_size N, ' where N is the smallest tp that makes weights + activations fit (if any, <= 16)."""
     p = ctx.profile
@@ -1225,20 +1451,17 @@ def _search_budget(ctx: Context) -> list[Finding]:
                    "set quant_algo: MIXED_PRECISION (with auto_quantize_formats), or remove auto_quantize_bits.")]
 
 
-GATE_ARCHITECTURES = ("LlamaForCausalLM",)
-"""Architectures whose exported checkpoints the accuracy gate reads (checkpoint/reader.py: Llama layout only)."""
-
-
-@rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (Llama architecture; builds and checks only)",
+@rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (spec/model_arch.py GATE_ARCHITECTURES; "
+      "builds and checks only)",
       "build/precision_pipeline/checkpoint/reader.py (load_checkpoint_model: Llama checkpoints)", needs_gpu=False)
 def _gate_reads(ctx: Context) -> list[Finding]:
     if not ctx.for_build or ctx.model.architecture in GATE_ARCHITECTURES:
         return []
     return [refuse("--model",
-                   f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate reads Llama-architecture "
-                   "checkpoints only, so the build would stop after quantizing.",
-                   "use a Llama-family model; a Mixtral MoE can be quantized and exported with expert "
-                   "parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
+                   f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate's checkpoint reader handles "
+                   f"{', '.join(GATE_ARCHITECTURES)} only, so the build would stop after quantizing.",
+                   f"use a model of: {', '.join(GATE_ARCHITECTURES)}; a Mixtral MoE can be quantized and exported with "
+                   "expert parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
 
 
 @rule("calibration.dataset", "the calibration dataset is 'builtin' or a readable UTF-8 JSONL of {\"text\": ...} lines, "
@@ -1261,4 +1484,5 @@ def describe_rules() -> list[dict]:
 
 __all__ = ["describe_rules", "Finding", "Rule", "RULES", "Context", "Override", "derive_mapping", "derive_limits", "derive_effective",
            "resolve_gemm_plugin", "weight_bytes", "kv_bytes_per_token", "activation_bytes", "memory_plan",
-           "checkpoint_mapping_findings", "layers_per_rank", "kv_heads_per_rank"]
+           "checkpoint_mapping_findings", "layers_per_rank", "kv_heads_per_rank", "build_memory_plan", "gpus_needed",
+           "GATE_ARCHITECTURES"]

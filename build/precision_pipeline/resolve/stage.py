@@ -17,6 +17,7 @@ from precision_pipeline.core.fingerprint import Fingerprint, model_fingerprint
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
 from precision_pipeline.resolve import plan as plan_mod
 from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.spec.device import DeviceChoice
 from precision_pipeline.spec.profile import Profile
 
 
@@ -34,12 +35,15 @@ class BuildRequest(Frozen):
     repo_root: str
     image: str
     strict: bool = False
+    device: Optional[DeviceChoice] = None
+    """Where quantize and the gate run (``spec.device.select_device``); None: the CPU, unplanned (library callers)."""
 
 
 class ResolveInputs(Frozen):
     profile: Profile
     model: Fingerprint
     checkpoint: Optional[Fingerprint] = None
+    device: Optional[DeviceChoice] = None
 
 
 class PlanArtifact(Artifact):
@@ -56,6 +60,8 @@ class PlanArtifact(Artifact):
             "kv_bytes_per_token": mem.kv_bytes_per_token if mem else None,
             "kv_tokens_capacity": mem.kv_tokens_capacity if mem else None,
             "warnings": len(self.plan.warnings),
+            **({"device": bm["device"]["device"], "device_reason": bm["device"]["reason"],
+                "reference_dtype": bm["reference_dtype"]} if (bm := self.plan.build_memory) else {}),
         }
 
 
@@ -70,11 +76,13 @@ class ResolveStage(Stage[ResolveInputs, PlanArtifact]):
 
     def inputs(self, plan: None, request: BuildRequest, upstream: Mapping[str, Done]) -> ResolveInputs:
         return ResolveInputs(profile=request.profile, model=model_fingerprint(request.model_dir),
-                             checkpoint=model_fingerprint(request.checkpoint) if request.checkpoint else None)
+                             checkpoint=model_fingerprint(request.checkpoint) if request.checkpoint else None,
+                             device=request.device)
 
     def run(self, inputs: ResolveInputs, workdir: None) -> PlanArtifact:
         ck = inputs.checkpoint.path if inputs.checkpoint else None
-        return PlanArtifact(plan=plan_mod.resolve(inputs.profile, inputs.model.path, checkpoint_dir=ck, for_build=True))
+        return PlanArtifact(plan=plan_mod.resolve(inputs.profile, inputs.model.path, checkpoint_dir=ck, for_build=True,
+                                                  device=inputs.device))
 
 
 __all__ = ["BuildRequest", "ResolveInputs", "PlanArtifact", "ResolveStage"]

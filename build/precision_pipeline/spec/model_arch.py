@@ -33,6 +33,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+GATE_ARCHITECTURES = ("LlamaForCausalLM",)
+"""The architectures the accuracy gate's checkpoint reader handles (``checkpoint/reader.py``
+``load_checkpoint_model`` builds an HF ``LlamaForCausalLM``; the exported checkpoint's
+``architecture`` must be one of these). Every other supported architecture is quantized and
+exported, but ``invoke build`` refuses it at resolve (rule ``model.gate_reads``), before quantizing."""
 # rope types whose factor does not extend max_position_embeddings (tensorrt_llm/builder.py)
 _ROPE_NO_FACTOR = ("su", "longrope", "llama3")
 
@@ -201,4 +206,5 @@ def read_model_arch(model_dir: Path) -> ModelArch:
     return arch_from_config(cfg, name=model_dir.name, path=path)
 
 
-__all__ = ["ModelArch", "read_model_arch", "arch_from_config", "count_params", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelArch", "read_model_arch", "arch_from_config", "count_params", "SUPPORTED_ARCHITECTURES",
+           "GATE_ARCHITECTURES"]
