@@ -660,7 +660,7 @@ def forward_with_prefix(model: torch.nn.Module, e: EncodedPrompt, hidden: bool =
 
 @torch.inference_mode()
 def decode_greedy(model: torch.nn.Module, passes: Sequence[PromptPass], max_new_tokens: int,
-                  stop_id: int) -> list[list[int]]:
+                  stop_id: int, on_step: Optional[Callable[[int], None]] = None) -> list[list[int]]:
     """Greedy continuations of several prompts from their kept KV caches, decoded as one batch.
 
     The caches are left-padded to the longest prompt (padding masked by ``attention_mask``;
@@ -668,7 +668,9 @@ def decode_greedy(model: torch.nn.Module, passes: Sequence[PromptPass], max_new_
     mask). A finished row is fed ``stop_id`` (``generate``'s pad) and decoding stops when every row
     has produced ``stop_id`` or ``max_new_tokens`` tokens exist. Returns per prompt the new tokens,
     up to and including ``stop_id``; ``max_new_tokens`` forward passes less one (the first token
-    comes from the teacher-forced logits).
+    comes from the teacher-forced logits). ``on_step(n)`` (progress) is told ``len(passes)`` after
+    each step, and once more the rows times the steps an early stop saved: ``len(passes) *
+    (max_new_tokens - 1)`` in all (``greedy_units``).
     """
     from transformers import DynamicCache
 
@@ -693,6 +695,7 @@ def decode_greedy(model: torch.nn.Module, passes: Sequence[PromptPass], max_new_
     done = [p.first_token == stop_id for p in passes]
     cur = torch.tensor([p.first_token for p in passes], dtype=torch.long, device=device)
     base = torch.tensor(lens, dtype=torch.long, device=device)
+    steps = 0
     for step in range(max_new_tokens - 1):
         if all(done):
             break
@@ -710,7 +713,18 @@ def decode_greedy(model: torch.nn.Module, passes: Sequence[PromptPass], max_new_
                 done[i] = t == stop_id
         cur = nxt
         del out
+        steps += 1
+        if on_step is not None:
+            on_step(b)
+    if on_step is not None and steps < max_new_tokens - 1:
+        on_step(b * (max_new_tokens - 1 - steps))
     return [_trim_after_stop(t, stop_id) for t in out_tokens]
+
+
+def greedy_units(encoded: Sequence[EncodedPrompt], max_new_tokens: int) -> int:
+    """Progress units of one model's fused teacher-forced + greedy pass: every prompt's tokens plus
+    ``max_new_tokens - 1`` decode steps per prompt (``decode_greedy``'s ``on_step`` total)."""
+    return sum(len(e.input_ids) for e in encoded) + len(encoded) * max(0, max_new_tokens - 1)
 
 
 def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: list[list[int]], stop_id: int,
@@ -738,7 +752,8 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
     what = f"reference {reference_label(options)}" + (" + BF16 floor" if with_floor else "")
     with torch.inference_mode():
         ph = prog.phase(what + (f", teacher-forced + greedy ({greedy_new} tokens)" if greedy_new > 0 else
-                                ", teacher-forced"), total=sum(len(e.input_ids) for e in encoded), unit="tokens")
+                                ", teacher-forced"),
+                        total=greedy_units(encoded, greedy_new) * (2 if floor_model is not None else 1), unit="tokens")
         for idx in _batches_by_length(encoded, greedy_batch):
             t0 = time.perf_counter()
             ref_passes, floor_passes = [], []
@@ -767,17 +782,17 @@ def _compute_reference(model_dir: Path, encoded: list[EncodedPrompt], windows: l
                 rp.logits = rp.hidden = None  # type: ignore[assignment]
                 ref_passes.append(rp)
                 del logits, h
+                ph.advance(len(e.input_ids) * (2 if floor_model is not None else 1))
             seconds["teacher_forced"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             if greedy_new > 0:
-                for i, g in zip(idx, decode_greedy(ref, ref_passes, greedy_new, stop_id)):
+                for i, g in zip(idx, decode_greedy(ref, ref_passes, greedy_new, stop_id, ph.advance)):
                     ref_greedy[i] = g
                 if floor_model is not None:
-                    for i, g in zip(idx, decode_greedy(floor_model, floor_passes, greedy_new, stop_id)):
+                    for i, g in zip(idx, decode_greedy(floor_model, floor_passes, greedy_new, stop_id, ph.advance)):
                         fl["greedy"][i] = g
             del ref_passes, floor_passes
             seconds["greedy"] += time.perf_counter() - t0
-            ph.advance(sum(len(encoded[i].input_ids) for i in idx))
         ph.finish()
         t0 = time.perf_counter()
         ph = prog.phase(what + ", held-out perplexity", total=len(windows) * (2 if floor_c is not None else 1),
@@ -1017,7 +1032,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                 cand_greedy = [[] for _ in encoded] if greedy_new > 0 else []
                 ph = prog.phase("candidate, teacher-forced"
                                 + (f" + greedy ({greedy_new} tokens)" if greedy_new > 0 else ""),
-                                total=sum(len(e.input_ids) for e in encoded), unit="tokens")
+                                total=greedy_units(encoded, greedy_new), unit="tokens")
                 for idx in _batches_by_length(encoded, options.greedy_batch):
                     t0 = time.perf_counter()
                     passes = []
@@ -1026,14 +1041,14 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                         score(i, pp.logits)
                         pp.logits = None  # type: ignore[assignment]
                         passes.append(pp)
+                        ph.advance(len(encoded[i].input_ids))
                     tf_s += time.perf_counter() - t0
                     t0 = time.perf_counter()
                     if greedy_new > 0:
-                        for i, g in zip(idx, decode_greedy(model, passes, greedy_new, stop_id)):
+                        for i, g in zip(idx, decode_greedy(model, passes, greedy_new, stop_id, ph.advance)):
                             cand_greedy[i] = g
                     del passes
                     greedy_s += time.perf_counter() - t0
-                    ph.advance(sum(len(encoded[i].input_ids) for i in idx))
                 ph.finish()
                 timings["candidate_teacher_forced"] = tf_s
                 timings["candidate_greedy"] = greedy_s
