@@ -191,6 +191,12 @@ def check(c, profile=None, all=False, model=None):
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
               f"KV {mem.kv_bytes_per_token} B/token, capacity {mem.kv_tokens_capacity} tokens")
+    if p.estimate:
+        e = p.estimate
+        con.print(f"  {e['kind']} on {e['hardware']['gpu']} ({e['hardware']['source']}):", soft_wrap=True)
+        for line in e["arithmetic"]:
+            con.print(f"    {line}", soft_wrap=True)
+        con.print(f"    tensor parallel: {e['tp_communication']}", soft_wrap=True)
     for w in p.warnings:
         con.print(f"  [yellow]warning[/]: {w}", soft_wrap=True)
 
