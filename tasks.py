@@ -191,6 +191,12 @@ def check(c, profile=None, all=False, model=None):
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
               f"KV {mem.kv_bytes_per_token} B/token, capacity {mem.kv_tokens_capacity} tokens")
+    if p.estimate:
+        e = p.estimate
+        con.print(f"  {e['kind']} on {e['hardware']['gpu']} ({e['hardware']['source']}):", soft_wrap=True)
+        for line in e["arithmetic"]:
+            con.print(f"    {line}", soft_wrap=True)
+        con.print(f"    tensor parallel: {e['tp_communication']}", soft_wrap=True)
     for w in p.warnings:
         con.print(f"  [yellow]warning[/]: {w}", soft_wrap=True)
 
@@ -507,3 +513,94 @@ def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=No
     print(f"summary: {opts.nightly_dir / 'summary.md'}")
     if summary.exit_code:
         raise Exit(code=summary.exit_code)
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing a profile: recommend, compare (roofline estimates + measured or prior accuracy)
+
+
+def _float_arg(flag: str, value):
+    from precision_pipeline.core.errors import UserError
+
+    if value is None:
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise UserError(flag, f"{str(value)[:40]!r} is not a number.", f"pass e.g. {flag} 0.5.")
+    if not v == v or v < 0:
+        raise UserError(flag, f"{value!r} is not a number >= 0.", f"pass e.g. {flag} 0.5.")
+    return v
+
+
+@task(help={"gpu": "GPU id or alias (h100, a100, l4, b200, ...)", "model": "HF model folder (default: the default model)",
+            "max_kl_p99": "largest acceptable P99 token KL (nats), from measured builds or the per-format prior",
+            "min_concurrency": "sequences the KV cache must hold at the context",
+            "max_gpus": "GPUs per engine (tp_size x pp_size), default 8",
+            "context": "tokens per sequence (build.max_seq_len of every candidate), default 4096",
+            "write": "write the chosen profile as YAML here (extends its shipped base; `invoke build --profile FILE`)"})
+@guarded
+def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=None, context=None, write=None):
+    """Best profile for a GPU under constraints (roofline estimates); exit 2 when none meets them all."""
+    from precision_pipeline.analysis import choose as ch
+    from precision_pipeline.pipeline import _model_dir
+
+    k = ch.Constraints(max_kl_p99=_float_arg("--max-kl-p99", max_kl_p99),
+                       min_concurrency=_int_arg("--min-concurrency", min_concurrency, 1),
+                       max_gpus=_int_arg("--max-gpus", max_gpus, 1, 4096) or ch.DEFAULT_MAX_GPUS)
+    rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=_int_arg("--context", context, 1))
+    con = _console()
+    for cand in sorted((x for x in rec.candidates if not x.refused), key=ch.rank_key):
+        e, a = cand.estimate, cand.accuracy
+        status = "[green]meets[/]  " if cand.ok else "[yellow]ruled out[/] "
+        con.print(f"{status}{cand.label}: {e['decode_tokens_per_s_per_gpu']:,.0f} decode tokens/s per GPU, "
+                  f"{e['kv_concurrency_at_context']:,} seqs at {e['context_tokens']:,}, KL P99 {a.kl_p99} ({a.kind})"
+                  + "".join(f"; {v['text']}" for v in cand.violations), soft_wrap=True, markup=True)
+    for cand in (x for x in rec.candidates if x.refused):
+        con.print(f"[red]refused[/]  {cand.label}: " + "; ".join(f"rule {r['rule']}" for r in cand.refused),
+                  soft_wrap=True)
+    if rec.best is None:
+        con.print(f"[bold red]no candidate on {rec.gpu} meets every constraint[/] (reasons above)")
+        raise Exit(code=2)
+    b = rec.best
+    con.print(f"[bold green]recommended[/]: {b.label} (from {b.base}): {b.estimate['decode_tokens_per_s_per_gpu']:,.0f} "
+              f"decode tokens/s per GPU ({b.estimate['kind']}); accuracy {b.accuracy.kind}: {b.accuracy.source}",
+              soft_wrap=True)
+    for line in b.estimate["arithmetic"]:
+        con.print(f"    {line}", soft_wrap=True)
+    if write:
+        path = ch.write_profile(b, Path(write), command=f"--gpu {gpu}")
+        con.print(f"wrote {path}; build it with `invoke build --profile {path}`")
+
+
+@task(help={"profiles": "comma-separated profile names or YAML paths, or all (default: all shipped profiles)",
+            "model": "HF model folder (default: the default model)",
+            "gpu": "evaluate every profile on this GPU instead of its own target.gpu",
+            "out": "output folder for compare.json, pareto.png, compare.html (default artifacts/compare)"})
+@guarded
+def compare(c, profiles="all", model=None, gpu=None, out=None):
+    """Table + Pareto chart (accuracy loss vs estimated throughput) of profiles; lists those that cannot run."""
+    from precision_pipeline.analysis import choose as ch
+    from precision_pipeline.pipeline import _model_dir
+    from precision_pipeline.spec.profile import shipped_profiles
+    from rich.table import Table
+
+    names = shipped_profiles() if str(profiles).strip() in ("", "all") else [p.strip() for p in str(profiles).split(",") if p.strip()]
+    cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu)
+    t = Table(title="profiles (throughput: roofline estimate; accuracy: measured build, else prior)")
+    for col in ("profile", "GPU", "weights/GPU", "KV B/token", "KV tokens", "seqs", "decode tok/s/GPU", "prefill tok/s",
+                "KL P99", "accuracy", "frontier"):
+        t.add_column(col)
+    for r in ch.table_rows(cands):
+        if r["runs"]:
+            t.add_row(r["profile"], r["gpu"], f"{r['weight_bytes_per_gpu'] / 2**20:,.1f} MiB", f"{r['kv_bytes_per_token']:,}",
+                      f"{r['kv_tokens_capacity']:,}", f"{r['concurrency']:,}", f"{r['decode_tokens_per_s_per_gpu']:,.0f}",
+                      "n/a" if r["prefill_tokens_per_s"] is None else f"{r['prefill_tokens_per_s']:,.0f}",
+                      "n/a" if r["kl_p99"] is None else f"{r['kl_p99']:.3g}", r["accuracy"], "*" if r["frontier"] else "")
+    con = _console()
+    con.print(t)
+    for r in ch.table_rows(cands):
+        if not r["runs"]:
+            con.print(f"[red]cannot run[/] {r['profile']}: {r['refused']}", soft_wrap=True)
+    paths = ch.write_compare(cands, Path(out).expanduser().resolve() if out else ROOT / "artifacts" / "compare")
+    con.print(f"wrote {paths['html']}, {paths['png']}, {paths['json']}")

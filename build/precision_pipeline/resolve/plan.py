@@ -14,6 +14,9 @@ the build writes as ``artifacts/<profile>/plan.json``:
   FMHA), the resolved ``--gemm_plugin``, logits dtype and its Triton type (``TYPE_FP32``).
 * ``memory``: bytes per GPU (weights, activation estimate, warm fallback, KV per token, KV
   cache, token capacity, concurrent sequences at max_seq_len, fits).
+* ``estimate``: roofline ceilings with their arithmetic (``resolve/estimate.py``: decode bytes per
+  step, decode tokens/s from the bandwidth, prefill tokens/s from the Tensor Core peak, KV-limited
+  concurrency at max_seq_len; every hardware number with its catalog source).
 * ``warnings`` and ``checks`` (one entry per rule: pass / warn / refused, message, source).
 
 ``check_all(model_dir)`` checks every shipped profile (``invoke check --all``);
@@ -29,6 +32,7 @@ from typing import Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from precision_pipeline.spec import formats as F
+from precision_pipeline.resolve import estimate as E
 from precision_pipeline.resolve import rules as R
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec.device import DeviceChoice
@@ -173,6 +177,8 @@ class ResolvedPlan(BaseModel):
     problems: tuple[Problem, ...]
     warnings: tuple[str, ...]
     fallback: Optional[FallbackInfo] = None
+    estimate: Optional[dict] = None
+    """Roofline estimate on the target GPU (``resolve.estimate.roofline``; None without a memory plan)."""
     build_memory: Optional[dict] = None
     """What quantize and the gate need on the chosen device and in host memory (``rules.build_memory_plan``;
     None unless a build's device was given)."""
@@ -198,6 +204,7 @@ class ResolvedPlan(BaseModel):
             "limits": self.limits.model_dump(mode="json"),
             "effective": self.effective.model_dump(mode="json"),
             "memory": self.memory.to_json() if self.memory else {},
+            "estimate": self.estimate or {},
             "fallback": self.fallback.model_dump(mode="json", exclude_none=True) if self.fallback else None,
             "warnings": list(self.warnings),
             "checks": [dict(c) for c in self.checks],
@@ -336,6 +343,7 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
                         effective=Effective(**ctx.effective), memory=_memory(ctx.memory),
                         checks=tuple(checks), problems=tuple(problems), warnings=tuple(warnings),
                         fallback=FallbackInfo(**fallback) if fallback else None,
+                        estimate=E.roofline(gpu, m, profile, ctx.mapping, ctx.limits, ctx.memory) if ctx.memory else None,
                         build_memory=ctx.build_memory or None)
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from precision_pipeline.core.errors import UserError
@@ -58,6 +58,7 @@ class GPUSpec:
     ``memory_gb``: GB (10**9 bytes) as the datasheet states it.
     ``bandwidth_gbs``: memory bandwidth, GB/s. ``*_tflops``: dense Tensor Core TFLOPS.
     ``source``: datasheet name / URL the numbers come from.
+    ``int8_tops``: dense INT8 Tensor Core TOPS (``_INT8_DENSE_TOPS``; None where not catalogued).
     """
 
     id: str
@@ -72,6 +73,14 @@ class GPUSpec:
     source: str
     aliases: tuple[str, ...] = ()
     note: str = ""
+    int8_tops: Optional[float] = None
+
+    def tensor_peak(self, math: Optional[str]) -> tuple[Optional[float], str]:
+        """(dense Tensor Core peak in TFLOPS / TOPS, the catalog field it came from) for the GEMM math
+        ``math``: None = the model dtype (BF16), ``fp8``, ``nvfp4`` (FP4) or ``int8``. The value is
+        None where the GPU has no such Tensor Core format (or it is not catalogued)."""
+        name = {None: "bf16_tflops", "fp8": "fp8_tflops", "nvfp4": "fp4_tflops", "int8": "int8_tops"}[math]
+        return getattr(self, name), name
 
     @property
     def arch(self) -> str:
@@ -225,6 +234,17 @@ _SPECS: list[GPUSpec] = [
     GPUSpec("t4", "Tesla T4", 75, 15360, 16, 320, None, None, None, _T4,
             ("t4-16gb",), "Turing: no BF16; TensorRT-LLM 1.x needs SM >= 80."),
 ]
+
+# Dense INT8 Tensor Core TOPS (= half the datasheet's "with sparsity" figure where only that is printed),
+# from the same datasheet as each entry's ``source``: A100 624 (1,248 sparse), A30 330, A10 250, A40 299.3,
+# L4 242.5 (485 sparse), L40 362, L40S 733 (1,466 sparse), H100 SXM 1,979 (3,958 sparse), H100 PCIe 1,513,
+# H100 NVL 1,670.5, H200 1,979, H200 NVL 1,670.5. Only the GPUs where INT8 SmoothQuant builds and the figure
+# is printed by NVIDIA; others are None (the estimate then says the INT8 peak is not catalogued).
+_INT8_DENSE_TOPS: dict[str, float] = {
+    "a100-40gb": 624, "a100-80gb": 624, "a30": 330, "a10": 250, "a40": 299.3, "l4": 242.5, "l40": 362,
+    "l40s": 733, "h100-sxm": 1979, "h100-pcie": 1513, "h100-nvl": 1670.5, "h200": 1979, "h200-nvl": 1670.5,
+}
+_SPECS = [replace(g, int8_tops=_INT8_DENSE_TOPS.get(g.id)) for g in _SPECS]
 
 CATALOG: dict[str, GPUSpec] = {g.id: g for g in _SPECS}
 """Canonical id -> GPUSpec."""

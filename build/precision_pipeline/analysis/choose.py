@@ -1,0 +1,520 @@
+"""Choosing a profile: ``invoke recommend`` (candidates under constraints) and ``invoke compare``
+(table + Pareto chart of accuracy loss vs estimated throughput).
+
+Throughput and memory come from the resolve stage only: every candidate is a real ``Profile``
+evaluated by ``resolve.plan.evaluate`` (all rules; a refused candidate is reported with the rule
+that refuses it) and estimated by ``resolve.estimate.roofline`` (one home for the arithmetic).
+
+Accuracy per candidate, in this order:
+
+1. **measured**: ``<artifacts>/<profile>/gate/metrics.json`` of an existing build whose resolved
+   ``quantization`` and ``calibration`` sections equal the candidate's (the gate does not depend on
+   the target GPU or the parallel layout: it reads the dequantized checkpoint), labelled with the
+   build folder;
+2. **prior**: ``ACCURACY_PRIOR``, the README's measured gate numbers of the shipped profile with the
+   same GEMM *and* KV format (SmolLM2-135M-Instruct, full golden set, vs FP32), labelled ``prior``
+   with the profile; another model will differ (the label says so);
+3. **unknown** (no build, no prior: W4A8_AWQ, W8A16, any other GEMM/KV pair): a ``--max-kl-p99``
+   constraint rules it out, saying so.
+
+Candidates (``enumerate_candidates``): every GEMM format TensorRT-LLM 1.2 can build x every KV
+format x tp in (1, 2, 4, 8), each starting from the shipped profile of that GEMM format (its
+calibration, exclusions, per-phase settings and gate; the BF16 profile for a format without one),
+with ``target.gpu``, ``kv_cache_quant_algo``, ``tp_size`` (and ``deployment.gpus_per_replica``),
+``build.max_seq_len`` = the context (``--context``, default ``DEFAULT_CONTEXT``; ``max_input_len``
+clipped to it) and ``max_batch_size`` raised to ``--min-concurrency`` replaced. Context-phase
+kernels: each candidate gets the paged / FP8 context FMHA settings trtllm-build would keep for its
+formats on that GPU (``context_settings``, from ``rules.derive_effective``); without paged context
+FMHA, KV-cache reuse and chunked context are turned off, and the written profile says so.
+
+Objective: the highest estimated decode tokens/s **per GPU** at the candidate's batch (cost per
+token), ties broken by lower KL P99, then fewer GPUs. Constraints: ``max_kl_p99`` (KL P99 of the
+measured or prior numbers, nats), ``min_concurrency`` (KV-limited sequences at the context),
+``max_gpus`` (world size).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import atomic_write_bytes, atomic_write_text
+from precision_pipeline.resolve import plan as P
+from precision_pipeline.spec import formats as F
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
+from precision_pipeline.spec.hardware import resolve_gpu
+from precision_pipeline.spec.model_arch import ModelArch, read_model_arch
+from precision_pipeline.spec.profile import deep_merge, load_profile, load_raw, shipped_profiles, validate_profile
+
+TP_SIZES = (1, 2, 4, 8)
+DEFAULT_MAX_GPUS = 8
+DEFAULT_CONTEXT = 4096
+"""Tokens per sequence every candidate is built for and estimated at when ``--context`` is not given
+(capped at the model's max_position_embeddings), so that candidates are compared at one context."""
+SRC_PRIOR = "README.md 'Measured gate numbers' (SmolLM2-135M-Instruct, full golden set, vs FP32)"
+PRIOR_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Gate numbers of a candidate: KL mean / P99 (nats), top-1 agreement; ``kind`` measured / prior / unknown."""
+
+    kind: str
+    kl_mean: Optional[float] = None
+    kl_p99: Optional[float] = None
+    top1: Optional[float] = None
+    source: str = ""
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+_NONE, _FP8KV = KVCacheQuantAlgo.NONE, KVCacheQuantAlgo.FP8
+ACCURACY_PRIOR: dict[tuple[QuantAlgo, KVCacheQuantAlgo], Accuracy] = {
+    # (GEMM format, KV format) -> the shipped profile's measured numbers (SRC_PRIOR). Only the pair that was
+    # measured: on the default model the FP8 KV cache is where most of the FP8 profile's loss comes from
+    # (README), so a prior is never carried over to another KV format.
+    (QuantAlgo.NO_QUANT, _NONE): Accuracy("prior", 0.0, 0.0, 1.0, f"{SRC_PRIOR}: bf16-h100"),
+    (QuantAlgo.FP8, _FP8KV): Accuracy("prior", 0.0539, 0.424, 0.898, f"{SRC_PRIOR}: fp8-h100"),
+    (QuantAlgo.W8A8_SQ_PER_CHANNEL, _NONE): Accuracy("prior", 0.3696, 2.600, 0.737, f"{SRC_PRIOR}: int8-sq-l4"),
+    (QuantAlgo.W4A16_AWQ, _NONE): Accuracy("prior", 0.3392, 2.517, 0.745, f"{SRC_PRIOR}: int4-awq-a100"),
+    (QuantAlgo.NVFP4, _FP8KV): Accuracy("prior", 0.5905, 3.614, 0.653, f"{SRC_PRIOR}: nvfp4-b200"),
+    (QuantAlgo.MIXED_PRECISION, _FP8KV): Accuracy("prior", 0.1759, 1.342, 0.812,
+                                                  f"{SRC_PRIOR}: mixed-fp8-int4-h100, 6.0 bits"),
+}
+"""Per-format accuracy priors (used only when no build of the candidate was measured)."""
+
+
+@dataclass
+class Candidate:
+    """One evaluated candidate: its profile (None when the profile itself is invalid), plan, estimate,
+    accuracy, and why it is out (``refused``: the rules; ``violations``: the constraints)."""
+
+    label: str
+    base: str
+    overrides: dict
+    profile: Any = None
+    plan: Any = None
+    estimate: Optional[dict] = None
+    accuracy: Accuracy = field(default_factory=lambda: Accuracy("unknown"))
+    refused: list[dict] = field(default_factory=list)  # {"rule", "field", "reason"}
+    violations: list[dict] = field(default_factory=list)  # {"constraint", "limit", "value", "by", "text"}
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused and not self.violations
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.mapping.world_size if self.plan is not None else self.overrides["parallel"]["tp_size"]
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "base": self.base, "overrides": self.overrides, "ok": self.ok,
+                "refused": self.refused, "violations": self.violations, "accuracy": self.accuracy.to_json(),
+                "estimate": self.estimate,
+                "memory": self.plan.memory.to_json() if self.plan is not None and self.plan.memory else None}
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """``recommend``'s limits: KL P99 (nats), KV-limited concurrency (sequences), GPUs per engine."""
+
+    max_kl_p99: Optional[float] = None
+    min_concurrency: Optional[int] = None
+    max_gpus: int = DEFAULT_MAX_GPUS
+
+
+def _model(model: Union[Path, str, ModelArch]) -> ModelArch:
+    return model if isinstance(model, ModelArch) else read_model_arch(Path(model))
+
+
+def base_profile_for(algo: QuantAlgo) -> str:
+    """The shipped profile a candidate of GEMM format ``algo`` starts from: the first shipped profile
+    with that quant_algo, else one whose format groups its scales the same way (``GemmFormat.grouping``
+    per_group / fixed_block: its group_size), else the unquantized one."""
+    loaded = [(n, load_profile(n).quantization.quant_algo) for n in shipped_profiles()]
+    same = [n for n, a in loaded if a == algo]
+    grouping = F.GEMM[algo].grouping
+    alike = [n for n, a in loaded if grouping != "none" and F.GEMM[a].grouping == grouping]
+    plain = [n for n, a in loaded if a == QuantAlgo.NO_QUANT]
+    return (same or alike or plain)[0]
+
+
+def context_settings(profile, sm: int) -> dict:
+    """The context-phase (and dependent runtime) overrides that make ``profile`` what trtllm-build
+    would build on SM ``sm`` (``rules.derive_effective``): paged / FP8 context FMHA as the builder
+    sets them; without paged context FMHA, KV-cache reuse and chunked context off (they need it)."""
+    from precision_pipeline.resolve.rules import derive_effective
+
+    eff, _ = derive_effective(profile, sm)
+    c = profile.context_phase
+    out: dict = {}
+    ctx = {k: eff[k] for k in ("use_paged_context_fmha", "use_fp8_context_fmha") if getattr(c, k) != eff[k]}
+    if not eff["use_paged_context_fmha"]:
+        if c.enable_chunked_context:
+            ctx["enable_chunked_context"] = False
+        if profile.runtime.enable_kv_cache_reuse:
+            out["runtime"] = {"enable_kv_cache_reuse": False}
+    if ctx:
+        out["context_phase"] = ctx
+    return out
+
+
+def _quality_key(p) -> dict:
+    """What the gate's numbers depend on: the resolved quantization and calibration sections."""
+    return {"quantization": p.quantization.model_dump(mode="json"), "calibration": p.calibration.model_dump(mode="json")}
+
+
+def measured_accuracy(profile, artifacts: Path) -> Optional[Accuracy]:
+    """Gate numbers of an existing build of the same quantization + calibration (``artifacts/*/gate/metrics.json``)."""
+    if not artifacts.is_dir():
+        return None
+    want = _quality_key(profile)
+    for gate in sorted(artifacts.glob("*/gate/metrics.json")):
+        out = gate.parent.parent
+        try:
+            plan = json.loads((out / "plan.json").read_text())
+            metrics = json.loads(gate.read_text()).get("metrics") or {}
+        except (OSError, ValueError):
+            continue
+        pr = plan.get("profile_resolved") or {}
+        if {"quantization": pr.get("quantization"), "calibration": pr.get("calibration")} != want:
+            continue
+
+        def val(k):
+            v = metrics.get(k)
+            return v.get("value") if isinstance(v, dict) else None
+
+        return Accuracy("measured", val("kl_mean"), val("kl_p99"), val("top1"), f"{gate} (build of {plan.get('profile')})")
+    return None
+
+
+def accuracy_of(profile, model: ModelArch, artifacts: Path) -> Accuracy:
+    """measured, else prior (labelled with the model it was measured on), else unknown."""
+    got = measured_accuracy(profile, artifacts)
+    if got is not None:
+        return got
+    q = profile.quantization
+    prior = ACCURACY_PRIOR.get((q.quant_algo, q.kv_cache_quant_algo))
+    if prior is None:
+        return Accuracy("unknown", source=f"no build measured and no prior for {q.quant_algo.value} GEMMs with a "
+                                          f"{q.kv_cache_quant_algo.value} KV cache")
+    other = "" if model.name == PRIOR_MODEL else f"; measured on {PRIOR_MODEL}, not this model"
+    return Accuracy("prior", prior.kl_mean, prior.kl_p99, prior.top1, prior.source + other)
+
+
+def _refusals(plan) -> list[dict]:
+    return [{"rule": pr.rule, "field": pr.field, "reason": pr.reason} for pr in plan.problems]
+
+
+def evaluate_candidate(label: str, base: str, overrides: dict, model: ModelArch, artifacts: Path,
+                       context: Optional[int] = None, fit_context_kernels: bool = False) -> Candidate:
+    """Merge ``overrides`` over ``base`` (as ``extends`` does), validate, resolve, estimate.
+    ``fit_context_kernels``: first add ``context_settings`` (the per-phase kernels the builder keeps)."""
+    c = Candidate(label, base, overrides)
+    try:
+        c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
+        if fit_context_kernels:
+            extra = context_settings(c.profile, resolve_gpu(c.profile.target.gpu).sm)
+            if extra:
+                c.overrides = overrides = deep_merge(overrides, extra)
+                c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
+    except UserError as e:
+        c.refused = [{"rule": pr.rule or "profile.schema", "field": pr.field, "reason": pr.reason} for pr in e.problems]
+        return c
+    c.plan = P.evaluate(c.profile, model)
+    c.refused = _refusals(c.plan)
+    if c.plan.ok:
+        c.estimate = c.plan.estimate if context is None else P.E.of_plan(c.plan, context=context)
+        c.accuracy = accuracy_of(c.profile, model, artifacts)
+    return c
+
+
+def _max_batch_limit() -> int:
+    from precision_pipeline.spec.profile import BuildLimits
+
+    return int(BuildLimits.model_json_schema()["properties"]["max_batch_size"].get("maximum", 2**31 - 1))
+
+
+def _overrides(gpu_id: str, algo: QuantAlgo, kv: KVCacheQuantAlgo, tp: int, base_raw: dict,
+               context: Optional[int], min_conc: Optional[int]) -> dict:
+    o: dict = {"target": {"gpu": gpu_id}, "quantization": {"quant_algo": algo.value, "kv_cache_quant_algo": kv.value},
+               "parallel": {"tp_size": tp}, "deployment": {"gpus_per_replica": tp}}
+    b = base_raw.get("build") or {}
+    build: dict = {}
+    if context is not None:
+        build["max_seq_len"] = int(context)
+        if (b.get("max_input_len") or F.DEFAULT_MAX_INPUT_LEN) > context:
+            build["max_input_len"] = int(context)
+    if min_conc is not None and min_conc > (b.get("max_batch_size") or 0):
+        build["max_batch_size"] = int(min(min_conc, _max_batch_limit()))
+    if build:
+        o["build"] = build
+    return o
+
+
+def enumerate_candidates(gpu: str, model: Union[Path, str, ModelArch], artifacts: Path,
+                         context: Optional[int] = None, min_concurrency: Optional[int] = None,
+                         tp_sizes: tuple[int, ...] = TP_SIZES) -> list[Candidate]:
+    """Every buildable GEMM format x KV format x tp on ``gpu``, evaluated (refused ones included)."""
+    spec = resolve_gpu(gpu)
+    m = _model(model)
+    out = []
+    for fmt in F.GEMM.values():
+        if fmt.refusal:
+            continue
+        base = base_profile_for(fmt.algo)
+        raw = load_raw(base)
+        for kv in F.KV.values():
+            for tp in tp_sizes:
+                label = f"{fmt.short}/kv-{kv.short}/tp{tp}"
+                out.append(evaluate_candidate(label, base, _overrides(spec.id, fmt.algo, kv.algo, tp, raw, context,
+                                                                      min_concurrency), m, artifacts, context,
+                                              fit_context_kernels=True))
+    return out
+
+
+def apply_constraints(c: Candidate, k: Constraints) -> None:
+    """Fill ``c.violations``: each constraint it misses, with the limit, its value and by how much."""
+    c.violations = []
+    if c.refused:
+        return
+    if c.world_size > k.max_gpus:
+        c.violations.append({"constraint": "max_gpus", "limit": k.max_gpus, "value": c.world_size,
+                             "by": c.world_size - k.max_gpus,
+                             "text": f"needs {c.world_size} GPUs, {c.world_size - k.max_gpus} more than --max-gpus {k.max_gpus}"})
+    if k.max_kl_p99 is not None:
+        v = c.accuracy.kl_p99
+        if v is None:
+            c.violations.append({"constraint": "max_kl_p99", "limit": k.max_kl_p99, "value": None, "by": None,
+                                 "text": f"KL P99 unknown ({c.accuracy.source}); --max-kl-p99 {k.max_kl_p99:g} needs a number"})
+        elif v > k.max_kl_p99:
+            c.violations.append({"constraint": "max_kl_p99", "limit": k.max_kl_p99, "value": v,
+                                 "by": round(v - k.max_kl_p99, 6),
+                                 "text": f"KL P99 {v:g} ({c.accuracy.kind}) is {v - k.max_kl_p99:.4g} over --max-kl-p99 "
+                                         f"{k.max_kl_p99:g}"})
+    if k.min_concurrency is not None:
+        v = c.estimate["kv_concurrency_at_context"]
+        if v < k.min_concurrency:
+            c.violations.append({"constraint": "min_concurrency", "limit": k.min_concurrency, "value": v,
+                                 "by": k.min_concurrency - v,
+                                 "text": f"the KV cache holds {v:,} sequences of {c.estimate['context_tokens']:,} tokens, "
+                                         f"{k.min_concurrency - v:,} short of --min-concurrency {k.min_concurrency:,}"})
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Sort key, best first: decode tokens/s per GPU (desc), KL P99 (asc, unknown last), GPUs (asc)."""
+    kl = c.accuracy.kl_p99
+    return (-c.estimate["decode_tokens_per_s_per_gpu"], kl if kl is not None else float("inf"), c.world_size, c.label)
+
+
+@dataclass
+class Recommendation:
+    """``recommend``'s answer: ``best`` (None when nothing meets every constraint) and every candidate."""
+
+    gpu: str
+    constraints: Constraints
+    best: Optional[Candidate]
+    candidates: list[Candidate]
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        return sorted((c for c in self.candidates if c.ok), key=rank_key)
+
+    def to_json(self) -> dict:
+        return {"gpu": self.gpu, "constraints": self.constraints.__dict__,
+                "objective": "highest estimated decode tokens/s per GPU (roofline), then lower KL P99, then fewer GPUs",
+                "best": self.best.to_json() if self.best else None,
+                "candidates": [c.to_json() for c in self.candidates]}
+
+
+def recommend(gpu: str, model: Union[Path, str, ModelArch], artifacts: Path, constraints: Constraints = Constraints(),
+              context: Optional[int] = None) -> Recommendation:
+    """Enumerate, drop what the rules refuse, estimate, apply ``constraints``, pick the best (module doc)."""
+    if constraints.max_gpus < 1:
+        raise UserError("--max-gpus", f"{constraints.max_gpus} is not a positive number of GPUs.", "pass e.g. --max-gpus 1.")
+    if constraints.max_kl_p99 is not None and not constraints.max_kl_p99 >= 0:
+        raise UserError("--max-kl-p99", f"{constraints.max_kl_p99} is not a KL bound >= 0 (nats).", "pass e.g. --max-kl-p99 0.5.")
+    if context is not None and context < 1:
+        raise UserError("--context", f"{context} is not a positive number of tokens.", "pass e.g. --context 4096.")
+    spec = resolve_gpu(gpu)
+    m = _model(model)
+    if context is None:
+        context = min(DEFAULT_CONTEXT, m.max_position_embeddings or DEFAULT_CONTEXT)
+    cands = enumerate_candidates(spec.id, m, artifacts, context, constraints.min_concurrency)
+    for c in cands:
+        apply_constraints(c, constraints)
+    ok = sorted((c for c in cands if c.ok), key=rank_key)
+    return Recommendation(spec.id, constraints, ok[0] if ok else None, cands)
+
+
+def profile_yaml(c: Candidate, command: str = "") -> str:
+    """The candidate as a profile file: ``extends`` its base, overriding only what the candidate changed."""
+    head = ("# Written by `invoke recommend`" + (f" ({command})" if command else "") + ".\n"
+            f"# Roofline decode ceiling {c.estimate['decode_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; accuracy "
+            f"({c.accuracy.kind}): KL P99 {c.accuracy.kl_p99}; source: {c.accuracy.source}.\n")
+    body = {"extends": c.base, "description": f"recommended: {c.label} on {c.overrides['target']['gpu']} "
+                                             f"(from {c.base})", **c.overrides}
+    return head + yaml.safe_dump(body, sort_keys=False)
+
+
+def write_profile(c: Candidate, path: Path, command: str = "") -> Path:
+    """Write ``profile_yaml(c)`` atomically and check that the strict loader accepts it (UserError if not)."""
+    path = Path(path).expanduser()
+    atomic_write_text(path, profile_yaml(c, command))
+    load_profile(str(path.resolve()))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# compare: table + Pareto chart
+
+
+def compare(profiles: list[str], model: Union[Path, str, ModelArch], artifacts: Path,
+            gpu: Optional[str] = None) -> list[Candidate]:
+    """Evaluate each profile (``target.gpu`` replaced by ``gpu`` when given): estimate, accuracy, refusals."""
+    m = _model(model)
+    spec = resolve_gpu(gpu) if gpu else None
+    out = []
+    for name in profiles:
+        base = load_profile(name)  # UserError for an unknown profile name
+        over = {"target": {"gpu": spec.id}} if spec else {}
+        label = base.name + (f"@{spec.id}" if spec else "")
+        out.append(evaluate_candidate(label, name, over, m, artifacts))
+    return out
+
+
+def pareto(cands: list[Candidate]) -> list[Candidate]:
+    """Runnable candidates with a known KL P99 that no other one beats on both axes (higher decode
+    tokens/s per GPU and lower KL P99, at least one strictly)."""
+    pts = [c for c in cands if not c.refused and c.accuracy.kl_p99 is not None]
+
+    def dominated(a: Candidate) -> bool:
+        ta, la = a.estimate["decode_tokens_per_s_per_gpu"], a.accuracy.kl_p99
+        return any((b.estimate["decode_tokens_per_s_per_gpu"] >= ta and b.accuracy.kl_p99 <= la)
+                   and (b.estimate["decode_tokens_per_s_per_gpu"] > ta or b.accuracy.kl_p99 < la) for b in pts if b is not a)
+
+    return [c for c in pts if not dominated(c)]
+
+
+def pareto_png(cands: list[Candidate]) -> bytes:
+    """Accuracy loss (KL P99) vs estimated decode tokens/s per GPU; marker area ~ weight bytes per GPU;
+    the frontier joined by a line and its points outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    pts = [c for c in cands if not c.refused and c.accuracy.kl_p99 is not None]
+    front = pareto(cands)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=100)
+    wmax = max((c.plan.memory.weight_bytes_per_gpu for c in pts), default=1)
+    for c in pts:
+        x, y = c.estimate["decode_tokens_per_s_per_gpu"], c.accuracy.kl_p99
+        size = 60 + 600 * c.plan.memory.weight_bytes_per_gpu / wmax
+        on = c in front
+        ax.scatter([x], [y], s=size, alpha=0.6, edgecolors="black" if on else "none", linewidths=2 if on else 0,
+                   marker="o" if c.accuracy.kind == "measured" else "s")
+        ax.annotate(c.label, (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    if front:
+        f = sorted(front, key=lambda c: c.estimate["decode_tokens_per_s_per_gpu"])
+        ax.plot([c.estimate["decode_tokens_per_s_per_gpu"] for c in f], [c.accuracy.kl_p99 for c in f], "k--", lw=1,
+                label="Pareto frontier")
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_xlabel("decode tokens/s per GPU (roofline estimate)")
+    ax.set_ylabel("KL P99 vs reference (nats; circle measured, square prior)")
+    ax.set_title("accuracy loss vs estimated throughput (marker size = weight bytes per GPU)", fontsize=10)
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def table_rows(cands: list[Candidate]) -> list[dict]:
+    """One row per candidate (the table of ``invoke compare`` and of the HTML page)."""
+    front = pareto(cands)
+    rows = []
+    for c in cands:
+        if c.refused:
+            rows.append({"profile": c.label, "runs": False,
+                         "refused": "; ".join(f"{r['rule']}: {r['reason']}" for r in c.refused)})
+            continue
+        mem, e, a = c.plan.memory, c.estimate, c.accuracy
+        rows.append({"profile": c.label, "runs": True, "gpu": c.plan.gpu.id, "gpus": c.world_size,
+                     "weight_bytes_per_gpu": mem.weight_bytes_per_gpu, "kv_bytes_per_token": mem.kv_bytes_per_token,
+                     "kv_tokens_capacity": mem.kv_tokens_capacity,
+                     "concurrency": e["kv_concurrency_at_context"], "context": e["context_tokens"],
+                     "decode_tokens_per_s_per_gpu": e["decode_tokens_per_s_per_gpu"],
+                     "prefill_tokens_per_s": e["prefill_tokens_per_s"],
+                     "kl_mean": a.kl_mean, "kl_p99": a.kl_p99, "top1": a.top1, "accuracy": a.kind,
+                     "accuracy_source": a.source, "frontier": c in front})
+    return rows
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else ""
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+COLUMNS = ("profile", "gpu", "gpus", "weight_bytes_per_gpu", "kv_bytes_per_token", "kv_tokens_capacity", "concurrency",
+           "decode_tokens_per_s_per_gpu", "prefill_tokens_per_s", "kl_mean", "kl_p99", "top1", "accuracy", "frontier")
+
+
+def render_html(cands: list[Candidate], png: bytes) -> str:
+    """Self-contained page: the table (``table#compare``, one ``tr[data-profile]`` per runnable profile),
+    the chart (base64 PNG), the refused profiles (``ul#refused``) and the estimate's limits."""
+    e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
+    rows = table_rows(cands)
+    head = "".join(f"<th>{e(c)}</th>" for c in COLUMNS)
+    body = "".join(
+        f'<tr data-profile="{e(r["profile"])}" class="{"frontier" if r["frontier"] else ""}">'
+        + "".join(f'<td class="{c}">{e(_cell(r.get(c)))}</td>' for c in COLUMNS) + "</tr>"
+        for r in rows if r["runs"])
+    refused = "".join(f'<li data-profile="{e(r["profile"])}">{e(r["profile"])}: {e(r["refused"])}</li>'
+                      for r in rows if not r["runs"])
+    from precision_pipeline.resolve.estimate import KIND, TP_NOT_MODELLED
+
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>profile comparison</title>"
+            "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;border-bottom:1px solid #ddd}"
+            "tr.frontier td{font-weight:bold}</style></head><body><h1>profile comparison</h1>"
+            f"<p id='kind'>Throughput: {e(KIND)}. Tensor parallel: {e(TP_NOT_MODELLED)}. Accuracy: measured gate numbers "
+            "of an existing build of the same quantization and calibration, else a per-format prior (labelled).</p>"
+            f"<table id='compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            f"<section id='chart'><img class='plot' alt='Pareto chart' src='data:image/png;base64,"
+            f"{base64.b64encode(png).decode()}'></section>"
+            f"<h2>cannot run</h2><ul id='refused'>{refused}</ul></body></html>")
+
+
+def write_compare(cands: list[Candidate], out_dir: Path) -> dict[str, Path]:
+    """compare.json, pareto.png and compare.html in ``out_dir`` (each written atomically)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = pareto_png(cands)
+    paths = {"json": out_dir / "compare.json", "png": out_dir / "pareto.png", "html": out_dir / "compare.html"}
+    atomic_write_text(paths["json"], json.dumps({"rows": table_rows(cands), "candidates": [c.to_json() for c in cands]},
+                                                indent=2))
+    atomic_write_bytes(paths["png"], png)
+    atomic_write_text(paths["html"], render_html(cands, png))
+    return paths
+
+
+__all__ = ["ACCURACY_PRIOR", "Accuracy", "Candidate", "Constraints", "Recommendation", "enumerate_candidates",
+           "recommend", "compare", "pareto", "pareto_png", "render_html", "write_compare", "profile_yaml",
+           "write_profile", "table_rows", "base_profile_for", "accuracy_of", "measured_accuracy"]

@@ -1,0 +1,182 @@
+"""invoke recommend / compare (analysis/choose.py): choices and reasons on h100, a100 and l4, the
+written profile, measured numbers over priors, the Pareto frontier, the chart page in a browser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.analysis import choose as C
+from precision_pipeline.resolve.plan import evaluate
+from precision_pipeline.spec.profile import load_profile, shipped_profiles
+
+NOWHERE = Path("/nonexistent-artifacts")
+
+
+def by_label(rec: C.Recommendation) -> dict[str, C.Candidate]:
+    return {c.label: c for c in rec.candidates}
+
+
+def rules_of(c: C.Candidate) -> set[str]:
+    return {r["rule"] for r in c.refused}
+
+
+@pytest.fixture(scope="module")
+def h100(default_model_dir):
+    return C.recommend("h100", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=0.5, max_gpus=1))
+
+
+def test_h100_picks_fp8_and_says_why_the_others_lose(h100):
+    assert h100.best.label == "fp8/kv-fp8/tp1" and h100.best.base == "fp8-h100"
+    c = by_label(h100)
+    awq = c["int4-awq/kv-bf16/tp1"]
+    assert [v["constraint"] for v in awq.violations] == ["max_kl_p99"]
+    assert awq.violations[0]["by"] == pytest.approx(2.517 - 0.5) and awq.accuracy.kind == "prior"
+    assert c["int8-wo/kv-bf16/tp1"].violations[0]["value"] is None  # no prior: unknown accuracy
+    assert "format.gemm_sm" in rules_of(c["nvfp4/kv-fp8/tp1"])
+    assert "format.kv_sm" in rules_of(c["fp8/kv-nvfp4/tp1"])
+    assert "layout.attention_heads" in rules_of(c["fp8/kv-fp8/tp2"])  # 9 heads do not split over 2 GPUs
+    assert "quantize.modelopt_inputs" in rules_of(c["bf16/kv-int8/tp1"])
+    # BF16 meets the KL bound but reads more bytes per step: ranked below FP8
+    assert c["bf16/kv-bf16/tp1"].ok
+    assert h100.feasible[0] is h100.best
+    assert [x.label for x in h100.feasible] == ["fp8/kv-fp8/tp1", "bf16/kv-bf16/tp1"]
+    assert (h100.best.estimate["decode_tokens_per_s_per_gpu"]
+            > c["bf16/kv-bf16/tp1"].estimate["decode_tokens_per_s_per_gpu"])
+    assert h100.best.estimate["context_tokens"] == C.DEFAULT_CONTEXT
+
+
+def test_a100_has_no_fp8_so_bf16_wins_under_a_tight_bound(default_model_dir):
+    rec = C.recommend("a100", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=0.5, max_gpus=1))
+    assert rec.best.label == "bf16/kv-bf16/tp1"
+    c = by_label(rec)
+    assert "format.gemm_sm" in rules_of(c["fp8/kv-fp8/tp1"])
+    assert "format.gemm_sm" in rules_of(c["w4a8-awq/kv-bf16/tp1"])
+    # an FP8 KV cache on BF16 GEMMs runs on SM 80, but no build or prior measured it
+    assert c["bf16/kv-fp8/tp1"].accuracy.kind == "unknown"
+    assert c["bf16/kv-fp8/tp1"].overrides["context_phase"]["use_paged_context_fmha"] is False
+
+
+def test_l4_loose_bound_and_infeasible_concurrency(default_model_dir):
+    rec = C.recommend("l4", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=3.0, max_gpus=1))
+    assert rec.best.label == "mixed/kv-fp8/tp1"
+    assert by_label(rec)["int4-awq/kv-bf16/tp1"].ok and by_label(rec)["fp8/kv-fp8/tp1"].ok
+    none = C.recommend("l4", default_model_dir, NOWHERE, C.Constraints(min_concurrency=100_000))
+    assert none.best is None and not none.feasible
+    runnable = [c for c in none.candidates if not c.refused]
+    assert runnable
+    for c in runnable:
+        (v,) = c.violations
+        assert v["constraint"] == "min_concurrency"
+        assert v["by"] == 100_000 - c.estimate["kv_concurrency_at_context"] > 0
+    assert by_label(none)["fp8/kv-fp8/tp1"].profile.build.max_batch_size == 65536  # raised, capped by the schema
+
+
+def test_h100_infeasible_kl_and_gpu_count(default_model_dir):
+    rec = C.recommend("h100", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=0.0001, max_gpus=1))
+    assert rec.best.label == "bf16/kv-bf16/tp1"  # the measured-equal-to-reference prior
+    rec = C.recommend("h100", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=0.5, min_concurrency=2000),
+                      context=4096)
+    assert rec.best is None
+    fp8 = by_label(rec)["fp8/kv-fp8/tp1"]
+    assert [v["constraint"] for v in fp8.violations] == ["min_concurrency"]
+    assert fp8.violations[0]["value"] == fp8.plan.memory.kv_tokens_capacity // 4096
+
+
+def test_measured_build_beats_the_prior(tmp_path, default_model_dir):
+    base = evaluate(load_profile("fp8-h100"), default_model_dir)
+    out = tmp_path / "fp8-h100"
+    (out / "gate").mkdir(parents=True)
+    (out / "plan.json").write_text(json.dumps(base.to_json()))
+    (out / "gate" / "metrics.json").write_text(json.dumps(
+        {"metrics": {"kl_p99": {"value": 0.9}, "kl_mean": {"value": 0.1}, "top1": {"value": 0.8}}}))
+    rec = C.recommend("h100", default_model_dir, tmp_path, C.Constraints(max_kl_p99=0.5, max_gpus=1))
+    fp8 = by_label(rec)["fp8/kv-fp8/tp1"]
+    # the build's max_seq_len differs (8192 vs the candidate's 4096) but the gate does not read it
+    assert fp8.accuracy.kind == "measured" and fp8.accuracy.kl_p99 == 0.9 and str(out) in fp8.accuracy.source
+    assert fp8.violations[0]["by"] == pytest.approx(0.4)
+    assert rec.best.label == "bf16/kv-bf16/tp1"
+
+
+def test_written_profile_is_accepted_by_the_strict_loader(tmp_path, h100, default_model_dir):
+    path = C.write_profile(h100.best, tmp_path / "rec.yaml", command="--gpu h100")
+    text = path.read_text()
+    assert text.startswith("# Written by `invoke recommend` (--gpu h100)") and "extends: fp8-h100" in text
+    p = load_profile(str(path))
+    q = p.quantization
+    assert (p.target.gpu, q.quant_algo.value, q.kv_cache_quant_algo.value, p.parallel.tp_size, p.build.max_seq_len) == \
+        ("h100-sxm", "FP8", "FP8", 1, C.DEFAULT_CONTEXT)
+    plan = evaluate(p, default_model_dir, for_build=True)
+    assert plan.ok and plan.estimate["decode_tokens_per_s_per_gpu"] == h100.best.estimate["decode_tokens_per_s_per_gpu"]
+
+
+def test_context_kernel_fix_keeps_the_profile_buildable(tmp_path, default_model_dir):
+    rec = C.recommend("l4", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=3.0, max_gpus=1))
+    awq = by_label(rec)["int4-awq/kv-fp8/tp1"]  # BF16-activation GEMMs + FP8 KV: builder turns paged FMHA off
+    assert awq.overrides["context_phase"] == {"use_paged_context_fmha": False, "enable_chunked_context": False}
+    assert awq.overrides["runtime"] == {"enable_kv_cache_reuse": False}
+    p = load_profile(str(C.write_profile(awq, tmp_path / "awq.yaml")))
+    assert evaluate(p, default_model_dir).ok
+
+
+def test_compare_all_shipped_and_on_another_gpu(default_model_dir, tmp_path):
+    names = shipped_profiles()
+    own = C.compare(names, default_model_dir, NOWHERE)
+    assert [c.label for c in own] == names and all(not c.refused for c in own)
+    on_a100 = {c.label: c for c in C.compare(names, default_model_dir, NOWHERE, gpu="a100")}
+    assert "format.gemm_sm" in rules_of(on_a100["fp8-h100@a100-80gb"])
+    assert "format.gemm_sm" in rules_of(on_a100["nvfp4-b200@a100-80gb"])
+    assert not on_a100["int4-awq-a100@a100-80gb"].refused
+    rows = {r["profile"]: r for r in C.table_rows(list(on_a100.values()))}
+    assert rows["fp8-h100@a100-80gb"]["runs"] is False and "format.gemm_sm" in rows["fp8-h100@a100-80gb"]["refused"]
+    paths = C.write_compare(list(on_a100.values()), tmp_path)
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(paths["json"].read_text())
+    assert {r["profile"] for r in data["rows"]} == set(on_a100)
+
+
+def _fake(label: str, tps: float, kl):
+    c = C.Candidate(label, "x", {})
+    c.estimate = {"decode_tokens_per_s_per_gpu": tps}
+    c.accuracy = C.Accuracy("prior", kl_p99=kl)
+    return c
+
+
+def test_pareto_frontier():
+    a, b, d, e = _fake("a", 100, 0.0), _fake("b", 200, 0.5), _fake("d", 150, 0.6), _fake("e", 300, None)
+    same = _fake("b2", 200, 0.5)
+    front = C.pareto([a, b, d, e, same])
+    assert [c.label for c in front] == ["a", "b", "b2"]  # d is beaten by b on both axes; e has no KL
+
+
+def test_compare_page_in_a_browser(default_model_dir, tmp_path):
+    from tests.gate.test_report_dom import CHROMIUM, CHROMIUM_ARGS
+
+    if not CHROMIUM.is_file():
+        pytest.skip(f"{CHROMIUM} is not installed")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    cands = C.compare(["fp8-h100", "bf16-h100", "nvfp4-b200", "int4-awq-a100"], default_model_dir, NOWHERE, gpu="h100")
+    html_path = C.write_compare(cands, tmp_path)["html"]
+    front = {c.label for c in C.pareto(cands)}
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            page = b.new_page()
+            page.goto(html_path.resolve().as_uri(), wait_until="load")
+            ok = page.evaluate("() => Promise.all(Array.from(document.images).map(i => i.decode().then(() => true, () => false)))")
+            facts = page.evaluate("""() => ({
+              rows: Array.from(document.querySelectorAll('table#compare tbody tr')).map(tr => ({
+                profile: tr.dataset.profile, frontier: tr.classList.contains('frontier'),
+                kl: tr.querySelector('td.kl_p99').textContent})),
+              refused: Array.from(document.querySelectorAll('ul#refused li')).map(li => li.textContent),
+              img: Array.from(document.images).map(i => [i.naturalWidth, i.naturalHeight])})""")
+        finally:
+            b.close()
+    assert ok == [True] and facts["img"] == [[750, 480]]
+    assert {r["profile"] for r in facts["rows"]} == {"fp8-h100@h100-sxm", "bf16-h100@h100-sxm", "int4-awq-a100@h100-sxm"}
+    assert {r["profile"] for r in facts["rows"] if r["frontier"]} == front
+    assert {r["profile"]: r["kl"] for r in facts["rows"]}["fp8-h100@h100-sxm"] == "0.424"
+    (refused,) = facts["refused"]
+    assert refused.startswith("nvfp4-b200@h100-sxm: format.gemm_sm")
