@@ -39,8 +39,9 @@ FORMAT = "precision-pipeline-engine-provenance"
 VERSION = 1
 IMAGE_ENV = "PRECISION_IMAGE"
 """Environment variable naming the container image a build runs in (the k8s Job sets it)."""
-OWN_FILES = (PROVENANCE_FILE, "trtllm-build.args.json", "ENGINE_ABSENT")
-"""Files of the engine folder that the pipeline writes (not hashed as engine files)."""
+OWN_FILES = (PROVENANCE_FILE, "trtllm-build.args.json", "ENGINE_ABSENT", "cpu_reference.json", "checkpoint")
+"""Top-level names in an engine folder that the pipeline writes, not trtllm-build (not hashed as engine
+files): ours, and what serving/pack.py adds next to the engine in an engine unit (CPU reference files)."""
 _RANK = re.compile(r"^rank(\d+)\.engine$")
 
 
@@ -50,7 +51,7 @@ def engine_files(engine_dir: Path) -> list[str]:
     out = []
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if p.is_file() and rel not in OWN_FILES:
+        if p.is_file() and rel.split("/", 1)[0] not in OWN_FILES:
             out.append(rel)
     return out
 
