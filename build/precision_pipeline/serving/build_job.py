@@ -46,7 +46,7 @@ def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namesp
     name = deploy.k8s_name(profile, prefix="engine-build-")
     labels = {"app.kubernetes.io/name": "engine-build", "app.kubernetes.io/instance": name,
               "app.kubernetes.io/part-of": deploy.LABEL_PREFIX, "app.kubernetes.io/managed-by": deploy.LABEL_PREFIX,
-              f"{deploy.LABEL_PREFIX}/profile": deploy._label_value(profile)}
+              f"{deploy.LABEL_PREFIX}/profile": profile[:63].rstrip("-._")}
     params = {
         "name": name, "namespace": namespace, "labels": labels,
         "annotations": {f"{deploy.LABEL_PREFIX}/profile": profile, f"{deploy.LABEL_PREFIX}/gpu": str(gpu.id),

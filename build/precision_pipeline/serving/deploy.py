@@ -222,14 +222,6 @@ def unit_world_size(model_repository: Path, unit: str) -> int:
     return len(ids) or 1
 
 
-def _unit_limits(model_repository: Path, unit: str) -> dict[str, int]:
-    """max_batch_size / max_beam_width a packed unit's config.pbtxt was rendered with."""
-    path = Path(model_repository) / unit / "config.pbtxt"
-    cfg = pack.parse_model_config(path.read_text(), str(path))
-    beam = pack.config_params(cfg).get("max_beam_width", "")
-    return {"max_batch_size": int(cfg.max_batch_size), **({"max_beam_width": int(beam)} if beam.isdigit() else {})}
-
-
 def _engine_version(model_repository: Path, unit: str) -> Optional[str]:
     cfg = read_json(Path(model_repository) / unit / "engine" / "config.json") or {}
     v = cfg.get("version")
@@ -491,11 +483,13 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
                             ", or set deployment.warm_fallback: false (every loaded engine must use the same GPUs)") + ".")
     for u in ss.units:
         eng = model_repository / u / "engine"
-        if (eng / "config.json").is_file():  # a built engine: refused unless it matches image, GPU and world size
+        # a built engine with provenance (every engine the pipeline packs has one): refused unless it matches
+        # image, GPU and world size; one without it (hand-made repository) keeps the version note below
+        if (eng / "config.json").is_file() and (eng / "provenance.json").is_file():
             from precision_pipeline.serving import skew
 
             notes += skew.check_engine(eng, image=image, sm=gpu.sm, world_size=world, where=f"{u}/engine",
-                                       limits=_unit_limits(model_repository, u))
+                                       limits=pack.unit_limits(model_repository, u))
     if ss.engine_present is False:
         notes.append(f"engine absent in {ss.unit}: the real tensorrtllm backend will fail to load it; build the engine on a GPU node and re-pack.")
     ev = _engine_version(model_repository, ss.unit)

@@ -344,6 +344,22 @@ def cross_check_plan(engine_config: dict, plan: ResolvedPlan) -> list[Problem]:
     return problems
 
 
+def unit_limits(repo_dir: Path, unit: str) -> dict[str, int]:
+    """max_batch_size / max_beam_width a packed unit's config.pbtxt was rendered with."""
+    path = Path(repo_dir) / unit / "config.pbtxt"
+    cfg = parse_model_config(path.read_text(), str(path))
+    beam = config_params(cfg).get("max_beam_width", "")
+    return {"max_batch_size": int(cfg.max_batch_size), **({"max_beam_width": int(beam)} if beam.isdigit() else {})}
+
+
+def unit_gpus(repo_dir: Path, unit: str) -> int:
+    """GPUs a packed unit runs on (the count of its ``gpu_device_ids``; 1 when empty)."""
+    path = Path(repo_dir) / unit / "config.pbtxt"
+    ids = [s for s in str(config_params(parse_model_config(path.read_text(), str(path))).get("gpu_device_ids", "")).split(",")
+           if s.strip()]
+    return len(ids) or 1
+
+
 def _truthy(v: Any) -> bool:
     return v is True or str(v).lower() in ("true", "1", "yes")
 

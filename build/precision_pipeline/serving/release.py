@@ -208,14 +208,14 @@ def check_unit_skew(engine_unit: Path, *, image: str | None = None, sm: int | No
     """Refuse (UserError, exit 2) a unit whose built engine does not match the serving image / GPU
     (``serving/skew.py``: provenance, SM, world size = the unit's gpu_device_ids, limits of its
     config.pbtxt, TensorRT-LLM/TensorRT of ``image``); [] for a unit without an engine. Returns warnings."""
-    from precision_pipeline.serving import deploy, skew
+    from precision_pipeline.serving import skew
 
     unit = resolve_unit_source(engine_unit)
     eng = unit / "engine"
     if not (eng / "config.json").is_file():
         return []
-    return skew.check_engine(eng, image=image, sm=sm, world_size=deploy.unit_world_size(unit.parent, unit.name),
-                             where=f"{unit.name}/engine", limits=deploy._unit_limits(unit.parent, unit.name))
+    return skew.check_engine(eng, image=image, sm=sm, world_size=pack.unit_gpus(unit.parent, unit.name),
+                             where=f"{unit.name}/engine", limits=pack.unit_limits(unit.parent, unit.name))
 
 
 def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None) -> str:
