@@ -240,3 +240,15 @@ def test_unchanged_engine_is_a_cached_no_op_through_the_runner(tmp_path, monkeyp
     f = out / "engine" / "rank0.engine"
     f.write_bytes(f.read_bytes()[:-1])
     assert runner.run(EngineStage(), PLAN, req, up).record.status == "skipped"
+
+
+def test_gate_only_build_is_the_served_argv_plus_context_logits(tmp_path):
+    from precision_pipeline.gate.engine_gate import gate_build_args
+
+    served = tb.build_args(PLAN, tmp_path / "ckpt", tmp_path / "engine")
+    gate = gate_build_args(served, tmp_path / "engine_gate" / "engine")
+    assert "--gather_context_logits" not in served
+    assert gate[gate.index("--output_dir") + 1] == str(tmp_path / "engine_gate" / "engine")
+    assert [a for a in gate if a != "--gather_context_logits"] == [
+        str(tmp_path / "engine_gate" / "engine") if a == str(tmp_path / "engine") else a for a in served]
+    assert gate_build_args(gate, tmp_path / "g").count("--gather_context_logits") == 1
