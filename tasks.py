@@ -134,16 +134,21 @@ def _print_build(result_or_stages) -> None:
     "no_wait": "when another build is writing the same --out, stop at once (exit 2) instead of waiting for it",
     "device": "where calibration, the per-layer search and the gate run: auto (CUDA when torch sees a GPU, else CPU), cpu, cuda",
     "reference_dtype": "the gate's reference: float32 (default; BF16 noise floor) or bfloat16 (when FP32 does not fit)",
+    "on": "k8s: render the Kubernetes Job that builds the engine in the serving image on the profile's GPU "
+          "(applied and followed with a kubectl context, else printed)",
 })
 @guarded
 def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None, image=None,
-          no_wait=False, device="auto", reference_dtype="float32"):
+          no_wait=False, device="auto", reference_dtype="float32", on=None):
     """Run the pipeline: resolve, quantize, gate, engine, pack, deploy (Kubernetes manifests)."""
     from rich.markup import escape as esc
 
     from precision_pipeline.pipeline import run_build
 
     con = _console()
+    if on is not None:
+        _build_on(con, on, profile, model, out, image)
+        return
     stages = []
 
     def on_stage(rec):
@@ -163,6 +168,27 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
         raise
     _print_build(res.stages)
     con.print(f"output: {res.out_dir}")
+
+
+def _build_on(con, on, profile, model, out, image) -> None:
+    """``build --on k8s``: the engine build Job for the profile (resolved, never quantized here)."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.pipeline import _model_dir, default_out_dir, load_build_profile
+    from precision_pipeline.resolve import plan as plan_mod
+    from precision_pipeline.serving import build_job, deploy
+
+    if on != "k8s":
+        raise UserError("--on", f"{str(on)[:40]!r} is not a place to build.", "use --on k8s (or leave --on out to build here).")
+    prof = load_build_profile(profile)
+    plan = plan_mod.resolve(prof, _model_dir(model), for_build=True)
+    out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
+    text = build_job.render_job(plan, out_dir, image or deploy.DEFAULT_IMAGE)
+    rc = build_job.apply_and_follow(text)
+    if rc is None:
+        print(text, end="")
+        return
+    if rc:
+        raise Exit(code=5)
 
 
 @task(help={"profile": "profile name or YAML path", "all": "check every shipped profile",
@@ -326,6 +352,21 @@ def serve(c, profile=None, repo=None, http_port=None, grpc_port=None, metrics_po
                metrics_port=_int_arg("--metrics-port", metrics_port, 1, 65535) or 8002)
 
 
+def _serving_side(prof, out_dir) -> dict:
+    """The serving image (the build's rendered Deployment) and the deployment GPU's SM, for the skew checks."""
+    import yaml
+
+    from precision_pipeline.spec.hardware import resolve_gpu
+
+    image = None
+    dep = Path(out_dir) / "k8s" / "triton-deployment.yaml"
+    if dep.is_file():
+        doc = yaml.safe_load(dep.read_text()) or {}
+        cs = (((doc.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or [{}]
+        image = cs[0].get("image")
+    return {"image": image, "sm": resolve_gpu(prof.target.gpu).sm}
+
+
 @task(help={"profile": "the built profile to promote", "repo": "serving repository (default artifacts/serving/model_repository)",
             "url": "HOST:PORT of the running server's HTTP endpoint (load + smoke test before the switch)",
             "out": "the build's output directory (default artifacts/<profile>)"})
@@ -338,6 +379,7 @@ def promote(c, profile, repo=None, url=None, out=None):
     prof, out_dir, packed, gate = _built_repo(profile, out)
     repo_dir = _serving_repo(repo)
     con = _console()
+    skew = _serving_side(prof, out_dir)
     if release.read_state(repo_dir) is None:
         fb_repo = None
         if prof.deployment.fallback:
@@ -348,11 +390,13 @@ def promote(c, profile, repo=None, url=None, out=None):
                           f"run `invoke build --profile {prof.deployment.fallback}` to keep it on disk.")
         state = release.init_serving_repo(repo_dir, packed, profile=prof.name, gate=gate, by="invoke promote",
                                           fallback_repo=fb_repo, warm_fallback=prof.deployment.warm_fallback,
-                                          keep_releases=prof.deployment.keep_releases)
+                                          keep_releases=prof.deployment.keep_releases, **skew)
         con.print(f"created {repo_dir}: current {state['current']}, fallback {state['fallback']}")
         return
     server = TritonServer.attach(url) if url else None
-    t = release.promote(repo_dir, packed, server=server, profile=prof.name, gate=gate, promoted_by="invoke promote")
+    t = release.promote(repo_dir, packed, server=server, profile=prof.name, gate=gate, promoted_by="invoke promote", **skew)
+    for w in t.get("warnings") or []:
+        con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
     con.print(f"promoted {t['unit']} in {t.get('total_ms', 0):.0f} ms" + ("" if server else " (no server given: repository only)"))
 
 

@@ -246,6 +246,18 @@ def _check_dataset_tokens(req: BuildRequest, plan) -> None:
     build_calibration_set(cal, load_tokenizer(req.model_dir))
 
 
+def _preflight_build_node(plan, strict: bool) -> None:
+    """On a build node (a toolchain is there), the engine preflight before quantize: refusals cost no GPU time."""
+    from precision_pipeline.engine.preflight import plan_need_bytes, preflight
+    from precision_pipeline.engine.toolchain import detect_toolchain
+    from precision_pipeline.engine.trtllm_build import build_args
+
+    tc = detect_toolchain()
+    if tc.present() and plan.gpu is not None:
+        preflight(tc, sm=plan.gpu.sm, gpu_name=plan.gpu.name, need_bytes=plan_need_bytes(plan),
+                  argv=build_args(plan, Path("checkpoint"), Path("engine")), strict=strict)
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -275,6 +287,7 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
     resolved = execute(resolve, None, req, {})  # refuses bad input before anything is written
     plan = resolved.artifact.plan
     _check_dataset_tokens(req, plan)
+    _preflight_build_node(plan, req.strict)
     out_dir = req.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)  # the first write: every input was checked above
     with locked(out_dir / LOCK_FILE, timeout_s=None if wait else 0, what=f"build of {req.profile.name}", field="--out",
@@ -288,6 +301,11 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
                                  model_dir=str(req.model_dir), out_dir=str(out_dir))
         runner = StageRunner(out_dir, manifest, on_stage)
         done: dict[str, Done] = {resolve.name: runner.record(resolved)}
+        # the plan's typed record, for the engine build Job (engine/job.py); resolve itself always runs
+        from precision_pipeline.core.stage import RECORDS_DIR
+
+        atomic_write_json(out_dir / RECORDS_DIR / f"{resolve.name}.json",
+                          {"stage": resolve.name, "key": resolved.key, "artifact": resolved.artifact.model_dump(mode="json")})
         layers = None
 
         def write_plan() -> None:  # the plan goes with the stages it describes (plan.json shows the checkpoint)

@@ -2,7 +2,7 @@
 
 Fast tests check keys directly; the slow ones run ``run_build`` on a reused FP8 test checkpoint
 with one golden prompt per category, and once with a stand-in ``trtllm-build`` (a test double:
-it records its argv and writes a minimal engine folder) found by the engine stage's own probe.
+tests/engine/doubles.py: it records its argv and writes a minimal engine folder) found by the engine stage's own probe.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import stat
 from pathlib import Path
 
 import pytest
@@ -182,26 +181,6 @@ def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default
     assert json.loads((out / "plan.json").read_text())["layers"]["linears"]
 
 
-FAKE_TRTLLM_BUILD = r'''#!/usr/bin/env python3
-"""Test double for trtllm-build: records argv, writes a minimal engine folder."""
-import json, os, sys
-argv = sys.argv[1:]
-with open(os.environ["FAKE_TRTLLM_LOG"], "a") as f:
-    f.write(json.dumps(argv) + "\n")
-a = {argv[i]: argv[i + 1] for i in range(0, len(argv) - 1) if argv[i].startswith("--") and not argv[i + 1].startswith("--")}
-out = a["--output_dir"]
-os.makedirs(out, exist_ok=True)
-bc = {k: int(a["--" + k]) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_beam_width")}
-bc["kv_cache_type"] = a["--kv_cache_type"].upper()
-bc["plugin_config"] = {"use_paged_context_fmha": a["--use_paged_context_fmha"] == "enable", "paged_kv_cache": True}
-cfg = {"version": "1.2.0", "build_config": bc,
-       "pretrained_config": {"architecture": "LlamaForCausalLM", "logits_dtype": a["--logits_dtype"],
-                             "mapping": {"world_size": int(a["--workers"]), "tp_size": int(a["--workers"]), "pp_size": 1}}}
-open(os.path.join(out, "config.json"), "w").write(json.dumps(cfg))
-open(os.path.join(out, "rank0.engine"), "wb").write(b"stand-in, not an engine")
-'''
-
-
 @pytest.mark.slow
 def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
     """With a toolchain the engine stage's probe accepts (fake tensorrt_llm package, nvidia-smi
@@ -209,18 +188,9 @@ def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
     when a limit changes."""
     from precision_pipeline.pipeline import run_build
 
-    bin_dir, lib_dir = tmp_path / "bin", tmp_path / "lib"
-    (lib_dir / "tensorrt_llm").mkdir(parents=True)
-    (lib_dir / "tensorrt_llm" / "__init__.py").write_text("# stand-in for the probe's find_spec only\n")
-    bin_dir.mkdir()
-    (bin_dir / "trtllm-build").write_text(FAKE_TRTLLM_BUILD)
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 9.0\n")
-    for p in bin_dir.iterdir():
-        p.chmod(p.stat().st_mode | stat.S_IXUSR)
-    log = tmp_path / "trtllm-build.calls"
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(log))
-    monkeypatch.syspath_prepend(str(lib_dir))
+    from tests.engine import doubles
+
+    log = doubles.install(tmp_path, monkeypatch)["calls"]  # the stand-in trtllm-build, nvidia-smi (one H100), tensorrt_llm 1.2.1
 
     prof = tmp_path / "loose.yaml"
     out = tmp_path / "out"

@@ -1,8 +1,9 @@
 """Errors the pipeline raises on purpose, and the exit code each maps to.
 
 Exit codes (every task): 0 success; 2 invalid input or a refused check (raised before any
-heavy work); 3 accuracy gate failed; 4 a stage was skipped under ``--strict``; 1 unexpected
-internal error (the only case that prints a traceback).
+heavy work); 3 accuracy gate failed; 4 a stage was skipped under ``--strict``; 5 ``trtllm-build``
+failed or timed out (the previous engine is intact); 1 unexpected internal error (the only case
+that prints a traceback).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ EXIT_INTERNAL = 1
 EXIT_INVALID = 2
 EXIT_GATE_FAILED = 3
 EXIT_STRICT_SKIP = 4
+EXIT_ENGINE_BUILD_FAILED = 5
 
 
 class PipelineError(Exception):
@@ -72,6 +74,12 @@ class StrictSkip(PipelineError):
     exit_code = EXIT_STRICT_SKIP
 
 
+class EngineBuildFailed(PipelineError):
+    """``trtllm-build`` exited non-zero or ran past its time limit (exit 5); the previous engine is intact."""
+
+    exit_code = EXIT_ENGINE_BUILD_FAILED
+
+
 def closest(word: str, choices: Iterable[str]) -> str | None:
     """The closest known spelling of ``word`` among ``choices`` (difflib ratio >= 0.6), or None."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
@@ -79,6 +87,6 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 
 __all__ = [
-    "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_GATE_FAILED", "EXIT_STRICT_SKIP",
-    "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "closest",
+    "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_GATE_FAILED", "EXIT_STRICT_SKIP", "EXIT_ENGINE_BUILD_FAILED",
+    "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "EngineBuildFailed", "closest",
 ]

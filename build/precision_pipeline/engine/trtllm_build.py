@@ -20,14 +20,21 @@ sections 1-3 (``commands/build.py``, ``plugin/plugin.py``, ``builder.py``):
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
+from precision_pipeline.core.errors import EngineBuildFailed, UserError
+from precision_pipeline.core.progress import fmt_duration
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
+from precision_pipeline.engine.preflight import preflight
+from precision_pipeline.engine.provenance import verify_engine_dir, write_provenance
 from precision_pipeline.engine.toolchain import Toolchain, detect_toolchain
 from precision_pipeline.resolve.plan import Effective, Limits, Mapping
 
@@ -100,35 +107,174 @@ def per_phase_summary(plan: EnginePlan) -> dict[str, Any]:
 
 @dataclass
 class EngineResult:
-    """Outcome of the engine stage: ``status`` is done / skipped / failed."""
+    """Outcome of the engine stage: ``status`` is done / skipped / failed; ``warnings`` from preflight."""
 
     status: str
     reason: str
     argv: list[str]
     seconds: float
     engine_dir: Path
+    warnings: list[str] = field(default_factory=list)
+
+
+TIMEOUT_ENV = "PRECISION_ENGINE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 4 * 3600
+"""Wall-clock limit of one ``trtllm-build`` run (environment ``PRECISION_ENGINE_TIMEOUT_S`` overrides)."""
+LOG_NAME = "trtllm-build.log"
+LOG_DIR = "logs"
+"""The build log is ``<out>/logs/trtllm-build.log`` (beside the engine folder, so it survives a failed build)."""
+PROGRESS_EVERY_S = 10.0
+
+PHASES: tuple[tuple[str, re.Pattern], ...] = (
+    # (phase, pattern on a log line); the last matching line wins. Heuristic: trtllm-build 1.2 logs
+    # through tensorrt_llm.logger ("[TRT-LLM] [I] ...") and TensorRT's logger ("[TRT] [I] ...").
+    ("loading checkpoint", re.compile(r"(?i)load(ing)?\b.*(checkpoint|weights)")),
+    ("building network", re.compile(r"(?i)(build(ing)? (the )?(tensorrt )?(engine|network)|set (dtype|plugin))")),
+    ("optimizing (TensorRT tactics)", re.compile(r"(?i)(tactic|timing cache|\[TRT\].*(optimi[sz]|layer))")),
+    ("serializing engine", re.compile(r"(?i)serializ")),
+    ("done", re.compile(r"(?i)(total time of building|engine generation completed|build.*finished)")),
+)
+MEANINGFUL = re.compile(r"(?i)(error|exception|traceback|failed|assert|out of memory|killed|\[E\])")
+
+
+def phase_of(lines: list[str], current: str = "starting") -> str:
+    """The build phase the newest matching log line says (``current`` when none matches)."""
+    for line in lines:
+        for name, pat in PHASES:
+            if pat.search(line):
+                current = name
+    return current
+
+
+def meaningful_tail(text: str, n: int = 12) -> list[str]:
+    """The last ``n`` log lines worth showing: error lines (and what follows the last one) first choice,
+    else the last non-empty lines; progress-bar and blank lines dropped."""
+    lines = [ln.rstrip() for ln in text.replace("\r", "\n").splitlines() if ln.strip() and not set(ln.strip()) <= set("=-#.|")]
+    hits = [i for i, ln in enumerate(lines) if MEANINGFUL.search(ln)]
+    if hits:
+        first = max(0, hits[-1] - n + 1) if len(lines) - hits[-1] < n else hits[-1]
+        lines = lines[first:]
+    return lines[-n:]
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return float(DEFAULT_TIMEOUT_S)
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        raise UserError(TIMEOUT_ENV, f"{raw[:40]!r} is not a positive number of seconds.", f"e.g. {TIMEOUT_ENV}=14400, or unset it.")
+    return v
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_trtllm_build(program: str, argv: list[str], log_path: Path, *, timeout_s: float,
+                     on_progress: Callable[[str], None] = _say, every_s: float = PROGRESS_EVERY_S) -> float:
+    """Run ``program argv`` with its output in ``log_path``; a progress line (elapsed, phase) every ``every_s``.
+
+    Returns the seconds it took. Raises ``EngineBuildFailed`` (exit 5) on a non-zero exit or after
+    ``timeout_s`` (the whole process group is killed), with the log's last meaningful lines and its path.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    phase, last = "starting", t0
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([program, *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            with open(log_path, "rb") as reader:
+                while True:
+                    try:
+                        rc = proc.wait(timeout=min(1.0, every_s))
+                    except subprocess.TimeoutExpired:
+                        rc = None
+                    new = reader.read().decode("utf-8", "replace").splitlines()
+                    phase = phase_of(new, phase)
+                    now = time.monotonic()
+                    if rc is not None:
+                        break
+                    if now - t0 > timeout_s:
+                        _kill_group(proc)
+                        raise _failure(f"trtllm-build ran past its time limit of {fmt_duration(timeout_s)} "
+                                       f"(phase: {phase}) and was stopped", log_path)
+                    if now - last >= every_s:
+                        last = now
+                        on_progress(f"[engine] trtllm-build: {phase} ({fmt_duration(now - t0)})")
+        except BaseException:
+            if proc.poll() is None:
+                _kill_group(proc)
+            raise
+    if rc != 0:
+        raise _failure(f"trtllm-build exited with status {rc} after {fmt_duration(time.monotonic() - t0)} (phase: {phase})",
+                       log_path)
+    return time.monotonic() - t0
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _failure(what: str, log_path: Path) -> EngineBuildFailed:
+    try:
+        tail = meaningful_tail(log_path.read_text(errors="replace"))
+    except OSError:
+        tail = []
+    body = "\n".join(f"    {ln[:300]}" for ln in tail) or "    (the log is empty)"
+    return EngineBuildFailed(f"{what}; the previous engine (if any) is intact.\n  last log lines:\n{body}\n"
+                             f"  full log: {log_path}")
 
 
 def run_engine(plan: EnginePlan, checkpoint_dir: Path, engine_dir: Path, sm: int, toolchain: Toolchain | None = None,
-               workdir: Path | None = None) -> EngineResult:
+               workdir: Path | None = None, *, checkpoint_key: str = "", gpu_name: str = "", need_bytes: int = 0,
+               strict: bool = False, on_progress: Callable[[str], None] = _say) -> EngineResult:
     """Write ``engine/trtllm-build.args.json``; run ``trtllm-build`` when possible.
 
     ``sm``: the target GPU's compute capability (e.g. 90). The args file holds ``argv``, the shell
     ``command`` and the per-phase summary, with ``engine_dir`` as the output folder. When the
-    build cannot run here (see ``Toolchain.reason_not_buildable``) the stage is ``skipped`` and
-    ``engine_dir`` holds only the args file and ``ENGINE_ABSENT`` with the reason. ``workdir``:
-    write there instead (the stage runner renames it onto ``engine_dir``); without it the
-    folder is replaced atomically here. A failed ``trtllm-build`` raises RuntimeError and leaves
-    the previous engine directory untouched.
+    build cannot run here (see ``Toolchain.reason_not_buildable``; no tensorrt_llm, no trtllm-build,
+    no GPU) the stage is ``skipped`` and ``engine_dir`` holds only the args file and
+    ``ENGINE_ABSENT`` with the reason. On a build node, ``preflight.preflight`` runs first
+    (``gpu_name``, ``need_bytes``: the plan's GPU and per-GPU bytes; ``strict``: refuse unknown
+    flags); a refusal is a UserError (exit 2). Then ``trtllm-build`` runs with its log in
+    ``<engine_dir>/../logs/trtllm-build.log``, a progress line every few seconds and the limit
+    ``PRECISION_ENGINE_TIMEOUT_S``; a failure or time-out raises ``EngineBuildFailed`` (exit 5). After
+    a successful build ``provenance.json`` is written (``engine/provenance.py``; ``checkpoint_key``:
+    the quantize stage's key). ``workdir``: write there instead (the stage runner renames it onto
+    ``engine_dir``); without it the folder is replaced atomically here. On any error the previous
+    engine directory is left untouched.
     """
     toolchain = toolchain or detect_toolchain()
     if workdir is None:
         with atomic_dir(engine_dir) as tmp:
-            return run_engine(plan, checkpoint_dir, engine_dir, sm, toolchain, workdir=tmp)
+            return run_engine(plan, checkpoint_dir, engine_dir, sm, toolchain, workdir=tmp, checkpoint_key=checkpoint_key,
+                              gpu_name=gpu_name, need_bytes=need_bytes, strict=strict, on_progress=on_progress)
     t0 = time.perf_counter()
     engine_dir, tmp = Path(engine_dir), Path(workdir)
-    reason = toolchain.reason_not_buildable(int(sm))
     final_argv = build_args(plan, Path(checkpoint_dir).resolve(), engine_dir.resolve())
+    warnings: list[str] = []
+    pre = None
+    if toolchain.present():
+        pre = preflight(toolchain, sm=int(sm), gpu_name=gpu_name or f"SM {sm}", need_bytes=need_bytes, argv=final_argv,
+                        strict=strict)
+        warnings = pre.warnings
+    reason = toolchain.reason_not_buildable(int(sm))
     record = {
         "program": "trtllm-build",
         "requires": TRTLLM_PIN,
@@ -138,18 +284,32 @@ def run_engine(plan: EnginePlan, checkpoint_dir: Path, engine_dir: Path, sm: int
         "status": "skipped" if reason else "run",
         "reason": reason,
     }
+    if warnings:
+        record["warnings"] = warnings
     if reason is None:
         argv = build_args(plan, Path(checkpoint_dir).resolve(), tmp.resolve())
-        proc = subprocess.run([toolchain.trtllm_build or "trtllm-build", *argv], capture_output=True, text=True)
-        (tmp / "trtllm-build.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise RuntimeError(f"trtllm-build exited with {proc.returncode}; see the log:\n{proc.stderr[-2000:]}")
+        program = toolchain.trtllm_build or "trtllm-build"
+        log_path = engine_dir.parent / LOG_DIR / LOG_NAME
+        for w in warnings:
+            on_progress(f"[engine] warning: {w}")
+        seconds = run_trtllm_build(program, argv, log_path, timeout_s=_timeout_s(), on_progress=on_progress)
+        help_ = pre.help if pre is not None else None
+        write_provenance(tmp, toolchain=toolchain, sm=int(sm), world_size=int(plan.mapping.world_size),
+                         checkpoint_key=checkpoint_key, argv=["trtllm-build", *argv],
+                         help_sha256=help_.sha256 if help_ else "", help_size=help_.size if help_ else 0,
+                         log=str(log_path), seconds=seconds)
+        try:
+            verify_engine_dir(tmp)  # the rank files trtllm-build wrote are the ones the mapping needs
+        except UserError as e:
+            raise EngineBuildFailed(f"trtllm-build returned 0 but its output is not a complete engine: {e.message}; "
+                                    f"the previous engine (if any) is intact. Log: {log_path}")
     else:
         (tmp / "ENGINE_ABSENT").write_text(f"No engine was built: {reason}.\n")
     atomic_write_json(tmp / ARGS_FILE, record)
     return EngineResult("done" if reason is None else "skipped", reason or "", record["argv"],
-                        time.perf_counter() - t0, engine_dir)
+                        time.perf_counter() - t0, engine_dir, warnings)
 
 
 __all__ = ["ARGS_FILE", "TRTLLM_PIN", "EnginePlan", "build_args", "per_phase_summary", "EngineResult", "run_engine",
+           "run_trtllm_build", "phase_of", "meaningful_tail", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "LOG_DIR", "LOG_NAME",
            "Toolchain", "detect_toolchain"]

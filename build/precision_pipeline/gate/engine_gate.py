@@ -30,6 +30,23 @@ and writes ``metrics.json`` with ``"status": "skipped"``; with ``strict=True`` i
 ``StrictSkip`` (exit 4). Not run in this repository's CI (no GPU); the golden-set plumbing and the
 metric code it calls are the tested ``gate.py`` ones.
 
+How the engine gate gets context logits (decision). Shipped profiles do not gather them: with
+``--gather_context_logits`` the engine keeps a ``[max_num_tokens, vocab]`` logits buffer (for the
+default model at FP32: 8192 x 49152 x 4 B = 1.5 GiB per GPU, reserved by the memory plan, see
+``resolve/rules.activation_bytes``) for every request in production. So the engine gate uses a
+**second, gate-only build of the same checkpoint** (``gate_build_args``: the served argv plus
+``--gather_context_logits`` and its own ``--output_dir``, ``<out>/engine_gate/engine``), built by the
+same toolchain on the same node right after the served engine and never packed. Everything that
+decides the numbers (GEMM format, KV format, context/generation attention plugins, limits) is the
+same argv, so the kernels scored are the served kernels; the one difference is the logits output
+copy. Cost: a second ``trtllm-build`` (about the served build's time; minutes for 8B models) and
+its disk, on the build node only. Rejected: generation log-probs (``output_log_probs``) give only
+the sampled token's probability, not the full distribution the KL / top-1 metrics need; gathering
+in the served engine costs the buffer above in production. A profile with
+``build.gather_context_logits: true`` is gated on its served engine directly. Status: the gate-only
+argv and this runner exist; the build does not yet run it (it reports the engine gate "skipped"
+until a GPU node can exercise it).
+
 CLI: ``python -m precision_pipeline.gate.engine_gate --engine-dir E --model-dir M --profile fp8-h100 --out-dir D``.
 """
 
@@ -163,6 +180,24 @@ class EngineCandidate:
                 toks = toks[: toks.index(stop_id) + 1]
             res.append(toks)
         return res
+
+
+GATE_ENGINE_DIR = "engine_gate/engine"
+"""Where the gate-only engine is built, relative to the build output (never packed)."""
+
+
+def gate_build_args(served_argv: list[str], gate_engine_dir: Path) -> list[str]:
+    """The argv of the gate-only build: ``served_argv`` (trtllm-build's, without the program) with its
+    ``--output_dir`` replaced by ``gate_engine_dir`` and ``--gather_context_logits`` added (once)."""
+    argv = list(served_argv)
+    if "--output_dir" in argv:
+        i = argv.index("--output_dir")
+        argv[i + 1] = str(gate_engine_dir)
+    else:
+        argv += ["--output_dir", str(gate_engine_dir)]
+    if "--gather_context_logits" not in argv:
+        argv.append("--gather_context_logits")
+    return argv
 
 
 def run_engine_gate(engine_dir: Path, reference_model_dir: Path, thresholds: GateThresholds, out_dir: Path,

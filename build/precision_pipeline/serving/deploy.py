@@ -481,6 +481,15 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
                             f"the {role} {u} in {model_repository} runs on {uw} GPU(s) but the plan needs {world} (tp {tp} x pp {pp}).",
                             "pack/promote an engine built from this plan" + ("" if u == ss.unit else
                             ", or set deployment.warm_fallback: false (every loaded engine must use the same GPUs)") + ".")
+    for u in ss.units:
+        eng = model_repository / u / "engine"
+        # a built engine with provenance (every engine the pipeline packs has one): refused unless it matches
+        # image, GPU and world size; one without it (hand-made repository) keeps the version note below
+        if (eng / "config.json").is_file() and (eng / "provenance.json").is_file():
+            from precision_pipeline.serving import skew
+
+            notes += skew.check_engine(eng, image=image, sm=gpu.sm, world_size=world, where=f"{u}/engine",
+                                       limits=pack.unit_limits(model_repository, u))
     if ss.engine_present is False:
         notes.append(f"engine absent in {ss.unit}: the real tensorrtllm backend will fail to load it; build the engine on a GPU node and re-pack.")
     ev = _engine_version(model_repository, ss.unit)

@@ -344,6 +344,22 @@ def cross_check_plan(engine_config: dict, plan: ResolvedPlan) -> list[Problem]:
     return problems
 
 
+def unit_limits(repo_dir: Path, unit: str) -> dict[str, int]:
+    """max_batch_size / max_beam_width a packed unit's config.pbtxt was rendered with."""
+    path = Path(repo_dir) / unit / "config.pbtxt"
+    cfg = parse_model_config(path.read_text(), str(path))
+    beam = config_params(cfg).get("max_beam_width", "")
+    return {"max_batch_size": int(cfg.max_batch_size), **({"max_beam_width": int(beam)} if beam.isdigit() else {})}
+
+
+def unit_gpus(repo_dir: Path, unit: str) -> int:
+    """GPUs a packed unit runs on (the count of its ``gpu_device_ids``; 1 when empty)."""
+    path = Path(repo_dir) / unit / "config.pbtxt"
+    ids = [s for s in str(config_params(parse_model_config(path.read_text(), str(path))).get("gpu_device_ids", "")).split(",")
+           if s.strip()]
+    return len(ids) or 1
+
+
 def _truthy(v: Any) -> bool:
     return v is True or str(v).lower() in ("true", "1", "yes")
 
@@ -426,11 +442,13 @@ def copy_python_models(dst_repo: Path) -> None:
 
 
 def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir: Path, engine_dir: Path, engine_built: bool,
-                    out_dir: Path, repo_root: str, *, workdir: Path | None = None) -> PackResult:
+                    out_dir: Path, repo_root: str, *, workdir: Path | None = None, image: str | None = None) -> PackResult:
     """Render the model repository for this build into ``out_dir`` (atomic replace).
 
     ``repo_root``: where the build output (``out_dir``'s parent) will be inside the serving container.
-    When the engine was built, its config.json is cross-checked against the rendered parameters.
+    When the engine was built, its config.json is cross-checked against the rendered parameters and
+    ``serving/skew.py`` refuses it unless its provenance verifies and its SM, world size, limits and
+    (with ``image``, the serving image) TensorRT-LLM / TensorRT versions match; its warnings go to the notes.
     ``workdir``: write the repository there instead (the stage runner renames it onto ``out_dir``).
     """
     model_dir, checkpoint_dir, engine_dir, out_dir = Path(model_dir), Path(checkpoint_dir), Path(engine_dir), Path(out_dir)
@@ -449,6 +467,11 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
         missing = [f"rank{i}.engine" for i in range(world) if not (engine_dir / f"rank{i}.engine").is_file()]
         if missing:
             raise UserError("engine", f"{engine_dir} lacks {', '.join(missing)}.", "rebuild the engine.")
+        from precision_pipeline.serving import skew
+
+        notes += skew.check_engine(engine_dir, image=image, sm=plan.gpu.sm if plan.gpu else None, world_size=world,
+                                   limits={"max_batch_size": plan.limits.max_batch_size, "max_seq_len": plan.limits.max_seq_len,
+                                           "max_beam_width": plan.limits.max_beam_width})
     else:
         notes.append("engine absent: configs are rendered, gpt_model_path names where the engine must be placed; "
                      "only the CPU reference backend can serve this repository.")

@@ -27,6 +27,8 @@ class PackInputs(Frozen):
     repo_root: str
     repo_dir: str
     templates: Fingerprint
+    image: str = ""
+    """The serving image (``--image``): an engine is checked against the versions it ships (serving/skew.py)."""
 
 
 class RepositoryArtifact(Artifact):
@@ -57,14 +59,15 @@ class PackStage(Stage[PackInputs, RepositoryArtifact]):
         return PackInputs(plan=plan, model=model_fingerprint(request.model_dir),
                           checkpoint=Fingerprint(sha256=q.key, path=q.dir), engine=Fingerprint(sha256=e.key, path=e.dir),
                           engine_built=bool(e.artifact.built), repo_root=request.repo_root,
-                          repo_dir=str(Path(request.out_dir) / self.output), templates=fingerprint(REPO_ROOT / "triton_repo"))
+                          repo_dir=str(Path(request.out_dir) / self.output), templates=fingerprint(REPO_ROOT / "triton_repo"),
+                          image=str(getattr(request, "image", "") or ""))
 
     def run(self, inputs: PackInputs, workdir: Path) -> RepositoryArtifact:
         from precision_pipeline.serving import pack
 
         res = pack.pack_repository(inputs.plan, inputs.plan.profile, inputs.model.path, inputs.checkpoint.path,
                                    inputs.engine.path, inputs.engine_built, Path(inputs.repo_dir), inputs.repo_root,
-                                   workdir=workdir)
+                                   workdir=workdir, image=inputs.image or None)
         return RepositoryArtifact(models=tuple(res.models), engine_present=bool(inputs.engine_built),
                                   engine_unit=res.engine_unit, engine_hash=res.engine_hash)
 

@@ -1,0 +1,73 @@
+"""The engine stage alone, for the Kubernetes build Job: ``python3 -m precision_pipeline.engine.job --out OUT [--strict]``.
+
+Reads the build output that ``invoke build`` wrote on the CPU side (``.stages/resolve.json``: the
+resolved plan; ``.stages/quantize.json`` and ``.stages/gate.json``: the checkpoint and its verdict),
+refuses (exit 2) unless the gate passed, and runs ``EngineStage`` through the ``StageRunner`` (cached
+when unchanged; preflight, provenance, failure handling as in engine/trtllm_build.py). It never
+quantizes. Exit codes as everywhere: 0, 2 refused, 4 skipped under ``--strict``, 5 trtllm-build failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from precision_pipeline.core.errors import PipelineError, StrictSkip, UserError
+from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRecord, StageRunner
+
+
+def _record(out: Path, name: str) -> dict:
+    p = out / RECORDS_DIR / f"{name}.json"
+    try:
+        rec = json.loads(p.read_text())
+    except (OSError, ValueError):
+        raise UserError("--out", f"{p} is missing or unreadable: {out} holds no gated build.",
+                        "run `invoke build --profile P --out OUT` on the CPU side first (quantize + gate), then the Job.")
+    return rec
+
+
+def run_engine_job(out: Path, strict: bool = False) -> Done:
+    """Run the engine stage for build output ``out`` (see the module docstring)."""
+    from precision_pipeline.engine.stage import EngineStage
+    from precision_pipeline.resolve.stage import PlanArtifact
+
+    out = Path(out).resolve()
+    plan = PlanArtifact.model_validate(_record(out, "resolve")["artifact"]).plan
+    q, g = _record(out, "quantize"), _record(out, "gate")
+    if g.get("artifact", {}).get("status") != "done" or not g.get("artifact", {}).get("passed"):
+        raise UserError("gate", f"the checkpoint in {out} did not pass its accuracy gate; no engine is built from it.",
+                        "fix the profile and rebuild on the CPU side.")
+    up = {"quantize": Done(artifact=None, key=q["key"], dir=out / "checkpoint", record=StageRecord("quantize", "cached")),
+          "gate": Done(artifact=None, key=g["key"], dir=out / "gate", record=StageRecord("gate", "cached"))}
+    old = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").is_file() else {}
+    manifest = Manifest.open(out / "manifest.json", profile=plan.profile.name, profile_source=old.get("profile_source", ""),
+                             model_dir=old.get("model_dir", ""), out_dir=str(out))
+    d = StageRunner(out, manifest).run(EngineStage(), plan, SimpleNamespace(out_dir=out, strict=strict), up)
+    if strict and d.record.status == "skipped":
+        raise StrictSkip(f"--strict: engine skipped ({d.record.reason})")
+    return d
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m precision_pipeline.engine.job", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--strict", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        d = run_engine_job(a.out, a.strict)
+    except UserError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return e.exit_code
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"engine: {d.record.status}" + (f" ({d.record.reason})" if d.record.reason else ""))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

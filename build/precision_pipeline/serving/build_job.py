@@ -1,0 +1,93 @@
+"""``invoke build --profile P --on k8s``: a Kubernetes Job that builds the engine where it will be served.
+
+The Job (template ``k8s/jobs/engine-build-job.yaml``) runs in the *serving image* (``--image``,
+default ``deploy.DEFAULT_IMAGE``), so the TensorRT-LLM / TensorRT that build the engine are the ones
+that load it; ``nodeSelector`` ``nvidia.com/gpu.product`` = the profile GPU's GFD label
+(``deploy.gpu_product_label``), ``nvidia.com/gpu`` = tp x pp (``trtllm-build --workers`` = world size:
+one build process per rank, capped by the visible GPUs; tensorrt_llm/commands/build.py), and the
+artifacts PVC mounted read-write at the build output's own absolute path, so the engine stage's key
+(which holds that path) is the same on both sides and the CPU side's next ``invoke build`` packs the
+Job's engine as a cache hit (engine/stage.py ``built_elsewhere``). It runs
+``python3 -m precision_pipeline.engine.job --out OUT [--strict]``: the engine stage alone from the
+recorded, gated checkpoint (it refuses a checkpoint whose gate did not pass, and never quantizes),
+with ``PYTHONPATH`` at the pipeline source on the same volume (``<out>/.precision-pipeline/build``,
+copied there by the operator; the serving image has no copy of this project). Multi-GPU engines need
+no MPI for the build: ``trtllm-build`` spawns its workers itself; MPI (``mpirun -n N``) is what the
+engine *gate* and serving use (gate/engine_gate.py, serving/deploy.py).
+
+The manifest is validated like the deploy stage's (``deploy.validate_manifest``: kubernetes-validate's
+strict schemas for ``deploy.K8S_VERSION`` plus the API-server rules).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from precision_pipeline.core.paths import REPO_ROOT
+from precision_pipeline.engine.provenance import IMAGE_ENV
+from precision_pipeline.serving import deploy
+
+TEMPLATE = REPO_ROOT / "k8s" / "jobs" / "engine-build-job.yaml"
+SOURCE_SUBDIR = ".precision-pipeline/build"
+DEADLINE_S = 6 * 3600
+
+
+def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namespace: str = "default",
+               pvc_name: str = deploy.DEFAULT_PVC, strict: bool = True, k8s_version: str = deploy.K8S_VERSION) -> str:
+    """The validated Job manifest (YAML text) that runs the engine stage of ``plan`` for build output ``out_dir``."""
+    deploy.check_image(image, "--image")
+    out = str(Path(out_dir).resolve())
+    gpu = plan.gpu
+    world = int(plan.mapping.world_size)
+    profile = plan.profile.name
+    name = deploy.k8s_name(profile, prefix="engine-build-")
+    labels = {"app.kubernetes.io/name": "engine-build", "app.kubernetes.io/instance": name,
+              "app.kubernetes.io/part-of": deploy.LABEL_PREFIX, "app.kubernetes.io/managed-by": deploy.LABEL_PREFIX,
+              f"{deploy.LABEL_PREFIX}/profile": profile[:63].rstrip("-._")}
+    params = {
+        "name": name, "namespace": namespace, "labels": labels,
+        "annotations": {f"{deploy.LABEL_PREFIX}/profile": profile, f"{deploy.LABEL_PREFIX}/gpu": str(gpu.id),
+                        f"{deploy.LABEL_PREFIX}/parallel": f"tp{plan.mapping.tp_size}xpp{plan.mapping.pp_size}"},
+        "deadline_s": DEADLINE_S, "node_selector": {deploy.GPU_PRODUCT_LABEL: deploy.gpu_product_label(gpu.name)},
+        "image": image, "command": ["python3", "-m", "precision_pipeline.engine.job"],
+        "args": ["--out", out, *(["--strict"] if strict else [])], "out_dir": out,
+        "env": [{"name": "PYTHONPATH", "value": f"{out}/{SOURCE_SUBDIR}"}, {"name": IMAGE_ENV, "value": image},
+                {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}],
+        "gpus": world, "pvc_name": pvc_name, "shm_size": f"{max(2, 1 + world)}Gi",
+    }
+    where = "k8s/jobs/engine-build-job.yaml"
+    text = deploy.render_template(TEMPLATE.read_text(), params, where)
+    doc = deploy.parse_manifest(text, where)
+    deploy.validate_manifest(doc, where, k8s_version)
+    return (f"# Rendered by build/precision_pipeline/serving/build_job.py: engine build Job for {profile} "
+            f"({gpu.name}, {world} GPU(s)).\n# Validated against Kubernetes {k8s_version} (strict).\n"
+            + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000))
+
+
+def apply_and_follow(text: str, run=None) -> Optional[int]:
+    """With a kubectl context: apply the Job, follow its logs, return the Job's exit (0 ok, 1 failed); None
+    without kubectl or a current context (the caller prints the manifest instead)."""
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    run = run or subprocess.run
+    ctx = run([kubectl, "config", "current-context"], capture_output=True, text=True)
+    if ctx.returncode != 0 or not ctx.stdout.strip():
+        return None
+    doc = yaml.safe_load(text)
+    name, ns = doc["metadata"]["name"], doc["metadata"]["namespace"]
+    run([kubectl, "apply", "-f", "-"], input=text, text=True, check=True)
+    run([kubectl, "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", f"job-name={name}", "--timeout=30m"])
+    run([kubectl, "-n", ns, "logs", "-f", f"job/{name}"])
+    done = run([kubectl, "-n", ns, "wait", "--for=condition=Complete", f"job/{name}", "--timeout=1s"],
+               capture_output=True, text=True)
+    return 0 if done.returncode == 0 else 1
+
+
+__all__ = ["render_job", "apply_and_follow", "TEMPLATE"]

@@ -1,0 +1,144 @@
+"""Skew between a built engine (the stand-in trtllm-build of tests/engine/doubles.py) and the serving side,
+refused at pack, deploy and promote: TensorRT-LLM version vs the serving image, SM vs the deployment GPU,
+rank files vs tp x pp, limits vs the rendered configs; an unknown image is a warning. Plus the build Job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.engine.preflight import plan_need_bytes
+from precision_pipeline.engine.toolchain import detect_toolchain
+from precision_pipeline.engine.trtllm_build import run_engine
+from precision_pipeline.serving import build_job, deploy, images, pack, release, skew
+from precision_pipeline.spec.profile import load_profile, shipped_profiles
+from tests.engine import doubles
+from tests.serving.test_pack import ckpt, make_plan, model_dir  # noqa: F401  (fixtures)
+
+GOOD_IMAGE = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"  # ships TensorRT-LLM 1.2.1 (serving/images.py)
+PROF = load_profile("fp8-h100")
+
+
+def engine(tmp_path, monkeypatch, version="1.2.1", plan=None, key="c" * 64):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    doubles.install(tmp_path, monkeypatch, version=version)
+    plan = plan or make_plan(PROF)
+    eng = tmp_path / "build" / "engine"
+    run_engine(plan, tmp_path / "ckpt", eng, plan.gpu.sm, detect_toolchain(), checkpoint_key=key,
+               gpu_name=plan.gpu.name, need_bytes=plan_need_bytes(plan), on_progress=lambda m: None)
+    return eng
+
+
+def do_pack(tmp_path, model_dir, ckpt, eng, image=GOOD_IMAGE, plan=None, name="out"):  # noqa: F811
+    out = tmp_path / name
+    return pack.pack_repository(plan or make_plan(PROF), PROF, model_dir, ckpt, eng, True, out / "model_repository",
+                                str(out), image=image), out / "model_repository"
+
+
+def test_catalog_rows_name_their_source():
+    assert images.lookup(GOOD_IMAGE).tensorrt_llm == "1.2.1"
+    assert images.lookup(deploy.DEFAULT_IMAGE) is not None
+    assert all(r.source and r.tag.endswith("-trtllm-python-py3") for r in images.CATALOG)
+    assert images.lookup("example.com/triton:custom") is None
+
+
+def test_matching_engine_packs_with_provenance_in_the_unit(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811
+    res, repo = do_pack(tmp_path, model_dir, ckpt, engine(tmp_path, monkeypatch))
+    unit_engine = repo / res.engine_unit / "engine"
+    assert (unit_engine / "provenance.json").is_file() and (unit_engine / "rank0.engine").is_file()
+    assert any("TensorRT version of" in n and "not confirmed" in n for n in res.notes)
+    assert skew.check_engine(unit_engine, image=GOOD_IMAGE, sm=90, world_size=1)  # the unit verifies (warnings only)
+
+
+def test_trtllm_version_skew_refused_at_pack(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811
+    eng = engine(tmp_path, monkeypatch, version="1.2.0")
+    with pytest.raises(UserError) as e:
+        do_pack(tmp_path, model_dir, ckpt, eng)
+    p = e.value.problems[0]
+    assert p.rule == "skew.tensorrt_llm" and "1.2.0" in p.reason and "ships 1.2.1" in p.reason
+    assert not (tmp_path / "out" / "model_repository").exists()
+
+
+def test_unknown_image_is_a_warning_that_says_what_to_check(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811
+    res, _ = do_pack(tmp_path, model_dir, ckpt, engine(tmp_path, monkeypatch), image="example.com/triton:custom")
+    note = next(n for n in res.notes if "not in the catalog" in n)
+    assert "example.com/triton:custom" in note and "import tensorrt, tensorrt_llm" in note
+
+
+def test_sm_skew_refused_at_pack(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811
+    from precision_pipeline.spec.hardware import resolve_gpu
+
+    eng = engine(tmp_path, monkeypatch)
+    import dataclasses
+
+    l4 = make_plan(PROF).model_copy(update={"gpu": dataclasses.replace(make_plan(PROF).gpu, sm=resolve_gpu("l4").sm)})
+    with pytest.raises(UserError) as e:
+        do_pack(tmp_path, model_dir, ckpt, eng, plan=l4)
+    assert [p.rule for p in e.value.problems] == ["skew.sm"] and "SM 89" in e.value.problems[0].reason
+
+
+def test_world_size_and_limit_skews_and_missing_rank(tmp_path, monkeypatch):
+    eng = engine(tmp_path, monkeypatch)
+    with pytest.raises(UserError) as e:
+        skew.check_engine(eng, image=GOOD_IMAGE, sm=90, world_size=2, limits={"max_batch_size": 128, "max_seq_len": 8192})
+    assert [p.rule for p in e.value.problems] == ["skew.world_size", "skew.limits"]
+    assert e.value.problems[1].field == "engine: config.json build_config.max_batch_size"
+    (eng / "rank0.engine").unlink()
+    with pytest.raises(UserError, match="rank0.engine"):
+        skew.check_engine(eng, image=GOOD_IMAGE, sm=90, world_size=1)
+
+
+def test_each_skew_refused_at_promote_before_anything_changes(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811
+    res, packed = do_pack(tmp_path, model_dir, ckpt, engine(tmp_path, monkeypatch))
+    serving = tmp_path / "serving" / "model_repository"
+    for kw, rule in (({"image": "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3", "sm": 90}, "skew.tensorrt_llm"),
+                     ({"image": GOOD_IMAGE, "sm": 100}, "skew.sm")):
+        with pytest.raises(UserError) as e:
+            release.init_serving_repo(serving, packed, **kw)
+        assert e.value.problems[0].rule == rule and not serving.exists()
+    release.init_serving_repo(serving, packed, image=GOOD_IMAGE, sm=90)
+    state = json.loads(release.state_path(serving).read_text())
+    # a second build whose engine was then altered: promote refuses it, the release stays
+    other = engine(tmp_path / "b", monkeypatch, key="d" * 64)
+    res2, packed2 = do_pack(tmp_path, model_dir, ckpt, other, name="out2")
+    f = packed2 / res2.engine_unit / "engine" / "rank0.engine"
+    f.unlink()
+    f.write_bytes(b"rank file of another build")
+    with pytest.raises(UserError) as e:
+        release.promote(serving, packed2, image=GOOD_IMAGE, sm=90)
+    assert "rank0.engine" in e.value.problems[0].field
+    assert json.loads(release.state_path(serving).read_text()) == state
+
+
+def test_deploy_refuses_a_skewed_engine(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811
+    _, repo = do_pack(tmp_path, model_dir, ckpt, engine(tmp_path, monkeypatch))
+    plan = make_plan(PROF)
+    with pytest.raises(UserError) as e:
+        deploy.render_manifests(plan, PROF, repo, tmp_path / "out", str(tmp_path / "out"),
+                                image="nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3")
+    assert e.value.problems[0].rule == "skew.tensorrt_llm"
+    deploy.render_manifests(plan, PROF, repo, tmp_path / "out", str(tmp_path / "out"), image=GOOD_IMAGE)
+
+
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_build_job_renders_valid_for_every_shipped_profile(tmp_path, name):
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.spec.default_model import ensure_default_model
+    from precision_pipeline.spec.hardware import resolve_gpu
+
+    prof = load_profile(name)
+    plan = P.evaluate(prof, ensure_default_model())
+    doc = yaml.safe_load(build_job.render_job(plan, tmp_path / name))
+    deploy.validate_manifest(doc, "job", deploy.K8S_VERSION)
+    spec = doc["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert doc["kind"] == "Job" and c["image"] == deploy.DEFAULT_IMAGE
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": deploy.gpu_product_label(resolve_gpu(prof.target.gpu).name)}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == prof.world_size
+    assert c["command"] == ["python3", "-m", "precision_pipeline.engine.job"]
+    assert c["args"] == ["--out", str((tmp_path / name).resolve()), "--strict"]
+    assert c["volumeMounts"][0]["mountPath"] == str((tmp_path / name).resolve())
+    assert {"name": "PRECISION_IMAGE", "value": deploy.DEFAULT_IMAGE} in c["env"]
