@@ -534,7 +534,7 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
 @guarded
 def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=None, model=None, golden_limit=None,
             checkpoint=None, upgrade=False, cronjob=None, image=None):
-    """Nightly rebuild: check every profile, rebuild what changed, gate, compare with the baseline (exit 5: regressed)."""
+    """Nightly rebuild: check every profile, rebuild what changed, gate, compare with the baseline (exit 6: regressed)."""
     from precision_pipeline import nightly as nl
 
     out_root = Path(out).expanduser().resolve() if out else ROOT / "artifacts"

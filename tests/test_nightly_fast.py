@@ -54,7 +54,7 @@ def test_newly_failing_size_and_provenance_are_findings():
 
 @pytest.mark.parametrize("verdicts,code", [
     (["pass", "pass"], 0), (["pass", "skipped"], 4), (["skipped", "refused"], 2), (["refused", "failed"], 3),
-    (["failed", "regressed"], 5), (["regressed", "error", "pass"], 1), ([], 0)])
+    (["failed", "regressed"], 6), (["regressed", "engine_failed"], 5), (["regressed", "error", "pass"], 1), ([], 0)])
 def test_exit_code_is_the_most_severe_row(verdicts, code):
     assert nl.exit_code(verdicts) == code
 
@@ -89,7 +89,7 @@ def test_summary_markdown_renders_one_table(tmp_path, monkeypatch):
     assert table[3] == "| bad | - | - | - | - | - | - | **refused** |"
     assert "- `p` engine skipped: tensorrt_llm is not installed" in text
     assert "- `bad` refused: target.gpu: unknown" in text
-    assert json.loads(js.read_text())["exit_code"] == 5
+    assert json.loads(js.read_text())["exit_code"] == 6
     assert step.read_text() == "earlier step\n" + text + "\n"
 
 
@@ -162,7 +162,7 @@ def test_upgrade_canary_reports_per_profile_and_says_when_the_export_is_removed(
     by = {r["profile"]: r for r in rep["profiles"]}
     assert by["a"]["verdict"] == "changes" and by["a"]["changes"][0]["what"] == "kl_mean"
     assert by["b"]["verdict"] == "breaks"
-    assert "REMOVES" in rep["notice"] and rep["exit_code"] == 5
+    assert "REMOVES" in rep["notice"] and rep["exit_code"] == 6
     md = (nd / "upgrade.md").read_text()
     assert "**ModelOpt 0.49.0 REMOVES export_tensorrt_llm_checkpoint" in md and "| b | breaks |" in md
     assert json.loads((nd / "upgrade.json").read_text())["versions"]["nvidia-modelopt"] == "0.49.0"
@@ -174,7 +174,7 @@ def test_upgrade_canary_without_a_summary_breaks(tmp_path):
     fake = FakeInstaller({"nvidia-modelopt": "0.47.1", "transformers": "4.57.6"}, None, rc=1)
     rep = nl.run_upgrade(nl.NightlyOptions(profiles=["a"], out_root=tmp_path), installer=fake, workdir=tmp_path / "w",
                          say=lambda m: None)
-    assert rep["notice"] is None and rep["profiles"][0]["verdict"] == "breaks" and rep["exit_code"] == 5
+    assert rep["notice"] is None and rep["profiles"][0]["verdict"] == "breaks" and rep["exit_code"] == 6
 
 
 # ---- the CronJob

@@ -24,8 +24,9 @@
 5. **Promote** (``--promote``): only when exactly one profile was selected and its verdict is pass.
 
 Exit codes (``exit_code``; the most severe row wins, in this order): **1** a profile hit an internal
-error; **5** (``EXIT_REGRESSED``) a profile regressed against its baseline; **3** a gate failed;
-**2** a profile was refused; **4** a stage was skipped under ``--strict``; **0** all passed.
+error; **5** ``trtllm-build`` failed or timed out; **6** (``EXIT_REGRESSED``) a profile regressed
+against its baseline; **3** a gate failed; **2** a profile was refused; **4** a stage was skipped under
+``--strict``; **0** all passed (the codes are those of ``core.errors``).
 
 The upgrade canary (``run_upgrade``) and the cluster CronJob (``render_cronjob``) are below.
 """
@@ -41,19 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from precision_pipeline.core.errors import (EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INVALID, EXIT_STRICT_SKIP, GateFailed,
-                                            StrictSkip,
+from precision_pipeline.core.errors import (EXIT_ENGINE_BUILD_FAILED, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INVALID,
+                                            EXIT_REGRESSED, EXIT_STRICT_SKIP, EngineBuildFailed, GateFailed, StrictSkip,
                                             UserError)
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, read_json_safe
 
 NIGHTLY_DIR = "nightly"
 """Folder under the output root holding summary.json / summary.md (and upgrade.json / upgrade.md)."""
-EXIT_REGRESSED = 5
-"""A profile regressed against its baseline (nightly only; the other codes are those of every task)."""
-SEVERITY = (EXIT_INTERNAL, EXIT_REGRESSED, EXIT_GATE_FAILED, EXIT_INVALID, EXIT_STRICT_SKIP)
+SEVERITY = (EXIT_INTERNAL, EXIT_ENGINE_BUILD_FAILED, EXIT_REGRESSED, EXIT_GATE_FAILED, EXIT_INVALID, EXIT_STRICT_SKIP)
 """Exit codes from most to least severe: the nightly exits with the first one any row has."""
-VERDICT_EXIT = {"error": EXIT_INTERNAL, "regressed": EXIT_REGRESSED, "failed": EXIT_GATE_FAILED, "refused": EXIT_INVALID,
+VERDICT_EXIT = {"error": EXIT_INTERNAL, "engine_failed": EXIT_ENGINE_BUILD_FAILED, "regressed": EXIT_REGRESSED, "failed": EXIT_GATE_FAILED, "refused": EXIT_INVALID,
                 "skipped": EXIT_STRICT_SKIP, "pass": 0}
 RESERVED_NAMES = (NIGHTLY_DIR, "serving", "mutation")
 """Folders of the output root that are not build outputs (a profile of such a name is refused)."""
@@ -341,6 +340,8 @@ def _build_row(ref: str, req, plan, opts: NightlyOptions, build: Callable, say: 
         row.verdict, row.reason = "failed", str(e)
     except StrictSkip as e:
         row.verdict, row.reason = "skipped", str(e)
+    except EngineBuildFailed as e:
+        row.verdict, row.reason = "engine_failed", str(e)
     except UserError as e:
         row.verdict, row.reason = "refused", "; ".join(f"{p.field}: {p.reason}" for p in e.problems)
     except Exception as e:  # one profile's crash does not stop the others

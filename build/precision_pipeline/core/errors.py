@@ -2,8 +2,8 @@
 
 Exit codes (every task): 0 success; 2 invalid input or a refused check (raised before any
 heavy work); 3 accuracy gate failed; 4 a stage was skipped under ``--strict``; 5 ``trtllm-build``
-failed or timed out (the previous engine is intact); 1 unexpected internal error (the only case
-that prints a traceback).
+failed or timed out (the previous engine is intact); 6 (``invoke nightly``) a profile regressed
+against its baseline; 1 unexpected internal error (the only case that prints a traceback).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ EXIT_INVALID = 2
 EXIT_GATE_FAILED = 3
 EXIT_STRICT_SKIP = 4
 EXIT_ENGINE_BUILD_FAILED = 5
+EXIT_REGRESSED = 6
 
 
 class PipelineError(Exception):
@@ -88,5 +89,6 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_GATE_FAILED", "EXIT_STRICT_SKIP", "EXIT_ENGINE_BUILD_FAILED",
+    "EXIT_REGRESSED", "EXIT_ENGINE_BUILD_FAILED",
     "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "EngineBuildFailed", "closest",
 ]
