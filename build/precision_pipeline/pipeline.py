@@ -44,13 +44,15 @@ from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Done, Manifest, Stage, StageRecord, StageRunner, execute
 from precision_pipeline.core.store import atomic_write_json, clean_stale, locked, read_json, read_json_safe
 from precision_pipeline.engine.stage import EngineStage
+from precision_pipeline.engine.gate_stage import EngineGateStage
 from precision_pipeline.gate.stage import GateStage
 from precision_pipeline.quantize.stage import QuantizeStage
 from precision_pipeline.resolve.stage import BuildRequest, ResolveStage
 from precision_pipeline.serving.stage import DeployStage, PackStage
 from precision_pipeline.spec.profile import load_profile
 
-STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), GateStage(), EngineStage(), PackStage(), DeployStage())
+STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), GateStage(), EngineStage(), EngineGateStage(), PackStage(),
+                              DeployStage())
 
 
 @dataclass
@@ -319,6 +321,9 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
                 write_plan()
             if stage.name == "gate" and not d.artifact.passed:
                 raise GateFailed(f"accuracy gate failed for {req.profile.name}; see {out_dir / 'gate' / 'report.md'}")
+            if stage.name == "engine_gate" and d.artifact.status == "failed":
+                raise GateFailed(f"engine gate failed for {req.profile.name} ({', '.join(d.artifact.failed_metrics)}); "
+                                 f"the engine is not packed; see {out_dir / 'engine_gate' / 'report.md'}")
         write_plan()
         manifest.finish(engine_present=bool(done["engine"].artifact.built))
     skipped = [r for r in runner.records if r.status == "skipped"]

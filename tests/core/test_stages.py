@@ -217,3 +217,26 @@ def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
     rec = json.loads((out / "engine" / "trtllm-build.args.json").read_text())
     assert rec["argv"][rec["argv"].index("--output_dir") + 1] == str((out / "engine").resolve())
     assert json.loads((out / "manifest.json").read_text())["engine_present"] is True
+    assert st["engine_gate"] == "skipped"  # the stand-in engine has no runner here (no CUDA device visible)
+    # where the engine gate can run, a failing verdict stops the build before pack: exit 3, nothing packed
+    from precision_pipeline.core.errors import GateFailed
+    from precision_pipeline.gate import engine_gate
+
+    class Failing:
+        passed = False
+
+        def failed_metrics(self):
+            return ["kl_p99"]
+
+        def summary(self):
+            return {"kl_p99": 9.0}
+
+    monkeypatch.setattr(engine_gate, "engine_available", lambda: (True, ""))
+    monkeypatch.setattr(engine_gate, "run_engine_gate", lambda *a, **k: Failing())
+    packed = {p: p.stat().st_mtime_ns for p in (out / "model_repository").rglob("config.pbtxt")}
+    with pytest.raises(GateFailed, match=r"engine gate failed for .*kl_p99"):
+        build(16)
+    rows = {k: v["status"] for k, v in json.loads((out / "manifest.json").read_text())["stages"].items()}
+    assert rows["engine_gate"] == "failed" and rows["engine"] == "done"
+    assert {p: p.stat().st_mtime_ns for p in (out / "model_repository").rglob("config.pbtxt")} == packed
+    assert "--gather_context_logits" in calls()[-1]  # the gate-only build

@@ -224,3 +224,12 @@ def test_gate_architectures_are_refused_at_resolve_with_the_list():
     assert GATE_ARCHITECTURES == ("LlamaForCausalLM",)
     assert "the accuracy gate's checkpoint reader handles LlamaForCausalLM only" in pr.reason
     assert pr.fix.startswith("use a model of: LlamaForCausalLM;")
+
+
+def test_free_host_memory_is_recorded_but_not_keyed():
+    """plan.json records the build machine's free memory; a stage key (the plan's canonical form) does
+    not see it, so a build whose inputs did not change is not re-packed because memory moved."""
+    a, b = plan("8B", machine(100.0)), plan("8B", machine(120.0))
+    assert a.ok and b.ok
+    assert a.to_json()["build_memory"]["host_available_bytes"] != b.to_json()["build_memory"]["host_available_bytes"]
+    assert "build_memory" not in a.canonical() and a.canonical() == b.canonical()

@@ -206,7 +206,7 @@ def run_engine_gate(engine_dir: Path, reference_model_dir: Path, thresholds: Gat
     """Run the golden set against a built engine; a ``gate.GateResult`` or ``EngineGateSkipped``.
 
     ``options`` / ``runtime``: as for ``checkpoint_gate.run_gate``; ``options.heldout_window`` is
-    lowered to the engine's ``max_input_len``. ``out_dir`` is the engine gate's folder (e.g.
+    lowered to the engine's ``max_input_len`` and ``options.greedy_batch`` to its ``max_batch_size``. ``out_dir`` is the engine gate's folder (e.g.
     ``artifacts/<profile>/engine_gate``). Raises ``StrictSkip`` (exit 4) instead of skipping when ``strict``.
     """
     ok, why = engine_available()
@@ -232,8 +232,10 @@ def run_engine_gate(engine_dir: Path, reference_model_dir: Path, thresholds: Gat
     if rank != 0:  # the other ranks host their shards; rank 0 enqueues requests and scores
         mpi_barrier()
         return EngineGateSkipped(f"rank {rank}: scoring happens on rank 0", status="worker")
-    max_in = (cfg.get("build_config", {}) or {}).get("max_input_len")
-    options = options.model_copy(update={"heldout_window": min(options.heldout_window, int(max_in or options.heldout_window))})
+    bc = cfg.get("build_config", {}) or {}
+    max_in, max_bs = bc.get("max_input_len"), bc.get("max_batch_size")
+    options = options.model_copy(update={"heldout_window": min(options.heldout_window, int(max_in or options.heldout_window)),
+                                         "greedy_batch": min(options.greedy_batch, int(max_bs or options.greedy_batch))})
     extra = {"engine_dir": str(engine_dir), "engine_build_config": cfg.get("build_config", {}),
              "gate_kind": "engine"}
     try:

@@ -217,8 +217,13 @@ class ResolvedPlan(BaseModel):
         return out
 
     def canonical(self) -> dict:
-        """What a stage key sees of the plan: its plan.json view (see core.store.canonical)."""
-        return self.to_json()
+        """What a stage key sees of the plan: its plan.json view (see core.store.canonical) without
+        ``build_memory``, which describes the machine the build ran on (free host memory, visible
+        GPUs), not what it makes: the device and dtypes that change numbers are keyed by the quantize
+        and gate stages themselves. (With it, every build re-packed: free memory moves between runs.)"""
+        out = self.to_json()
+        out.pop("build_memory", None)
+        return out
 
     def summary(self) -> str:
         """One line: formats, GPU, layout, weights/KV numbers, warning count (or the first refusal)."""
