@@ -143,8 +143,13 @@ def test_gate_phases_print_lines_often_enough(tiny, smollm_2layers, tmp_path, mo
         assert any(ln.startswith(f"[gate] {ph}") and " done in " in ln for ln in lines), ph
     ref_lines = [ln for ln in lines if ln.startswith("[gate] reference FP32 + BF16 floor, teacher-forced")]
     assert len(ref_lines) >= 3 and "ETA" in ref_lines[1] and " tokens, " in ref_lines[1]  # start, heartbeat(s), end
-    total = sum(len(e.input_ids) for e in enc)
+    # units: every prompt's tokens + 5 decode steps per prompt, for the FP32 reference and the BF16 floor
+    total = 2 * (sum(len(e.input_ids) for e in enc) + 5 * len(enc))
+    assert cg.greedy_units(enc, 6) * 2 == total
     assert f": {total}/{total} tokens done in " in ref_lines[-1]
+    # the count moves within the phase (per prompt and per decode step), not only at its end
+    counts = [int(ln.split(": ")[1].split("/")[0]) for ln in ref_lines]
+    assert any(0 < c < total for c in counts), counts
     gaps = [b - a for (a, _), (b, _) in zip(stamps, stamps[1:])]
     assert max(gaps) <= 15.0
     # second run: the reference comes from the cache and says so
