@@ -16,8 +16,8 @@
    * ``latency``: the candidate's mean request latency (``nv_inference_request_duration_us`` /
      ``nv_inference_request_success``) at most ``latency_ratio`` x the stable unit's, when both served
      at least ``min_requests`` requests in the window;
-   * ``traffic``: the candidate served at least one request when the share is above 0 and the stable
-     unit served any (a route that never reaches the candidate is not a pass).
+   * ``traffic``: the candidate served at least one request when its share of the routed requests
+     was at least ``traffic_expected`` (a route that never reaches the candidate is not a pass).
 
    Every check passing widens to the next step; any failing one is an automatic rollback.
 3. At 100 %: ``release.finish_rollout`` re-points ensemble and BLS at the candidate and commits it as
@@ -79,9 +79,11 @@ def scrape(metrics_url: str, timeout: float = 5.0) -> dict[tuple[str, str], floa
         text = r.read().decode()
     out: dict[tuple[str, str], float] = {}
     for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in COUNTERS and "model" in s.labels:
-                k = (s.name, s.labels["model"])
+        if fam.name not in COUNTERS:
+            continue
+        for s in fam.samples:  # the parser names a counter's sample <family>_total
+            if s.name in (fam.name, fam.name + "_total") and "model" in s.labels:
+                k = (fam.name, s.labels["model"])
                 out[k] = out.get(k, 0.0) + float(s.value)
     return out
 
@@ -109,11 +111,16 @@ class Window:
 def canary_share(a: dict, b: dict, stable: str, candidate: str) -> Optional[float]:
     """Percentage of the BLS-routed requests the candidate served between scrapes ``a`` and ``b``:
     candidate / (candidate + stable - ensemble), since every ensemble request goes to the stable unit."""
+    routed = routed_of(a, b, stable, candidate)
+    cand = sum(b.get((k, candidate), 0.0) - a.get((k, candidate), 0.0) for k in COUNTERS[:2])
+    return 100.0 * cand / routed if routed > 0 else None
+
+
+def routed_of(a: dict, b: dict, stable: str, candidate: str) -> float:
+    """Requests the BLS routed (to either unit) between scrapes ``a`` and ``b``."""
     def d(m):
         return sum(b.get((k, m), 0.0) - a.get((k, m), 0.0) for k in COUNTERS[:2])
-    cand, stab, ens = d(candidate), d(stable), d("ensemble")
-    routed = cand + stab - ens
-    return 100.0 * cand / routed if routed > 0 else None
+    return d(candidate) + d(stable) - d("ensemble")
 
 
 def wait_drained(server, unit: str, t_decision: float, timeout_s: float = 60.0, poll_s: float = 0.01,
@@ -149,6 +156,9 @@ class Checks:
     max_failures: int = 0
     latency_ratio: float = 3.0
     min_requests: int = 5
+    traffic_expected: float = 3.0
+    """``traffic`` fails when the candidate served nothing although the step's share of the routed
+    requests was at least this many (the BLS's even split gives one per 100/percent requests)."""
 
 
 @dataclass
@@ -172,7 +182,7 @@ def _evaluate(server, probe_set, stable: str, cand: str, a: dict, b: dict, perce
     failed = None
     if wc.failure > checks.max_failures:
         failed = "errors"
-    elif wc.success == 0 and ws.success > 0 and percent > 0 and share is not None:
+    elif wc.success == 0 and share is not None and routed_of(a, b, stable, cand) * percent / 100 >= checks.traffic_expected:
         failed = "traffic"
     elif (wc.mean_ms is not None and ws.mean_ms is not None and wc.success >= checks.min_requests
           and ws.success >= checks.min_requests and wc.mean_ms > checks.latency_ratio * ws.mean_ms):
