@@ -86,6 +86,12 @@ HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 8001, 8002
 STARTUP_PERIOD_S = 10
 STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes to load engines before the kubelet restarts the pod
 TERMINATION_GRACE_S = 60
+CPU_PER_GPU = 4
+"""CPU request per GPU (tokenization, the Python BLS and pre/postprocessing run on CPU): a sizing default."""
+MEMORY_GI_BASE, MEMORY_GI_PER_GPU = 16, 16
+"""Memory request (= limit) ``MEMORY_GI_BASE + MEMORY_GI_PER_GPU x GPUs`` GiB: host copies of engine
+shards while loading plus the pinned host buffers of the TensorRT-LLM runtime; a sizing default."""
+TMP_SIZE = "4Gi"
 LABEL_PREFIX = "precision-pipeline"
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -526,6 +532,8 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
         "image": image, "command": command, "args": args, "gpus": world,
         "startup_period_s": STARTUP_PERIOD_S, "startup_failure_threshold": startup_failure_threshold,
         "repo_root": str(repo_root).rstrip("/") or "/", "shm_size": shm, "pvc_name": pvc_name,
+        "cpu_request": str(CPU_PER_GPU * world), "memory_request": f"{MEMORY_GI_BASE + MEMORY_GI_PER_GPU * world}Gi",
+        "tmp_size": TMP_SIZE,
     }
     svc = {"name": name, "namespace": namespace, "labels": labels, "selector": selector}
     pdb = {"name": name, "namespace": namespace, "labels": labels, "selector": selector, "min_available": 1} if replicas > 1 else None

@@ -163,7 +163,7 @@ class Checks:
 
 @dataclass
 class RolloutResult:
-    status: str                    # "promoted" | "rolled_back"
+    status: str                    # "promoted" | "rolled_back" | "aborted" (by `invoke rollout --abort`)
     candidate: str
     stable: str
     steps: list[dict[str, Any]] = field(default_factory=list)
@@ -225,8 +225,15 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
     res = RolloutResult("rolled_back", cand, stable)
     url = metrics_url(server)
     prev_numbers = None
+    def ours() -> bool:  # False once `invoke rollout --abort` (another process) ended this rollout
+        st = release.rollout_state(repo_dir)
+        return bool(st) and st.get("candidate") == cand and st.get("pid") == ro.get("pid")
+
     try:
         for pct in steps:
+            if not ours():
+                res.status = "aborted"
+                break
             if pct == 100:
                 t = release.finish_rollout(repo_dir, server=server, checks={"steps": res.steps})
                 res.status = "promoted"
@@ -238,6 +245,9 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
             a = scrape(url)
             time.sleep(hold_s)
             b = scrape(url)
+            if not ours():
+                res.status = "aborted"
+                break
             nums, failed = _evaluate(server, probe_set, stable, cand, a, b, pct, checks, probe_fn)
             res.steps.append({**nums, "passed": failed is None})
             if on_step:
