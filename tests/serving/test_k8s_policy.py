@@ -54,12 +54,12 @@ def _render(tmp_path, tp=2, replicas=2):
 
 def test_pod_is_hardened(tmp_path):
     res = _render(tmp_path)
-    dep = load_out(res)
-    pod = dep["spec"]["template"]["spec"]
+    docs = load_out(res)
+    pod = docs["triton-deployment.yaml"]["spec"]["template"]["spec"]
     assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                                       "seccompProfile": {"type": "RuntimeDefault"}}
     assert pod["automountServiceAccountToken"] is False
-    c = container(dep)
+    c = container(docs)
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
                                     "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
@@ -85,3 +85,64 @@ def test_checkov_kubernetes_checks_pass(tmp_path):
     passed = sum(len(r.get("results", {}).get("passed_checks", [])) for r in reports)
     print(f"\n[checkov {CHECKOV_VERSION}] passed {passed}, failed {failed}")
     assert failed == [] and passed > 50, p.stderr[-2000:]
+
+
+def _render_argo(tmp_path, **dep):
+    prof = make_profile("fp8-h100", deployment={"workload": "argo-rollout", "canary_steps": [5, 20, 50, 100],
+                                                "canary_pause_s": 120, "replicas": 4, **dep})
+    return deploy.render_manifests(make_plan(prof), prof, make_repo(tmp_path / "b"), tmp_path / "b", "/srv/b",
+                                   namespace="llm-serving")
+
+
+def test_argo_rollout_and_analysis_template(tmp_path):
+    import yaml
+
+    res = _render_argo(tmp_path)
+    assert res.files == ["analysis-template.yaml", "argo-rollout.yaml", "pdb.yaml", "service.yaml", "triton-deployment.yaml"]
+    ro = yaml.safe_load((res.out_dir / "argo-rollout.yaml").read_text())
+    dep = yaml.safe_load((res.out_dir / "triton-deployment.yaml").read_text())
+    assert ro["kind"] == "Rollout" and ro["spec"]["workloadRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                                     "name": dep["metadata"]["name"], "scaleDown": "progressively"}
+    assert ro["spec"]["selector"] == dep["spec"]["selector"] and ro["spec"]["replicas"] == 4
+    c = ro["spec"]["strategy"]["canary"]
+    assert c["steps"] == [{"setWeight": 5}, {"pause": {"duration": "120s"}}, {"setWeight": 20}, {"pause": {"duration": "120s"}},
+                          {"setWeight": 50}, {"pause": {"duration": "120s"}}, {"setWeight": 100}]
+    assert c["analysis"]["templates"] == [{"templateName": "triton-fp8-h100"}]
+    at = yaml.safe_load((res.out_dir / "analysis-template.yaml").read_text())
+    m = {x["name"]: x for x in at["spec"]["metrics"]}
+    assert set(m) == {"probe-kl-p99", "probe-top1", "error-rate"}
+    # thresholds: the profile's gate section for the plan's model (fp8-h100's SmolLM2 override)
+    assert m["probe-kl-p99"]["successCondition"] == "len(result) > 0 && result[0] <= 0.55"
+    assert m["probe-top1"]["successCondition"] == "len(result) > 0 && result[0] >= 0.85"
+    assert f'engine_unit="{res.engine_unit}"' in m["probe-kl-p99"]["provider"]["prometheus"]["query"]
+    assert 'rollouts_pod_template_hash="{{args.canary-hash}}"' in m["error-rate"]["provider"]["prometheus"]["query"]
+    assert all(x["failureLimit"] == 0 for x in m.values())
+
+
+def test_crd_schema_refuses_unknown_fields_and_bad_values(tmp_path):
+    import yaml
+
+    from precision_pipeline.core.errors import UserError
+
+    res = _render_argo(tmp_path)
+    ro = yaml.safe_load((res.out_dir / "argo-rollout.yaml").read_text())
+    deploy.validate_manifest(ro, "argo-rollout.yaml")
+    bad = json.loads(json.dumps(ro))
+    bad["spec"]["strategy"]["canary"]["steps"][0] = {"setWeigth": 5}
+    with pytest.raises(UserError, match="setWeigth"):
+        deploy.validate_manifest(bad, "argo-rollout.yaml")
+    bad = json.loads(json.dumps(ro))
+    bad["spec"]["strategy"]["canary"]["steps"][0] = {"setWeight": 150}
+    with pytest.raises(UserError, match="schema"):
+        deploy.validate_manifest(bad, "argo-rollout.yaml")
+    at = yaml.safe_load((res.out_dir / "analysis-template.yaml").read_text())
+    del at["spec"]["metrics"][0]["provider"]["prometheus"]["query"]
+    with pytest.raises(UserError, match="query"):
+        deploy.validate_manifest(at, "analysis-template.yaml")
+
+
+def test_canary_steps_are_checked_by_the_profile():
+    from precision_pipeline.core.errors import UserError
+
+    with pytest.raises((UserError, ValueError)):
+        make_profile("fp8-h100", deployment={"canary_steps": [20, 5, 100]})

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.serving import release
+from precision_pipeline.spec.profile import canary_steps_problem
 
 DEFAULT_STEPS = (5, 20, 50, 100)
 COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_request_duration_us",
@@ -61,9 +62,9 @@ def parse_steps(text: str | Sequence[int]) -> tuple[int, ...]:
         steps = tuple(int(x) for x in (text.split(",") if isinstance(text, str) else text) if str(x).strip())
     except ValueError:
         raise UserError("--steps", f"{text!r} is not a comma-separated list of integers.", "e.g. --steps 5,20,50,100") from None
-    if not steps or steps[-1] != 100 or any(not 1 <= s <= 100 for s in steps) or list(steps) != sorted(set(steps)):
-        raise UserError("--steps", f"{text!r}: steps must be strictly increasing percentages in 1..100 ending at 100.",
-                        "e.g. --steps 5,20,50,100")
+    why = canary_steps_problem(steps)
+    if why:
+        raise UserError("--steps", f"{why}.", "e.g. --steps 5,20,50,100")
     return steps
 
 
