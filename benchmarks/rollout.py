@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--steps", default="5,20,50,100")
-    ap.add_argument("--hold", type=float, default=25.0, help="seconds per step")
+    ap.add_argument("--hold", type=float, default=60.0, help="seconds per step")
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--probe-prompts", type=int, default=3)
     ap.add_argument("--min-requests", type=int, default=1000, help="keep the clients going until this many")

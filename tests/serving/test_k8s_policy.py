@@ -146,3 +146,13 @@ def test_canary_steps_are_checked_by_the_profile():
 
     with pytest.raises((UserError, ValueError)):
         make_profile("fp8-h100", deployment={"canary_steps": [20, 5, 100]})
+
+
+def test_engine_larger_than_a_node_is_refused_not_left_pending(tmp_path):
+    from precision_pipeline.core.errors import UserError
+
+    prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 1})
+    with pytest.raises(UserError, match="gpus_per_node"):
+        deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=2), tmp_path / "b", "/srv/b")
+    prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 2})
+    deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "c", world=2), tmp_path / "c", "/srv/c")

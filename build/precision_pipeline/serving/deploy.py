@@ -497,6 +497,12 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
     if gpu is None or not gpu.id or not gpu.name:
         raise UserError("target.gpu", f"plan.json has no known GPU (asked: {plan.profile.target.gpu!r}).", "resolve the profile on a catalog GPU first.")
     world, tp, pp = _gpus(plan, profile)
+    per_node = profile.deployment.gpus_per_node
+    if per_node is not None and world > per_node:
+        # a pod cannot span nodes: a Deployment of world > per_node GPUs would stay Pending for ever
+        raise UserError("deployment.gpus_per_node", f"is {per_node} but one engine needs tp_size x pp_size = {world} GPUs: "
+                        "it must run across nodes (a LeaderWorkerSet), which this deploy stage does not render yet.",
+                        f"use nodes with >= {world} GPUs (and raise gpus_per_node), or a smaller tp_size x pp_size.")
     products = list(gpu_products) if gpu_products else [gpu_product_label(gpu.name)]
     for p in products:
         if not isinstance(p, str) or len(p) > 63 or not p or not _LABEL_VALUE.match(p):
