@@ -370,15 +370,15 @@ def rollback(c, repo=None, to=None, fallback=False, url=None):
 
 
 @task(help={"profile": "the built profile to roll out (its gate folder gives the probe's prompts and reference)",
-            "steps": "canary percentages, increasing, ending at 100 (default 5,20,50,100)",
-            "hold": "seconds of live traffic per step before its checks (default 30)",
+            "steps": "canary percentages, increasing, ending at 100 (default: the profile's deployment.canary_steps)",
+            "hold": "seconds of live traffic per step before its checks (default: deployment.canary_pause_s)",
             "url": "HOST:PORT of the running server's HTTP endpoint (default 127.0.0.1:8000, `invoke serve`'s)",
             "metrics_port": "its metrics port (default HTTP port + 2, as `invoke serve` uses)",
             "abort": "end the rollout in progress: all traffic to the stable release, candidate unloaded",
             "repo": "serving repository (default artifacts/serving/model_repository)", "out": "the build's output folder",
             "probe_prompts": "golden prompts the accuracy probe sends per step (default 4)"})
 @guarded
-def rollout(c, profile=None, steps="5,20,50,100", hold=30.0, url=None, metrics_port=None, abort=False, repo=None,
+def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None, abort=False, repo=None,
             out=None, probe_prompts=4):
     """Gradual rollout with a live accuracy probe and automatic rollback (serving/rollout.py)."""
     from precision_pipeline.core.errors import UserError
@@ -398,11 +398,14 @@ def rollout(c, profile=None, steps="5,20,50,100", hold=30.0, url=None, metrics_p
         return
     if not profile:
         raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
-    step_list = ro.parse_steps(str(steps))
-    hold_s = float(hold)
-    if not 0 <= hold_s <= 3600:
-        raise UserError("--hold", f"{hold} s is outside 0..3600.", "e.g. --hold 30")
     prof, out_dir, packed, gate = _built_repo(profile, out)
+    step_list = ro.parse_steps(str(steps) if steps is not None else list(prof.deployment.canary_steps))
+    try:
+        hold_s = float(hold) if hold is not None else float(prof.deployment.canary_pause_s)
+    except ValueError:
+        hold_s = -1.0
+    if not 0 <= hold_s <= 86400:
+        raise UserError("--hold", f"{hold!r} is not a number of seconds in 0..86400.", "e.g. --hold 30")
     if release.read_state(repo_dir) is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
     server = TritonServer.attach(url)
