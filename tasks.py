@@ -419,6 +419,73 @@ def rollback(c, repo=None, to=None, fallback=False, url=None):
     _console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
 
 
+@task(help={"profile": "the built profile to roll out (its gate folder gives the probe's prompts and reference)",
+            "steps": "canary percentages, increasing, ending at 100 (default: the profile's deployment.canary_steps)",
+            "hold": "seconds of live traffic per step before its checks (default: deployment.canary_pause_s)",
+            "url": "HOST:PORT of the running server's HTTP endpoint (default 127.0.0.1:8000, `invoke serve`'s)",
+            "metrics_port": "its metrics port (default HTTP port + 2, as `invoke serve` uses)",
+            "abort": "end the rollout in progress: all traffic to the stable release, candidate unloaded",
+            "repo": "serving repository (default artifacts/serving/model_repository)", "out": "the build's output folder",
+            "probe_prompts": "golden prompts the accuracy probe sends per step (default 4)"})
+@guarded
+def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None, abort=False, repo=None,
+            out=None, probe_prompts=4):
+    """Gradual rollout with a live accuracy probe and automatic rollback (serving/rollout.py)."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving import probe, release
+    from precision_pipeline.serving import rollout as ro
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    repo_dir = _serving_repo(repo)
+    con = _console()
+    url = url or "127.0.0.1:8000"
+    if abort:
+        server = TritonServer.attach(url) if url else None
+        server.metrics_port = int(metrics_port) if metrics_port else server.http_port + 2
+        rec = ro.abort(repo_dir, server)
+        con.print(f"rollout of {rec['candidate']} aborted at {rec['percent']} %: {rec['stable']} serves all traffic "
+                  f"(decision to last candidate request {rec.get('decision_to_stable_ms', 0):.0f} ms)")
+        return
+    if not profile:
+        raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
+    prof, out_dir, packed, gate = _built_repo(profile, out)
+    step_list = ro.parse_steps(str(steps) if steps is not None else list(prof.deployment.canary_steps))
+    try:
+        hold_s = float(hold) if hold is not None else float(prof.deployment.canary_pause_s)
+    except ValueError:
+        hold_s = -1.0
+    if not 0 <= hold_s <= 86400:
+        raise UserError("--hold", f"{hold!r} is not a number of seconds in 0..86400.", "e.g. --hold 30")
+    if release.read_state(repo_dir) is None:
+        raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
+    server = TritonServer.attach(url)
+    server.metrics_port = int(metrics_port) if metrics_port else server.http_port + 2
+    from precision_pipeline.core.store import read_json
+
+    model = Path((read_json(out_dir / "gate" / "metrics.json", {}) or {}).get("reference_model_dir", "")).name
+    pset = probe.load_probe_set(out_dir / "gate", _int_arg("--probe-prompts", probe_prompts, 1, 65),
+                                thresholds=prof.gate.for_model(model))
+
+    def show(s):
+        pr = s.get("probe") or {}
+        con.print(f"  {s['percent']:>3} %: " + ("switched" if s["percent"] == 100 else
+                  f"candidate {s['candidate']['success']} ok / {s['candidate']['failure']} failed, share "
+                  f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {pr.get('kl_p99', float('nan')):.4f} top-1 "
+                  f"{pr.get('top1', float('nan')):.3f} -> {'pass' if s.get('passed') else 'FAIL'}"))
+
+    con.print(f"rolling out {prof.name} in steps {','.join(map(str, step_list))} ({hold_s:g} s each) on {url}")
+    res = ro.rollout(repo_dir, packed, server, pset, steps=step_list, hold_s=hold_s, profile=prof.name, gate=gate,
+                     on_step=show)
+    if res.status == "promoted":
+        con.print(f"{res.candidate} is the current release ({res.seconds:.0f} s)")
+    elif res.status == "aborted":
+        con.print(f"rollout of {res.candidate} was aborted from outside; {res.stable} serves all traffic")
+    else:
+        con.print(f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "
+                  f"traffic ({res.decision_to_stable_ms} ms from the decision to the candidate's last request)")
+        raise Exit(code=3)
+
+
 @task(help={"repo": "serving repository"})
 @guarded
 def releases(c, repo=None):

@@ -342,7 +342,10 @@ def test_stage_inputs_change_with_what_the_manifests_depend_on():
     assert a != deploy.stage_inputs(plan, prof, "/x", "other/image:1")
     prof3 = make_profile(deployment={"replicas": 3})
     assert a != deploy.stage_inputs(make_plan(prof3), prof3, "/x", deploy.DEFAULT_IMAGE)
-    assert set(a["templates"]) == {"triton-deployment.yaml", "service.yaml", "pdb.yaml"}
+    assert set(a["templates"]) == {"triton-deployment.yaml", "service.yaml", "pdb.yaml", "argo-rollout.yaml",
+                                   "analysis-template.yaml"}
+    prof4 = make_profile(deployment={"workload": "argo-rollout"})
+    assert a != deploy.stage_inputs(make_plan(prof4), prof4, "/x", deploy.DEFAULT_IMAGE)
 
 
 def test_shipped_profiles_render(tmp_path):

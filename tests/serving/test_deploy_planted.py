@@ -29,7 +29,9 @@ def _render(tmp_path, tp=1, replicas=1, templates_dir=deploy.TEMPLATES_DIR):
 def test_gpu_requests_equal_limits_equal_gpus_per_replica(tmp_path, tp):
     res = _render(tmp_path, tp=tp)
     c = container(load_out(res))
-    assert c["resources"] == {"requests": {"nvidia.com/gpu": tp}, "limits": {"nvidia.com/gpu": tp}}
+    mem = f"{16 + 16 * tp}Gi"  # deploy.MEMORY_GI_BASE + MEMORY_GI_PER_GPU x GPUs; CPU_PER_GPU x GPUs cores
+    assert c["resources"] == {"requests": {"nvidia.com/gpu": tp, "cpu": str(4 * tp), "memory": mem},
+                              "limits": {"nvidia.com/gpu": tp, "memory": mem}}
     assert res.gpus_per_replica == tp
 
 

@@ -1105,6 +1105,29 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
     return result
 
 
+def cached_reference(key: str, cache_root: Optional[Path] = None) -> Optional[ReferenceData]:
+    """The stored reference of a gate run (``key``: its metrics.json ``reference_cache.key``) from the
+    reference cache (default ``spec.default_model.cache_dir()/gate-ref``), or None when it is not there.
+    ``hidden[i]`` belongs to the gate's i-th prompt (metrics.json ``prompts[i]``); logits are
+    ``lm_head_weight(model_dir) @ h``."""
+    if cache_root is None:
+        from precision_pipeline.spec.default_model import cache_dir
+
+        cache_root = cache_dir() / "gate-ref"
+    target = Path(cache_root) / key[:32]
+    if not (target / "meta.json").is_file():
+        return None
+    d = _load_reference(target)
+    d.key = key
+    return d
+
+
+def lm_head_weight(model_dir: Path) -> torch.Tensor:
+    """The FP32 lm_head weight ``[vocab, hidden]`` of an HF folder (what the gate's cached hidden
+    states are multiplied by)."""
+    return _lm_head_weight(model_dir)
+
+
 def _lm_head_weight(model_dir: Path) -> torch.Tensor:
     """The FP32 lm_head weight ``[vocab, hidden]`` of the HF folder.
 

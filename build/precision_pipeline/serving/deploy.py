@@ -86,6 +86,12 @@ HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 8001, 8002
 STARTUP_PERIOD_S = 10
 STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes to load engines before the kubelet restarts the pod
 TERMINATION_GRACE_S = 60
+CPU_PER_GPU = 4
+"""CPU request per GPU (tokenization, the Python BLS and pre/postprocessing run on CPU): a sizing default."""
+MEMORY_GI_BASE, MEMORY_GI_PER_GPU = 16, 16
+"""Memory request (= limit) ``MEMORY_GI_BASE + MEMORY_GI_PER_GPU x GPUs`` GiB: host copies of engine
+shards while loading plus the pinned host buffers of the TensorRT-LLM runtime; a sizing default."""
+TMP_SIZE = "4Gi"
 LABEL_PREFIX = "precision-pipeline"
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -322,10 +328,34 @@ def _schema_validator(k8s_version: str, kind: str, api_version: str):
     return jsonschema.validators.Draft202012Validator(schema, registry=registry), kvu.major_minor(version)
 
 
+CRD_DIR = Path(__file__).resolve().parent / "crds"
+"""JSON schemas of the custom resources rendered here (``<group>-<version>-<Kind>.json``; each names its
+source and version in its ``description``)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _crd_validator(api_version: str, kind: str):
+    import json
+
+    import jsonschema
+
+    path = CRD_DIR / f"{api_version.replace('/', '-')}-{kind}.json"
+    if not path.is_file():
+        raise UserError("kind", f"no schema for custom resource {kind} in {api_version} ({path.name}).",
+                        f"add its CRD schema to {CRD_DIR}.")
+    schema = json.loads(path.read_text())
+    return jsonschema.validators.Draft202012Validator(schema), schema.get("title", path.name)
+
+
 def validate_manifest(doc: dict, where: str, k8s_version: str = K8S_VERSION) -> None:
-    """Strict schema validation (kubernetes-validate's schemas: unknown fields are errors) plus the
-    API-server rules the schemas lack. Raises UserError naming the file and the path of each problem."""
-    validator, used = _schema_validator(k8s_version, str(doc.get("kind")), str(doc.get("apiVersion")))
+    """Strict schema validation (kubernetes-validate's schemas: unknown fields are errors; custom
+    resources: the schemas in ``CRD_DIR``) plus the API-server rules the schemas lack. Raises
+    UserError naming the file and the path of each problem."""
+    api = str(doc.get("apiVersion"))
+    if "." in api.split("/")[0] and not api.split("/")[0].endswith(".k8s.io"):
+        validator, used = _crd_validator(api, str(doc.get("kind")))
+    else:
+        validator, used = _schema_validator(k8s_version, str(doc.get("kind")), api)
     errors = sorted(validator.iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
         raise UserError([Problem(f"{where}: {_path_str(list(e.absolute_path))}",
@@ -467,6 +497,12 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
     if gpu is None or not gpu.id or not gpu.name:
         raise UserError("target.gpu", f"plan.json has no known GPU (asked: {plan.profile.target.gpu!r}).", "resolve the profile on a catalog GPU first.")
     world, tp, pp = _gpus(plan, profile)
+    per_node = profile.deployment.gpus_per_node
+    if per_node is not None and world > per_node:
+        # a pod cannot span nodes: a Deployment of world > per_node GPUs would stay Pending for ever
+        raise UserError("deployment.gpus_per_node", f"is {per_node} but one engine needs tp_size x pp_size = {world} GPUs: "
+                        "it must run across nodes (a LeaderWorkerSet), which this deploy stage does not render yet.",
+                        f"use nodes with >= {world} GPUs (and raise gpus_per_node), or a smaller tp_size x pp_size.")
     products = list(gpu_products) if gpu_products else [gpu_product_label(gpu.name)]
     for p in products:
         if not isinstance(p, str) or len(p) > 63 or not p or not _LABEL_VALUE.match(p):
@@ -535,6 +571,8 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
         "image": image, "command": command, "args": args, "gpus": world,
         "startup_period_s": STARTUP_PERIOD_S, "startup_failure_threshold": startup_failure_threshold,
         "repo_root": str(repo_root).rstrip("/") or "/", "shm_size": shm, "pvc_name": pvc_name,
+        "cpu_request": str(CPU_PER_GPU * world), "memory_request": f"{MEMORY_GI_BASE + MEMORY_GI_PER_GPU * world}Gi",
+        "tmp_size": TMP_SIZE,
     }
     svc = {"name": name, "namespace": namespace, "labels": labels, "selector": selector}
     pdb = {"name": name, "namespace": namespace, "labels": labels, "selector": selector, "min_available": 1} if replicas > 1 else None
@@ -542,7 +580,58 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
         notes.append("replicas = 1: no PodDisruptionBudget (minAvailable: 1 would block every drain of the node).")
     facts = {"name": name, "replicas": replicas, "gpus_per_replica": world, "gpu_products": products, "serving": ss,
              "launcher": launcher, "command": [*command, *args], "notes": notes}
-    return {"triton-deployment.yaml": dep, "service.yaml": svc, "pdb.yaml": pdb}, facts
+    rollout, analysis = _argo_params(plan, profile, name, namespace, labels, annotations, selector, ss.unit, dep)
+    if rollout is not None:
+        notes.append("workload argo-rollout: apply the Rollout and AnalysisTemplate with the Deployment; the Rollout "
+                     "owns releases (k8s/README.md).")
+    return {"triton-deployment.yaml": dep, "service.yaml": svc, "pdb.yaml": pdb, "argo-rollout.yaml": rollout,
+            "analysis-template.yaml": analysis}, facts
+
+
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+"""Prometheus the AnalysisTemplate queries (the prometheus-operator's default Service name); an argument."""
+PROBE_METRICS = {"kl_p99": "precision_pipeline_probe_kl_p99", "top1": "precision_pipeline_probe_top1"}
+"""Gauges the accuracy probe publishes per engine unit (label ``engine_unit``)."""
+MAX_ERROR_RATE = 0.01
+ANALYSIS_INTERVAL = "60s"
+
+
+def _argo_params(plan, profile, name, namespace, labels, annotations, selector, unit, dep) -> tuple[Optional[dict], Optional[dict]]:
+    """Rollout and AnalysisTemplate parameters (None, None unless ``deployment.workload: argo-rollout``)."""
+    d = profile.deployment
+    if d.workload != "argo-rollout":
+        return None, None
+    from precision_pipeline.gate.checkpoint_gate import CHECKS
+
+    steps: list[dict] = []
+    for pct in d.canary_steps:
+        steps.append({"setWeight": int(pct)})
+        if pct < 100:
+            steps.append({"pause": {"duration": f"{int(d.canary_pause_s)}s"}})
+    thr = profile.gate.for_model(plan.model.name)
+    canary = 'rollouts_pod_template_hash="{{args.canary-hash}}"'
+    metrics = []
+    for key, metric in PROBE_METRICS.items():
+        field_name, op = CHECKS[key]
+        v = getattr(thr, field_name)
+        if v is None:
+            continue
+        metrics.append({"name": f"probe-{key.replace('_', '-')}", "interval": ANALYSIS_INTERVAL, "failureLimit": 0,
+                        "successCondition": f"len(result) > 0 && result[0] {op} {v!r}",
+                        "provider": {"prometheus": {"address": "{{args.prometheus-address}}",
+                                                    "query": f'max({metric}{{engine_unit="{unit}"}})'}}})
+    fail = f"sum(rate(nv_inference_request_failure{{{canary}}}[2m]))"
+    total = f"sum(rate(nv_inference_request_success{{{canary}}}[2m])) + {fail}"
+    metrics.append({"name": "error-rate", "interval": ANALYSIS_INTERVAL, "failureLimit": 0,
+                    "successCondition": f"len(result) == 0 || result[0] <= {MAX_ERROR_RATE!r}",
+                    "provider": {"prometheus": {"address": "{{args.prometheus-address}}",
+                                                "query": f"({fail}) / clamp_min({total}, 1e-9)"}}})
+    rollout = {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations,
+               "replicas": dep["replicas"], "progress_deadline_s": dep["progress_deadline_s"], "selector": selector,
+               "deployment_name": name, "analysis_name": name, "steps": steps}
+    analysis = {"name": name, "namespace": namespace, "labels": labels, "prometheus_address": DEFAULT_PROMETHEUS,
+                "metrics": metrics}
+    return rollout, analysis
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,6 +84,19 @@ def serving_models(repo_dir: Path, state: dict) -> list[str]:
     return ["preprocessing", "postprocessing", *units, "ensemble", "tensorrt_llm_bls"]
 
 
+def _pid_alive(pid) -> bool:
+    """Whether process ``pid`` runs on this machine (the rollout that recorded it is alive)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
@@ -175,10 +188,20 @@ def point_bls(repo_dir: Path, unit: str) -> bool:
         cfg.parameters["tensorrt_llm_model_name"].string_value = unit
     changed = _rewrite_config(Path(repo_dir) / "tensorrt_llm_bls" / "config.pbtxt", mut)
     route = Path(repo_dir) / "tensorrt_llm_bls" / ROUTE_FILE
-    if (read_json(route, {}) or {}).get("tensorrt_llm_model_name") != unit:
+    if (read_json(route, {}) or {}) != {"tensorrt_llm_model_name": unit}:  # also ends a canary
         atomic_write_json(route, {"tensorrt_llm_model_name": unit})
         changed = True
     return changed
+
+
+def set_canary(repo_dir: Path, stable: str, candidate: str, percent: int) -> None:
+    """route.json: ``percent`` (0..100) of the BLS's requests to ``candidate``, the rest to ``stable``
+    (the running BLS reads it on its next request; see tensorrt_llm_bls/1/model.py)."""
+    if not 0 <= int(percent) <= 100:
+        raise ValueError(f"percent {percent} outside 0..100")
+    atomic_write_json(Path(repo_dir) / "tensorrt_llm_bls" / ROUTE_FILE,
+                      {"tensorrt_llm_model_name": stable,
+                       "canary": {"tensorrt_llm_model_name": candidate, "percent": int(percent)}})
 
 
 def _set_params(path: Path, values: dict[str, str]) -> None:
@@ -380,6 +403,14 @@ def _recover_locked(repo_dir: Path) -> list[str]:
     if not state or not state.get("current"):
         return fixed
     cur = state["current"]
+    if state.get("rollout") and not _pid_alive(state["rollout"].get("pid")):
+        # a rollout whose process died (crash, kill -9): the stable release serves every request again
+        ro = state.pop("rollout")
+        state["history"] = (state.get("history", []) + [{
+            "action": "rollout_abort", "from": ro.get("candidate"), "to": cur, "time": _now(), "by": "recover",
+            "ms": 0.0, "rollout": {**ro, "failed_check": "interrupted", "numbers": {}}}])[-HISTORY_MAX:]
+        atomic_write_json(state_path(repo_dir), state)
+        fixed.append(f"interrupted rollout of {ro.get('candidate')} ended; {cur} serves all traffic")
     if not (repo_dir / cur / "config.pbtxt").is_file():
         raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir}.",
                         "restore the unit directory or roll back to one that exists.")
@@ -530,6 +561,9 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         previous = state["current"]
         unit = install_unit(repo_dir, engine_unit, serve_root)
         _crash_point("install")
+        if state.get("rollout"):
+            raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
+                            "let it finish, or end it with `invoke rollout --abort`.")
         if unit == previous:
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
         if server is not None:
@@ -611,6 +645,9 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         if not state:
             raise UserError(str(state_path(repo_dir)), "no releases.json.", "init the serving repository first.")
         cur = state["current"]
+        if state.get("rollout"):
+            raise UserError("rollback", f"a rollout of {state['rollout']['candidate']} is in progress.",
+                            "end it with `invoke rollout --abort` (all traffic back to the stable release).")
         units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
         if fallback:
             target = state.get("fallback")
@@ -652,6 +689,145 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
     return timings
 
 
+# --------------------------------------------------------------------------------------------
+# Gradual rollout primitives (the orchestration -- steps, checks, metrics -- is serving/rollout.py)
+
+ROLLOUT_STEPS = ("rollout_load", "rollout_begin", "rollout_route", "rollout_switch", "rollout_abort_route")
+"""Crash points of a rollout: after the candidate is loaded and smoke-tested, after releases.json
+records the rollout, after a step's route.json is written, after the 100 % switch (before its commit),
+after an abort's route.json. At each, ``recover()`` leaves the stable release serving every request."""
+
+
+def rollout_state(repo_dir: Path) -> dict | None:
+    """releases.json's ``rollout`` (the rollout in progress) or None."""
+    return (read_state(repo_dir) or {}).get("rollout")
+
+
+def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = "", gate: dict | None = None,
+                  steps: Iterable[int] = (), by: str = "rollout", smoke: bool = True,
+                  serve_root: str | None = None) -> dict:
+    """Install and load the candidate unit beside the current (stable) one and smoke-test it; record
+    ``rollout`` = {candidate, profile, gate, steps, step, percent: 0, started, by} in releases.json.
+    No request is routed to it yet (``set_rollout_percent``). Returns the rollout record (+ timings).
+    Raises UserError when a rollout is already in progress or the candidate is current."""
+    repo_dir = Path(repo_dir)
+    timings: dict[str, Any] = {}
+    with _lock(repo_dir):
+        _recover_locked(repo_dir)
+        state = read_state(repo_dir)
+        if not state:
+            raise UserError(str(state_path(repo_dir)), "no releases.json: this is not a serving repository.",
+                            "create it with `invoke promote --profile P` first (the first promote creates it).")
+        if state.get("rollout"):
+            raise UserError("rollout", f"a rollout of {state['rollout']['candidate']} is already in progress.",
+                            "end it with `invoke rollout --abort` first.")
+        unit = install_unit(repo_dir, engine_unit, serve_root)
+        if unit == state["current"]:
+            raise UserError("--profile", f"{unit} is already the current release.", "nothing to roll out.")
+        if server is not None:
+            t = time.perf_counter()
+            server.load(unit)
+            timings["load_ms"] = (time.perf_counter() - t) * 1e3
+            if smoke:
+                try:
+                    timings["smoke"] = smoke_test(server, unit)
+                except Exception:
+                    with contextlib.suppress(Exception):
+                        server.unload(unit)
+                    raise
+        _crash_point("rollout_load")
+        state["rollout"] = {"candidate": unit, "stable": state["current"], "profile": profile, "gate": gate or {},
+                            "steps": [int(x) for x in steps], "step": None, "percent": 0, "started": _now(), "by": by,
+                            "pid": os.getpid(), "checks": []}
+        atomic_write_json(state_path(repo_dir), state)
+        _crash_point("rollout_begin")
+    return {**state["rollout"], "timings": timings}
+
+
+def set_rollout_percent(repo_dir: Path, percent: int, checks: dict | None = None) -> dict:
+    """Route ``percent`` (1..99) of the BLS's requests to the candidate; releases.json first (the step
+    and the previous step's check numbers ``checks``), then route.json."""
+    repo_dir = Path(repo_dir)
+    with _lock(repo_dir):
+        state = read_state(repo_dir) or {}
+        ro = state.get("rollout")
+        if not ro:
+            raise UserError("rollout", "no rollout is in progress.", "start one with `invoke rollout --profile P`.")
+        ro["step"], ro["percent"] = int(percent), int(percent)
+        if checks:
+            ro["checks"] = (ro.get("checks", []) + [checks])[-50:]
+        atomic_write_json(state_path(repo_dir), state)
+        set_canary(repo_dir, state["current"], ro["candidate"], percent)
+        _crash_point("rollout_route")
+    return ro
+
+
+def finish_rollout(repo_dir: Path, *, server=None, checks: dict | None = None, warm_previous: bool = False) -> dict:
+    """The 100 % step: the candidate becomes the current release (ensemble and BLS re-pointed, the
+    ensemble reloaded, releases.json committed with history action ``rollout``), as ``promote`` does
+    after its smoke test. Returns timings in ms."""
+    repo_dir = Path(repo_dir)
+    t0 = time.perf_counter()
+    timings: dict[str, Any] = {}
+    with _lock(repo_dir):
+        state = read_state(repo_dir) or {}
+        ro = state.get("rollout")
+        if not ro:
+            raise UserError("rollout", "no rollout is in progress.", "start one with `invoke rollout --profile P`.")
+        previous, unit = state["current"], ro["candidate"]
+        _switch(repo_dir, server, unit, timings, previous)
+        _crash_point("rollout_switch")
+        timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
+        ro.pop("checks", None)
+        state.pop("rollout")
+        state["current"] = unit
+        state["releases"] = [r for r in state["releases"] if r["unit"] != unit or r["kind"] == "fallback"]
+        state["releases"].append(_release_record(repo_dir / unit, unit, ro.get("profile", ""), ro.get("gate"),
+                                                 ro.get("by", "rollout"), "release"))
+        state["history"] = (state["history"] + [{"action": "rollout", "from": previous, "to": unit, "time": _now(),
+                                                 "by": ro.get("by", "rollout"), "ms": round(timings["switched_ms"], 1),
+                                                 "rollout": {"steps": ro.get("steps"), "started": ro.get("started"),
+                                                             "checks": checks or {}}}])[-HISTORY_MAX:]
+        atomic_write_json(state_path(repo_dir), state)  # commit point
+        timings["removed"] = _retain(repo_dir, state, server, warm_previous, previous)
+        atomic_write_json(state_path(repo_dir), state)
+    timings["unit"] = unit
+    return timings
+
+
+def abort_rollout(repo_dir: Path, *, server=None, failed_check: str = "manual abort", numbers: dict | None = None,
+                  by: str = "manual", drained=None) -> dict:
+    """Roll the rollout back: route.json sends every request to the stable release (first), then
+    ``drained(candidate) -> dict`` (if given) waits for the candidate's last request and returns
+    measurements, then the candidate is unloaded and releases.json records the abort (history action
+    ``rollout_abort`` with the step, ``failed_check`` and its ``numbers``). Returns that record."""
+    repo_dir = Path(repo_dir)
+    t0 = time.perf_counter()
+    with _lock(repo_dir):
+        state = read_state(repo_dir) or {}
+        ro = state.get("rollout")
+        if not ro:
+            raise UserError("--abort", "no rollout is in progress.", "`invoke releases` shows the current release.")
+        cur, unit = state["current"], ro["candidate"]
+        point_bls(repo_dir, cur)
+        route_ms = (time.perf_counter() - t0) * 1e3
+        _crash_point("rollout_abort_route")
+        drain = dict(drained(unit) or {}) if drained is not None else {}
+        if server is not None and _loaded(server).get(unit) == "READY" and unit != state.get("fallback"):
+            with contextlib.suppress(Exception):
+                server.unload(unit)
+        rec = {"candidate": unit, "stable": cur, "step": ro.get("step"), "percent": ro.get("percent"),
+               "steps": ro.get("steps"), "started": ro.get("started"), "failed_check": failed_check,
+               "numbers": numbers or {}, "route_ms": round(route_ms, 2), **drain,
+               "checks": ro.get("checks", [])}
+        state.pop("rollout")
+        state["history"] = (state["history"] + [{"action": "rollout_abort", "from": unit, "to": cur, "time": _now(),
+                                                 "by": by, "ms": round((time.perf_counter() - t0) * 1e3, 1),
+                                                 "rollout": rec}])[-HISTORY_MAX:]
+        atomic_write_json(state_path(repo_dir), state)
+    return rec
+
+
 def list_releases(repo_dir: Path) -> dict:
     """releases.json plus what is on disk (for `invoke releases`)."""
     state = read_state(repo_dir) or {}
@@ -660,4 +836,6 @@ def list_releases(repo_dir: Path) -> dict:
 
 
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "init_serving_repo", "recover", "smoke_test",
-                          "read_state", "serving_models", "list_releases", "STEPS", "INIT_STEPS", "CRASH_ENV"]
+                          "read_state", "serving_models", "list_releases", "STEPS", "INIT_STEPS", "CRASH_ENV",
+                          "set_canary", "begin_rollout", "set_rollout_percent", "finish_rollout", "abort_rollout",
+                          "rollout_state", "ROLLOUT_STEPS"]

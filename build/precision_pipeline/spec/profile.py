@@ -203,6 +203,16 @@ class Runtime(_Strict):
     instance_count: int = Field(1, ge=1, le=64, description="Instances of preprocessing/postprocessing.")
 
 
+def canary_steps_problem(steps) -> Optional[str]:
+    """Why ``steps`` are not valid canary percentages (strictly increasing integers in 1..100 ending at
+    100), or None when they are."""
+    steps = list(steps)
+    if not steps or steps[-1] != 100 or any(not isinstance(x, int) or not 1 <= x <= 100 for x in steps) \
+            or steps != sorted(set(steps)):
+        return f"{steps}: canary steps must be strictly increasing percentages in 1..100 ending at 100"
+    return None
+
+
 class Deployment(_Strict):
     """Where and how the engine is served."""
 
@@ -211,6 +221,22 @@ class Deployment(_Strict):
     fallback: Optional[str] = Field(None, description="Profile whose prebuilt engine is kept for rollback (usually a bf16 one).")
     warm_fallback: bool = Field(False, description="Keep the fallback loaded (instant rollback; costs its GPU memory).")
     keep_releases: int = Field(2, ge=0, le=100, description="Previous releases kept on disk for rollback.")
+    workload: Literal["deployment", "argo-rollout"] = Field(
+        "deployment", description="Kubernetes workload that owns a release: a plain Deployment (rolling update), or an Argo "
+        "Rollouts Rollout (canary steps with an accuracy/error-rate analysis) that references the Deployment.")
+    canary_steps: tuple[int, ...] = Field((5, 20, 50, 100), min_length=1,
+                                    description="Canary percentages (increasing, ending at 100) of `invoke rollout` and the Rollout.")
+    canary_pause_s: int = Field(300, ge=0, le=86400, description="Seconds each canary step holds before it widens.")
+    gpus_per_node: Optional[int] = Field(None, ge=1, le=64, description="GPUs one node has; when tp_size x pp_size exceeds it, "
+                                         "the engine runs as a multi-node LeaderWorkerSet.")
+
+    @field_validator("canary_steps")
+    @classmethod
+    def _steps(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        why = canary_steps_problem(v)
+        if why:
+            raise ValueError(why + " (e.g. [5, 20, 50, 100])")
+        return v
 
 
 class GateThresholds(_Strict):

@@ -18,8 +18,20 @@ tensorrtllm_backend's tensors: input_ids, input_lengths, request_output_len, end
 stop_words_list, bad_words_list (single-token bad words), exclude_input_in_output ->
 output_ids [batch, 1, len] (padded with end_id), sequence_length [batch, 1], cum_log_probs [batch, 1],
 output_log_probs [batch, 1, len]. end_id is not part of the output (as in TensorRT-LLM); a matched stop
-word is. Sampling (top_k > 1, top_p, temperature != 1 with sampling), beam search, streaming and logits
-outputs are refused with an error rather than silently ignored.
+word is. Sampling (top_k > 1, top_p, temperature != 1 with sampling), beam search and streaming are
+refused with an error rather than silently ignored.
+
+Logits outputs, as tensorrtllm_backend names them (inputs ``return_context_logits`` /
+``return_generation_logits``, BOOL):
+
+* ``context_logits`` [batch, input_len, vocab] FP32: the logits of every prompt position (row ``t``
+  predicts token ``t + 1``), rows past a request's own ``input_lengths`` are 0. Computed by one
+  unpadded forward pass per request, so they equal a plain FP32 forward of that prompt. The real
+  backend returns them only for an engine built with ``trtllm-build --gather_context_logits`` (profile
+  ``build.gather_context_logits: true``) and with ``logits_datatype`` TYPE_FP32 in the unit's config;
+* ``generation_logits`` [batch, 1, output_len, vocab] FP32: the logits each generated token was
+  chosen from (real backend: ``--gather_generation_logits``).
+Both are sent only when asked for (they are large: vocab floats per position).
 """
 
 import json
@@ -141,11 +153,11 @@ class TritonPythonModel:
         out_len = np.asarray(out_len).reshape(-1)
         for name, bad in (("beam_width", lambda v: int(v) > 1), ("num_return_sequences", lambda v: int(v) > 1),
                           ("runtime_top_k", lambda v: int(v) > 1), ("runtime_top_p", lambda v: 0.0 < float(v) < 1.0),
-                          ("streaming", bool), ("return_context_logits", bool), ("return_generation_logits", bool)):
+                          ("streaming", bool)):
             v = self._opt(request, name)
             if v is not None and any(bad(x) for x in np.asarray(v).reshape(-1)):
                 raise ValueError(f"{name}={np.asarray(v).reshape(-1).tolist()} is not supported by the CPU reference "
-                                 "stand-in (greedy, one beam, no streaming, no logits outputs)")
+                                 "stand-in (greedy, one beam, no streaming)")
         stops = self._opt(request, "stop_words_list")
         bads = self._opt(request, "bad_words_list")
         rows = []
@@ -161,14 +173,21 @@ class TritonPythonModel:
             excl = bool(self._scalar(request, "exclude_input_in_output", r, self.exclude_default))
             rows.append({"ids": [int(x) for x in ids[r, :n]], "max_new": m, "end_id": end_id, "pad_id": pad_id,
                          "stops": self._words(stops, r), "bad": [w[0] for w in self._words(bads, r) if len(w) == 1],
-                         "exclude": excl})
+                         "exclude": excl, "want_ctx": bool(self._scalar(request, "return_context_logits", r, False)),
+                         "want_gen": bool(self._scalar(request, "return_generation_logits", r, False))})
         return rows
 
     # ---- generation
 
     def generate(self, rows):
-        """Greedy decoding of all rows together; fills row['gen'] and row['logprobs']."""
+        """Greedy decoding of all rows together; fills row['gen'] and row['logprobs'] (and row['ctx'],
+        row['genlog'] when asked for)."""
         torch = self.torch
+        with torch.inference_mode():
+            for r in rows:
+                if r["want_ctx"]:  # one unpadded forward: exactly the prompt's FP32 logits
+                    x = torch.tensor([r["ids"]], dtype=torch.long)
+                    r["ctx"] = self.model(input_ids=x, use_cache=False).logits[0].float().numpy()
         B = len(rows)
         L = max(len(r["ids"]) for r in rows)
         inp = torch.zeros((B, L), dtype=torch.long)
@@ -200,6 +219,8 @@ class TritonPythonModel:
                         continue
                     r["gen"].append(t)
                     r["logprobs"].append(float(lp[i]))
+                    if r["want_gen"]:
+                        r.setdefault("genlog", []).append(logits[i].numpy().copy())
                     if len(r["gen"]) >= r["max_new"] or any(r["gen"][-len(s):] == s for s in r["stops"]):
                         r["done"] = True
                 if all(r["done"] for r in rows):
@@ -221,13 +242,28 @@ class TritonPythonModel:
             out_ids[i, 0, :] = r["end_id"] if r["end_id"] >= 0 else r["pad_id"]
             out_ids[i, 0, :len(s)] = s
             lps[i, 0, :len(r["logprobs"])] = r["logprobs"]
-        return pb_utils.InferenceResponse(output_tensors=[
+        tensors = [
             pb_utils.Tensor("output_ids", out_ids),
             pb_utils.Tensor("sequence_length", np.array([[len(s)] for s in seqs], np.int32)),
             pb_utils.Tensor("cum_log_probs", np.array([[sum(r["logprobs"])] for r in rows], np.float32)),
             pb_utils.Tensor("output_log_probs", lps),
             pb_utils.Tensor("batch_index", np.arange(len(rows), dtype=np.int32).reshape(-1, 1)),
-        ])
+        ]
+        if any(r["want_ctx"] for r in rows):
+            v = next(r["ctx"].shape[1] for r in rows if r["want_ctx"])
+            ctx = np.zeros((len(rows), max(len(r["ids"]) for r in rows), v), np.float32)
+            for i, r in enumerate(rows):
+                if r["want_ctx"]:
+                    ctx[i, :len(r["ids"])] = r["ctx"]
+            tensors.append(pb_utils.Tensor("context_logits", ctx))
+        if any(r["want_gen"] for r in rows):
+            v = next((r["genlog"][0].shape[0] for r in rows if r.get("genlog")), 1)
+            gen = np.zeros((len(rows), 1, gw, v), np.float32)
+            for i, r in enumerate(rows):
+                for k, row in enumerate(r.get("genlog", [])):
+                    gen[i, 0, k] = row
+            tensors.append(pb_utils.Tensor("generation_logits", gen))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def execute(self, requests):
         parsed, responses = [], [None] * len(requests)

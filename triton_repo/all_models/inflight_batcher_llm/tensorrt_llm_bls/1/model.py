@@ -3,7 +3,13 @@
 The engine model's name comes from the ``tensorrt_llm_model_name`` parameter (tensorrtllm_backend's
 name for it), overridden by ``<this model's dir>/route.json`` {"tensorrt_llm_model_name": ...} when
 present. build/precision_pipeline/serving/release.py rewrites both when a release is promoted or rolled back: route.json is
-checked (stat) on every request, so a running BLS switches engines without being reloaded. Non-streaming:
+checked (stat) on every request, so a running BLS switches engines without being reloaded.
+
+Canary (a gradual rollout, build/precision_pipeline/serving/rollout.py): route.json may also hold
+``"canary": {"tensorrt_llm_model_name": <candidate unit>, "percent": P}``; then P of every 100
+requests of this BLS instance go to the candidate, spread evenly (a deterministic accumulator, not a
+coin flip, so the share per instance is exact to one request). Without "canary" every request goes to
+the stable unit. Non-streaming:
 one response per request (in decoupled mode it is sent through the response sender with the FINAL flag;
 ``stream`` = true is refused, this BLS does not stream).
 """
@@ -29,24 +35,35 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         self.route_file = os.path.join(args.get("model_repository", ""), "route.json")
         self.route_mtime = None
+        self.canary, self.percent, self.acc = None, 0, 0
         self._route()
 
     def _route(self):
-        """The engine model to call: route.json when it exists (re-read when it changes), else the parameter."""
+        """The engine model to call: route.json when it exists (re-read when it changes), else the parameter;
+        with a canary in route.json, the candidate for its percent of requests."""
         try:
             st = os.stat(self.route_file)
         except OSError:
-            return self.trt_name
-        key = (st.st_mtime_ns, st.st_ino, st.st_size)
-        if key != self.route_mtime:
+            st = None
+        key = None if st is None else (st.st_mtime_ns, st.st_ino, st.st_size)
+        if st is not None and key != self.route_mtime:
             try:
                 with open(self.route_file) as f:
-                    name = json.load(f).get("tensorrt_llm_model_name")
+                    route = json.load(f)
+                name = route.get("tensorrt_llm_model_name")
                 if name:
                     self.trt_name = name
+                can = route.get("canary") or {}
+                self.canary = can.get("tensorrt_llm_model_name") or None
+                self.percent = max(0, min(100, int(can.get("percent", 0)))) if self.canary else 0
                 self.route_mtime = key
-            except (OSError, ValueError):
+            except (OSError, ValueError, TypeError):
                 pass
+        if self.canary and self.percent:
+            self.acc += self.percent
+            if self.acc >= 100:
+                self.acc -= 100
+                return self.canary
         return self.trt_name
 
     @staticmethod

@@ -1,0 +1,235 @@
+"""The accuracy probe: the gate's own metric measured on the live serving path.
+
+A fixed subset of the golden prompts the build's gate scored is sent through the Triton server to an
+engine unit (``tensorrt_llm_<h12>``, called directly: the probe judges one engine, not the router).
+Each request asks for the unit's **context logits** (tensorrtllm_backend's ``return_context_logits``
+input, ``context_logits`` output ``[batch, input_len, vocab]`` FP32; the real backend returns them
+only for an engine built with ``trtllm-build --gather_context_logits``, profile
+``build.gather_context_logits: true``, and a unit config with ``logits_datatype`` TYPE_FP32). The
+answer positions are scored against the FP32 reference the gate stored (the reference cache entry
+named by the gate's ``metrics.json`` ``reference_cache.key``: final hidden states, multiplied by the
+FP32 lm_head) with the gate's own per-token code (``checkpoint_gate.token_metrics``):
+KL(P_ref || P_engine) P99 and mean (nats, pooled over answer tokens) and top-1 agreement.
+
+Public API (``invoke rollout`` uses it at each step; ``invoke probe`` may reuse it):
+
+* ``load_probe_set(gate_dir, prompts=4, thresholds=None) -> ProbeSet``: prompts, reference logits,
+  the gate's own per-token numbers for the same prompts, thresholds (default: the gate's, i.e. the
+  profile's gate section for this model);
+* ``run_probe(server, unit, probe_set) -> ProbeResult``: the numbers, their 95 % bootstrap intervals
+  (over prompts, as the gate computes them), the checks ``kl_p99 <= kl_p99_max`` and
+  ``top1 >= top1_min``, ``passed``;
+* ``engine_context_logits(server, unit, input_ids, end_id)``: one prompt's ``[T, vocab]`` logits.
+
+Errors: ``UserError`` when the gate folder has no metrics.json / per-token file or its stored
+reference is not in the cache (run the build's gate again); ``RuntimeError`` when the server refuses
+or returns logits of the wrong shape (the probe then counts as failed, see serving/rollout.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import read_json
+from precision_pipeline.spec.profile import GateThresholds
+
+PROBE_METRICS = ("kl_p99", "top1")
+"""The metrics the probe checks (threshold fields from ``checkpoint_gate.CHECKS``)."""
+DEFAULT_PROMPTS = 4
+DEFAULT_BOOTSTRAP = 200
+
+
+@dataclass
+class ProbePrompt:
+    """One golden prompt of the probe: its token ids, answer positions and the reference logits there."""
+
+    id: str
+    category: str
+    input_ids: list[int]
+    answer: slice                     # positions scored (row t predicts token t + 1)
+    ref_logits: Any                   # torch.Tensor [n_answer, vocab] float32
+    gate_kl: np.ndarray               # the gate's per-token KL of the build's candidate on this prompt
+    gate_top1: np.ndarray
+
+
+@dataclass
+class ProbeSet:
+    prompts: list[ProbePrompt]
+    thresholds: GateThresholds
+    end_id: int
+    gate_dir: Path
+    reference_key: str
+
+    def gate_numbers(self) -> dict[str, float]:
+        """The gate's own kl_p99 / kl_mean / top1 on exactly these prompts (from its per_token.npz)."""
+        kl = np.concatenate([p.gate_kl for p in self.prompts])
+        t1 = np.concatenate([p.gate_top1 for p in self.prompts]).astype(np.float64)
+        return {"kl_p99": float(np.percentile(kl, 99)), "kl_mean": float(kl.mean()), "top1": float(t1.mean()),
+                "tokens": int(kl.size)}
+
+
+@dataclass
+class ProbeResult:
+    unit: str
+    kl_p99: float
+    kl_mean: float
+    top1: float
+    tokens: int
+    prompts: int
+    ci95: dict[str, list[float]]
+    checks: dict[str, dict[str, Any]]
+    passed: bool
+    ms: float
+    gate_same_prompts: dict[str, float] = field(default_factory=dict)
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[str]:
+        return [k for k, c in self.checks.items() if c["passed"] is False]
+
+    def summary(self) -> dict[str, Any]:
+        return {"unit": self.unit, "kl_p99": self.kl_p99, "kl_mean": self.kl_mean, "top1": self.top1,
+                "tokens": self.tokens, "prompts": self.prompts, "ci95": self.ci95, "checks": self.checks,
+                "passed": self.passed, "ms": round(self.ms, 1), "gate_same_prompts": self.gate_same_prompts}
+
+
+def _spread(n_total: int, categories: Sequence[str], n: int) -> list[int]:
+    """``n`` prompt indices, one per category in turn (file order), so every category is probed."""
+    order: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        order.setdefault(c, []).append(i)
+    out: list[int] = []
+    k = 0
+    while len(out) < min(n, n_total):
+        for idx in order.values():
+            if k < len(idx) and len(out) < n:
+                out.append(idx[k])
+        k += 1
+    return sorted(out)
+
+
+def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: Optional[GateThresholds] = None,
+                   cache_root: Optional[Path] = None) -> ProbeSet:
+    """The probe's prompts and stored reference for the gate run in ``gate_dir`` (``<build out>/gate``).
+
+    ``prompts``: how many golden prompts (spread over the categories, fixed choice). ``thresholds``:
+    default the gate's (metrics.json ``thresholds``). Raises UserError (see module doc)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    from precision_pipeline.gate import checkpoint_gate as cg
+    from precision_pipeline.gate.golden import encode_prompt, end_of_turn_id, load_golden
+
+    gate_dir = Path(gate_dir)
+    met = read_json(gate_dir / "metrics.json")
+    if not met or not (gate_dir / "per_token.npz").is_file():
+        raise UserError("gate", f"{gate_dir} has no metrics.json and per_token.npz of a gate run.",
+                        "run the build (`invoke build --profile P`) so its gate stores them.")
+    key = (met.get("reference_cache") or {}).get("key") or ""
+    ref = cg.cached_reference(key, cache_root) if key else None
+    if ref is None:
+        raise UserError("gate", f"the FP32 reference stored by the gate in {gate_dir} (key {key[:12] or '?'}) is not in "
+                        "the reference cache.", "rebuild the profile (its gate stores the reference again).")
+    model_dir = Path(met["reference_model_dir"])
+    rows = met["prompts"]
+    chosen = _spread(len(rows), [r["category"] for r in rows], prompts)
+    by_id = {g.id: g for g in load_golden(None)}
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    lm_w = cg.lm_head_weight(model_dir)
+    z = np.load(gate_dir / "per_token.npz")
+    pidx = z["prompt_index"]
+    out = []
+    for i in chosen:
+        g = by_id.get(rows[i]["id"])
+        if g is None:
+            raise UserError("gate", f"golden prompt {rows[i]['id']!r} of {gate_dir} is not in the golden set.",
+                            "rebuild the profile with the current golden set.")
+        e = encode_prompt(tok, g)
+        if len(e.input_ids) != ref.hidden[i].shape[0]:
+            raise UserError("gate", f"prompt {e.id}: {len(e.input_ids)} tokens now, {ref.hidden[i].shape[0]} when gated.",
+                            "rebuild the profile (tokenizer or golden set changed).")
+        a = e.answer_positions
+        with torch.inference_mode():
+            rl = F.linear(torch.from_numpy(ref.hidden[i][a]), lm_w).contiguous()
+        out.append(ProbePrompt(e.id, e.category, list(e.input_ids), a, rl, z["kl"][pidx == i], z["top1"][pidx == i]))
+    thr = thresholds if thresholds is not None else GateThresholds(**met.get("thresholds", {}))
+    return ProbeSet(out, thr, int(end_of_turn_id(tok)), gate_dir, key)
+
+
+def engine_context_logits(server, unit: str, input_ids: Sequence[int], end_id: int, client=None):
+    """``[T, vocab]`` float32 context logits of one prompt from engine unit ``unit`` (one new token
+    generated, as the engine gate does). Raises RuntimeError on an error or a wrong shape."""
+    import torch
+    import tritonclient.http as hc
+
+    c = client or server.http_client()
+    try:
+        ins = []
+        for name, arr in (("input_ids", np.array([list(input_ids)], np.int32)),
+                          ("input_lengths", np.array([[len(input_ids)]], np.int32)),
+                          ("request_output_len", np.array([[1]], np.int32)),
+                          ("end_id", np.array([[end_id]], np.int32)), ("pad_id", np.array([[end_id]], np.int32))):
+            t = hc.InferInput(name, list(arr.shape), "INT32")
+            t.set_data_from_numpy(arr)
+            ins.append(t)
+        flag = hc.InferInput("return_context_logits", [1, 1], "BOOL")
+        flag.set_data_from_numpy(np.array([[True]]))
+        ins.append(flag)
+        try:
+            r = c.infer(unit, ins, outputs=[hc.InferRequestedOutput("context_logits", binary_data=True)])
+        except Exception as e:
+            raise RuntimeError(f"probe of {unit}: {type(e).__name__}: {str(e)[:300]}") from None
+        cl = r.as_numpy("context_logits")
+    finally:
+        if client is None:
+            c.close()
+    if cl is None or cl.ndim != 3 or cl.shape[0] != 1 or cl.shape[1] < len(input_ids):
+        raise RuntimeError(f"probe of {unit}: context_logits {None if cl is None else cl.shape}, expected "
+                           f"[1, {len(input_ids)}, vocab] (engine built without --gather_context_logits?)")
+    return torch.from_numpy(np.ascontiguousarray(cl[0, :len(input_ids)], dtype=np.float32))
+
+
+def run_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> ProbeResult:
+    """Score engine unit ``unit`` on ``probe_set`` through ``server`` (module doc). Never raises for a
+    bad engine: a wrong answer is a failed check; a server error propagates (RuntimeError)."""
+    from precision_pipeline.gate import checkpoint_gate as cg
+
+    t0 = time.perf_counter()
+    kls, t1s, per = [], [], []
+    c = server.http_client()
+    try:
+        for p in probe_set.prompts:
+            cl = engine_context_logits(server, unit, p.input_ids, probe_set.end_id, client=c)
+            m = cg.token_metrics(p.ref_logits, cl[p.answer])
+            kls.append(m.kl)
+            t1s.append(m.top1.astype(np.float64))
+            per.append({"id": p.id, "tokens": int(m.kl.size), "kl_mean": float(m.kl.mean()), "top1": float(m.top1.mean())})
+    finally:
+        c.close()
+    kl = np.concatenate(kls)
+    top1 = np.concatenate(t1s)
+    values = {"kl_p99": float(np.percentile(kl, 99)), "kl_mean": float(kl.mean()), "top1": float(top1.mean())}
+    ci = {"kl_p99": list(cg.bootstrap_ci(kls, lambda x: float(np.percentile(x, 99)), bootstrap, seed)),
+          "kl_mean": list(cg.bootstrap_ci(kls, np.mean, bootstrap, seed)),
+          "top1": list(cg.bootstrap_ci(t1s, np.mean, bootstrap, seed))}
+    checks = {}
+    for name in PROBE_METRICS:
+        thr_field, op = cg.CHECKS[name]
+        thr = getattr(probe_set.thresholds, thr_field)
+        v = values[name]
+        ok = None if thr is None else (v <= thr if op == "<=" else v >= thr)
+        checks[name] = {"value": v, "threshold": thr, "op": op, "passed": ok}
+    return ProbeResult(unit, values["kl_p99"], values["kl_mean"], values["top1"], int(kl.size), len(kls), ci, checks,
+                       all(c["passed"] is not False for c in checks.values()), (time.perf_counter() - t0) * 1e3,
+                       probe_set.gate_numbers(), per)
+
+
+__all__ = ["ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
+           "PROBE_METRICS"]

@@ -1,0 +1,158 @@
+"""The rendered manifests pass checkov's Kubernetes policy checks, and the pod is hardened.
+
+checkov (pinned in requirements-checkov.txt) lives in its own virtual environment so its many pinned
+dependencies never move the pipeline's: ``python3 -m venv .cache/checkov-3.2.495 &&
+.cache/checkov-3.2.495/bin/pip install -r requirements-checkov.txt``. The test looks for it there, at
+``$PRECISION_CHECKOV`` or on PATH, and is skipped (saying how to install it) when it is absent.
+
+Deliberately skipped checks (each with the reason; everything else must pass):
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.serving import deploy
+from tests.serving.test_deploy import container, load_out, make_plan, make_profile, make_repo
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHECKOV_VERSION = "3.2.495"
+SKIPPED = {
+    "CKV_K8S_11": "CPU limits: a CFS quota throttles the tokenizer / BLS threads mid-request; CPU and memory "
+                  "requests are set, and memory limit = request.",
+    "CKV_K8S_43": "image digest: the tag names the TensorRT-LLM version the engine was built with; pass image= "
+                  "with @sha256:... to pin a digest of your registry's copy.",
+    "CKV_K8S_15": "imagePullPolicy Always: the TensorRT-LLM image is >20 GB and its tag is immutable; "
+                  "IfNotPresent avoids a pull per pod start.",
+    "CKV_K8S_40": "UID > 10000: NGC's tritonserver image runs as its own user triton-server (uid 1000), which owns "
+                  "its files; another uid would need a rebuilt image.",
+    "CKV2_K8S_6": "NetworkPolicy: which namespaces may reach Triton (ingress, Prometheus) is the cluster's; not "
+                  "rendered here.",
+}
+__doc__ += "".join(f"\n* {k}: {v}" for k, v in SKIPPED.items()) + "\n"
+
+
+def checkov_bin() -> str | None:
+    for cand in (os.environ.get("PRECISION_CHECKOV"), str(REPO_ROOT / ".cache" / f"checkov-{CHECKOV_VERSION}" / "bin" / "checkov"),
+                 shutil.which("checkov")):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _render(tmp_path, tp=2, replicas=2):
+    prof = make_profile(f"fp8-h100-tp{tp}", parallel={"tp_size": tp}, deployment={"replicas": replicas, "gpus_per_replica": tp})
+    return deploy.render_manifests(make_plan(prof, tp=tp), prof, make_repo(tmp_path / "b", world=tp), tmp_path / "b",
+                                   "/srv/b", namespace="llm-serving")
+
+
+def test_pod_is_hardened(tmp_path):
+    res = _render(tmp_path)
+    docs = load_out(res)
+    pod = docs["triton-deployment.yaml"]["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["automountServiceAccountToken"] is False
+    c = container(docs)
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
+                                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    for path in ("/tmp", "/dev/shm"):  # writable places on a read-only root filesystem
+        assert "emptyDir" in vols[mounts[path]], path
+    assert {e["name"]: e["value"] for e in c["env"]} == {"HOME": "/tmp", "TMPDIR": "/tmp"}
+    assert c["resources"]["requests"]["cpu"] == "8" and c["resources"]["requests"]["memory"] == "48Gi"
+
+
+def test_checkov_kubernetes_checks_pass(tmp_path):
+    exe = checkov_bin()
+    if exe is None:
+        pytest.skip(f"checkov {CHECKOV_VERSION} is not installed: python3 -m venv .cache/checkov-{CHECKOV_VERSION} && "
+                    f".cache/checkov-{CHECKOV_VERSION}/bin/pip install -r requirements-checkov.txt")
+    res = _render(tmp_path)
+    p = subprocess.run([exe, "-d", str(res.out_dir), "--framework", "kubernetes", "--skip-download",
+                        "--compact", "-o", "json", "--skip-check", ",".join(SKIPPED)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
+    out = json.loads(p.stdout or "{}")
+    reports = out if isinstance(out, list) else [out]
+    failed = [(c["check_id"], c.get("resource")) for r in reports for c in r.get("results", {}).get("failed_checks", [])]
+    passed = sum(len(r.get("results", {}).get("passed_checks", [])) for r in reports)
+    print(f"\n[checkov {CHECKOV_VERSION}] passed {passed}, failed {failed}")
+    assert failed == [] and passed > 50, p.stderr[-2000:]
+
+
+def _render_argo(tmp_path, **dep):
+    prof = make_profile("fp8-h100", deployment={"workload": "argo-rollout", "canary_steps": [5, 20, 50, 100],
+                                                "canary_pause_s": 120, "replicas": 4, **dep})
+    return deploy.render_manifests(make_plan(prof), prof, make_repo(tmp_path / "b"), tmp_path / "b", "/srv/b",
+                                   namespace="llm-serving")
+
+
+def test_argo_rollout_and_analysis_template(tmp_path):
+    import yaml
+
+    res = _render_argo(tmp_path)
+    assert res.files == ["analysis-template.yaml", "argo-rollout.yaml", "pdb.yaml", "service.yaml", "triton-deployment.yaml"]
+    ro = yaml.safe_load((res.out_dir / "argo-rollout.yaml").read_text())
+    dep = yaml.safe_load((res.out_dir / "triton-deployment.yaml").read_text())
+    assert ro["kind"] == "Rollout" and ro["spec"]["workloadRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                                     "name": dep["metadata"]["name"], "scaleDown": "progressively"}
+    assert ro["spec"]["selector"] == dep["spec"]["selector"] and ro["spec"]["replicas"] == 4
+    c = ro["spec"]["strategy"]["canary"]
+    assert c["steps"] == [{"setWeight": 5}, {"pause": {"duration": "120s"}}, {"setWeight": 20}, {"pause": {"duration": "120s"}},
+                          {"setWeight": 50}, {"pause": {"duration": "120s"}}, {"setWeight": 100}]
+    assert c["analysis"]["templates"] == [{"templateName": "triton-fp8-h100"}]
+    at = yaml.safe_load((res.out_dir / "analysis-template.yaml").read_text())
+    m = {x["name"]: x for x in at["spec"]["metrics"]}
+    assert set(m) == {"probe-kl-p99", "probe-top1", "error-rate"}
+    # thresholds: the profile's gate section for the plan's model (fp8-h100's SmolLM2 override)
+    assert m["probe-kl-p99"]["successCondition"] == "len(result) > 0 && result[0] <= 0.55"
+    assert m["probe-top1"]["successCondition"] == "len(result) > 0 && result[0] >= 0.85"
+    assert f'engine_unit="{res.engine_unit}"' in m["probe-kl-p99"]["provider"]["prometheus"]["query"]
+    assert 'rollouts_pod_template_hash="{{args.canary-hash}}"' in m["error-rate"]["provider"]["prometheus"]["query"]
+    assert all(x["failureLimit"] == 0 for x in m.values())
+
+
+def test_crd_schema_refuses_unknown_fields_and_bad_values(tmp_path):
+    import yaml
+
+    from precision_pipeline.core.errors import UserError
+
+    res = _render_argo(tmp_path)
+    ro = yaml.safe_load((res.out_dir / "argo-rollout.yaml").read_text())
+    deploy.validate_manifest(ro, "argo-rollout.yaml")
+    bad = json.loads(json.dumps(ro))
+    bad["spec"]["strategy"]["canary"]["steps"][0] = {"setWeigth": 5}
+    with pytest.raises(UserError, match="setWeigth"):
+        deploy.validate_manifest(bad, "argo-rollout.yaml")
+    bad = json.loads(json.dumps(ro))
+    bad["spec"]["strategy"]["canary"]["steps"][0] = {"setWeight": 150}
+    with pytest.raises(UserError, match="schema"):
+        deploy.validate_manifest(bad, "argo-rollout.yaml")
+    at = yaml.safe_load((res.out_dir / "analysis-template.yaml").read_text())
+    del at["spec"]["metrics"][0]["provider"]["prometheus"]["query"]
+    with pytest.raises(UserError, match="query"):
+        deploy.validate_manifest(at, "analysis-template.yaml")
+
+
+def test_canary_steps_are_checked_by_the_profile():
+    from precision_pipeline.core.errors import UserError
+
+    with pytest.raises((UserError, ValueError)):
+        make_profile("fp8-h100", deployment={"canary_steps": [20, 5, 100]})
+
+
+def test_engine_larger_than_a_node_is_refused_not_left_pending(tmp_path):
+    from precision_pipeline.core.errors import UserError
+
+    prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 1})
+    with pytest.raises(UserError, match="gpus_per_node"):
+        deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=2), tmp_path / "b", "/srv/b")
+    prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 2})
+    deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "c", world=2), tmp_path / "c", "/srv/c")

@@ -1,0 +1,245 @@
+"""Gradual rollout on a real tritonserver (CPU reference backend): probe, canary share, automatic rollback.
+
+One server for the module. Stable release: the default model in FP32 (no checkpoint). Candidates:
+the FP8 + FP8-KV test checkpoint (healthy, fp8-h100's thresholds for this model) and a copy of the
+BF16 test checkpoint with decoder layers 3 and 20 swapped (bad: it loads and answers, but wrongly).
+The probe set comes from a small gate run of the healthy checkpoint (one prompt per category, no
+held-out / greedy / floor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from precision_pipeline.serving import pack, probe, release, rollout
+from precision_pipeline.spec.profile import load_profile
+
+pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SWAP = (3, 20)
+
+
+def swapped_checkpoint(src: Path, dst: Path, a: int = SWAP[0], b: int = SWAP[1]) -> Path:
+    """A copy of TRT-LLM checkpoint ``src`` whose decoder layers ``a`` and ``b`` trade weights."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.suffix != ".safetensors":
+            shutil.copy2(p, dst / p.name)
+    for p in src.glob("rank*.safetensors"):
+        t = load_file(str(p))
+        pa, pb = f"transformer.layers.{a}.", f"transformer.layers.{b}."
+        out = {}
+        for k, v in t.items():
+            k2 = pb + k[len(pa):] if k.startswith(pa) else pa + k[len(pb):] if k.startswith(pb) else k
+            out[k2] = v
+        assert any(k.startswith(pa) for k in t), f"no layer {a} in {p}"
+        save_file(out, str(dst / p.name), metadata={"format": "pt"})
+    return dst
+
+
+def _pack(base: Path, name: str, ckpt: Path, model_dir: Path, mb: int):
+    from tests.serving.test_pack import make_plan, with_limits
+
+    prof = load_profile("bf16-h100")
+    d = base / name
+    return pack.pack_repository(with_limits(make_plan(prof), max_batch_size=mb), prof, model_dir, ckpt, d / "engine",
+                                False, d / "model_repository", str(d))
+
+
+@pytest.fixture(scope="module")
+def gate_dir(tmp_path_factory, fp8_checkpoint, default_model_dir):
+    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
+    from precision_pipeline.gate.options import GateOptions, GateRuntime
+
+    out = tmp_path_factory.mktemp("rollout-gate") / "gate"
+    thr = load_profile("fp8-h100").gate.for_model(Path(default_model_dir).name).model_copy(
+        update={"ppl_delta_pct_max": None, "greedy_same_min": None})  # not measured in this small run
+    opts = GateOptions(prompts_per_category=1, heldout_tokens=0, greedy_new_tokens=0, noise_floor=False,
+                       bootstrap_resamples=50)
+    res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, out, opts, GateRuntime(progress=False, write_report=False))
+    assert res.passed, res.failures
+    return out
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory, bf16_checkpoint, fp8_checkpoint, default_model_dir):
+    base = tmp_path_factory.mktemp("rollout-units")
+    bad_ckpt = swapped_checkpoint(Path(bf16_checkpoint), base / "swapped-ckpt")
+    return {"stable": _pack(base, "stable", base / "no-checkpoint", Path(default_model_dir), 32),
+            "healthy": _pack(base, "healthy", Path(fp8_checkpoint), Path(default_model_dir), 32),
+            "bad": _pack(base, "bad", bad_ckpt, Path(default_model_dir), 32)}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, units):
+    from precision_pipeline.serving.triton_server import TritonServer, models_to_load
+
+    repo = tmp_path_factory.mktemp("rollout-serving") / "model_repository"
+    release.init_serving_repo(repo, units["stable"].out_dir, profile="bf16-h100")
+    srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log")
+    srv.start()
+    yield repo, srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def probe_set(gate_dir):
+    return probe.load_probe_set(gate_dir, prompts=3)
+
+
+class Clients:
+    """Client threads sending short chat requests through the BLS (the canary path) in bounded loops."""
+
+    def __init__(self, srv, n=2, max_tokens=2, limit=400):
+        self.srv, self.n, self.max_tokens, self.limit = srv, n, max_tokens, limit
+        self.stop, self.lock = threading.Event(), threading.Lock()
+        self.requests, self.failed, self.errors = 0, 0, []
+
+    def _run(self):
+        import tritonclient.http as hc
+
+        c = hc.InferenceServerClient(self.srv.http_url, network_timeout=120.0)
+        try:
+            for _ in range(self.limit):
+                if self.stop.is_set():
+                    break
+                a = hc.InferInput("text_input", [1, 1], "BYTES")
+                a.set_data_from_numpy(np.array([[b"What is 2 + 2?"]], dtype=object))
+                b = hc.InferInput("max_tokens", [1, 1], "INT32")
+                b.set_data_from_numpy(np.array([[self.max_tokens]], np.int32))
+                err = None
+                try:
+                    if not c.infer("tensorrt_llm_bls", [a, b]).as_numpy("text_output").reshape(-1)[0]:
+                        err = "empty"
+                except Exception as e:
+                    err = str(e)[:200]
+                with self.lock:
+                    self.requests += 1
+                    if err:
+                        self.failed += 1
+                        self.errors.append(err)
+        finally:
+            c.close()
+
+    def __enter__(self):
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.n)]
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def test_parse_steps():
+    from precision_pipeline.core.errors import UserError
+
+    assert rollout.parse_steps("5,20,50,100") == (5, 20, 50, 100)
+    for bad in ("5,20", "20,5,100", "0,100", "5,5,100", "x"):
+        with pytest.raises(UserError):
+            rollout.parse_steps(bad)
+
+
+def test_canary_share_discounts_ensemble():
+    a = {}
+    b = {("nv_inference_request_success", "s"): 130.0, ("nv_inference_request_success", "c"): 10.0,
+         ("nv_inference_request_success", "ensemble"): 40.0}
+    assert rollout.canary_share(a, b, "s", "c") == pytest.approx(100 * 10 / 100)
+
+
+def test_probe_agrees_with_the_gate(served, units, probe_set):
+    """The healthy unit through the server: the gate's own numbers on the same prompts, within the probe's CI."""
+    repo, srv = served
+    unit = release.install_unit(repo, units["healthy"].out_dir)
+    srv.load(unit)
+    try:
+        pr = probe.run_probe(srv, unit, probe_set)
+    finally:
+        srv.unload(unit)
+    g = pr.gate_same_prompts
+    print(f"\n[probe] {pr.summary()}")
+    assert pr.passed and pr.tokens == g["tokens"] > 20 and pr.prompts == 3
+    for k in ("kl_p99", "top1"):
+        lo, hi = pr.ci95[k]
+        assert lo - 1e-6 <= g[k] <= hi + 1e-6, (k, g[k], pr.ci95[k])
+    assert pr.kl_p99 == pytest.approx(g["kl_p99"], rel=0.05, abs=2e-4)
+    assert pr.top1 == pytest.approx(g["top1"], abs=0.02)
+    assert 0.005 < pr.kl_mean < 0.2 and pr.top1 < 1.0  # FP8: a real, non-zero difference the probe sees
+
+
+def test_bad_candidate_rolled_back_at_first_step(served, units, probe_set):
+    repo, srv = served
+    stable = release.read_state(repo)["current"]
+    with Clients(srv) as cl:
+        time.sleep(0.5)
+        res = rollout.rollout(repo, units["bad"].out_dir, srv, probe_set, steps=(5, 50, 100), hold_s=3.0)
+    print(f"\n[rollout bad] {res.failed_check} after {res.seconds:.1f} s; decision_to_stable_ms={res.decision_to_stable_ms}")
+    assert res.status == "rolled_back" and res.failed_step == 5 and res.failed_check.startswith("probe:")
+    assert res.numbers["probe"]["kl_p99"] > probe_set.thresholds.kl_p99_max
+    assert cl.failed == 0 and cl.requests > 10, cl.errors[:3]
+    st = release.read_state(repo)
+    assert st["current"] == stable and "rollout" not in st
+    last = st["history"][-1]
+    assert last["action"] == "rollout_abort" and last["rollout"]["step"] == 5
+    assert last["rollout"]["failed_check"] == res.failed_check and "probe" in last["rollout"]["numbers"]
+    assert 0 <= last["rollout"]["decision_to_stable_ms"] < 60_000
+    assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": stable}
+    assert srv.loaded_models().get(res.candidate) != "READY"
+
+
+def test_healthy_candidate_reaches_100(served, units, probe_set):
+    repo, srv = served
+    stable = release.read_state(repo)["current"]
+    with Clients(srv, n=2) as cl:
+        res = rollout.rollout(repo, units["healthy"].out_dir, srv, probe_set, steps=(25, 100), hold_s=4.0)
+        time.sleep(0.5)
+    print(f"\n[rollout healthy] {[{k: s.get(k) for k in ('percent', 'share_measured')} for s in res.steps]} "
+          f"requests={cl.requests} in {res.seconds:.1f} s")
+    assert res.status == "promoted", (res.failed_check, res.numbers)
+    assert cl.failed == 0 and cl.requests > 10, cl.errors[:3]
+    s25 = res.steps[0]
+    assert s25["candidate"]["success"] > 0 and s25["candidate"]["failure"] == 0
+    # the BLS's deterministic split: within one request per BLS instance of the step's share
+    n = s25["candidate"]["success"] + s25["stable"]["success"]
+    assert abs(s25["share_measured"] - 25) <= 100 * 2 / n + 0.5
+    st = release.read_state(repo)
+    assert st["current"] == res.candidate != stable and "rollout" not in st
+    assert st["history"][-1]["action"] == "rollout"
+    assert release.current_of_configs(repo) == (res.candidate, res.candidate)
+
+
+def test_crash_mid_rollout_serves_stable(tmp_path, units):
+    """A rollout killed right after writing a step's route.json: recover() routes everything to stable."""
+    repo = tmp_path / "serving" / "model_repository"
+    release.init_serving_repo(repo, units["stable"].out_dir, profile="bf16-h100")
+    stable = release.read_state(repo)["current"]
+    code = ("import sys; sys.path.insert(0, 'build'); from pathlib import Path; "
+            "from precision_pipeline.serving import release; "
+            f"release.begin_rollout(Path({str(repo)!r}), Path({str(units['bad'].out_dir)!r}), steps=(5, 100)); "
+            f"release.set_rollout_percent(Path({str(repo)!r}), 5)")
+    env = {**os.environ, release.CRASH_ENV: "rollout_route"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == release.CRASH_EXIT, p.stderr
+    route = json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text())
+    assert route["canary"]["percent"] == 5  # the crash left the canary share in place ...
+    fixed = release.recover(repo)
+    assert any("interrupted rollout" in f for f in fixed)
+    st = release.read_state(repo)  # ... recover routes every request to the stable release again
+    assert st["current"] == stable and "rollout" not in st
+    assert st["history"][-1]["action"] == "rollout_abort" and st["history"][-1]["rollout"]["failed_check"] == "interrupted"
+    assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": stable}
+    assert release.current_of_configs(repo) == (stable, stable)
