@@ -116,6 +116,14 @@ if [[ "${1:-}" == "test" ]] && ! command -v chromium >/dev/null 2>&1; then
     echo "[setup] chromium not found and not root: the browser test will be skipped" >&2
   fi
 fi
+# The Kubernetes policy test runs checkov from its own venv (its many pins must not move ours).
+CHECKOV_PIN="$(sed -n 's/^checkov==//p' requirements-checkov.txt 2>/dev/null || true)"
+CHECKOV_VENV="$ROOT/.cache/checkov-$CHECKOV_PIN"
+if [[ "${1:-}" == "test" && -n "$CHECKOV_PIN" && ! -x "$CHECKOV_VENV/bin/checkov" ]]; then
+  echo "[setup] installing checkov into $(basename "$CHECKOV_VENV") for the Kubernetes policy test (about 1 minute)" >&2
+  ("$PY" -m venv "$CHECKOV_VENV" && "$CHECKOV_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+      -r requirements-checkov.txt) || echo "[setup] could not install checkov; the policy test will be skipped" >&2
+fi
 export PATH="$VENV/bin:$PATH"
 if [[ $# -eq 0 ]]; then exec "$VENV/bin/invoke" --list; fi
 exec "$VENV/bin/invoke" "$@"

@@ -32,29 +32,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
-from precision_pipeline.serving import pack, release  # noqa: E402
+from precision_pipeline.serving import release  # noqa: E402
 from precision_pipeline.spec.default_model import ensure_default_model  # noqa: E402
-from precision_pipeline.spec.profile import load_profile  # noqa: E402
 from precision_pipeline.serving.triton_server import TritonServer, free_port, models_to_load  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
 
 def make_units(base: Path, model_dir: Path) -> list[Path]:
-    prof = load_profile("bf16-h100")
-    outs = []
-    for i, mb in enumerate((64, 48, 32)):
-        b = prof.build
-        plan = {"profile": prof.name,
-                "limits": {"max_batch_size": mb, "max_input_len": b.max_input_len or 1024, "max_seq_len": b.max_seq_len or 8192,
-                           "max_num_tokens": b.max_num_tokens or 8192, "max_beam_width": 1},
-                "effective": {"enable_kv_cache_reuse": True, "enable_chunked_context": True,
-                              "triton_logits_datatype": "TYPE_FP32", "multi_block_mode": True},
-                "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}, "memory": {"kv_tokens_capacity": 65536}}
-        d = base / f"build{i}"
-        pack.pack_repository(plan, prof, model_dir, d / "no-checkpoint", d / "engine", False, d / "model_repository", str(d))
-        outs.append(d / "model_repository")
-    return outs
+    """Three packed bf16-h100 repositories of the default model (max_batch_size 64 / 48 / 32: three
+    engine hashes), made as ``invoke bench rollout`` makes its units (one home: ``rollout.make_unit``)."""
+    from rollout import make_unit  # benchmarks/ is this script's folder, first on sys.path
+
+    return [make_unit(base, f"build{i}", model_dir, mb) for i, mb in enumerate((64, 48, 32))]
 
 
 def ask(srv, model: str, max_tokens: int, client=None) -> str:
