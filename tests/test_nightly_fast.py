@@ -269,3 +269,26 @@ def test_gpu_matrix_covers_every_profile_once_by_its_sm():
     labels = yaml.safe_load((ROOT / ".github" / "actionlint.yaml").read_text())["self-hosted-runner"]["labels"]
     assert sorted(labels) == sorted(["gpu"] + [f"sm{e['sm']}" for e in gpu["strategy"]["matrix"]["include"]])
     assert "--strict" in gpu["steps"][1]["run"] and "tritonserver" in gpu["container"]["image"]
+
+
+def test_scales_digest_reads_any_dtype_and_sees_one_changed_byte(tmp_path):
+    """INT4 AWQ checkpoints store BF16 per-group scales: the digest reads raw bytes (no numpy decode),
+    ignores weights, and changes when one scale changes."""
+    import torch
+    from safetensors.torch import save_file
+
+    t = {"transformer.layers.0.mlp.fc.weight": torch.zeros(4, 4, dtype=torch.int8),
+         "transformer.layers.0.mlp.fc.weights_scaling_factor": torch.ones(4, 2, dtype=torch.bfloat16),
+         "transformer.layers.0.mlp.fc.prequant_scaling_factor": torch.ones(4, dtype=torch.float16)}
+    save_file(t, str(tmp_path / "rank0.safetensors"))
+    d0 = nl._scales_digest(tmp_path)
+    assert d0 is not None and len(d0) == 64
+    t["transformer.layers.0.mlp.fc.weight"] = torch.ones(4, 4, dtype=torch.int8)  # a weight: not a scale
+    save_file(t, str(tmp_path / "rank0.safetensors"))
+    assert nl._scales_digest(tmp_path) == d0
+    t["transformer.layers.0.mlp.fc.weights_scaling_factor"][0, 0] = 2.0
+    save_file(t, str(tmp_path / "rank0.safetensors"))
+    assert nl._scales_digest(tmp_path) != d0
+    (tmp_path / "rank0.safetensors").unlink()
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "rank0.safetensors"))
+    assert nl._scales_digest(tmp_path) is None

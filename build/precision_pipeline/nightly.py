@@ -178,19 +178,29 @@ def provenance(out_dir: Path) -> dict[str, Any]:
 
 
 def _scales_digest(ck: Path) -> Optional[str]:
-    import hashlib
+    """sha256 over every scale tensor's name, dtype and raw bytes in ``ck``'s rank files (None: no scales).
 
-    from safetensors import safe_open
+    Read by byte range from the safetensors header (``checkpoint.reader.safetensors_header``), never
+    decoded, so any dtype works (INT4 AWQ stores BF16 per-group scales, which numpy cannot hold)."""
+    import hashlib
+    import struct
+
+    from precision_pipeline.checkpoint.reader import safetensors_header
 
     h = hashlib.sha256()
     found = False
     for f in sorted(ck.glob("rank*.safetensors")):
-        with safe_open(str(f), framework="numpy") as st:
-            for name in sorted(st.keys()):
+        header = safetensors_header(f)
+        with open(f, "rb") as fh:
+            start = 8 + struct.unpack("<Q", fh.read(8))[0]
+            for name in sorted(k for k in header if k != "__metadata__"):
                 if "scaling_factor" in name or name.endswith(("_scale", ".scale", "prequant_scaling_factor")):
                     found = True
+                    begin, end = header[name]["data_offsets"]
+                    fh.seek(start + begin)
                     h.update(name.encode())
-                    h.update(st.get_tensor(name).tobytes())
+                    h.update(header[name]["dtype"].encode())
+                    h.update(fh.read(end - begin))
     return h.hexdigest() if found else None
 
 
@@ -362,7 +372,11 @@ def _build_row(ref: str, req, plan, opts: NightlyOptions, build: Callable, say: 
     qrec = read_json_safe(out / ".stages" / "quantize.json")
     if isinstance(qrec, dict) and row.stages.get("quantize") in ("done", "cached"):
         row.checkpoint_bytes = (qrec.get("artifact") or {}).get("checkpoint_bytes")
-        row.provenance = provenance(out)
+        try:
+            row.provenance = provenance(out)
+        except Exception as e:  # reading one profile's provenance must not stop the nightly either
+            traceback.print_exc()
+            row.verdict, row.reason = "error", f"provenance of {out}: {type(e).__name__}: {e}"
     return row
 
 
