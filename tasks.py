@@ -147,7 +147,7 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
 
     con = _console()
     if on is not None:
-        _build_on(con, on, profile, model, out, image)
+        _build_on(con, on, profile, model, out, image, _int_arg("--golden-limit", golden_limit, 1, 1000))
         return
     stages = []
 
@@ -170,7 +170,7 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
     con.print(f"output: {res.out_dir}")
 
 
-def _build_on(con, on, profile, model, out, image) -> None:
+def _build_on(con, on, profile, model, out, image, golden_limit=None) -> None:
     """``build --on k8s``: the engine build Job for the profile (resolved, never quantized here)."""
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.pipeline import _model_dir, default_out_dir, load_build_profile
@@ -182,7 +182,8 @@ def _build_on(con, on, profile, model, out, image) -> None:
     prof = load_build_profile(profile)
     plan = plan_mod.resolve(prof, _model_dir(model), for_build=True)
     out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
-    text = build_job.render_job(plan, out_dir, image or deploy.DEFAULT_IMAGE)
+    text = build_job.render_job(plan, out_dir, image or deploy.DEFAULT_IMAGE, model_dir=_model_dir(model),
+                                golden_limit=golden_limit)
     rc = build_job.apply_and_follow(text)
     if rc is None:
         print(text, end="")

@@ -2,9 +2,10 @@
 
 Reads the build output that ``invoke build`` wrote on the CPU side (``.stages/resolve.json``: the
 resolved plan; ``.stages/quantize.json`` and ``.stages/gate.json``: the checkpoint and its verdict),
-refuses (exit 2) unless the gate passed, and runs ``EngineStage`` through the ``StageRunner`` (cached
-when unchanged; preflight, provenance, failure handling as in engine/trtllm_build.py). It never
-quantizes. Exit codes as everywhere: 0, 2 refused, 4 skipped under ``--strict``, 5 trtllm-build failed.
+refuses (exit 2) unless the gate passed, and runs ``EngineStage`` and then ``EngineGateStage`` through
+the ``StageRunner`` (cached when unchanged; preflight, provenance, failure handling as in
+engine/trtllm_build.py; the engine gate as in engine/gate_stage.py). It never quantizes. Exit codes as
+everywhere: 0, 2 refused, 3 the engine gate failed, 4 skipped under ``--strict``, 5 trtllm-build failed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from precision_pipeline.core.errors import PipelineError, StrictSkip, UserError
+from precision_pipeline.core.errors import GateFailed, PipelineError, StrictSkip, UserError
 from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRecord, StageRunner
 
 
@@ -30,8 +31,16 @@ def _record(out: Path, name: str) -> dict:
     return rec
 
 
-def run_engine_job(out: Path, strict: bool = False) -> Done:
-    """Run the engine stage for build output ``out`` (see the module docstring)."""
+def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = None,
+                   golden_limit: Optional[int] = None) -> Done:
+    """Run the engine stage, then the engine gate, for build output ``out`` (see the module docstring).
+
+    ``model_dir``: the reference model folder the engine gate scores against (default: the one the
+    CPU build recorded in ``manifest.json``; it must be readable at that path in the pod).
+    ``golden_limit``: as ``invoke build --golden-limit``. Returns the engine stage's ``Done``; raises
+    ``GateFailed`` (exit 3) when the engine gate fails, ``StrictSkip`` (exit 4) under ``strict`` when
+    either stage was skipped, ``UserError`` (exit 2) for a missing model folder."""
+    from precision_pipeline.engine.gate_stage import EngineGateStage
     from precision_pipeline.engine.stage import EngineStage
     from precision_pipeline.resolve.stage import PlanArtifact
 
@@ -46,9 +55,20 @@ def run_engine_job(out: Path, strict: bool = False) -> Done:
     old = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").is_file() else {}
     manifest = Manifest.open(out / "manifest.json", profile=plan.profile.name, profile_source=old.get("profile_source", ""),
                              model_dir=old.get("model_dir", ""), out_dir=str(out))
-    d = StageRunner(out, manifest).run(EngineStage(), plan, SimpleNamespace(out_dir=out, strict=strict), up)
-    if strict and d.record.status == "skipped":
-        raise StrictSkip(f"--strict: engine skipped ({d.record.reason})")
+    model = Path(model_dir) if model_dir is not None else (Path(old["model_dir"]) if old.get("model_dir") else None)
+    if model is None or not (model / "config.json").is_file():
+        raise UserError("--model", f"the engine gate's reference model {model or '(none recorded)'} is not readable here.",
+                        "mount the model folder the CPU build used at the same path in the pod, or pass --model DIR.")
+    req = SimpleNamespace(out_dir=out, strict=strict, model_dir=model, golden_limit=golden_limit, device=None)
+    runner = StageRunner(out, manifest)
+    d = runner.run(EngineStage(), plan, req, up)
+    eg = runner.run(EngineGateStage(), plan, req, {**up, "engine": d})
+    if eg.record.status == "failed":
+        raise GateFailed(f"engine gate failed for {plan.profile.name} ({', '.join(eg.artifact.failed_metrics)}); "
+                         f"see {out / 'engine_gate' / 'report.md'}")
+    skipped = [r for r in (d.record, eg.record) if r.status == "skipped"]
+    if strict and skipped:
+        raise StrictSkip("--strict: " + "; ".join(f"{r.name} skipped ({r.reason})" for r in skipped))
     return d
 
 
@@ -56,9 +76,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m precision_pipeline.engine.job", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--strict", action="store_true")
+    ap.add_argument("--model", type=Path, default=None, help="reference model folder (default: the CPU build's)")
+    ap.add_argument("--golden-limit", type=int, default=None)
     a = ap.parse_args(argv)
     try:
-        d = run_engine_job(a.out, a.strict)
+        d = run_engine_job(a.out, a.strict, a.model, a.golden_limit)
     except UserError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return e.exit_code

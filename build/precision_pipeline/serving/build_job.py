@@ -36,8 +36,12 @@ DEADLINE_S = 6 * 3600
 
 
 def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namespace: str = "default",
-               pvc_name: str = deploy.DEFAULT_PVC, strict: bool = True, k8s_version: str = deploy.K8S_VERSION) -> str:
-    """The validated Job manifest (YAML text) that runs the engine stage of ``plan`` for build output ``out_dir``."""
+               pvc_name: str = deploy.DEFAULT_PVC, strict: bool = True, k8s_version: str = deploy.K8S_VERSION,
+               model_dir: Optional[Path] = None, golden_limit: Optional[int] = None) -> str:
+    """The validated Job manifest (YAML text) that runs the engine stage and the engine gate of ``plan``
+    for build output ``out_dir``. ``model_dir``: the engine gate's reference model, passed as ``--model``
+    (read at that path in the pod; None: the one the CPU build recorded); ``golden_limit``: as
+    ``invoke build --golden-limit``."""
     deploy.check_image(image, "--image")
     out = str(Path(out_dir).resolve())
     gpu = plan.gpu
@@ -53,7 +57,9 @@ def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namesp
                         f"{deploy.LABEL_PREFIX}/parallel": f"tp{plan.mapping.tp_size}xpp{plan.mapping.pp_size}"},
         "deadline_s": DEADLINE_S, "node_selector": {deploy.GPU_PRODUCT_LABEL: deploy.gpu_product_label(gpu.name)},
         "image": image, "command": ["python3", "-m", "precision_pipeline.engine.job"],
-        "args": ["--out", out, *(["--strict"] if strict else [])], "out_dir": out,
+        "args": ["--out", out, *(["--strict"] if strict else []),
+                 *(["--model", str(Path(model_dir).resolve())] if model_dir is not None else []),
+                 *(["--golden-limit", str(int(golden_limit))] if golden_limit is not None else [])], "out_dir": out,
         "env": [{"name": "PYTHONPATH", "value": f"{out}/{SOURCE_SUBDIR}"}, {"name": IMAGE_ENV, "value": image},
                 {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}],
         "gpus": world, "pvc_name": pvc_name, "shm_size": f"{max(2, 1 + world)}Gi",

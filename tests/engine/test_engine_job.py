@@ -1,0 +1,85 @@
+"""The Kubernetes build Job's entry point (``python3 -m precision_pipeline.engine.job``): the engine stage
+and then the engine gate, from a CPU build's records, with the GPU-only tools as test doubles
+(``tests/engine/doubles.py``) and the TensorRT-LLM runner as a stand-in verdict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
+from precision_pipeline.core.stage import RECORDS_DIR
+from precision_pipeline.engine import job
+from tests.engine import doubles
+
+
+@pytest.fixture
+def cpu_build(tmp_path, default_model_dir):
+    """A build output as the CPU side leaves it: resolve/quantize/gate records, a checkpoint folder, a manifest."""
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.resolve.stage import PlanArtifact
+    from precision_pipeline.spec.profile import load_profile
+
+    out = tmp_path / "out"
+    (out / RECORDS_DIR).mkdir(parents=True)
+    (out / "checkpoint").mkdir()
+    plan = P.evaluate(load_profile("fp8-h100"), default_model_dir)
+    recs = {"resolve": {"key": "0" * 64, "artifact": PlanArtifact(plan=plan).model_dump(mode="json")},
+            "quantize": {"key": "1" * 64, "artifact": {"status": "done"}},
+            "gate": {"key": "2" * 64, "artifact": {"status": "done", "passed": True}}}
+    for name, rec in recs.items():
+        (out / RECORDS_DIR / f"{name}.json").write_text(json.dumps({"stage": name, **rec}))
+    (out / "manifest.json").write_text(json.dumps({"profile": "fp8-h100", "model_dir": str(default_model_dir), "stages": {}}))
+    return out
+
+
+def test_engine_then_engine_gate_skipped_without_a_runner(tmp_path, monkeypatch, cpu_build):
+    paths = doubles.install(tmp_path, monkeypatch)
+    d = job.run_engine_job(cpu_build)
+    assert d.record.status == "done" and len(doubles.calls(paths)) == 1
+    rows = json.loads((cpu_build / "manifest.json").read_text())["stages"]
+    assert rows["engine"]["status"] == "done"
+    assert rows["engine_gate"]["status"] == "skipped" and "no CUDA device visible" in rows["engine_gate"]["reason"]
+    with pytest.raises(StrictSkip, match="engine_gate skipped"):
+        job.run_engine_job(cpu_build, strict=True)
+
+
+def test_failing_engine_gate_is_exit_3(tmp_path, monkeypatch, cpu_build):
+    from precision_pipeline.gate import engine_gate
+
+    class Failing:
+        passed = False
+
+        def failed_metrics(self):
+            return ["top1"]
+
+        def summary(self):
+            return {"top1": 0.1}
+
+    doubles.install(tmp_path, monkeypatch)
+    monkeypatch.setattr(engine_gate, "engine_available", lambda: (True, ""))
+    monkeypatch.setattr(engine_gate, "run_engine_gate", lambda *a, **k: Failing())
+    with pytest.raises(GateFailed, match=r"engine gate failed for fp8-h100 \(top1\)") as e:
+        job.run_engine_job(cpu_build, golden_limit=1)
+    assert e.value.exit_code == 3
+
+
+def test_unreadable_reference_model_is_refused(tmp_path, monkeypatch, cpu_build):
+    doubles.install(tmp_path, monkeypatch)
+    with pytest.raises(UserError, match="not readable here") as e:
+        job.run_engine_job(cpu_build, model_dir=tmp_path / "nowhere")
+    assert e.value.problems[0].field == "--model"
+    assert job.main(["--out", str(cpu_build), "--model", str(tmp_path / "nowhere")]) == 2
+
+
+def test_rendered_job_passes_the_model_and_golden_limit(tmp_path, default_model_dir):
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.serving import build_job
+    from precision_pipeline.spec.profile import load_profile
+
+    plan = P.evaluate(load_profile("fp8-h100"), default_model_dir)
+    doc = yaml.safe_load(build_job.render_job(plan, tmp_path / "o", model_dir=default_model_dir, golden_limit=2))
+    assert doc["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "--out", str((tmp_path / "o").resolve()), "--strict", "--model", str(default_model_dir.resolve()), "--golden-limit", "2"]
