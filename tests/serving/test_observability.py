@@ -105,18 +105,18 @@ def test_precision_path_per_request_and_server_metrics(obs_served, obs_units):
         want = cp if p["route"] == "canary" else sp
         assert {k: v for k, v in p.items() if k != "route"} == want
     for route, path in (("canary", cp), ("stable", sp)):
-        req = _samples(fams, "precision_requests", route=route, unit=path["unit"], gemm=path["gemm"], kv=path["kv"],
+        req = _samples(fams, "precision_pipeline_requests", route=route, engine_unit=path["unit"], gemm=path["gemm"], kv=path["kv"],
                        profile=path["profile"], engine_hash=path["engine_hash"], context_fmha=path["context_fmha"])
         assert [s.value for s in req] == [2.0], (route, req)
-        tin = _samples(fams, "precision_tokens", route=route, unit=path["unit"], kind="input")
-        tout = _samples(fams, "precision_tokens", route=route, unit=path["unit"], kind="output")
+        tin = _samples(fams, "precision_pipeline_tokens", route=route, engine_unit=path["unit"], kind="input")
+        tout = _samples(fams, "precision_pipeline_tokens", route=route, engine_unit=path["unit"], kind="output")
         assert len(tin) == len(tout) == 1 and tin[0].value >= 2 * 8, (tin, tout)  # chat template + prompt
         assert 2 <= tout[0].value <= 2 * MAX_TOKENS, tout
-    ins = {s.labels["route"]: s.value for s in _samples(fams, "precision_tokens", kind="input")}
+    ins = {s.labels["route"]: s.value for s in _samples(fams, "precision_pipeline_tokens", kind="input")}
     assert ins["canary"] == ins["stable"]  # same prompt, same tokenizer
-    assert [s.value for s in _samples(fams, "precision_rollout_canary_percent")] == [50.0]
-    assert [s.value for s in _samples(fams, "precision_fallback_active")] == [0.0]
-    assert _samples(fams, "precision_request_failures") == []
+    assert [s.value for s in _samples(fams, "precision_pipeline_rollout_canary_percent")] == [50.0]
+    assert [s.value for s in _samples(fams, "precision_pipeline_fallback_active")] == [0.0]
+    assert _samples(fams, "precision_pipeline_request_failures") == []
     # Triton's own per-model counters are still there, beside ours
     assert any(s.labels.get("model") == "tensorrt_llm_bls" for s in _samples(fams, "nv_inference_request_success"))
 
@@ -129,9 +129,9 @@ def test_precision_path_per_request_and_server_metrics(obs_served, obs_units):
     finally:
         release.rollback(repo, to=stable, server=srv, by="test")
     assert p["route"] == "fallback" and p["unit"] == cand
-    assert [s.value for s in _samples(fams, "precision_fallback_active")] == [1.0]
-    assert [s.value for s in _samples(fams, "precision_rollout_canary_percent")] == [0.0]
-    assert [s.value for s in _samples(fams, "precision_requests", route="fallback", unit=cand)] == [1.0]
+    assert [s.value for s in _samples(fams, "precision_pipeline_fallback_active")] == [1.0]
+    assert [s.value for s in _samples(fams, "precision_pipeline_rollout_canary_percent")] == [0.0]
+    assert [s.value for s in _samples(fams, "precision_pipeline_requests", route="fallback", engine_unit=cand)] == [1.0]
 
 
 def test_invoke_probe_records_history(obs_served, gate_dir):  # noqa: F811
@@ -168,14 +168,14 @@ def test_probe_exporter_serves_the_result(obs_served, gate_dir):  # noqa: F811
         fams = _families(f"http://127.0.0.1:{port}/metrics")
     finally:
         ex.close()
-    lab = {"profile": "bf16-h100", "unit": stable}
+    lab = {"profile": "bf16-h100", "engine_unit": stable}
     s = rec["probe"]
-    assert [x.value for x in _samples(fams, "precision_probe_kl_p99", **lab)] == [pytest.approx(s["kl_p99"])]
-    assert [x.value for x in _samples(fams, "precision_probe_top1", **lab)] == [pytest.approx(s["top1"])]
-    assert [x.value for x in _samples(fams, "precision_probe_kl_p99_threshold", **lab)] == [
+    assert [x.value for x in _samples(fams, "precision_pipeline_probe_kl_p99", **lab)] == [pytest.approx(s["kl_p99"])]
+    assert [x.value for x in _samples(fams, "precision_pipeline_probe_top1", **lab)] == [pytest.approx(s["top1"])]
+    assert [x.value for x in _samples(fams, "precision_pipeline_probe_kl_p99_threshold", **lab)] == [
         pytest.approx(pset.thresholds.kl_p99_max)]
-    assert [x.value for x in _samples(fams, "precision_probe_passed", **lab)] == [1.0]
-    assert [x.value for x in _samples(fams, "precision_probe_runs", result="pass", **lab)] == [1.0]
-    assert [x.value for x in _samples(fams, "precision_probe_runs", result="error", unit="tensorrt_llm_000000000000")] == [1.0]
-    assert len(_samples(fams, "precision_probe_last_run_timestamp_seconds")) == 2
+    assert [x.value for x in _samples(fams, "precision_pipeline_probe_passed", **lab)] == [1.0]
+    assert [x.value for x in _samples(fams, "precision_pipeline_probe_runs", result="pass", **lab)] == [1.0]
+    assert [x.value for x in _samples(fams, "precision_pipeline_probe_runs", result="error", engine_unit="tensorrt_llm_000000000000")] == [1.0]
+    assert len(_samples(fams, "precision_pipeline_probe_last_run_timestamp_seconds")) == 2
     assert "error" in bad["probe"] and release.read_state(repo)["history"][-1]["probe"]["passed"] is False

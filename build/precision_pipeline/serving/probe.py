@@ -24,7 +24,7 @@ Public API (``invoke rollout`` uses it at each step; ``invoke probe`` may reuse 
   probe --every N --metrics-port M``). Triton's python-backend metrics API (``pb_utils.MetricFamily``)
   exists only inside a model running in the server, and nothing outside can write into Triton's
   ``/metrics``, so the probe (a client) exports on its own endpoint: scrape both. Names: ``PROBE_GAUGES``,
-  ``precision_probe_runs_total{result}``, ``precision_probe_last_run_timestamp_seconds``;
+  ``precision_pipeline_probe_runs_total{result}``, ``PROBE_LAST_RUN``; labels ``profile``, ``engine_unit``;
 * ``probe_and_record(server, unit, probe_set, repo_dir=..., exporter=...)``: one run, appended to
   releases.json's history (``release.record_probe``) and set on the exporter.
 
@@ -239,16 +239,19 @@ def run_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAUL
 
 
 PROBE_GAUGES = {
-    "precision_probe_kl_p99": "KL(P_ref || P_engine) P99 over the probe's answer tokens (nats), last run",
-    "precision_probe_kl_mean": "mean KL over the probe's answer tokens (nats), last run",
-    "precision_probe_top1": "top-1 agreement with the FP32 reference over the answer tokens, last run",
-    "precision_probe_kl_p99_threshold": "the profile's gate threshold kl_p99_max (nats)",
-    "precision_probe_top1_threshold": "the profile's gate threshold top1_min",
-    "precision_probe_passed": "1 when the last run passed every check, else 0",
-    "precision_probe_duration_seconds": "wall time of the last run",
-    "precision_probe_tokens": "answer tokens scored by the last run",
+    "precision_pipeline_probe_kl_p99": "KL(P_ref || P_engine) P99 over the probe's answer tokens (nats), last run",
+    "precision_pipeline_probe_kl_mean": "mean KL over the probe's answer tokens (nats), last run",
+    "precision_pipeline_probe_top1": "top-1 agreement with the FP32 reference over the answer tokens, last run",
+    "precision_pipeline_probe_kl_p99_threshold": "the profile's gate threshold kl_p99_max (nats)",
+    "precision_pipeline_probe_top1_threshold": "the profile's gate threshold top1_min",
+    "precision_pipeline_probe_passed": "1 when the last run passed every check, else 0",
+    "precision_pipeline_probe_duration_seconds": "wall time of the last run",
+    "precision_pipeline_probe_tokens": "answer tokens scored by the last run",
 }
-PROBE_LABELS = ("profile", "unit")
+PROBE_LABELS = ("profile", "engine_unit")
+PROBE_METRIC_NAMES = {"kl_p99": "precision_pipeline_probe_kl_p99", "top1": "precision_pipeline_probe_top1"}
+"""The gauges of the checked metrics (``PROBE_METRICS``): the AnalysisTemplate and PrometheusRule (serving/deploy.py) query them."""
+PROBE_LAST_RUN = "precision_pipeline_probe_last_run_timestamp_seconds"
 
 
 class ProbeExporter:
@@ -261,9 +264,9 @@ class ProbeExporter:
 
         self.registry = CollectorRegistry()
         self.gauges = {n: Gauge(n, h, PROBE_LABELS, registry=self.registry) for n, h in PROBE_GAUGES.items()}
-        self.runs = Counter("precision_probe_runs", "probe runs by result (pass, fail, error)", (*PROBE_LABELS, "result"),
+        self.runs = Counter("precision_pipeline_probe_runs", "probe runs by result (pass, fail, error)", (*PROBE_LABELS, "result"),
                             registry=self.registry)
-        self.last = Gauge("precision_probe_last_run_timestamp_seconds", "Unix time the last run finished (any result)",
+        self.last = Gauge("precision_pipeline_probe_last_run_timestamp_seconds", "Unix time the last run finished (any result)",
                           PROBE_LABELS, registry=self.registry)
         self.server = None
         if port is not None:
@@ -272,15 +275,15 @@ class ProbeExporter:
             self.server, _ = start_http_server(int(port), addr=addr, registry=self.registry)
 
     def observe(self, profile: str, unit: str, result: Optional[ProbeResult], error: Optional[str] = None) -> None:
-        lab = {"profile": profile, "unit": unit}
+        lab = {"profile": profile, "engine_unit": unit}
         if result is None:
             self.runs.labels(**lab, result="error").inc()
         else:
             thr = {k: c["threshold"] for k, c in result.checks.items()}
-            vals = {"precision_probe_kl_p99": result.kl_p99, "precision_probe_kl_mean": result.kl_mean,
-                    "precision_probe_top1": result.top1, "precision_probe_passed": float(result.passed),
-                    "precision_probe_duration_seconds": result.ms / 1e3, "precision_probe_tokens": result.tokens,
-                    "precision_probe_kl_p99_threshold": thr.get("kl_p99"), "precision_probe_top1_threshold": thr.get("top1")}
+            vals = {"precision_pipeline_probe_kl_p99": result.kl_p99, "precision_pipeline_probe_kl_mean": result.kl_mean,
+                    "precision_pipeline_probe_top1": result.top1, "precision_pipeline_probe_passed": float(result.passed),
+                    "precision_pipeline_probe_duration_seconds": result.ms / 1e3, "precision_pipeline_probe_tokens": result.tokens,
+                    "precision_pipeline_probe_kl_p99_threshold": thr.get("kl_p99"), "precision_pipeline_probe_top1_threshold": thr.get("top1")}
             for name, v in vals.items():
                 if v is not None:
                     self.gauges[name].labels(**lab).set(float(v))

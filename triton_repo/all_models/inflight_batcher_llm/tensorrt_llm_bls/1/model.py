@@ -23,11 +23,11 @@ tensor, not response parameters: the python backend of Triton 2.51 (this project
 composing models; the real tensorrtllm backend has no such output): ask the BLS. Metrics on the server's own ``/metrics`` through the python-backend
 metrics API (``pb_utils.MetricFamily``), beside Triton's per-model counters:
 
-* ``precision_requests_total`` (counter; labels ``METRIC_LABELS``): requests answered, by path;
-* ``precision_request_failures_total`` (counter; same labels): requests that failed after routing;
-* ``precision_tokens_total`` (counter; ``METRIC_LABELS`` + ``kind`` = ``input`` | ``output``);
-* ``precision_rollout_canary_percent`` (gauge): the canary share route.json asks for (0 without one);
-* ``precision_fallback_active`` (gauge): 1 while the stable route is releases.json's fallback unit.
+* ``precision_pipeline_requests_total`` (counter; labels ``METRIC_LABELS``): requests answered, by path;
+* ``precision_pipeline_request_failures_total`` (counter; same labels): requests that failed after routing;
+* ``precision_pipeline_tokens_total`` (counter; ``METRIC_LABELS`` + ``kind`` = ``input`` | ``output``);
+* ``precision_pipeline_rollout_canary_percent`` (gauge): the canary share route.json asks for (0 without one);
+* ``precision_pipeline_fallback_active`` (gauge): 1 while the stable route is releases.json's fallback unit.
 
 (Triton exposes python-backend counters under the family name as given; the ``_total`` suffix is
 part of our names.)
@@ -40,7 +40,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
-METRIC_LABELS = ("profile", "unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route")
+METRIC_LABELS = ("profile", "engine_unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route")
 PATH_FILE = "precision_path.json"
 
 
@@ -68,15 +68,15 @@ class TritonPythonModel:
         self._gauges()
 
     def _init_metrics(self):
-        self.f_req = pb_utils.MetricFamily(name="precision_requests_total", kind=pb_utils.MetricFamily.COUNTER,
+        self.f_req = pb_utils.MetricFamily(name="precision_pipeline_requests_total", kind=pb_utils.MetricFamily.COUNTER,
                                            description="requests answered by the BLS, by precision path and engine unit")
-        self.f_fail = pb_utils.MetricFamily(name="precision_request_failures_total", kind=pb_utils.MetricFamily.COUNTER,
+        self.f_fail = pb_utils.MetricFamily(name="precision_pipeline_request_failures_total", kind=pb_utils.MetricFamily.COUNTER,
                                             description="BLS requests that failed after routing, by precision path")
-        self.f_tok = pb_utils.MetricFamily(name="precision_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
+        self.f_tok = pb_utils.MetricFamily(name="precision_pipeline_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
                                            description="tokens through the BLS by precision path (kind: input, output)")
-        f_can = pb_utils.MetricFamily(name="precision_rollout_canary_percent", kind=pb_utils.MetricFamily.GAUGE,
+        f_can = pb_utils.MetricFamily(name="precision_pipeline_rollout_canary_percent", kind=pb_utils.MetricFamily.GAUGE,
                                       description="canary share of BLS requests route.json asks for (percent)")
-        f_fb = pb_utils.MetricFamily(name="precision_fallback_active", kind=pb_utils.MetricFamily.GAUGE,
+        f_fb = pb_utils.MetricFamily(name="precision_pipeline_fallback_active", kind=pb_utils.MetricFamily.GAUGE,
                                      description="1 while the stable route is the fallback unit of releases.json")
         self.g_canary = f_can.Metric(labels={"model": "tensorrt_llm_bls"})
         self.g_fallback = f_fb.Metric(labels={"model": "tensorrt_llm_bls"})
@@ -117,7 +117,8 @@ class TritonPythonModel:
 
     def _labels(self, unit, route):
         p = self._path(unit)
-        return {k: (route if k == "route" else p.get(k, "")) for k in METRIC_LABELS}
+        vals = {**p, "route": route, "engine_unit": unit}
+        return {k: vals.get(k, "") for k in METRIC_LABELS}
 
     def _metric(self, family, labels):
         key = (id(family), tuple(sorted(labels.items())))
