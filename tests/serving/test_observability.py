@@ -9,6 +9,7 @@ reference come from the small gate run of test_rollout (its ``gate_dir`` fixture
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -179,3 +180,67 @@ def test_probe_exporter_serves_the_result(obs_served, gate_dir):  # noqa: F811
     assert [x.value for x in _samples(fams, "precision_pipeline_probe_runs", result="error", engine_unit="tensorrt_llm_000000000000")] == [1.0]
     assert len(_samples(fams, "precision_pipeline_probe_last_run_timestamp_seconds")) == 2
     assert "error" in bad["probe"] and release.read_state(repo)["history"][-1]["probe"]["passed"] is False
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (Debian package prometheus)")
+def test_real_prometheus_scrapes_server_and_probe_and_evaluates_rules(obs_served, gate_dir, tmp_path):  # noqa: F811
+    """A real Prometheus scrapes the real server's /metrics and the probe exporter; the rendered rules
+    are evaluated there (the fallback alert pending/firing is not waited for: `for: 5m`)."""
+    import time
+
+    import yaml
+
+    from precision_pipeline.serving import deploy
+    from precision_pipeline.serving.triton_server import free_port
+
+    repo, srv = obs_served
+    stable = release.read_state(repo)["current"]
+    _ask(srv)
+    pset = probe.load_probe_set(gate_dir, prompts=1)
+    ex_port, prom_port = free_port(), free_port()
+    ex = probe.ProbeExporter(ex_port, addr="127.0.0.1")
+    probe.probe_and_record(srv, stable, pset, profile="fp8-h100", exporter=ex)
+    # fp8-h100's rules with a threshold the FP32 unit is below, and one it is above (the latter fires)
+    groups = deploy.alert_groups("fp8-h100", pset.thresholds.model_copy(update={"kl_p99_max": -1.0}))
+    for r in groups[0]["rules"]:
+        r.pop("for", None)  # evaluate at once
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{**groups[0], "interval": "1s"}]}))
+    (tmp_path / "prom.yaml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(tmp_path / "rules.yaml")],
+        "scrape_configs": [{"job_name": "triton", "static_configs": [{"targets": [f"127.0.0.1:{srv.metrics_port}"]}]},
+                           {"job_name": "probe", "static_configs": [{"targets": [f"127.0.0.1:{ex_port}"]}]}]}))
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prom.yaml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "prometheus.log", "wb"))
+
+    def query(q):
+        from urllib.parse import quote
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/api/v1/query?query={quote(q)}", timeout=5) as r:
+            return json.loads(r.read())["data"]["result"]
+
+    try:
+        deadline, req, kl, alerts = time.monotonic() + 60, [], [], []
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                req = query(f'precision_pipeline_requests_total{{engine_unit="{stable}",route="stable"}}')
+                kl = query(f'precision_pipeline_probe_kl_p99{{engine_unit="{stable}"}}')
+                alerts = query('ALERTS{alertstate="firing"}')
+            except OSError:
+                continue
+            if req and kl and {a["metric"]["alertname"] for a in alerts} >= {"PrecisionProbeKlP99AboveGate"}:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        ex.close()
+    assert req and float(req[0]["value"][1]) >= 1, (tmp_path / "prometheus.log").read_text()[-2000:]
+    assert req[0]["metric"]["job"] == "triton" and req[0]["metric"]["gemm"] == _unit_path(repo / stable)["gemm"]
+    assert kl and kl[0]["metric"]["job"] == "probe" and float(kl[0]["value"][1]) < 1e-3
+    firing = {a["metric"]["alertname"]: a["metric"] for a in alerts}
+    assert firing["PrecisionProbeKlP99AboveGate"]["engine_unit"] == stable
+    assert not {"PrecisionProbeTop1BelowGate", "PrecisionProbeStale", "PrecisionProbeAbsent", "PrecisionFallbackActive"} & set(firing)
