@@ -34,7 +34,8 @@ def rendered(tmp_path_factory):
 
 def test_rule_rendered_apart_with_the_gate_thresholds(rendered):
     res, doc, thr, _ = rendered
-    assert res.monitoring == ["monitoring/prometheus-rule.yaml"] and "monitoring/prometheus-rule.yaml" not in res.files
+    assert res.monitoring == ["monitoring/grafana-dashboard.yaml", "monitoring/prometheus-rule.yaml"]
+    assert not [f for f in res.files if f.startswith("monitoring")]
     assert doc["kind"] == "PrometheusRule" and doc["metadata"]["name"] == res.name
     rules = {r["alert"]: r for r in doc["spec"]["groups"][0]["rules"]}
     assert rules["PrecisionProbeKlP99AboveGate"]["expr"] == (
@@ -117,3 +118,55 @@ def test_promtool_unit_tests_fire_and_stay_quiet(rendered):
     r = subprocess.run([PROMTOOL, "test", "rules", str(tf)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout + r.stderr
+
+
+def _dashboard(rendered):
+    import json
+
+    res, _, _, _ = rendered
+    cm = yaml.safe_load((res.out_dir / "monitoring" / "grafana-dashboard.yaml").read_text())
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = cm["data"].values()
+    return json.loads(text)
+
+
+def test_every_metric_is_exported_or_documented(rendered):
+    """Dashboard and rules query only metrics in dashboard.METRIC_SOURCES; the ones we claim are ours
+    are exported by the BLS model file or the probe exporter under exactly those names."""
+    from prometheus_client import generate_latest
+
+    from precision_pipeline.serving import dashboard, probe
+
+    _, doc, _, _ = rendered
+    exprs = dashboard.expressions(_dashboard(rendered)) + [r["expr"] for r in doc["spec"]["groups"][0]["rules"]]
+    used = set().union(*(dashboard.metric_names(e) for e in exprs))
+    assert used <= set(dashboard.METRIC_SOURCES), used - set(dashboard.METRIC_SOURCES)
+    assert {"precision_pipeline_requests_total", "precision_pipeline_probe_kl_p99", "DCGM_FI_PROF_DRAM_ACTIVE",
+            "nv_trt_llm_kv_cache_block_metrics", "precision_pipeline_fallback_active"} <= used
+    bls = (Path(__file__).resolve().parents[2] / "triton_repo" / "all_models" / "inflight_batcher_llm" / "tensorrt_llm_bls"
+           / "1" / "model.py").read_text()
+    ex = probe.ProbeExporter(None)
+    ex.observe("p", "u", None)
+    exported = generate_latest(ex.registry).decode()
+    for m, src in dashboard.METRIC_SOURCES.items():
+        if "tensorrt_llm_bls" in src:
+            assert f'name="{m}"' in bls, m
+        elif "ProbeExporter" in src:
+            assert f"# HELP {m} " in exported or f"# HELP {m.removesuffix('_total')} " in exported, m
+
+
+@needs_promtool
+def test_dashboard_promql_parses(rendered):
+    """promtool parses every dashboard expression (as recording rules: ``promtool check rules``)."""
+    from precision_pipeline.serving import dashboard
+
+    _, _, _, tmp = rendered
+    exprs = dashboard.expressions(_dashboard(rendered))
+    f = tmp / "dashboard_rules.yaml"
+    f.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:expr{i}", "expr": e} for i, e in enumerate(exprs)]}]}))
+    r = subprocess.run([PROMTOOL, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in r.stdout
+    f.write_text(yaml.safe_dump({"groups": [{"name": "d", "rules": [{"record": "x:y", "expr": exprs[0] + ")"}]}]}))
+    assert subprocess.run([PROMTOOL, "check", "rules", str(f)], capture_output=True, text=True).returncode != 0

@@ -126,7 +126,8 @@ class DeployResult:
     k8s_version: str
     notes: list[str] = field(default_factory=list)
     monitoring: list[str] = field(default_factory=list)
-    """Manifests under ``<out_dir>/monitoring/`` (the PrometheusRule; needs the prometheus-operator CRDs)."""
+    """Manifests under ``<out_dir>/monitoring/``: the PrometheusRule (needs the prometheus-operator CRDs) and
+    the Grafana dashboard ConfigMap (serving/dashboard.py)."""
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -731,18 +732,25 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
     monitoring: dict[str, str] = {}
     mon_dir = templates_dir / MONITORING_SUBDIR
     for tpath in sorted(mon_dir.glob("*.yaml")) if mon_dir.is_dir() else []:
-        if tpath.name != "prometheus-rule.yaml":
-            raise UserError(str(tpath), "is a monitoring template build/precision_pipeline/serving/deploy.py does not fill.",
-                            "keep k8s/monitoring/ and deploy.py in step.")
         where = f"k8s/{MONITORING_SUBDIR}/{tpath.name}"
         dep = params["triton-deployment.yaml"]
-        p = {"name": dep["name"], "namespace": dep["namespace"], "labels": dep["labels"],
-             "groups": alert_groups(plan.profile.name or profile.name, profile.gate.for_model(plan.model.name))}
+        p = {"name": dep["name"], "namespace": dep["namespace"], "labels": dep["labels"]}
+        if tpath.name == "prometheus-rule.yaml":
+            p["groups"] = alert_groups(plan.profile.name or profile.name, profile.gate.for_model(plan.model.name))
+        elif tpath.name == "grafana-dashboard.yaml":
+            from precision_pipeline.serving import dashboard
+
+            p["name"] = f"{dep['name']}-dashboard"[:63]
+            p["labels"] = {**dep["labels"], "grafana_dashboard": "1"}
+            p["data"] = {f"{dep['name']}.json": dashboard.to_json(dashboard.dashboard(plan, profile, dep["name"]))}
+        else:
+            raise UserError(str(tpath), "is a monitoring template build/precision_pipeline/serving/deploy.py does not fill.",
+                            "keep k8s/monitoring/ and deploy.py in step.")
         doc = parse_manifest(render_template(tpath.read_text(), p, where), where)
         validate_manifest(doc, where, k8s_version)
         monitoring[f"{MONITORING_SUBDIR}/{tpath.name}"] = (
             f"# Rendered by build/precision_pipeline/serving/deploy.py from {where}: profile {plan.profile.name or profile.name}.\n"
-            "# Needs the prometheus-operator CRDs. Re-render; do not edit.\n"
+            "# For a cluster with the prometheus-operator / Grafana's sidecar. Re-render; do not edit.\n"
             + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000))
     out_dir = Path(out_dir)
     target = out_dir / OUT_SUBDIR
