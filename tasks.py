@@ -514,6 +514,9 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
     repo_dir = _serving_repo(repo)
     state = release.read_state(repo_dir) if repo_dir.is_dir() else None
     n = _int_arg("--prompts", prompts, 1, 65)
+    every_s = None if every is None else float(_int_arg("--every", every, 1, 86400))
+    max_runs = _int_arg("--runs", runs, 1) if runs is not None else None
+    port = _int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
     rec_profile = ""
     if state:
         rec_profile = next((r.get("profile", "") for r in state.get("releases", []) if r.get("unit") == state["current"]), "")
@@ -539,11 +542,8 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
         else:
             raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12>.")
     server = TritonServer.attach(url or "127.0.0.1:8000")
-    every_s = None if every is None else float(_int_arg("--every", every, 1, 86400))
-    max_runs = _int_arg("--runs", runs, 1) if runs is not None else None
     exporter = None
     if every_s is not None:
-        port = _int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
         exporter = pr.ProbeExporter(port)
         con.print(f"probe metrics on http://0.0.0.0:{port}/metrics")
     k, failed = 0, False
