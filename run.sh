@@ -116,6 +116,16 @@ if [[ "${1:-}" == "test" ]] && ! command -v chromium >/dev/null 2>&1; then
     echo "[setup] chromium not found and not root: the browser test will be skipped" >&2
   fi
 fi
+# The alert-rule tests run promtool (Debian's prometheus package: promtool check rules / test rules).
+if [[ "${1:-}" == "test" ]] && ! command -v promtool >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+    echo "[setup] installing Debian's prometheus (promtool) for the alert-rule tests (about 1 minute)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+      || echo "[setup] could not install prometheus; the promtool tests will be skipped" >&2
+  else
+    echo "[setup] promtool not found and not root: the promtool tests will be skipped" >&2
+  fi
+fi
 # The Kubernetes policy test runs checkov from its own venv (its many pins must not move ours).
 CHECKOV_PIN="$(sed -n 's/^checkov==//p' requirements-checkov.txt 2>/dev/null || true)"
 CHECKOV_VENV="$ROOT/.cache/checkov-$CHECKOV_PIN"

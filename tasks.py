@@ -420,6 +420,15 @@ def rollback(c, repo=None, to=None, fallback=False, url=None):
     _console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
 
 
+def _probe_set(prof, out_dir, prompts):
+    """The probe's prompts and reference from the build's gate folder, thresholds from the profile's gate section."""
+    from precision_pipeline.core.store import read_json
+    from precision_pipeline.serving import probe
+
+    model = Path((read_json(out_dir / "gate" / "metrics.json", {}) or {}).get("reference_model_dir", "")).name
+    return probe.load_probe_set(out_dir / "gate", prompts, thresholds=prof.gate.for_model(model))
+
+
 @task(help={"profile": "the built profile to roll out (its gate folder gives the probe's prompts and reference)",
             "steps": "canary percentages, increasing, ending at 100 (default: the profile's deployment.canary_steps)",
             "hold": "seconds of live traffic per step before its checks (default: deployment.canary_pause_s)",
@@ -433,7 +442,7 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
             out=None, probe_prompts=4):
     """Gradual rollout with a live accuracy probe and automatic rollback (serving/rollout.py)."""
     from precision_pipeline.core.errors import UserError
-    from precision_pipeline.serving import probe, release
+    from precision_pipeline.serving import release
     from precision_pipeline.serving import rollout as ro
     from precision_pipeline.serving.triton_server import TritonServer
 
@@ -461,11 +470,7 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
         raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
     server = TritonServer.attach(url)
     server.metrics_port = int(metrics_port) if metrics_port else server.http_port + 2
-    from precision_pipeline.core.store import read_json
-
-    model = Path((read_json(out_dir / "gate" / "metrics.json", {}) or {}).get("reference_model_dir", "")).name
-    pset = probe.load_probe_set(out_dir / "gate", _int_arg("--probe-prompts", probe_prompts, 1, 65),
-                                thresholds=prof.gate.for_model(model))
+    pset = _probe_set(prof, out_dir, _int_arg("--probe-prompts", probe_prompts, 1, 65))
 
     def show(s):
         pr = s.get("probe") or {}
@@ -484,6 +489,88 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
     else:
         con.print(f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "
                   f"traffic ({res.decision_to_stable_ms} ms from the decision to the candidate's last request)")
+        raise Exit(code=3)
+
+
+@task(help={"url": "HOST:PORT of the running server's HTTP endpoint (default 127.0.0.1:8000)",
+            "profile": "the built profile whose gate gives prompts, reference and thresholds (default: the current release's)",
+            "repo": "serving repository whose releases.json records the result (default artifacts/serving/model_repository)",
+            "gate": "a gate folder to take prompts, reference and thresholds from instead of a build's",
+            "unit": "engine unit to probe (default: the current release, else the profile's packed unit)",
+            "every": "run every N seconds until Ctrl-C (default: once)", "prompts": "golden prompts per run (default 4)",
+            "metrics_port": "with --every: serve the results as Prometheus metrics on this port (default 8004)",
+            "runs": "with --every: stop after this many runs", "out": "the build's output folder"})
+@guarded
+def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None, prompts=4, metrics_port=None,
+          runs=None, out=None):
+    """Accuracy probe of the live server: golden prompts vs the gate's FP32 reference (serving/probe.py)."""
+    import time as _time
+
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving import probe as pr
+    from precision_pipeline.serving import release
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    con = _console()
+    repo_dir = _serving_repo(repo)
+    state = release.read_state(repo_dir) if repo_dir.is_dir() else None
+    n = _int_arg("--prompts", prompts, 1, 65)
+    every_s = None if every is None else float(_int_arg("--every", every, 1, 86400))
+    max_runs = _int_arg("--runs", runs, 1) if runs is not None else None
+    port = _int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
+    rec_profile = ""
+    if state:
+        rec_profile = next((r.get("profile", "") for r in state.get("releases", []) if r.get("unit") == state["current"]), "")
+    if gate:
+        gate_dir = Path(gate).expanduser().resolve()
+        pset = pr.load_probe_set(gate_dir, n)
+        prof_name = profile or rec_profile
+        packed = None
+    else:
+        if not (profile or rec_profile):
+            raise UserError("--profile", "is required: no serving repository names the current release's profile.",
+                            "e.g. invoke probe --profile fp8-h100 (or --gate <build out>/gate)")
+        prof, out_dir, packed, _ = _built_repo(profile or rec_profile, out)
+        prof_name = prof.name
+        pset = _probe_set(prof, out_dir, n)
+    if not unit:
+        if state and not profile:
+            unit = state["current"]
+        elif packed is not None:
+            unit = release.resolve_unit_source(packed).name
+        elif state:
+            unit = state["current"]
+        else:
+            raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12>.")
+    server = TritonServer.attach(url or "127.0.0.1:8000")
+    exporter = None
+    if every_s is not None:
+        exporter = pr.ProbeExporter(port)
+        con.print(f"probe metrics on http://0.0.0.0:{port}/metrics")
+    k, failed = 0, False
+    try:
+        while True:
+            rec = pr.probe_and_record(server, unit, pset, repo_dir=repo_dir if state else None, profile=prof_name,
+                                      exporter=exporter)
+            s = rec["probe"]
+            k += 1
+            failed = not s.get("passed", False)
+            if "error" in s:
+                con.print(f"[red]probe of {unit} failed[/]: {s['error']}")
+            else:
+                con.print(f"probe {unit} ({prof_name or '?'}): KL P99 {s['kl_p99']:.4f} (max {s['checks']['kl_p99']['threshold']}), "
+                          f"top-1 {s['top1']:.3f} (min {s['checks']['top1']['threshold']}), {s['tokens']} tokens, "
+                          f"{s['prompts']} prompts, {s['ms']:.0f} ms -> {'pass' if s['passed'] else 'FAIL'}"
+                          + ("" if state else " (not recorded: no releases.json)"))
+            if every_s is None or (max_runs is not None and k >= max_runs):
+                break
+            _time.sleep(every_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if exporter is not None:
+            exporter.close()
+    if failed and every_s is None:
         raise Exit(code=3)
 
 

@@ -301,15 +301,19 @@ def test_rerender_replaces_atomically_and_keeps_previous_on_failure(tmp_path):
     repo = make_repo(tmp_path / "b")
     res = deploy.render_manifests(make_plan(prof3), prof3, repo, tmp_path / "b", "/x")
     assert "pdb.yaml" in res.files
-    before = {p.name: p.read_text() for p in res.out_dir.iterdir()}
+    def files(d):  # every file, the monitoring/ sub-folder's included
+        return {str(p.relative_to(d)): p.read_text() for p in d.rglob("*") if p.is_file()}
+
+    before = files(res.out_dir)
+    assert "monitoring/prometheus-rule.yaml" in before
     # a failing render leaves the previous manifests untouched
     with pytest.raises(UserError):
         deploy.render_manifests(make_plan(prof3), prof3, repo, tmp_path / "b", "/x", namespace="BAD")
-    assert {p.name: p.read_text() for p in res.out_dir.iterdir()} == before
+    assert files(res.out_dir) == before
     # one replica: the stale pdb.yaml is gone
     prof1 = make_profile()
     res1 = deploy.render_manifests(make_plan(prof1), prof1, repo, tmp_path / "b", "/x")
-    assert sorted(p.name for p in res1.out_dir.iterdir()) == ["service.yaml", "triton-deployment.yaml"]
+    assert sorted(p.name for p in res1.out_dir.iterdir()) == ["monitoring", "service.yaml", "triton-deployment.yaml"]
     assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(".k8s")]
 
 

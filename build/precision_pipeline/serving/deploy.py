@@ -56,6 +56,7 @@ from packaging.version import Version
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.store import atomic_dir, hash_file, read_json
 from precision_pipeline.serving import pack, templates
+from precision_pipeline.serving.probe import PROBE_LAST_RUN, PROBE_METRIC_NAMES
 
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.resolve.plan import ResolvedPlan
@@ -124,6 +125,9 @@ class DeployResult:
     command: list[str]
     k8s_version: str
     notes: list[str] = field(default_factory=list)
+    monitoring: list[str] = field(default_factory=list)
+    """Manifests under ``<out_dir>/monitoring/``: the PrometheusRule (needs the prometheus-operator CRDs) and
+    the Grafana dashboard ConfigMap (serving/dashboard.py)."""
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -590,8 +594,8 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 """Prometheus the AnalysisTemplate queries (the prometheus-operator's default Service name); an argument."""
-PROBE_METRICS = {"kl_p99": "precision_pipeline_probe_kl_p99", "top1": "precision_pipeline_probe_top1"}
-"""Gauges the accuracy probe publishes per engine unit (label ``engine_unit``)."""
+PROBE_METRICS = PROBE_METRIC_NAMES
+"""Gauges the accuracy probe publishes per engine unit (label ``engine_unit``; serving/probe.py ``ProbeExporter``)."""
 MAX_ERROR_RATE = 0.01
 ANALYSIS_INTERVAL = "60s"
 
@@ -634,6 +638,57 @@ def _argo_params(plan, profile, name, namespace, labels, annotations, selector, 
     return rollout, analysis
 
 
+MONITORING_SUBDIR = "monitoring"
+"""``<out>/k8s/monitoring/``: manifests of the prometheus-operator's kinds (``k8s/monitoring/`` templates),
+apart so that ``kubectl apply -f <out>/k8s/`` works on a cluster without that operator."""
+PROBE_STALE_S = 1800
+"""PrecisionProbeStale fires when the probe's last run of a profile is older than this (seconds): 3 runs
+of a probe every 10 minutes (``invoke probe --every 600``) missed."""
+PROBE_ALERT_FOR = "5m"
+"""How long a probe result beyond the gate threshold must persist (the next runs did not clear it)."""
+
+
+def _promql_str(s: str) -> str:
+    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def alert_groups(profile_name: str, thresholds, *, stale_s: int = PROBE_STALE_S) -> list[dict]:
+    """The PrometheusRule's groups for one profile: the probe's checked metrics (``PROBE_METRICS``, ops
+    and thresholds from ``checkpoint_gate.CHECKS`` and ``thresholds``, the profile's gate section for the
+    model), probe staleness and errors, and the BLS's ``precision_pipeline_fallback_active`` gauge."""
+    from precision_pipeline.gate.checkpoint_gate import CHECKS
+
+    sel = f"profile={_promql_str(profile_name)}"
+    rules: list[dict] = []
+    for key, metric in PROBE_METRICS.items():
+        field_name, op = CHECKS[key]
+        v = getattr(thresholds, field_name)
+        if v is None:
+            continue
+        bad = ">" if op == "<=" else "<"
+        name = "PrecisionProbe" + "".join(w.capitalize() for w in key.split("_")) + ("AboveGate" if bad == ">" else "BelowGate")
+        rules.append({"alert": name, "expr": f"max by (engine_unit) ({metric}{{{sel}}}) {bad} {v!r}",
+                      "for": PROBE_ALERT_FOR, "labels": {"severity": "critical"},
+                      "annotations": {"summary": f"live {key} of {{{{ $labels.engine_unit }}}} beyond the gate ({op} {v!r})",
+                                      "description": f"The golden-prompt probe of profile {profile_name} measured "
+                                                     f"{key} = {{{{ $value }}}} on the live server; the gate allows {op} {v!r}."}})
+    rules.append({"alert": "PrecisionProbeStale",
+                  "expr": f"time() - max by (engine_unit) ({PROBE_LAST_RUN}{{{sel}}}) > {int(stale_s)}",
+                  "labels": {"severity": "warning"},
+                  "annotations": {"summary": f"no probe run of {{{{ $labels.engine_unit }}}} for over {int(stale_s)} s"}})
+    rules.append({"alert": "PrecisionProbeAbsent", "expr": f"absent({PROBE_LAST_RUN}{{{sel}}})", "for": f"{int(stale_s)}s",
+                  "labels": {"severity": "warning"},
+                  "annotations": {"summary": f"the accuracy probe of profile {profile_name} exports nothing"}})
+    rules.append({"alert": "PrecisionProbeErrors",
+                  "expr": f'increase(precision_pipeline_probe_runs_total{{{sel},result="error"}}[15m]) > 0',
+                  "labels": {"severity": "warning"},
+                  "annotations": {"summary": "probe runs of {{ $labels.engine_unit }} failed to get logits from the server"}})
+    rules.append({"alert": "PrecisionFallbackActive", "expr": "max(precision_pipeline_fallback_active) > 0",
+                  "for": "5m", "labels": {"severity": "warning"},
+                  "annotations": {"summary": "the BLS serves the fallback release (releases.json fallback)"}})
+    return [{"name": f"precision-pipeline.{profile_name}", "interval": "1m", "rules": rules}]
+
+
 # --------------------------------------------------------------------------------------------
 # Stage
 
@@ -674,10 +729,36 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
         header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {plan.profile.name or profile.name}, "
                   f"engine unit {facts['serving'].unit}.\n# Validated against Kubernetes {k8s_version} (strict). Re-render; do not edit.\n")
         rendered[tname] = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
+    monitoring: dict[str, str] = {}
+    mon_dir = templates_dir / MONITORING_SUBDIR
+    for tpath in sorted(mon_dir.glob("*.yaml")) if mon_dir.is_dir() else []:
+        where = f"k8s/{MONITORING_SUBDIR}/{tpath.name}"
+        dep = params["triton-deployment.yaml"]
+        p = {"name": dep["name"], "namespace": dep["namespace"], "labels": dep["labels"]}
+        if tpath.name == "prometheus-rule.yaml":
+            p["groups"] = alert_groups(plan.profile.name or profile.name, profile.gate.for_model(plan.model.name))
+        elif tpath.name == "grafana-dashboard.yaml":
+            from precision_pipeline.serving import dashboard
+
+            p["name"] = f"{dep['name']}-dashboard"[:63]
+            p["labels"] = {**dep["labels"], "grafana_dashboard": "1"}
+            p["data"] = {f"{dep['name']}.json": dashboard.to_json(dashboard.dashboard(plan, profile, dep["name"]))}
+        else:
+            raise UserError(str(tpath), "is a monitoring template build/precision_pipeline/serving/deploy.py does not fill.",
+                            "keep k8s/monitoring/ and deploy.py in step.")
+        doc = parse_manifest(render_template(tpath.read_text(), p, where), where)
+        validate_manifest(doc, where, k8s_version)
+        monitoring[f"{MONITORING_SUBDIR}/{tpath.name}"] = (
+            f"# Rendered by build/precision_pipeline/serving/deploy.py from {where}: profile {plan.profile.name or profile.name}.\n"
+            "# For a cluster with the prometheus-operator / Grafana's sidecar. Re-render; do not edit.\n"
+            + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000))
     out_dir = Path(out_dir)
     target = out_dir / OUT_SUBDIR
     with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(target)) as tmp:
         for tname, text in rendered.items():
+            (tmp / tname).write_text(text)
+        for tname, text in monitoring.items():
+            (tmp / tname).parent.mkdir(parents=True, exist_ok=True)
             (tmp / tname).write_text(text)
     ss: ServingSet = facts["serving"]
     return DeployResult(
@@ -685,7 +766,7 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
         gpu_resource=GPU_RESOURCE, image=image, namespace=namespace, name=facts["name"], gpu_products=facts["gpu_products"],
         engine_unit=ss.unit, engine_hash=ss.engine_hash, engine_present=ss.engine_present, load_models=ss.models,
         release_source=ss.source, launcher=facts["launcher"], command=facts["command"], k8s_version=k8s_version,
-        notes=facts["notes"])
+        notes=facts["notes"], monitoring=sorted(monitoring))
 
 
 def stage_inputs(plan: ResolvedPlan, profile, repo_root: str, image: str = DEFAULT_IMAGE, *, namespace: str = "default",
@@ -706,9 +787,10 @@ def stage_inputs(plan: ResolvedPlan, profile, repo_root: str, image: str = DEFAU
         "gpu": {"id": gpu.id if gpu else None, "name": gpu.name if gpu else None},
         "mapping": plan.mapping.model_dump(mode="json"),
         "templates": {p.name: hash_file(p) for p in sorted(Path(templates_dir).glob("*.yaml"))},
+        "monitoring_templates": {p.name: hash_file(p) for p in sorted((Path(templates_dir) / MONITORING_SUBDIR).glob("*.yaml"))},
     }
 
 
 __all__ = ["render_manifests", "stage_inputs", "DeployResult", "DEFAULT_IMAGE", "DEFAULT_IMAGE_TRTLLM",
            "DEFAULT_IMAGE_SOURCE", "K8S_VERSION", "GPU_RESOURCE", "GPU_PRODUCT_LABEL", "serving_set",
-           "triton_command", "render_template", "validate_manifest", "gpu_product_label", "k8s_name"]
+           "triton_command", "render_template", "validate_manifest", "gpu_product_label", "k8s_name", "alert_groups"]

@@ -60,6 +60,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 ENGINE_ARGS_FILE = "trtllm-build.args.json"  # written by build/precision_pipeline/engine/trtllm_build.py next to the engine; not part of the hash
 CPU_REFERENCE_FILE = "cpu_reference.json"
+PRECISION_PATH_FILE = "precision_path.json"
+"""``<unit>/precision_path.json``: the precision path of one engine unit (``precision_path``), read by
+the BLS to label its metrics and each response (triton_repo/.../tensorrt_llm_bls/1/model.py)."""
 PACK_FILE = "pack.json"
 
 _DTYPE_TO_TRITON = TRITON_DTYPE  # logits dtype -> Triton data type (one home: spec/formats.py)
@@ -408,10 +411,30 @@ def engine_hash_of(plan: ResolvedPlan, checkpoint_dir: Path, engine_dir: Path, e
                      "mapping": plan.mapping, "profile": plan.profile.name})
 
 
+def precision_path(plan: ResolvedPlan, engine_hash: str) -> dict[str, str]:
+    """The precision path one engine unit serves, as strings (metric labels / response parameters):
+
+    ``profile``, ``unit``, ``engine_hash``, ``gemm`` (checkpoint ``quant_algo``), ``kv`` (generation-phase
+    ``kv_cache_quant_algo``), ``context_fmha`` (context-phase attention: ``fp8`` when
+    ``use_fp8_context_fmha``, else the model dtype, ``off`` without ``context_fmha``; ``+paged`` with
+    ``use_paged_context_fmha``), ``logits_dtype`` (``--logits_dtype``), ``dtype`` (unquantized tensors).
+    Values are the plan's *effective* settings (after trtllm-build's own overrides, resolve/rules.py)."""
+    q, e = plan.profile.quantization, plan.effective
+    fmha = "off" if not e.context_fmha else ("fp8" if e.use_fp8_context_fmha else q.dtype)
+    if e.context_fmha and e.use_paged_context_fmha:
+        fmha += "+paged"
+    return {"profile": plan.profile.name, "unit": unit_name(engine_hash), "engine_hash": engine_hash,
+            "gemm": q.quant_algo.value, "kv": q.kv_cache_quant_algo.value, "context_fmha": fmha,
+            "logits_dtype": e.logits_dtype, "dtype": q.dtype}
+
+
 def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,
-               model_dir: Path, engine_hash: str, profile_name: str) -> None:
-    """Write one engine unit: config.pbtxt, 1/, engine/ (engine files + CPU reference pointer)."""
+               model_dir: Path, engine_hash: str, profile_name: str, path: dict | None = None) -> None:
+    """Write one engine unit: config.pbtxt, 1/, engine/ (engine files + CPU reference pointer),
+    ``precision_path.json`` (``path``, see ``precision_path``)."""
     (unit_dir / "1").mkdir(parents=True, exist_ok=True)
+    if path is not None:
+        (unit_dir / PRECISION_PATH_FILE).write_text(json.dumps(path, indent=2) + "\n")
     (unit_dir / "1" / ".keep").write_text("Triton version directory; the engine is at gpt_model_path (../engine).\n")
     (unit_dir / "config.pbtxt").write_text(config_text)
     eng = unit_dir / "engine"
@@ -488,7 +511,7 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
                 shutil.copy2(model_dir / name, tok / name)
         write_unit(tmp / unit, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
                    checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
-                   profile_name=plan.profile.name)
+                   profile_name=plan.profile.name, path=precision_path(plan, ehash))
         res = PackResult(out_dir=out_dir, models=sorted([*FIXED_MODELS, unit]), engine_unit=unit, engine_hash=ehash,
                          engine_present=bool(engine_built),
                          params={k: {pk: templates.pbtxt_text(pv) for pk, pv in v.items()} for k, v in params.items()},

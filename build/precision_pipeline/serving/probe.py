@@ -19,7 +19,14 @@ Public API (``invoke rollout`` uses it at each step; ``invoke probe`` may reuse 
 * ``run_probe(server, unit, probe_set) -> ProbeResult``: the numbers, their 95 % bootstrap intervals
   (over prompts, as the gate computes them), the checks ``kl_p99 <= kl_p99_max`` and
   ``top1 >= top1_min``, ``passed``;
-* ``engine_context_logits(server, unit, input_ids, end_id)``: one prompt's ``[T, vocab]`` logits.
+* ``engine_context_logits(server, unit, input_ids, end_id)``: one prompt's ``[T, vocab]`` logits;
+* ``ProbeExporter(port)``: the probe's results as Prometheus metrics on its own HTTP port (``invoke
+  probe --every N --metrics-port M``). Triton's python-backend metrics API (``pb_utils.MetricFamily``)
+  exists only inside a model running in the server, and nothing outside can write into Triton's
+  ``/metrics``, so the probe (a client) exports on its own endpoint: scrape both. Names: ``PROBE_GAUGES``,
+  ``precision_pipeline_probe_runs_total{result}``, ``PROBE_LAST_RUN``; labels ``profile``, ``engine_unit``;
+* ``probe_and_record(server, unit, probe_set, repo_dir=..., exporter=...)``: one run, appended to
+  releases.json's history (``release.record_probe``) and set on the exporter.
 
 Errors: ``UserError`` when the gate folder has no metrics.json / per-token file or its stored
 reference is not in the cache (run the build's gate again); ``RuntimeError`` when the server refuses
@@ -231,5 +238,83 @@ def run_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAUL
                        probe_set.gate_numbers(), per)
 
 
-__all__ = ["ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
+PROBE_GAUGES = {
+    "precision_pipeline_probe_kl_p99": "KL(P_ref || P_engine) P99 over the probe's answer tokens (nats), last run",
+    "precision_pipeline_probe_kl_mean": "mean KL over the probe's answer tokens (nats), last run",
+    "precision_pipeline_probe_top1": "top-1 agreement with the FP32 reference over the answer tokens, last run",
+    "precision_pipeline_probe_kl_p99_threshold": "the profile's gate threshold kl_p99_max (nats)",
+    "precision_pipeline_probe_top1_threshold": "the profile's gate threshold top1_min",
+    "precision_pipeline_probe_passed": "1 when the last run passed every check, else 0",
+    "precision_pipeline_probe_duration_seconds": "wall time of the last run",
+    "precision_pipeline_probe_tokens": "answer tokens scored by the last run",
+}
+PROBE_LABELS = ("profile", "engine_unit")
+PROBE_METRIC_NAMES = {"kl_p99": "precision_pipeline_probe_kl_p99", "top1": "precision_pipeline_probe_top1"}
+"""The gauges of the checked metrics (``PROBE_METRICS``): the AnalysisTemplate and PrometheusRule (serving/deploy.py) query them."""
+PROBE_LAST_RUN = "precision_pipeline_probe_last_run_timestamp_seconds"
+
+
+class ProbeExporter:
+    """The probe's results on ``http://ADDR:PORT/metrics`` (prometheus_client, its own registry).
+
+    ``port=None``: no HTTP server (``registry`` can still be rendered, e.g. in tests)."""
+
+    def __init__(self, port: Optional[int] = None, addr: str = "0.0.0.0"):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.gauges = {n: Gauge(n, h, PROBE_LABELS, registry=self.registry) for n, h in PROBE_GAUGES.items()}
+        self.runs = Counter("precision_pipeline_probe_runs", "probe runs by result (pass, fail, error)", (*PROBE_LABELS, "result"),
+                            registry=self.registry)
+        self.last = Gauge("precision_pipeline_probe_last_run_timestamp_seconds", "Unix time the last run finished (any result)",
+                          PROBE_LABELS, registry=self.registry)
+        self.server = None
+        if port is not None:
+            from prometheus_client import start_http_server
+
+            self.server, _ = start_http_server(int(port), addr=addr, registry=self.registry)
+
+    def observe(self, profile: str, unit: str, result: Optional[ProbeResult], error: Optional[str] = None) -> None:
+        lab = {"profile": profile, "engine_unit": unit}
+        if result is None:
+            self.runs.labels(**lab, result="error").inc()
+        else:
+            thr = {k: c["threshold"] for k, c in result.checks.items()}
+            vals = {"precision_pipeline_probe_kl_p99": result.kl_p99, "precision_pipeline_probe_kl_mean": result.kl_mean,
+                    "precision_pipeline_probe_top1": result.top1, "precision_pipeline_probe_passed": float(result.passed),
+                    "precision_pipeline_probe_duration_seconds": result.ms / 1e3, "precision_pipeline_probe_tokens": result.tokens,
+                    "precision_pipeline_probe_kl_p99_threshold": thr.get("kl_p99"), "precision_pipeline_probe_top1_threshold": thr.get("top1")}
+            for name, v in vals.items():
+                if v is not None:
+                    self.gauges[name].labels(**lab).set(float(v))
+            self.runs.labels(**lab, result="pass" if result.passed else "fail").inc()
+        self.last.labels(**lab).set(time.time())
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Optional[Path] = None, profile: str = "",
+                     exporter: Optional[ProbeExporter] = None, by: str = "invoke probe") -> dict:
+    """One probe run of ``unit``: the result (``ProbeResult.summary()``, or ``{"error": ...}`` when the
+    server failed: RuntimeError) is appended to ``repo_dir``'s releases.json history when given and
+    set on ``exporter`` when given. Returns the releases.json record (or the bare summary)."""
+    from precision_pipeline.serving import release
+
+    try:
+        res: Optional[ProbeResult] = run_probe(server, unit, probe_set)
+        summary = res.summary()
+    except RuntimeError as e:
+        res, summary = None, {"error": str(e)[:500], "passed": False}
+    if exporter is not None:
+        exporter.observe(profile, unit, res, summary.get("error"))
+    if repo_dir is not None:
+        return release.record_probe(repo_dir, unit, summary, profile=profile, by=by)
+    return {"unit": unit, "profile": profile, "probe": summary}
+
+
+__all__ = ["ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
            "PROBE_METRICS"]

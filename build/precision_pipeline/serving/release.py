@@ -828,6 +828,38 @@ def abort_rollout(repo_dir: Path, *, server=None, failed_check: str = "manual ab
     return rec
 
 
+PROBE_HISTORY_MAX = 50
+"""Probe records kept in ``history`` (the oldest probe records go first; never a release record)."""
+
+
+def record_probe(repo_dir: Path, unit: str, summary: dict, *, profile: str = "", by: str = "invoke probe") -> dict:
+    """Append one accuracy-probe result (serving/probe.py ``ProbeResult.summary()``) to releases.json's
+    history as ``{"action": "probe", "from": None, "to": None, "unit", "profile", "time", "by", "ms",
+    "probe": summary}`` (``from``/``to`` stay empty: a probe moves no traffic, so rollback and retention
+    ignore it). At most ``PROBE_HISTORY_MAX`` probe records stay. Atomic write under the releases lock.
+    Raises UserError when ``repo_dir`` has no releases.json. Returns the record."""
+    repo_dir = Path(repo_dir)
+    with _lock(repo_dir):
+        state = read_state(repo_dir)
+        if not state:
+            raise UserError(str(state_path(repo_dir)), "no releases.json: this is not a serving repository.",
+                            "create it with `invoke promote --profile P` first.")
+        rec = {"action": "probe", "from": None, "to": None, "unit": unit, "profile": profile, "time": _now(),
+               "by": by, "ms": round(float(summary.get("ms", 0.0)), 1), "probe": summary}
+        hist = state.get("history", []) + [rec]
+        n_probe = sum(1 for h in hist if h.get("action") == "probe")
+        drop = max(0, n_probe - PROBE_HISTORY_MAX)
+        kept = []
+        for h in hist:
+            if drop and h.get("action") == "probe":
+                drop -= 1
+                continue
+            kept.append(h)
+        state["history"] = kept[-HISTORY_MAX:]
+        atomic_write_json(state_path(repo_dir), state)
+    return rec
+
+
 def list_releases(repo_dir: Path) -> dict:
     """releases.json plus what is on disk (for `invoke releases`)."""
     state = read_state(repo_dir) or {}
@@ -838,4 +870,4 @@ def list_releases(repo_dir: Path) -> dict:
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "init_serving_repo", "recover", "smoke_test",
                           "read_state", "serving_models", "list_releases", "STEPS", "INIT_STEPS", "CRASH_ENV",
                           "set_canary", "begin_rollout", "set_rollout_percent", "finish_rollout", "abort_rollout",
-                          "rollout_state", "ROLLOUT_STEPS"]
+                          "rollout_state", "ROLLOUT_STEPS", "record_probe"]

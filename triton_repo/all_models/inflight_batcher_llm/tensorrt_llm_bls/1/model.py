@@ -12,6 +12,25 @@ coin flip, so the share per instance is exact to one request). Without "canary" 
 the stable unit. Non-streaming:
 one response per request (in decoupled mode it is sent through the response sender with the FINAL flag;
 ``stream`` = true is refused, this BLS does not stream).
+
+Precision path (observability): each engine unit carries ``precision_path.json`` (written by
+serving/pack.py ``precision_path``: profile, unit, engine_hash, gemm, kv, context_fmha, logits_dtype,
+dtype). Every response carries that path of the unit that served it in the output
+``precision_path`` (``[batch, 1]`` string: a JSON object of those keys plus ``route`` = ``stable``,
+``canary`` or ``fallback``, the last when the unit is releases.json's ``fallback``). An output
+tensor, not response parameters: the python backend of Triton 2.51 (this project's server) has no
+``parameters`` on ``InferenceResponse``. The ensemble cannot carry it (its outputs come from the
+composing models; the real tensorrtllm backend has no such output): ask the BLS. Metrics on the server's own ``/metrics`` through the python-backend
+metrics API (``pb_utils.MetricFamily``), beside Triton's per-model counters:
+
+* ``precision_pipeline_requests_total`` (counter; labels ``METRIC_LABELS``): requests answered, by path;
+* ``precision_pipeline_request_failures_total`` (counter; same labels): requests that failed after routing;
+* ``precision_pipeline_tokens_total`` (counter; ``METRIC_LABELS`` + ``kind`` = ``input`` | ``output``);
+* ``precision_pipeline_rollout_canary_percent`` (gauge): the canary share route.json asks for (0 without one);
+* ``precision_pipeline_fallback_active`` (gauge): 1 while the stable route is releases.json's fallback unit.
+
+(Triton exposes python-backend counters under the family name as given; the ``_total`` suffix is
+part of our names.)
 """
 
 import json
@@ -19,6 +38,10 @@ import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+
+METRIC_LABELS = ("profile", "engine_unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route")
+PATH_FILE = "precision_path.json"
 
 
 def _param(cfg, key, default=None):
@@ -36,7 +59,73 @@ class TritonPythonModel:
         self.route_file = os.path.join(args.get("model_repository", ""), "route.json")
         self.route_mtime = None
         self.canary, self.percent, self.acc = None, 0, 0
+        self.repo_dir = os.path.dirname(os.path.abspath(args.get("model_repository", "") or "."))
+        self.state_file = os.path.join(os.path.dirname(self.repo_dir), "releases.json")
+        self.state_key, self.fallback = None, None
+        self.paths, self.metrics = {}, {}
+        self._init_metrics()
         self._route()
+        self._gauges()
+
+    def _init_metrics(self):
+        self.f_req = pb_utils.MetricFamily(name="precision_pipeline_requests_total", kind=pb_utils.MetricFamily.COUNTER,
+                                           description="requests answered by the BLS, by precision path and engine unit")
+        self.f_fail = pb_utils.MetricFamily(name="precision_pipeline_request_failures_total", kind=pb_utils.MetricFamily.COUNTER,
+                                            description="BLS requests that failed after routing, by precision path")
+        self.f_tok = pb_utils.MetricFamily(name="precision_pipeline_tokens_total", kind=pb_utils.MetricFamily.COUNTER,
+                                           description="tokens through the BLS by precision path (kind: input, output)")
+        f_can = pb_utils.MetricFamily(name="precision_pipeline_rollout_canary_percent", kind=pb_utils.MetricFamily.GAUGE,
+                                      description="canary share of BLS requests route.json asks for (percent)")
+        f_fb = pb_utils.MetricFamily(name="precision_pipeline_fallback_active", kind=pb_utils.MetricFamily.GAUGE,
+                                     description="1 while the stable route is the fallback unit of releases.json")
+        self.g_canary = f_can.Metric(labels={"model": "tensorrt_llm_bls"})
+        self.g_fallback = f_fb.Metric(labels={"model": "tensorrt_llm_bls"})
+        self._families = (self.f_req, self.f_fail, self.f_tok, f_can, f_fb)
+
+    def _path(self, unit):
+        """The unit's precision_path.json (cached per unit), with ``unit`` filled in."""
+        p = self.paths.get(unit)
+        if p is None:
+            try:
+                with open(os.path.join(self.repo_dir, unit, PATH_FILE)) as f:
+                    p = {str(k): str(v) for k, v in json.load(f).items()}
+            except (OSError, ValueError, AttributeError):
+                p = {}
+            p["unit"] = unit
+            self.paths[unit] = p
+        return p
+
+    def _fallback(self):
+        """releases.json's fallback unit (re-read when the file changes)."""
+        try:
+            st = os.stat(self.state_file)
+            key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        except OSError:
+            return self.fallback
+        if key != self.state_key:
+            try:
+                with open(self.state_file) as f:
+                    self.fallback = json.load(f).get("fallback")
+                self.state_key = key
+            except (OSError, ValueError, AttributeError):
+                pass
+        return self.fallback
+
+    def _gauges(self):
+        self.g_canary.set(float(self.percent if self.canary else 0))
+        self.g_fallback.set(1.0 if self.trt_name == self._fallback() else 0.0)
+
+    def _labels(self, unit, route):
+        p = self._path(unit)
+        vals = {**p, "route": route, "engine_unit": unit}
+        return {k: vals.get(k, "") for k in METRIC_LABELS}
+
+    def _metric(self, family, labels):
+        key = (id(family), tuple(sorted(labels.items())))
+        m = self.metrics.get(key)
+        if m is None:
+            m = self.metrics[key] = family.Metric(labels=labels)
+        return m
 
     def _route(self):
         """The engine model to call: route.json when it exists (re-read when it changes), else the parameter;
@@ -74,6 +163,22 @@ class TritonPythonModel:
             raise RuntimeError(f"{model}: {resp.error().message()}")
         return {n: pb_utils.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
 
+    @staticmethod
+    def _token_counts(input_ids, input_lengths, output_ids, sequence_length):
+        """(prompt tokens, generated tokens) of one request. output_ids holds the prompt first unless
+        the unit excludes it (request input or the unit's ``exclude_input_in_output`` parameter, which
+        this model cannot read): a row whose output starts with its whole prompt includes it."""
+        ids = np.asarray(input_ids).reshape(len(input_ids), -1)
+        lens = np.asarray(input_lengths).reshape(-1)
+        out = np.asarray(output_ids).reshape(ids.shape[0], -1)  # [batch, beam 1, len] -> [batch, len]
+        seq = np.asarray(sequence_length).reshape(-1)
+        n_out = 0
+        for i in range(ids.shape[0]):
+            n, s = int(lens[i]), int(seq[i])
+            has_prompt = s >= n and np.array_equal(out[i, :n], ids[i, :n])
+            n_out += s - n if has_prompt else s
+        return int(lens.sum()), int(n_out)
+
     def _one(self, request):
         def opt(name):
             t = pb_utils.get_input_tensor_by_name(request, name)
@@ -101,13 +206,29 @@ class TritonPythonModel:
             v = opt(name)
             if v is not None:
                 trt_in.append(pb_utils.Tensor(name, v))
-        trt = self._call(self._route(), trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"])
-        post = self._call("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", trt["output_ids"]),
-                                             pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"])
+        unit = self._route()
+        self._gauges()
+        route = "canary" if unit == self.canary and unit != self.trt_name else (
+            "fallback" if unit == self.fallback else "stable")
+        labels = self._labels(unit, route)
+        try:
+            trt = self._call(unit, trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"])
+            post = self._call("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", trt["output_ids"]),
+                                                 pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"])
+        except Exception:
+            self._metric(self.f_fail, labels).increment(1)
+            raise
+        n_in, n_out = self._token_counts(pre["INPUT_ID"], pre["REQUEST_INPUT_LEN"], trt["output_ids"], trt["sequence_length"])
+        self._metric(self.f_req, labels).increment(1)
+        self._metric(self.f_tok, {**labels, "kind": "input"}).increment(n_in)
+        self._metric(self.f_tok, {**labels, "kind": "output"}).increment(n_out)
+        path = json.dumps({**self._path(unit), "route": route}, sort_keys=True).encode()
+        batch = int(np.asarray(post["OUTPUT"]).shape[0])
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", post["OUTPUT"]),
             pb_utils.Tensor("cum_log_probs", trt["cum_log_probs"]),
             pb_utils.Tensor("output_log_probs", trt["output_log_probs"]),
+            pb_utils.Tensor("precision_path", np.array([[path]] * batch, dtype=object)),
         ])
 
     def execute(self, requests):
@@ -124,4 +245,5 @@ class TritonPythonModel:
         return None if self.decoupled else responses
 
     def finalize(self):
-        pass
+        self.metrics.clear()  # Metric objects go before their families (python-backend rule)
+        self.g_canary = self.g_fallback = None
