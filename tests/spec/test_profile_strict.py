@@ -201,3 +201,14 @@ def test_unbuildable_quantalgo_is_refused_by_its_rule(default_model_dir, tmp_pat
 def test_a_6kb_profile_path_is_refused_briefly():
     e = refusal("/tmp/" + "a" * 6000 + ".yaml")
     assert e.problems[0].field == "--profile" and len(e.message) < 600
+
+
+def test_scalar_strictness_unwraps_optional_only():
+    """``Optional[int]`` is checked as an int; ``list[int]`` / ``tuple[int, ...]`` are sequences, not ints
+    (they used to be unwrapped as if they were ``Optional[int]``, so a list field was refused as "must be a number")."""
+    from typing import Optional
+
+    from precision_pipeline.spec.profile import _scalar_kind
+
+    assert _scalar_kind(Optional[int]) is int and _scalar_kind(Optional[bool]) is bool and _scalar_kind(float) is float
+    assert _scalar_kind(list[int]) is None and _scalar_kind(tuple[int, ...]) is None and _scalar_kind(Optional[str]) is None

@@ -56,10 +56,14 @@ MAX_YAML_NODES = 20_000  # a full profile has about 150 nodes; aliases may not e
 
 
 def _scalar_kind(annotation: Any) -> Optional[type]:
-    """``bool``, ``int`` or ``float`` when a field holds that scalar (``Optional`` unwrapped), else None."""
-    args = getattr(annotation, "__args__", None)
-    if args:
-        kinds = {a for a in args if a is not type(None)}
+    """``bool``, ``int`` or ``float`` when a field holds that scalar (``Optional`` unwrapped), else None.
+
+    Only a union is unwrapped: ``list[int]`` / ``tuple[int, ...]`` hold a sequence, not an int."""
+    import types
+    import typing
+
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = {a for a in typing.get_args(annotation) if a is not type(None)}
         if len(kinds) == 1:
             annotation = kinds.pop()
     return annotation if annotation in (bool, int, float) else None
