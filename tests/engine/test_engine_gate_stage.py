@@ -5,12 +5,10 @@ runs, what is built, what is skipped and why. The product never writes an engine
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from precision_pipeline.core.fingerprint import Fingerprint
-from precision_pipeline.core.stage import Done, Manifest, StageRecord, StageRunner
 from precision_pipeline.engine.gate_stage import EngineGateInputs, EngineGateStage
 from precision_pipeline.engine.stage import EngineStage
 from precision_pipeline.gate.options import GateOptions
@@ -22,13 +20,7 @@ from tests.engine.test_engine import PLAN
 
 def _setup(tmp_path, monkeypatch, **kw):
     paths = doubles.install(tmp_path, monkeypatch, **kw)
-    out = tmp_path / "out"
-    out.mkdir()
-    runner = StageRunner(out, Manifest.open(out / "manifest.json", profile="p", profile_source="p", model_dir="m",
-                                            out_dir=str(out)))
-    up = {n: Done(artifact=None, key=c * 64, dir=tmp_path / "ckpt", record=StageRecord(n, "done"))
-          for n, c in (("quantize", "1"), ("gate", "2"))}
-    req = SimpleNamespace(out_dir=out, strict=False)
+    out, runner, up, req = doubles.stage_runner(tmp_path)
     eng = runner.run(EngineStage(), PLAN, req, up)
     return paths, out, runner, req, {**up, "engine": eng}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -215,17 +214,10 @@ def test_phase_parser_and_log_tail():
 
 
 def test_unchanged_engine_is_a_cached_no_op_through_the_runner(tmp_path, monkeypatch):
-    from precision_pipeline.core.stage import Done, Manifest, StageRecord, StageRunner
     from precision_pipeline.engine.stage import EngineStage
 
     paths = doubles.install(tmp_path, monkeypatch)
-    out = tmp_path / "out"
-    out.mkdir()
-    runner = StageRunner(out, Manifest.open(out / "manifest.json", profile="p", profile_source="p", model_dir="m",
-                                            out_dir=str(out)))
-    up = {n: Done(artifact=None, key=c * 64, dir=tmp_path / "ckpt", record=StageRecord(n, "done"))
-          for n, c in (("quantize", "1"), ("gate", "2"))}
-    req = SimpleNamespace(out_dir=out, strict=False)
+    out, runner, up, req = doubles.stage_runner(tmp_path)
     first = runner.run(EngineStage(), PLAN, req, up)
     assert first.record.status == "done" and first.artifact.built
     second = runner.run(EngineStage(), PLAN, req, up)

@@ -75,6 +75,17 @@ def _lock(repo_dir: Path):
     return locked(Path(repo_dir).resolve().parent / LOCK_FILE)
 
 
+def _state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True) -> dict:
+    """Under the releases lock: finish an interrupted change (``recover``), then ``releases.json``;
+    UserError on its path with ``reason`` / ``fix`` when the repository has none."""
+    if recover:
+        _recover_locked(repo_dir)
+    state = read_state(repo_dir)
+    if not state:
+        raise UserError(str(state_path(repo_dir)), reason, fix)
+    return state
+
+
 def serving_models(repo_dir: Path, state: dict) -> list[str]:
     """Models to load for ``state``: pre/post, current unit, warm fallback, then ensemble and BLS."""
     units = [state["current"]]
@@ -553,11 +564,8 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
     t0 = time.perf_counter()
     timings: dict[str, Any] = {"warnings": check_unit_skew(engine_unit, image=image, sm=sm)}
     with _lock(repo_dir):
-        _recover_locked(repo_dir)
-        state = read_state(repo_dir)
-        if not state:
-            raise UserError(str(state_path(repo_dir)), "no releases.json: this is not a serving repository.",
-                            "create one with release.init_serving_repo(repo_dir, <build>/model_repository).")
+        state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
+                                 "create one with release.init_serving_repo(repo_dir, <build>/model_repository).")
         previous = state["current"]
         unit = install_unit(repo_dir, engine_unit, serve_root)
         _crash_point("install")
@@ -609,10 +617,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     repo_dir = Path(repo_dir)
     timings: dict[str, Any] = {}
     with _lock(repo_dir):
-        _recover_locked(repo_dir)
-        state = read_state(repo_dir)
-        if not state:
-            raise UserError(str(state_path(repo_dir)), "no releases.json.", "init the serving repository first.")
+        state = _state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.")
         unit = install_unit(repo_dir, engine_unit, serve_root)
         if server is not None and warm:
             t = time.perf_counter()
@@ -640,10 +645,7 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
     t0 = time.perf_counter()
     timings: dict[str, Any] = {}
     with _lock(repo_dir):
-        _recover_locked(repo_dir)
-        state = read_state(repo_dir)
-        if not state:
-            raise UserError(str(state_path(repo_dir)), "no releases.json.", "init the serving repository first.")
+        state = _state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.")
         cur = state["current"]
         if state.get("rollout"):
             raise UserError("rollback", f"a rollout of {state['rollout']['candidate']} is in progress.",
@@ -713,11 +715,8 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
     repo_dir = Path(repo_dir)
     timings: dict[str, Any] = {}
     with _lock(repo_dir):
-        _recover_locked(repo_dir)
-        state = read_state(repo_dir)
-        if not state:
-            raise UserError(str(state_path(repo_dir)), "no releases.json: this is not a serving repository.",
-                            "create it with `invoke promote --profile P` first (the first promote creates it).")
+        state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
+                                 "create it with `invoke promote --profile P` first (the first promote creates it).")
         if state.get("rollout"):
             raise UserError("rollout", f"a rollout of {state['rollout']['candidate']} is already in progress.",
                             "end it with `invoke rollout --abort` first.")
@@ -840,10 +839,8 @@ def record_probe(repo_dir: Path, unit: str, summary: dict, *, profile: str = "",
     Raises UserError when ``repo_dir`` has no releases.json. Returns the record."""
     repo_dir = Path(repo_dir)
     with _lock(repo_dir):
-        state = read_state(repo_dir)
-        if not state:
-            raise UserError(str(state_path(repo_dir)), "no releases.json: this is not a serving repository.",
-                            "create it with `invoke promote --profile P` first.")
+        state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
+                                 "create it with `invoke promote --profile P` first.", recover=False)
         rec = {"action": "probe", "from": None, "to": None, "unit": unit, "profile": profile, "time": _now(),
                "by": by, "ms": round(float(summary.get("ms", 0.0)), 1), "probe": summary}
         hist = state.get("history", []) + [rec]
