@@ -24,15 +24,14 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
 from precision_pipeline.serving import release  # noqa: E402
+from _load import ClientLoad, ask  # noqa: E402  (benchmarks/ is this script's folder, first on sys.path)
 from precision_pipeline.spec.default_model import ensure_default_model  # noqa: E402
 from precision_pipeline.serving.triton_server import TritonServer, free_port, models_to_load  # noqa: E402
 
@@ -45,17 +44,6 @@ def make_units(base: Path, model_dir: Path) -> list[Path]:
     from rollout import make_unit  # benchmarks/ is this script's folder, first on sys.path
 
     return [make_unit(base, f"build{i}", model_dir, mb) for i, mb in enumerate((64, 48, 32))]
-
-
-def ask(srv, model: str, max_tokens: int, client=None) -> str:
-    import tritonclient.http as hc
-
-    a = hc.InferInput("text_input", [1, 1], "BYTES")
-    a.set_data_from_numpy(np.array([[PROMPT.encode()]], dtype=object))
-    b = hc.InferInput("max_tokens", [1, 1], "INT32")
-    b.set_data_from_numpy(np.array([[max_tokens]], np.int32))
-    r = client.infer(model, [a, b])
-    return r.as_numpy("text_output").reshape(-1)[0].decode()
 
 
 def main(argv=None) -> int:
@@ -80,47 +68,24 @@ def main(argv=None) -> int:
     srv.start()
     print(f"server ready in {srv.start_s:.1f} s (2 engine units loaded); log {srv.log_file}", flush=True)
 
-    import tritonclient.http as hc
 
     c0 = srv.http_client()
     t = time.perf_counter()
-    expected = ask(srv, "ensemble", args.max_tokens, c0)
+    expected = ask(c0, "ensemble", PROMPT, args.max_tokens)
     first_ms = (time.perf_counter() - t) * 1e3
     c0.close()
     print(f"expected text ({args.max_tokens} tokens max, {first_ms:.0f} ms): {expected!r}", flush=True)
 
-    stop = threading.Event()
-    lock = threading.Lock()
-    stats = {"requests": 0, "failed": 0, "lat_ms": [], "errors": []}
-
-    def client(i: int) -> None:
+    def send(cl, i: int):
         model = "ensemble" if i % 2 == 0 else "tensorrt_llm_bls"
-        cl = hc.InferenceServerClient(srv.http_url, connection_timeout=300.0, network_timeout=300.0)
         try:
-            for _ in range(args.max_requests_per_thread):
-                if stop.is_set():
-                    break
-                t0 = time.perf_counter()
-                err = None
-                try:
-                    text = ask(srv, model, args.max_tokens, cl)
-                    if text != expected:
-                        err = f"{model}: text {text!r} != expected"
-                except Exception as e:  # no retries: a failure is a failure
-                    err = f"{model}: {type(e).__name__}: {str(e)[:200]}"
-                with lock:
-                    stats["requests"] += 1
-                    stats["lat_ms"].append((time.perf_counter() - t0) * 1e3)
-                    if err:
-                        stats["failed"] += 1
-                        if len(stats["errors"]) < 10:
-                            stats["errors"].append(err)
-        finally:
-            cl.close()
+            text = ask(cl, model, PROMPT, args.max_tokens)
+        except Exception as e:
+            return f"{model}: {type(e).__name__}: {str(e)[:200]}"
+        return None if text == expected else f"{model}: text {text!r} != expected"
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.threads)]
-    for th in threads:
-        th.start()
+    load = ClientLoad(srv.http_url, args.threads, args.max_requests_per_thread, send).start()
+    stats = load.stats
     promotes, rollbacks, warm = [], [], []
     units = [a, b]
     try:
@@ -137,9 +102,7 @@ def main(argv=None) -> int:
                   f"rollback {tr['switched_ms']:.1f} ms (warm={tr['warm']}, ensemble {tr.get('ensemble_load_ms', 0):.1f}, "
                   f"total with commit+retention {tr['total_ms']:.0f}); requests so far {stats['requests']}", flush=True)
     finally:
-        stop.set()
-        for th in threads:
-            th.join(600)
+        load.stop()
         srv.stop()
     lat = sorted(stats["lat_ms"]) or [0.0]
     for e in stats["errors"]:

@@ -28,14 +28,13 @@ import json
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
+from _load import ClientLoad, ask  # noqa: E402  (benchmarks/ is this script's folder, first on sys.path)
 from precision_pipeline.serving import pack, probe, release, rollout  # noqa: E402
 from precision_pipeline.serving.triton_server import TritonServer, free_port, models_to_load  # noqa: E402
 from precision_pipeline.spec.default_model import ensure_default_model  # noqa: E402
@@ -121,39 +120,9 @@ def main(argv=None) -> int:
     srv.start()
     print(f"server ready in {srv.start_s:.1f} s; log {srv.log_file}", flush=True)
 
-    import tritonclient.http as hc
 
-    stop = threading.Event()
-    lock = threading.Lock()
-    stats = {"requests": 0, "failed": 0, "lat_ms": [], "errors": []}
-
-    def client(i: int) -> None:
-        cl = hc.InferenceServerClient(srv.http_url, connection_timeout=300.0, network_timeout=300.0)
-        try:
-            for _ in range(args.max_requests_per_thread):
-                if stop.is_set():
-                    break
-                t0 = time.perf_counter()
-                err = None
-                try:
-                    a = hc.InferInput("text_input", [1, 1], "BYTES")
-                    a.set_data_from_numpy(np.array([[PROMPT.encode()]], dtype=object))
-                    b = hc.InferInput("max_tokens", [1, 1], "INT32")
-                    b.set_data_from_numpy(np.array([[args.max_tokens]], np.int32))
-                    text = cl.infer("tensorrt_llm_bls", [a, b]).as_numpy("text_output").reshape(-1)[0].decode()
-                    if not text:
-                        err = "empty text"
-                except Exception as e:  # no retries: a failure is a failure
-                    err = f"{type(e).__name__}: {str(e)[:200]}"
-                with lock:
-                    stats["requests"] += 1
-                    stats["lat_ms"].append((time.perf_counter() - t0) * 1e3)
-                    if err:
-                        stats["failed"] += 1
-                        if len(stats["errors"]) < 10:
-                            stats["errors"].append(err)
-        finally:
-            cl.close()
+    def send(cl, i: int):
+        return None if ask(cl, "tensorrt_llm_bls", PROMPT, args.max_tokens) else "empty text"
 
     def show(s):
         pr = s.get("probe") or {}
@@ -164,9 +133,8 @@ def main(argv=None) -> int:
                   f"share {s.get('share_measured') or 0:.2f} %, probe KL P99 {pr.get('kl_p99', float('nan')):.4g} "
                   f"top-1 {pr.get('top1', float('nan')):.3f} -> {'pass' if s.get('passed') else 'FAIL'}", flush=True)
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.threads)]
-    for th in threads:
-        th.start()
+    load = ClientLoad(srv.http_url, args.threads, args.max_requests_per_thread, send).start()
+    stats = load.stats
     ok = True
     try:
         time.sleep(1.0)
@@ -179,12 +147,10 @@ def main(argv=None) -> int:
         rh = rollout.rollout(repo, healthy, srv, pset, steps=steps, hold_s=args.hold, profile="healthy", on_step=show)
         print(f"  -> {rh.status} in {rh.seconds:.1f} s", flush=True)
         ok &= rh.status == "promoted"
-        while stats["requests"] < args.min_requests and all(th.is_alive() for th in threads):
+        while stats["requests"] < args.min_requests and load.alive():
             time.sleep(0.5)
     finally:
-        stop.set()
-        for th in threads:
-            th.join(600)
+        load.stop()
         srv.stop()
     for e in stats["errors"]:
         print(f"failure: {e}")
