@@ -19,39 +19,22 @@ import numpy as np
 import pytest
 
 from precision_pipeline.serving import pack, probe, release
-from precision_pipeline.spec.profile import load_profile
-from tests.serving.test_rollout import REPO_ROOT, gate_dir  # noqa: F401  (gate_dir: a fixture)
+from tests.serving.test_rollout import REPO_ROOT, gate_dir, pack_unit, serve_repository  # noqa: F401  (gate_dir: a fixture)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 2
 
 
-def _pack(base: Path, name: str, profile: str, ckpt: Path, model_dir: Path):
-    from tests.serving.test_pack import make_plan, with_limits
-
-    prof = load_profile(profile)
-    d = base / name
-    return pack.pack_repository(with_limits(make_plan(prof), max_batch_size=32), prof, model_dir, ckpt, d / "engine",
-                                False, d / "model_repository", str(d))
-
-
 @pytest.fixture(scope="module")
 def obs_units(tmp_path_factory, fp8_checkpoint, default_model_dir):
     base = tmp_path_factory.mktemp("obs-units")
-    return {"stable": _pack(base, "stable", "bf16-h100", base / "no-checkpoint", Path(default_model_dir)),
-            "fp8": _pack(base, "fp8", "fp8-h100", Path(fp8_checkpoint), Path(default_model_dir))}
+    return {"stable": pack_unit(base, "stable", base / "no-checkpoint", Path(default_model_dir)),
+            "fp8": pack_unit(base, "fp8", Path(fp8_checkpoint), Path(default_model_dir), profile="fp8-h100")}
 
 
 @pytest.fixture(scope="module")
 def obs_served(tmp_path_factory, obs_units):
-    from precision_pipeline.serving.triton_server import TritonServer, models_to_load
-
-    repo = tmp_path_factory.mktemp("obs-serving") / "model_repository"
-    release.init_serving_repo(repo, obs_units["stable"].out_dir, profile="bf16-h100")
-    srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log")
-    srv.start()
-    yield repo, srv
-    srv.stop()
+    yield from serve_repository(tmp_path_factory, "obs-serving", obs_units["stable"])
 
 
 def _ask(srv, text="What is 2 + 2?"):

@@ -49,10 +49,12 @@ def swapped_checkpoint(src: Path, dst: Path, a: int = SWAP[0], b: int = SWAP[1])
     return dst
 
 
-def _pack(base: Path, name: str, ckpt: Path, model_dir: Path, mb: int):
+def pack_unit(base: Path, name: str, ckpt: Path, model_dir: Path, mb: int = 32, profile: str = "bf16-h100"):
+    """``base/name``: a packed repository of ``profile`` (max_batch_size ``mb``) serving ``ckpt`` (a
+    missing folder: the HF weights of ``model_dir``)."""
     from tests.serving.test_pack import make_plan, with_limits
 
-    prof = load_profile("bf16-h100")
+    prof = load_profile(profile)
     d = base / name
     return pack.pack_repository(with_limits(make_plan(prof), max_batch_size=mb), prof, model_dir, ckpt, d / "engine",
                                 False, d / "model_repository", str(d))
@@ -77,21 +79,28 @@ def gate_dir(tmp_path_factory, fp8_checkpoint, default_model_dir):
 def units(tmp_path_factory, bf16_checkpoint, fp8_checkpoint, default_model_dir):
     base = tmp_path_factory.mktemp("rollout-units")
     bad_ckpt = swapped_checkpoint(Path(bf16_checkpoint), base / "swapped-ckpt")
-    return {"stable": _pack(base, "stable", base / "no-checkpoint", Path(default_model_dir), 32),
-            "healthy": _pack(base, "healthy", Path(fp8_checkpoint), Path(default_model_dir), 32),
-            "bad": _pack(base, "bad", bad_ckpt, Path(default_model_dir), 32)}
+    return {"stable": pack_unit(base, "stable", base / "no-checkpoint", Path(default_model_dir)),
+            "healthy": pack_unit(base, "healthy", Path(fp8_checkpoint), Path(default_model_dir)),
+            "bad": pack_unit(base, "bad", bad_ckpt, Path(default_model_dir))}
+
+
+def serve_repository(tmp_path_factory, name: str, stable):
+    """A serving repository created from packed unit ``stable`` and a real server on it: yields (repo, server)."""
+    from precision_pipeline.serving.triton_server import TritonServer, models_to_load
+
+    repo = tmp_path_factory.mktemp(name) / "model_repository"
+    release.init_serving_repo(repo, stable.out_dir, profile="bf16-h100")
+    srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log")
+    srv.start()
+    try:
+        yield repo, srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, units):
-    from precision_pipeline.serving.triton_server import TritonServer, models_to_load
-
-    repo = tmp_path_factory.mktemp("rollout-serving") / "model_repository"
-    release.init_serving_repo(repo, units["stable"].out_dir, profile="bf16-h100")
-    srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log")
-    srv.start()
-    yield repo, srv
-    srv.stop()
+    yield from serve_repository(tmp_path_factory, "rollout-serving", units["stable"])
 
 
 @pytest.fixture(scope="module")
