@@ -8,9 +8,8 @@
 2. **Rebuild what changed.** Each accepted profile runs ``pipeline.run_build`` into
    ``<out>/<profile>/``: the stage runner (``core/stage.py``) decides by content key what runs
    (a profile edit, a model change, new code or golden prompts). A failed gate whose key (and its
-   checkpoint's key) is unchanged is read back from its record instead of being re-measured
-   (``unchanged_failed_gate``: the runner never reuses failed artifacts, but a failed verdict of the
-   same inputs is the same verdict). "Rebuilt" lists the stages that ran (``done``/``failed``);
+   checkpoint's key) is unchanged is read back from its record instead of being re-measured (the
+   runner reuses failed gate verdicts: ``Stage.reuse_failed``). "Rebuilt" lists the stages that ran (``done``/``failed``);
    ``resolve`` always runs and is not listed; a skipped engine is listed apart, with its reason.
 3. **Compare.** Each profile's gate numbers against its baseline (``find_baseline``): the last release
    of that profile in ``releases.json`` (the serving repository's, or ``--baseline FILE``), else the
@@ -280,33 +279,6 @@ def _short(v: Any, n: int = 60) -> str:
 # One profile
 
 
-def unchanged_failed_gate(req, plan) -> Optional[Any]:
-    """The previous failed ``GateArtifact`` of this output when neither the checkpoint's key nor the gate's
-    key changed (so measuring again would give the same verdict), else None. Keys come from the runner's
-    own ``stage_key`` over the stages' own ``inputs``; nothing is written."""
-    from precision_pipeline.core.stage import RECORDS_DIR, Done, StageRecord, stage_key
-    from precision_pipeline.pipeline import STAGES
-
-    out = Path(req.out_dir)
-    by_name = {s.name: s for s in STAGES}
-    done: dict[str, Done] = {}
-    for name in ("quantize", "gate"):
-        stage = by_name[name]
-        rec = read_json_safe(out / RECORDS_DIR / f"{name}.json")
-        if not isinstance(rec, dict) or not (out / stage.output).is_dir():
-            return None
-        try:
-            key = stage_key(stage, stage.inputs(plan, req, done), {n: done[n].key for n in stage.needs})
-            art = stage.artifact_type.model_validate(rec.get("artifact"))
-        except Exception:
-            return None
-        if rec.get("key") != key:
-            return None
-        done[name] = Done(artifact=art, key=key, dir=out / stage.output, record=StageRecord(name, "cached", key=key))
-    gate = done["gate"].artifact
-    return gate if gate.status == "failed" and gate.present(out) else None
-
-
 def _checkpoint_of(opts: NightlyOptions, name: str) -> Optional[str]:
     return opts.checkpoints.get(name) or opts.checkpoints.get("*")
 
@@ -336,18 +308,13 @@ def _build_row(ref: str, req, plan, opts: NightlyOptions, build: Callable, say: 
             + f" in {rec.seconds:.1f} s")
 
     t0 = time.perf_counter()
-    known_failed = unchanged_failed_gate(req, plan)
     try:
-        if known_failed is not None:
-            say(f"[nightly] {name}: checkpoint and gate keys unchanged; its failed gate verdict is read back, not re-measured")
-            row.stages = {"quantize": "cached", "gate": "cached"}
-            row.verdict = "failed"
-            row.reason = known_failed.reason
-        else:
-            build(ref, model=opts.model, out=str(req.out_dir), strict=opts.strict, golden_limit=opts.golden_limit,
-                  checkpoint=_checkpoint_of(opts, name), on_stage=on_stage)
+        build(ref, model=opts.model, out=str(req.out_dir), strict=opts.strict, golden_limit=opts.golden_limit,
+              checkpoint=_checkpoint_of(opts, name), on_stage=on_stage)
     except GateFailed as e:
         row.verdict, row.reason = "failed", str(e)
+        if any(r.name in ("gate", "engine_gate") and r.status == "cached" for r in records):
+            say(f"[nightly] {name}: checkpoint and gate keys unchanged; its failed gate verdict is read back, not re-measured")
     except StrictSkip as e:
         row.verdict, row.reason = "skipped", str(e)
     except EngineBuildFailed as e:
@@ -760,6 +727,6 @@ def render_cronjob(gpu: str, out_dir: Path, *, image: Optional[str] = None, sche
 
 
 __all__ = ["NightlyOptions", "Row", "NightlySummary", "run_nightly", "select_profiles", "parse_checkpoints", "compare",
-           "find_baseline", "provenance", "render_markdown", "write_summary", "exit_code", "unchanged_failed_gate",
+           "find_baseline", "provenance", "render_markdown", "write_summary", "exit_code",
            "EXIT_REGRESSED", "Installer", "VenvInstaller", "upgrade_report", "export_notice", "run_upgrade",
            "render_cronjob", "profiles_for_sm"]

@@ -139,6 +139,23 @@ def test_a_not_done_artifact_is_never_reused(tmp_path, status):
     assert st.runs == 1 and d.record.status == status
 
 
+def test_a_failed_verdict_is_reused_when_the_stage_says_so(tmp_path):
+    """``reuse_failed`` (the gates): a failed artifact of an unchanged key is a result, not re-run; a
+    skipped one still runs again, and a changed key runs again."""
+    class Verdict(Toy):
+        reuse_failed = True
+
+    once(tmp_path, Verdict(7, status="failed"))
+    st = Verdict(7, status="failed")
+    d = once(tmp_path, st)
+    assert st.runs == 0 and d.record.status == "cached" and d.artifact.status == "failed"
+    st = Verdict(8, status="failed")
+    assert once(tmp_path, st).record.status == "failed" and st.runs == 1
+    once(tmp_path, Verdict(9, status="skipped"))
+    st = Verdict(9, status="skipped")
+    assert once(tmp_path, st).record.status == "skipped" and st.runs == 1
+
+
 def test_a_stage_that_is_not_cacheable_always_runs(tmp_path):
     class Always(Toy):
         cacheable = False

@@ -25,8 +25,10 @@ holds its key, and its folder is present; otherwise it runs. The record is the a
 manifest row: it is committed together with the stage's folder (a commit file of
 ``core.store.atomic_dir``), so a kill during the folder swap is rolled forward with its record by
 the next build's ``clean_stale``.
-An artifact whose ``status`` is not ``done`` (a skipped engine, a failed gate) is never reused:
-the next build runs the stage again.
+An artifact whose ``status`` is not ``done`` (a skipped engine) is never reused: the next build
+runs the stage again. The one exception is declared by the stage: ``reuse_failed`` (the gates) makes
+a ``failed`` artifact a result like a ``done`` one, because a verdict of the same inputs is the same
+verdict (re-measuring an unchanged failing gate costs minutes and changes nothing).
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ class Stage(Generic[I, O]):
     output: ClassVar[Optional[str]] = None
     artifact_type: ClassVar[type[Artifact]] = Artifact
     cacheable: ClassVar[bool] = True
+    reuse_failed: ClassVar[bool] = False
+    """A ``failed`` artifact with an unchanged key is reused (a verdict, e.g. a gate's), not re-run."""
 
     def inputs(self, plan: Any, request: Any, upstream: Mapping[str, Done]) -> I:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -214,7 +218,8 @@ class StageRunner:
             art = stage.artifact_type.model_validate(rec["artifact"])
         except (OSError, ValueError, KeyError, TypeError, ValidationError):
             return None
-        if art.status != "done" or not art.present(self.out_dir):
+        reusable = art.status == "done" or (art.status == "failed" and stage.reuse_failed)
+        if not reusable or not art.present(self.out_dir):
             return None
         return art
 

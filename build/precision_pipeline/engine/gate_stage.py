@@ -82,6 +82,7 @@ class EngineGateStage(Stage[EngineGateInputs, EngineGateArtifact]):
     needs = ("quantize", "gate", "engine")
     output = OUTPUT
     artifact_type = EngineGateArtifact
+    reuse_failed = True  # a failed verdict of unchanged inputs stands (exit 3 again, not re-measured)
 
     def inputs(self, plan, request, upstream: Mapping[str, Done]) -> EngineGateInputs:
         from precision_pipeline.engine.stage import EngineStage

@@ -58,6 +58,7 @@ class GateStage(Stage[GateInputs, GateArtifact]):
     needs = ("quantize",)
     output = "gate"
     artifact_type = GateArtifact
+    reuse_failed = True  # a failed verdict of unchanged inputs stands (exit 3 again, not re-measured)
 
     def inputs(self, plan, request, upstream: Mapping[str, Done]) -> GateInputs:
         q = upstream["quantize"]
