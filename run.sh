@@ -132,7 +132,7 @@ CHECKOV_VENV="$ROOT/.cache/checkov-$CHECKOV_PIN"
 if [[ "${1:-}" == "test" && -n "$CHECKOV_PIN" && ! -x "$CHECKOV_VENV/bin/checkov" ]]; then
   echo "[setup] installing checkov into $(basename "$CHECKOV_VENV") for the Kubernetes policy test (about 1 minute)" >&2
   ("$PY" -m venv "$CHECKOV_VENV" && "$CHECKOV_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-      -r requirements-checkov.txt) || echo "[setup] could not install checkov; the policy test will be skipped" >&2
+      -r requirements-checkov.txt 2> >(grep -v "is ignored: it is neither" >&2)) || echo "[setup] could not install checkov; the policy test will be skipped" >&2
 fi
 export PATH="$VENV/bin:$PATH"
 if [[ $# -eq 0 ]]; then exec "$VENV/bin/invoke" --list; fi
