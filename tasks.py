@@ -613,9 +613,12 @@ def _parse_layers(text):
     "fresh": "ignore <out>/sensitivity/cells.jsonl and measure every cell again",
     "checkpoint": "analyse this TensorRT-LLM checkpoint instead of <out>/checkpoint",
     "layers": "only these decoder layers, e.g. 0-3,7 (default all)",
+    "write_profile": "write FILE.yaml: a profile that extends this one with the verified suggestion's exclude_modules "
+                     "(exit 3 and nothing written when the suggestion misses the KL thresholds)",
 })
 @guarded
-def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkpoint=None, layers=None):
+def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkpoint=None, layers=None,
+                write_profile=None):
     """Per-layer sensitivity: quantize one cell at a time, KL heatmap, cheapest exclude_modules that pass the gate."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (shared CPUs)
     from precision_pipeline.core.errors import UserError
@@ -665,6 +668,12 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
                   f"{m.get('top1', float('nan')):.3f}", soft_wrap=True)
     con.print(f"{len(res.computed)} measured, {len(res.reused)} reused, {d['timings_s']['total']:.0f} s; "
               f"{res.json_path}, {res.heatmap_path}")
+    if write_profile:
+        from precision_pipeline.analysis.sensitivity import write_tuned_profile
+
+        cmd = f"--profile {profile} --prompts {n}" + (f" --model {model}" if model else "")
+        path = write_tuned_profile(d, profile, Path(write_profile), command=cmd)
+        con.print(f"wrote {path}: build it with invoke build --profile {path}", soft_wrap=True)
 
 
 # --------------------------------------------------------------------------------------------

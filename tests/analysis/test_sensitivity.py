@@ -310,3 +310,58 @@ def test_wrong_layers_refused(fp8_checkpoint, default_model_dir, tmp_path):
     with pytest.raises(UserError):
         run_sensitivity(_profile(), default_model_dir, tmp_path, runtime=SensitivityRuntime(progress=False),
                         checkpoint_dir=fp8_checkpoint, layers=[30])
+
+
+def test_write_profile_extends_the_original_with_the_verified_exclusions(corrupted_run, tmp_path):
+    """--write-profile: the tuned profile extends fp8-h100 and its exclude_modules are the suggestion's."""
+    from precision_pipeline.analysis.sensitivity import write_tuned_profile
+    from precision_pipeline.spec.profile import load_profile
+
+    d = corrupted_run[0].data
+    path = write_tuned_profile(d, "fp8-h100", tmp_path / "fp8-h100-tuned.yaml", command="--profile fp8-h100")
+    text = path.read_text()
+    assert text.startswith("# Written by `invoke sensitivity --profile fp8-h100`.\n# 1 cell(s) of fp8-h100 kept in BF16")
+    p = load_profile(str(path))
+    base = load_profile("fp8-h100")
+    assert p.name == "fp8-h100-tuned" and "extends: fp8-h100" in text
+    assert p.quantization.exclude_modules == ["lm_head", "transformer.layers.29.mlp.proj"]
+    # everything else is the original's
+    assert p.quantization.model_dump(exclude={"exclude_modules"}) == base.quantization.model_dump(exclude={"exclude_modules"})
+    assert (p.gate, p.build, p.target, p.calibration) == (base.gate, base.build, base.target, base.calibration)
+
+
+def test_write_profile_refuses_a_missing_verification_and_keeps_the_old_file(corrupted_run, tmp_path):
+    import copy
+
+    from precision_pipeline.analysis.sensitivity import write_tuned_profile
+    from precision_pipeline.core.errors import GateFailed
+
+    d = copy.deepcopy(corrupted_run[0].data)
+    old = tmp_path / "t.yaml"
+    old.write_text("extends: fp8-h100\n")
+    d["suggestion"]["meets_measured"] = False
+    with pytest.raises(GateFailed, match="no profile written"):
+        write_tuned_profile(d, "fp8-h100", old)
+    d["suggestion"]["cells"] = []
+    with pytest.raises(UserError, match="nothing to tune"):
+        write_tuned_profile(d, "fp8-h100", old)
+    d = copy.deepcopy(corrupted_run[0].data)
+    with pytest.raises(UserError, match="does not end in .yaml"):
+        write_tuned_profile(d, "fp8-h100", tmp_path / "t.txt")
+    assert old.read_text() == "extends: fp8-h100\n" and not (tmp_path / "t.txt").exists()
+
+
+def test_write_profile_beside_a_profile_file_extends_it_by_relative_path(corrupted_run, tmp_path):
+    from precision_pipeline.analysis.sensitivity import write_tuned_profile
+    from precision_pipeline.spec.profile import load_profile
+
+    src = tmp_path / "team" / "mine.yaml"
+    src.parent.mkdir()
+    src.write_text("extends: fp8-h100\ndescription: ours\n")
+    path = write_tuned_profile(corrupted_run[0].data, str(src), tmp_path / "mine-tuned.yaml")
+    assert "extends: team/mine.yaml" in path.read_text()
+    p = load_profile(str(path))
+    assert p.description.startswith("fp8-h100 with 1 sensitive cell") and p.name == "mine-tuned"
+    with pytest.raises(UserError, match="not in its folder tree"):
+        write_tuned_profile(corrupted_run[0].data, str(src), tmp_path / "team" / "tuned" / "mine-tuned.yaml")
+    assert not (tmp_path / "team" / "tuned").exists()

@@ -52,7 +52,7 @@ from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.hardware import resolve_gpu
 from precision_pipeline.spec.model_arch import ModelArch, read_model_arch
-from precision_pipeline.spec.profile import deep_merge, load_profile, load_raw, shipped_profiles, validate_profile
+from precision_pipeline.spec.profile import deep_merge, load_profile, load_raw, save_profile, shipped_profiles, validate_profile
 
 TP_SIZES = (1, 2, 4, 8)
 DEFAULT_MAX_GPUS = 8
@@ -367,10 +367,10 @@ def profile_yaml(c: Candidate, command: str = "") -> str:
 
 
 def write_profile(c: Candidate, path: Path, command: str = "") -> Path:
-    """Write ``profile_yaml(c)`` atomically and check that the strict loader accepts it (UserError if not)."""
-    path = Path(path).expanduser()
-    atomic_write_text(path, profile_yaml(c, command))
-    load_profile(str(path.resolve()))
+    """Write ``profile_yaml(c)`` atomically once the strict loader accepts it (``spec.profile.save_profile``;
+    UserError and nothing written if not). Returns the resolved path."""
+    path = Path(path).expanduser().resolve()
+    save_profile(path, profile_yaml(c, command))
     return path
 
 

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
+import yaml
 import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, PositiveInt
@@ -908,6 +909,65 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
     return SensitivityResult(sens_dir, data, computed, reused)
 
 
+def extends_reference(profile_arg: str, target: Path) -> str:
+    """What a profile written to ``target`` puts in ``extends:`` to reach ``profile_arg``: a shipped
+    name as is; a YAML path as a path relative to ``target``'s folder. Raises UserError when that path
+    would leave the folder (``extends`` refuses ``..`` escapes: see ``spec.profile``)."""
+    from precision_pipeline.spec.profile import resolve_profile_path, shipped_profiles
+
+    src = resolve_profile_path(profile_arg).resolve()
+    if profile_arg in shipped_profiles():
+        return profile_arg
+    rel = os.path.relpath(src, Path(target).expanduser().resolve().parent)
+    if rel.startswith(".."):
+        raise UserError("--write-profile", f"the tuned profile would extend {src}, which is not in its folder tree "
+                        "(extends may not leave it).", f"write it into {src.parent} or below.")
+    return rel
+
+
+def tuned_profile_yaml(data: dict, extends: str, command: str = "") -> str:
+    """The profile text ``invoke sensitivity --write-profile`` writes: ``extends`` the analysed profile
+    and replaces ``quantization.exclude_modules`` by the verified suggestion (the original patterns
+    first). ``data``: ``sensitivity.json``'s content. The header comment carries the subset's measured
+    numbers and the bytes the exclusions cost."""
+    s, m = data["suggestion"], data["suggestion"].get("measured") or {}
+    n_prompts, tokens = len(data["prompts"]["ids"]), data["prompts"]["answer_tokens"]
+    head = ("# Written by `invoke sensitivity" + (f" {command}" if command else "") + "`.\n"
+            f"# {len(s['cells'])} cell(s) of {data['profile']} kept in BF16 for {data['model']}, +{s['cost_bytes'] / 2**20:.2f} MiB "
+            f"of weights; measured on {n_prompts} golden prompts ({tokens} answer tokens): KL mean {m.get('kl_mean', float('nan')):.4g}, "
+            f"KL P99 {m.get('kl_p99', float('nan')):.4g}, top-1 {m.get('top1', float('nan')):.3f} (gate: KL mean <= "
+            f"{data['thresholds'].get('kl_mean_max')}, P99 <= {data['thresholds'].get('kl_p99_max')}).\n"
+            "# Top-1, perplexity and greedy answers of the full golden set are the build's gate to judge: "
+            "`invoke build --profile <this file>`.\n")
+    body = {"extends": extends,
+            "description": f"{data['profile']} with {len(s['cells'])} sensitive cell(s) kept in BF16 for {data['model']} "
+                           "(invoke sensitivity --write-profile).",
+            "quantization": {"exclude_modules": list(s["exclude_modules"])}}
+    return head + yaml.safe_dump(body, sort_keys=False, width=100)
+
+
+def write_tuned_profile(data: dict, profile_arg: str, path: Path, command: str = "") -> Path:
+    """Write ``tuned_profile_yaml`` to ``path`` (``spec.profile.save_profile``: atomic, checked by the
+    strict loader first). Raises GateFailed (exit 3, nothing written) when the verified suggestion
+    misses the KL thresholds, UserError (exit 2) when there is nothing to exclude or ``path`` is unusable."""
+    from precision_pipeline.core.errors import GateFailed
+    from precision_pipeline.spec.profile import save_profile
+
+    s = data["suggestion"]
+    if not s["cells"]:
+        raise UserError("--write-profile", f"{data['profile']} already meets the KL thresholds on this subset with "
+                        "nothing excluded, so there is nothing to tune.", f"build it as it is: invoke build --profile {profile_arg}.")
+    if not s.get("meets_measured"):
+        m = s.get("measured") or {}
+        raise GateFailed(f"--write-profile: keeping {len(s['cells'])} cell(s) in BF16 measured KL mean "
+                         f"{m.get('kl_mean', float('nan')):.4g} / P99 {m.get('kl_p99', float('nan')):.4g} against "
+                         f"<= {data['thresholds'].get('kl_mean_max')} / <= {data['thresholds'].get('kl_p99_max')}: "
+                         "no profile written. Fix: measure more prompts (--prompts 2) or use a wider format.")
+    path = Path(path).expanduser().resolve()
+    save_profile(path, tuned_profile_yaml(data, extends_reference(profile_arg, path), command), field="--write-profile")
+    return path
+
+
 def _update_rate(prog, task, t0: float, n: int) -> None:
     dt = time.perf_counter() - t0
     prog.update(task, rate=f"{n / dt:.2f} cells/s" if dt > 0 else "")
@@ -926,6 +986,6 @@ def _rerender_gate(gate_dir: Path, heatmap: Path) -> None:
 
 
 __all__ = ["Cell", "Evaluator", "Measurement", "SensitivityOptions", "SensitivityRuntime", "SensitivityResult",
-           "run_sensitivity", "suggest_exclusions",
+           "run_sensitivity", "suggest_exclusions", "tuned_profile_yaml", "write_tuned_profile", "extends_reference",
            "exclude_patterns", "resolved_trt_names", "plot_heatmap", "heatmap_size", "checkpoint_dir_for",
            "KINDS", "LINEAR_KINDS", "KV_KIND", "HEAD_KIND"]

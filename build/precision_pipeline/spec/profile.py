@@ -439,9 +439,13 @@ def load_raw(name_or_path: str, _chain: tuple[str, ...] = ()) -> dict:
         raise UserError("extends", f"profiles extend each other in a cycle: {names}.", "remove one 'extends:' so the chain ends.")
     if len(_chain) >= MAX_EXTENDS_DEPTH:
         raise UserError("extends", f"the extends chain is deeper than {MAX_EXTENDS_DEPTH}.", "shorten the chain.")
-    data = _read_yaml(path, "extends" if _chain else "--profile")
+    return _merged_chain(path, _read_yaml(path, "extends" if _chain else "--profile"), _chain + (key,), top=not _chain)
+
+
+def _merged_chain(path: Path, data: dict, chain: tuple[str, ...], top: bool) -> dict:
+    """``data`` (read from ``path``, whose resolved path ends ``chain``) merged over its ``extends`` chain."""
     data.setdefault("name", path.stem if NAME_RE.match(path.stem) else "")
-    if not _chain and not data["name"]:
+    if top and not data["name"]:
         raise UserError("name", f"{path.name}: the file name is not a profile name and the file sets no 'name:'; "
                         "every such profile would share one output folder.",
                         "rename the file (lower-case letters, digits, '.', '_', '-'; at most 64 characters) "
@@ -450,7 +454,7 @@ def load_raw(name_or_path: str, _chain: tuple[str, ...] = ()) -> dict:
     if parent is not None:
         if not isinstance(parent, str):
             raise UserError("extends", f"must be a profile name, got {type(parent).__name__}.", "write e.g. 'extends: fp8-h100'.")
-        parent_data = load_raw(str(_extends_path(parent, path)), _chain + (key,))
+        parent_data = load_raw(str(_extends_path(parent, path)), chain)
         merged = deep_merge(parent_data, data)
         merged["name"] = data["name"]
         return merged
@@ -574,6 +578,29 @@ def load_profile(name_or_path: str) -> Profile:
     """
     data = load_raw(name_or_path)
     return validate_profile(data, source=str(name_or_path))
+
+
+def save_profile(path: Path, text: str, field: str = "--write") -> Profile:
+    """Write the profile YAML ``text`` to ``path`` atomically, after the strict loader accepted it as if
+    it were already there (so ``extends`` resolves from ``path``'s folder and the name is ``path``'s stem).
+
+    Returns the loaded ``Profile``. Raises UserError (exit 2) when the loader refuses the text, or when
+    ``path`` does not end in ``.yaml``/``.yml``; nothing is written then, and an existing file stays.
+    """
+    from precision_pipeline.core.store import atomic_write_text
+
+    path = Path(path).expanduser().resolve()
+    if path.suffix not in (".yaml", ".yml"):
+        raise UserError(field, f"{_short(str(path))} does not end in .yaml.", "name the file e.g. my-profile.yaml.")
+    if path.is_dir():
+        raise UserError(field, f"{_short(str(path))} is a folder.", "give a file path ending in .yaml.")
+    try:
+        data = _safe_load(text)
+    except yaml.YAMLError as e:  # pragma: no cover - our own writers emit valid YAML
+        raise UserError(field, f"the profile text is not valid YAML: {e}.", "report this as a bug.")
+    prof = validate_profile(_merged_chain(path, dict(data or {}), (str(path),), top=True), source=str(path))
+    atomic_write_text(path, text)
+    return prof
 
 
 def profile_json_schema() -> dict:
