@@ -741,14 +741,42 @@ def _float_arg(flag: str, value):
     return v
 
 
+def _gate_builder(con, model, golden_limit):
+    """``analysis.choose.BuildFn`` for recommend --measure / compare --build: ``run_build`` of the file,
+    printing each stage; a failed gate is measured (None), any other expected failure is the reason."""
+    from precision_pipeline.core.errors import GateFailed, PipelineError, UserError
+    from precision_pipeline.pipeline import run_build
+
+    def build(path: Path):
+        con.print(f"[bold]measuring[/] {path.name}: invoke build --profile {path}", soft_wrap=True)
+        try:
+            run_build(str(path), model=model, golden_limit=golden_limit,
+                      on_stage=lambda r: con.print(f"  {r.name}: {r.status}" + (f" ({r.reason})" if r.reason else "")
+                                                   + f" in {r.seconds:.1f} s", soft_wrap=True))
+        except GateFailed:
+            return None
+        except UserError as e:
+            return e.message
+        except PipelineError as e:
+            return str(e)
+        return None
+
+    return build
+
+
 @task(help={"gpu": "GPU id or alias (h100, a100, l4, b200, ...)", "model": "HF model folder (default: the default model)",
             "max_kl_p99": "largest acceptable P99 token KL (nats), from measured builds or the per-format prior",
             "min_concurrency": "sequences the KV cache must hold at the context",
             "max_gpus": "GPUs per engine (tp_size x pp_size), default 8",
             "context": "tokens per sequence (build.max_seq_len of every candidate), default 4096",
-            "write": "write the chosen profile as YAML here (extends its shipped base; `invoke build --profile FILE`)"})
+            "write": "write the chosen profile as YAML here (extends its shipped base; `invoke build --profile FILE`)",
+            "measure": "build and gate the best candidates without measured numbers for real (into artifacts/), "
+                       "then rank again by the measured numbers",
+            "top": "with --measure: how many candidates to build (default 2; one per quantization + calibration)",
+            "golden_limit": "with --measure: only the first N golden prompts per category (quick, noisier numbers)"})
 @guarded
-def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=None, context=None, write=None):
+def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=None, context=None, write=None,
+              measure=False, top=2, golden_limit=None):
     """Best profile for a GPU under constraints (roofline estimates); exit 2 when none meets them all."""
     from precision_pipeline.analysis import choose as ch
     from precision_pipeline.pipeline import _model_dir
@@ -756,8 +784,19 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
     k = ch.Constraints(max_kl_p99=_float_arg("--max-kl-p99", max_kl_p99),
                        min_concurrency=_int_arg("--min-concurrency", min_concurrency, 1),
                        max_gpus=_int_arg("--max-gpus", max_gpus, 1, 4096) or ch.DEFAULT_MAX_GPUS)
-    rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=_int_arg("--context", context, 1))
+    ctx = _int_arg("--context", context, 1)
+    rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx)
     con = _console()
+    if measure:
+        n_top = _int_arg("--top", top, 1, 64)
+        builds = ch.measure_top(rec, n_top, ROOT / "artifacts" / "recommend", _gate_builder(
+            con, model, _int_arg("--golden-limit", golden_limit, 1, 1000)), command=f"--gpu {gpu} --measure")
+        for b in builds:
+            con.print(f"measured {b['label']} ({b['profile']})" if b["reason"] is None
+                      else f"[red]not measured[/] {b['label']}: {b['reason']}", soft_wrap=True)
+        if not builds:
+            con.print("--measure: every candidate near the constraints is measured already")
+        rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx)
     for cand in sorted((x for x in rec.candidates if not x.refused), key=ch.rank_key):
         e, a = cand.estimate, cand.accuracy
         status = "[green]meets[/]  " if cand.ok else "[yellow]ruled out[/] "
@@ -784,9 +823,11 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
 @task(help={"profiles": "comma-separated profile names or YAML paths, or all (default: all shipped profiles)",
             "model": "HF model folder (default: the default model)",
             "gpu": "evaluate every profile on this GPU instead of its own target.gpu",
-            "out": "output folder for compare.json, pareto.png, compare.html (default artifacts/compare)"})
+            "out": "output folder for compare.json, pareto.png, compare.html (default artifacts/compare)",
+            "build": "first build and gate (for real, into artifacts/<profile>) every profile without measured numbers",
+            "golden_limit": "with --build: only the first N golden prompts per category (quick, noisier numbers)"})
 @guarded
-def compare(c, profiles="all", model=None, gpu=None, out=None):
+def compare(c, profiles="all", model=None, gpu=None, out=None, build=False, golden_limit=None):
     """Table + Pareto chart (accuracy loss vs estimated throughput) of profiles; lists those that cannot run."""
     from precision_pipeline.analysis import choose as ch
     from precision_pipeline.pipeline import _model_dir
@@ -795,6 +836,12 @@ def compare(c, profiles="all", model=None, gpu=None, out=None):
 
     names = shipped_profiles() if str(profiles).strip() in ("", "all") else [p.strip() for p in str(profiles).split(",") if p.strip()]
     cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu)
+    if build:
+        con = _console()
+        for b in ch.build_unmeasured(cands, _gate_builder(con, model, _int_arg("--golden-limit", golden_limit, 1, 1000))):
+            if b["reason"] is not None:
+                con.print(f"[red]not measured[/] {b['label']}: {b['reason']}", soft_wrap=True)
+        cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu)
     t = Table(title="profiles (throughput: roofline estimate; accuracy: measured build, else prior)")
     for col in ("profile", "GPU", "weights/GPU", "KV B/token", "KV tokens", "seqs", "decode tok/s/GPU", "prefill tok/s",
                 "KL P99", "accuracy", "frontier"):

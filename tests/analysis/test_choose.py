@@ -180,3 +180,55 @@ def test_compare_page_in_a_browser(default_model_dir, tmp_path):
     assert {r["profile"]: r["kl"] for r in facts["rows"]}["fp8-h100@h100-sxm"] == "0.424"
     (refused,) = facts["refused"]
     assert refused.startswith("nvfp4-b200@h100-sxm: format.gemm_sm")
+
+
+def _fake_gate_build(artifacts: Path, model_dir, kl_p99: float, calls: list):
+    """A stand-in for ``invoke build`` through the gate (tests only): writes the plan and gate numbers
+    where a real build of the profile file would (artifacts/<name>/)."""
+    def build(path: Path):
+        p = load_profile(str(path))
+        calls.append(p.name)
+        out = artifacts / p.name
+        (out / "gate").mkdir(parents=True)
+        (out / "plan.json").write_text(json.dumps(evaluate(p, model_dir).to_json()))
+        (out / "gate" / "metrics.json").write_text(json.dumps(
+            {"metrics": {"kl_p99": {"value": kl_p99}, "kl_mean": {"value": kl_p99 / 8}, "top1": {"value": 0.9}}}))
+        return None
+    return build
+
+
+def test_measure_builds_the_top_unmeasured_candidates_and_reranks(tmp_path, default_model_dir):
+    arts = tmp_path / "artifacts"
+    k = C.Constraints(max_kl_p99=0.5, max_gpus=1)
+    rec = C.recommend("h100", default_model_dir, arts, k)
+    assert rec.best.label == "fp8/kv-fp8/tp1"  # on the priors
+    near = sorted((c for c in rec.candidates if not c.refused
+                   and all(v["constraint"] == "max_kl_p99" for v in c.violations)), key=C.rank_key)
+    faster = [c for c in near if C.rank_key(c) < C.rank_key(rec.best)]
+    assert faster and all(c.accuracy.kind != "measured" for c in faster)  # ruled out only by unmeasured accuracy
+    calls: list = []
+    builds = C.measure_top(rec, 2, arts / "recommend", _fake_gate_build(arts, default_model_dir, 0.1, calls))
+    assert [b["label"] for b in builds] == [faster[0].label, faster[1].label] and all(b["reason"] is None for b in builds)
+    assert calls == [C.profile_file_stem("h100-sxm", faster[0].label), C.profile_file_stem("h100-sxm", faster[1].label)]
+    again = C.recommend("h100", default_model_dir, arts, k)
+    assert again.best.label == faster[0].label and again.best.accuracy.kind == "measured"
+    assert again.best.accuracy.kl_p99 == 0.1 and calls[0] in again.best.accuracy.source
+    # measured now: a second --measure builds the next ones, never the same quantization twice
+    more = C.measure_top(again, 1, arts / "recommend", _fake_gate_build(arts, default_model_dir, 0.1, calls))
+    assert more and more[0]["label"] not in {b["label"] for b in builds}
+    with pytest.raises(C.UserError, match="--top"):
+        C.measure_top(again, 0, arts, _fake_gate_build(arts, default_model_dir, 0.1, calls))
+
+
+def test_compare_build_builds_only_the_unmeasured(tmp_path, default_model_dir):
+    arts = tmp_path / "artifacts"
+    names = ["fp8-h100", "bf16-h100", "fp8-h200"]  # fp8-h200 has the fp8-h100 quantization? only if equal
+    cands = C.compare(names, default_model_dir, arts)
+    calls: list = []
+    C.build_unmeasured(cands, _fake_gate_build(arts, default_model_dir, 0.2, calls))
+    q = {n: C._quality_key(load_profile(n)) for n in names}
+    expected = [n for i, n in enumerate(names) if q[n] not in [q[m] for m in names[:i]]]
+    assert calls == expected
+    after = {c.label: c for c in C.compare(names, default_model_dir, arts)}
+    assert all(after[n].accuracy.kind == "measured" for n in names)
+    assert C.build_unmeasured(list(after.values()), _fake_gate_build(arts, default_model_dir, 0.2, calls)) == []

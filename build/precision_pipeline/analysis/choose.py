@@ -41,7 +41,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import yaml
 
@@ -375,6 +375,66 @@ def write_profile(c: Candidate, path: Path, command: str = "") -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
+# measure: build and gate candidates for real (recommend --measure, compare --build)
+
+
+BuildFn = Callable[[Path], Optional[str]]
+"""Builds the profile file it is given through the gate (``invoke build``) and returns None, or a
+one-line reason when the build did not produce gate numbers (a failed gate still does: it is
+measured, just over the thresholds)."""
+
+
+def _unmeasured_by_quality(cands: list[Candidate]) -> list[Candidate]:
+    """The first candidate of each distinct quantization + calibration that has no measured accuracy
+    (the gate's numbers depend on nothing else, so one build measures every tp size and GPU of it)."""
+    seen, out = [], []
+    for c in cands:
+        if c.profile is None or c.refused or c.accuracy.kind == "measured":
+            continue
+        q = _quality_key(c.profile)
+        if q not in seen:
+            seen.append(q)
+            out.append(c)
+    return out
+
+
+def measure_top(rec: Recommendation, top: int, folder: Path, build: BuildFn, command: str = "") -> list[dict]:
+    """Build and gate, for real, the best ``top`` candidates that meet every constraint except the
+    accuracy one (``max_kl_p99``) and have no measured numbers yet, one build per distinct
+    quantization + calibration; each is written first as ``folder/<label>.yaml`` (``write_profile``),
+    so its build lands in ``artifacts/<that name>/`` where ``measured_accuracy`` finds it. Returns one
+    record per build: label, profile path, reason (None = measured). Re-run ``recommend`` afterwards
+    to rank by the measured numbers. Raises UserError for ``top`` < 1."""
+    if top < 1:
+        raise UserError("--top", f"{top} is not a positive number of candidates.", "pass e.g. --top 2.")
+    near = sorted((c for c in rec.candidates if not c.refused
+                   and all(v["constraint"] == "max_kl_p99" for v in c.violations)), key=rank_key)
+    out = []
+    for c in _unmeasured_by_quality(near)[:top]:
+        path = write_profile(c, Path(folder) / f"{profile_file_stem(rec.gpu, c.label)}.yaml", command=command)
+        out.append({"label": c.label, "profile": str(path), "reason": build(path)})
+    return out
+
+
+def build_unmeasured(cands: list[Candidate], build: BuildFn) -> list[dict]:
+    """``compare --build``: build every compared profile that runs but has no measured numbers (one per
+    distinct quantization + calibration; ``profile_ref`` is the compared profile's own file)."""
+    from precision_pipeline.spec.profile import resolve_profile_path
+
+    out = []
+    for c in _unmeasured_by_quality(cands):
+        path = resolve_profile_path(c.base)
+        out.append({"label": c.label, "profile": str(path), "reason": build(path)})
+    return out
+
+
+def profile_file_stem(gpu: str, label: str) -> str:
+    """A profile name for a candidate: ``rec-<gpu>-<label>`` with the label's ``/`` as ``-``
+    (``rec-h100-sxm-fp8-kv-fp8-tp1``), a valid profile name (lower-case letters, digits, ``.-_``)."""
+    return f"rec-{gpu}-{label}".replace("/", "-").lower()
+
+
+# ---------------------------------------------------------------------------------------------
 # compare: table + Pareto chart
 
 
@@ -517,4 +577,4 @@ def write_compare(cands: list[Candidate], out_dir: Path) -> dict[str, Path]:
 
 __all__ = ["ACCURACY_PRIOR", "Accuracy", "Candidate", "Constraints", "Recommendation", "enumerate_candidates",
            "recommend", "compare", "pareto", "pareto_png", "render_html", "write_compare", "profile_yaml",
-           "write_profile", "table_rows", "base_profile_for", "accuracy_of", "measured_accuracy"]
+           "write_profile", "measure_top", "build_unmeasured", "profile_file_stem", "table_rows", "base_profile_for", "accuracy_of", "measured_accuracy"]
