@@ -624,14 +624,11 @@ class SensitivityResult:
 
 
 def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    """The run's progress (``core.progress.StageProgress``): rich bars in a terminal, a line at least
+    every 10 s in a log."""
+    from precision_pipeline.core.progress import StageProgress
 
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                    TextColumn("{task.fields[current]}"), console=Console(stderr=True), transient=False,
-                    disable=not enabled)
+    return StageProgress("sensitivity", enabled=enabled)
 
 
 def checkpoint_dir_for(out_dir: Path, profile_name: str, checkpoint_dir: Optional[Path]) -> Path:
@@ -771,19 +768,17 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
         computed, reused = [], []
         results: dict[str, dict] = {}
 
-        def run_job(prog, task, jid: str, job_cells: list[Cell]) -> dict:
+        def run_job(phase, jid: str, job_cells: list[Cell]) -> dict:
             if jid in done:
                 reused.append(jid)
                 return done[jid]
-            prog.update(task, current=jid)
             m = ev.measure(job_cells)
             rec = {"key": key, "id": jid, "cells": [c.name for c in job_cells] if len(job_cells) <= 8 else len(job_cells),
                    **m.summary(), "seconds": round(m.seconds, 3), "kl_tokens": _rounded(m.kl),
                    "top1_tokens": m.top1.astype(int).tolist()}
             _append(state_path, rec)
             computed.append(jid)
-            prog.advance(task)
-            _update_rate(prog, task, t_jobs, len(computed))
+            phase.advance()
             if runtime.on_measured is not None:
                 runtime.on_measured(jid, rec)
             return rec
@@ -792,9 +787,10 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
         with _progress(runtime.progress) as prog:
             total = len(jobs) + (1 if verify else 0)
             already = sum(1 for j, _ in jobs if j in done)
-            task = prog.add_task("sensitivity", total=total, completed=already, rate="", current="")
+            phase = prog.phase("cells measured (one quantized at a time, then kinds, full, verify)", total, "cells")
+            phase.done = already
             for jid, jc in jobs:
-                results[jid] = run_job(prog, task, jid, jc)
+                results[jid] = run_job(phase, jid, jc)
 
             # ---- suggestion
             cell_kl = {c.name: np.asarray(results[f"cell:{c.name}"]["kl_tokens"]) for c in cells}
@@ -819,13 +815,13 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
                     keep = set(sug["cells"])
                     vid = "verify:" + hash_obj(sorted(keep))[:12]
                     if vid in done:
-                        prog.advance(task)
+                        phase.advance()
                     if rnd:
-                        prog.update(task, total=prog.tasks[0].total + 1)
-                    vrec = run_job(prog, task, vid, [c for c in cells if c.name not in keep])
+                        phase.total += 1
+                    vrec = run_job(phase, vid, [c for c in cells if c.name not in keep])
                 else:
                     vid, vrec = "full", results["full"]
-                    prog.advance(task)
+                    phase.advance()
                 sug["measured"] = {k: vrec[k] for k in ("kl_mean", "kl_p99", "top1")}
                 sug["measured_id"] = vid
                 sug["meets_measured"] = _meets(np.asarray(vrec["kl_tokens"]), thresholds)
@@ -966,11 +962,6 @@ def write_tuned_profile(data: dict, profile_arg: str, path: Path, command: str =
     path = Path(path).expanduser().resolve()
     save_profile(path, tuned_profile_yaml(data, extends_reference(profile_arg, path), command), field="--write-profile")
     return path
-
-
-def _update_rate(prog, task, t0: float, n: int) -> None:
-    dt = time.perf_counter() - t0
-    prog.update(task, rate=f"{n / dt:.2f} cells/s" if dt > 0 else "")
 
 
 def _rerender_gate(gate_dir: Path, heatmap: Path) -> None:
