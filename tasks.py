@@ -605,6 +605,17 @@ def _parse_layers(text):
     return out
 
 
+def _margin(value) -> float:
+    from precision_pipeline.core.errors import UserError
+
+    if value is None:
+        return 1.0
+    v = _float_arg("--margin", value)
+    if not 0 < v <= 1:
+        raise UserError("--margin", f"{value!r} is not in (0, 1].", "pass e.g. --margin 0.8 (aim at 80 % of the thresholds).")
+    return v
+
+
 @task(help={
     "profile": "profile name or YAML path (its gate thresholds are the target)",
     "model": "HF model folder the checkpoint was made from (default: the default model)",
@@ -615,10 +626,12 @@ def _parse_layers(text):
     "layers": "only these decoder layers, e.g. 0-3,7 (default all)",
     "write_profile": "write FILE.yaml: a profile that extends this one with the verified suggestion's exclude_modules "
                      "(exit 3 and nothing written when the suggestion misses the KL thresholds)",
+    "margin": "aim the suggestion at MARGIN x the gate's KL thresholds (default 1; e.g. 0.8 for headroom on the full "
+              "golden set); measurements are reused",
 })
 @guarded
 def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkpoint=None, layers=None,
-                write_profile=None):
+                write_profile=None, margin=None):
     """Per-layer sensitivity: quantize one cell at a time, KL heatmap, cheapest exclude_modules that pass the gate."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (shared CPUs)
     from precision_pipeline.core.errors import UserError
@@ -636,7 +649,7 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
     if n < 1:
         raise UserError("--prompts", f"{prompts!r} is not a positive number of prompts per category.", "pass e.g. --prompts 1.")
     res = run_sensitivity(prof, model_dir, out_dir, SensitivityOptions(prompts_per_category=n),
-                          SensitivityRuntime(fresh=bool(fresh)),
+                          SensitivityRuntime(fresh=bool(fresh), margin=_margin(margin)),
                           checkpoint_dir=Path(checkpoint).expanduser() if checkpoint else None, layers=_parse_layers(layers))
     d = res.data
     con = _console()
@@ -671,7 +684,8 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
     if write_profile:
         from precision_pipeline.analysis.sensitivity import write_tuned_profile
 
-        cmd = f"--profile {profile} --prompts {n}" + (f" --model {model}" if model else "")
+        cmd = f"--profile {profile} --prompts {n}" + (f" --margin {margin}" if margin else "") + (
+            f" --model {model}" if model else "")
         path = write_tuned_profile(d, profile, Path(write_profile), command=cmd)
         con.print(f"wrote {path}: build it with invoke build --profile {path}", soft_wrap=True)
 

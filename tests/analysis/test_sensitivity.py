@@ -365,3 +365,18 @@ def test_write_profile_beside_a_profile_file_extends_it_by_relative_path(corrupt
     with pytest.raises(UserError, match="not in its folder tree"):
         write_tuned_profile(corrupted_run[0].data, str(src), tmp_path / "team" / "tuned" / "mine-tuned.yaml")
     assert not (tmp_path / "team" / "tuned").exists()
+
+
+def test_margin_aims_below_the_thresholds_and_reuses_every_cell(corrupted_run, golden_file, default_model_dir):
+    """--margin 0.3: the suggestion is verified against 0.3 x kl_mean_max; no cell is measured again."""
+    res, _ = corrupted_run
+    prof = _profile(kl_mean_max=0.02, kl_p99_max=None)
+    again = run_sensitivity(prof, default_model_dir, res.out_dir.parent, SensitivityOptions(golden_path=golden_file),
+                            SensitivityRuntime(threads=1, progress=False, margin=0.3), layers=LAYERS)
+    s = again.data["suggestion"]
+    thr = res.data["thresholds"]["kl_mean_max"]  # the profile's override for the default model
+    assert again.data["margin"] == 0.3 and again.data["thresholds"]["kl_mean_max"] == thr
+    assert all(j.startswith("verify:") for j in again.computed)
+    assert s["meets_measured"] == (s["measured"]["kl_mean"] <= 0.3 * thr)
+    assert s["predicted"]["kl_mean"] <= 0.3 * thr or not s["reachable"]
+    assert s["rounds"][0]["target"]["kl_mean_max"] == pytest.approx(0.3 * thr)

@@ -72,7 +72,7 @@ import numpy as np
 import yaml
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, hash_dir, hash_file, hash_obj
@@ -676,6 +676,10 @@ class SensitivityRuntime(BaseModel):
     """Called as ``on_measured(id, record)`` after each measurement is saved (tests raise from it to simulate a kill)."""
     prepare: Optional[Callable[[Any], None]] = None
     """Called as ``prepare(evaluator)`` before any measurement (tests alter ``evaluator.ck``)."""
+    margin: float = Field(1.0, gt=0.0, le=1.0)
+    """The suggestion aims at ``margin`` x the gate's KL mean / P99 thresholds and is verified against
+    those (0.8: 20 % headroom for the full golden set and perplexity, which the subset does not
+    measure). Changes only the suggestion, never a measurement."""
 
 
 def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: SensitivityOptions = SensitivityOptions(),
@@ -797,7 +801,9 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
             full_kl = np.asarray(results["full"]["kl_tokens"])
             cost = {c.name: ev.cell_bytes(c)["cost_bytes"] for c in cells if c.excludable}
             existing = list(profile.quantization.exclude_modules)
-            target = dict(thresholds)
+            aim = {k: (v * runtime.margin if k in ("kl_mean_max", "kl_p99_max") and v is not None else v)
+                   for k, v in thresholds.items()}
+            target = dict(aim)
             rounds: list[dict] = []
             for rnd in range(1 + (MAX_REFINE if verify else 0)):
                 sug = suggest_exclusions(full_kl, cell_kl, cost, target)
@@ -824,7 +830,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
                     phase.advance()
                 sug["measured"] = {k: vrec[k] for k in ("kl_mean", "kl_p99", "top1")}
                 sug["measured_id"] = vid
-                sug["meets_measured"] = _meets(np.asarray(vrec["kl_tokens"]), thresholds)
+                sug["meets_measured"] = _meets(np.asarray(vrec["kl_tokens"]), aim)
                 rounds.append({"cells": len(sug["cells"]), "cost_bytes": sug["cost_bytes"], "target": dict(target),
                                "predicted": sug["predicted"], "measured": sug["measured"],
                                "meets_measured": sug["meets_measured"]})
@@ -876,7 +882,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
         "key": key, "layers": layers, "kinds": lin_kinds,
         "prompts": {"per_category": options.prompts_per_category, "ids": [e.id for e in encoded], "tokens": ev.tokens,
                     "answer_tokens": ev.answer_tokens, "packs": len(ev.packs)},
-        "thresholds": thresholds,
+        "thresholds": thresholds, "margin": runtime.margin,
         "matrix_kl_mean": [[None if not np.isfinite(v) else float(v) for v in row] for row in matrix],
         "cells": cells_json, "ranking": ranked, "per_kind": per_kind, "full": full,
         "gate_metrics": gate_metrics, "suggestion": sug,
@@ -932,7 +938,8 @@ def tuned_profile_yaml(data: dict, extends: str, command: str = "") -> str:
             f"# {len(s['cells'])} cell(s) of {data['profile']} kept in BF16 for {data['model']}, +{s['cost_bytes'] / 2**20:.2f} MiB "
             f"of weights; measured on {n_prompts} golden prompts ({tokens} answer tokens): KL mean {m.get('kl_mean', float('nan')):.4g}, "
             f"KL P99 {m.get('kl_p99', float('nan')):.4g}, top-1 {m.get('top1', float('nan')):.3f} (gate: KL mean <= "
-            f"{data['thresholds'].get('kl_mean_max')}, P99 <= {data['thresholds'].get('kl_p99_max')}).\n"
+            f"{data['thresholds'].get('kl_mean_max')}, P99 <= {data['thresholds'].get('kl_p99_max')}; aimed at "
+            f"{data.get('margin', 1.0):g} x those).\n"
             "# Top-1, perplexity and greedy answers of the full golden set are the build's gate to judge: "
             "`invoke build --profile <this file>`.\n")
     body = {"extends": extends,
@@ -957,7 +964,8 @@ def write_tuned_profile(data: dict, profile_arg: str, path: Path, command: str =
         m = s.get("measured") or {}
         raise GateFailed(f"--write-profile: keeping {len(s['cells'])} cell(s) in BF16 measured KL mean "
                          f"{m.get('kl_mean', float('nan')):.4g} / P99 {m.get('kl_p99', float('nan')):.4g} against "
-                         f"<= {data['thresholds'].get('kl_mean_max')} / <= {data['thresholds'].get('kl_p99_max')}: "
+                         f"<= {data['thresholds'].get('kl_mean_max')} / <= {data['thresholds'].get('kl_p99_max')} x "
+                         f"{data.get('margin', 1.0):g}: "
                          "no profile written. Fix: measure more prompts (--prompts 2) or use a wider format.")
     path = Path(path).expanduser().resolve()
     save_profile(path, tuned_profile_yaml(data, extends_reference(profile_arg, path), command), field="--write-profile")
