@@ -46,6 +46,7 @@ from precision_pipeline.core.errors import (EXIT_ENGINE_BUILD_FAILED, EXIT_GATE_
                                             UserError)
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, read_json_safe
+from precision_pipeline.serving import deploy
 
 NIGHTLY_DIR = "nightly"
 """Folder under the output root holding summary.json / summary.md (and upgrade.json / upgrade.md)."""
@@ -680,7 +681,7 @@ def run_upgrade(opts: NightlyOptions, installer: Optional[Installer] = None, wor
 CRONJOB_TEMPLATE = REPO_ROOT / "k8s" / "nightly" / "nightly-cronjob.yaml"
 """In a sub-folder: the deploy stage renders every ``k8s/*.yaml`` for a build, and this is not one of them."""
 DEFAULT_SCHEDULE = "30 2 * * *"
-DEFAULT_SOURCE_DIR = "/workspace/precision-pipeline"
+DEFAULT_SOURCE_DIR = deploy.SOURCE_DIR
 
 
 def profiles_for_sm(sm: int) -> list[str]:

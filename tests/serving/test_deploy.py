@@ -347,7 +347,9 @@ def test_stage_inputs_change_with_what_the_manifests_depend_on():
     prof3 = make_profile(deployment={"replicas": 3})
     assert a != deploy.stage_inputs(make_plan(prof3), prof3, "/x", deploy.DEFAULT_IMAGE)
     assert set(a["templates"]) == {"triton-deployment.yaml", "service.yaml", "pdb.yaml", "argo-rollout.yaml",
-                                   "analysis-template.yaml"}
+                                   "analysis-template.yaml", "triton-leaderworkerset.yaml", "lws-launcher-serviceaccount.yaml",
+                                   "lws-launcher-role.yaml", "lws-launcher-rolebinding.yaml", "probe-deployment.yaml"}
+    assert set(a["monitoring_templates"]) == {"prometheus-rule.yaml", "grafana-dashboard.yaml", "probe-podmonitor.yaml"}
     prof4 = make_profile(deployment={"workload": "argo-rollout"})
     assert a != deploy.stage_inputs(make_plan(prof4), prof4, "/x", deploy.DEFAULT_IMAGE)
 

@@ -87,6 +87,56 @@ def test_checkov_kubernetes_checks_pass(tmp_path):
     assert failed == [] and passed > 50, p.stderr[-2000:]
 
 
+WORKER_SKIPPED = {
+    "CKV_K8S_8": "no liveness probe in an LWS worker: nothing listens there (its ranks > 0 serve no HTTP); a failed rank "
+                 "ends the leader's mpirun and the group is recreated (RecreateGroupOnPodRestart).",
+    "CKV_K8S_9": "no readiness probe in an LWS worker: the leader's readiness (/v2/health/ready, every rank loaded) is "
+                 "the group's; the Service selects leaders only.",
+}
+"""Skipped for the LeaderWorkerSet's worker pod template only (checkov suppression annotations on it)."""
+__doc__ += "\nSkipped for the LeaderWorkerSet's worker template only:" + "".join(f"\n* {k}: {v}" for k, v in WORKER_SKIPPED.items()) + "\n"
+
+
+def run_checkov(exe: str, directory: Path) -> tuple[list, int, str]:
+    p = subprocess.run([exe, "-d", str(directory), "--framework", "kubernetes", "--skip-download",
+                        "--compact", "-o", "json", "--skip-check", ",".join(SKIPPED)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
+    out = json.loads(p.stdout or "{}")
+    reports = out if isinstance(out, list) else [out]
+    failed = [(c["check_id"], c.get("resource")) for r in reports for c in r.get("results", {}).get("failed_checks", [])]
+    passed = sum(len(r.get("results", {}).get("passed_checks", [])) for r in reports)
+    return failed, passed, p.stderr[-2000:]
+
+
+def test_checkov_passes_the_leaderworkerset_and_probe(tmp_path):
+    """checkov knows no LeaderWorkerSet: its two pod templates are checked as v1 PodTemplates, with every other
+    rendered object (Service, PDB, launcher RBAC, probe Deployment) as rendered."""
+    import yaml
+
+    exe = checkov_bin()
+    if exe is None:
+        pytest.skip(f"checkov {CHECKOV_VERSION} is not installed (see the module docstring)")
+    from tests.serving.test_deploy_lws import render_multinode
+
+    res = render_multinode(tmp_path, gate=True)
+    scan = tmp_path / "scan"
+    scan.mkdir()
+    for f in res.files:
+        doc = yaml.safe_load((res.out_dir / f).read_text())
+        if doc["kind"] != "LeaderWorkerSet":
+            (scan / f).write_text(yaml.safe_dump(doc))
+            continue
+        for key in ("leaderTemplate", "workerTemplate"):
+            meta = {"name": f"{doc['metadata']['name']}-{key.lower()}", "namespace": doc["metadata"]["namespace"]}
+            if key == "workerTemplate":
+                meta["annotations"] = {f"checkov.io/skip{i}": f"{k}={v[:60]}" for i, (k, v) in enumerate(WORKER_SKIPPED.items(), 1)}
+            tmpl = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": meta, "template": doc["spec"]["leaderWorkerTemplate"][key]}
+            (scan / f"{key}.yaml").write_text(yaml.safe_dump(tmpl))
+    failed, passed, err = run_checkov(exe, scan)
+    print(f"\n[checkov {CHECKOV_VERSION}, LWS + probe] passed {passed}, failed {failed}")
+    assert failed == [] and passed > 80, err
+
+
 def _render_argo(tmp_path, **dep):
     prof = make_profile("fp8-h100", deployment={"workload": "argo-rollout", "canary_steps": [5, 20, 50, 100],
                                                 "canary_pause_s": 120, "replicas": 4, **dep})
@@ -148,11 +198,10 @@ def test_canary_steps_are_checked_by_the_profile():
         make_profile("fp8-h100", deployment={"canary_steps": [20, 5, 100]})
 
 
-def test_engine_larger_than_a_node_is_refused_not_left_pending(tmp_path):
-    from precision_pipeline.core.errors import UserError
-
+def test_engine_larger_than_a_node_runs_as_a_leaderworkerset(tmp_path):
     prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 1})
-    with pytest.raises(UserError, match="gpus_per_node"):
-        deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=2), tmp_path / "b", "/srv/b")
+    res = deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=2), tmp_path / "b", "/srv/b")
+    assert "triton-deployment.yaml" not in res.files and "triton-leaderworkerset.yaml" in res.files
     prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 2})
-    deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "c", world=2), tmp_path / "c", "/srv/c")
+    res = deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "c", world=2), tmp_path / "c", "/srv/c")
+    assert "triton-deployment.yaml" in res.files and "triton-leaderworkerset.yaml" not in res.files

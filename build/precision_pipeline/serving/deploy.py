@@ -12,6 +12,13 @@ the templates in ``k8s/`` (repository root) and writes ``<out_dir>/k8s/*.yaml`` 
 * ``service.yaml``: a ClusterIP Service with the three ports.
 * ``pdb.yaml``: a PodDisruptionBudget with ``minAvailable: 1``, only when ``replicas > 1`` (with a
   single replica such a budget would block every drain of its node).
+* ``triton-leaderworkerset.yaml`` (+ ``lws-launcher-{serviceaccount,role,rolebinding}.yaml``) instead of the
+  Deployment when tp_size x pp_size exceeds ``deployment.gpus_per_node``: a LeaderWorkerSet
+  (leaderworkerset.x-k8s.io/v1) of ``ceil(world / gpus_per_node)`` pods per replica whose leader runs the
+  ``mpirun`` line over the group (``LEADER_SCRIPT``); both pod templates are the Deployment's (``_pod_template``).
+  The Service (and PDB) then select the leaders only (``LWS_WORKER_INDEX_LABEL`` = "0").
+* ``probe-deployment.yaml`` (+ ``monitoring/probe-podmonitor.yaml``) when the build has a gate run: the accuracy
+  probe (serving/probe.py) as a long-lived Deployment exporting ``precision_pipeline_probe_*`` on port 8004.
 
 What is loaded: Triton runs with ``--model-control-mode=explicit`` and one ``--load-model`` per
 model of the current release: ``releases.json`` next to the repository when it exists (current
@@ -360,11 +367,20 @@ def validate_manifest(doc: dict, where: str, k8s_version: str = K8S_VERSION) -> 
         validator, used = _crd_validator(api, str(doc.get("kind")))
     else:
         validator, used = _schema_validator(k8s_version, str(doc.get("kind")), api)
-    errors = sorted(validator.iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path])
+    errors = [(list(e.absolute_path), e.message) for e in validator.iter_errors(doc)]
+    if not errors and doc.get("kind") == "LeaderWorkerSet":
+        # the CRD schema leaves the two pod templates open: each is a core v1 PodTemplateSpec (strict)
+        pod_validator, used = _schema_validator(k8s_version, "PodTemplate", "v1")
+        lwt = (doc.get("spec") or {}).get("leaderWorkerTemplate") or {}
+        for key in ("leaderTemplate", "workerTemplate"):
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": lwt.get(key) or {}}
+            errors += [(["spec", "leaderWorkerTemplate", key, *list(e.absolute_path)[1:]], e.message)
+                       for e in pod_validator.iter_errors(wrapped)]
+    errors.sort(key=lambda e: [str(p) for p in e[0]])
     if errors:
-        raise UserError([Problem(f"{where}: {_path_str(list(e.absolute_path))}",
-                                 f"fails Kubernetes {used} schema validation (strict): {_short(e.message)}.",
-                                 "fix the template or the input that produced this value.") for e in errors[:5]])
+        raise UserError([Problem(f"{where}: {_path_str(path)}",
+                                 f"fails Kubernetes {used} schema validation (strict): {_short(msg)}.",
+                                 "fix the template or the input that produced this value.") for path, msg in errors[:5]])
     problems = semantic_problems(doc, where)
     if problems:
         raise UserError(problems)
@@ -412,36 +428,55 @@ def semantic_problems(doc: dict, where: str) -> list[Problem]:
         if not sel or any(pod_labels.get(k) != v for k, v in sel.items()):
             probs.append(Problem(f"{where}: spec.selector.matchLabels", "does not match spec.template.metadata.labels.",
                                  "the selector's labels must all be on the pod template."))
-        for i, c in enumerate((tmpl.get("spec") or {}).get("containers") or []):
-            res = c.get("resources") or {}
-            lim, req = (res.get("limits") or {}).get(GPU_RESOURCE), (res.get("requests") or {}).get(GPU_RESOURCE)
-            p = f"{where}: spec.template.spec.containers[{i}].resources"
-            if lim is not None and (not isinstance(lim, int) or lim < 1):
-                probs.append(Problem(f"{p}.limits.{GPU_RESOURCE}", f"is {lim!r}; GPUs are whole positive numbers.", "fix gpus_per_replica."))
-            if req is not None and req != lim:
-                probs.append(Problem(f"{p}.requests.{GPU_RESOURCE}", f"is {req!r} but the limit is {lim!r}; extended resources need requests = limits.",
-                                     "render both from gpus_per_replica."))
-            for j, port in enumerate(c.get("ports") or []):
-                cp = port.get("containerPort")
-                if not isinstance(cp, int) or not 0 < cp < 65536:
-                    probs.append(Problem(f"{where}: spec.template.spec.containers[{i}].ports[{j}].containerPort", f"is {cp!r}.", "use 1..65535."))
-            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                pr = c.get(probe) or {}
-                for k in ("periodSeconds", "failureThreshold", "timeoutSeconds"):
-                    if k in pr and (not isinstance(pr[k], int) or pr[k] < 1):
-                        probs.append(Problem(f"{where}: spec.template.spec.containers[{i}].{probe}.{k}", f"is {pr[k]!r}; must be >= 1.", "fix it."))
-        for i, v in enumerate((tmpl.get("spec") or {}).get("volumes") or []):
-            size = (v.get("emptyDir") or {}).get("sizeLimit")
-            if size is not None and not _QUANTITY.match(str(size)):
-                probs.append(Problem(f"{where}: spec.template.spec.volumes[{i}].emptyDir.sizeLimit", f"{size!r} is not a quantity.", "e.g. 2Gi."))
-            claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
-            if claim is not None and (not _DNS_SUBDOMAIN.match(str(claim)) or len(str(claim)) > 253):
-                probs.append(Problem(f"{where}: spec.template.spec.volumes[{i}].persistentVolumeClaim.claimName",
-                                     f"{claim!r} is not a DNS-1123 subdomain.", "pass a valid PVC name."))
+        probs += _pod_template_problems(tmpl, "spec.template", where)
+    elif kind == "LeaderWorkerSet":
+        lwt = spec.get("leaderWorkerTemplate") or {}
+        size = lwt.get("size")
+        if not isinstance(size, int) or size < 2:
+            probs.append(Problem(f"{where}: spec.leaderWorkerTemplate.size", f"is {size!r}; a multi-node group has a leader and "
+                                 "at least one worker.", "render a Deployment for an engine that fits one node."))
+        for key in ("leaderTemplate", "workerTemplate"):
+            tmpl = lwt.get(key) or {}
+            path = f"spec.leaderWorkerTemplate.{key}"
+            probs += _check_labels((tmpl.get("metadata") or {}).get("labels"), f"{path}.metadata.labels", where)
+            probs += _pod_template_problems(tmpl, path, where)
     elif kind == "PodDisruptionBudget":
         ma = spec.get("minAvailable")
         if isinstance(ma, int) and ma < 0:
             probs.append(Problem(f"{where}: spec.minAvailable", f"is {ma}.", "use >= 0."))
+    return probs
+
+
+def _pod_template_problems(tmpl: dict, path: str, where: str) -> list[Problem]:
+    """API-server rules for one pod template (at ``path`` in the object): whole positive GPU counts with
+    requests = limits, ports 1..65535, probe counts >= 1, emptyDir quantities, PVC names."""
+    probs: list[Problem] = []
+    for i, c in enumerate((tmpl.get("spec") or {}).get("containers") or []):
+        res = c.get("resources") or {}
+        lim, req = (res.get("limits") or {}).get(GPU_RESOURCE), (res.get("requests") or {}).get(GPU_RESOURCE)
+        p = f"{where}: {path}.spec.containers[{i}].resources"
+        if lim is not None and (not isinstance(lim, int) or lim < 1):
+            probs.append(Problem(f"{p}.limits.{GPU_RESOURCE}", f"is {lim!r}; GPUs are whole positive numbers.", "fix gpus_per_replica."))
+        if req is not None and req != lim:
+            probs.append(Problem(f"{p}.requests.{GPU_RESOURCE}", f"is {req!r} but the limit is {lim!r}; extended resources need requests = limits.",
+                                 "render both from gpus_per_replica."))
+        for j, port in enumerate(c.get("ports") or []):
+            cp = port.get("containerPort")
+            if not isinstance(cp, int) or not 0 < cp < 65536:
+                probs.append(Problem(f"{where}: {path}.spec.containers[{i}].ports[{j}].containerPort", f"is {cp!r}.", "use 1..65535."))
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            pr = c.get(probe) or {}
+            for k in ("periodSeconds", "failureThreshold", "timeoutSeconds"):
+                if k in pr and (not isinstance(pr[k], int) or pr[k] < 1):
+                    probs.append(Problem(f"{where}: {path}.spec.containers[{i}].{probe}.{k}", f"is {pr[k]!r}; must be >= 1.", "fix it."))
+    for i, v in enumerate((tmpl.get("spec") or {}).get("volumes") or []):
+        size = (v.get("emptyDir") or {}).get("sizeLimit")
+        if size is not None and not _QUANTITY.match(str(size)):
+            probs.append(Problem(f"{where}: {path}.spec.volumes[{i}].emptyDir.sizeLimit", f"{size!r} is not a quantity.", "e.g. 2Gi."))
+        claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
+        if claim is not None and (not _DNS_SUBDOMAIN.match(str(claim)) or len(str(claim)) > 253):
+            probs.append(Problem(f"{where}: {path}.spec.volumes[{i}].persistentVolumeClaim.claimName",
+                                 f"{claim!r} is not a DNS-1123 subdomain.", "pass a valid PVC name."))
     return probs
 
 
@@ -484,10 +519,166 @@ def check_image(image: str, field: str = "--image") -> None:
         raise UserError(field, f"{str(image)[:200]!r} is not a container image reference.", f"e.g. {DEFAULT_IMAGE}.")
 
 
+# --------------------------------------------------------------------------------------------
+# Multi-node engines: a LeaderWorkerSet (kubernetes-sigs/lws, leaderworkerset.x-k8s.io/v1)
+
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+"""Label the LWS controller puts on every pod of a group: ``"0"`` on the leader, 1..size-1 on the workers."""
+MPI_DIR = "/tmp/mpi"
+"""Where the leader writes its hostfile and rsh agent (the /tmp emptyDir: the root filesystem is read-only)."""
+SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where kubectl's in-cluster configuration reads token, ca.crt and namespace (the path the kubelet's automount
+would use; the leader mounts a projected short-lived token there instead)."""
+SA_TOKEN_EXPIRATION_S = 3600
+LEADER_SCRIPT = (
+    # LWS sets LWS_LEADER_ADDRESS=<leader pod>.<lws>.<namespace> and LWS_GROUP_SIZE in every pod of a group;
+    # the workers of leader pod <lws>-<g> are <lws>-<g>-1 .. <lws>-<g>-(size-1)
+    'set -eu; mkdir -p ' + MPI_DIR + '; leader="${LWS_LEADER_ADDRESS%%.*}"; : > ' + MPI_DIR + '/hostfile; i=0; '
+    'while [ "$i" -lt "$LWS_GROUP_SIZE" ]; do if [ "$i" -eq 0 ]; then h="$leader"; else h="$leader-$i"; fi; '
+    'echo "$h slots=$MPI_SLOTS_PER_POD" >> ' + MPI_DIR + '/hostfile; i=$((i + 1)); done; '
+    # OpenMPI's rsh agent is called as `agent <host> <orted command ...>`: run it in that pod's triton container
+    "printf '%s\\n' '#!/bin/sh' 'pod=\"$1\"; shift' 'exec kubectl exec -i \"$pod\" -c triton -- /bin/sh -c \"$*\"' > "
+    + MPI_DIR + '/kubexec; chmod 0755 ' + MPI_DIR + '/kubexec; '
+    'exec mpirun --hostfile ' + MPI_DIR + '/hostfile --mca plm_rsh_agent ' + MPI_DIR + '/kubexec --mca plm_rsh_no_tree_spawn 1 "$@"'
+)
+"""The leader's shell: writes the group's hostfile (one line per pod, ``slots`` = GPUs per pod, so mpirun places
+one rank per GPU, ranks 0..k-1 in the leader) and a ``kubectl exec`` rsh agent, then runs the ``mpirun`` line of
+``triton_command`` (its arguments follow as ``$@``) over the group. The kubectl-exec agent is the launch
+pattern of Triton's multi-node Kubernetes tutorial for TensorRT-LLM (``kubessh``); the image must ship kubectl."""
+LEADER_SHELL = ["/bin/sh", "-c", LEADER_SCRIPT]
+WORKER_COMMAND = ["/bin/sh", "-c", "exec sleep infinity"]
+"""A worker pod only waits: the leader's mpirun starts the MPI daemon and its tritonserver ranks in it."""
+
+
+def lws_group(world: int, gpus_per_node: Optional[int], workload: str = "deployment") -> int:
+    """Pods per engine: 1 when the engine fits a node (or ``gpus_per_node`` is unset), else
+    ``ceil(world / gpus_per_node)`` pods with ``world / group`` GPUs each (a LeaderWorkerSet group).
+
+    Raises UserError when the world does not split evenly over those pods (every pod of a group has the
+    same GPU count: one worker template) or with ``workload: argo-rollout`` (see below)."""
+    if gpus_per_node is None or world <= gpus_per_node:
+        return 1
+    group = -(-world // gpus_per_node)
+    if world % group:
+        raise UserError("deployment.gpus_per_node", f"is {gpus_per_node}: tp_size x pp_size = {world} GPUs need {group} pods, "
+                        f"but {world} ranks do not split evenly over {group} pods (every pod of a LeaderWorkerSet group has "
+                        "the same GPUs).", f"use a world size that is a multiple of {group}, or nodes with more GPUs.")
+    if workload == "argo-rollout":
+        # a Rollout's workloadRef names a Deployment (pods of one template); a LeaderWorkerSet's unit is a pod group
+        raise UserError("deployment.workload", f"argo-rollout cannot own a multi-node engine ({world} GPUs over {group} "
+                        "pods): Argo Rollouts manages ReplicaSets of single pods, while a LeaderWorkerSet creates and "
+                        "rolls groups of pods that form one MPI world.",
+                        "use workload: deployment (the LeaderWorkerSet's rolling update replaces whole groups) and "
+                        "`invoke rollout` / the probe alerts for the accuracy check.")
+    return group
+
+
+def _pod_template(templates_dir: Path, dep: dict) -> dict:
+    """The Deployment's hardened pod template (``triton-deployment.yaml`` rendered with ``dep``): the one home
+    of the pod spec, adapted here for the LeaderWorkerSet's leader and workers and for the probe."""
+    import copy
+
+    where = "k8s/triton-deployment.yaml"
+    text = render_template((Path(templates_dir) / "triton-deployment.yaml").read_text(), dep, where)
+    return copy.deepcopy(parse_manifest(text, where)["spec"]["template"])
+
+
+def _lws_params(dep: dict, pod_template: dict, group: int, pod_gpus: int) -> dict[str, dict]:
+    """Parameters of the LeaderWorkerSet and its launcher ServiceAccount / Role / RoleBinding."""
+    import copy
+
+    name = f"{dep['name'][:50]}-lws"  # the LWS controller's headless Service takes this name; pods <name>-<g>-<i>
+    launcher = f"{dep['name'][:54]}-mpi-launcher"
+    leader = copy.deepcopy(pod_template)
+    spec, c = leader["spec"], leader["spec"]["containers"][0]
+    spec["serviceAccountName"] = launcher
+    c["env"].append({"name": "MPI_SLOTS_PER_POD", "value": str(pod_gpus)})
+    c["volumeMounts"].append({"name": "launcher-token", "mountPath": SA_TOKEN_DIR, "readOnly": True})
+    spec["volumes"].append({"name": "launcher-token", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": SA_TOKEN_EXPIRATION_S}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}})
+    worker = copy.deepcopy(pod_template)
+    wc = worker["spec"]["containers"][0]
+    wc["command"] = list(WORKER_COMMAND)
+    del wc["args"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        # nothing listens in a worker (its ranks > 0 serve no HTTP); the leader's probes cover the group, and a
+        # failed rank ends mpirun, the leader's container, and so the group (RecreateGroupOnPodRestart)
+        wc.pop(probe, None)
+    labels = dep["labels"]
+    workers = [f"{name}-{g}-{i}" for g in range(dep["replicas"]) for i in range(1, group)]
+    return {
+        "lws": {"name": name, "namespace": dep["namespace"], "labels": labels, "annotations": dep["annotations"],
+                "replicas": dep["replicas"], "size": group, "leader_template": leader, "worker_template": worker},
+        "sa": {"name": launcher, "namespace": dep["namespace"], "labels": labels},
+        "role": {"name": launcher, "namespace": dep["namespace"], "labels": labels, "worker_pods": workers},
+        "binding": {"name": launcher, "namespace": dep["namespace"], "labels": labels, "role_name": launcher,
+                    "service_account": launcher},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The in-cluster accuracy probe (serving/probe.py as a long-lived Deployment)
+
+GATE_SUBDIR = "gate"
+"""The build's gate output next to ``model_repository`` (metrics.json, per_token.npz): what the probe reads."""
+SOURCE_DIR = "/workspace/precision-pipeline"
+"""The repository checkout inside the image of cluster-side jobs (the nightly CronJob, the probe): bake it into a
+derived image of the serving image (its ``.venv`` set up: the root filesystem is read-only)."""
+PROBE_METRICS_PORT = 8004
+PROBE_EVERY_S = 600
+"""Seconds between probe runs (``PROBE_STALE_S`` allows three missed runs)."""
+PROBE_CPU, PROBE_MEMORY = "2", "8Gi"
+"""Probe pod requests (memory limit = request): the tokenizer, lm_head in FP32 and the stored reference hidden
+states of the probe's prompts; a sizing default, not a measured number."""
+PROBE_SCRAPE_INTERVAL = "60s"
+
+
+def has_gate(model_repository: Path) -> bool:
+    """Whether the build output holds a gate run (``<out>/gate/metrics.json``): the probe Deployment and its
+    PodMonitor are rendered only then."""
+    return (Path(model_repository).parent / GATE_SUBDIR / "metrics.json").is_file()
+
+
+def probe_command(service: str, namespace: str, repo_root: str, unit: str, profile_name: str) -> list[str]:
+    """``invoke probe`` (through run.sh) against the serving Service, every ``PROBE_EVERY_S`` s, exporting on
+    ``PROBE_METRICS_PORT``; ``--unit``/``--profile`` name the release so no repository state is read or written."""
+    from precision_pipeline.serving.probe import DEFAULT_PROMPTS
+
+    root = str(repo_root).rstrip("/") or ""
+    return ["./run.sh", "probe", "--url", f"{service}.{namespace}.svc:{HTTP_PORT}", "--gate", f"{root}/{GATE_SUBDIR}",
+            "--prompts", str(DEFAULT_PROMPTS), "--every", str(PROBE_EVERY_S), "--metrics-port", str(PROBE_METRICS_PORT),
+            "--unit", unit, "--profile", profile_name]
+
+
+def _probe_params(dep: dict, pod_template: dict, profile_name: str, unit: str, image: str) -> tuple[dict, dict]:
+    """Parameters of the probe Deployment and its PodMonitor; the securityContexts are the Triton pod's."""
+    name = f"{dep['name'][:57]}-probe"
+    selector = {"app.kubernetes.io/name": "precision-probe", "app.kubernetes.io/instance": dep["name"]}
+    labels = {**dep["labels"], **selector, "app.kubernetes.io/component": "accuracy-probe"}
+    root = dep["repo_root"]
+    probe = {"name": name, "namespace": dep["namespace"], "labels": labels, "selector": selector,
+             "annotations": {k: v for k, v in dep["annotations"].items() if k != f"{LABEL_PREFIX}/launcher"},
+             "pod_security_context": pod_template["spec"]["securityContext"],
+             "container_security_context": pod_template["spec"]["containers"][0]["securityContext"],
+             "image": image, "working_dir": SOURCE_DIR,
+             "command": probe_command(dep["name"], dep["namespace"], root, unit, profile_name),
+             "cache_dir": f"{root.rstrip('/')}/.cache", "cpu_request": PROBE_CPU, "memory_request": PROBE_MEMORY,
+             "repo_root": root, "pvc_name": dep["pvc_name"], "tmp_size": TMP_SIZE}
+    monitor = {"name": name, "namespace": dep["namespace"], "labels": labels, "selector": selector,
+               "interval": PROBE_SCRAPE_INTERVAL}
+    return probe, monitor
+
+
 def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_root: str, image: str, namespace: str, *,
                    pvc_name: str = DEFAULT_PVC, gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
-                   startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD) -> tuple[dict[str, Optional[dict]], dict]:
-    """Template parameters per template file (None = template not rendered) and facts for DeployResult."""
+                   startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD,
+                   templates_dir: Path = TEMPLATES_DIR) -> tuple[dict[str, Optional[dict]], dict]:
+    """Template parameters per template file (None = template not rendered) and facts for DeployResult.
+
+    ``templates_dir``: where ``triton-deployment.yaml`` is read for the pod template of a multi-node
+    LeaderWorkerSet and of the probe (the one home of the hardened pod spec)."""
     notes: list[str] = []
     model_repository = Path(model_repository)
     check_repo_root(repo_root)
@@ -501,12 +692,8 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
     if gpu is None or not gpu.id or not gpu.name:
         raise UserError("target.gpu", f"plan.json has no known GPU (asked: {plan.profile.target.gpu!r}).", "resolve the profile on a catalog GPU first.")
     world, tp, pp = _gpus(plan, profile)
-    per_node = profile.deployment.gpus_per_node
-    if per_node is not None and world > per_node:
-        # a pod cannot span nodes: a Deployment of world > per_node GPUs would stay Pending for ever
-        raise UserError("deployment.gpus_per_node", f"is {per_node} but one engine needs tp_size x pp_size = {world} GPUs: "
-                        "it must run across nodes (a LeaderWorkerSet), which this deploy stage does not render yet.",
-                        f"use nodes with >= {world} GPUs (and raise gpus_per_node), or a smaller tp_size x pp_size.")
+    group = lws_group(world, profile.deployment.gpus_per_node, profile.deployment.workload)
+    pod_gpus = world // group
     products = list(gpu_products) if gpu_products else [gpu_product_label(gpu.name)]
     for p in products:
         if not isinstance(p, str) or len(p) > 63 or not p or not _LABEL_VALUE.match(p):
@@ -541,7 +728,12 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
     name = k8s_name(profile_name)
     repo_path = pack.serving_path(repo_root, model_repository.name)
     command, args, launcher = triton_command(world, repo_path, ss.models, ss.units)
-    if launcher == "mpirun":
+    if group > 1:
+        command, launcher = [*LEADER_SHELL, "mpi-leader"], "mpirun-lws"
+        notes.append(f"world size {world} > deployment.gpus_per_node {profile.deployment.gpus_per_node}: a LeaderWorkerSet "
+                     f"of {group} pods x {pod_gpus} GPUs per replica; the leader's mpirun starts the ranks of the worker pods "
+                     "through kubectl exec (the image needs kubectl; the LWS controller must be installed).")
+    elif launcher == "mpirun":
         notes.append(f"world size {world}: mpirun runs {world} tritonserver ranks (tensorrtllm_backend leader mode), "
                      "the line launch_triton_server.py would build, run in the foreground.")
     replicas = profile.deployment.replicas
@@ -565,31 +757,40 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
         f"{LABEL_PREFIX}/release-source": _rel_source(ss.source, model_repository),
         f"{LABEL_PREFIX}/launcher": launcher,
     }
-    shm = shm_size or f"{max(2, 1 + world)}Gi"
+    shm = shm_size or f"{max(2, 1 + pod_gpus)}Gi"
     dep = {
         "name": name, "namespace": namespace, "labels": labels, "annotations": annotations,
         "replicas": replicas, "selector": selector, "pod_labels": labels,
         "pod_annotations": {**annotations, "kubectl.kubernetes.io/default-container": "triton"},
         "progress_deadline_s": STARTUP_PERIOD_S * startup_failure_threshold + 600,
         "termination_grace_s": TERMINATION_GRACE_S, "gpu_products": products,
-        "image": image, "command": command, "args": args, "gpus": world,
+        "image": image, "command": command, "args": args, "gpus": pod_gpus,
         "startup_period_s": STARTUP_PERIOD_S, "startup_failure_threshold": startup_failure_threshold,
         "repo_root": str(repo_root).rstrip("/") or "/", "shm_size": shm, "pvc_name": pvc_name,
-        "cpu_request": str(CPU_PER_GPU * world), "memory_request": f"{MEMORY_GI_BASE + MEMORY_GI_PER_GPU * world}Gi",
+        "cpu_request": str(CPU_PER_GPU * pod_gpus), "memory_request": f"{MEMORY_GI_BASE + MEMORY_GI_PER_GPU * pod_gpus}Gi",
         "tmp_size": TMP_SIZE,
     }
-    svc = {"name": name, "namespace": namespace, "labels": labels, "selector": selector}
-    pdb = {"name": name, "namespace": namespace, "labels": labels, "selector": selector, "min_available": 1} if replicas > 1 else None
+    pod_template = _pod_template(templates_dir, dep) if group > 1 or has_gate(model_repository) else None
+    lws = _lws_params(dep, pod_template, group, pod_gpus) if group > 1 else {}
+    serving_selector = {**selector, LWS_WORKER_INDEX_LABEL: "0"} if lws else selector
+    svc = {"name": name, "namespace": namespace, "labels": labels, "selector": serving_selector}
+    pdb = ({"name": name, "namespace": namespace, "labels": labels, "selector": serving_selector, "min_available": 1}
+           if replicas > 1 else None)
     if pdb is None:
         notes.append("replicas = 1: no PodDisruptionBudget (minAvailable: 1 would block every drain of the node).")
+    probe, monitor = (_probe_params(dep, pod_template, profile_name, ss.unit, image) if has_gate(model_repository)
+                      else (None, None))
     facts = {"name": name, "replicas": replicas, "gpus_per_replica": world, "gpu_products": products, "serving": ss,
-             "launcher": launcher, "command": [*command, *args], "notes": notes}
+             "launcher": launcher, "command": [*command, *args], "notes": notes, "probe_monitor": monitor,
+             "group_size": group, "pod_params": dep}
     rollout, analysis = _argo_params(plan, profile, name, namespace, labels, annotations, selector, ss.unit, dep)
     if rollout is not None:
         notes.append("workload argo-rollout: apply the Rollout and AnalysisTemplate with the Deployment; the Rollout "
                      "owns releases (k8s/README.md).")
-    return {"triton-deployment.yaml": dep, "service.yaml": svc, "pdb.yaml": pdb, "argo-rollout.yaml": rollout,
-            "analysis-template.yaml": analysis}, facts
+    return {"triton-deployment.yaml": None if lws else dep, "service.yaml": svc, "pdb.yaml": pdb, "argo-rollout.yaml": rollout,
+            "analysis-template.yaml": analysis, "triton-leaderworkerset.yaml": lws.get("lws"),
+            "lws-launcher-serviceaccount.yaml": lws.get("sa"), "lws-launcher-role.yaml": lws.get("role"),
+            "lws-launcher-rolebinding.yaml": lws.get("binding"), "probe-deployment.yaml": probe}, facts
 
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
@@ -709,7 +910,7 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
     templates_dir = Path(templates_dir)
     params, facts = compute_params(plan, profile, Path(model_repository), repo_root, image, namespace, pvc_name=pvc_name,
                                    gpu_products=gpu_products, shm_size=shm_size,
-                                   startup_failure_threshold=startup_failure_threshold)
+                                   startup_failure_threshold=startup_failure_threshold, templates_dir=templates_dir)
     found = sorted(p.name for p in templates_dir.glob("*.yaml"))
     unknown = sorted(set(found) - set(params))
     missing = sorted(set(params) - set(found))
@@ -733,9 +934,13 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
     mon_dir = templates_dir / MONITORING_SUBDIR
     for tpath in sorted(mon_dir.glob("*.yaml")) if mon_dir.is_dir() else []:
         where = f"k8s/{MONITORING_SUBDIR}/{tpath.name}"
-        dep = params["triton-deployment.yaml"]
+        dep = facts["pod_params"]  # the Deployment's parameters (also for a LeaderWorkerSet, which replaces it)
         p = {"name": dep["name"], "namespace": dep["namespace"], "labels": dep["labels"]}
-        if tpath.name == "prometheus-rule.yaml":
+        if tpath.name == "probe-podmonitor.yaml":
+            if facts["probe_monitor"] is None:
+                continue
+            p = facts["probe_monitor"]
+        elif tpath.name == "prometheus-rule.yaml":
             p["groups"] = alert_groups(plan.profile.name or profile.name, profile.gate.for_model(plan.model.name))
         elif tpath.name == "grafana-dashboard.yaml":
             from precision_pipeline.serving import dashboard
