@@ -499,10 +499,11 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
             "unit": "engine unit to probe (default: the current release, else the profile's packed unit)",
             "every": "run every N seconds until Ctrl-C (default: once)", "prompts": "golden prompts per run (default 4)",
             "metrics_port": "with --every: serve the results as Prometheus metrics on this port (default 8004)",
-            "runs": "with --every: stop after this many runs", "out": "the build's output folder"})
+            "runs": "with --every: stop after this many runs", "out": "the build's output folder",
+            "model": "the reference model's HF folder when it is not where the gate ran (another machine, a pod)"})
 @guarded
 def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None, prompts=4, metrics_port=None,
-          runs=None, out=None):
+          runs=None, out=None, model=None):
     """Accuracy probe of the live server: golden prompts vs the gate's FP32 reference (serving/probe.py)."""
     import time as _time
 
@@ -523,7 +524,7 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
         rec_profile = next((r.get("profile", "") for r in state.get("releases", []) if r.get("unit") == state["current"]), "")
     if gate:
         gate_dir = Path(gate).expanduser().resolve()
-        pset = pr.load_probe_set(gate_dir, n)
+        pset = pr.load_probe_set(gate_dir, n, model_dir=Path(model).expanduser() if model else None)
         prof_name = profile or rec_profile
         packed = None
     else:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -122,11 +123,13 @@ def _spread(n_total: int, categories: Sequence[str], n: int) -> list[int]:
 
 
 def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: Optional[GateThresholds] = None,
-                   cache_root: Optional[Path] = None) -> ProbeSet:
+                   cache_root: Optional[Path] = None, model_dir: Optional[Path] = None) -> ProbeSet:
     """The probe's prompts and stored reference for the gate run in ``gate_dir`` (``<build out>/gate``).
 
     ``prompts``: how many golden prompts (spread over the categories, fixed choice). ``thresholds``:
-    default the gate's (metrics.json ``thresholds``). Raises UserError (see module doc)."""
+    default the gate's (metrics.json ``thresholds``). ``model_dir``: the reference model's HF folder
+    (tokenizer, lm_head) when it is not at the gate's ``reference_model_dir`` (another machine, a pod;
+    env ``PRECISION_PROBE_MODEL_DIR`` too). Raises UserError (see module doc)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoTokenizer
@@ -144,7 +147,11 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
     if ref is None:
         raise UserError("gate", f"the FP32 reference stored by the gate in {gate_dir} (key {key[:12] or '?'}) is not in "
                         "the reference cache.", "rebuild the profile (its gate stores the reference again).")
-    model_dir = Path(met["reference_model_dir"])
+    model_dir = Path(model_dir or os.environ.get("PRECISION_PROBE_MODEL_DIR") or met["reference_model_dir"])
+    if not (model_dir / "config.json").is_file():
+        raise UserError("--model", f"the reference model {model_dir} (its tokenizer and lm_head score the probe) is not "
+                        "an HF model folder here.", "pass --model DIR (or set PRECISION_PROBE_MODEL_DIR) to the same "
+                        f"model, {Path(met['reference_model_dir']).name}, on this machine.")
     rows = met["prompts"]
     chosen = _spread(len(rows), [r["category"] for r in rows], prompts)
     by_id = {g.id: g for g in load_golden(None)}
