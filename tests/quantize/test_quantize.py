@@ -219,7 +219,7 @@ def test_fp8_export(fp8_checkpoint):
     assert q["exclude_modules"] == ["lm_head"]
     assert cfg["logits_dtype"] == "float32"  # ModelOpt writes float16; the profile says float32
     assert cfg["dtype"] == "bfloat16" and cfg["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
-    assert sorted(p.name for p in fp8_checkpoint.iterdir()) == ["calibration.json", "config.json", "rank0.safetensors"]
+    assert sorted(p.name for p in fp8_checkpoint.iterdir()) == ["calibration.json", "config.json", "quantize_warnings.json", "rank0.safetensors"]
     with safe_open(str(fp8_checkpoint / "rank0.safetensors"), "pt") as f:
         keys = set(f.keys())
         for i in (0, 17, 29):

@@ -252,7 +252,7 @@ def _markdown_scales(m: dict) -> list[str]:
         return lines + ["The checkpoint has no scale tensors (nothing is quantized)."]
     lines += [f"{sc['tensors']} scale tensors (all ranks), read from the checkpoint in {sc.get('read_s', 0)} s. "
               f"Rule: {sc['rule']}", "",
-              "| kind | format | granularity | dtype | tensors | values | min | p1 | median | p99 | max | implied amax | flagged |",
+              "| kind | format | granularity | dtype | tensors | values | min | p1 | median | p99 | max | amax at max | flagged |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     n_flag: dict[str, int] = {}
     for o in sc["outliers"]:
@@ -405,6 +405,7 @@ img.plot{max-width:100%;border:1px solid #eee}
 .worst{border-left:4px solid #c0392b;padding-left:1em;margin:1em 0}
 .cols{display:flex;gap:1em}.cols>div{flex:1;min-width:0}
 .warn{color:#8a6d00}
+#scales table{font-size:0.8em}#scales td,#scales th{padding:3px 5px}
 """
 
 
@@ -526,7 +527,7 @@ def _html_scales(m: dict, png: Optional[bytes]) -> list[str]:
         n_flag[o["kind"]] = n_flag.get(o["kind"], 0) + 1
     h.append('<table id="scales-table"><thead><tr><th>kind</th><th>format</th><th>granularity</th><th>dtype</th>'
              "<th>tensors</th><th>values</th><th>min</th><th>p1</th><th>median</th><th>p99</th><th>max</th>"
-             "<th>implied amax</th><th>flagged</th></tr></thead><tbody>")
+             "<th>amax at max</th><th>flagged</th></tr></thead><tbody>")
     for key, k in _scale_rows(sc):
         h.append(f'<tr data-kind="{_e(key)}"><td class="family">{_e(k["family"])}</td><td class="format">{_e(k["quant_algo"])}</td>'
                  f'<td>{_e(k["granularity"])}</td><td>{_e(k["stored_dtype"])}</td><td class="count">{k["count"]}</td>'
