@@ -78,7 +78,8 @@ def build_test_checkpoint(name: str, model_dir: Path, root: Path) -> Path:
     """Build (or reuse) the test checkpoint ``name`` under ``root``; returns the checkpoint folder."""
     import torch
 
-    from precision_pipeline.quantize.ptq import export_checkpoint, quantize_model
+    from precision_pipeline.core.progress import StageProgress
+    from precision_pipeline.quantize.ptq import QUANTIZE_LOG, QUANTIZE_WARNINGS, captured_warnings, export_checkpoint, quantize_model
     from precision_pipeline.core.store import atomic_dir, locked
 
     folder = Path(root) / f"{name}-{_checkpoint_key(name, model_dir)}"
@@ -87,8 +88,11 @@ def build_test_checkpoint(name: str, model_dir: Path, root: Path) -> Path:
         if (folder / "done").is_file():
             return ckpt
         with atomic_dir(folder) as tmp:
-            qm = quantize_model(checkpoint_profile(name), model_dir, show_progress=False)
-            result = export_checkpoint(qm, tmp / "ckpt")
+            # ModelOpt's warnings recorded into the checkpoint as run_quantize does (quantize_warnings.json)
+            with captured_warnings(tmp / QUANTIZE_LOG, StageProgress("quantize", enabled=False),
+                                   record_path=tmp / "ckpt" / QUANTIZE_WARNINGS):
+                qm = quantize_model(checkpoint_profile(name), model_dir, show_progress=False)
+                result = export_checkpoint(qm, tmp / "ckpt")
             if qm.config is not None:
                 import modelopt.torch.opt as mto
 

@@ -318,3 +318,13 @@ def test_fp8_checkpoint_gate(default_model_dir, fp8_checkpoint, gate_cache, tmp_
     assert res.passed, res.failures
     assert res.metrics["checkpoint_quantization"]["quant_algo"] == "FP8"
     assert res.summary()["passed"] is True and res.summary()["eval_tokens"] == res.metrics["tokens"]["answer_tokens"]
+    # the checkpoint's scale factors and ModelOpt's recorded warnings go into metrics.json and the reports
+    from precision_pipeline.checkpoint.scales import scale_report
+
+    want = scale_report(fp8_checkpoint)
+    got = json.loads(res.metrics_path.read_text())["scales"]
+    assert {k: v for k, v in got.items() if k != "read_s"} == {k: v for k, v in want.items() if k != "read_s"}
+    assert res.summary()["scale_outliers"] == len({o["tensor"] for o in want["outliers"]}) > 0
+    assert any(w["expected"] and "lm_head" in w["message"] for w in res.metrics["quantize_warnings"]["warnings"])
+    assert (res.out_dir / "scale_histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![scale-factor histograms](scale_histogram.png)" in res.report_md.read_text()

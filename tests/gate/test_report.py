@@ -196,3 +196,78 @@ def test_greedy_numbers_in_synthetic_metrics(tmp_path):
     firsts = [r["first_divergence"] for r in metrics["greedy"]]
     assert firsts.count(1) == 6 and firsts.count(None) == 12
     assert metrics["metrics"]["ppl_delta_pct"]["value"] == pytest.approx((np.exp(3.05) / np.exp(3.0) - 1) * 100)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scale factors and ModelOpt's warnings (checkpoint gates): the synthetic gate numbers plus the real
+# scales of the session's FP8 checkpoint (checkpoint/scales.py) and a recorded warning list
+
+
+def _write_with_scales(tmp_path: Path, ckpt: Path) -> GateResult:
+    from precision_pipeline.checkpoint.scales import scale_report
+
+    metrics, per_token = _synthetic(GateThresholds(kl_mean_max=0.5))
+    sc = scale_report(ckpt)
+    metrics.update({"model": "SmolLM2-135M-Instruct", "candidate": "synthetic", "reference_model_dir": "/ref",
+                    "scales": sc, "quantize_warnings": {"source": "test", "warnings": [
+                        {"level": "UserWarning", "origin": "quant_utils.py:401", "expected": None,
+                         "message": "Warning: Large KV activation detected: 0.71, Quantized KV cache may lead to higher accuracy drop."},
+                        {"level": "UserWarning", "origin": "postprocess.py:750", "expected": "lm_head stays BF16",
+                         "message": "Enable lm_head quantization."}]}})
+    res = GateResult(metrics["passed"], metrics["failures"], metrics, tmp_path / "gate", per_token)
+    write_gate_dir(res)
+    return res
+
+
+def test_scale_section_png_and_markdown(tmp_path, fp8_checkpoint):
+    res = _write_with_scales(tmp_path, fp8_checkpoint)
+    gate = tmp_path / "gate"
+    png = (gate / "scale_histogram.png").read_bytes()
+    assert png[:8] == PNG_MAGIC
+    md = (gate / "report.md").read_text()
+    assert "## Scale factors" in md and "![scale-factor histograms](scale_histogram.png)" in md
+    sc = res.metrics["scales"]
+    for key, k in sc["kinds"].items():
+        assert f"| {k['family']} | {k['quant_algo']} | {k['granularity']} | {k['stored_dtype']} | {k['count']} |" in md
+    for o in sc["outliers"]:
+        assert f"| `{o['tensor']}` | {o['rank']} | {o['rule']} |" in md
+    assert "## ModelOpt warnings during quantize" in md and "Large KV activation detected: 0.71" in md
+    assert "(expected: lm_head stays BF16)" in md
+
+
+def test_scale_section_html(tmp_path, fp8_checkpoint):
+    res = _write_with_scales(tmp_path, fp8_checkpoint)
+    html_text = (tmp_path / "gate" / "report.html").read_text()
+    p = _Parser()
+    p.feed(html_text)
+    assert {"scales", "scales-table", "scale-outliers", "quantize-warnings"} <= set(p.ids)
+    assert len(p.ids) == len(set(p.ids))
+    sc = res.metrics["scales"]
+    for key in sc["kinds"]:
+        assert f'<tr data-kind="{key}">' in html_text
+    first = sc["outliers"][0]
+    assert f'<tr data-tensor="{first["tensor"]}" data-rule="{first["rule"]}" data-rank="{first["rank"]}">' in html_text
+    # the embedded figure is the PNG written beside report.md
+    png = (tmp_path / "gate" / "scale_histogram.png").read_bytes()
+    assert "data:image/png;base64," + base64.b64encode(png).decode() in p.imgs
+    assert len(p.imgs) == 3  # KL histogram, category bars, scale factors
+    assert html_text.count('<li class="warning') == 2 and '<li class="warning expected">' in html_text
+
+
+def test_render_dir_redraws_the_scales_from_metrics_json(tmp_path, fp8_checkpoint):
+    _write_with_scales(tmp_path, fp8_checkpoint)
+    gate = tmp_path / "gate"
+    for f in ("report.md", "report.html", "scale_histogram.png"):
+        (gate / f).unlink()
+    render_dir(gate)
+    assert (gate / "scale_histogram.png").read_bytes()[:8] == PNG_MAGIC
+    assert 'id="scales"' in (gate / "report.html").read_text()
+
+
+def test_no_scale_section_without_scales(tmp_path):
+    _write(tmp_path, GateThresholds())
+    p = _Parser()
+    p.feed((tmp_path / "gate" / "report.html").read_text())
+    assert "scales" not in p.ids and "quantize-warnings" not in p.ids
+    assert not (tmp_path / "gate" / "scale_histogram.png").exists()
+    assert "## Scale factors" not in (tmp_path / "gate" / "report.md").read_text()

@@ -323,8 +323,58 @@ def test_dom_of_real_fp8_gate_report(browser, tmp_path, real_gate):
     gate = _rerender_real_gate(real_gate[0], tmp_path)
     m = json.loads((gate / "metrics.json").read_text())
     dom, external = read_dom(browser, gate / "report.html")
-    check_report(dom, external, m, n_images=2 + (gate / "sensitivity_heatmap.png").is_file(), check_order=False)
+    has_scales = bool((m.get("scales") or {}).get("kinds"))  # gates since checkpoint/scales.py: the scale figure
+    check_report(dom, external, m, n_images=2 + (gate / "sensitivity_heatmap.png").is_file() + has_scales,
+                 check_order=False)
     assert len(dom["cats"]) == 6 and int(dom["nPrompts"]) == m["tokens"]["prompts"] >= real_gate[1]
+
+
+_SCALES = """() => {
+  const txt = (el) => el ? el.textContent.trim() : null;
+  const kinds = Array.from(document.querySelectorAll('table#scales-table tbody tr')).map(tr => ({
+    kind: tr.dataset.kind, count: txt(tr.querySelector('td.count')), min: txt(tr.querySelector('td.min')),
+    p1: txt(tr.querySelector('td.p1')), median: txt(tr.querySelector('td.median')),
+    p99: txt(tr.querySelector('td.p99')), max: txt(tr.querySelector('td.max')),
+    flagged: txt(tr.querySelector('td.flagged')), visible: tr.getBoundingClientRect().height > 0}));
+  const outliers = Array.from(document.querySelectorAll('table#scale-outliers tbody tr')).map(tr => ({
+    tensor: tr.dataset.tensor, rule: tr.dataset.rule, rank: tr.dataset.rank}));
+  const img = document.querySelector('section#scales img.plot');
+  return {kinds, outliers, img: img ? {nw: img.naturalWidth, w: img.getBoundingClientRect().width} : null,
+          nTensors: txt(document.querySelector('#n-scale-tensors')),
+          warnings: Array.from(document.querySelectorAll('section#quantize-warnings li.warning')).map(li => li.className)};
+}"""
+
+
+def test_dom_of_the_real_fp8_gate_scale_section(browser, tmp_path, real_gate):
+    """The scale-factor table of the real FP8 gate as the browser shows it, against metrics.json ``scales``."""
+    gate = _rerender_real_gate(real_gate[0], tmp_path)
+    m = json.loads((gate / "metrics.json").read_text())
+    if not (m.get("scales") or {}).get("kinds"):
+        pytest.skip("this gate was written before checkpoint/scales.py (no metrics.json scales)")
+    read_dom(browser, gate / "report.html")  # images decoded, nothing external (asserted by the other tests)
+    page = browser.new_page()
+    try:
+        page.goto((gate / "report.html").resolve().as_uri(), wait_until="load")
+        page.evaluate("() => Promise.all(Array.from(document.images).map(i => i.decode().catch(() => null)))")
+        d = page.evaluate(_SCALES)
+    finally:
+        page.close()
+    sc = m["scales"]
+    assert d["nTensors"] == str(sc["tensors"])
+    assert [r["kind"] for r in d["kinds"]] == list(sc["kinds"])
+    flagged: dict = {}
+    for o in sc["outliers"]:
+        flagged[o["kind"]] = flagged.get(o["kind"], 0) + 1
+    for r in d["kinds"]:
+        k = sc["kinds"][r["kind"]]
+        assert r["visible"] and r["count"] == str(k["count"]) and r["flagged"] == str(flagged.get(r["kind"], 0))
+        assert [r[c] for c in ("min", "p1", "median", "p99", "max")] == [fmt(k[c]) for c in ("min", "p1", "median", "p99", "max")]
+    assert [(o["tensor"], o["rule"], o["rank"]) for o in d["outliers"]] == \
+        [(o["tensor"], o["rule"], str(o["rank"])) for o in sc["outliers"][:len(d["outliers"])]]
+    assert d["img"] is not None and d["img"]["nw"] > 0 and d["img"]["w"] > 0
+    assert "transformer.layers.11.mlp.proj.activation_scaling_factor" in {o["tensor"] for o in d["outliers"]}
+    if m.get("quantize_warnings") is not None:
+        assert len(d["warnings"]) == len(m["quantize_warnings"]["warnings"])
 
 
 def test_rerendered_real_report_keeps_metric_order(browser, tmp_path, real_gate):

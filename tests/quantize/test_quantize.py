@@ -219,7 +219,7 @@ def test_fp8_export(fp8_checkpoint):
     assert q["exclude_modules"] == ["lm_head"]
     assert cfg["logits_dtype"] == "float32"  # ModelOpt writes float16; the profile says float32
     assert cfg["dtype"] == "bfloat16" and cfg["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
-    assert sorted(p.name for p in fp8_checkpoint.iterdir()) == ["calibration.json", "config.json", "rank0.safetensors"]
+    assert sorted(p.name for p in fp8_checkpoint.iterdir()) == ["calibration.json", "config.json", "quantize_warnings.json", "rank0.safetensors"]
     with safe_open(str(fp8_checkpoint / "rank0.safetensors"), "pt") as f:
         keys = set(f.keys())
         for i in (0, 17, 29):
@@ -290,6 +290,10 @@ def test_export_with_kept_layers_and_patterns(default_model_dir, tmp_path):
                 quantization={"keep_first_layers": 1, "keep_last_layers": 1, "exclude_modules": ["lm_head", "model.layers.5.mlp.down_proj"]})
     r = run_quantize(p, default_model_dir, tmp_path / "ck", show_progress=False)
     assert isinstance(r, QuantizeResult)
+    from precision_pipeline.quantize.ptq import read_quantize_warnings  # run_quantize records ModelOpt's warnings
+
+    rec = read_quantize_warnings(tmp_path / "ck")
+    assert rec is not None and any("lm_head" in w["message"] and w["expected"] for w in rec["warnings"])
     assert r.quant_algo == "FP8" and r.kv_cache_quant_algo == "FP8"
     for i in (0, 29):
         for lin in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):

@@ -6,7 +6,7 @@ import logging
 import warnings
 
 from precision_pipeline.core.progress import StageProgress
-from precision_pipeline.quantize.ptq import QUANTIZE_LOG, captured_warnings
+from precision_pipeline.quantize.ptq import QUANTIZE_LOG, QUANTIZE_WARNINGS, captured_warnings, read_quantize_warnings
 
 
 def test_warnings_are_logged_and_only_unexpected_ones_printed(tmp_path):
@@ -45,3 +45,43 @@ def test_a_failed_run_writes_no_log(tmp_path):
         warnings.warn("something before the refusal")
         raise RuntimeError("refused")
     assert not (tmp_path / QUANTIZE_LOG).exists()
+
+
+def test_warnings_are_recorded_for_the_gate_report(tmp_path):
+    """record_path: the same warnings as records (level, origin, message, why expected) in the checkpoint folder."""
+    prog = StageProgress("quantize", mode="lines", write=lambda s: None, heartbeat=False)
+    rec = tmp_path / "ckpt" / QUANTIZE_WARNINGS
+    (tmp_path / "ckpt").mkdir()
+    with captured_warnings(tmp_path / QUANTIZE_LOG, prog, record_path=rec):
+        warnings.warn("Enable lm_head quantization. lm_head quantization may lead to additional accuracy loss.")
+        warnings.warn("Warning: Large KV activation detected: 0.71, Quantized KV cache may lead to higher accuracy drop.")
+        logging.getLogger("modelopt.torch.quantization").warning("amax of %s is zero", "layer 4")
+        logging.getLogger("modelopt").info("Inserted 210 quantizers")  # info: not a warning, not recorded
+    d = read_quantize_warnings(tmp_path / "ckpt")
+    assert d is not None and d["source"]
+    assert [(w["level"], w["message"], w["expected"]) for w in d["warnings"]] == [
+        ("UserWarning", "Enable lm_head quantization. lm_head quantization may lead to additional accuracy loss.",
+         "lm_head stays BF16 in the exported checkpoint (excluded)"),
+        ("UserWarning", "Warning: Large KV activation detected: 0.71, Quantized KV cache may lead to higher accuracy drop.",
+         None),
+        ("WARNING", "amax of layer 4 is zero", None)]
+    assert d["warnings"][0]["origin"].startswith("test_quantize_log.py:")
+    assert d["warnings"][2]["origin"] == "modelopt.torch.quantization"
+
+
+def test_an_empty_record_is_written_and_a_missing_one_reads_none(tmp_path):
+    prog = StageProgress("quantize", mode="lines", write=lambda s: None, heartbeat=False)
+    with captured_warnings(tmp_path / QUANTIZE_LOG, prog, record_path=tmp_path / QUANTIZE_WARNINGS):
+        pass
+    assert read_quantize_warnings(tmp_path) == {"source": read_quantize_warnings(tmp_path)["source"], "warnings": []}
+    assert not (tmp_path / QUANTIZE_LOG).exists()
+    assert read_quantize_warnings(tmp_path / "nowhere") is None
+    (tmp_path / QUANTIZE_WARNINGS).write_text("[1, 2]")
+    assert read_quantize_warnings(tmp_path) is None
+
+
+def test_test_checkpoints_carry_the_real_modelopt_warnings(fp8_checkpoint):
+    """The session's FP8 checkpoint is recorded as run_quantize records (tests/conftest.py build_test_checkpoint)."""
+    d = read_quantize_warnings(fp8_checkpoint)
+    assert d is not None
+    assert any("lm_head" in w["message"] and w["expected"] and w["origin"].startswith("postprocess.py:") for w in d["warnings"])

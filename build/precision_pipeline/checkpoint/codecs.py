@@ -34,6 +34,9 @@ from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, NVFP4_BLOCK, Gemm
 
 FIELD = "checkpoint"
 FP8_MAX = 448.0
+INT8_MAX = 127.0  # INT8 quantizer's maxbound (modelopt/torch/export/quant_utils.py get_weight_scaling_factor)
+INT4_MAX = 7.0    # INT4 (AWQ) quantizer's maxbound (same function): a group scale is group amax / 7
+NVFP4_SCALE_MAX = 6.0 * FP8_MAX  # an NVFP4 global scale is amax / (E2M1 max 6 x E4M3 max 448)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
@@ -101,8 +104,8 @@ def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     ``modelopt/torch/quantization/tensor_quant.py``, ``narrow_range=False``):
     ``k = 127/amax``, ``clamp(round(x*k), -128, 127) / k``.
     """
-    amax = scale.to(torch.float32) * 127.0
-    k = 127.0 / amax
+    amax = scale.to(torch.float32) * INT8_MAX
+    k = INT8_MAX / amax
     return (torch.round(x.to(torch.float32) * k).clamp(-128, 127) / k).to(x.dtype)
 
 
@@ -180,6 +183,10 @@ class Codec:
 
     name: ClassVar[str] = ""
     weight_dtype: ClassVar[Optional[torch.dtype]] = None  # torch dtype of the stored weight
+    code_max: ClassVar[Optional[float]] = None
+    """Largest code magnitude that ``weights_scaling_factor`` maps the weight's amax to (``amax =
+    scale * code_max``, per tensor / channel / group); None where the scale is not of that kind
+    (NVFP4's FP8 block scales are relative to ``weights_scaling_factor_2``)."""
 
     def dequantize(self, t: dict[str, torch.Tensor], prefix: str, group_size: Optional[int]) -> torch.Tensor:
         raise NotImplementedError
@@ -207,6 +214,7 @@ class Fp8E4M3(Codec):
 
     name = "fp8"
     weight_dtype = torch.float8_e4m3fn
+    code_max = FP8_MAX
     fake_quant = staticmethod(fake_quant_fp8)
 
     def dequantize(self, t, prefix, group_size):
@@ -253,6 +261,7 @@ class Int4Awq(Codec):
 
     name = "int4_awq"
     weight_dtype = torch.int8
+    code_max = INT4_MAX
 
     def dequantize(self, t, prefix, group_size):
         _need(t, prefix, "weights_scaling_factor")
@@ -271,6 +280,7 @@ class Int8PerChannel(Codec):
 
     name = "int8_channel"
     weight_dtype = torch.int8
+    code_max = INT8_MAX
     fake_quant = staticmethod(fake_quant_int8)
 
     def dequantize(self, t, prefix, group_size):
@@ -292,6 +302,9 @@ CODECS: dict[str, Codec] = {c.name: c for c in (Plain(), Fp8E4M3(), Nvfp4(), Int
 # GemmFormat.act_fake_quant / KvFormat.fake_quant kind -> quantize-dequantize function (x, scale)
 FAKE_QUANT: dict[str, Callable[..., torch.Tensor]] = {"fp8": fake_quant_fp8, "int8": fake_quant_int8,
                                                       "nvfp4": fake_quant_nvfp4}
+# fake-quant kind -> what its per-tensor scale (activation_scaling_factor, k/v_cache_scaling_factor)
+# maps the amax to: ``amax = scale * CODE_MAX[kind]`` (FP8 amax/448, INT8 amax/127, NVFP4 global amax/(6*448))
+CODE_MAX: dict[str, float] = {"fp8": FP8_MAX, "int8": INT8_MAX, "nvfp4": NVFP4_SCALE_MAX}
 
 
 def codec_for(fmt: GemmFormat) -> Codec:
@@ -321,4 +334,4 @@ def dequantize(t: dict[str, torch.Tensor], prefix: str, fmt: GemmFormat, group_s
 
 __all__ = ["Codec", "Plain", "Fp8E4M3", "Nvfp4", "Int4Awq", "Int8PerChannel", "CODECS", "FAKE_QUANT", "codec_for", "dequantize",
            "dequant_int4", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4", "unpack_int4_rows", "fake_quant_fp8",
-           "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "FP8_MAX", "E2M1_VALUES", "QUANTIZED_DTYPES"]
+           "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "FP8_MAX", "INT8_MAX", "INT4_MAX", "NVFP4_SCALE_MAX", "CODE_MAX", "E2M1_VALUES", "QUANTIZED_DTYPES"]

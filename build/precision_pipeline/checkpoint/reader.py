@@ -110,8 +110,14 @@ _LINEARS = {
     "mlp.gate": ("mlp.up_proj", "col"),
     "mlp.proj": ("mlp.down_proj", "row"),
 }
-_SCALE_SUFFIXES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
-                   "prequant_scaling_factor")
+# scale tensors of a quantized linear (``<linear>.<suffix>``) and of an attention's KV cache
+# (``transformer.layers.N.attention.<name>``; ``kv_cache_scaling_factor`` stands for both when the
+# k/v ones are absent), as ModelOpt 0.47 names them (modelopt/torch/export/layer_utils.py)
+SCALE_SUFFIXES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
+                  "prequant_scaling_factor")
+KV_SCALE_NAMES = ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor")
+LINEAR_NAMES = tuple(_LINEARS)
+"""TRT-LLM names of a decoder layer's linears (``transformer.layers.N.<name>``), in layer order."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +209,7 @@ def check_declared_formats(ckpt_dir: Path, cfg: dict | None = None) -> None:
     cfg = read_config(ckpt_dir) if cfg is None else cfg
     qinfo = read_quant_cfg(ckpt_dir, cfg)
     top = FMT.GEMM.get(qinfo["quant_algo"])
-    for f in _rank_files(ckpt_dir, cfg):
+    for f in rank_files(ckpt_dir, cfg):
         h = safetensors_header(f)
         for key, meta in h.items():
             if key == "__metadata__" or not key.endswith(".weight"):
@@ -237,7 +243,8 @@ def linear_format(qinfo: dict, name: str) -> tuple[str, int | None]:
     return qinfo["quant_algo"], qinfo["group_size"]
 
 
-def _rank_files(ckpt_dir: Path, cfg: dict) -> list[Path]:
+def rank_files(ckpt_dir: Path, cfg: dict) -> list[Path]:
+    """``rank0..rank{world_size-1}.safetensors`` of a checkpoint (``mapping.world_size``); UserError when one is missing."""
     world = int((cfg.get("mapping") or {}).get("world_size", 1))
     files = [Path(ckpt_dir) / f"rank{r}.safetensors" for r in range(world)]
     missing = [f.name for f in files if not f.is_file()]
@@ -318,7 +325,7 @@ def checkpoint_info(ckpt_dir: Path) -> dict:
     """
     ckpt_dir = Path(ckpt_dir)
     cfg = read_config(ckpt_dir)
-    files = _rank_files(ckpt_dir, cfg)
+    files = rank_files(ckpt_dir, cfg)
     dtypes: dict[str, dict[str, int]] = {}
     n = 0
     for f in files:
@@ -366,12 +373,12 @@ def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
     check_declared_formats(ckpt_dir, cfg)
     sizes: dict[str, list[int]] = {}  # linear prefix -> [weight elements as stored, bytes]
     names: list[str] = []
-    for f in _rank_files(ckpt_dir, cfg):
+    for f in rank_files(ckpt_dir, cfg):
         for name, meta in safetensors_header(f).items():
             if name == "__metadata__" or "cache_scaling_factor" in name:
                 continue
             stem, _, leaf = name.rpartition(".")
-            if leaf not in ("weight",) + _SCALE_SUFFIXES or not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
+            if leaf not in ("weight",) + SCALE_SUFFIXES or not (stem.endswith(tuple(_LINEARS)) or stem == "lm_head"):
                 continue
             if stem not in sizes:
                 sizes[stem] = [0, 0]
@@ -420,7 +427,7 @@ def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
 def _load_ranks(ckpt_dir: Path, cfg: dict) -> list[dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    return [load_file(str(f)) for f in _rank_files(ckpt_dir, cfg)]
+    return [load_file(str(f)) for f in rank_files(ckpt_dir, cfg)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,7 +510,7 @@ def merge_linear(ranks: list[dict], prefix: str, kind: str, cfg: dict, quant_alg
         if prefix + "weight" not in t:
             raise UserError(FIELD, f"rank{r}.safetensors lacks {prefix}weight.", "re-export the checkpoint.")
         for k in t:
-            if k.startswith(prefix) and k[len(prefix):] in ("weight",) + _SCALE_SUFFIXES:
+            if k.startswith(prefix) and k[len(prefix):] in ("weight",) + SCALE_SUFFIXES:
                 used.add((r, k))
     ws = [dequantize_weight(t, prefix, quant_algo, group_size) for t in ranks]
     quantized = ranks[0][prefix + "weight"].dtype in QUANTIZED_DTYPES
@@ -631,7 +638,7 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
             k = t.get(base + "attention.k_cache_scaling_factor")
             v = t.get(base + "attention.v_cache_scaling_factor")
             kv = t.get(base + "attention.kv_cache_scaling_factor")
-            for name in ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor"):
+            for name in KV_SCALE_NAMES:
                 if base + "attention." + name in t:
                     used.add((r, base + "attention." + name))
             if k is None and kv is not None:
@@ -994,7 +1001,7 @@ def place_on_cuda(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "place_on_cuda", "checkpoint_info", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
+    "place_on_cuda", "checkpoint_info", "rank_files", "SCALE_SUFFIXES", "KV_SCALE_NAMES", "LINEAR_NAMES", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
     "QuantLinear", "SharedInputQuant", "LinearSpec", "act_fake_quant", "register_attention", "KV_FAKE_QUANT", "ATTN_IMPL", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]

@@ -931,8 +931,11 @@ class GateResult:
     def summary(self) -> dict[str, Any]:
         """Headline numbers (for the build summary)."""
         m = self.metrics["metrics"]
-        return {k: m[k]["value"] for k in METRIC_ORDER if k in m} | {
+        out = {k: m[k]["value"] for k in METRIC_ORDER if k in m} | {
             "passed": self.passed, "eval_tokens": self.metrics["tokens"]["answer_tokens"]}
+        if self.metrics.get("scales") is not None:  # checkpoint gates: tensors flagged by checkpoint/scales.py
+            out["scale_outliers"] = len({o["tensor"] for o in self.metrics["scales"]["outliers"]})
+        return out
 
     def raise_if_failed(self) -> None:
         if not self.passed:
@@ -1376,6 +1379,8 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     ``candidate_name`` defaults to ``checkpoint <folder name>``.
     """
     from precision_pipeline.checkpoint.reader import load_checkpoint_model
+    from precision_pipeline.checkpoint.scales import scale_report
+    from precision_pipeline.quantize.ptq import read_quantize_warnings
 
     if options is not None and golden_limit is not None:
         raise ValueError("pass golden_limit inside options (GateOptions.prompts_per_category), not both")
@@ -1388,7 +1393,8 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
         model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=TORCH_DTYPES[options.candidate_dtype],
                                       device=options.device)
     load_s = time.perf_counter() - t0
-    extra = {"checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3)}
+    extra = {"checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3),
+             "scales": scale_report(Path(ckpt_dir)), "quantize_warnings": read_quantize_warnings(Path(ckpt_dir))}
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}
     if cfg.get("quantization"):
         extra["checkpoint_quantization"] = cfg["quantization"]

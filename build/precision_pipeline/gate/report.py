@@ -13,6 +13,10 @@ Stable hooks for tests and DOM checks (HTML):
 * ``section#kl-histogram img.plot``, ``section#categories`` (``table#categories-table``,
   ``tr[data-category=...]``, ``img.plot``), ``section#worst-prompts`` (``div.worst[data-prompt-id]``
   with ``pre.reference`` and ``pre.candidate``), ``section#greedy`` (``table#greedy``),
+  ``section#scales`` (checkpoint gates: ``table#scales-table`` with one ``tr[data-kind=<family>:<quant_algo>]``,
+  cells ``td.count``, ``td.min``, ``td.p1``, ``td.median``, ``td.p99``, ``td.max``, ``td.flagged``; the
+  histogram ``img.plot``; ``table#scale-outliers`` with ``tr[data-tensor][data-rule][data-rank]``),
+  ``section#quantize-warnings`` (``li.warning``, class ``expected`` for known ones),
   ``section#heatmap`` (only when a heatmap PNG exists), ``section#limits`` (what this gate
   cannot see), ``section#method``.
 
@@ -32,7 +36,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from precision_pipeline.core.store import atomic_write_text
+from precision_pipeline.core.store import atomic_write_bytes, atomic_write_text
 
 LIMITS_TEXT = [
     "This gate runs the checkpoint's weights (dequantized) and fake-quantized activations / KV cache in "
@@ -171,6 +175,123 @@ def plot_categories(per_category: dict) -> bytes:
     return _png(fig)
 
 
+SCALE_PNG = "scale_histogram.png"
+"""The scale-factor figure beside report.md (report.html embeds the same PNG)."""
+SCALE_ROWS_SHOWN = 40  # flagged tensors listed in the reports (metrics.json has them all)
+
+
+def plot_scale_histograms(scales: dict) -> bytes:
+    """One panel per scale kind of metrics.json ``scales`` (``checkpoint/scales.py``): the stored
+    20-bins-per-decade histogram on a log axis, the median (dashed) and each flagged tensor's
+    largest element (red ticks)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    kinds = scales["kinds"]
+    keys = list(kinds)
+    ncols = min(3, len(keys))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.1 * nrows), squeeze=False)
+    flagged: dict[str, list[float]] = {}
+    for o in scales.get("outliers", []):
+        if o.get("value"):
+            flagged.setdefault(o["kind"], []).append(o["value"])
+    for ax, key in zip(axes.flat, keys):
+        k = kinds[key]
+        h = k["histogram"]
+        counts = np.asarray(h["counts"], dtype=float)
+        if counts.size:
+            edges = 10.0 ** ((h["first_bin"] + np.arange(counts.size + 1)) / h["bins_per_decade"])
+            ax.stairs(counts, edges, fill=True, color="#2980b9", alpha=0.8)
+            ax.set_xscale("log")
+            lo, hi = math.log10(edges[0]), math.log10(edges[-1])
+            if hi - lo < 1:  # at least one decade, so that a single value still gets a readable axis
+                mid = (lo + hi) / 2
+                ax.set_xlim(10 ** (mid - 0.5), 10 ** (mid + 0.5))
+            if counts.max() / max(counts[counts > 0].min(), 1) > 200:
+                ax.set_yscale("log")
+        if k.get("median"):
+            ax.axvline(k["median"], color="k", linestyle="--", linewidth=1, label=f"median {k['median']:.3g}")
+        xs = flagged.get(key, [])
+        if xs:
+            ax.plot(xs, [0] * len(xs), "|", color="#c0392b", markersize=14, markeredgewidth=2, clip_on=False,
+                    label=f"flagged: {len(xs)}")
+        if k.get("implied_amax") is not None:
+            ax.plot([], [], " ", label=f"max -> amax {k['implied_amax']:.4g}")
+        lo_x, hi_x = ax.get_xlim()
+        if hi_x / lo_x > 30:  # > 1.5 decades: the decade labels suffice (minor ones would overlap)
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        bad = k.get("zeros", 0) + k.get("negative", 0) + k.get("nonfinite", 0)
+        ax.set_title(f"{k['family']}\n{k['quant_algo']}, {k['granularity']}, {k['count']} tensors"
+                     + (f", {bad} <=0/non-finite" if bad else ""), fontsize=9)
+        ax.set_xlabel("scale value", fontsize=8)
+        ax.set_ylabel("values" if k["elements"] > k["count"] else "tensors", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.tick_params(which="minor", labelsize=6)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle("Scale factors of the exported checkpoint", fontsize=11)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _scale_rows(sc: dict) -> list[tuple[str, dict]]:
+    return list(sc.get("kinds", {}).items())
+
+
+def _markdown_scales(m: dict) -> list[str]:
+    sc = m.get("scales")
+    if sc is None:
+        return []
+    lines = ["", "## Scale factors", ""]
+    if not sc.get("kinds"):
+        return lines + ["The checkpoint has no scale tensors (nothing is quantized)."]
+    lines += [f"{sc['tensors']} scale tensors (all ranks), read from the checkpoint in {sc.get('read_s', 0)} s. "
+              f"Rule: {sc['rule']}", "",
+              "| kind | format | granularity | dtype | tensors | values | min | p1 | median | p99 | max | amax at max | flagged |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    n_flag: dict[str, int] = {}
+    for o in sc["outliers"]:
+        n_flag[o["kind"]] = n_flag.get(o["kind"], 0) + 1
+    for key, k in _scale_rows(sc):
+        lines.append(f"| {k['family']} | {k['quant_algo']} | {k['granularity']} | {k['stored_dtype']} | {k['count']} | "
+                     f"{k['elements']} | {_f(k['min'])} | {_f(k['p1'])} | {_f(k['median'])} | {_f(k['p99'])} | "
+                     f"{_f(k['max'])} | {_f(k.get('implied_amax'))} | {n_flag.get(key, 0)} |")
+    lines += ["", f"![scale-factor histograms]({SCALE_PNG})", ""]
+    outs = sc["outliers"]
+    if outs:
+        lines += [f"Flagged tensors ({len(outs)}):", "", "| tensor | rank | rule | value | role median | ratio | why |",
+                  "|---|---|---|---|---|---|---|"]
+        for o in outs[:SCALE_ROWS_SHOWN]:
+            lines.append(f"| `{o['tensor']}` | {o['rank']} | {o['rule']} | {_f(o['value'])} | {_f(o['median'])} | "
+                         f"{_f(o['ratio'])} | {o['reason']} |")
+        if len(outs) > SCALE_ROWS_SHOWN:
+            lines.append(f"\n... and {len(outs) - SCALE_ROWS_SHOWN} more in metrics.json `scales.outliers`.")
+    else:
+        lines.append("No tensor is flagged.")
+    return lines
+
+
+def _markdown_warnings(m: dict) -> list[str]:
+    qw = m.get("quantize_warnings")
+    if qw is None:
+        return []
+    lines = ["", "## ModelOpt warnings during quantize", ""]
+    ws = qw.get("warnings", [])
+    if not ws:
+        return lines + ["None were raised."]
+    lines.append(f"{len(ws)} recorded ({qw.get('source', '')}); expected ones say why.")
+    lines.append("")
+    for w in ws:
+        why = f" (expected: {w['expected']})" if w.get("expected") else ""
+        lines.append(f"- {w['level']} {w['origin']}: {_clip(w['message'].strip(), 400)}{why}")
+    return lines
+
+
 # ----------------------------------------------------------------------------------------------
 # Markdown
 
@@ -245,6 +366,7 @@ def render_markdown(m: dict) -> str:
         for r in g:
             lines.append(f"| {r['id']} | {'yes' if r['same'] else 'no'} | {r['first_divergence'] if r['first_divergence'] is not None else '-'} | "
                          f"{_f(r.get('floor_same'))} |")
+    lines += _markdown_scales(m) + _markdown_warnings(m)
     if m.get("_heatmap"):
         lines += ["", "## Sensitivity heatmap", "", "![sensitivity heatmap](sensitivity_heatmap.png)"]
     lines += ["", "## What this gate cannot see", ""]
@@ -283,6 +405,7 @@ img.plot{max-width:100%;border:1px solid #eee}
 .worst{border-left:4px solid #c0392b;padding-left:1em;margin:1em 0}
 .cols{display:flex;gap:1em}.cols>div{flex:1;min-width:0}
 .warn{color:#8a6d00}
+#scales table{font-size:0.8em}#scales td,#scales th{padding:3px 5px}
 """
 
 
@@ -373,6 +496,8 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
                      f'<td><pre>{_e(r["candidate_text"])}</pre></td></tr>')
         h.append("</tbody></table></section>")
 
+    h += _html_scales(m, plots.get("scales")) + _html_warnings(m)
+
     if heatmap is not None:
         h.append('<section id="heatmap"><h2>Sensitivity heatmap</h2>' + _img(heatmap, "sensitivity heatmap") + "</section>")
 
@@ -388,13 +513,75 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
     return "\n".join(h) + "\n"
 
 
+def _html_scales(m: dict, png: Optional[bytes]) -> list[str]:
+    sc = m.get("scales")
+    if sc is None:
+        return []
+    h = ['<section id="scales"><h2>Scale factors</h2>']
+    if not sc.get("kinds"):
+        return h + ["<p>The checkpoint has no scale tensors (nothing is quantized).</p></section>"]
+    h.append(f'<p><span id="n-scale-tensors">{sc["tensors"]}</span> scale tensors (all ranks), read from the checkpoint '
+             f'in {_e(sc.get("read_s", 0))} s. <span class="rule">Rule: {_e(sc["rule"])}</span></p>')
+    n_flag: dict[str, int] = {}
+    for o in sc["outliers"]:
+        n_flag[o["kind"]] = n_flag.get(o["kind"], 0) + 1
+    h.append('<table id="scales-table"><thead><tr><th>kind</th><th>format</th><th>granularity</th><th>dtype</th>'
+             "<th>tensors</th><th>values</th><th>min</th><th>p1</th><th>median</th><th>p99</th><th>max</th>"
+             "<th>amax at max</th><th>flagged</th></tr></thead><tbody>")
+    for key, k in _scale_rows(sc):
+        h.append(f'<tr data-kind="{_e(key)}"><td class="family">{_e(k["family"])}</td><td class="format">{_e(k["quant_algo"])}</td>'
+                 f'<td>{_e(k["granularity"])}</td><td>{_e(k["stored_dtype"])}</td><td class="count">{k["count"]}</td>'
+                 f'<td class="elements">{k["elements"]}</td>'
+                 + "".join(f'<td class="{c}">{_f(k[c])}</td>' for c in ("min", "p1", "median", "p99", "max"))
+                 + f'<td class="implied_amax">{_f(k.get("implied_amax"))}</td><td class="flagged">{n_flag.get(key, 0)}</td></tr>')
+    h.append("</tbody></table>")
+    if png is not None:
+        h.append(_img(png, "scale-factor histograms"))
+    outs = sc["outliers"]
+    if outs:
+        h.append(f'<h3>Flagged tensors (<span id="n-scale-outliers">{len(outs)}</span>)</h3><table id="scale-outliers"><thead><tr>'
+                 "<th>tensor</th><th>rank</th><th>rule</th><th>value</th><th>role median</th><th>ratio</th><th>why</th>"
+                 "</tr></thead><tbody>")
+        for o in outs[:SCALE_ROWS_SHOWN]:
+            h.append(f'<tr data-tensor="{_e(o["tensor"])}" data-rule="{_e(o["rule"])}" data-rank="{o["rank"]}">'
+                     f'<td><code>{_e(o["tensor"])}</code></td><td>{o["rank"]}</td><td class="rule">{_e(o["rule"])}</td>'
+                     f'<td class="value">{_f(o["value"])}</td><td>{_f(o["median"])}</td><td class="ratio">{_f(o["ratio"])}</td>'
+                     f'<td>{_e(o["reason"])}</td></tr>')
+        h.append("</tbody></table>")
+        if len(outs) > SCALE_ROWS_SHOWN:
+            h.append(f"<p>... and {len(outs) - SCALE_ROWS_SHOWN} more in metrics.json <code>scales.outliers</code>.</p>")
+    else:
+        h.append('<p id="no-scale-outliers">No tensor is flagged.</p>')
+    h.append("</section>")
+    return h
+
+
+def _html_warnings(m: dict) -> list[str]:
+    qw = m.get("quantize_warnings")
+    if qw is None:
+        return []
+    ws = qw.get("warnings", [])
+    h = ['<section id="quantize-warnings"><h2>ModelOpt warnings during quantize</h2>']
+    if not ws:
+        return h + ["<p>None were raised.</p></section>"]
+    h.append(f"<p>{len(ws)} recorded ({_e(qw.get('source', ''))}); expected ones say why.</p><ul>")
+    for w in ws:
+        exp = w.get("expected")
+        h.append(f'<li class="warning{" expected" if exp else ""}"><b>{_e(w["level"])}</b> {_e(w["origin"])}: '
+                 f'<pre>{_e(_clip(w["message"].strip(), 1000))}</pre>' + (f'<span class="why">expected: {_e(exp)}</span>' if exp else "")
+                 + "</li>")
+    h.append("</ul></section>")
+    return h
+
+
 # ----------------------------------------------------------------------------------------------
 # Entry points
 
 
 def write_report(metrics: dict, out_dir: Path, per_token: Optional[dict] = None,
                  heatmap_png: Optional[Path] = None) -> tuple[Path, Path]:
-    """Write ``report.md`` and ``report.html`` into ``out_dir``; returns both paths."""
+    """Write ``report.md`` and ``report.html`` into ``out_dir`` (and ``scale_histogram.png`` when
+    ``metrics`` has scale factors); returns the two report paths."""
     out_dir = Path(out_dir)
     plots: dict[str, bytes] = {}
     if per_token is not None and per_token.get("kl") is not None and np.asarray(per_token["kl"]).size:
@@ -403,6 +590,9 @@ def write_report(metrics: dict, out_dir: Path, per_token: Optional[dict] = None,
                                              metrics.get("thresholds", {}))
     if metrics.get("per_category"):
         plots["categories"] = plot_categories(metrics["per_category"])
+    if (metrics.get("scales") or {}).get("kinds"):
+        plots["scales"] = plot_scale_histograms(metrics["scales"])
+        atomic_write_bytes(out_dir / SCALE_PNG, plots["scales"])
     heat = Path(heatmap_png).read_bytes() if heatmap_png and Path(heatmap_png).is_file() else None
     md_metrics = dict(metrics, _heatmap=heat is not None)
     md = out_dir / "report.md"
@@ -425,4 +615,4 @@ def render_dir(gate_dir: Path) -> tuple[Path, Path]:
 
 
 __all__ = ["write_report", "render_dir", "render_markdown", "render_html", "plot_kl_histogram", "plot_categories",
-           "LIMITS_TEXT"]
+           "plot_scale_histograms", "LIMITS_TEXT", "SCALE_PNG"]

@@ -556,7 +556,8 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
     ``quantize_model``). Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
     """
     log_path = Path(out_dir).parent / QUANTIZE_LOG
-    with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress)):
+    with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress),
+                           record_path=Path(out_dir) / QUANTIZE_WARNINGS):
         qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set, device=device, dtype=dtype)
         res = export_checkpoint(qm, out_dir, show_progress=show_progress)
         res.calib_dtype = dtype
@@ -565,6 +566,11 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
 
 QUANTIZE_LOG = "quantize.log"
 """Third-party warnings of a quantize run, next to its checkpoint folder (``<out>/quantize.log`` in a build)."""
+QUANTIZE_WARNINGS = "quantize_warnings.json"
+"""The same warnings as records, inside the checkpoint folder (the gate report shows them): ``{"source",
+"warnings": [{"level" (warning category or log level), "origin" (file:line or logger), "message",
+"expected" (why it is harmless, or null)}]}``. Written by every quantize run that finishes, empty or not."""
+WARNINGS_SOURCE = "Python warnings and modelopt/transformers log records (WARNING and above) during quantize + export"
 
 # Third-party warnings that are expected and say nothing about this build (regex -> why): kept in the
 # log, not printed. ModelOpt's lm_head notice fires although the exported lm_head stays BF16 (it is
@@ -578,7 +584,7 @@ EXPECTED_WARNINGS: dict[str, str] = {
 
 
 @contextlib.contextmanager
-def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]]:
+def captured_warnings(log_path: Path, prog: StageProgress, record_path: Path | None = None) -> Iterator[list[str]]:
     """Collect Python warnings and ``modelopt``/``transformers`` log records raised in the block.
 
     Every one is appended to ``log_path`` (UTF-8 text, one block per warning with its category and
@@ -587,16 +593,20 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
     ours per distinct message (``[quantize] warning: <first line> (see <log_path>)``). What is
     recorded is what the active warning filters would show (DeprecationWarnings of libraries stay
     hidden). Yields the list of log-record messages (warnings are added when the block ends).
+    ``record_path``: also write them as ``QUANTIZE_WARNINGS`` records there (atomically, also when
+    there were none), for the gate report (``read_quantize_warnings``).
     """
     import logging
     import re
     import warnings
 
     records: list[str] = []
+    logged: list[dict[str, Any]] = []
 
     class _Handler(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             records.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+            logged.append({"level": record.levelname, "origin": record.name, "message": record.getMessage()})
 
     handler = _Handler(level=logging.WARNING)
     loggers = [logging.getLogger(n) for n in ("modelopt", "transformers")]
@@ -613,6 +623,12 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
             lg.propagate = prop
     # only after a run that finished: a refused or failed run leaves the output folder as it was
     msgs = [f"{w.category.__name__} ({Path(w.filename).name}:{w.lineno}): {w.message}" for w in caught] + records
+    if record_path is not None:
+        recs = [{"level": w.category.__name__, "origin": f"{Path(w.filename).name}:{w.lineno}", "message": str(w.message)}
+                for w in caught] + logged
+        for r, m in zip(recs, msgs):
+            r["expected"] = next((why for rx, why in EXPECTED_WARNINGS.items() if re.search(rx, m)), None)
+        atomic_write_json(Path(record_path), {"source": WARNINGS_SOURCE, "warnings": recs})
     if msgs:
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -629,5 +645,14 @@ def captured_warnings(log_path: Path, prog: StageProgress) -> Iterator[list[str]
         prog.say(f"warning: {first}{f' ({count} times)' if count > 1 else ''} (see {log_path})")
 
 
-__all__ = ["QuantizeResult", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
+def read_quantize_warnings(ckpt_dir: Path) -> dict[str, Any] | None:
+    """``QUANTIZE_WARNINGS`` of a checkpoint folder, or None when it has none (a checkpoint not made
+    by this quantize stage, or made before it recorded them) or it is not a JSON object."""
+    from precision_pipeline.core.store import read_json_safe
+
+    d = read_json_safe(Path(ckpt_dir) / QUANTIZE_WARNINGS)
+    return d if isinstance(d, dict) and isinstance(d.get("warnings"), list) else None
+
+
+__all__ = ["QuantizeResult", "QUANTIZE_LOG", "QUANTIZE_WARNINGS", "read_quantize_warnings", "captured_warnings", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
            "resolve_exclusions", "make_forward_loop", "moe_layout", "group_size_of", "refuse_by_rules"]
