@@ -185,7 +185,7 @@ def _scales_digest(ck: Path) -> Optional[str]:
     import hashlib
     import struct
 
-    from precision_pipeline.checkpoint.reader import safetensors_header
+    from precision_pipeline.checkpoint.reader import is_scale_tensor, safetensors_header
 
     h = hashlib.sha256()
     found = False
@@ -194,7 +194,7 @@ def _scales_digest(ck: Path) -> Optional[str]:
         with open(f, "rb") as fh:
             start = 8 + struct.unpack("<Q", fh.read(8))[0]
             for name in sorted(k for k in header if k != "__metadata__"):
-                if "scaling_factor" in name or name.endswith(("_scale", ".scale", "prequant_scaling_factor")):
+                if is_scale_tensor(name):
                     found = True
                     begin, end = header[name]["data_offsets"]
                     fh.seek(start + begin)

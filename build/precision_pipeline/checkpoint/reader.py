@@ -116,6 +116,14 @@ _LINEARS = {
 SCALE_SUFFIXES = ("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor",
                   "prequant_scaling_factor")
 KV_SCALE_NAMES = ("k_cache_scaling_factor", "v_cache_scaling_factor", "kv_cache_scaling_factor")
+
+
+def is_scale_tensor(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a scale (its last component is one of ``SCALE_SUFFIXES``
+    or ``KV_SCALE_NAMES``)."""
+    return name.rsplit(".", 1)[-1] in SCALE_SUFFIXES + KV_SCALE_NAMES
+
+
 LINEAR_NAMES = tuple(_LINEARS)
 """TRT-LLM names of a decoder layer's linears (``transformer.layers.N.<name>``), in layer order."""
 
@@ -1001,7 +1009,7 @@ def place_on_cuda(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "place_on_cuda", "checkpoint_info", "rank_files", "SCALE_SUFFIXES", "KV_SCALE_NAMES", "LINEAR_NAMES", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
+    "place_on_cuda", "checkpoint_info", "rank_files", "SCALE_SUFFIXES", "KV_SCALE_NAMES", "is_scale_tensor", "LINEAR_NAMES", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight", "load_checkpoint_model",
     "QuantLinear", "SharedInputQuant", "LinearSpec", "act_fake_quant", "register_attention", "KV_FAKE_QUANT", "ATTN_IMPL", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]
