@@ -382,3 +382,48 @@ def test_warm_fallback_with_another_world_size_is_refused(tmp_path):
     (tmp_path / "srv" / "releases.json").write_text(json.dumps({**state, "warm_fallback": False}))
     res = deploy.render_manifests(make_plan(prof, tp=2), prof, repo, tmp_path / "srv", "/srv")
     assert fb not in res.load_models
+
+
+def _bls_with_traces(repo: Path, url: str) -> None:
+    (repo / "tensorrt_llm_bls" / "config.pbtxt").write_text(
+        f'name: "tensorrt_llm_bls"\nparameters: {{ key: "otlp_traces_url" value: {{ string_value: "{url}" }} }}\n')
+
+
+def test_triton_tracing_follows_the_bls_otlp_url(tmp_path):
+    prof = make_profile()
+    plan = make_plan(prof)
+    repo = make_repo(tmp_path / "a")
+    args = container(load_out(deploy.render_manifests(plan, prof, repo, tmp_path / "a", REPO_ROOT_IN_POD)))["args"]
+    assert not [a for a in args if a.startswith("--trace")]  # no endpoint: Triton does not trace
+    url = "http://otel-collector.monitoring:4318/v1/traces"
+    _bls_with_traces(repo, url)
+    res = deploy.render_manifests(plan, prof, repo, tmp_path / "a", REPO_ROOT_IN_POD)
+    args = container(load_out(res))["args"]
+    assert [a for a in args if a.startswith("--trace")] == [
+        "--trace-config=mode=opentelemetry", "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS",
+        f"--trace-config=opentelemetry,url={url}", "--trace-config=opentelemetry,resource=service.name=precision-pipeline",
+        "--trace-config=opentelemetry,bsp_schedule_delay=5000"]
+    assert any(url in n and "serving image must have them" in n for n in res.notes)
+    # tp 2: only rank 0 (the one taking requests) traces
+    prof2 = make_profile(parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2})
+    repo2 = make_repo(tmp_path / "b", world=2)
+    _bls_with_traces(repo2, url)
+    args2 = container(load_out(deploy.render_manifests(make_plan(prof2, tp=2), prof2, repo2, tmp_path / "b", REPO_ROOT_IN_POD)))["args"]
+    ranks = " ".join(args2).split(" : ")
+    assert len(ranks) == 2 and f"opentelemetry,url={url}" in ranks[0] and "--trace" not in ranks[1]
+
+
+def test_server_traces_when_the_repository_names_an_otlp_url(tmp_path):
+    from precision_pipeline.serving.triton_server import TritonServer, repository_traces_url, trace_args
+
+    (tmp_path / "tensorrt_llm_bls").mkdir()
+    cfg = tmp_path / "tensorrt_llm_bls" / "config.pbtxt"
+    cfg.write_text('name: "tensorrt_llm_bls"\nparameters: { key: "otlp_traces_url" value: { string_value: "" } }\n')
+    assert repository_traces_url(tmp_path) is None and trace_args(None) == []
+    assert not [a for a in TritonServer(tmp_path, trace_url=None).argv() if a.startswith("--trace")]
+    cfg.write_text(cfg.read_text().replace('string_value: ""', 'string_value: "http://127.0.0.1:4318/v1/traces"'))
+    url = repository_traces_url(tmp_path)
+    assert url == "http://127.0.0.1:4318/v1/traces"
+    argv = TritonServer(tmp_path, trace_url=url).argv()
+    assert [a for a in argv if a.startswith("--trace")] == trace_args(url)
+    assert "--trace-config=mode=opentelemetry" in argv and f"--trace-config=opentelemetry,url={url}" in argv

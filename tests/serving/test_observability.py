@@ -3,15 +3,20 @@ precision path and custom metrics on the server's own /metrics, `invoke probe` a
 
 One server for the module: stable release = the default model in FP32 (no checkpoint); a second
 unit (the FP8 + FP8-KV test checkpoint) serves as canary, then as fallback. The probe's prompts and
-reference come from the small gate run of test_rollout (its ``gate_dir`` fixture).
+reference come from the small gate run of test_rollout (its ``gate_dir`` fixture). The stable unit is
+packed with ``deployment.otlp_endpoint`` = a real OTLP/HTTP receiver on 127.0.0.1 (``OtlpReceiver``,
+decoding with opentelemetry-proto), so the server and its BLS trace every request to it.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -25,19 +30,112 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 2
 
 
+def _otlp_json_ids(obj):
+    """OTLP/JSON writes trace and span ids as hex (OTLP specification, "JSON Protobuf Encoding"), where
+    protobuf's JSON mapping expects base64: convert them in place before ``json_format.ParseDict``."""
+    import base64
+
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str):
+                obj[k] = base64.b64encode(bytes.fromhex(v)).decode()
+            else:
+                _otlp_json_ids(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _otlp_json_ids(v)
+    return obj
+
+
+class OtlpReceiver:
+    """An OTLP/HTTP traces receiver on 127.0.0.1: ``POST /v1/traces`` bodies decoded as
+    ``ExportTraceServiceRequest``, binary protobuf (the Python SDK's exporter) or OTLP/JSON (Triton 2.51's
+    exporter sends ``application/json``); ``spans()`` = [(resource attrs, scope name, Span, content type)]."""
+
+    def __init__(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                              ExportTraceServiceResponse)
+
+        rx = self
+        self.lock, self.items, self.bad = threading.Lock(), [], []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                from google.protobuf import json_format
+
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                ctype = self.headers.get("Content-Type")
+                if self.path != "/v1/traces" or ctype not in ("application/x-protobuf", "application/json"):
+                    rx.bad.append((self.path, ctype))
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                if ctype == "application/json":
+                    req = json_format.ParseDict(_otlp_json_ids(json.loads(body)), ExportTraceServiceRequest())
+                else:
+                    req = ExportTraceServiceRequest.FromString(body)
+                with rx.lock:
+                    for rs in req.resource_spans:
+                        res = {a.key: a.value.string_value for a in rs.resource.attributes}
+                        rx.items += [(res, ss.scope.name, sp, ctype) for ss in rs.scope_spans for sp in ss.spans]
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def spans(self):
+        with self.lock:
+            return list(self.items)
+
+    def wait(self, pred, timeout_s=20.0):
+        """The spans once ``pred(spans)`` holds (polled), else the spans at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not pred(self.spans()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.spans()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 @pytest.fixture(scope="module")
-def obs_units(tmp_path_factory, fp8_checkpoint, default_model_dir):
+def otlp_receiver():
+    rx = OtlpReceiver()
+    yield rx
+    rx.close()
+
+
+@pytest.fixture(scope="module")
+def obs_units(tmp_path_factory, fp8_checkpoint, default_model_dir, otlp_receiver):
     base = tmp_path_factory.mktemp("obs-units")
-    return {"stable": pack_unit(base, "stable", base / "no-checkpoint", Path(default_model_dir)),
+    return {"stable": pack_unit(base, "stable", base / "no-checkpoint", Path(default_model_dir),
+                                deployment={"otlp_endpoint": otlp_receiver.url}),
             "fp8": pack_unit(base, "fp8", Path(fp8_checkpoint), Path(default_model_dir), profile="fp8-h100")}
 
 
 @pytest.fixture(scope="module")
 def obs_served(tmp_path_factory, obs_units):
-    yield from serve_repository(tmp_path_factory, "obs-serving", obs_units["stable"])
+    # the BLS's BatchSpanProcessor (OTel SDK, OTEL_BSP_SCHEDULE_DELAY in ms) holds spans for 10 minutes here:
+    # only its flush on unload (finalize) can deliver them while a test waits
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+        gen = serve_repository(tmp_path_factory, "obs-serving", obs_units["stable"])
+        served = next(gen)
+    yield served
+    gen.close()
 
 
-def _ask(srv, text="What is 2 + 2?"):
+def _ask(srv, text="What is 2 + 2?", stream=False):
     import tritonclient.http as hc
 
     c = srv.http_client()
@@ -46,7 +144,12 @@ def _ask(srv, text="What is 2 + 2?"):
         a.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
         b = hc.InferInput("max_tokens", [1, 1], "INT32")
         b.set_data_from_numpy(np.array([[MAX_TOKENS]], np.int32))
-        r = c.infer("tensorrt_llm_bls", [a, b])
+        ins = [a, b]
+        if stream:
+            st = hc.InferInput("stream", [1, 1], "BOOL")
+            st.set_data_from_numpy(np.array([[True]]))
+            ins.append(st)
+        r = c.infer("tensorrt_llm_bls", ins)
         return json.loads(r.as_numpy("precision_path").reshape(-1)[0])
     finally:
         c.close()
@@ -116,6 +219,94 @@ def test_precision_path_per_request_and_server_metrics(obs_served, obs_units):
     assert [s.value for s in _samples(fams, "precision_pipeline_fallback_active")] == [1.0]
     assert [s.value for s in _samples(fams, "precision_pipeline_rollout_canary_percent")] == [0.0]
     assert [s.value for s in _samples(fams, "precision_pipeline_requests", route="fallback", engine_unit=cand)] == [1.0]
+
+
+def _attrs(span):
+    """A protobuf Span's attributes as {key: str | int}."""
+    out = {}
+    for a in span.attributes:
+        out[a.key] = a.value.int_value if a.value.WhichOneof("value") == "int_value" else a.value.string_value
+    return out
+
+
+def test_one_span_per_request_with_the_packed_path_on_a_real_otlp_receiver(obs_served, obs_units, otlp_receiver,
+                                                                          default_model_dir):
+    """The BLS sends one span per request to the profile's OTLP endpoint (the stable unit was packed with
+    it): attributes = the serving unit's precision_path.json + the route + gen_ai usage, equal to what the
+    response and the token counter say; a failed request's span has status ERROR; the spans leave on unload
+    (finalize flushes); Triton's own tracing (same endpoint) is the span's parent."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+    from precision_pipeline.serving.rollout import metrics_url
+    from precision_pipeline.serving.triton_server import TRACE_SERVICE_NAME, TRITON_BSP_DELAY_MS
+
+    repo, srv = obs_served
+    url = otlp_receiver.url + "/v1/traces"
+    with urllib.request.urlopen(f"http://{srv.http_url}/v2/trace/setting", timeout=10) as r:
+        setting = json.loads(r.read())
+    assert (setting["trace_mode"], setting["url"], setting["trace_rate"], setting["bsp_schedule_delay"]) == (
+        "opentelemetry", url, "1", str(TRITON_BSP_DELAY_MS))
+    stable = release.read_state(repo)["current"]
+    sp, cp = _unit_path(obs_units["stable"].out_dir), _unit_path(obs_units["fp8"].out_dir)
+    assert sp["model"] == cp["model"] == Path(default_model_dir).name
+    cand = release.install_unit(repo, obs_units["fp8"].out_dir)
+    srv.load(cand)
+    t0 = time.time_ns()
+    tok0 = _families(metrics_url(srv))
+    release.set_canary(repo, stable, cand, 50)
+    try:
+        answers = [_ask(srv) for _ in range(4)]
+        with pytest.raises(Exception, match="stream=true is not supported"):
+            _ask(srv, stream=True)
+        tok1 = _families(metrics_url(srv))
+    finally:
+        release.point_bls(repo, stable)
+    srv.unload("tensorrt_llm_bls")  # finalize: the BatchSpanProcessor flushes (obs_served: its schedule is 10 min)
+    try:
+        def ours(spans):
+            return [(res, s) for res, scope, s, ctype in spans if scope == "precision_pipeline.tensorrt_llm_bls"
+                    and s.start_time_unix_nano >= t0 and ctype == "application/x-protobuf"]
+
+        got = ours(otlp_receiver.wait(lambda xs: len(ours(xs)) >= 5, timeout_s=10))
+    finally:
+        srv.load("tensorrt_llm_bls")
+    assert len(got) == 5, got  # one span per request sent, the failed one included
+    assert not otlp_receiver.bad
+    assert all(res["service.name"] == TRACE_SERVICE_NAME for res, _ in got)
+    ok = [s for _, s in got if s.status.code != Status.STATUS_CODE_ERROR]
+    bad = [s for _, s in got if s.status.code == Status.STATUS_CODE_ERROR]
+    assert len(ok) == 4 and len(bad) == 1
+    assert _attrs(bad[0]) == {"gen_ai.operation.name": "chat", "error.type": "ValueError"}
+    assert "stream=true" in bad[0].status.message
+    by_route = {}
+    for s, answer in zip(sorted(ok, key=lambda x: x.start_time_unix_nano), answers):
+        a = _attrs(s)
+        path = cp if a["precision.route"] == "canary" else sp
+        assert answer["route"] == a["precision.route"] and answer["unit"] == a["precision.unit"]  # the response's path
+        n_in, n_out = a.pop("gen_ai.usage.input_tokens"), a.pop("gen_ai.usage.output_tokens")
+        assert a == {"gen_ai.operation.name": "chat", "gen_ai.request.model": path["model"],
+                     "gen_ai.response.model": path["unit"], "gen_ai.request.max_tokens": MAX_TOKENS,
+                     **{f"precision.{k}": v for k, v in path.items() if k != "model"},
+                     "precision.route": a["precision.route"]}
+        assert s.name == f"chat {path['model']}" and s.kind == Span.SPAN_KIND_SERVER
+        assert s.status.code == Status.STATUS_CODE_UNSET
+        t = by_route.setdefault(a["precision.route"], [0, 0])
+        t[0], t[1] = t[0] + n_in, t[1] + n_out
+    assert sorted(by_route) == ["canary", "stable"]
+    for route, path in (("canary", cp), ("stable", sp)):  # the span's usage = what the tokens counter added
+        for i, kind in enumerate(("input", "output")):
+            before = sum(x.value for x in _samples(tok0, "precision_pipeline_tokens", route=route, engine_unit=path["unit"], kind=kind))
+            after = sum(x.value for x in _samples(tok1, "precision_pipeline_tokens", route=route, engine_unit=path["unit"], kind=kind))
+            assert by_route[route][i] == after - before > 0, (route, kind)
+    # Triton's own spans (its exporter, same endpoint) arrive on its schedule: each BLS span is a child of one
+    def triton_spans(xs):
+        return {s.span_id: (res, s) for res, sc, s, _ in xs if sc != "precision_pipeline.tensorrt_llm_bls"}
+
+    triton = triton_spans(otlp_receiver.wait(lambda xs: all(s.parent_span_id in triton_spans(xs) for _, s in got), timeout_s=15))
+    for _, s in got:
+        assert s.parent_span_id and s.parent_span_id in triton, "BLS span without its Triton parent"
+        res, parent = triton[s.parent_span_id]
+        assert parent.trace_id == s.trace_id and res.get("service.name") == TRACE_SERVICE_NAME
 
 
 def test_invoke_probe_records_history(obs_served, gate_dir):  # noqa: F811

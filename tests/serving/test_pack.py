@@ -285,3 +285,17 @@ def test_preprocessing_chat_template_matches_transformers(preprocessing_module, 
         text = preprocessing_module.render_chat(tmpl, messages, special)
         assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert tok.encode(text, add_special_tokens=False).ids == list(want)
+
+
+def test_otlp_endpoint_is_rendered_into_the_bls_config(model_dir, default_model_dir):
+    prof = load_profile("bf16-h100")
+    params, _ = pack.compute_params(make_plan(prof), prof, model_dir, "ab" * 32, "/r")
+    cfg = pack.parse_model_config(pack.render_all(params)["tensorrt_llm_bls"], "bls")
+    got = pack.config_params(cfg)
+    assert (got["otlp_traces_url"], got["gen_ai_operation_name"]) == ("", "chat")  # default: no spans; chat template
+    traced = prof.model_copy(update={"deployment": prof.deployment.model_copy(update={"otlp_endpoint": "http://c.obs:4318"})})
+    params, _ = pack.compute_params(make_plan(traced), traced, model_dir, "ab" * 32, "/r")
+    cfg = pack.parse_model_config(pack.render_all(params)["tensorrt_llm_bls"], "bls")
+    assert pack.config_params(cfg)["otlp_traces_url"] == "http://c.obs:4318/v1/traces"
+    path = pack.precision_path(make_plan(traced), "ab" * 32)  # the facts the span's attributes come from
+    assert path["model"] == Path(default_model_dir).name and path["unit"] == "tensorrt_llm_abababababab"

@@ -49,12 +49,15 @@ def swapped_checkpoint(src: Path, dst: Path, a: int = SWAP[0], b: int = SWAP[1])
     return dst
 
 
-def pack_unit(base: Path, name: str, ckpt: Path, model_dir: Path, mb: int = 32, profile: str = "bf16-h100"):
+def pack_unit(base: Path, name: str, ckpt: Path, model_dir: Path, mb: int = 32, profile: str = "bf16-h100",
+              deployment: dict | None = None):
     """``base/name``: a packed repository of ``profile`` (max_batch_size ``mb``) serving ``ckpt`` (a
-    missing folder: the HF weights of ``model_dir``)."""
+    missing folder: the HF weights of ``model_dir``). ``deployment``: profile ``deployment`` fields replaced."""
     from tests.serving.test_pack import make_plan, with_limits
 
     prof = load_profile(profile)
+    if deployment:
+        prof = prof.model_copy(update={"deployment": prof.deployment.model_validate({**prof.deployment.model_dump(), **deployment})})
     d = base / name
     return pack.pack_repository(with_limits(make_plan(prof), max_batch_size=mb), prof, model_dir, ckpt, d / "engine",
                                 False, d / "model_repository", str(d))
@@ -86,11 +89,12 @@ def units(tmp_path_factory, bf16_checkpoint, fp8_checkpoint, default_model_dir):
 
 def serve_repository(tmp_path_factory, name: str, stable):
     """A serving repository created from packed unit ``stable`` and a real server on it: yields (repo, server)."""
-    from precision_pipeline.serving.triton_server import TritonServer, models_to_load
+    from precision_pipeline.serving.triton_server import TritonServer, models_to_load, repository_traces_url
 
     repo = tmp_path_factory.mktemp(name) / "model_repository"
     release.init_serving_repo(repo, stable.out_dir, profile="bf16-h100")
-    srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log")
+    srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log",
+                       trace_url=repository_traces_url(repo))  # as `invoke serve` does
     srv.start()
     try:
         yield repo, srv

@@ -279,3 +279,30 @@ def test_fuzz_deep_nesting(tmp_path_factory, depth, kind):
     p = d / "d.yaml"
     p.write_text(text)
     _check_load(str(p))
+
+
+def test_otlp_endpoint_default_none_and_traces_url():
+    base = load_raw_fp8()
+    assert validate_profile(base).deployment.otlp_traces_url is None  # default: no spans
+    prof = validate_profile(deep_merge(base, {"deployment": {"otlp_endpoint": "http://otel-collector.monitoring:4318/"}}))
+    assert prof.deployment.otlp_endpoint == "http://otel-collector.monitoring:4318/"
+    assert prof.deployment.otlp_traces_url == "http://otel-collector.monitoring:4318/v1/traces"
+    prefixed = validate_profile(deep_merge(base, {"deployment": {"otlp_endpoint": "https://gw.example/otlp"}}))
+    assert prefixed.deployment.otlp_traces_url == "https://gw.example/otlp/v1/traces"
+
+
+@pytest.mark.parametrize("bad,why", [("otel-collector:4318", "not an http(s) URL"), ("grpc://c:4317", "not an http(s) URL"),
+                                     ("http://c:4318/v1/traces", "ends with /v1/traces"), ("http://c:4318?x=1", "query"),
+                                     ("http://u:p@c:4318", "credentials"), ("http://c :4318", "not a URL"), ("", "not a URL")])
+def test_bad_otlp_endpoint_is_a_user_error(bad, why):
+    with pytest.raises(UserError) as e:
+        validate_profile(deep_merge(load_raw_fp8(), {"deployment": {"otlp_endpoint": bad}}))
+    assert e.value.exit_code == EXIT_INVALID and "deployment.otlp_endpoint" in str(e.value) and why in str(e.value)
+
+
+def load_raw_fp8():
+    from precision_pipeline.spec.profile import load_raw
+
+    data = load_raw("fp8-h100")
+    data["name"] = "fp8-h100"
+    return data

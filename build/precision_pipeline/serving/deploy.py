@@ -249,18 +249,23 @@ def _engine_version(model_repository: Path, unit: str) -> Optional[str]:
 # Command line
 
 
-def triton_command(world_size: int, repo_path: str, load_models: list[str], units: list[str]) -> tuple[list[str], list[str], str]:
+def triton_command(world_size: int, repo_path: str, load_models: list[str], units: list[str],
+                   trace_url: Optional[str] = None) -> tuple[list[str], list[str], str]:
     """(command, args, launcher) for the container.
 
     world_size 1: plain ``tritonserver``. world_size > 1: the ``mpirun`` line of tensorrtllm_backend's
     launch_triton_server.py (one tritonserver per rank; ranks > 0 load only the engine units).
+    ``trace_url``: Triton's own OpenTelemetry tracing to that OTLP/HTTP URL (``triton_server.trace_args``),
+    on the rank that takes requests (rank 0).
     """
+    from precision_pipeline.serving.triton_server import trace_args
+
     common = [f"--model-repository={repo_path}", f"--http-port={HTTP_PORT}", f"--grpc-port={GRPC_PORT}",
               f"--metrics-port={METRICS_PORT}", "--model-control-mode=explicit"]
 
     def rank_args(rank: int, models: list[str]) -> list[str]:
         return [*common, *(f"--load-model={m}" for m in models), "--disable-auto-complete-config",
-                f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+                f"--backend-config=python,shm-region-prefix-name=prefix{rank}_", *(trace_args(trace_url) if rank == 0 else [])]
 
     if world_size == 1:
         return [TRITONSERVER], rank_args(0, load_models), "tritonserver"
@@ -727,7 +732,14 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
     profile_name = plan.profile.name or profile.name
     name = k8s_name(profile_name)
     repo_path = pack.serving_path(repo_root, model_repository.name)
-    command, args, launcher = triton_command(world, repo_path, ss.models, ss.units)
+    from precision_pipeline.serving.triton_server import repository_traces_url
+
+    trace_url = repository_traces_url(model_repository)  # what the BLS was packed with (deployment.otlp_endpoint)
+    command, args, launcher = triton_command(world, repo_path, ss.models, ss.units, trace_url)
+    if trace_url:
+        notes.append(f"traces: Triton (--trace-config mode=opentelemetry) and the BLS send spans to {trace_url}; the BLS "
+                     "imports opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http (requirements.lock pins): the "
+                     "serving image must have them, or the BLS refuses to load.")
     if group > 1:
         command, launcher = [*LEADER_SHELL, "mpi-leader"], "mpirun-lws"
         notes.append(f"world size {world} > deployment.gpus_per_node {profile.deployment.gpus_per_node}: a LeaderWorkerSet "

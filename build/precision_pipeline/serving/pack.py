@@ -264,6 +264,8 @@ def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: st
         "logits_datatype": logits_dt,
         "accumulate_tokens": False,
         "tensorrt_llm_model_name": unit,
+        "otlp_traces_url": profile.deployment.otlp_traces_url or "",
+        "gen_ai_operation_name": "chat" if has_template else "text_completion",
     }
     return {"tensorrt_llm": trt, "preprocessing": pre, "postprocessing": post, "ensemble": ens,
             "tensorrt_llm_bls": bls}, notes
@@ -412,9 +414,10 @@ def engine_hash_of(plan: ResolvedPlan, checkpoint_dir: Path, engine_dir: Path, e
 
 
 def precision_path(plan: ResolvedPlan, engine_hash: str) -> dict[str, str]:
-    """The precision path one engine unit serves, as strings (metric labels / response parameters):
+    """The precision path one engine unit serves, as strings (metric labels, the ``precision_path`` output and
+    the attributes of the BLS's per-request span, all read from this one dict):
 
-    ``profile``, ``unit``, ``engine_hash``, ``gemm`` (checkpoint ``quant_algo``), ``kv`` (generation-phase
+    ``model`` (the served model's name), ``profile``, ``unit``, ``engine_hash``, ``gemm`` (checkpoint ``quant_algo``), ``kv`` (generation-phase
     ``kv_cache_quant_algo``), ``context_fmha`` (context-phase attention: ``fp8`` when
     ``use_fp8_context_fmha``, else the model dtype, ``off`` without ``context_fmha``; ``+paged`` with
     ``use_paged_context_fmha``), ``logits_dtype`` (``--logits_dtype``), ``dtype`` (unquantized tensors).
@@ -423,7 +426,7 @@ def precision_path(plan: ResolvedPlan, engine_hash: str) -> dict[str, str]:
     fmha = "off" if not e.context_fmha else ("fp8" if e.use_fp8_context_fmha else q.dtype)
     if e.context_fmha and e.use_paged_context_fmha:
         fmha += "+paged"
-    return {"profile": plan.profile.name, "unit": unit_name(engine_hash), "engine_hash": engine_hash,
+    return {"model": plan.model.name, "profile": plan.profile.name, "unit": unit_name(engine_hash), "engine_hash": engine_hash,
             "gemm": q.quant_algo.value, "kv": q.kv_cache_quant_algo.value, "context_fmha": fmha,
             "logits_dtype": e.logits_dtype, "dtype": q.dtype}
 

@@ -13,6 +13,11 @@ How it runs (facts in shared/reference/triton-on-cpu.md):
 
 ``serve(model_repository, ...)`` is what ``invoke serve`` calls: it loads the current release (or every
 model of a freshly packed repository), prints the endpoints and runs until Ctrl-C.
+
+Tracing: when the repository's BLS config carries an ``otlp_traces_url`` (the profile's
+``deployment.otlp_endpoint`` + ``/v1/traces``, written at pack time), ``serve`` also turns on Triton's own
+OpenTelemetry tracing to that URL (``trace_args``); the pytriton server (2.51) supports
+``--trace-config mode=opentelemetry`` (``GET /v2/trace/setting`` reports it).
 """
 
 from __future__ import annotations
@@ -39,6 +44,36 @@ from precision_pipeline.core.paths import REPO_ROOT, cache_dir
 
 STANDIN_BACKEND = REPO_ROOT / "triton_repo" / "backends" / "tensorrtllm"
 SERVER_VERSION = "2.51"
+TRACE_SERVICE_NAME = "precision-pipeline"
+"""``service.name`` of the spans Triton and the BLS export (OpenTelemetry resource semantic conventions)."""
+
+
+def trace_args(traces_url: str | None) -> list[str]:
+    """Triton's own OpenTelemetry tracing: ``--trace-config`` flags (``tritonserver --help`` of 2.51: global
+    ``mode``/``rate``/``level``, ``opentelemetry,url=`` and ``opentelemetry,resource=``) that trace every
+    request (rate 1, timestamps) and export to ``traces_url`` over OTLP/HTTP (Triton's exporter sends OTLP/JSON)
+    every ``TRITON_BSP_DELAY_MS``. ``[]`` when ``traces_url`` is empty."""
+    if not traces_url:
+        return []
+    return ["--trace-config=mode=opentelemetry", "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS",
+            f"--trace-config=opentelemetry,url={traces_url}",
+            f"--trace-config=opentelemetry,resource=service.name={TRACE_SERVICE_NAME}",
+            f"--trace-config=opentelemetry,bsp_schedule_delay={TRITON_BSP_DELAY_MS}"]
+
+
+TRITON_BSP_DELAY_MS = 5000
+"""Triton's batch span processor delay (its default, ``GET /v2/trace/setting`` ``bsp_schedule_delay``), given
+explicitly: Triton also reads ``OTEL_BSP_SCHEDULE_DELAY``, which is meant for the BLS's OTel SDK."""
+
+
+def repository_traces_url(model_repository: Path) -> str | None:
+    """The BLS's ``otlp_traces_url`` parameter in ``model_repository`` (None when unset or there is no BLS)."""
+    from precision_pipeline.serving import pack
+
+    p = Path(model_repository) / "tensorrt_llm_bls" / "config.pbtxt"
+    if not p.is_file():
+        return None
+    return pack.config_params(pack.parse_model_config(p.read_text(), str(p))).get("otlp_traces_url") or None
 
 
 def _pytriton_paths() -> tuple[Path, Path]:
@@ -120,7 +155,7 @@ class TritonServer:
 
     def __init__(self, model_repository: Path, models: Iterable[str] = (), *, http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, log_file: Path | None = None,
-                 threads: int = 1, stub_timeout_s: int = 120, verbose: bool = False):
+                 threads: int = 1, stub_timeout_s: int = 120, verbose: bool = False, trace_url: str | None = None):
         self.model_repository = Path(model_repository).resolve()
         self.models = list(models)
         self.http_port = http_port or free_port()
@@ -130,6 +165,8 @@ class TritonServer:
         self.threads = threads
         self.stub_timeout_s = stub_timeout_s
         self.verbose = verbose
+        self.trace_url = trace_url
+        """OTLP/HTTP traces URL for Triton's own tracing (``trace_args``); None: Triton does not trace."""
         self.proc: subprocess.Popen | None = None
         self.start_s: float | None = None
 
@@ -169,6 +206,7 @@ class TritonServer:
                 "--allow-gpu-metrics=false", "--model-control-mode=explicit", "--exit-timeout-secs=10",
                 f"--backend-config=python,stub-timeout-seconds={self.stub_timeout_s}"]
         argv += [f"--load-model={m}" for m in self.models]
+        argv += trace_args(self.trace_url)
         if self.verbose:
             argv.append("--log-verbose=1")
         return argv
@@ -335,7 +373,8 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
         raise UserError("model_repository", f"{repo} does not exist.", "run `invoke build --profile X` first.")
     release.recover(repo)
     names = list(models) if models is not None else models_to_load(repo)
-    srv = TritonServer(repo, names, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=log_file)
+    srv = TritonServer(repo, names, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=log_file,
+                       trace_url=repository_traces_url(repo))
     print(f"starting tritonserver {SERVER_VERSION} (CPU reference stand-in for tensorrtllm) on {repo} ...", flush=True)
     srv.start()
     print(f"ready in {srv.start_s:.1f} s; models: {', '.join(names)}")
@@ -343,6 +382,8 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     print(f"  gRPC    {srv.grpc_url}")
     print(f"  metrics http://127.0.0.1:{srv.metrics_port}/metrics")
     print(f"  log     {srv.log_file}")
+    if srv.trace_url:
+        print(f"  traces  {srv.trace_url} (Triton's and the BLS's spans, OTLP/HTTP)")
     if not block:
         return srv
 

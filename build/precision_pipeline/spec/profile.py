@@ -217,6 +217,35 @@ def canary_steps_problem(steps) -> Optional[str]:
     return None
 
 
+OTLP_TRACES_PATH = "/v1/traces"
+"""Path of the OTLP/HTTP traces service under an endpoint (OpenTelemetry protocol specification, "OTLP/HTTP
+Request": the default URL path for traces is ``/v1/traces``; OTEL_EXPORTER_OTLP_ENDPOINT appends it)."""
+
+
+def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
+    """Why ``deployment.otlp_endpoint`` is unusable (None when fine): an ``http``/``https`` URL with a host, no
+    query, fragment, credentials or whitespace, and without ``/v1/traces`` (it is appended)."""
+    from urllib.parse import urlsplit
+
+    if v is None:
+        return None
+    if not v or any(c.isspace() for c in v):
+        return f"{v!r} is not a URL (e.g. http://otel-collector.monitoring:4318)"
+    u = urlsplit(v)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return f"{v!r} is not an http(s) URL with a host (OTLP/HTTP, e.g. http://otel-collector.monitoring:4318)"
+    if u.query or u.fragment or u.username or u.password:
+        return f"{v!r} has a query, fragment or credentials (give the receiver's base URL)"
+    if u.path.rstrip("/").endswith(OTLP_TRACES_PATH):
+        return f"{v!r} ends with {OTLP_TRACES_PATH}, which is appended (give the receiver's base URL)"
+    return None
+
+
+def otlp_traces_url(endpoint: Optional[str]) -> Optional[str]:
+    """``<endpoint>/v1/traces`` (one home for the traces URL of the BLS and of Triton's own tracing), or None."""
+    return None if endpoint is None else endpoint.rstrip("/") + OTLP_TRACES_PATH
+
+
 class Deployment(_Strict):
     """Where and how the engine is served."""
 
@@ -233,6 +262,22 @@ class Deployment(_Strict):
     canary_pause_s: int = Field(300, ge=0, le=86400, description="Seconds each canary step holds before it widens.")
     gpus_per_node: Optional[int] = Field(None, ge=1, le=64, description="GPUs one node has; when tp_size x pp_size exceeds it, "
                                          "the engine runs as a multi-node LeaderWorkerSet.")
+    otlp_endpoint: Optional[str] = Field(
+        None, description="OTLP/HTTP receiver (an OpenTelemetry collector), e.g. http://otel-collector:4318: the BLS sends one "
+        "span per request and Triton its own traces to <endpoint>/v1/traces. None: no traces.")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp(cls, v: Optional[str]) -> Optional[str]:
+        why = otlp_endpoint_problem(v)
+        if why:
+            raise ValueError(why)
+        return v
+
+    @property
+    def otlp_traces_url(self) -> Optional[str]:
+        """The URL spans are POSTed to (``otlp_traces_url``), or None."""
+        return otlp_traces_url(self.otlp_endpoint)
 
     @field_validator("canary_steps")
     @classmethod

@@ -31,6 +31,24 @@ metrics API (``pb_utils.MetricFamily``), beside Triton's per-model counters:
 
 (Triton exposes python-backend counters under the family name as given; the ``_total`` suffix is
 part of our names.)
+
+Traces (OpenTelemetry): with the parameter ``otlp_traces_url`` set (the profile's
+``deployment.otlp_endpoint`` + ``/v1/traces``, serving/pack.py), every request gets one span, kind
+SERVER, scope ``SPAN_SCOPE``, resource ``service.name`` = ``SERVICE_NAME``, exported by the OTel SDK's
+``BatchSpanProcessor`` over OTLP/HTTP (protobuf) and flushed when the model is unloaded (``finalize``).
+Its attributes come from the same dict as the ``precision_path`` output (``span_attributes``): the
+served model as ``gen_ai.request.model``, the engine unit also as ``gen_ai.response.model``, every
+other key as ``precision.<key>`` (``precision.profile``, ``precision.unit``, ``precision.engine_hash``,
+``precision.gemm``, ``precision.kv``, ``precision.context_fmha``, ``precision.logits_dtype``,
+``precision.dtype``, ``precision.route``); plus ``gen_ai.operation.name`` (parameter
+``gen_ai_operation_name``: ``chat`` when preprocessing applies the chat template), ``gen_ai.request.max_tokens``
+and ``gen_ai.usage.input_tokens`` / ``gen_ai.usage.output_tokens`` (the counts the tokens counter adds).
+Names: OpenTelemetry GenAI semantic conventions (``opentelemetry.semconv._incubating.attributes.gen_ai_attributes``,
+opentelemetry-semantic-conventions 0.48b0). A failed request's span has status ERROR and ``error.type`` (the
+exception's class). When Triton itself traces in OpenTelemetry mode (``--trace-config mode=opentelemetry``),
+the span is a child of Triton's request span (``request.trace().get_context()``, W3C ``traceparent``) and the
+BLS's calls to preprocessing / the engine / postprocessing carry the same trace. With the URL set and
+OpenTelemetry not importable in the stub's interpreter, the model refuses to load (no silent loss of traces).
 """
 
 import json
@@ -42,6 +60,20 @@ import triton_python_backend_utils as pb_utils
 
 METRIC_LABELS = ("profile", "engine_unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route")
 PATH_FILE = "precision_path.json"
+SPAN_SCOPE = "precision_pipeline.tensorrt_llm_bls"
+SERVICE_NAME = "precision-pipeline"  # = serving/triton_server.py TRACE_SERVICE_NAME (Triton's own spans; a test checks)
+
+
+def span_attributes(served, gen_ai):
+    """Span attributes of a served precision path (``precision_path`` output dict, ``route`` included):
+    ``model`` -> gen_ai.request.model, ``unit`` -> also gen_ai.response.model, every key -> ``precision.<key>``
+    unless it has a gen_ai name. ``gen_ai``: the semconv gen_ai attribute module."""
+    out = {}
+    for k, v in served.items():
+        out[gen_ai.GEN_AI_REQUEST_MODEL if k == "model" else f"precision.{k}"] = v
+    if "unit" in served:
+        out[gen_ai.GEN_AI_RESPONSE_MODEL] = served["unit"]
+    return out
 
 
 def _param(cfg, key, default=None):
@@ -63,6 +95,8 @@ class TritonPythonModel:
         self.state_file = os.path.join(os.path.dirname(self.repo_dir), "releases.json")
         self.state_key, self.fallback = None, None
         self.paths, self.metrics = {}, {}
+        self.operation = _param(cfg, "gen_ai_operation_name") or "text_completion"
+        self._init_tracing(_param(cfg, "otlp_traces_url"))
         self._init_metrics()
         self._route()
         self._gauges()
@@ -81,6 +115,52 @@ class TritonPythonModel:
         self.g_canary = f_can.Metric(labels={"model": "tensorrt_llm_bls"})
         self.g_fallback = f_fb.Metric(labels={"model": "tensorrt_llm_bls"})
         self._families = (self.f_req, self.f_fail, self.f_tok, f_can, f_fb)
+
+    def _init_tracing(self, url):
+        """A TracerProvider of this model with a BatchSpanProcessor exporting to ``url`` over OTLP/HTTP
+        (no provider when ``url`` is empty)."""
+        self.provider = self.tracer = None
+        if not url:
+            return
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.semconv._incubating.attributes import gen_ai_attributes
+            from opentelemetry.trace import SpanKind, Status, StatusCode
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        except ImportError as e:
+            raise pb_utils.TritonModelException(
+                f"tensorrt_llm_bls: otlp_traces_url is {url!r} but OpenTelemetry is not importable by the python "
+                f"backend ({e}): install requirements.lock's opentelemetry pins in the serving image, or remove "
+                "deployment.otlp_endpoint from the profile and re-pack")
+        self.gen_ai, self.span_kind, self.Status, self.StatusCode = gen_ai_attributes, SpanKind.SERVER, Status, StatusCode
+        self.propagator = TraceContextTextMapPropagator()
+        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+        self.tracer = self.provider.get_tracer(SPAN_SCOPE)
+
+    def _parent(self, request):
+        """Triton's trace context of ``request`` (its OpenTelemetry mode), or None."""
+        try:
+            ctx = request.trace().get_context()
+        except Exception:
+            return None
+        if not ctx:
+            return None
+        try:
+            carrier = json.loads(ctx)
+        except ValueError:
+            carrier = {"traceparent": ctx}
+        return self.propagator.extract(carrier) if isinstance(carrier, dict) else None
+
+    def _start_span(self, request):
+        if self.tracer is None:
+            return None
+        span = self.tracer.start_span(self.operation, context=self._parent(request), kind=self.span_kind)
+        span.set_attribute(self.gen_ai.GEN_AI_OPERATION_NAME, self.operation)
+        return span
 
     def _path(self, unit):
         """The unit's precision_path.json (cached per unit), with ``unit`` filled in."""
@@ -156,8 +236,9 @@ class TritonPythonModel:
         return self.trt_name
 
     @staticmethod
-    def _call(model, inputs, outputs):
-        req = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs)
+    def _call(model, inputs, outputs, trace=None):
+        kw = {} if trace is None else {"trace": trace}  # the parent's Triton trace: child calls join it
+        req = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs, **kw)
         resp = req.exec()
         if resp.has_error():
             raise RuntimeError(f"{model}: {resp.error().message()}")
@@ -179,7 +260,7 @@ class TritonPythonModel:
             n_out += s - n if has_prompt else s
         return int(lens.sum()), int(n_out)
 
-    def _one(self, request):
+    def _one(self, request, span=None):
         def opt(name):
             t = pb_utils.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
@@ -187,6 +268,9 @@ class TritonPythonModel:
         stream = opt("stream")
         if stream is not None and bool(np.asarray(stream).reshape(-1)[0]):
             raise ValueError("stream=true is not supported by this BLS model")
+        trace = request.trace() if span is not None else None
+        if span is not None:
+            span.set_attribute(self.gen_ai.GEN_AI_REQUEST_MAX_TOKENS, int(np.asarray(opt("max_tokens")).reshape(-1)[0]))
         pre_in = [pb_utils.Tensor("QUERY", opt("text_input")),
                   pb_utils.Tensor("REQUEST_OUTPUT_LEN", opt("max_tokens").astype(np.int32))]
         for src, dst in (("bad_words", "BAD_WORDS_DICT"), ("stop_words", "STOP_WORDS_DICT"), ("end_id", "END_ID"), ("pad_id", "PAD_ID")):
@@ -194,7 +278,7 @@ class TritonPythonModel:
             if v is not None:
                 pre_in.append(pb_utils.Tensor(dst, v))
         pre = self._call("preprocessing", pre_in, ["INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "STOP_WORDS_IDS",
-                                                    "BAD_WORDS_IDS", "OUT_END_ID", "OUT_PAD_ID"])
+                                                    "BAD_WORDS_IDS", "OUT_END_ID", "OUT_PAD_ID"], trace)
         trt_in = [pb_utils.Tensor("input_ids", pre["INPUT_ID"]),
                   pb_utils.Tensor("input_lengths", pre["REQUEST_INPUT_LEN"]),
                   pb_utils.Tensor("request_output_len", pre["REQUEST_OUTPUT_LEN"]),
@@ -211,10 +295,15 @@ class TritonPythonModel:
         route = "canary" if unit == self.canary and unit != self.trt_name else (
             "fallback" if unit == self.fallback else "stable")
         labels = self._labels(unit, route)
+        served = {**self._path(unit), "route": route}  # one dict: the precision_path output and the span's attributes
+        if span is not None:
+            span.set_attributes(span_attributes(served, self.gen_ai))
+            if served.get("model"):
+                span.update_name(f"{self.operation} {served['model']}")  # GenAI span name: "{operation} {model}"
         try:
-            trt = self._call(unit, trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"])
+            trt = self._call(unit, trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"], trace)
             post = self._call("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", trt["output_ids"]),
-                                                 pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"])
+                                                 pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"], trace)
         except Exception:
             self._metric(self.f_fail, labels).increment(1)
             raise
@@ -222,7 +311,9 @@ class TritonPythonModel:
         self._metric(self.f_req, labels).increment(1)
         self._metric(self.f_tok, {**labels, "kind": "input"}).increment(n_in)
         self._metric(self.f_tok, {**labels, "kind": "output"}).increment(n_out)
-        path = json.dumps({**self._path(unit), "route": route}, sort_keys=True).encode()
+        if span is not None:
+            span.set_attributes({self.gen_ai.GEN_AI_USAGE_INPUT_TOKENS: n_in, self.gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS: n_out})
+        path = json.dumps(served, sort_keys=True).encode()
         batch = int(np.asarray(post["OUTPUT"]).shape[0])
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", post["OUTPUT"]),
@@ -234,10 +325,17 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
+            span = self._start_span(request)
             try:
-                resp = self._one(request)
+                resp = self._one(request, span)
             except Exception as e:
                 resp = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"tensorrt_llm_bls: {e}"))
+                if span is not None:
+                    span.set_attribute("error.type", type(e).__name__)  # OTel semantic conventions (error.type)
+                    span.set_status(self.Status(self.StatusCode.ERROR, str(e)))
+            finally:
+                if span is not None:
+                    span.end()
             if self.decoupled:
                 request.get_response_sender().send(resp, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             else:
@@ -245,5 +343,7 @@ class TritonPythonModel:
         return None if self.decoupled else responses
 
     def finalize(self):
+        if self.provider is not None:
+            self.provider.shutdown()  # flushes the BatchSpanProcessor's queue to the receiver
         self.metrics.clear()  # Metric objects go before their families (python-backend rule)
         self.g_canary = self.g_fallback = None
