@@ -39,7 +39,9 @@ METRIC_SOURCES: dict[str, str] = {
     **{m: "ours: serving/probe.py ProbeExporter" for m in (*PROBE_GAUGES, PROBE_LAST_RUN, "precision_pipeline_probe_runs_total")},
     "nv_inference_request_success": "Triton server docs, user_guide/metrics.md (inference request metrics)",
     "nv_inference_request_failure": "Triton server docs, user_guide/metrics.md (inference request metrics)",
-    "nv_trt_llm_kv_cache_block_metrics": "tensorrtllm_backend README, 'Triton Metrics' (kv_cache_block_type max/free/used/tokens_per/fraction)",
+    "nv_trt_llm_kv_cache_block_metrics": "tensorrtllm_backend inflight_batcher_llm/src/custom_metrics_reporter/"
+                                         "custom_metrics_reporter.cc, gauge family with label kv_cache_block_type = "
+                                         "max / free / used / tokens_per / reused / fraction",
     "DCGM_FI_PROF_DRAM_ACTIVE": "DCGM field identifiers (dcgm-exporter default-counters.csv): ratio of cycles the device memory interface is active",
 }
 
@@ -90,8 +92,10 @@ def dashboard(plan, profile, name: str) -> dict:
     y += 8
     panels.append(_panel(7, "KV-cache blocks (tensorrtllm backend; GPU only)", [
         _target('sum(nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"})', "used", "A"),
-        _target('sum(nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"})', "max", "B")], y=y,
-        desc="Empty on the CPU reference server. Block reuse counters are not drawn: their names are not in our sources."))
+        _target('sum(nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"})', "max", "B"),
+        _target('sum(nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="reused"})', "reused (prefix reuse)", "C")], y=y,
+        desc="The tensorrtllm backend's KV-cache block gauges (used / max blocks and blocks reused from earlier "
+             "requests' prefixes, enable_kv_cache_reuse). Empty on the CPU reference server."))
     gpu = plan.gpu
     mem = plan.memory
     targets = [_target("avg(DCGM_FI_PROF_DRAM_ACTIVE)", "measured (DCGM)", "A")]
