@@ -232,3 +232,20 @@ def test_compare_build_builds_only_the_unmeasured(tmp_path, default_model_dir):
     after = {c.label: c for c in C.compare(names, default_model_dir, arts)}
     assert all(after[n].accuracy.kind == "measured" for n in names)
     assert C.build_unmeasured(list(after.values()), _fake_gate_build(arts, default_model_dir, 0.2, calls)) == []
+
+
+def test_b200_picks_the_tuned_nvfp4_profile_that_meets_the_bound(default_model_dir, tmp_path):
+    """Tuned variants of a format are candidates of their own (``+<profile>``), with their own prior."""
+    rec = C.recommend("b200", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=2.0, max_gpus=1))
+    c = by_label(rec)
+    plain, tuned = c["nvfp4/kv-fp8/tp1"], c["nvfp4/kv-fp8/tp1+nvfp4-b200-smollm2"]
+    assert plain.accuracy.kl_p99 == 3.614 and [v["constraint"] for v in plain.violations] == ["max_kl_p99"]
+    assert tuned.ok and tuned.accuracy.kind == "prior" and tuned.accuracy.kl_p99 == 1.845
+    assert rec.best is tuned and tuned.base == "nvfp4-b200-smollm2"
+    # more bytes than the untuned one (44 cells in BF16), fewer than FP8: between them on throughput
+    dec = {k: c[k].estimate["decode_tokens_per_s_per_gpu"] for k in ("nvfp4/kv-fp8/tp1", "fp8/kv-fp8/tp1")}
+    assert dec["fp8/kv-fp8/tp1"] < tuned.estimate["decode_tokens_per_s_per_gpu"] < dec["nvfp4/kv-fp8/tp1"]
+    assert "fp8/kv-fp8/tp1+fp8-h200" not in c  # same quantization as fp8-h100: no second candidate
+    p = load_profile(str(C.write_profile(tuned, tmp_path / "b200.yaml")))
+    assert p.quantization.exclude_modules == load_profile("nvfp4-b200-smollm2").quantization.exclude_modules
+    assert C.profile_file_stem("b200", tuned.label) == "rec-b200-nvfp4-kv-fp8-tp1-nvfp4-b200-smollm2"

@@ -11,15 +11,17 @@ Accuracy per candidate, in this order:
    ``quantization`` and ``calibration`` sections equal the candidate's (the gate does not depend on
    the target GPU or the parallel layout: it reads the dequantized checkpoint), labelled with the
    build folder;
-2. **prior**: ``ACCURACY_PRIOR``, the README's measured gate numbers of the shipped profile with the
-   same GEMM *and* KV format (SmolLM2-135M-Instruct, full golden set, vs FP32), labelled ``prior``
-   with the profile; another model will differ (the label says so);
+2. **prior**: ``ACCURACY_PRIOR``, the README's measured gate numbers of the shipped profile whose
+   quantization + calibration equal the candidate's (same GEMM *and* KV format and exclusions;
+   SmolLM2-135M-Instruct, full golden set, vs FP32), labelled ``prior`` with the profile; another
+   model will differ (the label says so);
 3. **unknown** (no build, no prior: W4A8_AWQ, W8A16, any other GEMM/KV pair): a ``--max-kl-p99``
    constraint rules it out, saying so.
 
 Candidates (``enumerate_candidates``): every GEMM format TensorRT-LLM 1.2 can build x every KV
-format x tp in (1, 2, 4, 8), each starting from the shipped profile of that GEMM format (its
-calibration, exclusions, per-phase settings and gate; the BF16 profile for a format without one),
+format x tp in (1, 2, 4, 8), each starting from a shipped profile of that GEMM format (its
+calibration, exclusions, per-phase settings and gate; the BF16 profile for a format without one;
+every shipped profile of the format with other exclusions too, labelled ``...+<profile>``),
 with ``target.gpu``, ``kv_cache_quant_algo``, ``tp_size`` (and ``deployment.gpus_per_replica``),
 ``build.max_seq_len`` = the context (``--context``, default ``DEFAULT_CONTEXT``; ``max_input_len``
 clipped to it) and ``max_batch_size`` raised to ``--min-concurrency`` replaced. Context-phase
@@ -40,6 +42,7 @@ import html
 import io
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -77,20 +80,32 @@ class Accuracy:
         return dict(self.__dict__)
 
 
-_NONE, _FP8KV = KVCacheQuantAlgo.NONE, KVCacheQuantAlgo.FP8
-ACCURACY_PRIOR: dict[tuple[QuantAlgo, KVCacheQuantAlgo], Accuracy] = {
-    # (GEMM format, KV format) -> the shipped profile's measured numbers (SRC_PRIOR). Only the pair that was
-    # measured: on the default model the FP8 KV cache is where most of the FP8 profile's loss comes from
-    # (README), so a prior is never carried over to another KV format.
-    (QuantAlgo.NO_QUANT, _NONE): Accuracy("prior", 0.0, 0.0, 1.0, f"{SRC_PRIOR}: bf16-h100"),
-    (QuantAlgo.FP8, _FP8KV): Accuracy("prior", 0.0539, 0.424, 0.898, f"{SRC_PRIOR}: fp8-h100"),
-    (QuantAlgo.W8A8_SQ_PER_CHANNEL, _NONE): Accuracy("prior", 0.3696, 2.600, 0.737, f"{SRC_PRIOR}: int8-sq-l4"),
-    (QuantAlgo.W4A16_AWQ, _NONE): Accuracy("prior", 0.3392, 2.517, 0.745, f"{SRC_PRIOR}: int4-awq-a100"),
-    (QuantAlgo.NVFP4, _FP8KV): Accuracy("prior", 0.5905, 3.614, 0.653, f"{SRC_PRIOR}: nvfp4-b200"),
-    (QuantAlgo.MIXED_PRECISION, _FP8KV): Accuracy("prior", 0.1759, 1.342, 0.812,
-                                                  f"{SRC_PRIOR}: mixed-fp8-int4-h100, 6.0 bits"),
+ACCURACY_PRIOR: dict[str, Accuracy] = {
+    # shipped profile -> its measured gate numbers (SRC_PRIOR). A candidate gets one only when its resolved
+    # quantization and calibration equal that profile's (``prior_for``): on the default model the FP8 KV
+    # cache is where most of the FP8 profile's loss comes from (README), so a prior never carries over to
+    # another KV format, and a tuned profile's exclusions are part of its quantization.
+    "bf16-h100": Accuracy("prior", 0.0, 0.0, 1.0, f"{SRC_PRIOR}: bf16-h100"),
+    "fp8-h100": Accuracy("prior", 0.0539, 0.424, 0.898, f"{SRC_PRIOR}: fp8-h100"),
+    "int8-sq-l4": Accuracy("prior", 0.3696, 2.600, 0.737, f"{SRC_PRIOR}: int8-sq-l4"),
+    "int4-awq-a100": Accuracy("prior", 0.3392, 2.517, 0.745, f"{SRC_PRIOR}: int4-awq-a100"),
+    "int4-awq-a100-smollm2": Accuracy("prior", 0.2353, 1.878, 0.792, f"{SRC_PRIOR}: int4-awq-a100-smollm2"),
+    "nvfp4-b200": Accuracy("prior", 0.5905, 3.614, 0.653, f"{SRC_PRIOR}: nvfp4-b200"),
+    "nvfp4-b200-smollm2": Accuracy("prior", 0.2368, 1.845, 0.790, f"{SRC_PRIOR}: nvfp4-b200-smollm2"),
+    "mixed-fp8-int4-h100": Accuracy("prior", 0.1759, 1.342, 0.812, f"{SRC_PRIOR}: mixed-fp8-int4-h100, 6.0 bits"),
 }
-"""Per-format accuracy priors (used only when no build of the candidate was measured)."""
+"""Per-profile accuracy priors (used only when no build of the candidate was measured)."""
+
+
+@lru_cache(maxsize=None)
+def _shipped_quality(name: str) -> str:
+    return json.dumps(_quality_key(load_profile(name)), sort_keys=True)
+
+
+def prior_for(profile) -> Optional[Accuracy]:
+    """The ``ACCURACY_PRIOR`` of the shipped profile whose quantization + calibration equal ``profile``'s, or None."""
+    want = json.dumps(_quality_key(profile), sort_keys=True)
+    return next((a for n, a in ACCURACY_PRIOR.items() if _shipped_quality(n) == want), None)
 
 
 @dataclass
@@ -134,6 +149,19 @@ class Constraints:
 
 def _model(model: Union[Path, str, ModelArch]) -> ModelArch:
     return model if isinstance(model, ModelArch) else read_model_arch(Path(model))
+
+
+def base_profiles_for(algo: QuantAlgo) -> list[str]:
+    """Every shipped profile a candidate of GEMM format ``algo`` can start from: ``base_profile_for``
+    first, then the other shipped profiles of that quant_algo whose quantization + calibration differ
+    (a tuned variant such as ``nvfp4-b200-smollm2``; same-quality copies such as ``fp8-h200`` add nothing)."""
+    first = base_profile_for(algo)
+    out, seen = [first], {_shipped_quality(first)}
+    for n in shipped_profiles():
+        if n != first and load_profile(n).quantization.quant_algo == algo and _shipped_quality(n) not in seen:
+            seen.add(_shipped_quality(n))
+            out.append(n)
+    return out
 
 
 def base_profile_for(algo: QuantAlgo) -> str:
@@ -203,7 +231,7 @@ def accuracy_of(profile, model: ModelArch, artifacts: Path) -> Accuracy:
     if got is not None:
         return got
     q = profile.quantization
-    prior = ACCURACY_PRIOR.get((q.quant_algo, q.kv_cache_quant_algo))
+    prior = prior_for(profile)
     if prior is None:
         return Accuracy("unknown", source=f"no build measured and no prior for {q.quant_algo.value} GEMMs with a "
                                           f"{q.kv_cache_quant_algo.value} KV cache")
@@ -271,14 +299,14 @@ def enumerate_candidates(gpu: str, model: Union[Path, str, ModelArch], artifacts
     for fmt in F.GEMM.values():
         if fmt.refusal:
             continue
-        base = base_profile_for(fmt.algo)
-        raw = load_raw(base)
-        for kv in F.KV.values():
-            for tp in tp_sizes:
-                label = f"{fmt.short}/kv-{kv.short}/tp{tp}"
-                out.append(evaluate_candidate(label, base, _overrides(spec.id, fmt.algo, kv.algo, tp, raw, context,
-                                                                      min_concurrency), m, artifacts, context,
-                                              fit_context_kernels=True))
+        for i, base in enumerate(base_profiles_for(fmt.algo)):
+            raw = load_raw(base)
+            for kv in F.KV.values():
+                for tp in tp_sizes:
+                    label = f"{fmt.short}/kv-{kv.short}/tp{tp}" + (f"+{base}" if i else "")
+                    out.append(evaluate_candidate(label, base, _overrides(spec.id, fmt.algo, kv.algo, tp, raw, context,
+                                                                          min_concurrency), m, artifacts, context,
+                                                  fit_context_kernels=True))
     return out
 
 
@@ -431,7 +459,7 @@ def build_unmeasured(cands: list[Candidate], build: BuildFn) -> list[dict]:
 def profile_file_stem(gpu: str, label: str) -> str:
     """A profile name for a candidate: ``rec-<gpu>-<label>`` with the label's ``/`` as ``-``
     (``rec-h100-sxm-fp8-kv-fp8-tp1``), a valid profile name (lower-case letters, digits, ``.-_``)."""
-    return f"rec-{gpu}-{label}".replace("/", "-").lower()
+    return f"rec-{gpu}-{label}".replace("/", "-").replace("+", "-").lower()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,4 +605,4 @@ def write_compare(cands: list[Candidate], out_dir: Path) -> dict[str, Path]:
 
 __all__ = ["ACCURACY_PRIOR", "Accuracy", "Candidate", "Constraints", "Recommendation", "enumerate_candidates",
            "recommend", "compare", "pareto", "pareto_png", "render_html", "write_compare", "profile_yaml",
-           "write_profile", "measure_top", "build_unmeasured", "profile_file_stem", "table_rows", "base_profile_for", "accuracy_of", "measured_accuracy"]
+           "write_profile", "measure_top", "build_unmeasured", "profile_file_stem", "table_rows", "base_profile_for", "base_profiles_for", "prior_for", "accuracy_of", "measured_accuracy"]
