@@ -71,20 +71,24 @@ def test_pod_is_hardened(tmp_path):
 
 
 def test_checkov_kubernetes_checks_pass(tmp_path):
+    """The Deployment build (tp 2, 2 replicas) and, in the same scan, an argo-rollout build with a gate run: its
+    canary Service and the probe Deployment that targets it (checkov has no checks of Argo's kinds)."""
     exe = checkov_bin()
     if exe is None:
         pytest.skip(f"checkov {CHECKOV_VERSION} is not installed: python3 -m venv .cache/checkov-{CHECKOV_VERSION} && "
                     f".cache/checkov-{CHECKOV_VERSION}/bin/pip install -r requirements-checkov.txt")
     res = _render(tmp_path)
-    p = subprocess.run([exe, "-d", str(res.out_dir), "--framework", "kubernetes", "--skip-download",
-                        "--compact", "-o", "json", "--skip-check", ",".join(SKIPPED)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
-    out = json.loads(p.stdout or "{}")
-    reports = out if isinstance(out, list) else [out]
-    failed = [(c["check_id"], c.get("resource")) for r in reports for c in r.get("results", {}).get("failed_checks", [])]
-    passed = sum(len(r.get("results", {}).get("passed_checks", [])) for r in reports)
-    print(f"\n[checkov {CHECKOV_VERSION}] passed {passed}, failed {failed}")
-    assert failed == [] and passed > 50, p.stderr[-2000:]
+    argo = _render_argo(tmp_path / "argo", gate=True)
+    assert {"service-canary.yaml", "probe-deployment.yaml"} <= set(argo.files)
+    scan = tmp_path / "scan"
+    scan.mkdir()
+    for f in res.files:
+        shutil.copy(res.out_dir / f, scan / f)
+    for f in argo.files:
+        shutil.copy(argo.out_dir / f, scan / f"argo-{f}")
+    failed, passed, err = run_checkov(exe, scan)
+    print(f"\n[checkov {CHECKOV_VERSION}, Deployment + argo-rollout] passed {passed}, failed {failed}")
+    assert failed == [] and passed > 100, err
 
 
 WORKER_SKIPPED = {
@@ -137,18 +141,22 @@ def test_checkov_passes_the_leaderworkerset_and_probe(tmp_path):
     assert failed == [] and passed > 80, err
 
 
-def _render_argo(tmp_path, **dep):
+def _render_argo(tmp_path, gate=False, **dep):
     prof = make_profile("fp8-h100", deployment={"workload": "argo-rollout", "canary_steps": [5, 20, 50, 100],
                                                 "canary_pause_s": 120, "replicas": 4, **dep})
-    return deploy.render_manifests(make_plan(prof), prof, make_repo(tmp_path / "b"), tmp_path / "b", "/srv/b",
-                                   namespace="llm-serving")
+    repo = make_repo(tmp_path / "b")
+    if gate:
+        (tmp_path / "b" / "gate").mkdir()
+        (tmp_path / "b" / "gate" / "metrics.json").write_text("{}")
+    return deploy.render_manifests(make_plan(prof), prof, repo, tmp_path / "b", "/srv/b", namespace="llm-serving")
 
 
 def test_argo_rollout_and_analysis_template(tmp_path):
     import yaml
 
     res = _render_argo(tmp_path)
-    assert res.files == ["analysis-template.yaml", "argo-rollout.yaml", "pdb.yaml", "service.yaml", "triton-deployment.yaml"]
+    assert res.files == ["analysis-template.yaml", "argo-rollout.yaml", "pdb.yaml", "service-canary.yaml", "service.yaml",
+                         "triton-deployment.yaml"]
     ro = yaml.safe_load((res.out_dir / "argo-rollout.yaml").read_text())
     dep = yaml.safe_load((res.out_dir / "triton-deployment.yaml").read_text())
     assert ro["kind"] == "Rollout" and ro["spec"]["workloadRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",

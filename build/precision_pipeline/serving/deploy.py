@@ -19,6 +19,10 @@ the templates in ``k8s/`` (repository root) and writes ``<out_dir>/k8s/*.yaml`` 
   The Service (and PDB) then select the leaders only (``LWS_WORKER_INDEX_LABEL`` = "0").
 * ``probe-deployment.yaml`` (+ ``monitoring/probe-podmonitor.yaml``) when the build has a gate run: the accuracy
   probe (serving/probe.py) as a long-lived Deployment exporting ``precision_pipeline_probe_*`` on port 8004.
+* ``argo-rollout.yaml``, ``analysis-template.yaml`` and ``service-canary.yaml`` with ``deployment.workload:
+  argo-rollout``: the Rollout (``workloadRef`` to the Deployment), its AnalysisTemplate, and the Rollout's
+  ``canaryService`` (``service.yaml`` rendered again as ``<name>-canary``: same ports and selector; Argo Rollouts
+  adds the canary ReplicaSet's ``rollouts-pod-template-hash`` to its selector), which the probe then targets.
 
 What is loaded: Triton runs with ``--model-control-mode=explicit`` and one ``--load-model`` per
 model of the current release: ``releases.json`` next to the repository when it exists (current
@@ -647,8 +651,10 @@ def has_gate(model_repository: Path) -> bool:
 
 
 def probe_command(service: str, namespace: str, repo_root: str, unit: str, profile_name: str) -> list[str]:
-    """``invoke probe`` (through run.sh) against the serving Service, every ``PROBE_EVERY_S`` s, exporting on
-    ``PROBE_METRICS_PORT``; ``--unit``/``--profile`` name the release so no repository state is read or written."""
+    """``invoke probe`` (through run.sh) against the Service ``service`` (the serving Service, or the Rollout's
+    canary Service under ``workload: argo-rollout``; ``--url <service>.<namespace>.svc:8000``), every
+    ``PROBE_EVERY_S`` s, exporting on ``PROBE_METRICS_PORT``; ``--unit``/``--profile`` name the release so no
+    repository state is read or written."""
     from precision_pipeline.serving.probe import DEFAULT_PROMPTS
 
     root = str(repo_root).rstrip("/") or ""
@@ -657,8 +663,10 @@ def probe_command(service: str, namespace: str, repo_root: str, unit: str, profi
             "--unit", unit, "--profile", profile_name]
 
 
-def _probe_params(dep: dict, pod_template: dict, profile_name: str, unit: str, image: str) -> tuple[dict, dict]:
-    """Parameters of the probe Deployment and its PodMonitor; the securityContexts are the Triton pod's."""
+def _probe_params(dep: dict, pod_template: dict, profile_name: str, unit: str, image: str,
+                  service: str) -> tuple[dict, dict]:
+    """Parameters of the probe Deployment and its PodMonitor (requests go to the Service ``service``); the
+    securityContexts are the Triton pod's."""
     name = f"{dep['name'][:57]}-probe"
     selector = {"app.kubernetes.io/name": "precision-probe", "app.kubernetes.io/instance": dep["name"]}
     labels = {**dep["labels"], **selector, "app.kubernetes.io/component": "accuracy-probe"}
@@ -668,7 +676,7 @@ def _probe_params(dep: dict, pod_template: dict, profile_name: str, unit: str, i
              "pod_security_context": pod_template["spec"]["securityContext"],
              "container_security_context": pod_template["spec"]["containers"][0]["securityContext"],
              "image": image, "working_dir": SOURCE_DIR,
-             "command": probe_command(dep["name"], dep["namespace"], root, unit, profile_name),
+             "command": probe_command(service, dep["namespace"], root, unit, profile_name),
              "cache_dir": f"{root.rstrip('/')}/.cache", "cpu_request": PROBE_CPU, "memory_request": PROBE_MEMORY,
              "repo_root": root, "pvc_name": dep["pvc_name"], "tmp_size": TMP_SIZE}
     monitor = {"name": name, "namespace": dep["namespace"], "labels": labels, "selector": selector,
@@ -676,11 +684,25 @@ def _probe_params(dep: dict, pod_template: dict, profile_name: str, unit: str, i
     return probe, monitor
 
 
+CANARY_SERVICE_FILE = "service-canary.yaml"
+"""Output file of the Rollout's canary Service: ``service.yaml`` rendered a second time (one home for the ports)."""
+SERVICE_ROLE_LABEL = f"{LABEL_PREFIX}/service-role"
+"""Label on the canary Service only (value ``canary``), so that a ServiceMonitor or a selector over Services can tell
+it from the main Service (both front the same pods between rollouts)."""
+
+
+def canary_service_name(name: str) -> str:
+    """``<name>-canary`` (a DNS-1035 label, <= 63 characters): the Service the Rollout names as ``canaryService``."""
+    return f"{name[:56]}-canary"
+
+
 def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_root: str, image: str, namespace: str, *,
                    pvc_name: str = DEFAULT_PVC, gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
                    startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD,
                    templates_dir: Path = TEMPLATES_DIR) -> tuple[dict[str, Optional[dict]], dict]:
-    """Template parameters per template file (None = template not rendered) and facts for DeployResult.
+    """Template parameters per template file (None = template not rendered) and facts for DeployResult
+    (``facts["derived"]``: output file -> (template file, parameters) for objects rendered from a template a
+    second time: the canary Service).
 
     ``templates_dir``: where ``triton-deployment.yaml`` is read for the pod template of a multi-node
     LeaderWorkerSet and of the probe (the one home of the hardened pod spec)."""
@@ -790,15 +812,21 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
            if replicas > 1 else None)
     if pdb is None:
         notes.append("replicas = 1: no PodDisruptionBudget (minAvailable: 1 would block every drain of the node).")
-    probe, monitor = (_probe_params(dep, pod_template, profile_name, ss.unit, image) if has_gate(model_repository)
-                      else (None, None))
+    derived: dict[str, tuple[str, dict]] = {}
+    canary = canary_service_name(name) if profile.deployment.workload == "argo-rollout" else None
+    if canary is not None:
+        # same ports and selector as the main Service; Argo Rollouts adds the canary ReplicaSet's
+        # rollouts-pod-template-hash to this selector at runtime, so the probe reaches canary pods only
+        derived[CANARY_SERVICE_FILE] = ("service.yaml", {**svc, "name": canary, "labels": {**labels, SERVICE_ROLE_LABEL: "canary"}})
+    probe, monitor = (_probe_params(dep, pod_template, profile_name, ss.unit, image, canary or name)
+                      if has_gate(model_repository) else (None, None))
     facts = {"name": name, "replicas": replicas, "gpus_per_replica": world, "gpu_products": products, "serving": ss,
              "launcher": launcher, "command": [*command, *args], "notes": notes, "probe_monitor": monitor,
-             "group_size": group, "pod_params": dep}
-    rollout, analysis = _argo_params(plan, profile, name, namespace, labels, annotations, selector, ss.unit, dep)
+             "group_size": group, "pod_params": dep, "derived": derived}
+    rollout, analysis = _argo_params(plan, profile, name, namespace, labels, annotations, selector, ss.unit, dep, canary)
     if rollout is not None:
-        notes.append("workload argo-rollout: apply the Rollout and AnalysisTemplate with the Deployment; the Rollout "
-                     "owns releases (k8s/README.md).")
+        notes.append(f"workload argo-rollout: apply the Rollout, AnalysisTemplate and canary Service {canary} with the "
+                     "Deployment; the Rollout owns releases, the probe targets the canary Service (k8s/README.md).")
     return {"triton-deployment.yaml": None if lws else dep, "service.yaml": svc, "pdb.yaml": pdb, "argo-rollout.yaml": rollout,
             "analysis-template.yaml": analysis, "triton-leaderworkerset.yaml": lws.get("lws"),
             "lws-launcher-serviceaccount.yaml": lws.get("sa"), "lws-launcher-role.yaml": lws.get("role"),
@@ -813,8 +841,10 @@ MAX_ERROR_RATE = 0.01
 ANALYSIS_INTERVAL = "60s"
 
 
-def _argo_params(plan, profile, name, namespace, labels, annotations, selector, unit, dep) -> tuple[Optional[dict], Optional[dict]]:
-    """Rollout and AnalysisTemplate parameters (None, None unless ``deployment.workload: argo-rollout``)."""
+def _argo_params(plan, profile, name, namespace, labels, annotations, selector, unit, dep,
+                 canary_service: Optional[str]) -> tuple[Optional[dict], Optional[dict]]:
+    """Rollout and AnalysisTemplate parameters (None, None unless ``deployment.workload: argo-rollout``);
+    ``canary_service``: the Rollout's ``strategy.canary.canaryService``."""
     d = profile.deployment
     if d.workload != "argo-rollout":
         return None, None
@@ -845,7 +875,7 @@ def _argo_params(plan, profile, name, namespace, labels, annotations, selector, 
                                                 "query": f"({fail}) / clamp_min({total}, 1e-9)"}}})
     rollout = {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations,
                "replicas": dep["replicas"], "progress_deadline_s": dep["progress_deadline_s"], "selector": selector,
-               "deployment_name": name, "analysis_name": name, "steps": steps}
+               "deployment_name": name, "analysis_name": name, "canary_service": canary_service, "steps": steps}
     analysis = {"name": name, "namespace": namespace, "labels": labels, "prometheus_address": DEFAULT_PROMETHEUS,
                 "metrics": metrics}
     return rollout, analysis
@@ -931,17 +961,17 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
                         + (f"lacks {', '.join(missing)}." if missing else ""),
                         "keep k8s/ and build/precision_pipeline/serving/deploy.py's parameter sets in step.")
     rendered: dict[str, str] = {}
-    for tname in found:
-        p = params[tname]
+    jobs = [(tname, tname, params[tname], f"k8s/{tname}") for tname in found]
+    jobs += [(out, tname, p, f"k8s/{tname} (as {out})") for out, (tname, p) in facts["derived"].items()]
+    for out, tname, p, where in jobs:
         if p is None:
             continue
-        where = f"k8s/{tname}"
         text = render_template((templates_dir / tname).read_text(), p, where)
         doc = parse_manifest(text, where)
         validate_manifest(doc, where, k8s_version)
         header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {plan.profile.name or profile.name}, "
                   f"engine unit {facts['serving'].unit}.\n# Validated against Kubernetes {k8s_version} (strict). Re-render; do not edit.\n")
-        rendered[tname] = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
+        rendered[out] = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
     monitoring: dict[str, str] = {}
     mon_dir = templates_dir / MONITORING_SUBDIR
     for tpath in sorted(mon_dir.glob("*.yaml")) if mon_dir.is_dir() else []:
@@ -1010,4 +1040,5 @@ def stage_inputs(plan: ResolvedPlan, profile, repo_root: str, image: str = DEFAU
 
 __all__ = ["render_manifests", "stage_inputs", "DeployResult", "DEFAULT_IMAGE", "DEFAULT_IMAGE_TRTLLM",
            "DEFAULT_IMAGE_SOURCE", "K8S_VERSION", "GPU_RESOURCE", "GPU_PRODUCT_LABEL", "serving_set",
-           "triton_command", "render_template", "validate_manifest", "gpu_product_label", "k8s_name", "alert_groups"]
+           "triton_command", "render_template", "validate_manifest", "gpu_product_label", "k8s_name", "alert_groups",
+           "canary_service_name", "CANARY_SERVICE_FILE"]
