@@ -565,7 +565,7 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
                           + ("" if state else " (not recorded: no releases.json)"))
             if every_s is None or (max_runs is not None and k >= max_runs):
                 break
-            _time.sleep(every_s)
+            _time.sleep(min(every_s, pr.RETRY_AFTER_ERROR_S) if "error" in s else every_s)
     except KeyboardInterrupt:
         pass
     finally:

@@ -175,6 +175,9 @@ def test_argo_rollout_and_analysis_template(tmp_path):
     assert f'engine_unit="{res.engine_unit}"' in m["probe-kl-p99"]["provider"]["prometheus"]["query"]
     assert 'rollouts_pod_template_hash="{{args.canary-hash}}"' in m["error-rate"]["provider"]["prometheus"]["query"]
     assert all(x["failureLimit"] == 0 for x in m.values())
+    # the probe's first result of the canary comes after a retry + a run + a scrape; the error rate is read at once
+    assert m["probe-kl-p99"]["initialDelay"] == m["probe-top1"]["initialDelay"] == "180s"
+    assert "initialDelay" not in m["error-rate"]
 
 
 def test_crd_schema_refuses_unknown_fields_and_bad_values(tmp_path):

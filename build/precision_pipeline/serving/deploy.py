@@ -637,6 +637,11 @@ SOURCE_DIR = "/workspace/precision-pipeline"
 derived image of the serving image (its ``.venv`` set up: the root filesystem is read-only)."""
 PROBE_METRICS_PORT = 8004
 PROBE_EVERY_S = 600
+PROBE_FIRST_RESULT_S = 180
+"""The AnalysisTemplate's ``initialDelay`` of the probe metrics: the canary's first probe result needs a
+probe retry after the canary pods are ready (``probe.RETRY_AFTER_ERROR_S``, 30 s), one probe run and a
+Prometheus scrape; without it the first measurement can precede any probe run of the new unit
+(``len(result) > 0`` fails) and abort a healthy canary."""
 """Seconds between probe runs (``PROBE_STALE_S`` allows three missed runs)."""
 PROBE_CPU, PROBE_MEMORY = "2", "8Gi"
 """Probe pod requests (memory limit = request): the tokenizer, lm_head in FP32 and the stored reference hidden
@@ -863,7 +868,8 @@ def _argo_params(plan, profile, name, namespace, labels, annotations, selector, 
         v = getattr(thr, field_name)
         if v is None:
             continue
-        metrics.append({"name": f"probe-{key.replace('_', '-')}", "interval": ANALYSIS_INTERVAL, "failureLimit": 0,
+        metrics.append({"name": f"probe-{key.replace('_', '-')}", "interval": ANALYSIS_INTERVAL,
+                        "initialDelay": f"{PROBE_FIRST_RESULT_S}s", "failureLimit": 0,
                         "successCondition": f"len(result) > 0 && result[0] {op} {v!r}",
                         "provider": {"prometheus": {"address": "{{args.prometheus-address}}",
                                                     "query": f'max({metric}{{engine_unit="{unit}"}})'}}})

@@ -50,6 +50,9 @@ from precision_pipeline.spec.profile import GateThresholds
 PROBE_METRICS = ("kl_p99", "top1")
 """The metrics the probe checks (threshold fields from ``checkpoint_gate.CHECKS``)."""
 DEFAULT_PROMPTS = 4
+RETRY_AFTER_ERROR_S = 30
+"""With ``--every N``: a run that errored (the unit not loaded yet, the server unreachable) is retried
+after min(N, this many seconds), not N, so a canary's first result does not wait a whole period."""
 DEFAULT_BOOTSTRAP = 200
 
 
@@ -323,5 +326,5 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
     return {"unit": unit, "profile": profile, "probe": summary}
 
 
-__all__ = ["ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
+__all__ = ["RETRY_AFTER_ERROR_S", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
            "PROBE_METRICS"]
