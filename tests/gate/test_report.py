@@ -235,6 +235,29 @@ def test_scale_section_png_and_markdown(tmp_path, fp8_checkpoint):
     assert "(expected: lm_head stays BF16)" in md
 
 
+def test_scale_histogram_stays_page_sized_with_flagged_values_on_a_log_count_axis(fp8_checkpoint):
+    """A kind whose counts span > 200x gets a log count axis; its flagged markers must not sit at y = 0
+    (-inf there): that once stretched an INT8 SmoothQuant histogram to 1076 x 51222 px."""
+    import io
+    import warnings
+
+    from PIL import Image
+
+    from precision_pipeline.checkpoint.scales import scale_report
+    from precision_pipeline.gate.report import plot_scale_histograms
+
+    sc = scale_report(fp8_checkpoint)
+    key = next(k for k in sc["kinds"] if k.startswith("activation_scaling_factor"))
+    h = sc["kinds"][key]["histogram"]
+    h["counts"] = [1000] + list(h["counts"][1:])  # force the log count axis (max/min > 200)
+    assert any(o["kind"] == key and o.get("value") for o in sc["outliers"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layout warning either
+        png = plot_scale_histograms(sc)
+    w, hgt = Image.open(io.BytesIO(png)).size
+    assert w < 2000 and hgt < 800
+
+
 def test_scale_section_html(tmp_path, fp8_checkpoint):
     res = _write_with_scales(tmp_path, fp8_checkpoint)
     html_text = (tmp_path / "gate" / "report.html").read_text()

@@ -85,3 +85,26 @@ def test_test_checkpoints_carry_the_real_modelopt_warnings(fp8_checkpoint):
     d = read_quantize_warnings(fp8_checkpoint)
     assert d is not None
     assert any("lm_head" in w["message"] and w["expected"] and w["origin"].startswith("postprocess.py:") for w in d["warnings"])
+
+
+def test_third_party_prints_are_labelled_and_ours_pass_through(capsys):
+    """ModelOpt print()s ("Inserted 756 quantizers") get a label saying whose line it is; our own
+    ``[stage] ...`` lines and blank lines are left as they are / dropped."""
+    import sys
+
+    from precision_pipeline.quantize.ptq import labelled_prints
+
+    with labelled_prints("quantize"):
+        print("Inserted 756 quantizers")
+        print("[quantize] calibration pass 1: 32/32 samples")
+        print()
+        print("current rank: 0, tp rank: 0, ", end="")
+        sys.stdout.write("[quantize] export: running (10s)\n")  # a heartbeat line in between
+        print("pp rank: 0")
+        print("no newline at the end", end="")
+    assert capsys.readouterr().out.splitlines() == [
+        "[quantize] ModelOpt: Inserted 756 quantizers",
+        "[quantize] calibration pass 1: 32/32 samples",
+        "[quantize] export: running (10s)",
+        "[quantize] ModelOpt: current rank: 0, tp rank: 0, pp rank: 0",
+        "[quantize] ModelOpt: no newline at the end"]

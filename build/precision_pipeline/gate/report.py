@@ -194,7 +194,8 @@ def plot_scale_histograms(scales: dict) -> bytes:
     keys = list(kinds)
     ncols = min(3, len(keys))
     nrows = -(-len(keys) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.1 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.1 * nrows), squeeze=False,
+                             layout="constrained")  # tight_layout warns (and gives up) with two-line titles
     flagged: dict[str, list[float]] = {}
     for o in scales.get("outliers", []):
         if o.get("value"):
@@ -217,8 +218,10 @@ def plot_scale_histograms(scales: dict) -> bytes:
             ax.axvline(k["median"], color="k", linestyle="--", linewidth=1, label=f"median {k['median']:.3g}")
         xs = flagged.get(key, [])
         if xs:
+            # at the x axis in axes coordinates: y = 0 in data coordinates is -inf on a log count axis,
+            # which stretched the figure to ~50,000 px (INT8 SmoothQuant's per-channel scales)
             ax.plot(xs, [0] * len(xs), "|", color="#c0392b", markersize=14, markeredgewidth=2, clip_on=False,
-                    label=f"flagged: {len(xs)}")
+                    transform=ax.get_xaxis_transform(), label=f"flagged: {len(xs)}")
         if k.get("implied_amax") is not None:
             ax.plot([], [], " ", label=f"max -> amax {k['implied_amax']:.4g}")
         lo_x, hi_x = ax.get_xlim()
@@ -235,7 +238,6 @@ def plot_scale_histograms(scales: dict) -> bytes:
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.suptitle("Scale factors of the exported checkpoint", fontsize=11)
-    fig.tight_layout()
     return _png(fig)
 
 

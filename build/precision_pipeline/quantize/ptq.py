@@ -65,7 +65,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -235,9 +237,6 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
         cfg["algorithm"] = {"method": "smoothquant", "alpha": float(q.smoothquant_alpha)}
         name = f"{base_name}(alpha={q.smoothquant_alpha})"
     if kv_cfg is not None:
-        import contextlib
-        import io
-
         with contextlib.redirect_stdout(io.StringIO()):  # it prints the whole config
             cfg = update_quant_cfg_with_kv_cache_quant(cfg, kv_cfg)
         name += f"+{kv_name}"
@@ -557,11 +556,57 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
     """
     log_path = Path(out_dir).parent / QUANTIZE_LOG
     with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress),
-                           record_path=Path(out_dir) / QUANTIZE_WARNINGS):
+                           record_path=Path(out_dir) / QUANTIZE_WARNINGS), labelled_prints("quantize"):
         qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set, device=device, dtype=dtype)
         res = export_checkpoint(qm, out_dir, show_progress=show_progress)
         res.calib_dtype = dtype
         return res
+
+
+class _LabelledLines(io.TextIOBase):
+    """A stdout that passes our own lines (``[stage] ...``) through and labels every other line
+    (ModelOpt's ``print``s: "Inserted 756 quantizers", "current rank: 0, tp rank: 0, pp rank: 0") as
+    ``[stage] ModelOpt: ...``, so a log says whose line it is."""
+
+    def __init__(self, out, stage: str):
+        self._out, self._stage, self._buf = out, stage, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        if s.startswith("[") and s.endswith("\n") and s.count("\n") == 1:  # one whole line of ours (a progress
+            self._out.write(s)  # heartbeat from another thread): never mixed into a half-printed third-party line
+            return len(s)
+        self._buf += s
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            self._emit(line)
+        return len(s)
+
+    def _emit(self, line: str) -> None:
+        if line.strip():
+            self._out.write((line if line.startswith("[") else f"[{self._stage}] ModelOpt: {line.strip()}") + "\n")
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def close_buffer(self) -> None:
+        if self._buf:
+            self._emit(self._buf)
+            self._buf = ""
+        self.flush()
+
+
+@contextlib.contextmanager
+def labelled_prints(stage: str) -> Iterator[None]:
+    """Within the block, label third-party ``print`` output on stdout (``_LabelledLines``)."""
+    out = _LabelledLines(sys.stdout, stage)
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    finally:
+        out.close_buffer()
 
 
 QUANTIZE_LOG = "quantize.log"
