@@ -11,7 +11,8 @@ import pytest
 from precision_pipeline.spec.names import llama_linear_names, resolve_exclusions
 from precision_pipeline.spec.profile import load_profile, load_raw, shipped_profiles
 
-TUNED = {"nvfp4-b200-smollm2": ("nvfp4-b200", 44), "int4-awq-a100-smollm2": ("int4-awq-a100", 16)}
+TUNED = {"nvfp4-b200-smollm2": ("nvfp4-b200", 44), "int4-awq-a100-smollm2": ("int4-awq-a100", 16),
+         "int8-sq-l4-smollm2": ("int8-sq-l4", 2)}
 
 
 def test_the_tuned_profiles_are_shipped():
