@@ -26,12 +26,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # torch's OpenMP threads spin while waiting by default; on a shared 2-core machine that made
 # calibration forwards up to 50x slower. PASSIVE makes idle threads sleep instead.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ModelOpt's tqdm bars ("Estimating auto_quantize scores", "Calibrating for CUSTOM_1") write carriage-return
+# fragments into a log and fight our own progress lines, which count the same work ([quantize] per-layer
+# search: 8/18 steps ...): tqdm reads TQDM_DISABLE (tqdm >= 4.66). TQDM_DISABLE=0 brings them back.
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+LOG_WIDTH = 160
+"""Columns of a table printed into a log (not a terminal): rich's default of 80 cut every wide table
+(build, compare) into unreadable fragments; a terminal keeps its own width. ``COLUMNS`` overrides."""
 
 
 def _console():
     from rich.console import Console
 
-    return Console(stderr=False, highlight=False)
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else LOG_WIDTH
+    return Console(stderr=False, highlight=False, width=width)
 
 
 def _internal_error() -> None:
