@@ -88,6 +88,7 @@ ACCURACY_PRIOR: dict[str, Accuracy] = {
     "bf16-h100": Accuracy("prior", 0.0, 0.0, 1.0, f"{SRC_PRIOR}: bf16-h100"),
     "fp8-h100": Accuracy("prior", 0.0539, 0.424, 0.898, f"{SRC_PRIOR}: fp8-h100"),
     "int8-sq-l4": Accuracy("prior", 0.3696, 2.600, 0.737, f"{SRC_PRIOR}: int8-sq-l4"),
+    "int8-sq-l4-smollm2": Accuracy("prior", 0.1841, 1.793, 0.817, f"{SRC_PRIOR}: int8-sq-l4-smollm2"),
     "int4-awq-a100": Accuracy("prior", 0.3392, 2.517, 0.745, f"{SRC_PRIOR}: int4-awq-a100"),
     "int4-awq-a100-smollm2": Accuracy("prior", 0.2353, 1.878, 0.792, f"{SRC_PRIOR}: int4-awq-a100-smollm2"),
     "nvfp4-b200": Accuracy("prior", 0.5905, 3.614, 0.653, f"{SRC_PRIOR}: nvfp4-b200"),
