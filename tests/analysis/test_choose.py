@@ -174,7 +174,7 @@ def test_compare_page_in_a_browser(default_model_dir, tmp_path):
               img: Array.from(document.images).map(i => [i.naturalWidth, i.naturalHeight])})""")
         finally:
             b.close()
-    assert ok == [True] and facts["img"] == [[750, 480]]
+    assert ok == [True] and facts["img"] == [[850, 520]]
     assert {r["profile"] for r in facts["rows"]} == {"fp8-h100@h100-sxm", "bf16-h100@h100-sxm", "int4-awq-a100@h100-sxm"}
     assert {r["profile"] for r in facts["rows"] if r["frontier"]} == front
     assert {r["profile"]: r["kl"] for r in facts["rows"]}["fp8-h100@h100-sxm"] == "0.424"
@@ -249,3 +249,22 @@ def test_b200_picks_the_tuned_nvfp4_profile_that_meets_the_bound(default_model_d
     p = load_profile(str(C.write_profile(tuned, tmp_path / "b200.yaml")))
     assert p.quantization.exclude_modules == load_profile("nvfp4-b200-smollm2").quantization.exclude_modules
     assert C.profile_file_stem("b200", tuned.label) == "rec-b200-nvfp4-kv-fp8-tp1-nvfp4-b200-smollm2"
+
+
+def test_chart_labels_of_nearby_points_do_not_overlap():
+    """Two profiles at (almost) the same point (fp8-h100 / fp8-h200 on one GPU): the second label moves
+    up one line with a leader; a far point keeps its plain offset."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=100)
+    ax.set_xlim(0, 100), ax.set_ylim(0, 10)
+    C._annotate_apart(ax, fig, [((50, 5), "fp8-h100"), ((50.2, 5), "fp8-h200"), ((10, 1), "bf16-h100")])
+    ann = {a.get_text(): a for a in ax.texts}
+    offs = {k: a.xyann for k, a in ann.items()}
+    assert offs["bf16-h100"] == (6.0, 6.0) and offs["fp8-h100"] == (6.0, 6.0)
+    assert offs["fp8-h200"][1] >= 6 + 11 - 2  # moved up one line (minus the 0.2 x-offset's pixels)
+    assert ann["fp8-h200"].arrow_patch is not None and ann["fp8-h100"].arrow_patch is None
+    plt.close(fig)

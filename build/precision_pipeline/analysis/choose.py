@@ -504,15 +504,18 @@ def pareto_png(cands: list[Candidate]) -> bytes:
 
     pts = [c for c in cands if not c.refused and c.accuracy.kl_p99 is not None]
     front = pareto(cands)
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=100)
+    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=100)
     wmax = max((c.plan.memory.weight_bytes_per_gpu for c in pts), default=1)
+    gpus = {c.label.rpartition("@")[2] for c in pts if "@" in c.label}
+    same_gpu = len(gpus) == 1 and all("@" in c.label for c in pts)  # compare --gpu G: G goes into the title
     for c in pts:
         x, y = c.estimate["decode_tokens_per_s_per_gpu"], c.accuracy.kl_p99
         size = 60 + 600 * c.plan.memory.weight_bytes_per_gpu / wmax
         on = c in front
         ax.scatter([x], [y], s=size, alpha=0.6, edgecolors="black" if on else "none", linewidths=2 if on else 0,
                    marker="o" if c.accuracy.kind == "measured" else "s")
-        ax.annotate(c.label, (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    _annotate_apart(ax, fig, [((c.estimate["decode_tokens_per_s_per_gpu"], c.accuracy.kl_p99),
+                               c.label.rpartition("@")[0] if same_gpu else c.label) for c in pts])
     if front:
         f = sorted(front, key=lambda c: c.estimate["decode_tokens_per_s_per_gpu"])
         ax.plot([c.estimate["decode_tokens_per_s_per_gpu"] for c in f], [c.accuracy.kl_p99 for c in f], "k--", lw=1,
@@ -520,13 +523,32 @@ def pareto_png(cands: list[Candidate]) -> bytes:
         ax.legend(loc="upper left", fontsize=8)
     ax.set_xlabel("decode tokens/s per GPU (roofline estimate)")
     ax.set_ylabel("KL P99 vs reference (nats; circle measured, square prior)")
-    ax.set_title("accuracy loss vs estimated throughput (marker size = weight bytes per GPU)", fontsize=10)
+    ax.set_title("accuracy loss vs estimated throughput" + (f" on {gpus.pop()}" if same_gpu else ", each on its own GPU")
+                 + " (marker size = weight bytes per GPU)", fontsize=10)
     ax.grid(alpha=0.3)
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
+
+
+def _annotate_apart(ax, fig, points: list[tuple[tuple[float, float], str]], line_px: float = 11.0) -> None:
+    """Label each point to its upper right, moving a label up (in screen pixels) while it would
+    overlap one placed before it (points taken bottom to top), with a leader line when moved."""
+    fig.canvas.draw()
+    to_px = ax.transData.transform
+    placed: list[tuple[float, float, float]] = []  # x0, x1, y of each label's baseline, in pixels
+    for (x, y), text in sorted(points, key=lambda p: (p[0][1], p[0][0])):
+        px, py = to_px((x, y))
+        lx, ly = px + 6, py + 6
+        width = 5.2 * len(text)  # 8 pt sans: ~5.2 px per character at 100 dpi
+        while any(lx < b1 and a0 < lx + width and abs(ly - by) < line_px for a0, b1, by in placed):
+            ly += line_px
+        placed.append((lx, lx + width, ly))
+        moved = ly - py > 6 + 0.5
+        ax.annotate(text, (x, y), xytext=(lx - px, ly - py), textcoords="offset pixels", fontsize=8,
+                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4"} if moved else None)
 
 
 def table_rows(cands: list[Candidate]) -> list[dict]:
