@@ -30,6 +30,11 @@ def inv(*args, **kw):
     (["rollback", "--repo", "/nonexistent/x"], "--repo"),
     (["rollback", "--repo", "/tmp", "--to", ""], "--to"),
     (["bench", "../tasks"], "NAME"),
+    (["recommend", "--gpu", "h100", "--measure", "--top", "x"], "--top"),
+    (["sensitivity", "--profile", "nvfp4-b200", "--prompts", "x"], "--prompts"),
+    (["probe", "--gate", "/nonexistent/gate", "--prompts", "x"], "--prompts"),
+    (["compare", "--profiles", ",,", "--out", "/nonexistent-dir/cmp"], "--profiles"),
+    (["compare", "--profiles", "fp8-h100,precision_profiles/fp8-h100.yaml", "--out", "/nonexistent-dir/cmp"], "--profiles"),
 ])
 def test_bad_values_exit_2_with_a_sentence(args, flag):
     p = inv(*args)
