@@ -611,8 +611,11 @@ def _margin(value) -> float:
 
     if value is None:
         return 1.0
-    v = _float_arg("--margin", value)
-    if not 0 < v <= 1:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not 0 < v <= 1:  # also NaN and text: one range in every message
         raise UserError("--margin", f"{value!r} is not in (0, 1].", "pass e.g. --margin 0.8 (aim at 80 % of the thresholds).")
     return v
 

@@ -146,3 +146,10 @@ def test_unwritable_output_is_a_sentence_not_a_traceback(err, capsys):
     assert ei.value.code == 2
     assert "cannot write /srv/out/.checkpoint.tmp-1/rank0.safetensors" in out.out and "intact" in out.out
     assert "Traceback" not in out.out + out.err
+
+
+@pytest.mark.parametrize("margin", ["-1", "0", "1.5", "nan"])
+def test_margin_outside_0_1_names_the_range(margin):
+    p = inv("sensitivity", "--profile", "nvfp4-b200", "--margin", margin, "--out", "/nonexistent-dir/s")
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
+    assert "--margin:" in p.stdout and "is not in (0, 1]" in p.stdout

@@ -407,3 +407,18 @@ def test_write_profile_onto_the_analysed_profile_or_a_shipped_one_is_refused(tmp
     with pytest.raises(UserError, match="not written by invoke"):
         write_tuned_profile(_verified_data(), "fp8-h100", PROFILES_DIR / "bf16-h100.yaml")
     assert own.read_text() == before and (PROFILES_DIR / "bf16-h100.yaml").read_bytes() == shipped
+
+
+def test_missed_suggestion_under_a_small_margin_names_the_margin_as_a_fix(tmp_path):
+    from precision_pipeline.analysis.sensitivity import write_tuned_profile
+    from precision_pipeline.core.errors import GateFailed
+
+    d = _verified_data()
+    d["suggestion"]["meets_measured"] = False
+    with pytest.raises(GateFailed) as e:
+        write_tuned_profile(d, "fp8-h100", tmp_path / "t.yaml")
+    assert "--margin" not in str(e.value)  # at margin 1 the margin is no way out
+    d["margin"] = 1e-9
+    with pytest.raises(GateFailed, match=r"x 1e-09: no profile written.*a larger --margin \(now 1e-09\)"):
+        write_tuned_profile(d, "fp8-h100", tmp_path / "t.yaml")
+    assert not (tmp_path / "t.yaml").exists()

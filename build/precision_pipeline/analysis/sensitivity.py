@@ -970,7 +970,9 @@ def write_tuned_profile(data: dict, profile_arg: str, path: Path, command: str =
                          f"{m.get('kl_mean', float('nan')):.4g} / P99 {m.get('kl_p99', float('nan')):.4g} against "
                          f"<= {data['thresholds'].get('kl_mean_max')} / <= {data['thresholds'].get('kl_p99_max')} x "
                          f"{data.get('margin', 1.0):g}: "
-                         "no profile written. Fix: measure more prompts (--prompts 2) or use a wider format.")
+                         "no profile written. Fix: measure more prompts (--prompts 2) or use a wider format"
+                         + (f", or aim at a larger --margin (now {data['margin']:g})" if data.get("margin", 1.0) < 1 else "")
+                         + ".")
     path = Path(path).expanduser().resolve()
     save_profile(path, tuned_profile_yaml(data, extends_reference(profile_arg, path), command), field="--write-profile")
     return path
