@@ -652,6 +652,11 @@ def sensitivity(c, profile, model=None, out=None, prompts=None, fresh=False, che
         n = 0
     if n < 1:
         raise UserError("--prompts", f"{prompts!r} is not a positive number of prompts per category.", "pass e.g. --prompts 1.")
+    if write_profile:  # a bad target is refused before minutes of measuring, not after
+        from precision_pipeline.analysis.sensitivity import extends_reference
+        from precision_pipeline.spec.profile import check_profile_target
+
+        extends_reference(profile, check_profile_target(Path(write_profile), "--write-profile", name_from_stem=True))
     res = run_sensitivity(prof, model_dir, out_dir, SensitivityOptions(prompts_per_category=n),
                           SensitivityRuntime(fresh=bool(fresh), margin=_margin(margin)),
                           checkpoint_dir=Path(checkpoint).expanduser() if checkpoint else None, layers=_parse_layers(layers))

@@ -153,3 +153,15 @@ def test_margin_outside_0_1_names_the_range(margin):
     p = inv("sensitivity", "--profile", "nvfp4-b200", "--margin", margin, "--out", "/nonexistent-dir/s")
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     assert "--margin:" in p.stdout and "is not in (0, 1]" in p.stdout
+
+
+@pytest.mark.parametrize("target, says", [("t.txt", "does not end in .yaml"), ("f.yaml/t.yaml", "is a file, not a folder"),
+                                          ("mine.yaml", "not written by invoke"),
+                                          ("My Profile.yaml", "name the file e.g. my-profile.yaml")])
+def test_bad_write_profile_target_is_refused_before_measuring(tmp_path, target, says):
+    (tmp_path / "f.yaml").write_text("x")
+    (tmp_path / "mine.yaml").write_text("extends: fp8-h100\n")
+    p = inv("sensitivity", "--profile", "fp8-h100", "--out", str(tmp_path / "empty"), "--write-profile", str(tmp_path / target))
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
+    assert "--write-profile:" in p.stdout and says in p.stdout  # not the missing checkpoint of --out: nothing was measured
+    assert not (tmp_path / "empty").exists()

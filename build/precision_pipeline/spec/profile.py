@@ -644,6 +644,37 @@ WRITTEN_BY = "# Written by `invoke "
 --write-profile``): ``save_profile`` replaces only such files, never a hand-written or shipped one."""
 
 
+def check_profile_target(path: Path, field: str = "--write", name_from_stem: bool = False) -> Path:
+    """``path`` resolved, when a profile may be written there: it ends in ``.yaml``/``.yml``, is not a folder,
+    no folder above it is a file, and it does not exist or starts with ``WRITTEN_BY`` (a hand-written or
+    shipped profile is never replaced); with ``name_from_stem`` (the text will set no ``name:``) its stem
+    is a profile name. Raises UserError naming ``field`` otherwise. Callers check this before long work
+    whose result goes there (``invoke sensitivity --write-profile``)."""
+    path = Path(path).expanduser().resolve()
+    if path.suffix not in (".yaml", ".yml"):
+        raise UserError(field, f"{_short(str(path))} does not end in .yaml.", "name the file e.g. my-profile.yaml.")
+    if name_from_stem and not NAME_RE.match(path.stem):
+        raise UserError(field, f"{_short(path.name)}: the file name is the profile's name, and {_short(path.stem)} is not "
+                        "one (lower-case letters, digits, '.', '_', '-'; at most 64 characters).",
+                        f"name the file e.g. {re.sub(r'[^a-z0-9._-]+', '-', path.stem.lower()).strip('-._')[:64] or 'my-profile'}.yaml.")
+    if path.is_dir():
+        raise UserError(field, f"{_short(str(path))} is a folder.", "give a file path ending in .yaml.")
+    blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise UserError(field, f"{_short(str(blocker))} is a file, not a folder, so {_short(path.name)} cannot go under it.",
+                        "give a path whose folders are folders.")
+    if path.exists():
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                ours = f.read(len(WRITTEN_BY)) == WRITTEN_BY
+        except OSError:
+            ours = False
+        if not ours:
+            raise UserError(field, f"{_short(str(path))} exists and was not written by invoke (a hand-written or shipped "
+                            "profile); it is kept as it is.", "write to a new file name, or move that file away first.")
+    return path
+
+
 def save_profile(path: Path, text: str, field: str = "--write") -> Profile:
     """Write the profile YAML ``text`` to ``path`` atomically, after the strict loader accepted it as if
     it were already there (so ``extends`` resolves from ``path``'s folder and the name is ``path``'s stem).
@@ -655,23 +686,7 @@ def save_profile(path: Path, text: str, field: str = "--write") -> Profile:
     """
     from precision_pipeline.core.store import atomic_write_text
 
-    path = Path(path).expanduser().resolve()
-    if path.suffix not in (".yaml", ".yml"):
-        raise UserError(field, f"{_short(str(path))} does not end in .yaml.", "name the file e.g. my-profile.yaml.")
-    if path.is_dir():
-        raise UserError(field, f"{_short(str(path))} is a folder.", "give a file path ending in .yaml.")
-    blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
-    if blocker is not None:
-        raise UserError(field, f"{_short(str(blocker))} is a file, not a folder, so {_short(path.name)} cannot go under it.",
-                        "give a path whose folders are folders.")
-    if path.exists():
-        try:
-            ours = path.read_text(encoding="utf-8", errors="replace").startswith(WRITTEN_BY)
-        except OSError:
-            ours = False
-        if not ours:
-            raise UserError(field, f"{_short(str(path))} exists and was not written by invoke (a hand-written or shipped "
-                            "profile); it is kept as it is.", "write to a new file name, or move that file away first.")
+    path = check_profile_target(path, field)
     try:
         data = _safe_load(text)
     except yaml.YAMLError as e:  # pragma: no cover - our own writers emit valid YAML
