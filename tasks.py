@@ -512,7 +512,7 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
             "runs": "with --every: stop after this many runs", "out": "the build's output folder",
             "model": "the reference model's HF folder when it is not where the gate ran (another machine, a pod)"})
 @guarded
-def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None, prompts=4, metrics_port=None,
+def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None, prompts=None, metrics_port=None,
           runs=None, out=None, model=None):
     """Accuracy probe of the live server: golden prompts vs the gate's FP32 reference (serving/probe.py)."""
     import time as _time
@@ -525,7 +525,7 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
     con = _console()
     repo_dir = _serving_repo(repo)
     state = release.read_state(repo_dir) if repo_dir.is_dir() else None
-    n = _int_arg("--prompts", prompts, 1, 65)
+    n = _int_arg("--prompts", prompts, 1, 65) or 4  # default None: invoke would int() a typed default itself
     every_s = None if every is None else float(_int_arg("--every", every, 1, 86400))
     max_runs = _int_arg("--runs", runs, 1) if runs is not None else None
     port = _int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
@@ -621,8 +621,11 @@ def _margin(value) -> float:
 
     if value is None:
         return 1.0
-    v = _float_arg("--margin", value)
-    if not 0 < v <= 1:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not 0 < v <= 1:  # also NaN and text: one range in every message
         raise UserError("--margin", f"{value!r} is not in (0, 1].", "pass e.g. --margin 0.8 (aim at 80 % of the thresholds).")
     return v
 
@@ -641,7 +644,7 @@ def _margin(value) -> float:
               "golden set); measurements are reused",
 })
 @guarded
-def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkpoint=None, layers=None,
+def sensitivity(c, profile, model=None, out=None, prompts=None, fresh=False, checkpoint=None, layers=None,
                 write_profile=None, margin=None):
     """Per-layer sensitivity: quantize one cell at a time, KL heatmap, cheapest exclude_modules that pass the gate."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (shared CPUs)
@@ -654,11 +657,16 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
     model_dir = _model_dir(model)
     out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
     try:
-        n = int(prompts)
+        n = 1 if prompts is None else int(prompts)  # default None: invoke would int() a typed default itself
     except ValueError:
         n = 0
     if n < 1:
         raise UserError("--prompts", f"{prompts!r} is not a positive number of prompts per category.", "pass e.g. --prompts 1.")
+    if write_profile:  # a bad target is refused before minutes of measuring, not after
+        from precision_pipeline.analysis.sensitivity import extends_reference
+        from precision_pipeline.spec.profile import check_profile_target
+
+        extends_reference(profile, check_profile_target(Path(write_profile), "--write-profile", name_from_stem=True))
     res = run_sensitivity(prof, model_dir, out_dir, SensitivityOptions(prompts_per_category=n),
                           SensitivityRuntime(fresh=bool(fresh), margin=_margin(margin)),
                           checkpoint_dir=Path(checkpoint).expanduser() if checkpoint else None, layers=_parse_layers(layers))
@@ -696,7 +704,7 @@ def sensitivity(c, profile, model=None, out=None, prompts=1, fresh=False, checkp
         from precision_pipeline.analysis.sensitivity import write_tuned_profile
 
         cmd = f"--profile {profile} --prompts {n}" + (f" --margin {margin}" if margin else "") + (
-            f" --model {model}" if model else "")
+            f" --layers {layers}" if layers else "") + (f" --model {model}" if model else "")
         path = write_tuned_profile(d, profile, Path(write_profile), command=cmd)
         con.print(f"wrote {path}: build it with invoke build --profile {path}", soft_wrap=True)
 
@@ -801,7 +809,7 @@ def _gate_builder(con, model, golden_limit):
             "golden_limit": "with --measure: only the first N golden prompts per category (quick, noisier numbers)"})
 @guarded
 def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=None, context=None, write=None,
-              measure=False, top=2, golden_limit=None):
+              measure=False, top=None, golden_limit=None):
     """Best profile for a GPU under constraints (roofline estimates); exit 2 when none meets them all."""
     from precision_pipeline.analysis import choose as ch
     from precision_pipeline.pipeline import _model_dir
@@ -813,7 +821,7 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
     rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx)
     con = _console()
     if measure:
-        n_top = _int_arg("--top", top, 1, 64)
+        n_top = _int_arg("--top", top, 1, 64) or 2  # default None: invoke would int() a typed default itself
         builds = ch.measure_top(rec, n_top, ROOT / "artifacts" / "recommend", _gate_builder(
             con, model, _int_arg("--golden-limit", golden_limit, 1, 1000)), command=f"--gpu {gpu} --measure")
         for b in builds:

@@ -30,6 +30,11 @@ def inv(*args, **kw):
     (["rollback", "--repo", "/nonexistent/x"], "--repo"),
     (["rollback", "--repo", "/tmp", "--to", ""], "--to"),
     (["bench", "../tasks"], "NAME"),
+    (["recommend", "--gpu", "h100", "--measure", "--top", "x"], "--top"),
+    (["sensitivity", "--profile", "nvfp4-b200", "--prompts", "x"], "--prompts"),
+    (["probe", "--gate", "/nonexistent/gate", "--prompts", "x"], "--prompts"),
+    (["compare", "--profiles", ",,", "--out", "/nonexistent-dir/cmp"], "--profiles"),
+    (["compare", "--profiles", "fp8-h100,precision_profiles/fp8-h100.yaml", "--out", "/nonexistent-dir/cmp"], "--profiles"),
 ])
 def test_bad_values_exit_2_with_a_sentence(args, flag):
     p = inv(*args)
@@ -141,3 +146,22 @@ def test_unwritable_output_is_a_sentence_not_a_traceback(err, capsys):
     assert ei.value.code == 2
     assert "cannot write /srv/out/.checkpoint.tmp-1/rank0.safetensors" in out.out and "intact" in out.out
     assert "Traceback" not in out.out + out.err
+
+
+@pytest.mark.parametrize("margin", ["-1", "0", "1.5", "nan"])
+def test_margin_outside_0_1_names_the_range(margin):
+    p = inv("sensitivity", "--profile", "nvfp4-b200", "--margin", margin, "--out", "/nonexistent-dir/s")
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
+    assert "--margin:" in p.stdout and "is not in (0, 1]" in p.stdout
+
+
+@pytest.mark.parametrize("target, says", [("t.txt", "does not end in .yaml"), ("f.yaml/t.yaml", "is a file, not a folder"),
+                                          ("mine.yaml", "not written by invoke"),
+                                          ("My Profile.yaml", "name the file e.g. my-profile.yaml")])
+def test_bad_write_profile_target_is_refused_before_measuring(tmp_path, target, says):
+    (tmp_path / "f.yaml").write_text("x")
+    (tmp_path / "mine.yaml").write_text("extends: fp8-h100\n")
+    p = inv("sensitivity", "--profile", "fp8-h100", "--out", str(tmp_path / "empty"), "--write-profile", str(tmp_path / target))
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
+    assert "--write-profile:" in p.stdout and says in p.stdout  # not the missing checkpoint of --out: nothing was measured
+    assert not (tmp_path / "empty").exists()

@@ -380,3 +380,45 @@ def test_margin_aims_below_the_thresholds_and_reuses_every_cell(corrupted_run, g
     assert s["meets_measured"] == (s["measured"]["kl_mean"] <= 0.3 * thr)
     assert s["predicted"]["kl_mean"] <= 0.3 * thr or not s["reachable"]
     assert s["rounds"][0]["target"]["kl_mean_max"] == pytest.approx(0.3 * thr)
+
+
+def _verified_data() -> dict:
+    """A sensitivity.json with a verified suggestion (no measuring: the writer only reads these fields)."""
+    return {"profile": "fp8-h100", "model": "SmolLM2-135M-Instruct", "margin": 1.0,
+            "thresholds": {"kl_mean_max": 0.25, "kl_p99_max": 2.0}, "prompts": {"ids": ["a"], "answer_tokens": 10},
+            "suggestion": {"cells": ["L0.mlp.proj"], "meets_measured": True, "cost_bytes": 2**20,
+                           "exclude_modules": ["lm_head", "transformer.layers.0.mlp.proj"],
+                           "measured": {"kl_mean": 0.1, "kl_p99": 1.0, "top1": 0.9}}}
+
+
+def test_write_profile_onto_the_analysed_profile_or_a_shipped_one_is_refused(tmp_path):
+    from precision_pipeline.analysis.sensitivity import write_tuned_profile
+    from precision_pipeline.spec.profile import PROFILES_DIR
+
+    own = tmp_path / "own.yaml"
+    write_tuned_profile(_verified_data(), "fp8-h100", own)  # a tool-written profile ...
+    before = own.read_text()
+    with pytest.raises(UserError, match="is the analysed profile itself") as e:  # ... analysed and written onto itself
+        write_tuned_profile(_verified_data(), str(own), own)
+    assert e.value.problems[0].field == "--write-profile" and "-tuned.yaml" in e.value.problems[0].fix
+    with pytest.raises(UserError, match="is the analysed profile itself"):
+        write_tuned_profile(_verified_data(), "fp8-h100", PROFILES_DIR / "fp8-h100.yaml")
+    shipped = (PROFILES_DIR / "bf16-h100.yaml").read_bytes()
+    with pytest.raises(UserError, match="not written by invoke"):
+        write_tuned_profile(_verified_data(), "fp8-h100", PROFILES_DIR / "bf16-h100.yaml")
+    assert own.read_text() == before and (PROFILES_DIR / "bf16-h100.yaml").read_bytes() == shipped
+
+
+def test_missed_suggestion_under_a_small_margin_names_the_margin_as_a_fix(tmp_path):
+    from precision_pipeline.analysis.sensitivity import write_tuned_profile
+    from precision_pipeline.core.errors import GateFailed
+
+    d = _verified_data()
+    d["suggestion"]["meets_measured"] = False
+    with pytest.raises(GateFailed) as e:
+        write_tuned_profile(d, "fp8-h100", tmp_path / "t.yaml")
+    assert "--margin" not in str(e.value)  # at margin 1 the margin is no way out
+    d["margin"] = 1e-9
+    with pytest.raises(GateFailed, match=r"x 1e-09: no profile written.*a larger --margin \(now 1e-09\)"):
+        write_tuned_profile(d, "fp8-h100", tmp_path / "t.yaml")
+    assert not (tmp_path / "t.yaml").exists()

@@ -89,3 +89,18 @@ def test_memory_refusal_suggests_a_cold_fallback_only_when_warm(default_model_di
         return
     assert pr is not None and pr.field == "target.gpu" and "warm fallback" in pr.reason
     assert "deployment.warm_fallback: false" in pr.fix
+
+
+def test_multi_node_layout_is_refused_by_check_not_only_at_deploy(default_model_dir):
+    """tp 3 over 2-GPU nodes (3 ranks on 2 pods) and argo-rollout with a multi-node engine used to pass
+    `invoke check` and fail only when the serving stage rendered the manifests, after quantize and gate."""
+    over = dict(parallel__tp_size=3, deployment__gpus_per_replica=3, deployment__fallback=None,
+                deployment__warm_fallback=False)
+    pr = refusals(prof("fp8-h100", deployment__gpus_per_node=2, **over), default_model_dir)["layout.nodes"]
+    assert pr.field == "deployment.gpus_per_node" and "do not split evenly over 2 pods" in pr.reason
+    pr = refusals(prof("fp8-h100", deployment__gpus_per_node=1, deployment__workload="argo-rollout", **over),
+                  default_model_dir)["layout.nodes"]
+    assert pr.field == "deployment.workload" and "argo-rollout cannot own a multi-node engine (3 GPUs over 3 pods)" in pr.reason
+    for ok in (1, 3, None):
+        fits = refusals(prof("fp8-h100", deployment__gpus_per_node=ok, **over), default_model_dir)
+        assert "layout.nodes" not in fits

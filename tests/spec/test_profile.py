@@ -306,3 +306,59 @@ def load_raw_fp8():
     data = load_raw("fp8-h100")
     data["name"] = "fp8-h100"
     return data
+
+
+@pytest.mark.parametrize("bad,why", [("http://c:99999", "port"), ("http://c:abc", "port"), ("http://c:0", "port"),
+                                     ("http://[::1", "not a URL"), ("http://c:4318\u200b", "not a URL"),
+                                     ("http://c\x00:4318", "not a URL"), ("http://" + "a" * 300 + ":4318", "host name"),
+                                     ("http://c:4318/" + "p" * 3000, "characters")])
+def test_otlp_endpoint_port_length_and_invisible_characters_are_user_errors(bad, why):
+    from precision_pipeline.spec.profile import otlp_endpoint_problem
+
+    assert why in (otlp_endpoint_problem(bad) or "")
+    with pytest.raises(UserError) as e:
+        validate_profile(deep_merge(load_raw_fp8(), {"deployment": {"otlp_endpoint": bad}}))
+    assert "deployment.otlp_endpoint" in str(e.value)
+    assert otlp_endpoint_problem("http://[::1]:4318") is None and otlp_endpoint_problem("http://c:65535") is None
+
+
+TOOL_TEXT = "# Written by `invoke recommend`.\nextends: fp8-h100\n"
+
+
+def test_save_profile_keeps_a_hand_written_or_shipped_profile(tmp_path):
+    from precision_pipeline.spec.profile import PROFILES_DIR, save_profile
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("extends: fp8-h100\ndescription: hand-written\n")
+    with pytest.raises(UserError, match="not written by invoke") as e:
+        save_profile(mine, TOOL_TEXT)
+    assert e.value.problems[0].field == "--write" and "new file name" in e.value.problems[0].fix
+    assert mine.read_text() == "extends: fp8-h100\ndescription: hand-written\n"
+    shipped = PROFILES_DIR / "bf16-h100.yaml"
+    before = shipped.read_bytes()
+    with pytest.raises(UserError, match="not written by invoke"):
+        save_profile(shipped, TOOL_TEXT.replace("extends: fp8-h100", "extends: fp8-h100\nname: bf16-h100"))
+    assert shipped.read_bytes() == before
+    tool = tmp_path / "tool.yaml"
+    save_profile(tool, TOOL_TEXT)
+    save_profile(tool, TOOL_TEXT.replace("recommend`", "recommend` (again)"))  # its own earlier output: replaced
+    assert "(again)" in tool.read_text()
+
+
+def test_save_profile_under_a_file_or_into_an_unwritable_place_is_a_user_error(tmp_path, monkeypatch):
+    from precision_pipeline.core import store
+    from precision_pipeline.spec.profile import save_profile
+
+    f = tmp_path / "f.yaml"
+    f.write_text("x")
+    with pytest.raises(UserError, match="is a file, not a folder") as e:
+        save_profile(f / "sub" / "t.yaml", TOOL_TEXT, field="--write-profile")
+    assert e.value.problems[0].field == "--write-profile" and f.read_text() == "x"
+
+    def boom(path, text):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(store, "atomic_write_text", boom)
+    with pytest.raises(UserError, match="cannot write") as e:
+        save_profile(tmp_path / "t.yaml", TOOL_TEXT)
+    assert "No such file or directory" in e.value.problems[0].reason

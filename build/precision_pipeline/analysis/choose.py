@@ -469,7 +469,19 @@ def profile_file_stem(gpu: str, label: str) -> str:
 
 def compare(profiles: list[str], model: Union[Path, str, ModelArch], artifacts: Path,
             gpu: Optional[str] = None) -> list[Candidate]:
-    """Evaluate each profile (``target.gpu`` replaced by ``gpu`` when given): estimate, accuracy, refusals."""
+    """Evaluate each profile (``target.gpu`` replaced by ``gpu`` when given): estimate, accuracy, refusals.
+    Raises UserError (field ``--profiles``) for an empty list or one naming a profile file twice."""
+    from precision_pipeline.spec.profile import resolve_profile_path
+
+    if not profiles:
+        raise UserError("--profiles", "lists no profile.", "pass e.g. --profiles fp8-h100,bf16-h100, or all.")
+    seen: dict[Path, str] = {}
+    for name in profiles:
+        f = resolve_profile_path(name, field="--profiles").resolve()
+        if f in seen:
+            raise UserError("--profiles", f"{name!r} and {seen[f]!r} are the same profile ({f}).",
+                            "name each profile once.")
+        seen[f] = name
     m = _model(model)
     spec = resolve_gpu(gpu) if gpu else None
     out = []

@@ -914,10 +914,14 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
 def extends_reference(profile_arg: str, target: Path) -> str:
     """What a profile written to ``target`` puts in ``extends:`` to reach ``profile_arg``: a shipped
     name as is; a YAML path as a path relative to ``target``'s folder. Raises UserError when that path
-    would leave the folder (``extends`` refuses ``..`` escapes: see ``spec.profile``)."""
+    would leave the folder (``extends`` refuses ``..`` escapes: see ``spec.profile``) or when ``target``
+    is the analysed profile's own file."""
     from precision_pipeline.spec.profile import resolve_profile_path, shipped_profiles
 
     src = resolve_profile_path(profile_arg).resolve()
+    if src == Path(target).expanduser().resolve():
+        raise UserError("--write-profile", f"{target} is the analysed profile itself: the tuned profile extends it, so "
+                        "writing there would replace the original.", f"write e.g. {src.with_name(src.stem + '-tuned.yaml')}.")
     if profile_arg in shipped_profiles():
         return profile_arg
     rel = os.path.relpath(src, Path(target).expanduser().resolve().parent)
@@ -966,7 +970,9 @@ def write_tuned_profile(data: dict, profile_arg: str, path: Path, command: str =
                          f"{m.get('kl_mean', float('nan')):.4g} / P99 {m.get('kl_p99', float('nan')):.4g} against "
                          f"<= {data['thresholds'].get('kl_mean_max')} / <= {data['thresholds'].get('kl_p99_max')} x "
                          f"{data.get('margin', 1.0):g}: "
-                         "no profile written. Fix: measure more prompts (--prompts 2) or use a wider format.")
+                         "no profile written. Fix: measure more prompts (--prompts 2) or use a wider format"
+                         + (f", or aim at a larger --margin (now {data['margin']:g})" if data.get("margin", 1.0) < 1 else "")
+                         + ".")
     path = Path(path).expanduser().resolve()
     save_profile(path, tuned_profile_yaml(data, extends_reference(profile_arg, path), command), field="--write-profile")
     return path

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from precision_pipeline.spec import formats as F
-from precision_pipeline.core.errors import Problem
+from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec.device import DeviceChoice
 from precision_pipeline.spec.hardware import GIB, GPUSpec, resolve_gpu
 from precision_pipeline.spec.model_arch import GATE_ARCHITECTURES, ModelArch
@@ -866,6 +866,43 @@ def _world(ctx: Context) -> list[Finding]:
         return [refuse("deployment.gpus_per_replica",
                        f"is {gpr}, but tp_size {p.parallel.tp_size} x pp_size {p.parallel.pp_size} = {ws} GPUs per engine.",
                        f"set gpus_per_replica to {ws} (or leave it out), or change tp_size/pp_size to multiply to {gpr}.")]
+    return []
+
+
+def lws_group(world: int, gpus_per_node: Optional[int], workload: str = "deployment") -> int:
+    """Pods per engine: 1 when the engine fits a node (or ``gpus_per_node`` is unset), else
+    ``ceil(world / gpus_per_node)`` pods with ``world / group`` GPUs each (a LeaderWorkerSet group).
+
+    Raises UserError when the world does not split evenly over those pods (every pod of a group has the
+    same GPU count: one worker template) or with ``workload: argo-rollout`` (see below). The one home of
+    the multi-node layout: ``serving.deploy`` renders the LeaderWorkerSet from it and the rule
+    ``layout.nodes`` refuses the same profiles at ``invoke check``."""
+    if gpus_per_node is None or world <= gpus_per_node:
+        return 1
+    group = -(-world // gpus_per_node)
+    if world % group:
+        raise UserError("deployment.gpus_per_node", f"is {gpus_per_node}: tp_size x pp_size = {world} GPUs need {group} pods, "
+                        f"but {world} ranks do not split evenly over {group} pods (every pod of a LeaderWorkerSet group has "
+                        "the same GPUs).", f"use a world size that is a multiple of {group}, or nodes with more GPUs.")
+    if workload == "argo-rollout":
+        # a Rollout's workloadRef names a Deployment (pods of one template); a LeaderWorkerSet's unit is a pod group
+        raise UserError("deployment.workload", f"argo-rollout cannot own a multi-node engine ({world} GPUs over {group} "
+                        "pods): Argo Rollouts manages ReplicaSets of single pods, while a LeaderWorkerSet creates and "
+                        "rolls groups of pods that form one MPI world.",
+                        "use workload: deployment (the LeaderWorkerSet's rolling update replaces whole groups) and "
+                        "`invoke rollout` / the probe alerts for the accuracy check.")
+    return group
+
+
+@rule("layout.nodes", "a multi-node engine (tp_size x pp_size > deployment.gpus_per_node) splits evenly over pods "
+      "and is owned by a plain Deployment's LeaderWorkerSet", "LeaderWorkerSet API leaderworkerset.x-k8s.io/v1 "
+      "(one worker template per group); build/precision_pipeline/resolve/rules.py lws_group", needs_gpu=False)
+def _nodes(ctx: Context) -> list[Finding]:
+    p = ctx.profile
+    try:
+        lws_group(p.parallel.tp_size * p.parallel.pp_size, p.deployment.gpus_per_node, p.deployment.workload)
+    except UserError as e:
+        return [refuse(pr.field, pr.reason, pr.fix) for pr in e.problems]
     return []
 
 

@@ -71,6 +71,7 @@ from precision_pipeline.serving.probe import PROBE_LAST_RUN, PROBE_METRIC_NAMES
 
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.rules import lws_group  # the multi-node layout (also the rule layout.nodes)
 TEMPLATES_DIR = REPO_ROOT / "k8s"
 OUT_SUBDIR = "k8s"
 
@@ -557,29 +558,6 @@ pattern of Triton's multi-node Kubernetes tutorial for TensorRT-LLM (``kubessh``
 LEADER_SHELL = ["/bin/sh", "-c", LEADER_SCRIPT]
 WORKER_COMMAND = ["/bin/sh", "-c", "exec sleep infinity"]
 """A worker pod only waits: the leader's mpirun starts the MPI daemon and its tritonserver ranks in it."""
-
-
-def lws_group(world: int, gpus_per_node: Optional[int], workload: str = "deployment") -> int:
-    """Pods per engine: 1 when the engine fits a node (or ``gpus_per_node`` is unset), else
-    ``ceil(world / gpus_per_node)`` pods with ``world / group`` GPUs each (a LeaderWorkerSet group).
-
-    Raises UserError when the world does not split evenly over those pods (every pod of a group has the
-    same GPU count: one worker template) or with ``workload: argo-rollout`` (see below)."""
-    if gpus_per_node is None or world <= gpus_per_node:
-        return 1
-    group = -(-world // gpus_per_node)
-    if world % group:
-        raise UserError("deployment.gpus_per_node", f"is {gpus_per_node}: tp_size x pp_size = {world} GPUs need {group} pods, "
-                        f"but {world} ranks do not split evenly over {group} pods (every pod of a LeaderWorkerSet group has "
-                        "the same GPUs).", f"use a world size that is a multiple of {group}, or nodes with more GPUs.")
-    if workload == "argo-rollout":
-        # a Rollout's workloadRef names a Deployment (pods of one template); a LeaderWorkerSet's unit is a pod group
-        raise UserError("deployment.workload", f"argo-rollout cannot own a multi-node engine ({world} GPUs over {group} "
-                        "pods): Argo Rollouts manages ReplicaSets of single pods, while a LeaderWorkerSet creates and "
-                        "rolls groups of pods that form one MPI world.",
-                        "use workload: deployment (the LeaderWorkerSet's rolling update replaces whole groups) and "
-                        "`invoke rollout` / the probe alerts for the accuracy check.")
-    return group
 
 
 def _pod_template(templates_dir: Path, dep: dict) -> dict:

@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.core.store import read_json
+from precision_pipeline.core.store import read_json_safe
 from precision_pipeline.spec.profile import GateThresholds
 
 PROBE_METRICS = ("kl_p99", "top1")
@@ -141,27 +141,45 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
     from precision_pipeline.gate.golden import encode_prompt, end_of_turn_id, load_golden
 
     gate_dir = Path(gate_dir)
-    met = read_json(gate_dir / "metrics.json")
-    if not met or not (gate_dir / "per_token.npz").is_file():
-        raise UserError("gate", f"{gate_dir} has no metrics.json and per_token.npz of a gate run.",
-                        "run the build (`invoke build --profile P`) so its gate stores them.")
+    rebuild = "run the build (`invoke build --profile P`) so its gate stores them."
+    if not (gate_dir / "metrics.json").is_file() or not (gate_dir / "per_token.npz").is_file():
+        raise UserError("gate", f"{gate_dir} has no metrics.json and per_token.npz of a gate run.", rebuild)
+    met = read_json_safe(gate_dir / "metrics.json")
+    if not isinstance(met, dict):
+        raise UserError("gate", f"{gate_dir / 'metrics.json'} is not a gate run's metrics.json (not a JSON object).", rebuild)
+    missing = [k for k in ("reference_model_dir", "prompts") if k not in met]
+    if missing:
+        raise UserError("gate", f"{gate_dir / 'metrics.json'} lacks {', '.join(missing)} (written by an older or "
+                        "interrupted gate).", rebuild)
     key = (met.get("reference_cache") or {}).get("key") or ""
     ref = cg.cached_reference(key, cache_root) if key else None
     if ref is None:
         raise UserError("gate", f"the FP32 reference stored by the gate in {gate_dir} (key {key[:12] or '?'}) is not in "
                         "the reference cache.", "rebuild the profile (its gate stores the reference again).")
+    from_env = not model_dir and bool(os.environ.get("PRECISION_PROBE_MODEL_DIR"))
+    model_field = "PRECISION_PROBE_MODEL_DIR" if from_env else "--model"
     model_dir = Path(model_dir or os.environ.get("PRECISION_PROBE_MODEL_DIR") or met["reference_model_dir"])
+    model_fix = (f"pass --model DIR (or set PRECISION_PROBE_MODEL_DIR) to the same model, "
+                 f"{Path(met['reference_model_dir']).name}, on this machine.")
     if not (model_dir / "config.json").is_file():
-        raise UserError("--model", f"the reference model {model_dir} (its tokenizer and lm_head score the probe) is not "
-                        "an HF model folder here.", "pass --model DIR (or set PRECISION_PROBE_MODEL_DIR) to the same "
-                        f"model, {Path(met['reference_model_dir']).name}, on this machine.")
+        raise UserError(model_field, f"the reference model {model_dir} (its tokenizer and lm_head score the probe) is not "
+                        "an HF model folder here.", model_fix)
+    try:
+        z = np.load(gate_dir / "per_token.npz")
+        pidx, z_kl, z_top1 = z["prompt_index"], z["kl"], z["top1"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError("gate", f"{gate_dir / 'per_token.npz'} is not the gate's per-token file ({e}).", rebuild)
     rows = met["prompts"]
     chosen = _spread(len(rows), [r["category"] for r in rows], prompts)
     by_id = {g.id: g for g in load_golden(None)}
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    lm_w = cg.lm_head_weight(model_dir)
-    z = np.load(gate_dir / "per_token.npz")
-    pidx = z["prompt_index"]
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        lm_w = cg.lm_head_weight(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(model_field, f"{model_dir}: cannot load its tokenizer and lm_head ({str(e)[:200]}).", model_fix)
+    if ref.hidden and lm_w.shape[-1] != ref.hidden[0].shape[-1]:
+        raise UserError(model_field, f"{model_dir} has hidden size {lm_w.shape[-1]}, the gate's reference "
+                        f"{ref.hidden[0].shape[-1]}: another model than the gated one.", model_fix)
     out = []
     for i in chosen:
         g = by_id.get(rows[i]["id"])
@@ -175,7 +193,7 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
         a = e.answer_positions
         with torch.inference_mode():
             rl = F.linear(torch.from_numpy(ref.hidden[i][a]), lm_w).contiguous()
-        out.append(ProbePrompt(e.id, e.category, list(e.input_ids), a, rl, z["kl"][pidx == i], z["top1"][pidx == i]))
+        out.append(ProbePrompt(e.id, e.category, list(e.input_ids), a, rl, z_kl[pidx == i], z_top1[pidx == i]))
     thr = thresholds if thresholds is not None else GateThresholds(**met.get("thresholds", {}))
     return ProbeSet(out, thr, int(end_of_turn_id(tok)), gate_dir, key)
 

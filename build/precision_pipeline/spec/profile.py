@@ -222,6 +222,10 @@ OTLP_TRACES_PATH = "/v1/traces"
 Request": the default URL path for traces is ``/v1/traces``; OTEL_EXPORTER_OTLP_ENDPOINT appends it)."""
 
 
+OTLP_ENDPOINT_MAX = 2048
+"""Longest ``deployment.otlp_endpoint`` accepted (characters): a base URL; longer ones are pasted by mistake."""
+
+
 def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
     """Why ``deployment.otlp_endpoint`` is unusable (None when fine): an ``http``/``https`` URL with a host, no
     query, fragment, credentials or whitespace, and without ``/v1/traces`` (it is appended)."""
@@ -229,15 +233,25 @@ def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
 
     if v is None:
         return None
-    if not v or any(c.isspace() for c in v):
-        return f"{v!r} is not a URL (e.g. http://otel-collector.monitoring:4318)"
-    u = urlsplit(v)
+    if not v or any(c.isspace() or not c.isprintable() for c in v):  # also zero-width and control characters
+        return f"{_short(v)} is not a URL (e.g. http://otel-collector.monitoring:4318)"
+    if len(v) > OTLP_ENDPOINT_MAX:
+        return f"{_short(v)} has {len(v):,} characters; at most {OTLP_ENDPOINT_MAX:,} (give the receiver's base URL)"
+    try:
+        u = urlsplit(v)
+        port = u.port  # ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        return f"{_short(v)} is not a URL ({str(e).lower()}; e.g. http://otel-collector.monitoring:4318)"
     if u.scheme not in ("http", "https") or not u.hostname:
-        return f"{v!r} is not an http(s) URL with a host (OTLP/HTTP, e.g. http://otel-collector.monitoring:4318)"
+        return f"{_short(v)} is not an http(s) URL with a host (OTLP/HTTP, e.g. http://otel-collector.monitoring:4318)"
+    if port == 0:
+        return f"{_short(v)}: port 0 is not a usable port (1..65535; OTLP/HTTP listens on 4318)"
+    if len(u.hostname) > 253 or any(len(label) > 63 for label in u.hostname.split(".")):
+        return f"{_short(v)}: the host name is longer than DNS allows (253 characters, 63 per label; RFC 1035 2.3.4)"
     if u.query or u.fragment or u.username or u.password:
-        return f"{v!r} has a query, fragment or credentials (give the receiver's base URL)"
+        return f"{_short(v)} has a query, fragment or credentials (give the receiver's base URL)"
     if u.path.rstrip("/").endswith(OTLP_TRACES_PATH):
-        return f"{v!r} ends with {OTLP_TRACES_PATH}, which is appended (give the receiver's base URL)"
+        return f"{_short(v)} ends with {OTLP_TRACES_PATH}, which is appended (give the receiver's base URL)"
     return None
 
 
@@ -625,26 +639,64 @@ def load_profile(name_or_path: str) -> Profile:
     return validate_profile(data, source=str(name_or_path))
 
 
+WRITTEN_BY = "# Written by `invoke "
+"""First line of every profile the pipeline writes (``invoke recommend --write``, ``invoke sensitivity
+--write-profile``): ``save_profile`` replaces only such files, never a hand-written or shipped one."""
+
+
+def check_profile_target(path: Path, field: str = "--write", name_from_stem: bool = False) -> Path:
+    """``path`` resolved, when a profile may be written there: it ends in ``.yaml``/``.yml``, is not a folder,
+    no folder above it is a file, and it does not exist or starts with ``WRITTEN_BY`` (a hand-written or
+    shipped profile is never replaced); with ``name_from_stem`` (the text will set no ``name:``) its stem
+    is a profile name. Raises UserError naming ``field`` otherwise. Callers check this before long work
+    whose result goes there (``invoke sensitivity --write-profile``)."""
+    path = Path(path).expanduser().resolve()
+    if path.suffix not in (".yaml", ".yml"):
+        raise UserError(field, f"{_short(str(path))} does not end in .yaml.", "name the file e.g. my-profile.yaml.")
+    if name_from_stem and not NAME_RE.match(path.stem):
+        raise UserError(field, f"{_short(path.name)}: the file name is the profile's name, and {_short(path.stem)} is not "
+                        "one (lower-case letters, digits, '.', '_', '-'; at most 64 characters).",
+                        f"name the file e.g. {re.sub(r'[^a-z0-9._-]+', '-', path.stem.lower()).strip('-._')[:64] or 'my-profile'}.yaml.")
+    if path.is_dir():
+        raise UserError(field, f"{_short(str(path))} is a folder.", "give a file path ending in .yaml.")
+    blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise UserError(field, f"{_short(str(blocker))} is a file, not a folder, so {_short(path.name)} cannot go under it.",
+                        "give a path whose folders are folders.")
+    if path.exists():
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                ours = f.read(len(WRITTEN_BY)) == WRITTEN_BY
+        except OSError:
+            ours = False
+        if not ours:
+            raise UserError(field, f"{_short(str(path))} exists and was not written by invoke (a hand-written or shipped "
+                            "profile); it is kept as it is.", "write to a new file name, or move that file away first.")
+    return path
+
+
 def save_profile(path: Path, text: str, field: str = "--write") -> Profile:
     """Write the profile YAML ``text`` to ``path`` atomically, after the strict loader accepted it as if
     it were already there (so ``extends`` resolves from ``path``'s folder and the name is ``path``'s stem).
 
-    Returns the loaded ``Profile``. Raises UserError (exit 2) when the loader refuses the text, or when
-    ``path`` does not end in ``.yaml``/``.yml``; nothing is written then, and an existing file stays.
+    Returns the loaded ``Profile``. Raises UserError (exit 2) when the loader refuses the text, when
+    ``path`` does not end in ``.yaml``/``.yml``, lies under a file, cannot be written, or exists without
+    the ``WRITTEN_BY`` first line (a hand-written or shipped profile is never replaced); nothing is
+    written then, and an existing file stays.
     """
     from precision_pipeline.core.store import atomic_write_text
 
-    path = Path(path).expanduser().resolve()
-    if path.suffix not in (".yaml", ".yml"):
-        raise UserError(field, f"{_short(str(path))} does not end in .yaml.", "name the file e.g. my-profile.yaml.")
-    if path.is_dir():
-        raise UserError(field, f"{_short(str(path))} is a folder.", "give a file path ending in .yaml.")
+    path = check_profile_target(path, field)
     try:
         data = _safe_load(text)
     except yaml.YAMLError as e:  # pragma: no cover - our own writers emit valid YAML
         raise UserError(field, f"the profile text is not valid YAML: {e}.", "report this as a bug.")
     prof = validate_profile(_merged_chain(path, dict(data or {}), (str(path),), top=True), source=str(path))
-    atomic_write_text(path, text)
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        raise UserError(field, f"cannot write {_short(str(path))}: {e.strerror or e}; nothing was written.",
+                        "choose a folder you can write to.")
     return prof
 
 
