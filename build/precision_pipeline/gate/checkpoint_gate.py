@@ -1399,7 +1399,7 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     if cfg.get("quantization"):
         extra["checkpoint_quantization"] = cfg["quantization"]
     return run_gate(model, Path(model_dir), thresholds, Path(gate_dir), options, runtime,
-                    candidate_name=candidate_name or f"checkpoint {Path(ckpt_dir).name}", extra=extra)
+                    candidate_name=candidate_name or f"{Path(ckpt_dir).parent.name}/{Path(ckpt_dir).name}", extra=extra)
 
 
 __all__ = [
