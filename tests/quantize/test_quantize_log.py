@@ -30,6 +30,24 @@ def test_warnings_are_logged_and_only_unexpected_ones_printed(tmp_path):
                    f"[quantize] warning: WARNING modelopt.torch.export: odd export thing (see {log})"]
 
 
+def test_warnings_expected_by_the_run_itself_print_nothing(tmp_path):
+    """SmoothQuant's "X is not calibrated, skip smoothing" is expected for the modules the run kept in
+    high precision (added to ``expected`` inside the block), and still printed for any other module."""
+    import json
+
+    out: list[str] = []
+    prog = StageProgress("quantize", mode="lines", write=out.append, heartbeat=False)
+    expected: dict[str, str] = {}
+    with captured_warnings(tmp_path / QUANTIZE_LOG, prog, record_path=tmp_path / QUANTIZE_WARNINGS, expected=expected):
+        warnings.warn("model.layers.11.mlp.down_proj is not calibrated, skip smoothing")
+        warnings.warn("model.layers.1.mlp.down_proj is not calibrated, skip smoothing")
+        expected[r"\bmodel\.layers\.11\.mlp\.down_proj is not calibrated, skip smoothing"] = "kept in high precision"
+    assert out == [f"[quantize] warning: UserWarning: model.layers.1.mlp.down_proj is not calibrated, skip smoothing "
+                   f"(see {tmp_path / QUANTIZE_LOG})"]
+    recs = json.loads((tmp_path / QUANTIZE_WARNINGS).read_text())["warnings"]
+    assert [r["expected"] for r in recs] == ["kept in high precision", None]
+
+
 def test_nothing_to_log_writes_no_file(tmp_path):
     prog = StageProgress("quantize", mode="lines", write=lambda s: None, heartbeat=False)
     with captured_warnings(tmp_path / QUANTIZE_LOG, prog):

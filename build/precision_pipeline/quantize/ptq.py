@@ -67,6 +67,7 @@ import contextlib
 import copy
 import io
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -555,9 +556,13 @@ def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress
     ``quantize_model``). Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
     """
     log_path = Path(out_dir).parent / QUANTIZE_LOG
+    expected: dict[str, str] = {}
     with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress),
-                           record_path=Path(out_dir) / QUANTIZE_WARNINGS), labelled_prints("quantize"):
+                           record_path=Path(out_dir) / QUANTIZE_WARNINGS, expected=expected), labelled_prints("quantize"):
         qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set, device=device, dtype=dtype)
+        for name in qm.excluded_hf:  # SmoothQuant says so of every module it was told to leave alone
+            expected[rf"\b{re.escape(name)} is not calibrated, skip smoothing"] = \
+                "kept in high precision (exclude_modules): there is nothing to smooth"
         res = export_checkpoint(qm, out_dir, show_progress=show_progress)
         res.calib_dtype = dtype
         return res
@@ -629,7 +634,8 @@ EXPECTED_WARNINGS: dict[str, str] = {
 
 
 @contextlib.contextmanager
-def captured_warnings(log_path: Path, prog: StageProgress, record_path: Path | None = None) -> Iterator[list[str]]:
+def captured_warnings(log_path: Path, prog: StageProgress, record_path: Path | None = None,
+                      expected: dict[str, str] | None = None) -> Iterator[list[str]]:
     """Collect Python warnings and ``modelopt``/``transformers`` log records raised in the block.
 
     Every one is appended to ``log_path`` (UTF-8 text, one block per warning with its category and
@@ -639,7 +645,9 @@ def captured_warnings(log_path: Path, prog: StageProgress, record_path: Path | N
     recorded is what the active warning filters would show (DeprecationWarnings of libraries stay
     hidden). Yields the list of log-record messages (warnings are added when the block ends).
     ``record_path``: also write them as ``QUANTIZE_WARNINGS`` records there (atomically, also when
-    there were none), for the gate report (``read_quantize_warnings``).
+    there were none), for the gate report (``read_quantize_warnings``). ``expected``: more regex -> why
+    pairs beside ``EXPECTED_WARNINGS``, read when the block ends (so the block may add to it once it
+    knows, e.g., which modules it kept in high precision).
     """
     import logging
     import re
@@ -667,12 +675,13 @@ def captured_warnings(log_path: Path, prog: StageProgress, record_path: Path | N
             lg.removeHandler(handler)
             lg.propagate = prop
     # only after a run that finished: a refused or failed run leaves the output folder as it was
+    known = {**EXPECTED_WARNINGS, **(expected or {})}
     msgs = [f"{w.category.__name__} ({Path(w.filename).name}:{w.lineno}): {w.message}" for w in caught] + records
     if record_path is not None:
         recs = [{"level": w.category.__name__, "origin": f"{Path(w.filename).name}:{w.lineno}", "message": str(w.message)}
                 for w in caught] + logged
         for r, m in zip(recs, msgs):
-            r["expected"] = next((why for rx, why in EXPECTED_WARNINGS.items() if re.search(rx, m)), None)
+            r["expected"] = next((why for rx, why in known.items() if re.search(rx, m)), None)
         atomic_write_json(Path(record_path), {"source": WARNINGS_SOURCE, "warnings": recs})
     if msgs:
         log_path = Path(log_path)
@@ -683,7 +692,7 @@ def captured_warnings(log_path: Path, prog: StageProgress, record_path: Path | N
                 f.write(m.rstrip() + "\n\n")
     unexpected: dict[str, int] = {}
     for m in msgs:
-        if not any(re.search(rx, m) for rx in EXPECTED_WARNINGS):
+        if not any(re.search(rx, m) for rx in known):
             first = re.sub(r"^(\w+) \([^)]*\): ", r"\1: ", m.strip()).splitlines()[0][:200] if m.strip() else m
             unexpected[first] = unexpected.get(first, 0) + 1
     for first, count in unexpected.items():
