@@ -575,7 +575,7 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
                           + ("" if state else " (not recorded: no releases.json)"))
             if every_s is None or (max_runs is not None and k >= max_runs):
                 break
-            _time.sleep(min(every_s, pr.RETRY_AFTER_ERROR_S) if "error" in s else every_s)
+            _time.sleep(pr.next_wait_s(every_s, s))
     except KeyboardInterrupt:
         pass
     finally:

@@ -81,3 +81,9 @@ def test_garbage_or_other_reference_model_is_a_user_error(tmp_path, monkeypatch,
     with pytest.raises(UserError, match="hidden size 576, the gate's reference 64") as e:
         probe.load_probe_set(gate, 2, model_dir=default_model_dir)
     assert e.value.problems[0].field == "--model"
+
+
+def test_an_errored_run_is_retried_sooner_than_the_period():
+    assert probe.next_wait_s(600, {"error": "unit not loaded"}) == probe.RETRY_AFTER_ERROR_S == 30
+    assert probe.next_wait_s(600, {"passed": False, "kl_p99": 9.0}) == 600  # a failed check waits the period
+    assert probe.next_wait_s(10, {"error": "x"}) == 10  # never later than the period

@@ -53,6 +53,13 @@ DEFAULT_PROMPTS = 4
 RETRY_AFTER_ERROR_S = 30
 """With ``--every N``: a run that errored (the unit not loaded yet, the server unreachable) is retried
 after min(N, this many seconds), not N, so a canary's first result does not wait a whole period."""
+
+
+def next_wait_s(every_s: float, result: dict) -> float:
+    """Seconds until the next run of ``invoke probe --every every_s`` after ``result`` (a
+    ``probe_and_record`` record's ``probe``): ``every_s``, or min(every_s, ``RETRY_AFTER_ERROR_S``)
+    after a run that errored."""
+    return min(every_s, RETRY_AFTER_ERROR_S) if "error" in result else every_s
 DEFAULT_BOOTSTRAP = 200
 
 
@@ -344,5 +351,5 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
     return {"unit": unit, "profile": profile, "probe": summary}
 
 
-__all__ = ["RETRY_AFTER_ERROR_S", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
+__all__ = ["RETRY_AFTER_ERROR_S", "next_wait_s", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
            "PROBE_METRICS"]
