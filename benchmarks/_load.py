@@ -64,11 +64,6 @@ class ClientLoad:
 def ask(client, model: str, prompt: str, max_tokens: int) -> str:
     """One text request to ``model`` (the ensemble or the BLS: ``text_input`` / ``max_tokens`` ->
     ``text_output``) through a ``tritonclient.http`` client; the decoded text."""
-    import numpy as np
-    import tritonclient.http as hc
+    from precision_pipeline.serving.triton_server import text_request
 
-    a = hc.InferInput("text_input", [1, 1], "BYTES")
-    a.set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
-    b = hc.InferInput("max_tokens", [1, 1], "INT32")
-    b.set_data_from_numpy(np.array([[max_tokens]], np.int32))
-    return client.infer(model, [a, b]).as_numpy("text_output").reshape(-1)[0].decode()
+    return client.infer(model, text_request(prompt, max_tokens)).as_numpy("text_output").reshape(-1)[0].decode()

@@ -20,7 +20,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from precision_pipeline.serving import pack, probe, release
@@ -136,20 +135,11 @@ def obs_served(tmp_path_factory, obs_units):
 
 
 def _ask(srv, text="What is 2 + 2?", stream=False):
-    import tritonclient.http as hc
+    from precision_pipeline.serving.triton_server import text_request
 
     c = srv.http_client()
     try:
-        a = hc.InferInput("text_input", [1, 1], "BYTES")
-        a.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
-        b = hc.InferInput("max_tokens", [1, 1], "INT32")
-        b.set_data_from_numpy(np.array([[MAX_TOKENS]], np.int32))
-        ins = [a, b]
-        if stream:
-            st = hc.InferInput("stream", [1, 1], "BOOL")
-            st.set_data_from_numpy(np.array([[True]]))
-            ins.append(st)
-        r = c.infer("tensorrt_llm_bls", ins)
+        r = c.infer("tensorrt_llm_bls", text_request(text, MAX_TOKENS, **({"stream": ("BOOL", [[True]])} if stream else {})))
         return json.loads(r.as_numpy("precision_path").reshape(-1)[0])
     finally:
         c.close()

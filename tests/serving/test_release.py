@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from precision_pipeline.serving import pack, release
@@ -123,8 +122,7 @@ def _assert_smoke(r: dict) -> None:
 
 @pytest.mark.slow
 def test_live_crash_recovery_promote_and_warm_rollback(tmp_path, units):
-    from precision_pipeline.serving.triton_server import serve
-    import tritonclient.http as hc
+    from precision_pipeline.serving.triton_server import serve, text_request
 
     a, b, c = (u.engine_unit for u in units)
     repo = new_repo(tmp_path, units, fallback=True, warm=True)
@@ -145,11 +143,8 @@ def test_live_crash_recovery_promote_and_warm_rollback(tmp_path, units):
         def ask():
             cl = srv.http_client()
             try:
-                x = hc.InferInput("text_input", [1, 1], "BYTES")
-                x.set_data_from_numpy(np.array([[b"What is the capital of France?"]], dtype=object))
-                y = hc.InferInput("max_tokens", [1, 1], "INT32")
-                y.set_data_from_numpy(np.array([[8]], np.int32))
-                text = cl.infer("ensemble", [x, y]).as_numpy("text_output").reshape(-1)[0].decode()
+                text = cl.infer("ensemble", text_request("What is the capital of France?", 8)).as_numpy(
+                    "text_output").reshape(-1)[0].decode()
                 steps = [s["model_name"] for s in cl.get_model_config("ensemble")["ensemble_scheduling"]["step"]]
                 return text, steps[1]
             finally:

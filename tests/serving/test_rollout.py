@@ -18,10 +18,10 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from precision_pipeline.serving import pack, probe, release, rollout
+from precision_pipeline.serving.triton_server import text_request
 from precision_pipeline.spec.profile import load_profile
 
 pytestmark = pytest.mark.slow
@@ -128,13 +128,9 @@ class Clients:
             for _ in range(self.limit):
                 if self.stop.is_set():
                     break
-                a = hc.InferInput("text_input", [1, 1], "BYTES")
-                a.set_data_from_numpy(np.array([[b"What is 2 + 2?"]], dtype=object))
-                b = hc.InferInput("max_tokens", [1, 1], "INT32")
-                b.set_data_from_numpy(np.array([[self.max_tokens]], np.int32))
                 err = None
                 try:
-                    if not c.infer("tensorrt_llm_bls", [a, b]).as_numpy("text_output").reshape(-1)[0]:
+                    if not c.infer("tensorrt_llm_bls", text_request("What is 2 + 2?", self.max_tokens)).as_numpy("text_output").reshape(-1)[0]:
                         err = "empty"
                 except Exception as e:
                     err = str(e)[:200]

@@ -17,7 +17,7 @@ import pytest
 
 from precision_pipeline.serving import pack
 from precision_pipeline.spec.profile import load_profile
-from precision_pipeline.serving.triton_server import TritonServer
+from precision_pipeline.serving.triton_server import TritonServer, text_request
 
 pytestmark = pytest.mark.slow
 
@@ -70,20 +70,9 @@ def reference(default_model_dir):
 
 
 def _http_ask(srv, model, text, max_tokens=MAX_NEW, **extra):
-    import tritonclient.http as hc
-
     c = srv.http_client()
     try:
-        a = hc.InferInput("text_input", [1, 1], "BYTES")
-        a.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
-        b = hc.InferInput("max_tokens", [1, 1], "INT32")
-        b.set_data_from_numpy(np.array([[max_tokens]], np.int32))
-        ins = [a, b]
-        for k, (dt, v) in extra.items():
-            t = hc.InferInput(k, list(v.shape), dt)
-            t.set_data_from_numpy(v)
-            ins.append(t)
-        r = c.infer(model, ins)
+        r = c.infer(model, text_request(text, max_tokens, **extra))
         return r.as_numpy("text_output").reshape(-1)[0].decode()
     finally:
         c.close()
@@ -103,11 +92,7 @@ def test_ensemble_grpc_equals_transformers(server, reference):
     c = server.grpc_client()
     try:
         p = PROMPTS[0]
-        a = gc.InferInput("text_input", [1, 1], "BYTES")
-        a.set_data_from_numpy(np.array([[p.encode()]], dtype=object))
-        b = gc.InferInput("max_tokens", [1, 1], "INT32")
-        b.set_data_from_numpy(np.array([[MAX_NEW]], np.int32))
-        r = c.infer("ensemble", [a, b])
+        r = c.infer("ensemble", text_request(p, MAX_NEW, client_module=gc))
         assert r.as_numpy("text_output").reshape(-1)[0].decode() == reference[p][2]
         lp = r.as_numpy("output_log_probs")
         assert lp.dtype == np.float32 and lp.shape[-1] >= len(reference[p][1])

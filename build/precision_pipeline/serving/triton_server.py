@@ -37,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT, cache_dir
@@ -347,6 +347,27 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def text_request(text: str, max_tokens: int, client_module: Any = None, **extra: tuple[str, Any]) -> list:
+    """The inputs of one text request to the ensemble or the BLS: ``text_input`` (BYTES [1, 1]) and
+    ``max_tokens`` (INT32 [1, 1]), as the repository's config.pbtxt templates declare them
+    (``triton_repo/all_models/inflight_batcher_llm/{ensemble,tensorrt_llm_bls}``), plus ``extra``
+    optional inputs as ``name=(triton dtype, numpy array)`` (e.g. ``stream=("BOOL", [[True]])``).
+    ``client_module``: ``tritonclient.http`` (default) or ``tritonclient.grpc``."""
+    import numpy as np
+
+    if client_module is None:
+        import tritonclient.http as client_module
+
+    def one(name: str, dtype: str, arr: Any) -> Any:
+        x = client_module.InferInput(name, list(arr.shape), dtype)
+        x.set_data_from_numpy(arr)
+        return x
+
+    return [one("text_input", "BYTES", np.array([[text.encode()]], dtype=object)),
+            one("max_tokens", "INT32", np.array([[max_tokens]], np.int32)),
+            *(one(k, dt, np.asarray(v)) for k, (dt, v) in extra.items())]
 
 
 def models_to_load(model_repository: Path) -> list[str]:
