@@ -116,6 +116,11 @@ def _int_arg(flag: str, value, lo: int = 0, hi: int = 2**31 - 1):
     return int(s)
 
 
+def _stage_line(rec) -> str:
+    """One finished stage as printed live: ``name: status (reason) in S s`` (rich markup)."""
+    return f"[bold]{rec.name}[/]: {rec.status}" + (f" ({rec.reason})" if rec.reason else "") + f" in {rec.seconds:.1f} s"
+
+
 def _print_build(result_or_stages) -> None:
     from rich.table import Table
 
@@ -163,8 +168,7 @@ def build(c, profile, model=None, out=None, strict=False, repo_root=None, golden
 
     def on_stage(rec):
         stages.append(rec)
-        con.print(f"[bold]{rec.name}[/]: {rec.status}" + (f" ({rec.reason})" if rec.reason else "")
-                  + f" in {rec.seconds:.1f} s", soft_wrap=True)
+        con.print(_stage_line(rec), soft_wrap=True)
 
     try:
         res = run_build(profile, model=model, out=out, strict=strict, repo_root=repo_root,
@@ -784,8 +788,7 @@ def _gate_builder(con, model, golden_limit):
         con.print(f"[bold]measuring[/] {path.name}: invoke build --profile {path}", soft_wrap=True)
         try:
             run_build(str(path), model=model, golden_limit=golden_limit,
-                      on_stage=lambda r: con.print(f"  {r.name}: {r.status}" + (f" ({r.reason})" if r.reason else "")
-                                                   + f" in {r.seconds:.1f} s", soft_wrap=True))
+                      on_stage=lambda r: con.print("  " + _stage_line(r), soft_wrap=True))
         except GateFailed:
             return None
         except UserError as e:
