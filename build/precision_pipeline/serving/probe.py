@@ -301,7 +301,7 @@ class ProbeExporter:
         self.gauges = {n: Gauge(n, h, PROBE_LABELS, registry=self.registry) for n, h in PROBE_GAUGES.items()}
         self.runs = Counter("precision_pipeline_probe_runs", "probe runs by result (pass, fail, error)", (*PROBE_LABELS, "result"),
                             registry=self.registry)
-        self.last = Gauge("precision_pipeline_probe_last_run_timestamp_seconds", "Unix time the last run finished (any result)",
+        self.last = Gauge(PROBE_LAST_RUN, "Unix time the last run finished (any result)",
                           PROBE_LABELS, registry=self.registry)
         self.server = None
         if port is not None:
