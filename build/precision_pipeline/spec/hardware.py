@@ -102,7 +102,7 @@ class GPUSpec:
 
 _A10 = "NVIDIA A10 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/products/a10-gpu/"
 _A10G = "AWS EC2 G5 instances (A10G, 24 GB, 600 GB/s), https://aws.amazon.com/ec2/instance-types/g5/"
-_A100 = "NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/a100/"
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/a100/ (80GB PCIe 1,935 GB/s, 80GB SXM 2,039 GB/s)"
 _L4 = "NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/"
 _L40S = "NVIDIA L40S datasheet, https://www.nvidia.com/en-us/data-center/l40s/"
 _ADA_WP = "NVIDIA Ada GPU Architecture whitepaper (RTX 4090 / RTX 6000 Ada), https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"
@@ -141,7 +141,10 @@ _SPECS: list[GPUSpec] = [
     GPUSpec("a100-40gb", "NVIDIA A100-SXM4-40GB", 80, 40960, 40, 1555, 312, None, None, _A100,
             ("a100-40g", "a100-sxm4-40gb", "a100-pcie-40gb")),
     GPUSpec("a100-80gb", "NVIDIA A100-SXM4-80GB", 80, 81920, 80, 2039, 312, None, None, _A100,
-            ("a100", "a100-80g", "a100-sxm4-80gb", "a100-sxm-80gb", "a100-pcie-80gb")),
+            ("a100", "a100-80g", "a100-sxm4-80gb", "a100-sxm-80gb")),
+    GPUSpec("a100-80gb-pcie", "NVIDIA A100 80GB PCIe", 80, 81920, 80, 1935, 312, None, None, _A100,
+            ("a100-pcie-80gb", "a100-80g-pcie"),
+            "PCIe card: 1,935 GB/s (the SXM4 card has 2,039), same Tensor Core peaks (A100 datasheet table)."),
     GPUSpec("a30", "NVIDIA A30", 80, 24258, 24, 933, 165, None, None, _A30,
             ("a30-24gb",), "GA100 like A100: SM 80 (not 86). Driver MiB approximate."),
     GPUSpec("a800-40gb", "NVIDIA A800 40GB PCIe", 80, 40960, 40, 1555, 312, None, None, _A800,
@@ -211,8 +214,10 @@ _SPECS: list[GPUSpec] = [
             "China-market Hopper (SM 90), compute cut to ~15% of H100. Unverified (vendor figures); MiB approximate. "
             "A 141 GB HBM3e variant exists and is not this entry."),
     # --- Blackwell (SM 100 / 103 / 120) ------------------------------------------------
-    GPUSpec("b200", "NVIDIA B200", 100, 183359, 180, 8000, 2250, 4500, 9000, _B200,
-            ("b200-180gb", "hgx-b200", "dgx-b200")),
+    GPUSpec("b200", "NVIDIA B200", 100, 183359, 180, 7700, 2250, 4500, 9000, _B200,
+            ("b200-180gb", "hgx-b200", "dgx-b200"),
+            "Bandwidth 7.7 TB/s per GPU as NVIDIA's current HGX B200 table states (read for issue 30); earlier B200 "
+            "material said 8 TB/s. Unverified here: the live page could not be re-read (no internet)."),
     GPUSpec("gb200", "NVIDIA GB200", 100, 189471, 186, 8000, 2500, 5000, 10000, _GB200,
             ("gb200-nvl72", "gb200-nvl"), "Grace Blackwell: SM 100 like B200."),
     GPUSpec("b300", "NVIDIA B300", 103, 275040, 288, 8000, 2250, 4500, 13500, _B300,
@@ -242,9 +247,59 @@ _SPECS: list[GPUSpec] = [
 # is printed by NVIDIA; others are None (the estimate then says the INT8 peak is not catalogued).
 _INT8_DENSE_TOPS: dict[str, float] = {
     "a100-40gb": 624, "a100-80gb": 624, "a30": 330, "a10": 250, "a40": 299.3, "l4": 242.5, "l40": 362,
-    "l40s": 733, "h100-sxm": 1979, "h100-pcie": 1513, "h100-nvl": 1670.5, "h200": 1979, "h200-nvl": 1670.5,
+    "l40s": 733, "a100-80gb-pcie": 624, "h100-sxm": 1979, "h100-pcie": 1513, "h100-nvl": 1670.5, "h200": 1979, "h200-nvl": 1670.5,
 }
 _SPECS = [replace(g, int8_tops=_INT8_DENSE_TOPS.get(g.id)) for g in _SPECS]
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """How the GPUs of one tensor-parallel engine talk: ``kind`` (NVLink / PCIe), ``gbs`` = GB/s per GPU
+    per direction (half the datasheet's bidirectional figure), ``latency_us`` = time of one small
+    all-reduce (a launch plus a few hops; no datasheet states it: approximate, flagged in ``note``),
+    ``source`` of the bandwidth."""
+
+    kind: str
+    gbs: float
+    latency_us: float
+    source: str
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+_LAT_NOTE = ("latency approximate: one small all-reduce through TensorRT-LLM's custom all-reduce kernels takes a "
+             "few microseconds on NVLink and tens on PCIe (no datasheet figure)")
+_NVLINK_LAT_US, _PCIE_LAT_US = 8.0, 25.0
+# (kind, bidirectional GB/s per GPU from the entry's datasheet) -> per direction = half. NVLink: H100/H200 SXM
+# "NVLink: 900GB/s", H100 NVL "NVLink: 600GB/s" (bridge), H200 NVL "2- or 4-way NVLink bridge: 900GB/s", A100 SXM
+# "NVLink: 600GB/s", HGX B200 / GB200 / B300 "NVLink 5: 1.8TB/s", H800 SXM "NVLink: 400GB/s". PCIe Gen5 x16 128 GB/s,
+# Gen4 x16 64 GB/s (PCI-SIG), for cards without NVLink or with an optional 2-GPU bridge only.
+_INTERCONNECT: dict[str, tuple[str, float]] = {
+    "h100-sxm": ("NVLink 4", 900), "h200": ("NVLink 4", 900), "gh200": ("NVLink 4", 900), "h100-nvl": ("NVLink bridge", 600),
+    "h200-nvl": ("NVLink bridge", 900), "h800-sxm": ("NVLink 4", 400), "a100-80gb": ("NVLink 3", 600),
+    "a100-40gb": ("NVLink 3", 600), "a800-80gb": ("NVLink 3", 400), "b200": ("NVLink 5", 1800), "gb200": ("NVLink 5", 1800),
+    "b300": ("NVLink 5", 1800), "h100-pcie": ("PCIe Gen5", 128), "h800-pcie": ("PCIe Gen5", 128), "h20": ("NVLink 4", 900),
+    "rtx-pro-6000-blackwell": ("PCIe Gen5", 128), "rtx-5090": ("PCIe Gen5", 128), "l4": ("PCIe Gen4", 64),
+    "l40s": ("PCIe Gen4", 64), "l40": ("PCIe Gen4", 64), "a100-80gb-pcie": ("PCIe Gen4", 64), "a10": ("PCIe Gen4", 64),
+    "a10g": ("PCIe Gen4", 64), "rtx-4090": ("PCIe Gen4", 64), "rtx-6000-ada": ("PCIe Gen4", 64),
+}
+
+
+def interconnect(gpu: GPUSpec) -> Interconnect:
+    """The tensor-parallel link of ``gpu`` (``_INTERCONNECT``; a GPU not listed is a PCIe Gen4 x16 card,
+    64 GB/s bidirectional, which the note says)."""
+    kind, bidir = _INTERCONNECT.get(gpu.id, ("PCIe Gen4", 64))
+    lat = _NVLINK_LAT_US if kind.startswith("NVLink") else _PCIE_LAT_US
+    listed = gpu.id in _INTERCONNECT
+    src = (f"{gpu.source} ({kind}: {bidir:g} GB/s bidirectional)" if listed and kind.startswith("NVLink")
+           else f"PCI-SIG {kind} x16: {bidir:g} GB/s bidirectional")
+    note = _LAT_NOTE + ("" if listed else f"; {gpu.id}: no NVLink catalogued, PCIe Gen4 x16 assumed (unverified)")
+    if gpu.id == "h20":
+        note += "; H20 NVLink figure from vendor reports (unverified)"
+    return Interconnect(kind, bidir / 2, lat, src, note)
+
 
 CATALOG: dict[str, GPUSpec] = {g.id: g for g in _SPECS}
 """Canonical id -> GPUSpec."""
@@ -446,4 +501,4 @@ def gpus_with_sm(ranges) -> list[GPUSpec]:
     return [g for g in _SPECS if any(lo <= g.sm <= hi for lo, hi in ranges)]
 
 
-__all__ = ["GPUSpec", "CATALOG", "resolve_gpu", "normalize_gpu_name", "gpus_with_sm", "MIB", "GIB", "ARCH_BY_SM"]
+__all__ = ["GPUSpec", "Interconnect", "interconnect", "CATALOG", "resolve_gpu", "normalize_gpu_name", "gpus_with_sm", "MIB", "GIB", "ARCH_BY_SM"]
