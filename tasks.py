@@ -212,13 +212,17 @@ def _build_on(con, on, profile, model, out, image, golden_limit=None) -> None:
 def check(c, profile=None, all=False, model=None):
     """Resolve and check profiles (no heavy work); one line per profile."""
     from precision_pipeline.resolve import plan as plan_mod
-    from precision_pipeline.pipeline import _model_dir, load_build_profile
+    from precision_pipeline.pipeline import load_build_profile
 
-    model_dir = _model_dir(model)
+    model_dir = _plan_model_dir(model)
+    buildable = model is None or bool(list(Path(model_dir).glob("*.safetensors")))
     con = _console()
+    if not buildable:
+        con.print(f"[yellow]note[/]: {model_dir} has config.json only: planned with the resolve rules, not checked for a "
+                  "build (weights and tokenizer are needed to build)", soft_wrap=True)
     if all:
         bad = 0
-        for name, ok, line in plan_mod.check_all(model_dir, for_build=True):
+        for name, ok, line in plan_mod.check_all(model_dir, for_build=buildable):
             con.print(("[green]ok[/]      " if ok else "[red]refused[/] ") + f"{name}: {line}", soft_wrap=True)
             bad += 0 if ok else 1
         if bad:
@@ -228,7 +232,7 @@ def check(c, profile=None, all=False, model=None):
         from precision_pipeline.core.errors import UserError
 
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
-    p = plan_mod.resolve(load_build_profile(profile), model_dir, for_build=True)  # the same rules as invoke build
+    p = plan_mod.resolve(load_build_profile(profile), model_dir, for_build=buildable)  # the same rules as invoke build
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
               f"KV {mem.kv_bytes_per_token} B/token, capacity {mem.kv_tokens_capacity} tokens")
@@ -778,6 +782,39 @@ def _float_arg(flag: str, value):
     return v
 
 
+def _plan_model_dir(model):
+    """``--model`` for planning only (check without a build, compare, recommend): a folder with a valid
+    config.json is enough (weights and tokenizer are needed only to build); None = the default model."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.pipeline import _model_dir
+
+    if model is None:
+        return _model_dir(None)
+    p = Path(model).expanduser()
+    if not (p / "config.json").is_file():
+        raise UserError("--model", f"{str(model)[:200]} has no config.json.",
+                        "give a Hugging Face model folder (config.json is enough to plan; weights are needed to build).")
+    from precision_pipeline.spec.model_arch import read_model_arch
+
+    read_model_arch(p)  # UserError for an unreadable config
+    return p.resolve()
+
+
+def _workload(input_len, output_len, concurrency, request_rate):
+    from precision_pipeline.resolve.perf import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, Workload
+
+    return Workload(_int_arg("--input-len", input_len, 1) or DEFAULT_INPUT_LEN,
+                    _int_arg("--output-len", output_len, 1) or DEFAULT_OUTPUT_LEN,
+                    _int_arg("--concurrency", concurrency, 1), _float_arg("--request-rate", request_rate))
+
+
+_WORKLOAD_HELP = {
+    "input_len": "tokens per request in (default 1000)", "output_len": "tokens per request out (default 1000)",
+    "concurrency": "sequences in flight per replica (default: as many as a replica holds, offline max throughput)",
+    "request_rate": "requests/s for the whole service (instead of --concurrency)",
+}
+
+
 def _gate_builder(con, model, golden_limit):
     """``analysis.choose.BuildFn`` for recommend --measure / compare --build: ``run_build`` of the file,
     printing each stage; a failed gate is measured (None), any other expected failure is the reason."""
@@ -809,19 +846,29 @@ def _gate_builder(con, model, golden_limit):
             "measure": "build and gate the best candidates without measured numbers for real (into artifacts/), "
                        "then rank again by the measured numbers",
             "top": "with --measure: how many candidates to build (default 2; one per quantization + calibration)",
-            "golden_limit": "with --measure: only the first N golden prompts per category (quick, noisier numbers)"})
+            "golden_limit": "with --measure: only the first N golden prompts per category (quick, noisier numbers)",
+            **_WORKLOAD_HELP,
+            "max_ttft_p99": "SLA: largest P99 time to first token, seconds",
+            "max_tpot": "SLA: largest time per output token, seconds",
+            "min_tokens_per_s": "SLA: output tokens/s the service must deliver (replicas are added to reach it)",
+            "max_cold_start": "SLA: largest seconds to start a replica or roll back to a cold fallback"})
 @guarded
 def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=None, context=None, write=None,
-              measure=False, top=None, golden_limit=None):
-    """Best profile for a GPU under constraints (roofline estimates); exit 2 when none meets them all."""
+              measure=False, top=None, golden_limit=None, input_len=None, output_len=None, concurrency=None,
+              request_rate=None, max_ttft_p99=None, max_tpot=None, min_tokens_per_s=None, max_cold_start=None):
+    """Best profile for a GPU and workload under constraints (performance model); exit 2 when none meets them all."""
     from precision_pipeline.analysis import choose as ch
-    from precision_pipeline.pipeline import _model_dir
 
+    _model_dir = _plan_model_dir
     k = ch.Constraints(max_kl_p99=_float_arg("--max-kl-p99", max_kl_p99),
                        min_concurrency=_int_arg("--min-concurrency", min_concurrency, 1),
-                       max_gpus=_int_arg("--max-gpus", max_gpus, 1, 4096) or ch.DEFAULT_MAX_GPUS)
+                       max_gpus=_int_arg("--max-gpus", max_gpus, 1, 4096) or ch.DEFAULT_MAX_GPUS,
+                       max_ttft_p99_s=_float_arg("--max-ttft-p99", max_ttft_p99), max_tpot_s=_float_arg("--max-tpot", max_tpot),
+                       min_tokens_per_s=_float_arg("--min-tokens-per-s", min_tokens_per_s),
+                       max_cold_start_s=_float_arg("--max-cold-start", max_cold_start))
     ctx = _int_arg("--context", context, 1)
-    rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx)
+    wl = _workload(input_len, output_len, concurrency, request_rate)
+    rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx, workload=wl)
     con = _console()
     if measure:
         n_top = _int_arg("--top", top, 1, 64) or 2  # default None: invoke would int() a typed default itself
@@ -832,12 +879,15 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
                       else f"[red]not measured[/] {b['label']}: {b['reason']}", soft_wrap=True)
         if not builds:
             con.print("--measure: every candidate near the constraints is measured already")
-        rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx)
+        rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx, workload=wl)
+    con.print(f"workload: {wl.describe()}; throughput, TTFT, TPOT from resolve/perf.py (true values within "
+              f"x0.6..x1.7 on benchmarks/planner.py's published rows)", soft_wrap=True)
     for cand in sorted((x for x in rec.candidates if not x.refused), key=ch.rank_key):
-        e, a = cand.estimate, cand.accuracy
+        pf, a = cand.perf, cand.accuracy
         status = "[green]meets[/]  " if cand.ok else "[yellow]ruled out[/] "
-        con.print(f"{status}{cand.label}: {e['decode_tokens_per_s_per_gpu']:,.0f} decode tokens/s per GPU, "
-                  f"{e['kv_concurrency_at_context']:,} seqs at {e['context_tokens']:,}, KL P99 {a.kl_p99} ({a.kind})"
+        con.print(f"{status}{cand.label}: {ch.tokens_per_gpu(cand):,.0f} output tokens/s per GPU "
+                  f"({pf['output_tokens_per_s_per_replica']:,.0f} per replica of {cand.world_size} GPU, batch {pf['batch']:,}), "
+                  f"TTFT P99 {pf['ttft_p99_s']:.3g} s, TPOT {pf['tpot_s'] * 1e3:.3g} ms, KL P99 {a.kl_p99} ({a.kind})"
                   + "".join(f"; {v['text']}" for v in cand.violations), soft_wrap=True, markup=True)
     for cand in (x for x in rec.candidates if x.refused):
         con.print(f"[red]refused[/]  {cand.label}: " + "; ".join(f"rule {r['rule']}" for r in cand.refused),
@@ -846,10 +896,13 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
         con.print(f"[bold red]no candidate on {rec.gpu} meets every constraint[/] (reasons above)")
         raise Exit(code=2)
     b = rec.best
-    con.print(f"[bold green]recommended[/]: {b.label} (from {b.base}): {b.estimate['decode_tokens_per_s_per_gpu']:,.0f} "
-              f"decode tokens/s per GPU ({b.estimate['kind']}); accuracy {b.accuracy.kind}: {b.accuracy.source}",
-              soft_wrap=True)
-    for line in b.estimate["arithmetic"]:
+    r = b.perf["ranges"]
+    con.print(f"[bold green]recommended[/]: {b.label} (from {b.base}): {ch.tokens_per_gpu(b):,.0f} output tokens/s per GPU "
+              f"(range {r['output_tokens_per_s_per_gpu'][0]:,.0f}-{r['output_tokens_per_s_per_gpu'][1]:,.0f}), TTFT P99 "
+              f"{b.perf['ttft_p99_s']:.3g} s, TPOT {b.perf['tpot_s'] * 1e3:.3g} ms, cold start {b.perf['replica_start_s']} s; "
+              f"accuracy {b.accuracy.kind}: {b.accuracy.source}", soft_wrap=True)
+    con.print(f"  fallback: {ch.fallback_text(b)}", soft_wrap=True)
+    for line in b.perf["arithmetic"]:
         con.print(f"    {line}", soft_wrap=True)
     if write:
         path = ch.write_profile(b, Path(write), command=f"--gpu {gpu}")
@@ -861,32 +914,39 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
             "gpu": "evaluate every profile on this GPU instead of its own target.gpu",
             "out": "output folder for compare.json, pareto.png, compare.html (default artifacts/compare)",
             "build": "first build and gate (for real, into artifacts/<profile>) every profile without measured numbers",
-            "golden_limit": "with --build: only the first N golden prompts per category (quick, noisier numbers)"})
+            "golden_limit": "with --build: only the first N golden prompts per category (quick, noisier numbers)",
+            **_WORKLOAD_HELP})
 @guarded
-def compare(c, profiles="all", model=None, gpu=None, out=None, build=False, golden_limit=None):
+def compare(c, profiles="all", model=None, gpu=None, out=None, build=False, golden_limit=None, input_len=None,
+            output_len=None, concurrency=None, request_rate=None):
     """Table + Pareto chart (accuracy loss vs estimated throughput) of profiles; lists those that cannot run."""
     from precision_pipeline.analysis import choose as ch
-    from precision_pipeline.pipeline import _model_dir
     from precision_pipeline.spec.profile import shipped_profiles
     from rich.table import Table
 
+    _model_dir = _plan_model_dir
+    wl = _workload(input_len, output_len, concurrency, request_rate)
     names = shipped_profiles() if str(profiles).strip() in ("", "all") else [p.strip() for p in str(profiles).split(",") if p.strip()]
-    cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu)
+    cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu, workload=wl)
     if build:
         con = _console()
         for b in ch.build_unmeasured(cands, _gate_builder(con, model, _int_arg("--golden-limit", golden_limit, 1, 1000))):
             if b["reason"] is not None:
                 con.print(f"[red]not measured[/] {b['label']}: {b['reason']}", soft_wrap=True)
-        cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu)
-    t = Table(title="profiles (throughput: roofline estimate; accuracy: measured build, else prior)")
-    for col in ("profile", "GPU", "weights/GPU", "KV B/token", "KV tokens", "seqs", "decode tok/s/GPU", "prefill tok/s",
-                "KL P99", "accuracy", "frontier"):
+        cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu, workload=wl)
+    t = Table(title=f"profiles at {wl.describe()} (performance model, range x0.6-x1.7; accuracy: measured build, else prior)")
+    for col in ("profile", "GPU", "weights/GPU", "KV B/token", "batch", "out tok/s/GPU", "per replica", "TTFT P99",
+                "TPOT", "KL P99", "accuracy", "frontier"):
         t.add_column(col)
     for r in ch.table_rows(cands):
         if r["runs"]:
+            rg = r["ranges"] or {}
+            tps = rg.get("output_tokens_per_s_per_gpu") or [0, 0]
             t.add_row(r["profile"], r["gpu"], f"{r['weight_bytes_per_gpu'] / 2**20:,.1f} MiB", f"{r['kv_bytes_per_token']:,}",
-                      f"{r['kv_tokens_capacity']:,}", f"{r['concurrency']:,}", f"{r['decode_tokens_per_s_per_gpu']:,.0f}",
-                      "n/a" if r["prefill_tokens_per_s"] is None else f"{r['prefill_tokens_per_s']:,.0f}",
+                      f"{r['batch'] or 0:,}", f"{r['output_tokens_per_s_per_gpu']:,.0f} ({tps[0]:,.0f}-{tps[1]:,.0f})",
+                      f"{r['output_tokens_per_s_per_replica'] or 0:,.0f}",
+                      "n/a" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s']:.3g} s",
+                      "n/a" if r["tpot_s"] is None else f"{r['tpot_s'] * 1e3:.3g} ms",
                       "n/a" if r["kl_p99"] is None else f"{r['kl_p99']:.3g}", r["accuracy"], "*" if r["frontier"] else "")
     con = _console()
     con.print(t)

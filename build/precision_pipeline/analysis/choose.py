@@ -41,6 +41,7 @@ import base64
 import html
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -50,6 +51,7 @@ import yaml
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_bytes, atomic_write_text
+from precision_pipeline.resolve import perf as PF
 from precision_pipeline.resolve import plan as P
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
@@ -62,6 +64,14 @@ DEFAULT_MAX_GPUS = 8
 DEFAULT_CONTEXT = 4096
 """Tokens per sequence every candidate is built for and estimated at when ``--context`` is not given
 (capped at the model's max_position_embeddings), so that candidates are compared at one context."""
+FALLBACK_CHOICES = ("same-gpus", "own-replica", "none")
+"""Where a profile's fallback engine lives: warm on the replica's own GPUs (its memory taken from the KV
+cache), warm on a replica of its own (its GPUs added to the cost), or none warm (a rollback loads it
+cold on the replica's GPUs: the cold-start time says how long)."""
+LOAD_GBS = 2.0
+"""GB/s per GPU an engine's weights load at (local NVMe; an assumption, not measured): cold-start times."""
+RUNTIME_START_S = 30.0
+"""Seconds a replica needs before loading weights (container, Triton, TensorRT-LLM runtime; an assumption)."""
 SRC_PRIOR = "README.md 'Measured gate numbers' (SmolLM2-135M-Instruct, full golden set, vs FP32)"
 PRIOR_MODEL = "SmolLM2-135M-Instruct"
 
@@ -120,6 +130,8 @@ class Candidate:
     profile: Any = None
     plan: Any = None
     estimate: Optional[dict] = None
+    perf: Optional[dict] = None
+    fallback: dict = field(default_factory=dict)  # where the fallback lives, its GPUs, rollback time
     accuracy: Accuracy = field(default_factory=lambda: Accuracy("unknown"))
     refused: list[dict] = field(default_factory=list)  # {"rule", "field", "reason"}
     violations: list[dict] = field(default_factory=list)  # {"constraint", "limit", "value", "by", "text"}
@@ -135,17 +147,23 @@ class Candidate:
     def to_json(self) -> dict:
         return {"label": self.label, "base": self.base, "overrides": self.overrides, "ok": self.ok,
                 "refused": self.refused, "violations": self.violations, "accuracy": self.accuracy.to_json(),
-                "estimate": self.estimate,
+                "estimate": self.estimate, "perf": self.perf, "fallback": self.fallback,
                 "memory": self.plan.memory.to_json() if self.plan is not None and self.plan.memory else None}
 
 
 @dataclass(frozen=True)
 class Constraints:
-    """``recommend``'s limits: KL P99 (nats), KV-limited concurrency (sequences), GPUs per engine."""
+    """``recommend``'s limits: KL P99 (nats), KV-limited concurrency (sequences), GPUs per engine, and the
+    SLA triangle: P99 latency (TTFT P99 and TPOT, seconds), throughput (output tokens/s of the service),
+    cold start (seconds to start a replica or roll back to the fallback)."""
 
     max_kl_p99: Optional[float] = None
     min_concurrency: Optional[int] = None
     max_gpus: int = DEFAULT_MAX_GPUS
+    max_ttft_p99_s: Optional[float] = None
+    max_tpot_s: Optional[float] = None
+    min_tokens_per_s: Optional[float] = None
+    max_cold_start_s: Optional[float] = None
 
 
 def _model(model: Union[Path, str, ModelArch]) -> ModelArch:
@@ -202,20 +220,36 @@ def _quality_key(p) -> dict:
     return {"quantization": p.quantization.model_dump(mode="json"), "calibration": p.calibration.model_dump(mode="json")}
 
 
-def measured_accuracy(profile, artifacts: Path) -> Optional[Accuracy]:
-    """Gate numbers of an existing build of the same quantization + calibration (``artifacts/*/gate/metrics.json``)."""
+def _full_golden_prompts() -> int:
+    from precision_pipeline.gate.golden import load_golden
+
+    return len(load_golden())
+
+
+def measured_accuracy(profile, artifacts: Path, model: Optional[ModelArch] = None) -> Optional[Accuracy]:
+    """Gate numbers of an existing build of the same quantization + calibration (``artifacts/*/gate/metrics.json``)
+    **of the same model** (plan.json's ``model`` equals ``model``'s config: measurements are keyed by the model
+    they were made on) over the **whole golden set** (a ``--golden-limit`` build is a quick check, not a
+    measurement: its prompts are fewer than ``load_golden()``'s)."""
     if not artifacts.is_dir():
         return None
     want = _quality_key(profile)
+    want_model = model.model_dump(mode="json") if model is not None else None
     for gate in sorted(artifacts.glob("*/gate/metrics.json")):
         out = gate.parent.parent
         try:
             plan = json.loads((out / "plan.json").read_text())
-            metrics = json.loads(gate.read_text()).get("metrics") or {}
+            doc = json.loads(gate.read_text())
+            metrics = doc.get("metrics") or {}
         except (OSError, ValueError):
             continue
         pr = plan.get("profile_resolved") or {}
         if {"quantization": pr.get("quantization"), "calibration": pr.get("calibration")} != want:
+            continue
+        if want_model is not None and plan.get("model") != want_model:
+            continue
+        prompts = (doc.get("golden") or {}).get("prompts")
+        if isinstance(prompts, int) and prompts < _full_golden_prompts():
             continue
 
         def val(k):
@@ -228,7 +262,7 @@ def measured_accuracy(profile, artifacts: Path) -> Optional[Accuracy]:
 
 def accuracy_of(profile, model: ModelArch, artifacts: Path) -> Accuracy:
     """measured, else prior (labelled with the model it was measured on), else unknown."""
-    got = measured_accuracy(profile, artifacts)
+    got = measured_accuracy(profile, artifacts, model)
     if got is not None:
         return got
     q = profile.quantization
@@ -244,10 +278,40 @@ def _refusals(plan) -> list[dict]:
     return [{"rule": pr.rule, "field": pr.field, "reason": pr.reason} for pr in plan.problems]
 
 
+def _fallback_at(name: str, gpu_id: str, tp: int, pp: int = 1):
+    """The fallback profile ``name`` deployed at ``tp`` x ``pp`` on ``gpu_id`` (no fallback of its own)."""
+    fb = load_profile(name)
+    return fb.model_copy(update={
+        "target": fb.target.model_copy(update={"gpu": gpu_id}),
+        "parallel": fb.parallel.model_copy(update={"tp_size": tp, "pp_size": pp}),
+        "deployment": fb.deployment.model_copy(update={"fallback": None, "warm_fallback": False,
+                                                       "gpus_per_replica": tp * pp})})
+
+
+_OWN_TP: dict = {}
+
+
+def _own_replica_tp(name: str, gpu_id: str, model: ModelArch) -> Optional[int]:
+    """The fewest GPUs (tp in TP_SIZES) the fallback ``name`` runs on by itself, or None (memoised per model)."""
+    key = (name, gpu_id, json.dumps(model.model_dump(mode="json"), sort_keys=True))
+    if key not in _OWN_TP:
+        _OWN_TP[key] = next((tp for tp in TP_SIZES if P.evaluate(_fallback_at(name, gpu_id, tp), model).ok), None)
+    return _OWN_TP[key]
+
+
+def _load_s(weight_bytes_per_gpu: float) -> float:
+    return weight_bytes_per_gpu / (LOAD_GBS * 1e9)
+
+
 def evaluate_candidate(label: str, base: str, overrides: dict, model: ModelArch, artifacts: Path,
-                       context: Optional[int] = None, fit_context_kernels: bool = False) -> Candidate:
+                       context: Optional[int] = None, fit_context_kernels: bool = False,
+                       workload: Optional[PF.Workload] = None, fallback_choice: Optional[str] = None) -> Candidate:
     """Merge ``overrides`` over ``base`` (as ``extends`` does), validate, resolve, estimate.
-    ``fit_context_kernels``: first add ``context_settings`` (the per-phase kernels the builder keeps)."""
+    ``fit_context_kernels``: first add ``context_settings`` (the per-phase kernels the builder keeps).
+    ``workload``: the performance model's input (default ``PF.Workload()``). ``fallback_choice``: one of
+    ``FALLBACK_CHOICES`` for the profile's deployment.fallback (None: as the profile says); the fallback is
+    deployed at the candidate's tp x pp (same-gpus, none) or at the fewest GPUs it runs on (own-replica)."""
+    wl = workload or PF.Workload()
     c = Candidate(label, base, overrides)
     try:
         c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
@@ -256,15 +320,70 @@ def evaluate_candidate(label: str, base: str, overrides: dict, model: ModelArch,
             if extra:
                 c.overrides = overrides = deep_merge(overrides, extra)
                 c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
+        fb_name = c.profile.deployment.fallback
+        fb_profile = None
+        if fallback_choice is not None and fb_name:
+            warm = fallback_choice == "same-gpus"
+            dep = {"fallback": None if fallback_choice == "own-replica" else fb_name, "warm_fallback": warm}
+            c.overrides = overrides = deep_merge(overrides, {"deployment": dep})
+            c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
+            gid, tp, pp = resolve_gpu(c.profile.target.gpu).id, c.profile.parallel.tp_size, c.profile.parallel.pp_size
+            if fallback_choice == "own-replica":
+                fb_tp = _own_replica_tp(fb_name, gid, model)
+                if fb_tp is None:
+                    c.refused = [{"rule": "deployment.fallback", "field": "deployment.fallback",
+                                  "reason": f"{fb_name} runs on no tp in {TP_SIZES} of {gid} by itself"}]
+                    return c
+                c.fallback = {"where": "own-replica", "profile": fb_name, "tp_size": fb_tp, "gpus": fb_tp, "rollback_s": 0.0}
+            else:
+                fb_profile = _fallback_at(fb_name, gid, tp, pp)
+                c.fallback = {"where": fallback_choice, "profile": fb_name, "tp_size": tp, "gpus": 0}
+        elif fb_name:
+            c.fallback = {"where": "same-gpus" if c.profile.deployment.warm_fallback else "none", "profile": fb_name,
+                          "tp_size": None, "gpus": 0}
+        else:
+            c.fallback = {"where": "none", "profile": None, "gpus": 0, "rollback_s": None}
     except UserError as e:
         c.refused = [{"rule": pr.rule or "profile.schema", "field": pr.field, "reason": pr.reason} for pr in e.problems]
         return c
-    c.plan = P.evaluate(c.profile, model)
+    c.plan = P.evaluate(c.profile, model, fallback_profile=fb_profile)
     c.refused = _refusals(c.plan)
     if c.plan.ok:
         c.estimate = c.plan.estimate if context is None else P.E.of_plan(c.plan, context=context)
+        try:
+            c.perf = PF.of_plan(c.plan, wl)
+        except UserError as e:
+            c.refused = [{"rule": "workload", "field": pr.field, "reason": pr.reason} for pr in e.problems]
+            return c
+        mem = c.plan.memory
+        c.perf["replica_start_s"] = round(RUNTIME_START_S + _load_s(mem.weight_bytes_per_gpu
+                                                                    + (mem.fallback_breakdown.weights if mem.fallback_breakdown else 0)), 1)
+        if c.fallback.get("where") == "none" and fb_profile is not None:
+            sub = P.evaluate(fb_profile, model, _with_fallback=False)  # what a rollback loads, cold
+            c.fallback["rollback_s"] = round(_load_s(sub.memory.weight_bytes_per_gpu), 1) if sub.memory else None
+        elif c.fallback.get("where") == "same-gpus":
+            c.fallback["rollback_s"] = 0.0
+        _deployed_rate(c, wl)
         c.accuracy = accuracy_of(c.profile, model, artifacts)
     return c
+
+
+def _deployed_rate(c: Candidate, wl: PF.Workload, min_tokens_per_s: Optional[float] = None) -> None:
+    """``perf['deployed_tokens_per_s_per_gpu']``: output tokens/s per GPU of the whole deployment, the
+    fallback's own replica (if any) shared by the replicas the workload needs."""
+    per = c.perf["output_tokens_per_s_per_replica"]
+    reps = c.perf.get("replicas_needed") or 1
+    if min_tokens_per_s and per > 0:
+        reps = max(reps, math.ceil(min_tokens_per_s / per))
+    gpus = reps * c.world_size + int(c.fallback.get("gpus") or 0)
+    c.perf["replicas"] = reps
+    c.perf["deployment_gpus"] = gpus
+    c.perf["deployed_tokens_per_s_per_gpu"] = round(per * reps / gpus, 1) if gpus else 0.0
+
+
+def tokens_per_gpu(c: Candidate) -> float:
+    """The ranking's throughput: output tokens/s per GPU of the deployment (``perf``)."""
+    return c.perf["deployed_tokens_per_s_per_gpu"] if c.perf else 0.0
 
 
 def _max_batch_limit() -> int:
@@ -273,8 +392,14 @@ def _max_batch_limit() -> int:
     return int(BuildLimits.model_json_schema()["properties"]["max_batch_size"].get("maximum", 2**31 - 1))
 
 
+RUNTIME_MAX_BATCH = 2048
+"""max_batch_size a candidate is built with when the workload gives no concurrency: TensorRT-LLM's own default
+(tensorrt_llm/llmapi/llm_args.py ``max_batch_size: Optional[int] = Field(default=2048``; trtllm-build
+--max_batch_size 2048), so the runtime, not the base profile's 64, sizes the batch by KV memory."""
+
+
 def _overrides(gpu_id: str, algo: QuantAlgo, kv: KVCacheQuantAlgo, tp: int, base_raw: dict,
-               context: Optional[int], min_conc: Optional[int]) -> dict:
+               context: Optional[int], min_conc: Optional[int], workload: Optional[PF.Workload] = None) -> dict:
     o: dict = {"target": {"gpu": gpu_id}, "quantization": {"quant_algo": algo.value, "kv_cache_quant_algo": kv.value},
                "parallel": {"tp_size": tp}, "deployment": {"gpus_per_replica": tp}}
     b = base_raw.get("build") or {}
@@ -283,7 +408,12 @@ def _overrides(gpu_id: str, algo: QuantAlgo, kv: KVCacheQuantAlgo, tp: int, base
         build["max_seq_len"] = int(context)
         if (b.get("max_input_len") or F.DEFAULT_MAX_INPUT_LEN) > context:
             build["max_input_len"] = int(context)
-    if min_conc is not None and min_conc > (b.get("max_batch_size") or 0):
+    if workload is not None:
+        if workload.input_len > (build.get("max_input_len") or b.get("max_input_len") or F.DEFAULT_MAX_INPUT_LEN):
+            build["max_input_len"] = min(workload.input_len, build.get("max_seq_len") or workload.input_len)
+        want = workload.concurrency if workload.concurrency is not None else RUNTIME_MAX_BATCH
+        build["max_batch_size"] = int(min(max(want, min_conc or 0), _max_batch_limit()))
+    elif min_conc is not None and min_conc > (b.get("max_batch_size") or 0):
         build["max_batch_size"] = int(min(min_conc, _max_batch_limit()))
     if build:
         o["build"] = build
@@ -292,8 +422,10 @@ def _overrides(gpu_id: str, algo: QuantAlgo, kv: KVCacheQuantAlgo, tp: int, base
 
 def enumerate_candidates(gpu: str, model: Union[Path, str, ModelArch], artifacts: Path,
                          context: Optional[int] = None, min_concurrency: Optional[int] = None,
-                         tp_sizes: tuple[int, ...] = TP_SIZES) -> list[Candidate]:
-    """Every buildable GEMM format x KV format x tp on ``gpu``, evaluated (refused ones included)."""
+                         tp_sizes: tuple[int, ...] = TP_SIZES, workload: Optional[PF.Workload] = None,
+                         fallback_choices: tuple[str, ...] = FALLBACK_CHOICES) -> list[Candidate]:
+    """Every buildable GEMM format x KV format x tp x fallback placement on ``gpu``, evaluated (refused ones
+    included). Labels end in ``/fb-<placement>`` when the base profile names a fallback."""
     spec = resolve_gpu(gpu)
     m = _model(model)
     out = []
@@ -302,12 +434,15 @@ def enumerate_candidates(gpu: str, model: Union[Path, str, ModelArch], artifacts
             continue
         for i, base in enumerate(base_profiles_for(fmt.algo)):
             raw = load_raw(base)
+            has_fb = bool((raw.get("deployment") or {}).get("fallback"))
             for kv in F.KV.values():
                 for tp in tp_sizes:
                     label = f"{fmt.short}/kv-{kv.short}/tp{tp}" + (f"+{base}" if i else "")
-                    out.append(evaluate_candidate(label, base, _overrides(spec.id, fmt.algo, kv.algo, tp, raw, context,
-                                                                          min_concurrency), m, artifacts, context,
-                                                  fit_context_kernels=True))
+                    o = _overrides(spec.id, fmt.algo, kv.algo, tp, raw, context, min_concurrency, workload)
+                    for choice in (fallback_choices if has_fb else (None,)):
+                        out.append(evaluate_candidate(label + (f"/fb-{choice}" if choice else ""), base, o, m,
+                                                      artifacts, context, fit_context_kernels=True, workload=workload,
+                                                      fallback_choice=choice))
     return out
 
 
@@ -330,6 +465,22 @@ def apply_constraints(c: Candidate, k: Constraints) -> None:
                                  "by": round(v - k.max_kl_p99, 6),
                                  "text": f"KL P99 {v:g} ({c.accuracy.kind}) is {v - k.max_kl_p99:.4g} over --max-kl-p99 "
                                          f"{k.max_kl_p99:g}"})
+    if k.min_tokens_per_s is not None and c.perf:
+        _deployed_rate(c, PF.Workload(**{x: c.perf["workload"][x] for x in ("input_len", "output_len", "concurrency",
+                                                                             "request_rate")}), k.min_tokens_per_s)
+    sla = (("max_ttft_p99_s", k.max_ttft_p99_s, (c.perf or {}).get("ttft_p99_s"), "TTFT P99", "s"),
+           ("max_tpot_s", k.max_tpot_s, (c.perf or {}).get("tpot_s"), "TPOT", "s"),
+           ("max_cold_start_s", k.max_cold_start_s, _cold_start(c), "cold start (replica start or rollback)", "s"))
+    for name, limit, v, what, unit in sla:
+        if limit is None:
+            continue
+        if v is None or v > limit:
+            c.violations.append({"constraint": name, "limit": limit, "value": v, "by": None if v is None else round(v - limit, 4),
+                                 "text": f"{what} {'unknown' if v is None else f'{v:.4g} {unit}'} is over --{name.replace('_', '-')} "
+                                         f"{limit:g}"})
+    if c.perf is not None and not c.perf.get("fits_workload", True):
+        c.violations.append({"constraint": "workload", "limit": None, "value": 0, "by": None,
+                             "text": "not one sequence of the workload fits in the KV cache"})
     if k.min_concurrency is not None:
         v = c.estimate["kv_concurrency_at_context"]
         if v < k.min_concurrency:
@@ -339,10 +490,19 @@ def apply_constraints(c: Candidate, k: Constraints) -> None:
                                          f"{k.min_concurrency - v:,} short of --min-concurrency {k.min_concurrency:,}"})
 
 
+def _cold_start(c: Candidate) -> Optional[float]:
+    """Seconds to start a replica (``perf['replica_start_s']``) or to roll back to a cold fallback, the larger."""
+    if not c.perf:
+        return None
+    return max(c.perf.get("replica_start_s") or 0.0, c.fallback.get("rollback_s") or 0.0)
+
+
 def rank_key(c: Candidate) -> tuple:
-    """Sort key, best first: decode tokens/s per GPU (desc), KL P99 (asc, unknown last), GPUs (asc)."""
+    """Sort key, best first: output tokens/s per GPU of the deployment at the workload (desc; ``perf``),
+    KL P99 (asc, unknown last), GPUs of the deployment (asc)."""
     kl = c.accuracy.kl_p99
-    return (-c.estimate["decode_tokens_per_s_per_gpu"], kl if kl is not None else float("inf"), c.world_size, c.label)
+    gpus = c.perf.get("deployment_gpus", c.world_size) if c.perf else c.world_size
+    return (-tokens_per_gpu(c), kl if kl is not None else float("inf"), gpus, c.label)
 
 
 @dataclass
@@ -353,6 +513,7 @@ class Recommendation:
     constraints: Constraints
     best: Optional[Candidate]
     candidates: list[Candidate]
+    workload: dict = field(default_factory=dict)
 
     @property
     def feasible(self) -> list[Candidate]:
@@ -360,14 +521,16 @@ class Recommendation:
 
     def to_json(self) -> dict:
         return {"gpu": self.gpu, "constraints": self.constraints.__dict__,
-                "objective": "highest estimated decode tokens/s per GPU (roofline), then lower KL P99, then fewer GPUs",
+                "objective": "highest estimated output tokens/s per GPU of the deployment at the workload (resolve/perf.py), "
+                             "then lower KL P99, then fewer GPUs", "workload": self.workload,
                 "best": self.best.to_json() if self.best else None,
                 "candidates": [c.to_json() for c in self.candidates]}
 
 
 def recommend(gpu: str, model: Union[Path, str, ModelArch], artifacts: Path, constraints: Constraints = Constraints(),
-              context: Optional[int] = None) -> Recommendation:
-    """Enumerate, drop what the rules refuse, estimate, apply ``constraints``, pick the best (module doc)."""
+              context: Optional[int] = None, workload: Optional[PF.Workload] = None) -> Recommendation:
+    """Enumerate, drop what the rules refuse, estimate at ``workload`` (default ``PF.Workload()``), apply
+    ``constraints``, pick the best (module doc). Candidates are built for max(context, input + output) tokens."""
     if constraints.max_gpus < 1:
         raise UserError("--max-gpus", f"{constraints.max_gpus} is not a positive number of GPUs.", "pass e.g. --max-gpus 1.")
     if constraints.max_kl_p99 is not None and not constraints.max_kl_p99 >= 0:
@@ -376,23 +539,48 @@ def recommend(gpu: str, model: Union[Path, str, ModelArch], artifacts: Path, con
         raise UserError("--context", f"{context} is not a positive number of tokens.", "pass e.g. --context 4096.")
     spec = resolve_gpu(gpu)
     m = _model(model)
+    for flag, v in (("--max-ttft-p99", constraints.max_ttft_p99_s), ("--max-tpot", constraints.max_tpot_s),
+                    ("--min-tokens-per-s", constraints.min_tokens_per_s), ("--max-cold-start", constraints.max_cold_start_s)):
+        if v is not None and not v > 0:
+            raise UserError(flag, f"{v} is not a positive number.", f"pass e.g. {flag} 1.")
+    wl = workload or PF.Workload()
     if context is None:
-        context = min(DEFAULT_CONTEXT, m.max_position_embeddings or DEFAULT_CONTEXT)
-    cands = enumerate_candidates(spec.id, m, artifacts, context, constraints.min_concurrency)
+        context = max(min(DEFAULT_CONTEXT, m.max_position_embeddings or DEFAULT_CONTEXT), wl.context)
+    elif context < wl.context:
+        raise UserError("--context", f"{context:,} tokens is shorter than the workload's input + output {wl.context:,}.",
+                        f"pass --context {wl.context} or more, or shorten --input-len / --output-len.")
+    cands = enumerate_candidates(spec.id, m, artifacts, context, constraints.min_concurrency, workload=wl)
     for c in cands:
         apply_constraints(c, constraints)
     ok = sorted((c for c in cands if c.ok), key=rank_key)
-    return Recommendation(spec.id, constraints, ok[0] if ok else None, cands)
+    return Recommendation(spec.id, constraints, ok[0] if ok else None, cands, wl.to_json())
 
 
 def profile_yaml(c: Candidate, command: str = "") -> str:
     """The candidate as a profile file: ``extends`` its base, overriding only what the candidate changed."""
+    pf = c.perf or {}
     head = ("# Written by `invoke recommend`" + (f" ({command})" if command else "") + ".\n"
-            f"# Roofline decode ceiling {c.estimate['decode_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; accuracy "
-            f"({c.accuracy.kind}): KL P99 {c.accuracy.kl_p99}; source: {c.accuracy.source}.\n")
+            f"# Estimated {tokens_per_gpu(c):,.0f} output tokens/s per GPU at {pf.get('workload', {}).get('described', '?')} "
+            f"(resolve/perf.py); accuracy ({c.accuracy.kind}): KL P99 {c.accuracy.kl_p99}; source: {c.accuracy.source}.\n"
+            + (f"# Fallback: {fallback_text(c)}.\n" if c.fallback.get("profile") else ""))
     body = {"extends": c.base, "description": f"recommended: {c.label} on {c.overrides['target']['gpu']} "
                                              f"(from {c.base})", **c.overrides}
     return head + yaml.safe_dump(body, sort_keys=False)
+
+
+def fallback_text(c: Candidate) -> str:
+    """Where the candidate's fallback lives, in words."""
+    fb = c.fallback
+    if not fb.get("profile"):
+        return "none (the base profile names no fallback; a rollback goes to the previous release)"
+    if fb["where"] == "same-gpus":
+        return (f"{fb['profile']} at tp {fb['tp_size']}, warm on the replica's own GPUs (its memory counted against the "
+                f"KV cache; rollback instant)")
+    if fb["where"] == "own-replica":
+        return (f"{fb['profile']} at tp {fb['tp_size']}, warm on a replica of its own ({fb['gpus']} GPU"
+                f"{'s' if fb['gpus'] != 1 else ''} added to the deployment; rollback = a routing switch)")
+    return (f"{fb['profile']} at tp {fb['tp_size']}, not loaded: a rollback loads it cold on the replica's GPUs "
+            f"(~{fb.get('rollback_s')} s at {LOAD_GBS:g} GB/s per GPU)")
 
 
 def write_profile(c: Candidate, path: Path, command: str = "") -> Path:
@@ -468,7 +656,7 @@ def profile_file_stem(gpu: str, label: str) -> str:
 
 
 def compare(profiles: list[str], model: Union[Path, str, ModelArch], artifacts: Path,
-            gpu: Optional[str] = None) -> list[Candidate]:
+            gpu: Optional[str] = None, workload: Optional[PF.Workload] = None) -> list[Candidate]:
     """Evaluate each profile (``target.gpu`` replaced by ``gpu`` when given): estimate, accuracy, refusals.
     Raises UserError (field ``--profiles``) for an empty list or one naming a profile file twice."""
     from precision_pipeline.spec.profile import resolve_profile_path
@@ -489,7 +677,7 @@ def compare(profiles: list[str], model: Union[Path, str, ModelArch], artifacts: 
         base = load_profile(name)  # UserError for an unknown profile name
         over = {"target": {"gpu": spec.id}} if spec else {}
         label = base.name + (f"@{spec.id}" if spec else "")
-        out.append(evaluate_candidate(label, name, over, m, artifacts))
+        out.append(evaluate_candidate(label, name, over, m, artifacts, workload=workload))
     return out
 
 
@@ -499,9 +687,9 @@ def pareto(cands: list[Candidate]) -> list[Candidate]:
     pts = [c for c in cands if not c.refused and c.accuracy.kl_p99 is not None]
 
     def dominated(a: Candidate) -> bool:
-        ta, la = a.estimate["decode_tokens_per_s_per_gpu"], a.accuracy.kl_p99
-        return any((b.estimate["decode_tokens_per_s_per_gpu"] >= ta and b.accuracy.kl_p99 <= la)
-                   and (b.estimate["decode_tokens_per_s_per_gpu"] > ta or b.accuracy.kl_p99 < la) for b in pts if b is not a)
+        ta, la = tokens_per_gpu(a), a.accuracy.kl_p99
+        return any((tokens_per_gpu(b) >= ta and b.accuracy.kl_p99 <= la)
+                   and (tokens_per_gpu(b) > ta or b.accuracy.kl_p99 < la) for b in pts if b is not a)
 
     return [c for c in pts if not dominated(c)]
 
@@ -521,19 +709,23 @@ def pareto_png(cands: list[Candidate]) -> bytes:
     gpus = {c.label.rpartition("@")[2] for c in pts if "@" in c.label}
     same_gpu = len(gpus) == 1 and all("@" in c.label for c in pts)  # compare --gpu G: G goes into the title
     for c in pts:
-        x, y = c.estimate["decode_tokens_per_s_per_gpu"], c.accuracy.kl_p99
+        x, y = tokens_per_gpu(c), c.accuracy.kl_p99
         size = 60 + 600 * c.plan.memory.weight_bytes_per_gpu / wmax
         on = c in front
         ax.scatter([x], [y], s=size, alpha=0.6, edgecolors="black" if on else "none", linewidths=2 if on else 0,
                    marker="o" if c.accuracy.kind == "measured" else "s")
-    _annotate_apart(ax, fig, [((c.estimate["decode_tokens_per_s_per_gpu"], c.accuracy.kl_p99),
+    _annotate_apart(ax, fig, [((tokens_per_gpu(c), c.accuracy.kl_p99),
                                c.label.rpartition("@")[0] if same_gpu else c.label) for c in pts])
     if front:
-        f = sorted(front, key=lambda c: c.estimate["decode_tokens_per_s_per_gpu"])
-        ax.plot([c.estimate["decode_tokens_per_s_per_gpu"] for c in f], [c.accuracy.kl_p99 for c in f], "k--", lw=1,
+        f = sorted(front, key=tokens_per_gpu)
+        ax.plot([tokens_per_gpu(c) for c in f], [c.accuracy.kl_p99 for c in f], "k--", lw=1,
                 label="Pareto frontier")
         ax.legend(loc="upper left", fontsize=8)
-    ax.set_xlabel("decode tokens/s per GPU (roofline estimate)")
+        lo, hi = PF.RANGE
+        for c in pts:  # the honest range of each estimate, as a horizontal bar
+            ax.plot([tokens_per_gpu(c) * lo, tokens_per_gpu(c) * hi], [c.accuracy.kl_p99] * 2, "-", color="0.6", lw=0.8)
+    wl = next((c.perf["workload"]["described"] for c in pts if c.perf), "")
+    ax.set_xlabel(f"output tokens/s per GPU (performance model; {wl})", fontsize=8)
     ax.set_ylabel("KL P99 vs reference (nats; circle measured, square prior)")
     ax.set_title("accuracy loss vs estimated throughput" + (f" on {gpus.pop()}" if same_gpu else ", each on its own GPU")
                  + " (marker size = weight bytes per GPU)", fontsize=10)
@@ -578,6 +770,11 @@ def table_rows(cands: list[Candidate]) -> list[dict]:
                      "kv_tokens_capacity": mem.kv_tokens_capacity,
                      "concurrency": e["kv_concurrency_at_context"], "context": e["context_tokens"],
                      "decode_tokens_per_s_per_gpu": e["decode_tokens_per_s_per_gpu"],
+                     "output_tokens_per_s_per_gpu": tokens_per_gpu(c),
+                     "output_tokens_per_s_per_replica": c.perf["output_tokens_per_s_per_replica"] if c.perf else None,
+                     "ttft_p99_s": c.perf["ttft_p99_s"] if c.perf else None, "tpot_s": c.perf["tpot_s"] if c.perf else None,
+                     "ranges": c.perf.get("ranges") if c.perf else None, "batch": c.perf["batch"] if c.perf else None,
+                     "fallback": c.fallback.get("where"),
                      "prefill_tokens_per_s": e["prefill_tokens_per_s"],
                      "kl_mean": a.kl_mean, "kl_p99": a.kl_p99, "top1": a.top1, "accuracy": a.kind,
                      "accuracy_source": a.source, "frontier": c in front})
@@ -596,8 +793,8 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-COLUMNS = ("profile", "gpu", "gpus", "weight_bytes_per_gpu", "kv_bytes_per_token", "kv_tokens_capacity", "concurrency",
-           "decode_tokens_per_s_per_gpu", "prefill_tokens_per_s", "kl_mean", "kl_p99", "top1", "accuracy", "frontier")
+COLUMNS = ("profile", "gpu", "gpus", "weight_bytes_per_gpu", "kv_bytes_per_token", "kv_tokens_capacity", "batch",
+           "output_tokens_per_s_per_gpu", "output_tokens_per_s_per_replica", "ttft_p99_s", "tpot_s", "kl_mean", "kl_p99", "top1", "accuracy", "frontier")
 
 
 def render_html(cands: list[Candidate], png: bytes) -> str:
@@ -612,12 +809,11 @@ def render_html(cands: list[Candidate], png: bytes) -> str:
         for r in rows if r["runs"])
     refused = "".join(f'<li data-profile="{e(r["profile"])}">{e(r["profile"])}: {e(r["refused"])}</li>'
                       for r in rows if not r["runs"])
-    from precision_pipeline.resolve.estimate import KIND, TP_NOT_MODELLED
-
     return ("<!doctype html><html><head><meta charset='utf-8'><title>profile comparison</title>"
             "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;border-bottom:1px solid #ddd}"
             "tr.frontier td{font-weight:bold}</style></head><body><h1>profile comparison</h1>"
-            f"<p id='kind'>Throughput: {e(KIND)}. Tensor parallel: {e(TP_NOT_MODELLED)}. Accuracy: measured gate numbers "
+            f"<p id='kind'>Throughput, TTFT, TPOT: {e(PF.KIND)} ({e(PF.CALIBRATION)}); every value lies within "
+            f"x{PF.RANGE[0]}..x{PF.RANGE[1]} of the measured ones on benchmarks/planner.py's table. Accuracy: measured gate numbers "
             "of an existing build of the same quantization and calibration, else a per-format prior (labelled).</p>"
             f"<table id='compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
             f"<section id='chart'><img class='plot' alt='Pareto chart' src='data:image/png;base64,"

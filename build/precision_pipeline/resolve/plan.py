@@ -259,13 +259,14 @@ def _model(model: Union[Path, str, ModelArch]) -> ModelArch:
     return model if isinstance(model, ModelArch) else read_model_arch(Path(model))
 
 
-def _fallback_part(ctx: R.Context, model: ModelArch) -> Optional[dict]:
-    """Load deployment.fallback, check it on this GPU, and (if warm) count its weights + activations."""
+def _fallback_part(ctx: R.Context, model: ModelArch, given: Optional[Profile] = None) -> Optional[dict]:
+    """Load deployment.fallback (or take ``given``, the fallback profile as it would be deployed), check it
+    on this GPU, and (if warm) count its weights + activations."""
     d = ctx.profile.deployment
     if not d.fallback:
         return None
     try:
-        fb = load_profile(d.fallback)
+        fb = given if given is not None else load_profile(d.fallback)
     except UserError as e:
         ctx.fallback_problem = e.problems[0]
         return {"profile": d.fallback, "ok": False}
@@ -294,8 +295,12 @@ def _memory(d: dict) -> Optional[MemoryPlan]:
 
 
 def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_dir: Optional[Path] = None,
-             _with_fallback: bool = True, for_build: bool = False, device: Optional[DeviceChoice] = None) -> ResolvedPlan:
+             _with_fallback: bool = True, for_build: bool = False, device: Optional[DeviceChoice] = None,
+             fallback_profile: Optional[Profile] = None) -> ResolvedPlan:
     """Run every rule; return the Plan with all problems (never raises for a refused check).
+
+    ``fallback_profile``: the deployment.fallback profile itself (``invoke recommend`` deploys the fallback
+    at the candidate's tp without writing a file first); None loads it by name.
 
     ``for_build``: the whole build will run (``invoke build`` and ``invoke check``), so the rules
     about what the later stages need (``model.gate_reads``) apply too. ``device``: where that
@@ -322,7 +327,7 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
     ctx.effective, ctx.overrides = R.derive_effective(profile, gpu.sm if gpu else 0)
     # a GPU TensorRT-LLM does not support at all: only gpu.supported speaks for it
     usable_gpu = gpu is not None and gpu.sm >= F.MIN_TRTLLM_SM
-    fallback = _fallback_part(ctx, m) if _with_fallback and (gpu is None or usable_gpu) else None
+    fallback = _fallback_part(ctx, m, fallback_profile) if _with_fallback and (gpu is None or usable_gpu) else None
     if usable_gpu:
         ctx.memory = R.memory_plan(ctx)
     if ctx.device is not None:
