@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.analysis import choose as C
+from precision_pipeline.resolve import perf as PF
 from precision_pipeline.resolve.plan import evaluate
 from precision_pipeline.spec.profile import load_profile, shipped_profiles
 
@@ -29,30 +30,36 @@ def h100(default_model_dir):
 
 
 def test_h100_picks_fp8_and_says_why_the_others_lose(h100):
-    assert h100.best.label == "fp8/kv-fp8/tp1" and h100.best.base == "fp8-h100"
+    assert h100.best.label == "fp8/kv-fp8/tp1/fb-same-gpus" and h100.best.base == "fp8-h100"
     c = by_label(h100)
-    awq = c["int4-awq/kv-bf16/tp1"]
+    awq = c["int4-awq/kv-bf16/tp1"]  # int4-awq-a100 names no fallback: no placement suffix
     assert [v["constraint"] for v in awq.violations] == ["max_kl_p99"]
     assert awq.violations[0]["by"] == pytest.approx(2.517 - 0.5) and awq.accuracy.kind == "prior"
     assert c["int8-wo/kv-bf16/tp1"].violations[0]["value"] is None  # no prior: unknown accuracy
-    assert "format.gemm_sm" in rules_of(c["nvfp4/kv-fp8/tp1"])
-    assert "format.kv_sm" in rules_of(c["fp8/kv-nvfp4/tp1"])
-    assert "layout.attention_heads" in rules_of(c["fp8/kv-fp8/tp2"])  # 9 heads do not split over 2 GPUs
+    assert "format.gemm_sm" in rules_of(c["nvfp4/kv-fp8/tp1/fb-none"])
+    assert "format.kv_sm" in rules_of(c["fp8/kv-nvfp4/tp1/fb-none"])
+    assert "layout.attention_heads" in rules_of(c["fp8/kv-fp8/tp2/fb-none"])  # 9 heads do not split over 2 GPUs
     assert "quantize.modelopt_inputs" in rules_of(c["bf16/kv-int8/tp1"])
-    # BF16 meets the KL bound but reads more bytes per step: ranked below FP8
     assert c["bf16/kv-bf16/tp1"].ok
     assert h100.feasible[0] is h100.best
-    assert [x.label for x in h100.feasible] == ["fp8/kv-fp8/tp1", "bf16/kv-bf16/tp1"]
-    assert (h100.best.estimate["decode_tokens_per_s_per_gpu"]
-            > c["bf16/kv-bf16/tp1"].estimate["decode_tokens_per_s_per_gpu"])
+    # the tiny model's KV cache holds max_batch_size 2,048 sequences either way: the warm fallback on the same GPU
+    # costs no throughput and wins the tie with the cold one (instant rollback); its own replica halves tokens/GPU;
+    # BF16 meets the KL bound but streams twice the bytes: below FP8
+    assert [x.label for x in h100.feasible] == ["fp8/kv-fp8/tp1/fb-same-gpus", "fp8/kv-fp8/tp1/fb-none", "bf16/kv-bf16/tp1",
+                                                "fp8/kv-fp8/tp1/fb-own-replica"]
+    own = c["fp8/kv-fp8/tp1/fb-own-replica"]
+    assert own.perf["deployment_gpus"] == 2 and C.tokens_per_gpu(own) == pytest.approx(C.tokens_per_gpu(h100.best) / 2, abs=0.1)
+    assert c["fp8/kv-fp8/tp1/fb-none"].fallback["rollback_s"] > 0 == h100.best.fallback["rollback_s"]
+    assert C.tokens_per_gpu(h100.best) > C.tokens_per_gpu(c["bf16/kv-bf16/tp1"])
     assert h100.best.estimate["context_tokens"] == C.DEFAULT_CONTEXT
+    assert h100.best.perf["batch"] == h100.best.profile.build.max_batch_size == C.RUNTIME_MAX_BATCH  # sized by the runtime
 
 
 def test_a100_has_no_fp8_so_bf16_wins_under_a_tight_bound(default_model_dir):
     rec = C.recommend("a100", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=0.5, max_gpus=1))
     assert rec.best.label == "bf16/kv-bf16/tp1"
     c = by_label(rec)
-    assert "format.gemm_sm" in rules_of(c["fp8/kv-fp8/tp1"])
+    assert "format.gemm_sm" in rules_of(c["fp8/kv-fp8/tp1/fb-none"])
     assert "format.gemm_sm" in rules_of(c["w4a8-awq/kv-bf16/tp1"])
     # an FP8 KV cache on BF16 GEMMs runs on SM 80, but no build or prior measured it
     assert c["bf16/kv-fp8/tp1"].accuracy.kind == "unknown"
@@ -61,8 +68,12 @@ def test_a100_has_no_fp8_so_bf16_wins_under_a_tight_bound(default_model_dir):
 
 def test_l4_loose_bound_and_infeasible_concurrency(default_model_dir):
     rec = C.recommend("l4", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=3.0, max_gpus=1))
-    assert rec.best.label == "mixed/kv-fp8/tp1"
-    assert by_label(rec)["int4-awq/kv-bf16/tp1"].ok and by_label(rec)["fp8/kv-fp8/tp1"].ok
+    # on a 24 GB card the warm BF16 fallback takes KV memory (a smaller batch): the cold one wins; FP8 GEMMs beat
+    # the mixed FP8/INT4 profile, whose INT4 layers pay for dequantization
+    assert rec.best.label == "fp8/kv-fp8/tp1/fb-none"
+    same = by_label(rec)["fp8/kv-fp8/tp1/fb-same-gpus"]
+    assert same.ok and same.perf["batch"] < rec.best.perf["batch"] and C.tokens_per_gpu(same) < C.tokens_per_gpu(rec.best)
+    assert by_label(rec)["int4-awq/kv-bf16/tp1"].ok and by_label(rec)["mixed/kv-fp8/tp1/fb-none"].ok
     none = C.recommend("l4", default_model_dir, NOWHERE, C.Constraints(min_concurrency=100_000))
     assert none.best is None and not none.feasible
     runnable = [c for c in none.candidates if not c.refused]
@@ -71,7 +82,7 @@ def test_l4_loose_bound_and_infeasible_concurrency(default_model_dir):
         (v,) = c.violations
         assert v["constraint"] == "min_concurrency"
         assert v["by"] == 100_000 - c.estimate["kv_concurrency_at_context"] > 0
-    assert by_label(none)["fp8/kv-fp8/tp1"].profile.build.max_batch_size == 65536  # raised, capped by the schema
+    assert by_label(none)["fp8/kv-fp8/tp1/fb-none"].profile.build.max_batch_size == 65536  # raised, capped by the schema
 
 
 def test_h100_infeasible_kl_and_gpu_count(default_model_dir):
@@ -80,7 +91,7 @@ def test_h100_infeasible_kl_and_gpu_count(default_model_dir):
     rec = C.recommend("h100", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=0.5, min_concurrency=2000),
                       context=4096)
     assert rec.best is None
-    fp8 = by_label(rec)["fp8/kv-fp8/tp1"]
+    fp8 = by_label(rec)["fp8/kv-fp8/tp1/fb-none"]
     assert [v["constraint"] for v in fp8.violations] == ["min_concurrency"]
     assert fp8.violations[0]["value"] == fp8.plan.memory.kv_tokens_capacity // 4096
 
@@ -93,7 +104,7 @@ def test_measured_build_beats_the_prior(tmp_path, default_model_dir):
     (out / "gate" / "metrics.json").write_text(json.dumps(
         {"metrics": {"kl_p99": {"value": 0.9}, "kl_mean": {"value": 0.1}, "top1": {"value": 0.8}}}))
     rec = C.recommend("h100", default_model_dir, tmp_path, C.Constraints(max_kl_p99=0.5, max_gpus=1))
-    fp8 = by_label(rec)["fp8/kv-fp8/tp1"]
+    fp8 = by_label(rec)["fp8/kv-fp8/tp1/fb-none"]
     # the build's max_seq_len differs (8192 vs the candidate's 4096) but the gate does not read it
     assert fp8.accuracy.kind == "measured" and fp8.accuracy.kl_p99 == 0.9 and str(out) in fp8.accuracy.source
     assert fp8.violations[0]["by"] == pytest.approx(0.4)
@@ -108,6 +119,8 @@ def test_written_profile_is_accepted_by_the_strict_loader(tmp_path, h100, defaul
     q = p.quantization
     assert (p.target.gpu, q.quant_algo.value, q.kv_cache_quant_algo.value, p.parallel.tp_size, p.build.max_seq_len) == \
         ("h100-sxm", "FP8", "FP8", 1, C.DEFAULT_CONTEXT)
+    assert (p.deployment.fallback, p.deployment.warm_fallback) == ("bf16-h100", True)
+    assert "# Fallback: bf16-h100 at tp 1, warm on the replica's own GPUs" in text
     plan = evaluate(p, default_model_dir, for_build=True)
     assert plan.ok and plan.estimate["decode_tokens_per_s_per_gpu"] == h100.best.estimate["decode_tokens_per_s_per_gpu"]
 
@@ -139,7 +152,7 @@ def test_compare_all_shipped_and_on_another_gpu(default_model_dir, tmp_path):
 
 def _fake(label: str, tps: float, kl):
     c = C.Candidate(label, "x", {})
-    c.estimate = {"decode_tokens_per_s_per_gpu": tps}
+    c.perf = {"deployed_tokens_per_s_per_gpu": tps}
     c.accuracy = C.Accuracy("prior", kl_p99=kl)
     return c
 
@@ -200,8 +213,9 @@ def _fake_gate_build(artifacts: Path, model_dir, kl_p99: float, calls: list):
 def test_measure_builds_the_top_unmeasured_candidates_and_reranks(tmp_path, default_model_dir):
     arts = tmp_path / "artifacts"
     k = C.Constraints(max_kl_p99=0.5, max_gpus=1)
-    rec = C.recommend("h100", default_model_dir, arts, k)
-    assert rec.best.label == "fp8/kv-fp8/tp1"  # on the priors
+    one = PF.Workload(1000, 100, concurrency=1)  # one user at a time: bytes per step decide, 4-bit weights help
+    rec = C.recommend("h100", default_model_dir, arts, k, workload=one)
+    assert rec.best.label == "fp8/kv-fp8/tp1/fb-same-gpus"  # on the priors
     near = sorted((c for c in rec.candidates if not c.refused
                    and all(v["constraint"] == "max_kl_p99" for v in c.violations)), key=C.rank_key)
     faster = [c for c in near if C.rank_key(c) < C.rank_key(rec.best)]
@@ -210,7 +224,7 @@ def test_measure_builds_the_top_unmeasured_candidates_and_reranks(tmp_path, defa
     builds = C.measure_top(rec, 2, arts / "recommend", _fake_gate_build(arts, default_model_dir, 0.1, calls))
     assert [b["label"] for b in builds] == [faster[0].label, faster[1].label] and all(b["reason"] is None for b in builds)
     assert calls == [C.profile_file_stem("h100-sxm", faster[0].label), C.profile_file_stem("h100-sxm", faster[1].label)]
-    again = C.recommend("h100", default_model_dir, arts, k)
+    again = C.recommend("h100", default_model_dir, arts, k, workload=one)
     assert again.best.label == faster[0].label and again.best.accuracy.kind == "measured"
     assert again.best.accuracy.kl_p99 == 0.1 and calls[0] in again.best.accuracy.source
     # measured now: a second --measure builds the next ones, never the same quantization twice
@@ -238,17 +252,17 @@ def test_b200_picks_the_tuned_nvfp4_profile_that_meets_the_bound(default_model_d
     """Tuned variants of a format are candidates of their own (``+<profile>``), with their own prior."""
     rec = C.recommend("b200", default_model_dir, NOWHERE, C.Constraints(max_kl_p99=2.0, max_gpus=1))
     c = by_label(rec)
-    plain, tuned = c["nvfp4/kv-fp8/tp1"], c["nvfp4/kv-fp8/tp1+nvfp4-b200-smollm2"]
+    plain, tuned = c["nvfp4/kv-fp8/tp1/fb-same-gpus"], c["nvfp4/kv-fp8/tp1+nvfp4-b200-smollm2/fb-same-gpus"]
     assert plain.accuracy.kl_p99 == 3.614 and [v["constraint"] for v in plain.violations] == ["max_kl_p99"]
     assert tuned.ok and tuned.accuracy.kind == "prior" and tuned.accuracy.kl_p99 == 1.845
     assert rec.best is tuned and tuned.base == "nvfp4-b200-smollm2"
-    # more bytes than the untuned one (44 cells in BF16), fewer than FP8: between them on throughput
-    dec = {k: c[k].estimate["decode_tokens_per_s_per_gpu"] for k in ("nvfp4/kv-fp8/tp1", "fp8/kv-fp8/tp1")}
-    assert dec["fp8/kv-fp8/tp1"] < tuned.estimate["decode_tokens_per_s_per_gpu"] < dec["nvfp4/kv-fp8/tp1"]
-    assert "fp8/kv-fp8/tp1+fp8-h200" not in c  # same quantization as fp8-h100: no second candidate
+    # more bytes than the untuned one (44 cells in BF16), fewer than FP8: between them on the decode ceiling
+    dec = {k: c[k].estimate["decode_tokens_per_s_per_gpu"] for k in ("nvfp4/kv-fp8/tp1/fb-same-gpus", "fp8/kv-fp8/tp1/fb-same-gpus")}
+    assert dec["fp8/kv-fp8/tp1/fb-same-gpus"] < tuned.estimate["decode_tokens_per_s_per_gpu"] < dec["nvfp4/kv-fp8/tp1/fb-same-gpus"]
+    assert not any(k.startswith("fp8/kv-fp8/tp1+fp8-h200") for k in c)  # same quantization as fp8-h100: no second candidate
     p = load_profile(str(C.write_profile(tuned, tmp_path / "b200.yaml")))
     assert p.quantization.exclude_modules == load_profile("nvfp4-b200-smollm2").quantization.exclude_modules
-    assert C.profile_file_stem("b200", tuned.label) == "rec-b200-nvfp4-kv-fp8-tp1-nvfp4-b200-smollm2"
+    assert C.profile_file_stem("b200", tuned.label) == "rec-b200-nvfp4-kv-fp8-tp1-nvfp4-b200-smollm2-fb-same-gpus"
 
 
 def test_chart_labels_of_nearby_points_do_not_overlap():

@@ -278,6 +278,17 @@ def _refusals(plan) -> list[dict]:
     return [{"rule": pr.rule, "field": pr.field, "reason": pr.reason} for pr in plan.problems]
 
 
+@lru_cache(maxsize=64)
+def _raw(base: str) -> str:
+    """``load_raw(base)`` as JSON text, read once per process (candidates merge over copies of it)."""
+    return json.dumps(load_raw(base))
+
+
+def _merged(base: str, overrides: dict, label: str):
+    return validate_profile(deep_merge(json.loads(_raw(base)), overrides), f"candidate {label}")
+
+
+@lru_cache(maxsize=64)
 def _fallback_at(name: str, gpu_id: str, tp: int, pp: int = 1):
     """The fallback profile ``name`` deployed at ``tp`` x ``pp`` on ``gpu_id`` (no fallback of its own)."""
     fb = load_profile(name)
@@ -299,6 +310,18 @@ def _own_replica_tp(name: str, gpu_id: str, model: ModelArch) -> Optional[int]:
     return _OWN_TP[key]
 
 
+_COLD: dict = {}
+
+
+def _cold_weights(fb_profile, model: ModelArch) -> Optional[int]:
+    """Weight bytes per GPU of the fallback as deployed (memoised per profile and model)."""
+    key = (json.dumps(fb_profile.model_dump(mode="json"), sort_keys=True), json.dumps(model.model_dump(mode="json")))
+    if key not in _COLD:
+        sub = P.evaluate(fb_profile, model, _with_fallback=False)
+        _COLD[key] = sub.memory.weight_bytes_per_gpu if sub.memory else None
+    return _COLD[key]
+
+
 def _load_s(weight_bytes_per_gpu: float) -> float:
     return weight_bytes_per_gpu / (LOAD_GBS * 1e9)
 
@@ -314,19 +337,19 @@ def evaluate_candidate(label: str, base: str, overrides: dict, model: ModelArch,
     wl = workload or PF.Workload()
     c = Candidate(label, base, overrides)
     try:
-        c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
+        c.profile = _merged(base, overrides, label)
         if fit_context_kernels:
             extra = context_settings(c.profile, resolve_gpu(c.profile.target.gpu).sm)
             if extra:
                 c.overrides = overrides = deep_merge(overrides, extra)
-                c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
+                c.profile = _merged(base, overrides, label)
         fb_name = c.profile.deployment.fallback
         fb_profile = None
         if fallback_choice is not None and fb_name:
             warm = fallback_choice == "same-gpus"
             dep = {"fallback": None if fallback_choice == "own-replica" else fb_name, "warm_fallback": warm}
             c.overrides = overrides = deep_merge(overrides, {"deployment": dep})
-            c.profile = validate_profile(deep_merge(load_raw(base), overrides), f"candidate {label}")
+            c.profile = _merged(base, overrides, label)
             gid, tp, pp = resolve_gpu(c.profile.target.gpu).id, c.profile.parallel.tp_size, c.profile.parallel.pp_size
             if fallback_choice == "own-replica":
                 fb_tp = _own_replica_tp(fb_name, gid, model)
@@ -359,8 +382,8 @@ def evaluate_candidate(label: str, base: str, overrides: dict, model: ModelArch,
         c.perf["replica_start_s"] = round(RUNTIME_START_S + _load_s(mem.weight_bytes_per_gpu
                                                                     + (mem.fallback_breakdown.weights if mem.fallback_breakdown else 0)), 1)
         if c.fallback.get("where") == "none" and fb_profile is not None:
-            sub = P.evaluate(fb_profile, model, _with_fallback=False)  # what a rollback loads, cold
-            c.fallback["rollback_s"] = round(_load_s(sub.memory.weight_bytes_per_gpu), 1) if sub.memory else None
+            w = _cold_weights(fb_profile, model)  # what a rollback loads, cold
+            c.fallback["rollback_s"] = round(_load_s(w), 1) if w is not None else None
         elif c.fallback.get("where") == "same-gpus":
             c.fallback["rollback_s"] = 0.0
         _deployed_rate(c, wl)
@@ -499,10 +522,12 @@ def _cold_start(c: Candidate) -> Optional[float]:
 
 def rank_key(c: Candidate) -> tuple:
     """Sort key, best first: output tokens/s per GPU of the deployment at the workload (desc; ``perf``),
-    KL P99 (asc, unknown last), GPUs of the deployment (asc)."""
+    KL P99 (asc, unknown last), GPUs of the deployment (asc), rollback time (asc: a warm fallback that costs
+    no throughput beats a cold one)."""
     kl = c.accuracy.kl_p99
     gpus = c.perf.get("deployment_gpus", c.world_size) if c.perf else c.world_size
-    return (-tokens_per_gpu(c), kl if kl is not None else float("inf"), gpus, c.label)
+    rb = c.fallback.get("rollback_s")
+    return (-tokens_per_gpu(c), kl if kl is not None else float("inf"), gpus, rb if rb is not None else float("inf"), c.label)
 
 
 @dataclass
