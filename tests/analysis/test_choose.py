@@ -282,3 +282,52 @@ def test_chart_labels_of_nearby_points_do_not_overlap():
     assert offs["fp8-h200"][1] >= 6 + 11 - 2  # moved up one line (minus the 0.2 x-offset's pixels)
     assert ann["fp8-h200"].arrow_patch is not None and ann["fp8-h100"].arrow_patch is None
     plt.close(fig)
+
+
+def _fake_build(root: Path, name: str, plan_json: dict, golden_prompts=None) -> Path:
+    out = root / name
+    (out / "gate").mkdir(parents=True)
+    (out / "plan.json").write_text(json.dumps(plan_json))
+    doc = {"metrics": {"kl_p99": {"value": 0.3}, "kl_mean": {"value": 0.03}, "top1": {"value": 0.9}}}
+    if golden_prompts is not None:
+        doc["golden"] = {"prompts": golden_prompts}
+    (out / "gate" / "metrics.json").write_text(json.dumps(doc))
+    return out
+
+
+def test_measured_accuracy_is_keyed_by_model_and_whole_golden_set(tmp_path, default_model_dir):
+    """Issue 25 item 14: a SmolLM2 build is not 'measured' for another model, and a --golden-limit build is
+    not a measurement."""
+    from precision_pipeline.gate.golden import load_golden
+    from precision_pipeline.spec.model_arch import read_model_arch
+
+    smol = evaluate(load_profile("fp8-h100"), default_model_dir)
+    other = read_model_arch(Path(__file__).resolve().parents[1] / "data" / "models" / "Llama-3.1-8B")
+    full = len(load_golden())
+    arts = tmp_path / "artifacts"
+    _fake_build(arts, "fp8-h100", smol.to_json(), golden_prompts=full)
+    prof = load_profile("fp8-h100")
+    mine = C.accuracy_of(prof, smol.model, arts)
+    assert mine.kind == "measured" and mine.kl_p99 == 0.3
+    theirs = C.accuracy_of(prof, other, arts)
+    assert theirs.kind == "prior" and "not this model" in theirs.source and theirs.kl_p99 == 0.424
+    quick = tmp_path / "quick"
+    _fake_build(quick, "fp8-h100", smol.to_json(), golden_prompts=18)
+    assert C.accuracy_of(prof, smol.model, quick).kind == "prior"
+    _fake_build(quick, "fp8-h100-full", smol.to_json(), golden_prompts=full)
+    assert C.accuracy_of(prof, smol.model, quick).kind == "measured"
+
+
+@pytest.mark.slow
+def test_recommend_config_only_70b_picks_fp8_on_h100_and_h200():
+    """Issue 30: a config-only Llama-3.1-70B, no accuracy bound: FP8 wins on H100 and H200 (the warm BF16 fallback
+    is a placement choice, not 134 GiB on every GPU), and the answer says where the fallback lives."""
+    model = Path(__file__).resolve().parents[1] / "data" / "models" / "Llama-3.1-70B"
+    for gpu, label in (("h100", "fp8/kv-fp8/tp4/fb-none"), ("h200", "fp8/kv-fp8/tp1/fb-none")):
+        rec = C.recommend(gpu, model, NOWHERE)
+        assert rec.best.profile.quantization.quant_algo.value == "FP8" and rec.best.label == label
+        assert C.fallback_text(rec.best).startswith("bf16-h100 at tp ") and "cold" in C.fallback_text(rec.best)
+        warm = by_label(rec)[label.replace("fb-none", "fb-same-gpus")]
+        assert warm.ok and warm.plan.memory.fallback_bytes > 0 and warm.perf["batch"] < rec.best.perf["batch"]
+        bf16 = [c for c in rec.feasible if c.profile.quantization.quant_algo.value == "NO_QUANT"]
+        assert bf16 and C.tokens_per_gpu(bf16[0]) < C.tokens_per_gpu(rec.best)

@@ -83,3 +83,34 @@ def test_empty_gpu(bad):
 
 def test_normalize():
     assert normalize_gpu_name("  NVIDIA  GeForce_RTX 4090 ") == "rtx-4090"
+
+
+def test_issue30_catalog_corrections():
+    """B200 at NVIDIA's HGX B200 figure (7.7 TB/s, flagged unverified here); the A100 80GB PCIe card is its own
+    entry at 1,935 GB/s, no longer the SXM card's 2,039."""
+    b200 = resolve_gpu("b200")
+    assert b200.bandwidth_gbs == 7700 and "Unverified" in b200.note
+    pcie = resolve_gpu("a100-pcie-80gb")
+    assert (pcie.id, pcie.bandwidth_gbs, pcie.bf16_tflops, pcie.memory_mib) == ("a100-80gb-pcie", 1935, 312, 81920)
+    assert resolve_gpu("a100").bandwidth_gbs == 2039 and resolve_gpu("A100 80GB PCIe").id == "a100-80gb-pcie"
+
+
+@pytest.mark.parametrize("gid, kind, gbs, lat", [
+    ("h100-sxm", "NVLink 4", 450, 8.0), ("h200", "NVLink 4", 450, 8.0), ("b200", "NVLink 5", 900, 8.0),
+    ("a100-80gb", "NVLink 3", 300, 8.0), ("h100-nvl", "NVLink bridge", 300, 8.0), ("h100-pcie", "PCIe Gen5", 64, 25.0),
+    ("l4", "PCIe Gen4", 32, 25.0), ("a100-80gb-pcie", "PCIe Gen4", 32, 25.0)])
+def test_interconnect_per_gpu(gid, kind, gbs, lat):
+    from precision_pipeline.spec.hardware import interconnect
+
+    link = interconnect(resolve_gpu(gid))
+    assert (link.kind, link.gbs, link.latency_us) == (kind, gbs, lat)
+    assert "approximate" in link.note and link.source
+    if kind.startswith("NVLink"):
+        assert "datasheet" in link.source
+
+
+def test_interconnect_of_an_unlisted_gpu_is_flagged():
+    from precision_pipeline.spec.hardware import interconnect
+
+    link = interconnect(resolve_gpu("a2"))
+    assert link.kind == "PCIe Gen4" and "PCIe Gen4 x16 assumed (unverified)" in link.note
