@@ -51,8 +51,8 @@ def test_8b_fp8_h100_pinned_and_recomputed(fp8_8b):
     per = 664 * 1000 / (664 * t["prefill_s"] + 1000 * t["step_s"])
     assert e["output_tokens_per_s_per_replica"] == pytest.approx(per, abs=0.1)
     assert (e["output_tokens_per_s_per_gpu"], e["ttft_s"], e["ttft_p99_s"], e["tpot_s"]) == (13526.1, 0.0539, 0.0827, 0.04909)
-    assert e["ranges"]["output_tokens_per_s_per_gpu"] == [8115.7, 22994.4]
-    assert e["ranges"]["tpot_s"] == [0.02888, 0.08182]
+    assert e["ranges"]["output_tokens_per_s_per_gpu"] == [9468.3, 22994.4]
+    assert e["ranges"]["tpot_s"] == [0.02888, 0.07013]
 
 
 def test_concurrency_request_rate_and_tp_allreduce(fp8_8b):
@@ -62,9 +62,9 @@ def test_concurrency_request_rate_and_tp_allreduce(fp8_8b):
     e = PF.of_plan(tp2, PF.Workload(1000, 1000, concurrency=64))
     link = interconnect(resolve_gpu("h100"))
     assert (link.kind, link.gbs, e["interconnect"]["gbs"]) == ("NVLink 4", 450.0, 450.0)
-    ring = 2 * 80 * (link.latency_us * 1e-6 + 2 * 1 / 2 * 64 * 8192 * 2 / 450e9)
-    assert e["terms"]["step_allreduce_s"] == pytest.approx(ring) == pytest.approx(0.0016528, rel=1e-4)
-    assert (e["batch"], e["output_tokens_per_s_per_gpu"], e["ttft_s"], e["tpot_s"]) == (64, 1184.8, 0.099, 0.02701)
+    ring = 2 * 80 * (link.latency_us * 1e-6 + 2 * 1 / 2 * 64 * 8192 * 2 / (450e9 * PF.ALLREDUCE_EFF))
+    assert e["terms"]["step_allreduce_s"] == pytest.approx(ring) == pytest.approx(0.0020257, rel=1e-4)
+    assert (e["batch"], e["output_tokens_per_s_per_gpu"], e["ttft_s"], e["tpot_s"]) == (64, 1152.9, 0.1052, 0.02776)
 
 
 def test_weight_only_formats_pay_for_dequantization():
@@ -110,17 +110,17 @@ def test_planner_table_has_its_sources_and_the_medians_meet_the_bar(planner_resu
     pl, res = planner_results
     assert len(res) == 162 and all(r.source and r.measured > 0 for r, _, _ in res)
     med, lo, hi = pl._geo_spread([q for _, _, q in res])
-    assert 0.8 <= med <= 1.3 and med == pytest.approx(0.98, abs=0.01)
+    assert 0.8 <= med <= 1.3 and med == pytest.approx(0.941, abs=0.005)
     groups = pl.groups(res)
     assert len(groups) == 11 and all(0.6 <= g[0] <= 1.6 for g in groups.values())
     # RANGE is honest: every row's measurement (estimate / ratio) lies within [estimate x 0.6, estimate x 1.7]
     assert PF.RANGE[0] <= 1 / hi and 1 / lo <= PF.RANGE[1]
 
 
-def test_planner_format_order_holds_and_tp_order_mostly(planner_results):
+def test_planner_format_and_tp_order_as_measured(planner_results):
     pl, res = planner_results
     orders = pl.order_checks(res)
-    ok, tot, bad = orders["formats"]
-    assert (ok, tot, bad) == (28, 28, [])  # BF16 / FP8 / INT4 AWQ / W4A8 AWQ at each batch, as measured on H200
-    ok, tot, bad = orders["tp"]
-    assert tot == 83 and ok >= 75  # not all: the tp8 long-output rows run high (README "Choosing a profile")
+    # BF16 / FP8 / INT4 AWQ / W4A8 AWQ per GPU at each batch, as measured on H200
+    assert orders["formats"] == (28, 28, [])
+    # per-GPU throughput across tp 1/2/4/8 of Llama 3.1 70B at each workload, H100 and H200
+    assert orders["tp"] == (83, 83, [])
