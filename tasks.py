@@ -858,6 +858,7 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
               request_rate=None, max_ttft_p99=None, max_tpot=None, min_tokens_per_s=None, max_cold_start=None):
     """Best profile for a GPU and workload under constraints (performance model); exit 2 when none meets them all."""
     from precision_pipeline.analysis import choose as ch
+    from precision_pipeline.resolve import perf as PF
 
     _model_dir = _plan_model_dir
     k = ch.Constraints(max_kl_p99=_float_arg("--max-kl-p99", max_kl_p99),
@@ -868,10 +869,10 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
                        max_cold_start_s=_float_arg("--max-cold-start", max_cold_start))
     ctx = _int_arg("--context", context, 1)
     wl = _workload(input_len, output_len, concurrency, request_rate)
+    n_top = _int_arg("--top", top, 1, 64) or 2  # default None: invoke would int() a typed default itself
     rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx, workload=wl)
     con = _console()
     if measure:
-        n_top = _int_arg("--top", top, 1, 64) or 2  # default None: invoke would int() a typed default itself
         builds = ch.measure_top(rec, n_top, ROOT / "artifacts" / "recommend", _gate_builder(
             con, model, _int_arg("--golden-limit", golden_limit, 1, 1000)), command=f"--gpu {gpu} --measure")
         for b in builds:
@@ -881,7 +882,7 @@ def recommend(c, gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpu
             con.print("--measure: every candidate near the constraints is measured already")
         rec = ch.recommend(gpu, _model_dir(model), ROOT / "artifacts", k, context=ctx, workload=wl)
     con.print(f"workload: {wl.describe()}; throughput, TTFT, TPOT from resolve/perf.py (true values within "
-              f"x0.6..x1.7 on benchmarks/planner.py's published rows)", soft_wrap=True)
+              f"x{PF.RANGE[0]}..x{PF.RANGE[1]} on benchmarks/planner.py's published rows)", soft_wrap=True)
     for cand in sorted((x for x in rec.candidates if not x.refused), key=ch.rank_key):
         pf, a = cand.perf, cand.accuracy
         status = "[green]meets[/]  " if cand.ok else "[yellow]ruled out[/] "
@@ -921,6 +922,7 @@ def compare(c, profiles="all", model=None, gpu=None, out=None, build=False, gold
             output_len=None, concurrency=None, request_rate=None):
     """Table + Pareto chart (accuracy loss vs estimated throughput) of profiles; lists those that cannot run."""
     from precision_pipeline.analysis import choose as ch
+    from precision_pipeline.resolve import perf as PF
     from precision_pipeline.spec.profile import shipped_profiles
     from rich.table import Table
 
@@ -934,7 +936,8 @@ def compare(c, profiles="all", model=None, gpu=None, out=None, build=False, gold
             if b["reason"] is not None:
                 con.print(f"[red]not measured[/] {b['label']}: {b['reason']}", soft_wrap=True)
         cands = ch.compare(names, _model_dir(model), ROOT / "artifacts", gpu=gpu, workload=wl)
-    t = Table(title=f"profiles at {wl.describe()} (performance model, range x0.6-x1.7; accuracy: measured build, else prior)")
+    t = Table(title=f"profiles at {wl.describe()} (performance model, range x{PF.RANGE[0]}-x{PF.RANGE[1]}; accuracy: "
+                    "measured build, else prior)")
     for col in ("profile", "GPU", "weights/GPU", "KV B/token", "batch", "out tok/s/GPU", "per replica", "TTFT P99",
                 "TPOT", "KL P99", "accuracy", "frontier"):
         t.add_column(col)

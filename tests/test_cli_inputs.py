@@ -34,6 +34,10 @@ def inv(*args, **kw):
     (["sensitivity", "--profile", "nvfp4-b200", "--prompts", "x"], "--prompts"),
     (["probe", "--gate", "/nonexistent/gate", "--prompts", "x"], "--prompts"),
     (["compare", "--profiles", ",,", "--out", "/nonexistent-dir/cmp"], "--profiles"),
+    (["compare", "--input-len", "abc", "--out", "/nonexistent-dir/cmp"], "--input-len"),
+    (["recommend", "--gpu", "h100", "--concurrency", "4", "--request-rate", "1"], "--concurrency"),
+    (["recommend", "--gpu", "h100", "--max-tpot", "-1"], "--max-tpot"),
+    (["recommend", "--gpu", "h100", "--model", "/nonexistent-dir/model"], "--model"),
     (["compare", "--profiles", "fp8-h100,precision_profiles/fp8-h100.yaml", "--out", "/nonexistent-dir/cmp"], "--profiles"),
 ])
 def test_bad_values_exit_2_with_a_sentence(args, flag):
@@ -41,6 +45,15 @@ def test_bad_values_exit_2_with_a_sentence(args, flag):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
     assert f"{flag}:" in p.stdout
+
+
+def test_check_plans_a_config_only_model(tmp_path):
+    """Issue 30: a folder with only config.json is enough to plan (check, compare, recommend); check says the
+    build-only rules were skipped."""
+    model = ROOT / "tests" / "data" / "models" / "Llama-3.1-8B"
+    p = inv("check", "--profile", "fp8-h200", "--model", str(model))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "config.json only: planned" in p.stdout and "ok fp8-h200" in p.stdout
 
 
 def test_markup_in_messages_is_printed_verbatim(tmp_path):

@@ -323,11 +323,18 @@ def test_recommend_config_only_70b_picks_fp8_on_h100_and_h200():
     """Issue 30: a config-only Llama-3.1-70B, no accuracy bound: FP8 wins on H100 and H200 (the warm BF16 fallback
     is a placement choice, not 134 GiB on every GPU), and the answer says where the fallback lives."""
     model = Path(__file__).resolve().parents[1] / "data" / "models" / "Llama-3.1-70B"
-    for gpu, label in (("h100", "fp8/kv-fp8/tp4/fb-none"), ("h200", "fp8/kv-fp8/tp1/fb-none")):
+    for gpu, label, warm_label in (("h100", "fp8/kv-fp8/tp2/fb-none", "fp8/kv-fp8/tp4/fb-same-gpus"),
+                                   ("h200", "fp8/kv-fp8/tp1/fb-none", "fp8/kv-fp8/tp2/fb-same-gpus")):
         rec = C.recommend(gpu, model, NOWHERE)
         assert rec.best.profile.quantization.quant_algo.value == "FP8" and rec.best.label == label
-        assert C.fallback_text(rec.best).startswith("bf16-h100 at tp ") and "cold" in C.fallback_text(rec.best)
-        warm = by_label(rec)[label.replace("fb-none", "fb-same-gpus")]
-        assert warm.ok and warm.plan.memory.fallback_bytes > 0 and warm.perf["batch"] < rec.best.perf["batch"]
+        assert C.fallback_text(rec.best).startswith(f"bf16-h100 at tp {rec.best.world_size}, not loaded")
+        assert rec.best.fallback["rollback_s"] > 0 and rec.best.plan.memory.fallback_bytes == 0
+        # the warm BF16 fallback is counted where it lives: on the winner's GPUs it does not fit ...
+        same = by_label(rec)[label.replace("fb-none", "fb-same-gpus")]
+        assert any(r["rule"] == "memory.fit" for r in same.refused)
+        # ... with more GPUs it does, at the KV cache's expense
+        warm = by_label(rec)[warm_label]
+        assert warm.ok and warm.plan.memory.fallback_bytes > 0 and warm.fallback["rollback_s"] == 0.0
+        assert C.tokens_per_gpu(warm) < C.tokens_per_gpu(rec.best)
         bf16 = [c for c in rec.feasible if c.profile.quantization.quant_algo.value == "NO_QUANT"]
         assert bf16 and C.tokens_per_gpu(bf16[0]) < C.tokens_per_gpu(rec.best)

@@ -745,12 +745,15 @@ def pareto_png(cands: list[Candidate]) -> bytes:
         f = sorted(front, key=tokens_per_gpu)
         ax.plot([tokens_per_gpu(c) for c in f], [c.accuracy.kl_p99 for c in f], "k--", lw=1,
                 label="Pareto frontier")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="lower right", fontsize=8)
         lo, hi = PF.RANGE
         for c in pts:  # the honest range of each estimate, as a horizontal bar
             ax.plot([tokens_per_gpu(c) * lo, tokens_per_gpu(c) * hi], [c.accuracy.kl_p99] * 2, "-", color="0.6", lw=0.8)
-    wl = next((c.perf["workload"]["described"] for c in pts if c.perf), "")
-    ax.set_xlabel(f"output tokens/s per GPU (performance model; {wl})", fontsize=8)
+    w = next((c.perf["workload"] for c in pts if c.perf), None)
+    load = "" if w is None else (f", concurrency {w['concurrency']:,}" if w["concurrency"] is not None
+                                 else f", {w['request_rate']:g} req/s" if w["request_rate"] is not None else ", max load")
+    wl = "" if w is None else f"; {w['input_len']:,} in / {w['output_len']:,} out tokens{load}"
+    ax.set_xlabel(f"output tokens/s per GPU (performance model{wl}; grey: its range)", fontsize=9)
     ax.set_ylabel("KL P99 vs reference (nats; circle measured, square prior)")
     ax.set_title("accuracy loss vs estimated throughput" + (f" on {gpus.pop()}" if same_gpu else ", each on its own GPU")
                  + " (marker size = weight bytes per GPU)", fontsize=10)
