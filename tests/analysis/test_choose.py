@@ -338,3 +338,27 @@ def test_recommend_config_only_70b_picks_fp8_on_h100_and_h200():
         assert C.tokens_per_gpu(warm) < C.tokens_per_gpu(rec.best)
         bf16 = [c for c in rec.feasible if c.profile.quantization.quant_algo.value == "NO_QUANT"]
         assert bf16 and C.tokens_per_gpu(bf16[0]) < C.tokens_per_gpu(rec.best)
+
+
+def test_written_70b_profile_names_its_fallback_as_deployed(tmp_path):
+    """--write of a tp-2 FP8 70B with a cold BF16 fallback: the fallback file (bf16-h100 at tp 2 on h100) is
+    written beside it and named, so the pair resolves as recommended (bf16-h100 itself is tp 1 and does not fit)."""
+    from precision_pipeline.resolve import perf as PF
+    from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
+    from precision_pipeline.spec.model_arch import read_model_arch
+    from precision_pipeline.spec.profile import load_raw
+
+    m70 = read_model_arch(Path(__file__).resolve().parents[1] / "data" / "models" / "Llama-3.1-70B")
+    wl = PF.Workload()
+    o = C._overrides("h100-sxm", QuantAlgo.FP8, KVCacheQuantAlgo.FP8, 2, load_raw("fp8-h100"), 4096, None, wl)
+    c = C.evaluate_candidate("fp8/kv-fp8/tp2/fb-none", "fp8-h100", o, m70, NOWHERE, 4096, True, wl, "none")
+    assert c.ok and c.fallback == {"where": "none", "profile": "bf16-h100", "tp_size": 2, "gpus": 0, "rollback_s": 35.8}
+    path = C.write_profile(c, tmp_path / "rec.yaml")
+    fb_path = tmp_path / "rec-fallback.yaml"
+    p, fb = load_profile(str(path)), load_profile(str(fb_path))
+    assert p.deployment.fallback == str(fb_path) and p.deployment.warm_fallback is False
+    assert (fb.parallel.tp_size, fb.target.gpu, fb.quantization.quant_algo.value) == (2, "h100-sxm", "NO_QUANT")
+    plan = evaluate(p, m70)
+    assert plan.ok and plan.fallback.ok and plan.memory.fallback_bytes == 0
+    # named as the shipped bf16-h100 (tp 1) instead, the same profile is refused: its fallback cannot run
+    assert not evaluate(p.model_copy(update={"deployment": p.deployment.model_copy(update={"fallback": "bf16-h100"})}), m70).ok

@@ -3,13 +3,16 @@
 
 Throughput and memory come from the resolve stage only: every candidate is a real ``Profile``
 evaluated by ``resolve.plan.evaluate`` (all rules; a refused candidate is reported with the rule
-that refuses it) and estimated by ``resolve.estimate.roofline`` (one home for the arithmetic).
+that refuses it) and estimated at a workload by ``resolve.perf.performance`` (output tokens/s per GPU
+and per replica, TTFT, TPOT with ranges; one home for the arithmetic; ``resolve.estimate.roofline``'s
+ceilings stay in ``estimate``).
 
 Accuracy per candidate, in this order:
 
 1. **measured**: ``<artifacts>/<profile>/gate/metrics.json`` of an existing build whose resolved
    ``quantization`` and ``calibration`` sections equal the candidate's (the gate does not depend on
-   the target GPU or the parallel layout: it reads the dequantized checkpoint), labelled with the
+   the target GPU or the parallel layout: it reads the dequantized checkpoint), made on the same model
+   (plan.json's ``model``) over the whole golden set (not ``--golden-limit``), labelled with the
    build folder;
 2. **prior**: ``ACCURACY_PRIOR``, the README's measured gate numbers of the shipped profile whose
    quantization + calibration equal the candidate's (same GEMM *and* KV format and exclusions;
@@ -29,10 +32,17 @@ kernels: each candidate gets the paged / FP8 context FMHA settings trtllm-build 
 formats on that GPU (``context_settings``, from ``rules.derive_effective``); without paged context
 FMHA, KV-cache reuse and chunked context are turned off, and the written profile says so.
 
-Objective: the highest estimated decode tokens/s **per GPU** at the candidate's batch (cost per
-token), ties broken by lower KL P99, then fewer GPUs. Constraints: ``max_kl_p99`` (KL P99 of the
-measured or prior numbers, nats), ``min_concurrency`` (KV-limited sequences at the context),
-``max_gpus`` (world size).
+Each candidate is built with max_batch_size = the workload's concurrency, else TensorRT-LLM's default
+(``RUNTIME_MAX_BATCH``), so the runtime sizes the batch by KV memory; when its base names a fallback, each
+placement in ``FALLBACK_CHOICES`` is a candidate of its own (label ``.../fb-<placement>``), its memory or
+GPUs counted for that placement.
+
+Objective: the highest estimated output tokens/s **per GPU of the deployment** at the workload (cost
+per token; a fallback's own replica counts), ties broken by lower KL P99, then fewer GPUs, then the
+faster rollback. Constraints: ``max_kl_p99`` (KL P99 of the measured or prior numbers, nats),
+``min_concurrency`` (KV-limited sequences at the context), ``max_gpus`` (world size), and the SLA
+triangle: ``max_ttft_p99_s`` / ``max_tpot_s`` (latency), ``min_tokens_per_s`` (throughput of the
+service: replicas added), ``max_cold_start_s`` (replica start or cold rollback).
 """
 
 from __future__ import annotations
@@ -581,8 +591,9 @@ def recommend(gpu: str, model: Union[Path, str, ModelArch], artifacts: Path, con
     return Recommendation(spec.id, constraints, ok[0] if ok else None, cands, wl.to_json())
 
 
-def profile_yaml(c: Candidate, command: str = "") -> str:
-    """The candidate as a profile file: ``extends`` its base, overriding only what the candidate changed."""
+def profile_yaml(c: Candidate, command: str = "", fallback_ref: Optional[str] = None) -> str:
+    """The candidate as a profile file: ``extends`` its base, overriding only what the candidate changed.
+    ``fallback_ref``: the fallback profile file to name in ``deployment.fallback`` (``write_profile``)."""
     pf = c.perf or {}
     head = ("# Written by `invoke recommend`" + (f" ({command})" if command else "") + ".\n"
             f"# Estimated {tokens_per_gpu(c):,.0f} output tokens/s per GPU at {pf.get('workload', {}).get('described', '?')} "
@@ -590,7 +601,27 @@ def profile_yaml(c: Candidate, command: str = "") -> str:
             + (f"# Fallback: {fallback_text(c)}.\n" if c.fallback.get("profile") else ""))
     body = {"extends": c.base, "description": f"recommended: {c.label} on {c.overrides['target']['gpu']} "
                                              f"(from {c.base})", **c.overrides}
+    if fallback_ref is not None and (body.get("deployment") or {}).get("fallback"):
+        body["deployment"] = {**body["deployment"], "fallback": fallback_ref}
     return head + yaml.safe_dump(body, sort_keys=False)
+
+
+def fallback_yaml(c: Candidate, command: str = "") -> Optional[str]:
+    """The candidate's fallback as deployed (its own profile file: ``extends`` the named fallback with the
+    candidate's GPU and the placement's tp), or None when the named profile already is that."""
+    fb = c.fallback
+    if not fb.get("profile") or not fb.get("tp_size"):
+        return None
+    named = load_profile(fb["profile"])
+    gpu = c.overrides["target"]["gpu"]
+    if named.parallel.tp_size == fb["tp_size"] and named.parallel.pp_size == 1 and resolve_gpu(named.target.gpu).id == gpu:
+        return None
+    body = {"extends": fb["profile"], "description": f"fallback of {c.label} on {gpu}: {fb['profile']} at tp {fb['tp_size']} "
+                                                     f"({fb['where']})",
+            "target": {"gpu": gpu}, "parallel": {"tp_size": fb["tp_size"], "pp_size": 1},
+            "deployment": {"gpus_per_replica": fb["tp_size"]}}
+    return ("# Written by `invoke recommend`" + (f" ({command})" if command else "") + ": the fallback engine as deployed.\n"
+            + yaml.safe_dump(body, sort_keys=False))
 
 
 def fallback_text(c: Candidate) -> str:
@@ -610,9 +641,17 @@ def fallback_text(c: Candidate) -> str:
 
 def write_profile(c: Candidate, path: Path, command: str = "") -> Path:
     """Write ``profile_yaml(c)`` atomically once the strict loader accepts it (``spec.profile.save_profile``;
-    UserError and nothing written if not). Returns the resolved path."""
+    UserError and nothing written if not). Returns the resolved path. When the fallback is deployed at
+    another tp or GPU than its named profile (``fallback_yaml``), that is written first as
+    ``<stem>-fallback.yaml`` beside it and named (absolute path) in ``deployment.fallback``."""
     path = Path(path).expanduser().resolve()
-    save_profile(path, profile_yaml(c, command))
+    fb_text = fallback_yaml(c, command)
+    ref = None
+    if fb_text is not None:
+        fb_path = path.with_name(f"{path.stem}-fallback{path.suffix or '.yaml'}")
+        save_profile(fb_path, fb_text)
+        ref = str(fb_path)
+    save_profile(path, profile_yaml(c, command, ref))
     return path
 
 
@@ -864,4 +903,4 @@ def write_compare(cands: list[Candidate], out_dir: Path) -> dict[str, Path]:
 
 __all__ = ["ACCURACY_PRIOR", "Accuracy", "Candidate", "Constraints", "Recommendation", "enumerate_candidates",
            "recommend", "compare", "pareto", "pareto_png", "render_html", "write_compare", "profile_yaml",
-           "write_profile", "measure_top", "build_unmeasured", "profile_file_stem", "table_rows", "base_profile_for", "base_profiles_for", "prior_for", "accuracy_of", "measured_accuracy"]
+           "write_profile", "fallback_yaml", "fallback_text", "tokens_per_gpu", "FALLBACK_CHOICES", "measure_top", "build_unmeasured", "profile_file_stem", "table_rows", "base_profile_for", "base_profiles_for", "prior_for", "accuracy_of", "measured_accuracy"]

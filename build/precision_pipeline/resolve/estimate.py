@@ -21,14 +21,14 @@ Per GPU of one engine (the heaviest pipeline rank, as the memory plan counts it)
 * KV-limited concurrency at L = kv_tokens_capacity // L (``memory_plan``: capacity in whole blocks).
   B defaults to min(max_batch_size, that concurrency).
 * pipeline stages are assumed perfectly overlapped for throughput (the heaviest stage limits it).
-* tensor-parallel communication is not modelled: each decode step also all-reduces
+* tensor-parallel communication is not in these ceilings: each decode step also all-reduces
   2 x layers x B x hidden x 2 bytes per GPU (after attention and after the MLP, BF16), shown as
-  ``tp_allreduce_bytes_per_step``; its time needs the interconnect's bandwidth, which the catalog
-  does not hold.
+  ``tp_allreduce_bytes_per_step``; ``resolve/perf.py`` (what compare and recommend rank on) times it
+  over the catalog's interconnect.
 
-Not modelled either: kernel efficiency (real decode reaches ~50-80 % of the bandwidth bound on
-large batches, less on small models whose steps are launch-bound), scheduling, sampling, the
-attention kernels' own limits, and dequantization cost of weight-only formats.
+Not in these ceilings either (``resolve/perf.py`` has them, calibrated on published measurements):
+kernel efficiency, scheduling and launch overheads, the attention kernels' own limits, and the
+dequantization cost of weight-only formats.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from precision_pipeline.spec.model_arch import ModelArch
 from precision_pipeline.spec.profile import Profile
 
 KIND = "roofline estimate (upper bound from catalog bandwidth and Tensor Core peak; not measured)"
-TP_NOT_MODELLED = ("not modelled: tensor-parallel all-reduces (2 per layer per step, "
-                   "tp_allreduce_bytes_per_step bytes per GPU) add time that depends on NVLink/PCIe "
-                   "bandwidth, which the catalog does not hold")
+TP_NOT_MODELLED = ("not in this ceiling: tensor-parallel all-reduces (2 per layer per step, "
+                   "tp_allreduce_bytes_per_step bytes per GPU); resolve/perf.py times them over the catalog's "
+                   "NVLink/PCIe figures (spec/hardware.py interconnect)")
 SRC = "build/precision_pipeline/resolve/estimate.py"
 
 
