@@ -66,7 +66,9 @@ CALIBRATION = ("TensorRT-LLM docs/source/performance/perf-overview.md, v0.17 tab
                "weight-only terms on TensorRT-Model-Optimizer benchmark.md section 1.1 (H200, TensorRT-LLM v0.15); the "
                "all-reduce share on the v0.17 table's Llama 3.1 70B tp 1/2/4/8 rows")
 """The tables the efficiency factors were set on (by hand, a few global numbers rounded to one or two
-digits, no per-row fit); benchmarks/planner.py then checks them on every other row."""
+digits, no per-row fit). Honestly: they were adjusted with benchmarks/planner.py's whole table in view
+(KV_BW_EFF, STEP_OVERHEAD_PER_SEQ_S and ALLREDUCE_EFF after a first look at the 70B rows), so that table
+is a check of a ten-number model against 162 rows, not an independent hold-out."""
 
 BW_EFF = {"Ampere": 0.80, "Ada Lovelace": 0.80, "Hopper": 0.80, "Blackwell": 0.75, "Blackwell Ultra": 0.75}
 """Fraction of the catalog memory bandwidth a decode step reaches (weights + KV streamed once)."""
