@@ -1,0 +1,180 @@
+"""Gate verdicts per golden-set category, per-model bars keyed by content, and promotable verdicts.
+
+The verdict rule (``checkpoint_gate.judge_metrics``) is exercised on the synthetic gate numbers of
+tests/gate/test_report.py (3 prompts per category; per-token KL drawn with a mean of 0.02 x the
+category's index + 1, so facts is the best category and non_english the worst); one slow test runs a
+real build (the FP8 test checkpoint through ``--checkpoint``, 2 prompts per category) to exit 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core.errors import GateFailed, UserError
+from precision_pipeline.gate.checkpoint_gate import GateResult, judge_metrics
+from precision_pipeline.spec.profile import GateBar, GateThresholds, deep_merge, load_profile, load_raw, validate_profile
+from tests.gate.test_report import _synthetic
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def numbers():
+    """The synthetic gate's metrics.json mapping, judged against KL mean <= 0.1 (overall 0.0743: passes)."""
+    return _synthetic(GateBar(kl_mean_max=0.1))[0]
+
+
+def test_per_category_numbers_and_intervals(numbers):
+    pc = numbers["per_category"]
+    assert [round(pc[c]["kl_mean"], 4) for c in pc] == [0.0244, 0.0404, 0.0615, 0.0956, 0.1099, 0.114]
+    lo, hi = pc["non_english"]["ci95"]["kl_mean"]
+    assert 0.080 < lo < 0.081 and 0.142 < hi < 0.143
+    assert numbers["passed"] is True and numbers["category_failures"] == []
+    # long_context's point estimate 0.1099 is past 0.1, but its interval reaches below the bar: it passes
+    lc = numbers["categories_judged"]["long_context"]["checks"]["kl_mean"]
+    assert lc["passed"] is True and lc["judged_by"] == "interval" and lc["ci95"][0] < 0.1 < lc["value"]
+
+
+def test_a_category_missing_its_bar_fails_the_gate_naming_it():
+    bar = GateBar(kl_mean_max=0.1, categories={"non_english": GateThresholds(kl_mean_max=0.07)})
+    m, _ = _synthetic(bar)
+    assert m["passed"] is False and m["failures"] == []  # the overall numbers pass
+    [f] = m["category_failures"]
+    assert (f["category"], f["metric"], f["threshold"], f["judged_by"]) == ("non_english", "kl_mean", 0.07, "interval")
+    assert f["reason"] == ("category non_english: kl_mean = 0.114 [0.08057, 0.1429] misses <= 0.07 "
+                           "(whole interval past the bar)")
+    res = GateResult(m["passed"], m["failures"], m, Path("/nowhere"))
+    assert res.failed_metrics() == ["category non_english: kl_mean"]
+    with pytest.raises(GateFailed) as e:
+        res.raise_if_failed()
+    assert e.value.exit_code == 3 and "category non_english: kl_mean = 0.114" in str(e.value)
+
+
+def test_every_category_is_held_to_the_overall_bar():
+    """No category bar: the overall bar applies to each category, judged on its interval."""
+    m, _ = _synthetic(GateBar(kl_mean_max=0.08))  # overall 0.0743 passes; instructions [0.088, 0.11] does not
+    assert m["failures"] == []
+    assert [(f["category"], f["metric"]) for f in m["category_failures"]] == [("instructions", "kl_mean"),
+                                                                             ("non_english", "kl_mean")]
+
+
+def test_a_category_bar_can_also_be_looser():
+    bar = GateBar(kl_mean_max=0.08, categories={"instructions": GateThresholds(kl_mean_max=0.2),
+                                                "non_english": GateThresholds(kl_mean_max=0.2)})
+    assert _synthetic(bar)[0]["passed"] is True
+
+
+def test_one_prompt_categories_are_judged_by_their_point_estimate(numbers):
+    m = json.loads(json.dumps(numbers))
+    m["per_category"]["facts"].update({"prompts": 1, "ci95": {}, "kl_mean": 0.2})
+    v = judge_metrics(m, GateBar(kl_mean_max=0.1))
+    [f] = v["category_failures"]
+    assert f["judged_by"] == "point estimate" and f["reason"] == ("category facts: kl_mean = 0.2 (one prompt: no interval) "
+                                                                  "misses <= 0.1")
+
+
+def test_judging_the_stored_numbers_again_gives_the_same_verdict(numbers):
+    again = judge_metrics(numbers, GateBar(kl_mean_max=0.1))
+    for k in ("passed", "failures", "category_failures", "categories_judged", "judged_against", "promotable", "metrics"):
+        assert again[k] == numbers[k], k
+
+
+def test_a_verdict_over_fewer_prompts_than_the_minimum_is_not_promotable(numbers):
+    assert numbers["promotable"] is False  # 18 prompts, the default minimum is the whole set (65)
+    assert numbers["not_promotable"] == ("the verdict covers 18 golden prompt(s), fewer than the whole golden set "
+                                         "(65 prompts): it is a quick check, not a release verdict")
+    assert judge_metrics(numbers, GateBar(kl_mean_max=0.1, min_prompts=18))["promotable"] is True
+    assert numbers["passed"] is True  # not promotable is not a failed gate: the build still exits 0
+
+
+# -- the profile field
+
+
+def _with_gate(gate: dict):
+    return validate_profile(deep_merge(load_raw("fp8-h100"), {"gate": gate}))
+
+
+def test_profile_category_bars_validated_strictly():
+    p = _with_gate({"categories": {"code": {"kl_mean_max": 0.03}}, "min_prompts": 12})
+    assert p.gate.categories["code"].kl_mean_max == 0.03 and p.gate.min_prompts == 12
+    with pytest.raises(UserError) as e:
+        _with_gate({"categories": {"cod": {"kl_mean_max": 0.03}}})
+    assert str(e.value.problems[0].render()) == (
+        "gate.categories: 'cod' is not a golden-set category. Fix: use one of: facts, reasoning, code, instructions, "
+        "long_context, non_english.")
+    for bad in ({"categories": {"code": {"kl_mean_max": "0.03"}}}, {"categories": {"code": {"zz": 1}}},
+                {"min_prompts": 0}, {"min_prompts": 1.5}):
+        with pytest.raises(UserError):
+            _with_gate(bad)
+
+
+def test_category_bar_wins_for_its_category_only(default_model_dir):
+    p = _with_gate({"categories": {"code": {"kl_mean_max": 0.03}}})
+    bar = p.gate.for_model_dir(default_model_dir)
+    assert bar.for_category("code").kl_mean_max == 0.03 and bar.for_category("code").kl_p99_max == 0.55
+    assert bar.for_category("facts").kl_mean_max == 0.07  # the default model's override
+    assert bar.for_category("code").ppl_delta_pct_max is None  # held-out perplexity is overall only
+
+
+# -- per-model bars keyed by content
+
+
+def test_overrides_are_keyed_by_content_not_folder_name(default_model_dir, tmp_path):
+    prof = load_profile("fp8-h100")
+    assert prof.gate.for_model_dir(default_model_dir).kl_mean_max == 0.07
+    # the same model in another folder: the same bar
+    other = tmp_path / "renamed-copy"
+    shutil.copytree(default_model_dir, other)
+    assert prof.gate.for_model_dir(other).kl_mean_max == 0.07
+    # another model in a folder of the default model's name: the production bar
+    fake = tmp_path / "SmolLM2-135M-Instruct"
+    shutil.copytree(default_model_dir, fake, ignore=shutil.ignore_patterns("model.safetensors"))
+    (fake / "model.safetensors").write_bytes(b"not the same weights")
+    assert prof.gate.for_model_dir(fake).kl_mean_max == 0.02
+    assert prof.gate.for_model("SmolLM2-135M-Instruct").kl_mean_max == 0.02  # a name is no key
+
+
+@pytest.mark.parametrize("name", ["fp8-h100", "int4-awq-a100", "int8-sq-l4", "mixed-fp8-int4-h100", "nvfp4-b200",
+                                  "int4-awq-a100-smollm2", "int8-sq-l4-smollm2", "nvfp4-b200-smollm2"])
+def test_shipped_overrides_match_the_default_model(name, default_model_dir):
+    """The shipped small-model bars are keyed by the default model's fingerprint; a change of the
+    fingerprint policy (core/fingerprint.py) fails here: re-key them with `invoke check`'s fingerprint."""
+    from precision_pipeline.core.fingerprint import model_fingerprint
+
+    prof = load_profile(name)
+    assert list(prof.gate.overrides) == [model_fingerprint(default_model_dir).sha256]
+    assert prof.gate.for_model_dir(default_model_dir) != prof.gate.for_model("0" * 64)
+
+
+def test_a_folder_name_key_is_refused():
+    with pytest.raises(UserError) as e:
+        _with_gate({"overrides": {"SmolLM2-135M-Instruct": {"kl_mean_max": 0.07}}})
+    r = e.value.problems[0].render()
+    assert r.startswith("gate.overrides: key 'SmolLM2-135M-Instruct' is not a model fingerprint") and "invoke check" in r
+
+
+# -- a real build: one category misses its bar -> exit 3 naming it
+
+
+@pytest.mark.slow
+def test_build_exits_3_naming_the_category(tmp_path, fp8_checkpoint):
+    prof = tmp_path / "fp8-cat.yaml"
+    prof.write_text("extends: fp8-h100\ngate:\n  categories:\n    code:\n      kl_mean_max: 0.0001\n")
+    env = dict(os.environ, COLUMNS="300")
+    r = subprocess.run([sys.executable, "-m", "invoke", "build", "--profile", str(prof), "--out", str(tmp_path / "out"),
+                        "--checkpoint", str(fp8_checkpoint), "--golden-limit", "2"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=1500)
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "accuracy gate failed for fp8-cat (category code: kl_mean)" in r.stdout + r.stderr
+    m = json.loads((tmp_path / "out" / "gate" / "metrics.json").read_text())
+    assert [(f["category"], f["metric"]) for f in m["category_failures"]] == [("code", "kl_mean")]
+    assert m["failures"] == [] and m["promotable"] is False
+    rec = m["record"]
+    assert rec["layout"] == {"tp_size": 1, "pp_size": 1, "moe_ep_size": 1} and rec["golden"]["prompts_per_category"] == 2
+    assert len(rec["model_fingerprint"]) == 64
