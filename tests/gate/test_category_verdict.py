@@ -70,13 +70,20 @@ def test_a_category_bar_can_also_be_looser():
     assert _synthetic(bar)[0]["passed"] is True
 
 
-def test_one_prompt_categories_are_judged_by_their_point_estimate(numbers):
+def test_one_prompt_categories_are_not_judged_and_no_resamples_judge_the_point_estimate(numbers):
+    """Measured: the FP8 test checkpoint at --golden-limit 1 passes overall (fp8-h100, default-model bar) while its one
+    facts prompt has top-1 0.843 (< 0.85) and its one non_english prompt KL mean 0.0742 (> 0.07): one
+    prompt is noise, so such categories are recorded as not judged (the verdict is not promotable)."""
     m = json.loads(json.dumps(numbers))
     m["per_category"]["facts"].update({"prompts": 1, "ci95": {}, "kl_mean": 0.2})
     v = judge_metrics(m, GateBar(kl_mean_max=0.1))
-    [f] = v["category_failures"]
-    assert f["judged_by"] == "point estimate" and f["reason"] == ("category facts: kl_mean = 0.2 (one prompt: no interval) "
-                                                                  "misses <= 0.1")
+    assert v["passed"] is True and v["category_failures"] == []
+    c = v["categories_judged"]["facts"]
+    assert c["passed"] is None and c["checks"]["kl_mean"]["reason"] == ("category facts: kl_mean not judged (one prompt "
+                                                                        "gives no interval)")
+    m["per_category"]["facts"]["prompts"] = 3  # three prompts but no resamples (bootstrap_resamples 0)
+    [f] = judge_metrics(m, GateBar(kl_mean_max=0.1))["category_failures"]
+    assert f["judged_by"] == "point estimate" and f["reason"] == "category facts: kl_mean = 0.2 misses <= 0.1"
 
 
 def test_judging_the_stored_numbers_again_gives_the_same_verdict(numbers):

@@ -965,11 +965,16 @@ def as_bar(thresholds: GateThresholds) -> GateBar:
 
 
 def _category_check(value: Optional[float], ci: Optional[Sequence[float]], threshold: Optional[float],
-                    op: str) -> tuple[Optional[bool], str]:
+                    op: str, prompts: int = 2) -> tuple[Optional[bool], str]:
     """(ok, how): a category misses its bar when its whole 95% interval lies past it (lower end above
-    a max, upper end below a min); without an interval (one prompt, no resamples) its point estimate."""
+    a max, upper end below a min); with no resamples (``bootstrap_resamples`` 0) its point estimate.
+    A category of one prompt (``--golden-limit 1``) has no interval and is not judged (ok None): one
+    prompt's numbers are noise (the FP8 test checkpoint's single facts prompt has top-1 0.843 where the
+    whole set has 0.894), and such a verdict is not promotable anyway."""
     if threshold is None:
         return None, "not checked"
+    if prompts < 2:
+        return None, "not judged"
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return False, "not measured"
     if ci and len(ci) == 2 and not any(c is None or math.isnan(c) for c in ci):
@@ -992,7 +997,8 @@ def judge_metrics(m: dict, thresholds: GateThresholds) -> dict:
     * overall: each checked metric's point estimate against its threshold (``CHECKS``); a checked
       metric that was not measured fails;
     * per category (``per_category``): ``CATEGORY_METRICS`` against ``bar.for_category(c)``; a
-      category misses when its whole 95% interval lies past the bar (``_category_check``);
+      category misses when its whole 95% interval lies past the bar (``_category_check``; a
+      category of one prompt is not judged: no interval);
     * promotable: the verdict covers at least ``bar.min_prompts`` prompts (None: the whole golden
       set, ``golden.set_prompts``); fewer (``--golden-limit``) is recorded as not promotable.
 
@@ -1026,18 +1032,21 @@ def judge_metrics(m: dict, thresholds: GateThresholds) -> dict:
             if thr is None:
                 continue
             v, ci = r.get(name), (r.get("ci95") or {}).get(name)
-            ok, how = _category_check(v, ci, thr, op)
-            shown = "not measured" if how == "not measured" else (
-                f"{v:.4g}" + (f" [{ci[0]:.4g}, {ci[1]:.4g}]" if how == "interval" else " (one prompt: no interval)"
-                              if r.get("prompts") == 1 else ""))
-            reason = (f"category {cat}: {name} = {shown} "
-                      f"{'meets' if ok else 'misses'} {op} {thr:.4g}" + (" (whole interval past the bar)"
-                                                                        if not ok and how == "interval" else ""))
+            ok, how = _category_check(v, ci, thr, op, int(r.get("prompts") or 0))
+            if how == "not judged":
+                reason = f"category {cat}: {name} not judged (one prompt gives no interval)"
+            else:
+                shown = "not measured" if how == "not measured" else (
+                    f"{v:.4g}" + (f" [{ci[0]:.4g}, {ci[1]:.4g}]" if how == "interval" else ""))
+                reason = (f"category {cat}: {name} = {shown} "
+                          f"{'meets' if ok else 'misses'} {op} {thr:.4g}" + (" (whole interval past the bar)"
+                                                                            if not ok and how == "interval" else ""))
             checks[name] = {"value": v, "ci95": ci, "threshold": thr, "op": op, "passed": ok, "judged_by": how,
                             "reason": reason}
-            if not ok:
+            if ok is False:
                 cat_fail.append({"category": cat, "metric": name, **checks[name]})
-        judged[cat] = {"passed": all(c["passed"] for c in checks.values()), "checks": checks,
+        judged[cat] = {"passed": None if checks and all(c["passed"] is None for c in checks.values()) else
+                       all(c["passed"] is not False for c in checks.values()), "checks": checks,
                        "bar": cbar.model_dump(mode="json", exclude_none=True)}
     prompts = int((m.get("tokens") or {}).get("prompts") or 0)
     golden = m.get("golden") or {}
