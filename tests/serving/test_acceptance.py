@@ -236,3 +236,25 @@ def test_the_release_record_says_where_the_image_versions_came_from(tmp_path, fp
     assert ok.gate["serving_image"]["source"] == "catalog" and ok.gate["serving_image"]["tensorrt_llm"] == "1.2.1"
     assert ok.warnings[0].startswith("serving image nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3: TensorRT-LLM "
                                      "1.2.1, TensorRT ?; the tag catalog (serving/images.py")
+
+
+def test_cli_first_promote_shows_the_warnings(tmp_path, fp):
+    """The first promote (it creates the serving repository) used to drop the skew warnings."""
+    path = write_profile(tmp_path)
+    out = fake_build(tmp_path / "out", load_profile(str(path)), fp)
+    (out / "k8s").mkdir()
+    (out / "k8s" / "triton-deployment.yaml").write_text(
+        "spec:\n  template:\n    spec:\n      containers:\n      - image: example.com/triton:custom\n")
+    repo = tmp_path / "serving" / "model_repository"
+    env = dict(os.environ, COLUMNS="300", PATH=f"{tmp_path / 'none'}:{os.path.dirname(sys.executable)}:/usr/bin:/bin")
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if not any((Path(p) / rt).exists() for rt in ("docker", "podman")))
+    r = subprocess.run([*INVOKE, "promote", "--profile", str(path), "--out", str(out), "--repo", str(repo)],
+                       cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("warning: serving image example.com/triton:custom: TensorRT-LLM ?, TensorRT ?; not in the tag catalog, and "
+            "no container runtime (docker, podman) on PATH.") in r.stdout, r.stdout
+    assert "created " in r.stdout
+    rel = json.loads((repo.parent / "releases.json").read_text())["releases"][0]["gate"]
+    assert rel["serving_image"]["source"] == "unknown" and rel["record"]["model_fingerprint"] == fp
+    assert rel["judged_against"]["kl_mean_max"] == 0.1 and rel["prompts"] == 18

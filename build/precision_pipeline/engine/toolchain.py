@@ -14,6 +14,11 @@ every GPU), because ``nvidia-smi`` itself ignores that variable. Versions come f
 distributions' metadata (``tensorrt_llm``, ``tensorrt`` / ``tensorrt-cu12`` / ``tensorrt-cu13``,
 ``nvidia-modelopt``, ``torch``, ``nvidia-cuda-runtime-cu12/13``); the CUDA version the driver
 supports from the ``CUDA Version:`` line of plain ``nvidia-smi``.
+
+``image_versions(image)``: the TensorRT-LLM / TensorRT a *serving image* ships, read inside it (its
+installed distributions' metadata, run with the image's ``python3``) where ``docker`` or ``podman``
+is on PATH and has the image locally (never pulled), else from the tag catalog
+(``serving/images.py``); the result says which (``source``, ``why``).
 """
 
 from __future__ import annotations

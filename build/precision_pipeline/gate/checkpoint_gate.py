@@ -55,7 +55,12 @@ Pass/fail: each metric's point estimate against its threshold (``None`` = not ch
 ``kl_mean <= kl_mean_max``, ``kl_p99 <= kl_p99_max``, ``top1 >= top1_min``,
 ``ppl_delta_pct <= ppl_delta_pct_max``, ``greedy_same >= greedy_same_min``. A checked metric
 that was not measured (``heldout_tokens=0``, ``greedy_new_tokens=0``) fails. ``passed`` is the
-AND of the checked metrics. ``GateResult.raise_if_failed()`` raises ``GateFailed`` (exit 3).
+AND of the checked metrics and of every golden-set category's checks: each category's KL mean, KL P99,
+top-1 and greedy share against its bar (``GateBar.for_category``: the model's bar with the profile's
+``gate.categories`` entry winning), failing only when the category's whole bootstrap 95% interval lies
+past the bar; a one-prompt category is not judged (``judge_metrics``, the one rule; ``invoke promote``
+re-judges stored metrics.json with it). ``promotable`` is False below ``GateBar.min_prompts`` prompts.
+``GateResult.raise_if_failed()`` raises ``GateFailed`` (exit 3) naming the failing metrics and categories.
 
 Reference cache: the FP32 reference's final hidden states (after the last norm; logits are
 ``lm_head(h)``, recomputed per prompt in FP32), its greedy generations and held-out NLL, and all
