@@ -258,3 +258,14 @@ def test_cli_first_promote_shows_the_warnings(tmp_path, fp):
     rel = json.loads((repo.parent / "releases.json").read_text())["releases"][0]["gate"]
     assert rel["serving_image"]["source"] == "unknown" and rel["record"]["model_fingerprint"] == fp
     assert rel["judged_against"]["kl_mean_max"] == 0.1 and rel["prompts"] == 18
+
+
+def test_cli_rollout_refuses_a_golden_limit_build_before_any_server_is_asked(tmp_path, fp):
+    path = write_profile(tmp_path, min_prompts=19)
+    out = fake_build(tmp_path / "out", load_profile(str(path)), fp, prompts_per_category=3)
+    env = dict(os.environ, COLUMNS="300")
+    r = subprocess.run([*INVOKE, "rollout", "--profile", str(path), "--out", str(out), "--repo",
+                        str(tmp_path / "serving" / "model_repository"), "--url", "127.0.0.1:9"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "not promotable: the verdict covers 18 golden prompt(s), fewer than gate.min_prompts 19" in r.stdout, r.stdout
