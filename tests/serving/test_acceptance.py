@@ -269,3 +269,14 @@ def test_cli_rollout_refuses_a_golden_limit_build_before_any_server_is_asked(tmp
                        cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "not promotable: the verdict covers 18 golden prompt(s), fewer than gate.min_prompts 19" in r.stdout, r.stdout
+
+
+def test_a_verdict_about_another_model_is_refused(tmp_path, fp):
+    prof = load_profile(str(write_profile(tmp_path)))
+    out = fake_build(tmp_path / "out", prof, fp)
+    m = json.loads((out / "gate" / "metrics.json").read_text())
+    m["record"]["model_fingerprint"] = "0" * 64
+    (out / "gate" / "metrics.json").write_text(json.dumps(m))
+    msg = refusal(prof, out)
+    assert "the gate judged the model with content fingerprint 000000000000…, but " in msg
+    assert f"is now {fp[:12]}…" in msg and "[rule accept.model]" in msg

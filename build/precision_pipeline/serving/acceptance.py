@@ -16,6 +16,8 @@ will serve:
   promote, naming the metric or category, and a loosened one is recorded as re-judged;
 * **promotable** (``accept.golden``): the verdict covers at least the bar's ``min_prompts`` golden
   prompts (default: the whole set); a ``--golden-limit`` build is refused with the reason;
+* **model** (``accept.model``): the model folder the unit serves (``cpu_reference.json``
+  ``hf_model_dir``) still has the content fingerprint the gate recorded;
 * **layout** (``accept.layout``): the gate record's tp_size / pp_size / moe_ep_size equal the
   profile's ``parallel`` section, and the unit's GPU count (``gpu_device_ids``) equals tp x pp;
 * **runtime** (``accept.runtime``): the serving image's TensorRT-LLM / TensorRT versions, read inside
@@ -134,6 +136,17 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
                                     + f" but {name} serves " + ", ".join(f"{k} {b}" for k, (_, b) in diff.items())
                                     + ": the verdict is not about what the release would serve.", rebuild,
                                     rule="accept.layout"))
+        # -- the model: the unit serves (CPU stand-in) or was built from the model the verdict is about
+        served = Path(str(_read(unit / "engine" / pack.CPU_REFERENCE_FILE).get("hf_model_dir") or ""))
+        if str(served) not in ("", ".") and (served / "config.json").is_file():
+            from precision_pipeline.core.fingerprint import model_fingerprint
+
+            now = model_fingerprint(served).sha256
+            if now != record["model_fingerprint"]:
+                problems.append(Problem("--model", f"the gate judged the model with content fingerprint "
+                                        f"{record['model_fingerprint'][:12]}…, but {served} (what the unit serves) is now "
+                                        f"{now[:12]}…: the verdict is about another model (or the folder changed since "
+                                        "the build).", rebuild, rule="accept.model"))
     gpus = pack.unit_gpus(unit.parent, unit.name)
     if gpus != profile.world_size:
         problems.append(Problem("--profile", f"the packed unit {unit.name} runs on {gpus} GPU(s) but {name} serves tp x pp "
