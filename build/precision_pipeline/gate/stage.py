@@ -13,10 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from pydantic import field_validator
+
 from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_fingerprint
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
 from precision_pipeline.gate.options import GateOptions
-from precision_pipeline.spec.profile import GateBar
+from precision_pipeline.spec.profile import GateBar, GateThresholds
 
 
 class GateInputs(Frozen):
@@ -24,13 +26,22 @@ class GateInputs(Frozen):
     """The quantize stage's key and its folder."""
     model: Fingerprint
     thresholds: GateBar
-    """The profile's bar for this model (``Gate.for_model`` of the model's content fingerprint)."""
+    """The profile's bar for this model (``Gate.for_model`` of the model's content fingerprint); a plain
+    ``GateThresholds`` is taken as a bar without category bars."""
     layout: dict[str, int] = {}
     """What the release will serve: the plan's tp_size / pp_size / moe_ep_size (recorded, promote compares)."""
     golden: Fingerprint
     """The golden prompts file, by content (its path is not keyed)."""
     options: GateOptions
     """What the gate measures (``golden_path`` left None here: the file is keyed by ``golden``)."""
+
+
+    @field_validator("thresholds", mode="before")
+    @classmethod
+    def _as_bar(cls, v: Any) -> Any:
+        if isinstance(v, GateThresholds) and not isinstance(v, GateBar):
+            return GateBar(**v.model_dump(exclude_unset=True))
+        return v
 
 
 class GateArtifact(Artifact):
