@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.store import read_json
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 
 
 @dataclass
@@ -88,8 +89,9 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
         "plan.json": {"profile": plan.get("profile")}}
     if metrics.get("checkpoint_quantization") is not None or metrics.get("record"):
         ckq = metrics.get("checkpoint_quantization") or {}
-        held["the gated checkpoint (gate/metrics.json)"] = {"gemm": ckq.get("quant_algo") or "NO_QUANT",
-                                                            "kv": ckq.get("kv_cache_quant_algo") or "NONE"}
+        held["the gated checkpoint (gate/metrics.json)"] = {  # absent: an unquantized checkpoint
+            "gemm": ckq.get("quant_algo") or QuantAlgo.NO_QUANT.value,
+            "kv": ckq.get("kv_cache_quant_algo") or KVCacheQuantAlgo.NONE.value}
     for what, vals in held.items():
         bad = {k: v for k, v in vals.items() if str(v) != want[k]}
         if bad:
