@@ -123,6 +123,21 @@ def test_category_bar_wins_for_its_category_only(default_model_dir):
     assert bar.for_category("code").ppl_delta_pct_max is None  # held-out perplexity is overall only
 
 
+def test_a_models_override_can_set_its_own_category_bars(default_model_dir):
+    from precision_pipeline.core.fingerprint import model_fingerprint
+
+    fp = model_fingerprint(default_model_dir).sha256
+    p = _with_gate({"categories": {"code": {"kl_mean_max": 0.03, "top1_min": 0.9}},
+                    "overrides": {fp: {"categories": {"code": {"kl_mean_max": 0.05}, "non_english": {"kl_mean_max": 0.1}}}}})
+    b = p.gate.for_model(fp)
+    assert (b.for_category("code").kl_mean_max, b.for_category("code").top1_min) == (0.05, 0.9)  # merged field by field
+    assert b.for_category("non_english").kl_mean_max == 0.1 and b.for_category("facts").kl_mean_max == 0.07
+    other = p.gate.for_model("0" * 64)  # another model: the profile's category bars only
+    assert other.for_category("code").kl_mean_max == 0.03 and other.for_category("non_english").kl_mean_max == 0.02
+    with pytest.raises(UserError):
+        _with_gate({"overrides": {fp: {"categories": {"nonenglish": {"kl_mean_max": 0.1}}}}})
+
+
 # -- per-model bars keyed by content
 
 

@@ -315,6 +315,28 @@ class GateThresholds(_Strict):
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+def _known_categories(v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
+    from precision_pipeline.gate.golden import CATEGORIES  # the golden set is the one home of its categories
+
+    bad = [k for k in v if k not in CATEGORIES]
+    if bad:
+        raise ValueError(f"{_short(bad[0])} is not a golden-set category. Fix: use one of: {', '.join(CATEGORIES)}.")
+    return v
+
+
+class ModelBar(GateThresholds):
+    """One ``gate.overrides`` entry: a model's thresholds and, optionally, its own category bars
+    (merged field by field over the profile's ``gate.categories``)."""
+
+    categories: dict[str, GateThresholds] = Field(
+        default_factory=dict, description="This model's category bars; set fields win over the profile's for that category.")
+
+    @field_validator("categories")
+    @classmethod
+    def _known_categories(cls, v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
+        return _known_categories(v)
+
+
 class GateBar(GateThresholds):
     """The bar one gate verdict is judged against: the overall thresholds, per-category bars and the
     fewest prompts a promotable verdict needs (``Gate.for_model`` returns one)."""
@@ -332,12 +354,7 @@ class GateBar(GateThresholds):
     @field_validator("categories")
     @classmethod
     def _known_categories(cls, v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
-        from precision_pipeline.gate.golden import CATEGORIES  # the golden set is the one home of its categories
-
-        bad = [k for k in v if k not in CATEGORIES]
-        if bad:
-            raise ValueError(f"{_short(bad[0])} is not a golden-set category. Fix: use one of: {', '.join(CATEGORIES)}.")
-        return v
+        return _known_categories(v)
 
     def thresholds(self) -> GateThresholds:
         """The overall thresholds alone."""
@@ -360,7 +377,7 @@ class Gate(GateBar):
     never the folder's name; ``invoke check`` prints it)."""
 
     measured_on: str = Field("", description="Which model the shipped thresholds were measured on.")
-    overrides: dict[str, GateThresholds] = Field(
+    overrides: dict[str, ModelBar] = Field(
         default_factory=dict,
         description="Per-model thresholds keyed by the model's content fingerprint (64 hex digits, printed by "
                     "`invoke check --model DIR`): the same model in any folder gets them, another model in a "
@@ -368,7 +385,7 @@ class Gate(GateBar):
 
     @field_validator("overrides")
     @classmethod
-    def _fingerprint_keys(cls, v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
+    def _fingerprint_keys(cls, v: dict[str, ModelBar]) -> dict[str, ModelBar]:
         for k in v:
             if not isinstance(k, str) or not FINGERPRINT_RE.match(k):
                 raise ValueError(f"key {_short(k)} is not a model fingerprint (64 lower-case hex digits); per-model bars "
@@ -379,13 +396,18 @@ class Gate(GateBar):
     def for_model(self, model_fingerprint: str) -> GateBar:
         """The bar for the model whose content fingerprint is ``model_fingerprint`` (hex sha256 of
         ``core.fingerprint.model_fingerprint``): the override's set fields win over the profile's;
-        categories and ``min_prompts`` are the profile's. Anything that is not a fingerprint (a
-        folder name) matches no override."""
+        ``min_prompts`` is the profile's. Anything that is not a fingerprint (a
+        folder name) matches no override. The override's ``categories`` merge field by field over the
+        profile's."""
         data: dict[str, Any] = {k: getattr(self, k) for k in GateThresholds.model_fields}
+        cats = dict(self.categories)
         ov = self.overrides.get(str(model_fingerprint))
         if ov is not None:
-            data.update(ov.model_dump(exclude_unset=True))
-        return GateBar(**data, categories=dict(self.categories), min_prompts=self.min_prompts)
+            data.update(ov.model_dump(exclude_unset=True, exclude={"categories"}))
+            for c, t in ov.categories.items():
+                base = cats[c].model_dump(exclude_unset=True) if c in cats else {}
+                cats[c] = GateThresholds(**{**base, **t.model_dump(exclude_unset=True)})
+        return GateBar(**data, categories=cats, min_prompts=self.min_prompts)
 
     def for_model_dir(self, model_dir: Path | str) -> GateBar:
         """``for_model`` of the HF folder's content fingerprint (memoized per file: cheap after the first call)."""
