@@ -138,6 +138,18 @@ def test_a_models_override_can_set_its_own_category_bars(default_model_dir):
         _with_gate({"overrides": {fp: {"categories": {"nonenglish": {"kl_mean_max": 0.1}}}}})
 
 
+def test_shipped_fp8_bar_holds_the_measured_non_english_category(default_model_dir):
+    """The 11 non_english prompts on the FP8 test checkpoint (measured, teacher-forced, 1000 resamples):
+    past the default model's overall bar on its whole interval, within fp8-h100's category bar for it."""
+    row = {"prompts": 11, "kl_mean": 0.09439, "kl_p99": 0.7070, "top1": 0.8279,
+           "ci95": {"kl_mean": [0.08474, 0.1047], "kl_p99": [0.5643, 0.8875], "top1": [0.7998, 0.8526]}}
+    m = {"metrics": {}, "tokens": {"prompts": 65}, "golden": {"set_prompts": 65}, "per_category": {"non_english": row}}
+    gate = load_profile("fp8-h100").gate
+    assert judge_metrics(m, gate.for_model_dir(default_model_dir))["passed"] is True
+    no_cat = gate.for_model_dir(default_model_dir).model_copy(update={"categories": {}})
+    assert [f["metric"] for f in judge_metrics(m, no_cat)["category_failures"]] == ["kl_mean", "kl_p99"]
+
+
 # -- per-model bars keyed by content
 
 
@@ -198,7 +210,8 @@ def test_real_gate_fails_naming_the_category(tmp_path, fp8_checkpoint, default_m
                         options=GateOptions(prompts_per_category=2, noise_floor=False, greedy_new_tokens=0,
                                             heldout_tokens=0, bootstrap_resamples=200))
     art = GateStage().run(inputs, tmp_path / "gate")
-    # measured: non_english's two prompts (KL mean interval past 0.07) miss the default model's bar too
+    # (without fp8-h100's non_english bar for the default model, its two prompts, KL mean 0.0869
+    #  [0.0742, 0.0990], missed 0.07 here too)
     assert art.passed is False and "category code: kl_mean" in art.failed_metrics
     assert all(f.startswith("category ") for f in art.failed_metrics), art.failed_metrics
     assert art.reason == "accuracy gate failed: " + ", ".join(art.failed_metrics)
