@@ -242,6 +242,15 @@ def check(c, profile=None, all=False, model=None):
         for line in e["arithmetic"]:
             con.print(f"    {line}", soft_wrap=True)
         con.print(f"    tensor parallel: {e['tp_communication']}", soft_wrap=True)
+    from precision_pipeline.core.fingerprint import model_fingerprint
+
+    fp = model_fingerprint(model_dir).sha256  # full read once, memoized (the build hashes it anyway)
+    bar = p.profile.gate.for_model(fp)
+    con.print(f"  model fingerprint (the key of gate.overrides): {fp}", soft_wrap=True)
+    whose = "gate.overrides for this model" if fp in p.profile.gate.overrides else "the profile's own"
+    con.print(f"  gate bar: {whose}: "
+              + ", ".join(f"{k} {v:g}" for k, v in bar.thresholds().model_dump().items() if v is not None)
+              + (f"; category bars: {', '.join(sorted(bar.categories))}" if bar.categories else ""), soft_wrap=True)
     for w in p.warnings:
         con.print(f"  [yellow]warning[/]: {w}", soft_wrap=True)
 
@@ -395,10 +404,17 @@ def promote(c, profile, repo=None, url=None, out=None):
     from precision_pipeline.serving import release
     from precision_pipeline.serving.triton_server import TritonServer
 
+    from precision_pipeline.serving.acceptance import check_promotable
+
     prof, out_dir, packed, gate = _built_repo(profile, out)
     repo_dir = _serving_repo(repo)
     con = _console()
     skew = _serving_side(prof, out_dir)
+    ok = check_promotable(prof, out_dir, packed, **skew)  # refuses before anything is written
+    gate = ok.gate
+    shown = list(ok.warnings)
+    for w in shown:  # on every promote, the first one too
+        con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
     if release.read_state(repo_dir) is None:
         fb_repo = None
         if prof.deployment.fallback:
@@ -415,7 +431,8 @@ def promote(c, profile, repo=None, url=None, out=None):
     server = TritonServer.attach(url) if url else None
     t = release.promote(repo_dir, packed, server=server, profile=prof.name, gate=gate, promoted_by="invoke promote", **skew)
     for w in t.get("warnings") or []:
-        con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
+        if w not in shown:
+            con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
     con.print(f"promoted {t['unit']} in {t.get('total_ms', 0):.0f} ms" + ("" if server else " (no server given: repository only)"))
 
 
@@ -443,8 +460,14 @@ def _probe_set(prof, out_dir, prompts):
     from precision_pipeline.core.store import read_json
     from precision_pipeline.serving import probe
 
-    model = Path((read_json(out_dir / "gate" / "metrics.json", {}) or {}).get("reference_model_dir", "")).name
-    return probe.load_probe_set(out_dir / "gate", prompts, thresholds=prof.gate.for_model(model))
+    m = read_json(out_dir / "gate" / "metrics.json", {}) or {}
+    fp = (m.get("record") or {}).get("model_fingerprint")  # the gated model's content fingerprint
+    model_dir = Path(m.get("reference_model_dir") or "")
+    if not fp and (model_dir / "config.json").is_file():
+        from precision_pipeline.core.fingerprint import model_fingerprint
+
+        fp = model_fingerprint(model_dir).sha256
+    return probe.load_probe_set(out_dir / "gate", prompts, thresholds=prof.gate.for_model(fp or "").thresholds())
 
 
 @task(help={"profile": "the built profile to roll out (its gate folder gives the probe's prompts and reference)",
@@ -476,7 +499,13 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
         return
     if not profile:
         raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
+    from precision_pipeline.serving.acceptance import check_promotable
+
     prof, out_dir, packed, gate = _built_repo(profile, out)
+    ok = check_promotable(prof, out_dir, packed, action="rollout", **_serving_side(prof, out_dir))
+    gate = ok.gate
+    for w in ok.warnings:
+        con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
     step_list = ro.parse_steps(str(steps) if steps is not None else list(prof.deployment.canary_steps))
     try:
         hold_s = float(hold) if hold is not None else float(prof.deployment.canary_pause_s)

@@ -443,8 +443,11 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
                                "provenance": r.provenance}
     summary = NightlySummary(rows=rows, started=started, finished=time.time(), baseline_source=base_src, last_measured=last)
     if opts.promote and summary.exit_code == 0 and rows and rows[0].verdict == "pass":
-        summary.promoted = _promote(rows[0], opts)
-        say(f"[nightly] promoted {rows[0].profile}: {summary.promoted}")
+        try:
+            summary.promoted = _promote(rows[0], opts)
+            say(f"[nightly] promoted {rows[0].profile}: {summary.promoted}")
+        except UserError as e:  # what promote refuses (serving/acceptance.py): said, the summary still written
+            say(f"[nightly] not promoted: {e}")
     elif opts.promote:
         say("[nightly] not promoted: not every check passed")
     write_summary(summary, opts.nightly_dir)
@@ -452,12 +455,13 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
 
 
 def _promote(row: Row, opts: NightlyOptions) -> str:
-    from precision_pipeline.core.store import read_json
     from precision_pipeline.serving import release
+    from precision_pipeline.serving.acceptance import check_promotable
+    from precision_pipeline.spec.profile import load_profile
 
     repo = Path(opts.serving_repo) if opts.serving_repo else Path(opts.out_root) / "serving" / "model_repository"
     out = Path(row.out_dir)
-    gate = ((read_json(out / "manifest.json", {}) or {}).get("stages", {}).get("gate", {}) or {}).get("numbers", {})
+    gate = check_promotable(load_profile(row.source or row.profile), out, out / "model_repository").gate
     if release.read_state(repo) is None:
         state = release.init_serving_repo(repo, out / "model_repository", profile=row.profile, gate=gate, by="invoke nightly")
         return str(state["current"])

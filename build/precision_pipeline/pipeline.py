@@ -320,7 +320,8 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
             if d.record.status != "cached":
                 write_plan()
             if stage.name == "gate" and not d.artifact.passed:
-                raise GateFailed(f"accuracy gate failed for {req.profile.name}; see {out_dir / 'gate' / 'report.md'}")
+                raise GateFailed(f"accuracy gate failed for {req.profile.name} ({', '.join(d.artifact.failed_metrics)}); "
+                                 f"see {out_dir / 'gate' / 'report.md'}")
             if stage.name == "engine_gate" and d.artifact.status == "failed":
                 raise GateFailed(f"engine gate failed for {req.profile.name} ({', '.join(d.artifact.failed_metrics)}); "
                                  f"the engine is not packed; see {out_dir / 'engine_gate' / 'report.md'}")

@@ -185,7 +185,7 @@ def fp32_model(default_model_dir):
 
 @pytest.fixture(scope="session")
 def self_gate(default_model_dir, fp32_model, gate_cache, tmp_path_factory):
-    thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
+    thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
     out = tmp_path_factory.mktemp("gate-self") / "gate"
     return run_gate(fp32_model, default_model_dir, thr, out, SUBSET, _runtime(gate_cache))
 
@@ -205,10 +205,10 @@ def test_model_against_itself(self_gate):
     assert m["kl_mean"]["ci95"][0] <= m["kl_mean"]["value"] <= m["kl_mean"]["ci95"][1]
 
 
-def test_metrics_json_contents(self_gate):
+def test_metrics_json_contents(self_gate, default_model_dir):
     d = json.loads(self_gate.metrics_path.read_text())
     assert d["passed"] is True and d["model"] == "SmolLM2-135M-Instruct"
-    shipped = load_profile("fp8-h100").gate.for_model("SmolLM2-135M-Instruct")
+    shipped = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
     assert d["thresholds"]["kl_mean_max"] == shipped.kl_mean_max == 0.07  # the SmolLM2 override
     assert d["thresholds"]["greedy_same_min"] is None
     assert d["tokens"]["prompts"] == 6 and d["tokens"]["answer_tokens"] > 300
@@ -308,7 +308,7 @@ def test_fp8_checkpoint_gate(default_model_dir, fp8_checkpoint, gate_cache, tmp_
     clearly more than the BF16 floor, and the fp8-h100 budget holds on this subset."""
     from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
 
-    thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
+    thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
     res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, tmp_path / "gate", SUBSET, _runtime(gate_cache))
     m = res.metrics["metrics"]
     assert res.metrics["reference_cache"]["hit"] is True

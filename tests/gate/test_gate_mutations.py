@@ -68,7 +68,7 @@ def shipped(default_model_dir):
     """The fp8-h100 thresholds as shipped (greedy_same is unchecked there: asserted, not relied on)."""
     from precision_pipeline.spec.profile import load_profile
 
-    thr = load_profile("fp8-h100").gate.for_model(default_model_dir.name)
+    thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
     assert thr.greedy_same_min is None, "greedy generation is off in this test; greedy_same must stay unchecked"
     assert None not in (thr.kl_mean_max, thr.kl_p99_max, thr.top1_min, thr.ppl_delta_pct_max)
     return thr

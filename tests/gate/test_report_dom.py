@@ -299,7 +299,7 @@ def real_gate(tmp_path_factory, request) -> tuple[Path, int]:
     ckpt = request.getfixturevalue("fp8_checkpoint")
     model_dir = request.getfixturevalue("default_model_dir")
     root = tmp_path_factory.mktemp("real-gate")
-    thr = load_profile("fp8-h100").gate.for_model(model_dir.name)
+    thr = load_profile("fp8-h100").gate.for_model_dir(model_dir)
     gate_checkpoint(ckpt, model_dir, thr, root / "gate",
                     GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200),
                     GateRuntime(progress=False, reference_cache=root / "ref"))

@@ -148,7 +148,12 @@ def _render_argo(tmp_path, gate=False, **dep):
     if gate:
         (tmp_path / "b" / "gate").mkdir()
         (tmp_path / "b" / "gate" / "metrics.json").write_text("{}")
-    return deploy.render_manifests(make_plan(prof), prof, repo, tmp_path / "b", "/srv/b", namespace="llm-serving")
+    from precision_pipeline.core.fingerprint import model_fingerprint
+    from precision_pipeline.spec.default_model import ensure_default_model
+
+    # the profile as it applies to the default model (its gate.overrides bar, keyed by content): what the deploy stage passes
+    applied = prof.for_model(model_fingerprint(ensure_default_model()).sha256)
+    return deploy.render_manifests(make_plan(prof), applied, repo, tmp_path / "b", "/srv/b", namespace="llm-serving")
 
 
 def test_argo_rollout_and_analysis_template(tmp_path):

@@ -69,7 +69,7 @@ def gate_dir(tmp_path_factory, fp8_checkpoint, default_model_dir):
     from precision_pipeline.gate.options import GateOptions, GateRuntime
 
     out = tmp_path_factory.mktemp("rollout-gate") / "gate"
-    thr = load_profile("fp8-h100").gate.for_model(Path(default_model_dir).name).model_copy(
+    thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir).thresholds().model_copy(
         update={"ppl_delta_pct_max": None, "greedy_same_min": None})  # not measured in this small run
     opts = GateOptions(prompts_per_category=1, heldout_tokens=0, greedy_new_tokens=0, noise_floor=False,
                        bootstrap_resamples=50)

@@ -42,5 +42,5 @@ def test_tuned_profile_only_adds_exclusions_that_name_real_modules(name, default
     # a cell is one TensorRT-LLM linear (qkv = q/k/v, fc+gate = gate/up fused): count them back
     trt_cells = {p for p in pats[1:] if not p.endswith(".mlp.gate")}
     assert len(trt_cells) == cells
-    assert tuned.gate.for_model("SmolLM2-135M-Instruct") == base.gate.for_model("SmolLM2-135M-Instruct")
+    assert tuned.gate.for_model_dir(default_model_dir) == base.gate.for_model_dir(default_model_dir)
     assert evaluate(tuned, default_model_dir).ok

@@ -33,7 +33,7 @@ Suggestion (ASSUMPTION: the cells' damage is additive up to a common factor): ea
 contribution to the full run's per-token KL is its isolated per-token KL, rescaled per token so
 the contributions sum to the measured ``full`` KL of that token. Greedy: repeatedly exclude the
 linear cell with the largest reduction of predicted KL mean per byte of cost, until the predicted
-KL mean and P99 meet the profile's gate thresholds (``profile.gate.for_model(model name)``;
+KL mean and P99 meet the profile's gate thresholds (``profile.gate.for_model_dir(model folder)``, keyed by its content;
 ``kl_mean_max`` and ``kl_p99_max``; top-1 / perplexity / greedy are not predicted), then drop any
 chosen cell that is not needed (reverse order). The result is expressed as ``exclude_modules``
 patterns quantize.py understands (``transformer.layers.3.attention.qkv``,
@@ -688,7 +688,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
                     verify: bool = True) -> SensitivityResult:
     """Measure per-cell sensitivity of ``<out_dir>/checkpoint`` and suggest exclusions (module doc).
 
-    ``profile``: a validated Profile (thresholds from ``profile.gate.for_model(model_dir.name)``,
+    ``profile``: a validated Profile (thresholds from ``profile.gate.for_model_dir(model_dir)``,
     existing ``quantization.exclude_modules`` kept in the suggestion). ``options``: how each cell is
     measured (hashed into each measurement's key); ``runtime``: threads, progress, resume, hooks (not
     hashed). ``checkpoint_dir``: analyse this checkpoint instead of ``<out_dir>/checkpoint``.
@@ -728,7 +728,7 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
         raise UserError("kinds", f"unknown kinds {unknown}.", f"use {', '.join(KINDS)}.")
     if not q.get("kv_cache_quant_algo") and KV_KIND in kinds:
         kinds.remove(KV_KIND)
-    thresholds = profile.gate.for_model(model_dir.name).model_dump(mode="json")
+    thresholds = profile.gate.for_model_dir(model_dir).thresholds().model_dump(mode="json")
     sens_dir = out_dir / "sensitivity"
     sens_dir.mkdir(parents=True, exist_ok=True)
 

@@ -14,6 +14,11 @@ every GPU), because ``nvidia-smi`` itself ignores that variable. Versions come f
 distributions' metadata (``tensorrt_llm``, ``tensorrt`` / ``tensorrt-cu12`` / ``tensorrt-cu13``,
 ``nvidia-modelopt``, ``torch``, ``nvidia-cuda-runtime-cu12/13``); the CUDA version the driver
 supports from the ``CUDA Version:`` line of plain ``nvidia-smi``.
+
+``image_versions(image)``: the TensorRT-LLM / TensorRT a *serving image* ships, read inside it (its
+installed distributions' metadata, run with the image's ``python3``) where ``docker`` or ``podman``
+is on PATH and has the image locally (never pulled), else from the tag catalog
+(``serving/images.py``); the result says which (``source``, ``why``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
@@ -181,4 +186,83 @@ def detect_toolchain() -> Toolchain:
                      versions=versions)
 
 
-__all__ = ["GpuInfo", "Toolchain", "detect_toolchain", "probe_gpus", "visible", "parse_sm", "dist_version"]
+CONTAINER_RUNTIMES = ("docker", "podman")
+IMAGE_PROBE_TIMEOUT_S = 120
+IMAGE_VERSION_SCRIPT = (
+    "import importlib.metadata as m\n"
+    "def v(*names):\n"
+    "    for n in names:\n"
+    "        try:\n"
+    "            return m.version(n)\n"
+    "        except m.PackageNotFoundError:\n"
+    "            pass\n"
+    "    return ''\n"
+    "print('tensorrt_llm=' + v('tensorrt_llm', 'tensorrt-llm'))\n"
+    f"print('tensorrt=' + v(*{TENSORRT_DISTS!r}))\n")
+"""Run with the image's ``python3``: the installed distributions' metadata (nothing is imported, so
+no GPU is needed); one ``name=version`` line each, empty when not installed."""
+
+
+class ImageVersions(BaseModel):
+    """TensorRT-LLM / TensorRT of a serving image and where they come from.
+
+    ``source``: ``image`` (read inside the image with ``runtime``: package metadata), ``catalog``
+    (``serving/images.py``'s tag catalog: no container runtime, or the image is not present locally),
+    or ``unknown`` (neither). ``why``: how it was chosen, for the promote output and the release record."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str
+    tensorrt_llm: Optional[str] = None
+    tensorrt: Optional[str] = None
+    source: Literal["image", "catalog", "unknown"] = "unknown"
+    runtime: Optional[str] = None
+    why: str = ""
+
+
+def _run(argv: list[str], timeout: float) -> Optional[subprocess.CompletedProcess]:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def image_versions(image: str, *, runtimes: tuple[str, ...] = CONTAINER_RUNTIMES,
+                   timeout_s: float = IMAGE_PROBE_TIMEOUT_S) -> ImageVersions:
+    """The serving image's TensorRT-LLM and TensorRT versions: from inside the image where a container
+    runtime (``docker``/``podman`` on PATH) has it locally (``<rt> image inspect`` succeeds; nothing is
+    pulled), by ``<rt> run --rm --network none --entrypoint python3 IMAGE -c IMAGE_VERSION_SCRIPT``;
+    else from the tag catalog (``serving.images.lookup``), saying so. Never raises."""
+    from precision_pipeline.serving import images
+
+    tried: list[str] = []
+    for rt in runtimes:
+        exe = shutil.which(rt)
+        if not exe:
+            continue
+        ins = _run([exe, "image", "inspect", image], min(timeout_s, 30))
+        if ins is None or ins.returncode != 0:
+            tried.append(f"{rt} has no local copy of it")
+            continue
+        out = _run([exe, "run", "--rm", "--network", "none", "--entrypoint", "python3", image, "-c",
+                    IMAGE_VERSION_SCRIPT], timeout_s)
+        if out is None or out.returncode != 0:
+            tried.append(f"{rt} could not run python3 in it")
+            continue
+        vals = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if "=" in ln)
+        trtllm, trt = vals.get("tensorrt_llm") or None, vals.get("tensorrt") or None
+        if trtllm is None:
+            tried.append(f"{rt}: no tensorrt_llm distribution inside it")
+            continue
+        return ImageVersions(image=image, tensorrt_llm=trtllm, tensorrt=trt, source="image", runtime=rt,
+                             why=f"read inside the image with {rt} (package metadata)")
+    where = "; ".join(tried) if tried else "no container runtime (docker, podman) on PATH"
+    row = images.lookup(image)
+    if row is not None:
+        return ImageVersions(image=image, tensorrt_llm=row.tensorrt_llm, tensorrt=row.tensorrt, source="catalog",
+                             why=f"the tag catalog (serving/images.py: {row.source}) was used: {where}")
+    return ImageVersions(image=image, source="unknown", why=f"not in the tag catalog, and {where}")
+
+
+__all__ = ["GpuInfo", "Toolchain", "detect_toolchain", "probe_gpus", "visible", "parse_sm", "dist_version",
+           "ImageVersions", "image_versions", "IMAGE_VERSION_SCRIPT", "CONTAINER_RUNTIMES"]

@@ -55,7 +55,12 @@ Pass/fail: each metric's point estimate against its threshold (``None`` = not ch
 ``kl_mean <= kl_mean_max``, ``kl_p99 <= kl_p99_max``, ``top1 >= top1_min``,
 ``ppl_delta_pct <= ppl_delta_pct_max``, ``greedy_same >= greedy_same_min``. A checked metric
 that was not measured (``heldout_tokens=0``, ``greedy_new_tokens=0``) fails. ``passed`` is the
-AND of the checked metrics. ``GateResult.raise_if_failed()`` raises ``GateFailed`` (exit 3).
+AND of the checked metrics and of every golden-set category's checks: each category's KL mean, KL P99,
+top-1 and greedy share against its bar (``GateBar.for_category``: the model's bar with the profile's
+``gate.categories`` entry winning), failing only when the category's whole bootstrap 95% interval lies
+past the bar; a one-prompt category is not judged (``judge_metrics``, the one rule; ``invoke promote``
+re-judges stored metrics.json with it). ``promotable`` is False below ``GateBar.min_prompts`` prompts.
+``GateResult.raise_if_failed()`` raises ``GateFailed`` (exit 3) naming the failing metrics and categories.
 
 Reference cache: the FP32 reference's final hidden states (after the last norm; logits are
 ``lm_head(h)``, recomputed per prompt in FP32), its greedy generations and held-out NLL, and all
@@ -109,7 +114,7 @@ from precision_pipeline.core.progress import StageProgress
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, hash_obj, locked, read_json
 from precision_pipeline.gate.golden import EncodedPrompt, encode_golden, end_of_turn_id, golden_hash, load_golden, summarize
 from precision_pipeline.gate.options import DEFAULT_BOOTSTRAP, DEFAULT_HELDOUT_WINDOW, GateOptions, GateRuntime
-from precision_pipeline.spec.profile import GateThresholds
+from precision_pipeline.spec.profile import GateBar, GateThresholds
 
 CACHE_VERSION = 3  # 2: the key hashes GateOptions.reference_key_fields(); 3: greedy decoded from the teacher-forced KV cache
 WORST_PROMPTS = 5
@@ -926,7 +931,8 @@ class GateResult:
         return self.out_dir / "report.html"
 
     def failed_metrics(self) -> list[str]:
-        return list(self.failures)
+        """Failing overall metrics and failing categories (``category C: metric``)."""
+        return verdict_failures(self.metrics)
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers (for the build summary)."""
@@ -939,7 +945,7 @@ class GateResult:
 
     def raise_if_failed(self) -> None:
         if not self.passed:
-            detail = "; ".join(self.metrics["metrics"][f]["reason"] for f in self.failures)
+            detail = verdict_reasons(self.metrics)
             raise GateFailed(f"accuracy gate failed: {detail}. See {self.report_md}")
 
 
@@ -950,6 +956,131 @@ def _check(value: Optional[float], threshold: Optional[float], op: str) -> tuple
         return False, "not measured but a threshold is set"
     ok = value <= threshold if op == "<=" else value >= threshold
     return ok, f"{value:.4g} {'meets' if ok else 'misses'} {op} {threshold:.4g}"
+
+
+# metrics judged per category: everything but the held-out perplexity (the news text has no categories)
+CATEGORY_METRICS = ("kl_mean", "kl_p99", "top1", "greedy_same")
+
+
+def as_bar(thresholds: GateThresholds) -> GateBar:
+    """``thresholds`` as a ``GateBar`` (a plain ``GateThresholds``: no category bars, ``min_prompts`` None)."""
+    if isinstance(thresholds, GateBar):
+        return thresholds
+    return GateBar(**thresholds.model_dump(exclude_unset=True))
+
+
+def _category_check(value: Optional[float], ci: Optional[Sequence[float]], threshold: Optional[float],
+                    op: str, prompts: int = 2) -> tuple[Optional[bool], str]:
+    """(ok, how): a category misses its bar when its whole 95% interval lies past it (lower end above
+    a max, upper end below a min); with no resamples (``bootstrap_resamples`` 0) its point estimate.
+    A category of one prompt (``--golden-limit 1``) has no interval and is not judged (ok None): one
+    prompt's numbers are noise (the FP8 test checkpoint's single facts prompt has top-1 0.843 where the
+    whole set has 0.894), and such a verdict is not promotable anyway."""
+    if threshold is None:
+        return None, "not checked"
+    if prompts < 2:
+        return None, "not judged"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return False, "not measured"
+    if ci and len(ci) == 2 and not any(c is None or math.isnan(c) for c in ci):
+        edge = ci[0] if op == "<=" else ci[1]
+        return (edge <= threshold if op == "<=" else edge >= threshold), "interval"
+    return (value <= threshold if op == "<=" else value >= threshold), "point estimate"
+
+
+def golden_set_size(golden_path: Optional[Path] = None) -> int:
+    """Prompts in the whole golden set (``golden_path``; None: the shipped file)."""
+    return len(load_golden(golden_path))
+
+
+def judge_metrics(m: dict, thresholds: GateThresholds) -> dict:
+    """Judge stored gate measurements (a metrics.json mapping) against ``thresholds`` (a ``GateBar``).
+
+    The one verdict rule, used when the gate runs and again when ``invoke promote``/``rollout``
+    re-judge a build's stored numbers against the profile's current bar:
+
+    * overall: each checked metric's point estimate against its threshold (``CHECKS``); a checked
+      metric that was not measured fails;
+    * per category (``per_category``): ``CATEGORY_METRICS`` against ``bar.for_category(c)``; a
+      category misses when its whole 95% interval lies past the bar (``_category_check``; a
+      category of one prompt is not judged: no interval);
+    * promotable: the verdict covers at least ``bar.min_prompts`` prompts (None: the whole golden
+      set, ``golden.set_prompts``); fewer (``--golden-limit``) is recorded as not promotable.
+
+    Returns the keys it decides: ``passed``, ``failures`` (overall metric names), ``category_failures``
+    (rows with category, metric, value, ci95, threshold, op, reason), ``metrics`` (the overall rows
+    with passed/threshold/reason set), ``categories_judged``, ``judged_against`` (the bar),
+    ``promotable`` and ``not_promotable`` (the reason, "" when promotable).
+    """
+    bar = as_bar(thresholds)
+    rows = {k: dict(v) for k, v in (m.get("metrics") or {}).items()}
+    failures: list[str] = []
+    for name in METRIC_ORDER:
+        if name not in rows:
+            continue
+        thr_field, op = CHECKS.get(name, (None, None))
+        thr = getattr(bar, thr_field) if thr_field else None
+        v = rows[name].get("value")
+        ok, _ = _check(v, thr, op) if thr_field else (None, "")
+        rows[name].update({"threshold": thr, "op": op, "threshold_field": thr_field, "passed": ok,
+                           "reason": _fmt_reason(name, v, thr, op or "", ok)})
+        if ok is False:
+            failures.append(name)
+    cat_fail: list[dict] = []
+    judged: dict[str, dict] = {}
+    for cat, r in (m.get("per_category") or {}).items():
+        cbar = bar.for_category(cat)
+        checks: dict[str, dict] = {}
+        for name in CATEGORY_METRICS:
+            thr_field, op = CHECKS[name]
+            thr = getattr(cbar, thr_field)
+            if thr is None:
+                continue
+            v, ci = r.get(name), (r.get("ci95") or {}).get(name)
+            ok, how = _category_check(v, ci, thr, op, int(r.get("prompts") or 0))
+            if how == "not judged":
+                reason = f"category {cat}: {name} not judged (one prompt gives no interval)"
+            else:
+                shown = "not measured" if how == "not measured" else (
+                    f"{v:.4g}" + (f" [{ci[0]:.4g}, {ci[1]:.4g}]" if how == "interval" else ""))
+                reason = (f"category {cat}: {name} = {shown} "
+                          f"{'meets' if ok else 'misses'} {op} {thr:.4g}" + (" (whole interval past the bar)"
+                                                                            if not ok and how == "interval" else ""))
+            checks[name] = {"value": v, "ci95": ci, "threshold": thr, "op": op, "passed": ok, "judged_by": how,
+                            "reason": reason}
+            if ok is False:
+                cat_fail.append({"category": cat, "metric": name, **checks[name]})
+        judged[cat] = {"passed": None if checks and all(c["passed"] is None for c in checks.values()) else
+                       all(c["passed"] is not False for c in checks.values()), "checks": checks,
+                       "bar": cbar.model_dump(mode="json", exclude_none=True)}
+    prompts = int((m.get("tokens") or {}).get("prompts") or 0)
+    golden = m.get("golden") or {}
+    need = bar.min_prompts
+    if need is None:
+        need = int(golden.get("set_prompts") or golden_set_size())
+        what = f"the whole golden set ({need} prompts)"
+    else:
+        what = f"gate.min_prompts {need}"
+    promotable = prompts >= need
+    why = "" if promotable else (
+        f"the verdict covers {prompts} golden prompt(s), fewer than {what}"
+        + (f" (--golden-limit {golden['prompts_per_category']})" if golden.get("prompts_per_category") else "")
+        + ": it is a quick check, not a release verdict")
+    return {"passed": not failures and not cat_fail, "failures": failures, "category_failures": cat_fail,
+            "metrics": rows, "categories_judged": judged, "judged_against": bar.model_dump(mode="json"),
+            "promotable": promotable, "not_promotable": why}
+
+
+def verdict_failures(m: dict) -> list[str]:
+    """The failing checks of a judged mapping, named: overall metric names and ``category C: metric``."""
+    return list(m.get("failures") or []) + [f"category {f['category']}: {f['metric']}" for f in m.get("category_failures") or []]
+
+
+def verdict_reasons(m: dict) -> str:
+    """Every failing check's reason, '; '-joined (overall first, then categories)."""
+    rows = m.get("metrics") or {}
+    return "; ".join([rows[f]["reason"] for f in m.get("failures") or [] if f in rows]
+                     + [f["reason"] for f in m.get("category_failures") or []])
 
 
 def _fmt_reason(name: str, value: Optional[float], threshold: Optional[float], op: str, ok: Optional[bool]) -> str:
@@ -1082,7 +1213,8 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
             encoded=encoded, tok=tok, per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
             cand_heldout=cand_heldout, thresholds=thresholds, bootstrap=options.bootstrap_resamples,
             seed=options.seed, greedy_new_tokens=options.greedy_new_tokens, heldout_window=options.heldout_window,
-            windows=windows)
+            windows=windows, golden={"set_prompts": golden_set_size(options.golden_path),
+                                     "prompts_per_category": options.prompts_per_category})
         timings["metrics"] = time.perf_counter() - t0
         metrics.update({
             "schema": 1, "model": model_name, "candidate": cand.name,
@@ -1163,8 +1295,9 @@ def _nanmean(xs: Sequence[float]) -> Optional[float]:
     return float(np.mean(xs)) if xs else None
 
 
-def _assemble(*, encoded, tok, per_prompt, ref: ReferenceData, cand_greedy, cand_heldout, thresholds: GateThresholds,
-              bootstrap: int, seed: int, greedy_new_tokens: int, heldout_window: int, windows) -> tuple[dict, dict]:
+def _assemble(*, encoded, tok, per_prompt, ref: ReferenceData, cand_greedy, cand_heldout, thresholds: GateBar,
+              bootstrap: int, seed: int, greedy_new_tokens: int, heldout_window: int, windows,
+              golden: Optional[dict] = None) -> tuple[dict, dict]:
     kl_groups = [ma.kl for ma, _ in per_prompt]
     top1_groups = [ma.top1.astype(np.float64) for ma, _ in per_prompt]
     kl_all = np.concatenate(kl_groups) if kl_groups else np.zeros(0)
@@ -1220,27 +1353,20 @@ def _assemble(*, encoded, tok, per_prompt, ref: ReferenceData, cand_greedy, cand
     else:
         values["greedy_same"] = None
 
-    # pass/fail
+    # the overall rows (judged below, with the categories, by judge_metrics)
     metrics: dict[str, dict[str, Any]] = {}
-    failures: list[str] = []
     for name in METRIC_ORDER:
         thr_field, op = CHECKS.get(name, (None, None))
         thr = getattr(thresholds, thr_field) if thr_field else None
-        v = values.get(name)
-        ok, _ = _check(v, thr, op) if thr_field else (None, "")
         fv = floor_vals.get(name)
         floor_blocks = None
         if thr is not None and fv is not None:
             floor_blocks = (fv > thr) if op == "<=" else (fv < thr)
         metrics[name] = {
-            "label": METRIC_LABELS[name], "value": v, "ci95": cis.get(name), "noise_floor": fv,
+            "label": METRIC_LABELS[name], "value": values.get(name), "ci95": cis.get(name), "noise_floor": fv,
             "noise_floor_ci95": floor_cis.get(name), "threshold": thr, "op": op, "threshold_field": thr_field,
-            "passed": ok, "floor_exceeds_threshold": floor_blocks,
-            "reason": _fmt_reason(name, v, thr, op or "", ok),
+            "passed": None, "floor_exceeds_threshold": floor_blocks, "reason": "",
         }
-        if ok is False:
-            failures.append(name)
-    passed = not failures
 
     # per category
     cats: dict[str, dict[str, Any]] = {}
@@ -1252,8 +1378,14 @@ def _assemble(*, encoded, tok, per_prompt, ref: ReferenceData, cand_greedy, cand
         kl_c = np.concatenate([kl_groups[i] for i in idx])
         t_c = np.concatenate([top1_groups[i] for i in idx])
         row = {"prompts": len(idx), "tokens": int(kl_c.size), **kl_summary(kl_c), "top1": float(t_c.mean())}
+        # 95% intervals per category: the same bootstrap over the category's own prompts (none for one prompt)
+        row["ci95"] = _ci_for_all([kl_groups[i] for i in idx], [top1_groups[i] for i in idx], bootstrap, seed) \
+            if len(idx) > 1 else {}
         if greedy_rows:
             row["greedy_same"] = float(np.mean([greedy_rows[i]["same"] for i in idx]))
+            if len(idx) > 1 and bootstrap > 0:
+                row["ci95"]["greedy_same"] = list(bootstrap_ci([np.array([float(greedy_rows[i]["same"])]) for i in idx],
+                                                               np.mean, bootstrap, seed))
         if fl is not None:
             fk = np.concatenate([fl["answer"][i]["kl"] for i in idx])
             ft = np.concatenate([fl["answer"][i]["top1"] for i in idx]).astype(np.float64)
@@ -1305,10 +1437,10 @@ def _assemble(*, encoded, tok, per_prompt, ref: ReferenceData, cand_greedy, cand
 
     summ = summarize(encoded)
     out = {
-        "passed": passed,
-        "failures": failures,
+        "passed": None,
+        "failures": [],
         "metrics": metrics,
-        "thresholds": thresholds.model_dump(mode="json"),
+        "thresholds": as_bar(thresholds).thresholds().model_dump(mode="json"),
         "tokens": {"prompts": summ.prompts, "answer_tokens": summ.answer_tokens, "prompt_tokens": summ.prompt_tokens,
                    "total_tokens": summ.total_tokens,
                    "heldout_tokens": int(sum(len(w) for w in windows)),
@@ -1333,9 +1465,13 @@ def _assemble(*, encoded, tok, per_prompt, ref: ReferenceData, cand_greedy, cand
                        f"{heldout_window} tokens",
             "greedy": f"greedy decoding from the generation prompt, {greedy_new_tokens} new tokens or up to end-of-turn "
                       "(HF models: batches of prompts of similar length, left-padded and masked)",
-            "pass_rule": "point estimate vs threshold; None = not checked; a checked metric not measured fails",
+            "pass_rule": "overall: point estimate vs threshold; per category: misses its bar when its whole 95% "
+                         "interval lies past the bar (the point estimate when it has no interval); None = not "
+                         "checked; a checked metric not measured fails",
         },
     }
+    out["golden"] = {"prompts": summ.prompts, **(golden or {})}
+    out.update(judge_metrics(out, thresholds))
     per_token = {"kl": kl_all, "top1": top1_all}
     if fl is not None:
         per_token["floor_kl"] = np.concatenate([r["kl"] for r in fl["answer"]]) if fl["answer"] else np.zeros(0)
@@ -1370,13 +1506,15 @@ def write_gate_dir(result: GateResult, heatmap_png: Optional[Path] = None, write
 
 def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds, gate_dir: Path,
                     options: Optional[GateOptions] = None, runtime: GateRuntime = GateRuntime(), *,
-                    golden_limit: Optional[int] = None, candidate_name: Optional[str] = None) -> GateResult:
+                    golden_limit: Optional[int] = None, candidate_name: Optional[str] = None,
+                    extra: Optional[dict] = None) -> GateResult:
     """The pipeline's gate stage: dequantize the exported TRT-LLM checkpoint
     (``precision_pipeline.checkpoint.reader.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
 
     ``golden_limit`` is shorthand for ``GateOptions(prompts_per_category=golden_limit)`` (the pipeline's
     ``--golden-limit``); passing both ``options`` and ``golden_limit`` is a ``ValueError``.
-    ``candidate_name`` defaults to ``checkpoint <folder name>``.
+    ``candidate_name`` defaults to ``checkpoint <folder name>``; ``extra`` is merged into metrics.json
+    (the gate stage's ``record``).
     """
     from precision_pipeline.checkpoint.reader import load_checkpoint_model
     from precision_pipeline.checkpoint.scales import scale_report
@@ -1393,7 +1531,7 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
         model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=TORCH_DTYPES[options.candidate_dtype],
                                       device=options.device)
     load_s = time.perf_counter() - t0
-    extra = {"checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3),
+    extra = {**(extra or {}), "checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3),
              "scales": scale_report(Path(ckpt_dir)), "quantize_warnings": read_quantize_warnings(Path(ckpt_dir))}
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}
     if cfg.get("quantization"):

@@ -259,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         model_dir = a.model_dir or default_model_dir()
-        thr = load_profile(a.profile).gate.for_model(Path(model_dir).name)
+        thr = load_profile(a.profile).gate.for_model_dir(model_dir)
         res = run_engine_gate(a.engine_dir, model_dir, thr, a.out_dir, GateOptions(prompts_per_category=a.golden_limit),
                               strict=a.strict)
     except PipelineError as e:

@@ -325,6 +325,10 @@ def render_markdown(m: dict) -> str:
     ]
     if m["failures"]:
         lines.append("- Failed: " + "; ".join(met[f]["reason"] for f in m["failures"]))
+    if m.get("category_failures"):
+        lines.append("- Failed categories: " + "; ".join(f["reason"] for f in m["category_failures"]))
+    if m.get("promotable") is False:
+        lines.append(f"- Not promotable: {m.get('not_promotable', '')}")
     lines += ["", "## Metrics", "",
               "| metric | value | 95% CI | BF16 noise floor | threshold | result |",
               "|---|---|---|---|---|---|"]
@@ -436,6 +440,11 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
          f"{tok['heldout_predicted_tokens']} predicted tokens; greedy: {tok['greedy_new_tokens']} new tokens.</li>"]
     if m["failures"]:
         h.append('<li id="failures">Failed: ' + "; ".join(_e(met[f]["reason"]) for f in m["failures"]) + "</li>")
+    if m.get("category_failures"):
+        h.append('<li id="category-failures">Failed categories: '
+                 + "; ".join(_e(f["reason"]) for f in m["category_failures"]) + "</li>")
+    if m.get("promotable") is False:
+        h.append(f'<li id="not-promotable">Not promotable: {_e(m.get("not_promotable", ""))}</li>')
     h.append("</ul></section>")
 
     h += ['<section id="metric-table"><h2>Metrics</h2><table id="metrics"><thead><tr><th>metric</th><th>value</th>'

@@ -13,21 +13,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from pydantic import field_validator
+
 from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_fingerprint
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
 from precision_pipeline.gate.options import GateOptions
-from precision_pipeline.spec.profile import GateThresholds
+from precision_pipeline.spec.profile import GateBar, GateThresholds
 
 
 class GateInputs(Frozen):
     checkpoint: Fingerprint
     """The quantize stage's key and its folder."""
     model: Fingerprint
-    thresholds: GateThresholds
+    thresholds: GateBar
+    """The profile's bar for this model (``Gate.for_model`` of the model's content fingerprint); a plain
+    ``GateThresholds`` is taken as a bar without category bars."""
+    layout: dict[str, int] = {}
+    """What the release will serve: the plan's tp_size / pp_size / moe_ep_size (recorded, promote compares)."""
     golden: Fingerprint
     """The golden prompts file, by content (its path is not keyed)."""
     options: GateOptions
     """What the gate measures (``golden_path`` left None here: the file is keyed by ``golden``)."""
+
+
+    @field_validator("thresholds", mode="before")
+    @classmethod
+    def _as_bar(cls, v: Any) -> Any:
+        if isinstance(v, GateThresholds) and not isinstance(v, GateBar):
+            return GateBar(**v.model_dump(exclude_unset=True))
+        return v
 
 
 class GateArtifact(Artifact):
@@ -35,7 +49,13 @@ class GateArtifact(Artifact):
 
     passed: bool
     failed_metrics: tuple[str, ...] = ()
+    """Failing overall metrics and ``category C: metric`` for failing categories."""
     numbers: dict[str, Any]
+    promotable: bool = True
+    """False when the verdict covers fewer prompts than the bar's ``min_prompts`` (``--golden-limit``)."""
+    not_promotable: str = ""
+    record: dict[str, Any] = {}
+    """What the verdict holds for (``gate_record``): layout, runtime, model fingerprint, golden-set size."""
 
     def summary(self) -> dict[str, Any]:
         return dict(self.numbers)
@@ -65,8 +85,11 @@ class GateStage(Stage[GateInputs, GateArtifact]):
         d = getattr(request, "device", None)
         compute = {} if d is None else {"device": d.device, "reference_dtype": d.reference_dtype,
                                         "candidate_dtype": d.compute_dtype(plan.profile.quantization.dtype)}
-        return GateInputs(checkpoint=Fingerprint(sha256=q.key, path=q.dir), model=model_fingerprint(request.model_dir),
-                          thresholds=plan.profile.gate.for_model(Path(request.model_dir).name),
+        model = model_fingerprint(request.model_dir)
+        par = plan.profile.parallel
+        return GateInputs(checkpoint=Fingerprint(sha256=q.key, path=q.dir), model=model,
+                          thresholds=plan.profile.gate.for_model(model.sha256),
+                          layout={"tp_size": par.tp_size, "pp_size": par.pp_size, "moe_ep_size": par.moe_ep_size or 1},
                           golden=fingerprint(golden_file()),
                           options=GateOptions(prompts_per_category=request.golden_limit, **compute))
 
@@ -74,12 +97,50 @@ class GateStage(Stage[GateInputs, GateArtifact]):
         from precision_pipeline.gate import checkpoint_gate
 
         options = inputs.options.model_copy(update={"golden_path": inputs.golden.path})
+        record = gate_record(inputs)
         res = checkpoint_gate.gate_checkpoint(inputs.checkpoint.path, inputs.model.path, inputs.thresholds, workdir,
-                                              options)
+                                              options, extra={"record": record})
         failed = tuple(res.failed_metrics())
         return GateArtifact(status="done" if res.passed else "failed",
                             reason="" if res.passed else "accuracy gate failed: " + ", ".join(failed),
-                            passed=bool(res.passed), failed_metrics=failed, numbers=res.summary())
+                            passed=bool(res.passed), failed_metrics=failed, numbers=res.summary(),
+                            promotable=bool(res.metrics.get("promotable", True)),
+                            not_promotable=str(res.metrics.get("not_promotable", "")), record=record)
 
 
-__all__ = ["GateInputs", "GateArtifact", "GateStage"]
+def gate_record(inputs: GateInputs) -> dict[str, Any]:
+    """What a checkpoint verdict holds for (metrics.json ``record``; promote and rollout compare it with
+    what the release will serve, ``serving/acceptance.py``):
+
+    * ``layout``: tp_size / pp_size / moe_ep_size of the checkpoint the gate read (its config.json
+      ``mapping``; ``moe_ep_size`` 1 when absent), and ``planned``: the plan's (what the build serves);
+    * ``runtime``: what measured it (the checkpoint dequantized in PyTorch, ``torch`` version) and
+      the TensorRT-LLM installed where it ran (None: none installed) and the checkpoint's producer;
+    * ``model_fingerprint``: the model's content fingerprint (the key of ``gate.overrides``);
+    * ``golden``: prompts per category asked (None: all) and the golden file's fingerprint.
+    """
+    from importlib import metadata
+
+    from precision_pipeline.core.store import read_json
+    from precision_pipeline.engine.toolchain import dist_version
+
+    cfg = read_json(Path(inputs.checkpoint.path) / "config.json", {}) or {}
+    m = cfg.get("mapping") or {}
+    prod = cfg.get("producer") or {}
+    try:
+        torch_v = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # pragma: no cover - the gate needs torch
+        torch_v = None
+    return {
+        "layout": {"tp_size": int(m.get("tp_size", 1)), "pp_size": int(m.get("pp_size", 1)),
+                   "moe_ep_size": int(m.get("moe_ep_size", 1) or 1)},
+        "planned_layout": dict(inputs.layout),
+        "runtime": {"measured_with": f"checkpoint dequantized in PyTorch {torch_v} on {inputs.options.device}",
+                    "tensorrt_llm": dist_version("tensorrt_llm", "tensorrt-llm"),
+                    "checkpoint_producer": f"{prod.get('name', '?')} {prod.get('version', '?')}" if prod else None},
+        "model_fingerprint": inputs.model.sha256,
+        "golden": {"prompts_per_category": inputs.options.prompts_per_category, "file_sha256": inputs.golden.sha256},
+    }
+
+
+__all__ = ["GateInputs", "GateArtifact", "GateStage", "gate_record"]

@@ -117,7 +117,10 @@ class DeployStage(Stage[DeployInputs, ManifestsArtifact]):
         from precision_pipeline.serving import deploy
 
         p = upstream["pack"]
-        return DeployInputs(plan=plan, repository=Fingerprint(sha256=p.key, path=p.dir), out_dir=str(request.out_dir),
+        # the gate bar of *this* model (keyed by its content) is what the canary analysis and alerts use;
+        # the key does not change: the pack key already holds the model
+        applied = plan.model_copy(update={"profile": plan.profile.for_model(model_fingerprint(request.model_dir).sha256)})
+        return DeployInputs(plan=applied, repository=Fingerprint(sha256=p.key, path=p.dir), out_dir=str(request.out_dir),
                             repo_root=request.repo_root, image=request.image,
                             manifest_inputs=deploy.stage_inputs(plan, plan.profile, request.repo_root, request.image))
 

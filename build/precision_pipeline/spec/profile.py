@@ -312,21 +312,108 @@ class GateThresholds(_Strict):
     greedy_same_min: Optional[float] = Field(None, ge=0.0, le=1.0, description="Fraction of prompts whose greedy answer is unchanged.")
 
 
-class Gate(GateThresholds):
-    """Thresholds plus per-model overrides (keys: model folder name, e.g. SmolLM2-135M-Instruct)."""
+FINGERPRINT_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _known_categories(v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
+    from precision_pipeline.gate.golden import CATEGORIES  # the golden set is the one home of its categories
+
+    bad = [k for k in v if k not in CATEGORIES]
+    if bad:
+        raise ValueError(f"{_short(bad[0])} is not a golden-set category. Fix: use one of: {', '.join(CATEGORIES)}.")
+    return v
+
+
+class ModelBar(GateThresholds):
+    """One ``gate.overrides`` entry: a model's thresholds and, optionally, its own category bars
+    (merged field by field over the profile's ``gate.categories``)."""
+
+    categories: dict[str, GateThresholds] = Field(
+        default_factory=dict, description="This model's category bars; set fields win over the profile's for that category.")
+
+    @field_validator("categories")
+    @classmethod
+    def _known_categories(cls, v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
+        return _known_categories(v)
+
+
+class GateBar(GateThresholds):
+    """The bar one gate verdict is judged against: the overall thresholds, per-category bars and the
+    fewest prompts a promotable verdict needs (``Gate.for_model`` returns one)."""
+
+    categories: dict[str, GateThresholds] = Field(
+        default_factory=dict,
+        description="Per golden-set category bars (keys: facts, reasoning, code, instructions, long_context, "
+                    "non_english); a category's set fields win over the overall bar for that category. Every "
+                    "category is judged against the overall bar when it has no entry (ppl_delta_pct_max is "
+                    "overall only: the held-out text has no categories).")
+    min_prompts: Optional[int] = Field(
+        None, ge=1, description="Fewest golden prompts a verdict needs to be promotable (None: every prompt of the "
+                                "golden set); a --golden-limit build below it is recorded as not promotable.")
+
+    @field_validator("categories")
+    @classmethod
+    def _known_categories(cls, v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
+        return _known_categories(v)
+
+    def thresholds(self) -> GateThresholds:
+        """The overall thresholds alone."""
+        return GateThresholds(**{k: getattr(self, k) for k in GateThresholds.model_fields})
+
+    def for_category(self, category: str) -> GateThresholds:
+        """The bar of one category: the overall thresholds with the category's set fields winning;
+        ``ppl_delta_pct_max`` is dropped (held-out perplexity is not measured per category)."""
+        data = self.thresholds().model_dump()
+        ov = self.categories.get(category)
+        if ov is not None:
+            data.update(ov.model_dump(exclude_unset=True))
+        data["ppl_delta_pct_max"] = None
+        return GateThresholds(**data)
+
+
+class Gate(GateBar):
+    """The profile's accuracy bar, plus per-model overrides keyed by the model's content fingerprint
+    (``precision_pipeline.core.fingerprint.model_fingerprint(model_dir).sha256``: config and weights,
+    never the folder's name; ``invoke check`` prints it)."""
 
     measured_on: str = Field("", description="Which model the shipped thresholds were measured on.")
-    overrides: dict[str, GateThresholds] = Field(default_factory=dict, description="Per-model thresholds keyed by model folder name.")
+    overrides: dict[str, ModelBar] = Field(
+        default_factory=dict,
+        description="Per-model thresholds keyed by the model's content fingerprint (64 hex digits, printed by "
+                    "`invoke check --model DIR`): the same model in any folder gets them, another model in a "
+                    "folder of the same name does not.")
 
-    def for_model(self, model_name: str) -> GateThresholds:
-        """Thresholds for ``model_name``: the override's set fields win over the profile's."""
-        base = GateThresholds(**{k: getattr(self, k) for k in GateThresholds.model_fields})
-        ov = self.overrides.get(model_name)
-        if ov is None:
-            return base
-        data = base.model_dump()
-        data.update(ov.model_dump(exclude_unset=True))
-        return GateThresholds(**data)
+    @field_validator("overrides")
+    @classmethod
+    def _fingerprint_keys(cls, v: dict[str, ModelBar]) -> dict[str, ModelBar]:
+        for k in v:
+            if not isinstance(k, str) or not FINGERPRINT_RE.match(k):
+                raise ValueError(f"key {_short(k)} is not a model fingerprint (64 lower-case hex digits); per-model bars "
+                                 "are keyed by the model's content, not by a folder name. Fix: run `invoke check --model "
+                                 "DIR` and use the 'model fingerprint' it prints as the key.")
+        return v
+
+    def for_model(self, model_fingerprint: str) -> GateBar:
+        """The bar for the model whose content fingerprint is ``model_fingerprint`` (hex sha256 of
+        ``core.fingerprint.model_fingerprint``): the override's set fields win over the profile's;
+        ``min_prompts`` is the profile's. Anything that is not a fingerprint (a
+        folder name) matches no override. The override's ``categories`` merge field by field over the
+        profile's."""
+        data: dict[str, Any] = {k: getattr(self, k) for k in GateThresholds.model_fields}
+        cats = dict(self.categories)
+        ov = self.overrides.get(str(model_fingerprint))
+        if ov is not None:
+            data.update(ov.model_dump(exclude_unset=True, exclude={"categories"}))
+            for c, t in ov.categories.items():
+                base = cats[c].model_dump(exclude_unset=True) if c in cats else {}
+                cats[c] = GateThresholds(**{**base, **t.model_dump(exclude_unset=True)})
+        return GateBar(**data, categories=cats, min_prompts=self.min_prompts)
+
+    def for_model_dir(self, model_dir: Path | str) -> GateBar:
+        """``for_model`` of the HF folder's content fingerprint (memoized per file: cheap after the first call)."""
+        from precision_pipeline.core.fingerprint import model_fingerprint
+
+        return self.for_model(model_fingerprint(model_dir).sha256)
 
 
 class Profile(_Strict):
@@ -357,6 +444,15 @@ class Profile(_Strict):
     def world_size(self) -> int:
         """GPUs per engine: tp_size x pp_size."""
         return self.parallel.tp_size * self.parallel.pp_size
+
+    def for_model(self, model_fingerprint: str) -> "Profile":
+        """This profile as it applies to one model (content fingerprint): its gate section holds that
+        model's bar (``Gate.for_model``) and no overrides, so ``gate.for_model(anything)`` is the bar.
+        What the deploy stage renders the canary analysis, alerts and dashboard from."""
+        bar = self.gate.for_model(model_fingerprint)
+        gate = Gate(**{k: getattr(bar, k) for k in GateThresholds.model_fields}, categories=dict(bar.categories),
+                    min_prompts=bar.min_prompts, measured_on=self.gate.measured_on)
+        return self.model_copy(update={"gate": gate})
 
 
 # --------------------------------------------------------------------------------------------

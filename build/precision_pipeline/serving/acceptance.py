@@ -1,0 +1,191 @@
+"""What promote and rollout check before a build may become (or start to become) a release.
+
+``check_promotable(profile, out_dir, packed_repo, image=..., sm=...)`` is called by ``invoke promote``
+and ``invoke rollout`` before anything is written to the serving repository. It trusts nothing the
+output folder claims without checking it against the profile asked for and against what the release
+will serve:
+
+* **what the output holds** (``accept.output``): the output's marker, ``manifest.json``, ``plan.json``,
+  the packed unit's ``precision_path.json`` (profile, ``gemm`` = quant_algo, ``kv`` =
+  kv_cache_quant_algo) and the gate's ``checkpoint_quantization`` all name the profile asked for and
+  its formats (a build killed early into another profile's output leaves that profile's unit there);
+* **the verdict** (``accept.verdict``): the gate's stored measurements (``gate/metrics.json``) are
+  judged again against the profile's *current* bar for the gated model
+  (``gate.checkpoint_gate.judge_metrics``, the rule the gate itself uses; the bar is
+  ``profile.gate.for_model(record.model_fingerprint)``): a bar tightened since the build refuses the
+  promote, naming the metric or category, and a loosened one is recorded as re-judged;
+* **promotable** (``accept.golden``): the verdict covers at least the bar's ``min_prompts`` golden
+  prompts (default: the whole set); a ``--golden-limit`` build is refused with the reason;
+* **model** (``accept.model``): the model folder the unit serves (``cpu_reference.json``
+  ``hf_model_dir``) still has the content fingerprint the gate recorded;
+* **layout** (``accept.layout``): the gate record's tp_size / pp_size / moe_ep_size equal the
+  profile's ``parallel`` section, and the unit's GPU count (``gpu_device_ids``) equals tp x pp;
+* **runtime** (``accept.runtime``): the serving image's TensorRT-LLM / TensorRT versions, read inside
+  the image where a container runtime has it (``engine.toolchain.image_versions``), else from the tag
+  catalog (the record says which); a unit with a built engine is checked by ``serving.skew.check_engine``
+  against them; a gate that ran with another TensorRT-LLM than the image's is a warning.
+
+Refusals: ``UserError`` (exit 2) listing every problem with its fix; nothing is written. Returns an
+``Acceptance``: the gate record for ``releases.json`` and the skew warnings, which promote prints
+every time (the first promote too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from precision_pipeline.core.errors import Problem, UserError
+from precision_pipeline.core.store import read_json
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
+
+
+@dataclass
+class Acceptance:
+    """``gate``: the record stored with the release (headline numbers, the verdict as re-judged, the
+    gate record, the serving image's versions and their source); ``warnings``: to print."""
+
+    gate: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _read(path: Path) -> dict:
+    try:
+        d = read_json(path, {})
+    except Exception:  # a damaged file is a refusal below, not a traceback
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _layout_of(profile) -> dict[str, int]:
+    p = profile.parallel
+    return {"tp_size": int(p.tp_size), "pp_size": int(p.pp_size), "moe_ep_size": int(p.moe_ep_size or 1)}
+
+
+def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Optional[str] = None,
+                     sm: Optional[int] = None, action: str = "promote") -> Acceptance:
+    """Refuse (UserError, exit 2) a build that does not hold for the release (module doc); return the
+    release's gate record and the warnings. ``image``: the serving image (the build's rendered
+    Deployment); ``sm``: the deployment GPU's SM; ``action``: ``promote`` or ``rollout`` (messages)."""
+    from precision_pipeline.gate.checkpoint_gate import judge_metrics, verdict_failures, verdict_reasons
+    from precision_pipeline.serving import pack, release, skew
+
+    out_dir = Path(out_dir)
+    name = profile.name
+    rebuild = f"rebuild it: invoke build --profile {name} --out {out_dir}"
+    problems: list[Problem] = []
+    warnings: list[str] = []
+
+    # -- what the output holds
+    unit = release.resolve_unit_source(packed_repo)
+    path = _read(unit / pack.PRECISION_PATH_FILE)
+    plan = _read(out_dir / "plan.json")
+    metrics = _read(out_dir / "gate" / "metrics.json")
+    q = profile.quantization
+    want = {"profile": name, "gemm": q.quant_algo.value, "kv": q.kv_cache_quant_algo.value}
+    held: dict[str, dict[str, Any]] = {
+        f"the packed unit {unit.name} (precision_path.json)": {k: path.get(k) for k in want},
+        "plan.json": {"profile": plan.get("profile")}}
+    if metrics.get("checkpoint_quantization") is not None or metrics.get("record"):
+        ckq = metrics.get("checkpoint_quantization") or {}
+        held["the gated checkpoint (gate/metrics.json)"] = {  # absent: an unquantized checkpoint
+            "gemm": ckq.get("quant_algo") or QuantAlgo.NO_QUANT.value,
+            "kv": ckq.get("kv_cache_quant_algo") or KVCacheQuantAlgo.NONE.value}
+    for what, vals in held.items():
+        bad = {k: v for k, v in vals.items() if str(v) != want[k]}
+        if bad:
+            shown = ", ".join(f"{k} {v!r} (asked: {want[k]!r})" for k, v in bad.items())
+            problems.append(Problem("--out", f"{what} in {out_dir} does not hold a build of {name}: {shown}; promoted, "
+                                    f"it would be recorded as {name}.",
+                                    f"promote the profile that output holds, or {rebuild}.", rule="accept.output"))
+
+    # -- the verdict, re-judged against the profile's current bar
+    record = metrics.get("record") or {}
+    verdict: dict[str, Any] = {}
+    if not metrics or "metrics" not in metrics:
+        problems.append(Problem("--out", f"{out_dir / 'gate' / 'metrics.json'} is missing or unreadable: no verdict to "
+                                "check.", rebuild, rule="accept.verdict"))
+    elif not record.get("model_fingerprint"):
+        problems.append(Problem("--out", "the gate record has no model fingerprint, layout or runtime (a build from "
+                                "before gate records): the verdict cannot be checked against what the release "
+                                "serves.", rebuild, rule="accept.verdict"))
+    else:
+        bar = profile.gate.for_model(record["model_fingerprint"])
+        verdict = judge_metrics(metrics, bar)
+        was = {"passed": metrics.get("passed"), "judged_against": metrics.get("judged_against")}
+        changed = was["judged_against"] is not None and was["judged_against"] != verdict["judged_against"]
+        if not verdict["passed"]:
+            how = ("the profile's gate bar changed since the build; " if changed else "")
+            problems.append(Problem("gate", f"{how}the stored measurements fail the profile's current bar: "
+                                    f"{verdict_reasons(verdict)}.",
+                                    "loosen the bar only if that is meant, or fix the profile and rebuild.",
+                                    rule="accept.verdict"))
+        elif changed or not was["passed"]:
+            warnings.append("the gate bar changed since the build; the stored measurements were re-judged against "
+                            "the profile's current bar and pass it.")
+        if not verdict["promotable"]:
+            problems.append(Problem("gate", f"not promotable: {verdict['not_promotable']}.",
+                                    f"rebuild without --golden-limit (invoke build --profile {name}), or set "
+                                    "gate.min_prompts in the profile if fewer prompts are enough for this release.",
+                                    rule="accept.golden"))
+        # -- layout: what was gated vs what the profile serves vs what the unit runs on
+        gated = record.get("layout") or {}
+        serves = _layout_of(profile)
+        diff = {k: (gated.get(k), v) for k, v in serves.items() if gated.get(k) is not None and int(gated[k]) != v}
+        if diff:
+            problems.append(Problem("--profile", "the gate ran at " + ", ".join(f"{k} {a}" for k, (a, _) in diff.items())
+                                    + f" but {name} serves " + ", ".join(f"{k} {b}" for k, (_, b) in diff.items())
+                                    + ": the verdict is not about what the release would serve.", rebuild,
+                                    rule="accept.layout"))
+        # -- the model: the unit serves (CPU stand-in) or was built from the model the verdict is about
+        served = Path(str(_read(unit / "engine" / pack.CPU_REFERENCE_FILE).get("hf_model_dir") or ""))
+        if str(served) not in ("", ".") and (served / "config.json").is_file():
+            from precision_pipeline.core.fingerprint import model_fingerprint
+
+            now = model_fingerprint(served).sha256
+            if now != record["model_fingerprint"]:
+                problems.append(Problem("--model", f"the gate judged the model with content fingerprint "
+                                        f"{record['model_fingerprint'][:12]}…, but {served} (what the unit serves) is now "
+                                        f"{now[:12]}…: the verdict is about another model (or the folder changed since "
+                                        "the build).", rebuild, rule="accept.model"))
+    gpus = pack.unit_gpus(unit.parent, unit.name)
+    if gpus != profile.world_size:
+        problems.append(Problem("--profile", f"the packed unit {unit.name} runs on {gpus} GPU(s) but {name} serves tp x pp "
+                                f"= {profile.world_size}.", rebuild, rule="accept.layout"))
+
+    # -- runtime: the serving image's versions (inside the image, else the catalog) vs the engine and the gate
+    image_info: dict[str, Any] = {}
+    if image:
+        from precision_pipeline.engine.toolchain import image_versions
+        from precision_pipeline.serving import images
+
+        iv = image_versions(image)
+        image_info = iv.model_dump(mode="json")
+        warnings.append(f"serving image {image}: TensorRT-LLM {iv.tensorrt_llm or '?'}, TensorRT {iv.tensorrt or '?'}; "
+                        f"{iv.why}.")
+        catalog = ((images.ServingImage(image, iv.tensorrt_llm, iv.tensorrt, f"inside the image ({iv.runtime})"),)
+                   if iv.source == "image" else images.CATALOG)
+        eng = unit / "engine"
+        if (eng / "config.json").is_file():
+            try:
+                warnings += skew.check_engine(eng, image=image, sm=sm, world_size=gpus, where=f"{unit.name}/engine",
+                                              limits=pack.unit_limits(unit.parent, unit.name), catalog=catalog)
+            except UserError as e:
+                problems += e.problems
+        gated_trtllm = (record.get("runtime") or {}).get("tensorrt_llm")
+        if gated_trtllm and iv.tensorrt_llm and gated_trtllm != iv.tensorrt_llm:
+            warnings.append(f"the gate ran where TensorRT-LLM {gated_trtllm} was installed; {image} ships "
+                            f"{iv.tensorrt_llm}.")
+    if problems:
+        raise UserError(problems)
+    gate = {k: v for k, v in ((metrics.get("metrics") or {}).items())}
+    numbers = {k: r.get("value") for k, r in gate.items() if isinstance(r, dict)}
+    return Acceptance(gate={**numbers, "passed": True, "failures": verdict_failures(verdict),
+                            "judged_against": verdict.get("judged_against"),
+                            "rejudged_at": action, "prompts": (metrics.get("tokens") or {}).get("prompts"),
+                            "record": record, "serving_image": image_info or None},
+                      warnings=warnings)
+
+
+__all__ = ["Acceptance", "check_promotable"]
