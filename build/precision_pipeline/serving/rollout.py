@@ -164,6 +164,21 @@ def wait_drained(server, unit: str, t_decision: float, timeout_s: float = 60.0, 
     return {"decision_to_stable_ms": round((t_change - t_decision) * 1e3, 1), "served_after_decision": int(after)}
 
 
+HOLD_POLL_S = 2.0
+"""During a step's hold the server's metrics endpoint is read every this many seconds, so a server
+that dies mid-step ends the rollout (check ``server``) within seconds, not after the hold."""
+
+
+def hold(url: str, hold_s: float, poll_s: float = HOLD_POLL_S) -> None:
+    """Wait ``hold_s`` seconds; raises OSError (or ValueError) as soon as ``url`` (the server's
+    metrics) stops answering."""
+    end = time.monotonic() + hold_s
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(poll_s, left))
+        if end - time.monotonic() > 0:
+            scrape(url)
+
+
 # --------------------------------------------------------------------------------------------
 # The rollout
 
@@ -285,7 +300,7 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
                 release.set_rollout_percent(repo_dir, pct, prev_numbers)
                 try:
                     a = scrape(url)
-                    time.sleep(hold_s)
+                    hold(url, hold_s)
                     b = scrape(url)
                 except (OSError, ValueError) as e:  # the server (or its metrics) stopped answering
                     rolled_back(pct, "server", {"percent": pct, "error": f"{type(e).__name__}: {str(e)[:300]}"})

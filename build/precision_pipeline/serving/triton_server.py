@@ -198,8 +198,9 @@ class TritonServer:
             raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
         srv = cls(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
         srv.host = host or "127.0.0.1"
-        if srv._get("/v2/health/ready") != 200:
-            raise UserError("--url", f"no ready Triton server answers at http://{http_url}.",
+        # live, not ready: Triton reports not-ready while any model is still UNLOADING (after an abort)
+        if srv._get("/v2/health/live") != 200:
+            raise UserError("--url", f"no Triton server answers at http://{http_url}.",
                             "start one with `invoke serve`, or leave --url out to only rewrite the repository.")
         return srv
 
@@ -324,7 +325,9 @@ class TritonServer:
             raise RuntimeError(f"loading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
         return time.perf_counter() - t0
 
-    def unload(self, name: str) -> float:
+    def unload(self, name: str, wait_s: float = 120.0) -> float:
+        """Unload a model and wait (up to ``wait_s``) until it has left state UNLOADING, i.e. its instances
+        (python-backend stubs) are gone and their memory is free; returns seconds."""
         t0 = time.perf_counter()
         req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{name}/unload",
                                      data=b"{}", method="POST", headers={"Content-Type": "application/json"})
@@ -333,6 +336,9 @@ class TritonServer:
                 r.read()
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"unloading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and self.loaded_models().get(name) == "UNLOADING":
+            time.sleep(0.1)
         return time.perf_counter() - t0
 
     def model_config(self, name: str) -> dict | None:
