@@ -185,7 +185,9 @@ def test_server_dying_mid_step_rolls_back_and_leaves_no_shared_memory(served, un
             assert time.monotonic() < deadline
             time.sleep(0.2)
         os.killpg(srv.proc.pid, signal.SIGKILL)       # the server and its stubs
+        t = time.monotonic()
         proc.wait(300)
+        assert time.monotonic() - t < 60              # noticed during the 300 s hold, not after it
     finally:
         if proc.poll() is None:
             proc.kill()
