@@ -12,6 +12,7 @@ import errno
 import json
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -285,3 +286,63 @@ def test_serve_of_a_read_only_repository(tmp_path, units4, monkeypatch, capsys):
     with pytest.raises(UserError, match="is read-only .* needs a recovery") as ei:
         ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
     assert "writable" in ei.value.problems[0].fix and len(started) == 1
+
+
+# ---- items 15 / 20: `invoke serve` when its tritonserver dies; its log
+
+
+def _live(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_serve_exits_non_zero_when_its_server_dies(tmp_path):
+    """`invoke serve` of an empty repository; kill -9 of its tritonserver ends the task with exit 1, the
+    server's log tail and no traceback. The log is the per-port file, not a new temporary file."""
+    from precision_pipeline.serving.triton_server import free_port, serve_log_path
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    ports = [free_port(), free_port(), free_port()]
+    tmp_logs = set(Path("/tmp").glob("tritonserver-*.log"))
+    proc = subprocess.Popen([*INVOKE, "serve", "--repo", str(repo), "--http-port", str(ports[0]), "--grpc-port",
+                             str(ports[1]), "--metrics-port", str(ports[2])], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, COLUMNS="200"))
+    try:
+        deadline = time.monotonic() + 180
+        while not _live(ports[0]):                    # serving
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        servers = [c for c in _children(proc.pid) if Path(f"/proc/{c}/comm").read_text().strip() == "tritonserver"]
+        os.kill(servers[0], signal.SIGKILL)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert proc.returncode == 1, out
+    assert "tritonserver was killed by signal 9" in out and "Traceback" not in out
+    log = serve_log_path(ports[0])
+    try:
+        assert str(log) in out and log.is_file()
+        assert set(Path("/tmp").glob("tritonserver-*.log")) <= tmp_logs  # no temporary log left behind
+    finally:
+        log.unlink(missing_ok=True)

@@ -562,7 +562,10 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     if note:
         print(note, flush=True)
     print(f"starting tritonserver {SERVER_VERSION} (CPU reference stand-in for tensorrtllm) on {repo} ...", flush=True)
-    srv.start()
+    try:
+        srv.start()
+    except (RuntimeError, TimeoutError) as e:  # it exited or never became ready: its log says why
+        raise PipelineError(f"tritonserver did not start on {repo}: {e}\nLog: {srv.log_file}") from None
     print(f"ready in {srv.start_s:.1f} s; models: {', '.join(names)}")
     print(f"  HTTP    http://{srv.http_url}/v2/models/ensemble/generate")
     print(f"  gRPC    {srv.grpc_url}")
