@@ -346,3 +346,28 @@ def test_serve_exits_non_zero_when_its_server_dies(tmp_path):
         assert set(Path("/tmp").glob("tritonserver-*.log")) <= tmp_logs  # no temporary log left behind
     finally:
         log.unlink(missing_ok=True)
+
+
+def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, capsys):
+    """`invoke rollout` whose rollout another shell aborted: not promoted, so exit 3 (as a rollback)."""
+    import importlib.util
+
+    from invoke import Exit
+
+    from precision_pipeline.serving import triton_server
+
+    spec = importlib.util.spec_from_file_location("tasks_under_test", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+
+    class Srv:
+        http_port = 8000
+
+    monkeypatch.setattr(tasks, "_built_repo", lambda profile, out=None: (load_profile("bf16-h100"), tmp_path, tmp_path, {}))
+    monkeypatch.setattr(tasks, "_probe_set", lambda *a: None)
+    monkeypatch.setattr(release, "read_state", lambda repo: {"current": "tensorrt_llm_000000000000"})
+    monkeypatch.setattr(triton_server.TritonServer, "attach", classmethod(lambda cls, url: Srv()))
+    monkeypatch.setattr(rollout, "rollout", lambda *a, **k: rollout.RolloutResult("aborted", "tensorrt_llm_c", "tensorrt_llm_s"))
+    with pytest.raises(Exit) as ei:
+        tasks.rollout.body(None, profile="bf16-h100", steps="5,100", hold="0")
+    assert ei.value.code == 3 and "was aborted" in capsys.readouterr().out

@@ -635,7 +635,8 @@ def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
     the current unit loaded, the loaded ensemble's unit step on it (the ensemble reloaded from its
     re-pointed config otherwise: a crash after a switch's reload but before its commit), and loaded
     units that are no release (a crashed promote's uncommitted unit, a rejected candidate), no
-    in-progress rollout's candidate and not routed to (``_routed``) unloaded (a warm previous release stays). Returns what was done; [] without a server. Raises RuntimeError when the
+    in-progress rollout's candidate and not routed to (``_routed``) unloaded (a warm previous
+    release stays). Returns what was done; [] without a server. Raises RuntimeError when the
     reloaded ensemble still calls another unit."""
     if server is None:
         return []
