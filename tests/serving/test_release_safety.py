@@ -371,3 +371,16 @@ def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, cap
     with pytest.raises(Exit) as ei:
         tasks.rollout.body(None, profile="bf16-h100", steps="5,100", hold="0")
     assert ei.value.code == 3 and "was aborted" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_clean_stop_removes_the_servers_own_temporary_log(tmp_path):
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    (tmp_path / "repo").mkdir()
+    srv = TritonServer(tmp_path / "repo").start()
+    log = srv.log_file
+    assert log.is_file() and log.name.startswith("tritonserver-")
+    assert srv.stop() == 0 and not log.exists()
+    kept = TritonServer(tmp_path / "repo", log_file=tmp_path / "mine.log").start()  # a log the caller named stays
+    assert kept.stop() == 0 and (tmp_path / "mine.log").is_file()
