@@ -490,12 +490,16 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
     repo_dir = _serving_repo(repo)
     con = _console()
     url = url or "127.0.0.1:8000"
+    mport = _int_arg("--metrics-port", metrics_port, 1, 65535)
     if abort:
-        server = TritonServer.attach(url) if url else None
-        server.metrics_port = int(metrics_port) if metrics_port else server.http_port + 2
+        server = TritonServer.attach(url)
+        server.metrics_port = mport or server.http_port + 2
         rec = ro.abort(repo_dir, server)
         con.print(f"rollout of {rec['candidate']} aborted at {rec['percent']} %: {rec['stable']} serves all traffic "
                   f"(decision to last candidate request {rec.get('decision_to_stable_ms', 0):.0f} ms)")
+        if rec.get("candidate_kept") or rec.get("server_error"):
+            con.print(f"[yellow]note[/]: {rec['candidate']} was not unloaded: "
+                      f"{rec.get('candidate_kept') or rec.get('server_error')}", soft_wrap=True)
         return
     if not profile:
         raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
@@ -516,7 +520,7 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
     if release.read_state(repo_dir) is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
     server = TritonServer.attach(url)
-    server.metrics_port = int(metrics_port) if metrics_port else server.http_port + 2
+    server.metrics_port = mport or server.http_port + 2
     pset = _probe_set(prof, out_dir, _int_arg("--probe-prompts", probe_prompts, 1, 65))
 
     def show(s):
@@ -532,7 +536,8 @@ def rollout(c, profile=None, steps=None, hold=None, url=None, metrics_port=None,
     if res.status == "promoted":
         con.print(f"{res.candidate} is the current release ({res.seconds:.0f} s)")
     elif res.status == "aborted":
-        con.print(f"rollout of {res.candidate} was aborted from outside; {res.stable} serves all traffic")
+        con.print(f"[red]rollout of {res.candidate} was aborted[/] (`invoke rollout --abort`); {res.stable} serves all traffic")
+        raise Exit(code=3)  # not promoted, as after an automatic rollback
     else:
         con.print(f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "
                   f"traffic ({res.decision_to_stable_ms} ms from the decision to the candidate's last request)")
@@ -566,6 +571,8 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
     every_s = None if every is None else float(_int_arg("--every", every, 1, 86400))
     max_runs = _int_arg("--runs", runs, 1) if runs is not None else None
     port = _int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
+    if unit:
+        release.check_probe_unit(unit)
     rec_profile = ""
     if state:
         rec_profile = next((r.get("profile", "") for r in state.get("releases", []) if r.get("unit") == state["current"]), "")
@@ -610,6 +617,9 @@ def probe(c, url=None, profile=None, repo=None, gate=None, unit=None, every=None
                           f"top-1 {s['top1']:.3f} (min {s['checks']['top1']['threshold']}), {s['tokens']} tokens, "
                           f"{s['prompts']} prompts, {s['ms']:.0f} ms -> {'pass' if s['passed'] else 'FAIL'}"
                           + ("" if state else " (not recorded: no releases.json)"))
+            if "not_recorded" in rec:
+                con.print(f"[yellow]note[/]: releases.json cannot be written ({rec['not_recorded']}); the result is "
+                          + (f"recorded in {rec['recorded_in']}" if rec["recorded_in"] else "only printed above"), soft_wrap=True)
             if every_s is None or (max_runs is not None and k >= max_runs):
                 break
             _time.sleep(pr.next_wait_s(every_s, s))
@@ -628,9 +638,14 @@ def releases(c, repo=None):
     """Show releases.json of the serving repository and what is on disk."""
     import json
 
+    from precision_pipeline.core.errors import UserError
     from precision_pipeline.serving import release
 
-    print(json.dumps(release.list_releases(_serving_repo(repo)), indent=2))
+    repo_dir = _serving_repo(repo)
+    if not repo_dir.is_dir():
+        raise UserError("--repo", f"{repo_dir} does not exist.", "pass the serving repository that `invoke promote` "
+                        "created (default artifacts/serving/model_repository).")
+    print(json.dumps(release.list_releases(repo_dir), indent=2))
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,16 @@ class RecordingServer:
     def _snap(self, what, name):
         self.calls.append((what, name, release.read_state(self.repo)["current"], release.current_of_configs(self.repo)))
 
+    http_url = "recording-server:0"
+
+    def model_config(self, name):
+        """The config a real server reports for a loaded model (JSON of its config.pbtxt): this stand-in
+        serves ``repo``, so its configs are the files'."""
+        from google.protobuf import json_format
+
+        p = self.repo / name / "config.pbtxt"
+        return json_format.MessageToDict(release.load_config(p), preserving_proto_field_name=True) if p.is_file() else None
+
     def loaded_models(self):
         return {n: "READY" for n in self.ready}
 

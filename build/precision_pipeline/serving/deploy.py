@@ -516,11 +516,25 @@ def _check_pod_spec_inputs(value: str, field_name: str, pattern: re.Pattern, wha
         raise UserError(field_name, f"{value!r} is not {what} (<= {max_len} characters).", "use lower-case letters, digits and '-'.")
 
 
+REPO_ROOT_MAX = 1024
+"""Longest ``--repo-root`` accepted (bytes): the configs append ``/model_repository/tensorrt_llm_<h12>/engine``
+and the backend opens files below it, all within Linux's PATH_MAX of 4096 (linux/limits.h); 1024 leaves room."""
+NAME_MAX = 255
+"""Longest path component on Linux file systems (linux/limits.h NAME_MAX)."""
+
+
 def check_repo_root(repo_root: str) -> None:
-    """``--repo-root`` must be an absolute POSIX path (where the output is mounted in the container). UserError if not."""
+    """``--repo-root`` must be an absolute POSIX path (where the output is mounted in the container), at most
+    ``REPO_ROOT_MAX`` bytes with components of at most ``NAME_MAX``. UserError if not."""
     if not isinstance(repo_root, str) or not repo_root.startswith("/"):
         raise UserError("--repo-root", f"{str(repo_root)[:200]!r} is not an absolute path.",
                         "give the absolute path of the build output in the serving container.")
+    n = len(repo_root.encode("utf-8", "surrogateescape"))
+    longest = max((len(c.encode("utf-8", "surrogateescape")) for c in repo_root.split("/")), default=0)
+    if n > REPO_ROOT_MAX or longest > NAME_MAX:
+        raise UserError("--repo-root", f"{repo_root[:60]!r}... is {n} bytes long (a part of it {longest}); at most "
+                        f"{REPO_ROOT_MAX} bytes with parts of at most {NAME_MAX} fit the paths the configs build from it.",
+                        "give the mount path of the build output in the serving container, e.g. /models/fp8-h100.")
 
 
 def check_image(image: str, field: str = "--image") -> None:

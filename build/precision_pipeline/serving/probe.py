@@ -26,7 +26,9 @@ Public API (``invoke rollout`` uses it at each step; ``invoke probe`` may reuse 
   ``/metrics``, so the probe (a client) exports on its own endpoint: scrape both. Names: ``PROBE_GAUGES``,
   ``precision_pipeline_probe_runs_total{result}``, ``PROBE_LAST_RUN``; labels ``profile``, ``engine_unit``;
 * ``probe_and_record(server, unit, probe_set, repo_dir=..., exporter=...)``: one run, appended to
-  releases.json's history (``release.record_probe``) and set on the exporter.
+  releases.json's history (``release.record_probe``) and set on the exporter; when releases.json
+  cannot be written (a read-only repository) the record goes to ``elsewhere_path(repo_dir)`` instead
+  (``recorded_in``), never lost.
 
 Errors: ``UserError`` when the gate folder has no metrics.json / per-token file or its stored
 reference is not in the cache (run the build's gate again); ``RuntimeError`` when the server refuses
@@ -347,9 +349,42 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
     if exporter is not None:
         exporter.observe(profile, unit, res, summary.get("error"))
     if repo_dir is not None:
-        return release.record_probe(repo_dir, unit, summary, profile=profile, by=by)
+        try:
+            return release.record_probe(repo_dir, unit, summary, profile=profile, by=by)
+        except OSError as e:  # a read-only or full repository: the result is kept elsewhere, not lost
+            return record_elsewhere(repo_dir, release.probe_record(unit, summary, profile=profile, by=by), e)
     return {"unit": unit, "profile": profile, "probe": summary}
 
 
-__all__ = ["RETRY_AFTER_ERROR_S", "next_wait_s", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
+def elsewhere_path(repo_dir: Path) -> Path:
+    """Where probe results go when ``repo_dir``'s releases.json cannot be written: one JSON-lines file
+    per repository under the cache, ``probe-results/<repository folder>-<h12>.jsonl``."""
+    import hashlib
+
+    from precision_pipeline.core.paths import cache_dir
+
+    parent = Path(repo_dir).resolve().parent
+    return cache_dir() / "probe-results" / f"{parent.name or 'root'}-{hashlib.sha256(str(parent).encode()).hexdigest()[:12]}.jsonl"
+
+
+def record_elsewhere(repo_dir: Path, rec: dict, err: OSError) -> dict:
+    """Append ``rec`` (a ``release.probe_record``) with ``repo`` and why to ``elsewhere_path(repo_dir)``;
+    returns ``rec`` plus ``recorded_in`` (that file) and ``not_recorded`` (why releases.json was not
+    written). When that write fails too, ``recorded_in`` is None and the result is only printed."""
+    import json
+
+    why = f"{err.strerror or err}: {err.filename or Path(repo_dir).resolve().parent}"
+    out = {**rec, "not_recorded": why, "recorded_in": None}
+    path = elsewhere_path(repo_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"repo": str(Path(repo_dir).resolve()), "not_recorded": why, **rec}, default=str) + "\n")
+        out["recorded_in"] = str(path)
+    except OSError:
+        pass
+    return out
+
+
+__all__ = ["elsewhere_path", "record_elsewhere", "RETRY_AFTER_ERROR_S", "next_wait_s", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
            "PROBE_METRICS"]

@@ -28,6 +28,22 @@ of promote/rollback/serve) re-points ensemble/BLS configs at the recorded releas
 leftovers, so the repository always loads and serves the recorded release. Test hook: environment
 ``PRECISION_RELEASE_CRASH_AT=<step>`` makes the process exit (status 97) right after that step
 (steps: ``STEPS``).
+
+Live server (commands given ``--url``, i.e. a ``server``): before anything is changed,
+``verify_server`` refuses a server that does not serve this repository (its loaded ensemble's
+``serving_repository_id`` parameter, written at init, or its preprocessing's ``tokenizer_dir``, an
+absolute path into the repository, must equal the files'). After ``recover()`` fixed the files,
+``reconcile_server`` makes the live server agree with releases.json too: the current unit loaded,
+the loaded ensemble's engine step on it (reloaded from the re-pointed config otherwise), and no
+unit left loaded that nothing records or routes to. No unit that the live ensemble or route.json
+still routes to is ever unloaded.
+
+History: only ``MOVES`` change the current release; a ``rollout_abort`` (a candidate that was
+never current) and a ``probe`` move nothing, so retention and rollback ignore them, and a candidate
+whose rollout was aborted (``rejected``) is never a rollback target nor kept by retention.
+
+Damaged ``releases.json`` (truncated, edited): every command refuses with the file and the fix
+(exit 2) and writes nothing; each write keeps the state before it as ``releases.json.prev``.
 """
 
 from __future__ import annotations
@@ -44,6 +60,13 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, clean_stale, locked, read_json
 
 STATE_FILE = "releases.json"
+PREV_SUFFIX = ".prev"
+"""``releases.json.prev``: the state before the last write (a hard link to the replaced file)."""
+IDENTITY_PARAM = "serving_repository_id"
+"""Ensemble config parameter naming the serving repository (random, written at init): what a live
+server reports for it (``GET /v2/models/ensemble/config``) tells whether it serves this repository."""
+MOVES = ("init", "promote", "rollback", "rollout")
+"""History actions that make a unit the current release (``to``; ``from`` was current before)."""
 LOCK_FILE = ".releases.lock"
 CRASH_ENV = "PRECISION_RELEASE_CRASH_AT"
 CRASH_EXIT = 97
@@ -68,21 +91,65 @@ def state_path(repo_dir: Path) -> Path:
 
 
 def read_state(repo_dir: Path) -> dict | None:
-    return read_json(state_path(repo_dir))
+    """releases.json beside ``repo_dir`` (None when there is none). Raises UserError (exit 2) naming the
+    file and the fix when it is not a releases record (truncated, edited); nothing is written then."""
+    path = state_path(repo_dir)
+    try:
+        state = read_json(path)
+    except ValueError as e:  # invalid JSON or UTF-8
+        raise _damaged(path, f"cannot be parsed ({str(e)[:120]})") from None
+    if state is None:
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("current"), str) \
+            or not isinstance(state.get("history", []), list) or not isinstance(state.get("releases", []), list):
+        raise _damaged(path, "is not a releases record (an object with current, releases and history)")
+    return state
+
+
+def _damaged(path: Path, why: str) -> UserError:
+    prev = path.with_name(path.name + PREV_SUFFIX)
+    try:
+        ok = isinstance(read_json(prev), dict)
+    except (ValueError, OSError):
+        ok = False
+    fix = (f"{prev} holds the state before the last change: check it (`cat {prev}`) and restore it with "
+           f"`cp {prev} {path}` (a release that only the lost change recorded is then not kept), or restore "
+           f"{path} from a backup." if ok else f"restore {path} from a backup.")
+    return UserError(str(path), f"{why}: it is damaged (truncated or edited), so the current release is unknown; "
+                     "this command changed nothing and does not overwrite it.", fix)
+
+
+def _write_state(repo_dir: Path, state: dict) -> None:
+    """Write releases.json atomically (the commit point), keeping the replaced file as releases.json.prev."""
+    path = state_path(repo_dir)
+    if path.is_file():
+        tmp = path.with_name(f".{path.name}{PREV_SUFFIX}.{os.getpid()}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        try:
+            os.link(path, tmp)
+        except OSError:  # a file system without hard links
+            shutil.copy2(path, tmp)
+        os.replace(tmp, path.with_name(path.name + PREV_SUFFIX))
+    atomic_write_json(path, state)
 
 
 def _lock(repo_dir: Path):
     return locked(Path(repo_dir).resolve().parent / LOCK_FILE)
 
 
-def _state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True) -> dict:
-    """Under the releases lock: finish an interrupted change (``recover``), then ``releases.json``;
-    UserError on its path with ``reason`` / ``fix`` when the repository has none."""
+def _state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True, server=None) -> dict:
+    """Under the releases lock: refuse a ``server`` that does not serve ``repo_dir`` (``verify_server``),
+    finish an interrupted change (``recover``; then ``reconcile_server`` on the live server), then
+    ``releases.json``; UserError on its path with ``reason`` / ``fix`` when the repository has none."""
+    verify_server(repo_dir, server)
     if recover:
         _recover_locked(repo_dir)
     state = read_state(repo_dir)
     if not state:
         raise UserError(str(state_path(repo_dir)), reason, fix)
+    if recover:
+        reconcile_server(repo_dir, server, state)
     return state
 
 
@@ -348,9 +415,11 @@ def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_roo
             fb = _install_into(tmp, repo_dir.name, resolve_unit_source(fallback_repo), root)
         point_ensemble(tmp, unit)
         point_bls(tmp, unit)
+        repo_id = os.urandom(8).hex()
+        _set_params(tmp / "ensemble" / "config.pbtxt", {IDENTITY_PARAM: repo_id})
         pack.check_repository(tmp)
         state = {"version": 1, "current": unit, "fallback": fb, "warm_fallback": bool(warm_fallback and fb),
-                 "keep_releases": int(keep_releases), "releases": [], "history": []}
+                 "keep_releases": int(keep_releases), "repository_id": repo_id, "releases": [], "history": []}
         state["releases"].append(_release_record(tmp / unit, unit, profile, gate, by, "release"))
         if fb:
             state["releases"].append(_release_record(tmp / fb, fb, "", None, by, "fallback"))
@@ -387,14 +456,17 @@ def _release_record(unit_dir: Path, unit: str, profile: str, gate: dict | None, 
 def recover(repo_dir: Path, server=None) -> list[str]:
     """Make the repository agree with releases.json (after a crash). Returns what was fixed.
 
-    With a running ``server`` the re-pointed ensemble is reloaded too (the BLS follows route.json)."""
+    With a running ``server`` (verified to serve ``repo_dir`` first: ``verify_server``) the live server
+    is made to agree too (``reconcile_server``)."""
     repo_dir = Path(repo_dir)
     if not repo_dir.is_dir() and not repo_dir.resolve().parent.is_dir():
         return []
     with _lock(repo_dir):
+        verify_server(repo_dir, server)
         fixed = _recover_locked(repo_dir)
-        if server is not None and any(f.startswith("ensemble") for f in fixed):
-            server.load("ensemble")
+        state = read_state(repo_dir)
+        if state and state.get("current"):
+            fixed += reconcile_server(repo_dir, server, state)
         return fixed
 
 
@@ -407,9 +479,17 @@ def _recover_locked(repo_dir: Path) -> list[str]:
         clean_stale(repo_dir)
         fixed.append(f"removed staged leftovers: {', '.join(sorted(stale))}")
     for m in ("ensemble", "tensorrt_llm_bls"):
-        for p in (repo_dir / m).glob(".config.pbtxt.*.tmp") if (repo_dir / m).is_dir() else []:
+        for p in (repo_dir / m).glob(".*.tmp") if (repo_dir / m).is_dir() else []:  # config.pbtxt, route.json
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
+    # writes of releases.json (and its .prev, the lock's sidecar) killed mid-way: every writer holds the lock we hold
+    parent = repo_dir.resolve().parent
+    left = [*parent.glob(f".{STATE_FILE}.*.tmp"), *parent.glob(f".{LOCK_FILE}.json.*.tmp")]
+    for p in left:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    if left:
+        fixed.append(f"removed {len(left)} leftover temporary file(s) of {STATE_FILE}")
     state = read_state(repo_dir)
     if not state or not state.get("current"):
         return fixed
@@ -420,7 +500,7 @@ def _recover_locked(repo_dir: Path) -> list[str]:
         state["history"] = (state.get("history", []) + [{
             "action": "rollout_abort", "from": ro.get("candidate"), "to": cur, "time": _now(), "by": "recover",
             "ms": 0.0, "rollout": {**ro, "failed_check": "interrupted", "numbers": {}}}])[-HISTORY_MAX:]
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
         fixed.append(f"interrupted rollout of {ro.get('candidate')} ended; {cur} serves all traffic")
     if not (repo_dir / cur / "config.pbtxt").is_file():
         raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir}.",
@@ -494,6 +574,97 @@ def _loaded(server) -> dict[str, str]:
         return {}
 
 
+def _live_unit(server) -> str | None:
+    """The engine unit the ensemble loaded on ``server`` calls (its config's unit step); None when no
+    ensemble is loaded there."""
+    cfg = server.model_config("ensemble")
+    if not cfg:
+        return None
+    steps = (cfg.get("ensemble_scheduling") or {}).get("step") or []
+    return next((st.get("model_name") for st in steps if pack.is_unit(st.get("model_name", ""))), None)
+
+
+def _routed(repo_dir: Path, server) -> set[str]:
+    """Units requests can reach now: the live ensemble's unit and every unit route.json names (the BLS
+    reads it per request)."""
+    route = read_json(Path(repo_dir) / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}
+    units = {route.get("tensorrt_llm_model_name"), (route.get("canary") or {}).get("tensorrt_llm_model_name")}
+    if server is not None:
+        with contextlib.suppress(Exception):
+            units.add(_live_unit(server))
+    return {u for u in units if u}
+
+
+def verify_server(repo_dir: Path, server) -> None:
+    """Refuse (UserError on ``--url``, exit 2) a ``server`` that does not serve ``repo_dir``, before
+    anything is changed: the parameters that identify the repository must be the same in the files
+    and in the configs the server loaded: the ensemble's ``IDENTITY_PARAM`` (repositories created
+    since it exists) and the preprocessing's ``tokenizer_dir`` (an absolute path into the repository).
+    At least one of the two models must be loaded there. Nothing to check without a server."""
+    if server is None:
+        return
+    repo_dir = Path(repo_dir)
+    where = f"the server at {server.http_url}"
+    fix = (f"pass the --url of the server that serves {repo_dir} (`invoke serve --repo {repo_dir}` starts one), "
+           "or the --repo that this server serves.")
+    checked = 0
+    for model, key in (("ensemble", IDENTITY_PARAM), ("preprocessing", "tokenizer_dir")):
+        p = repo_dir / model / "config.pbtxt"
+        want = pack.config_params(load_config(p)).get(key) if p.is_file() else None
+        if not want:
+            continue
+        try:
+            live = server.model_config(model)
+        except OSError as e:
+            raise UserError("--url", f"{where} does not answer ({e}).", "start it with `invoke serve`, or pass its HOST:PORT.") from None
+        if live is None:
+            continue
+        got = ((live.get("parameters") or {}).get(key) or {}).get("string_value")
+        if got != want:
+            raise UserError("--url", f"{where} does not serve {repo_dir}: its {model} has {key} {got!r}, the repository's "
+                            f"is {want!r}; changing releases there would switch or unload another repository's models.", fix)
+        checked += 1
+    if not checked:
+        raise UserError("--url", f"{where} has neither the ensemble nor the preprocessing model of {repo_dir} loaded, so "
+                        "it cannot be told that it serves this repository.",
+                        f"restart it on this repository (`invoke serve --repo {repo_dir}`), or pass the right --url.")
+
+
+def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
+    """Make the live ``server`` serve what ``state`` records (after ``recover`` made the files agree):
+    the current unit loaded, the loaded ensemble's unit step on it (the ensemble reloaded from its
+    re-pointed config otherwise: a crash after a switch's reload but before its commit), and loaded
+    units that are no release (a crashed promote's uncommitted unit, a rejected candidate), no
+    in-progress rollout's candidate and not routed to (``_routed``) unloaded (a warm previous
+    release stays). Returns what was done; [] without a server. Raises RuntimeError when the
+    reloaded ensemble still calls another unit."""
+    if server is None:
+        return []
+    fixed: list[str] = []
+    cur = state["current"]
+    live = _live_unit(server)
+    if live is not None and live != cur:
+        if _loaded(server).get(cur) != "READY":
+            server.load(cur)
+            fixed.append(f"{cur} loaded")
+        server.load("ensemble")
+        now = _live_unit(server)
+        if now != cur:
+            raise RuntimeError(f"the live ensemble calls {now} after reloading it, releases.json says {cur}")
+        fixed.append(f"live ensemble moved from {live} back to {cur}")
+    rejected = rejected_units(state)
+    releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
+    keep = {cur} | _routed(repo_dir, server) | {u for u in releases if u not in rejected}
+    if state.get("rollout"):
+        keep.add(state["rollout"].get("candidate"))
+    for name, st in _loaded(server).items():
+        if pack.is_unit(name) and st == "READY" and name not in keep:
+            with contextlib.suppress(Exception):
+                server.unload(name)
+                fixed.append(f"{name} unloaded (no release; nothing routes to it)")
+    return fixed
+
+
 def _switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> None:
     """Point ensemble and BLS at ``unit`` and reload them; on a failure put both back as they were."""
     try:
@@ -519,17 +690,39 @@ def _switch_to(repo_dir: Path, server, unit: str, timings: dict) -> None:
     _crash_point("bls_config")
 
 
-def _retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: str | None) -> list[str]:
-    """Unload units that need not stay loaded; delete units beyond keep_releases (fallback kept)."""
-    keep_n = int(state.get("keep_releases", 2))
+def current_order(state: dict) -> list[str]:
+    """Units that were the current release, the most recently current first (history ``MOVES``)."""
     order: list[str] = []
     for h in reversed(state.get("history", [])):
-        for u in (h.get("to"), h.get("from")):
-            if u and u not in order:
-                order.append(u)
+        if h.get("action") in MOVES:
+            for u in (h.get("to"), h.get("from")):
+                if u and u not in order:
+                    order.append(u)
+    return order
+
+
+def rejected_units(state: dict) -> dict[str, str]:
+    """{unit: failed check} of candidates whose last rollout was aborted (automatically: a failed check,
+    or by hand) and that were not made current after it: never a rollback target."""
+    out: dict[str, str] = {}
+    for h in state.get("history", []):
+        if h.get("action") in MOVES:
+            out.pop(h.get("to"), None)
+        elif h.get("action") == "rollout_abort" and h.get("from"):
+            ro = h.get("rollout") or {}
+            out[h["from"]] = f"{ro.get('failed_check') or 'aborted'} at {ro.get('percent', '?')} %"
+    return out
+
+
+def _retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: str | None) -> list[str]:
+    """Unload units that need not stay loaded; delete units beyond keep_releases (fallback kept).
+    The releases counted are those that were current (``current_order``), rejected ones excluded: an
+    aborted rollout's candidate is never kept in place of a real release."""
+    keep_n = int(state.get("keep_releases", 2))
     cur, fb = state["current"], state.get("fallback")
     keep_disk = {cur} | ({fb} if fb else set())
-    prev = [u for u in order if u != cur and u != fb]
+    rejected = rejected_units(state)
+    prev = [u for u in current_order(state) if u != cur and u != fb and u not in rejected]
     keep_disk |= set(prev[:keep_n])
     warm = {cur} | ({fb} if fb and state.get("warm_fallback") else set()) | ({previous} if warm_previous and previous else set())
     removed = []
@@ -565,7 +758,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
     timings: dict[str, Any] = {"warnings": check_unit_skew(engine_unit, image=image, sm=sm)}
     with _lock(repo_dir):
         state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
-                                 "create one with release.init_serving_repo(repo_dir, <build>/model_repository).")
+                                 "create one with release.init_serving_repo(repo_dir, <build>/model_repository).", server=server)
         previous = state["current"]
         unit = install_unit(repo_dir, engine_unit, serve_root)
         _crash_point("install")
@@ -602,10 +795,10 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         state["history"] = (state["history"] + [{"action": "promote", "from": previous, "to": unit, "time": _now(),
                                                  "by": promoted_by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
-        atomic_write_json(state_path(repo_dir), state)  # commit point
+        _write_state(repo_dir, state)  # commit point
         _crash_point("commit")
         timings["removed"] = _retain(repo_dir, state, server, warm_previous, previous)
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
         _crash_point("gc")
     timings["unit"] = unit
     return timings
@@ -617,7 +810,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     repo_dir = Path(repo_dir)
     timings: dict[str, Any] = {}
     with _lock(repo_dir):
-        state = _state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.")
+        state = _state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
         unit = install_unit(repo_dir, engine_unit, serve_root)
         if server is not None and warm:
             t = time.perf_counter()
@@ -627,7 +820,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
         state["fallback"], state["warm_fallback"] = unit, bool(warm)
         state["releases"] = [r for r in state["releases"] if r["kind"] != "fallback"]
         state["releases"].append(_release_record(repo_dir / unit, unit, "", None, by, "fallback"))
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
     timings["unit"] = unit
     return timings
 
@@ -645,12 +838,14 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
     t0 = time.perf_counter()
     timings: dict[str, Any] = {}
     with _lock(repo_dir):
-        state = _state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.")
+        state = _state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
         cur = state["current"]
         if state.get("rollout"):
             raise UserError("rollback", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "end it with `invoke rollout --abort` (all traffic back to the stable release).")
         units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
+        rejected = rejected_units(state)
+        releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
         if fallback:
             target = state.get("fallback")
             if not target:
@@ -661,10 +856,17 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
             if len(cands) != 1 or cands[0] not in units:
                 raise UserError("--to", f"no single release on disk matches {to!r}.", f"on disk: {', '.join(sorted(units))}.")
             target = cands[0]
+            if target in rejected or target not in releases:
+                why = (f"its rollout was rolled back ({rejected[target]})" if target in rejected
+                       else "it was never a release (a candidate left on disk)")
+                raise UserError("--to", f"{target} is not a release to roll back to: {why}.",
+                                "roll back to a kept release (`invoke releases`), or roll the candidate out again "
+                                "(`invoke rollout`), which checks it.")
         else:
-            prev = [h["from"] for h in reversed(state.get("history", [])) if h.get("from") and h["from"] != cur and h["from"] in units]
+            prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
             if not prev:
-                raise UserError("rollback", "there is no previous release on disk.", "roll back to the fallback (--fallback).")
+                raise UserError("rollback", "there is no previous release on disk (an aborted rollout's candidate "
+                                "never counts).", "roll back to the fallback (--fallback).")
             target = prev[0]
         if target == cur:
             raise UserError("rollback", f"{target} is already current.", "choose another release.")
@@ -684,9 +886,9 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         state["history"] = (state["history"] + [{"action": "rollback", "from": cur, "to": target, "time": _now(),
                                                  "by": by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
-        atomic_write_json(state_path(repo_dir), state)  # commit point
+        _write_state(repo_dir, state)  # commit point
         timings["removed"] = _retain(repo_dir, state, server, False, None)
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
     timings["unit"] = target
     return timings
 
@@ -716,7 +918,7 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
     timings: dict[str, Any] = {}
     with _lock(repo_dir):
         state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
-                                 "create it with `invoke promote --profile P` first (the first promote creates it).")
+                                 "create it with `invoke promote --profile P` first (the first promote creates it).", server=server)
         if state.get("rollout"):
             raise UserError("rollout", f"a rollout of {state['rollout']['candidate']} is already in progress.",
                             "end it with `invoke rollout --abort` first.")
@@ -738,7 +940,7 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
         state["rollout"] = {"candidate": unit, "stable": state["current"], "profile": profile, "gate": gate or {},
                             "steps": [int(x) for x in steps], "step": None, "percent": 0, "started": _now(), "by": by,
                             "pid": os.getpid(), "checks": []}
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
         _crash_point("rollout_begin")
     return {**state["rollout"], "timings": timings}
 
@@ -755,7 +957,7 @@ def set_rollout_percent(repo_dir: Path, percent: int, checks: dict | None = None
         ro["step"], ro["percent"] = int(percent), int(percent)
         if checks:
             ro["checks"] = (ro.get("checks", []) + [checks])[-50:]
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
         set_canary(repo_dir, state["current"], ro["candidate"], percent)
         _crash_point("rollout_route")
     return ro
@@ -787,22 +989,29 @@ def finish_rollout(repo_dir: Path, *, server=None, checks: dict | None = None, w
                                                  "by": ro.get("by", "rollout"), "ms": round(timings["switched_ms"], 1),
                                                  "rollout": {"steps": ro.get("steps"), "started": ro.get("started"),
                                                              "checks": checks or {}}}])[-HISTORY_MAX:]
-        atomic_write_json(state_path(repo_dir), state)  # commit point
+        _write_state(repo_dir, state)  # commit point
         timings["removed"] = _retain(repo_dir, state, server, warm_previous, previous)
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
     timings["unit"] = unit
     return timings
 
 
 def abort_rollout(repo_dir: Path, *, server=None, failed_check: str = "manual abort", numbers: dict | None = None,
-                  by: str = "manual", drained=None) -> dict:
-    """Roll the rollout back: route.json sends every request to the stable release (first), then
-    ``drained(candidate) -> dict`` (if given) waits for the candidate's last request and returns
-    measurements, then the candidate is unloaded and releases.json records the abort (history action
-    ``rollout_abort`` with the step, ``failed_check`` and its ``numbers``). Returns that record."""
+                  by: str = "manual", drained=None, verify: bool = True) -> dict:
+    """Roll the rollout back: route.json sends every request to the stable release (first), the
+    ensemble's config is pointed back at it and, when the live ensemble calls the candidate (a crash
+    after the 100 % switch, before its commit), reloaded; then ``drained(candidate) -> dict`` (if
+    given) waits for the candidate's last request and returns measurements, then the candidate is
+    unloaded -- unless the live ensemble or route.json still routes to it (``candidate_kept``: why) --
+    and releases.json records the abort (history action ``rollout_abort`` with the step,
+    ``failed_check`` and its ``numbers``). A server that stopped answering (it died) only loses the
+    live steps (``server_error``). ``verify``: check first that ``server`` serves ``repo_dir``
+    (``verify_server``; the rollout's own automatic abort already did). Returns that record."""
     repo_dir = Path(repo_dir)
     t0 = time.perf_counter()
     with _lock(repo_dir):
+        if verify:
+            verify_server(repo_dir, server)
         state = read_state(repo_dir) or {}
         ro = state.get("rollout")
         if not ro:
@@ -811,19 +1020,33 @@ def abort_rollout(repo_dir: Path, *, server=None, failed_check: str = "manual ab
         point_bls(repo_dir, cur)
         route_ms = (time.perf_counter() - t0) * 1e3
         _crash_point("rollout_abort_route")
-        drain = dict(drained(unit) or {}) if drained is not None else {}
-        if server is not None and _loaded(server).get(unit) == "READY" and unit != state.get("fallback"):
-            with contextlib.suppress(Exception):
-                server.unload(unit)
+        point_ensemble(repo_dir, cur)
+        extra: dict[str, Any] = {}
+        try:
+            if server is not None and _live_unit(server) not in (None, cur):
+                if _loaded(server).get(cur) != "READY":
+                    server.load(cur)
+                server.load("ensemble")
+                extra["ensemble_reloaded"] = True
+            drain = dict(drained(unit) or {}) if drained is not None else {}
+        except (OSError, RuntimeError, ValueError) as e:  # the server died or refused: the files are right; say what was not done
+            drain, extra["server_error"] = {}, f"{type(e).__name__}: {str(e)[:300]}"
+        if server is not None and "server_error" not in extra:
+            routed = _routed(repo_dir, server)
+            if unit in routed:
+                extra["candidate_kept"] = "the live ensemble or route.json still routes to it"
+            elif _loaded(server).get(unit) == "READY" and unit != state.get("fallback"):
+                with contextlib.suppress(Exception):
+                    server.unload(unit)
         rec = {"candidate": unit, "stable": cur, "step": ro.get("step"), "percent": ro.get("percent"),
                "steps": ro.get("steps"), "started": ro.get("started"), "failed_check": failed_check,
-               "numbers": numbers or {}, "route_ms": round(route_ms, 2), **drain,
+               "numbers": numbers or {}, "route_ms": round(route_ms, 2), **drain, **extra,
                "checks": ro.get("checks", [])}
         state.pop("rollout")
         state["history"] = (state["history"] + [{"action": "rollout_abort", "from": unit, "to": cur, "time": _now(),
                                                  "by": by, "ms": round((time.perf_counter() - t0) * 1e3, 1),
                                                  "rollout": rec}])[-HISTORY_MAX:]
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
     return rec
 
 
@@ -831,18 +1054,34 @@ PROBE_HISTORY_MAX = 50
 """Probe records kept in ``history`` (the oldest probe records go first; never a release record)."""
 
 
+def check_probe_unit(unit: str) -> None:
+    """UserError (``--unit``, exit 2) unless ``unit`` is an engine unit (``tensorrt_llm_<h12>``): the probe
+    judges one engine, and the release history records engine units only (never ``ensemble``)."""
+    if not pack.is_unit(str(unit)):
+        raise UserError("--unit", f"{str(unit)[:80]!r} is not an engine unit (tensorrt_llm_<h12>); the probe judges one "
+                        "engine.", "pass --unit tensorrt_llm_<h12> (`invoke releases` lists them), or leave it out for "
+                        "the current release.")
+
+
+def probe_record(unit: str, summary: dict, *, profile: str = "", by: str = "invoke probe") -> dict:
+    """The history record of one probe run (``record_probe``)."""
+    return {"action": "probe", "from": None, "to": None, "unit": unit, "profile": profile, "time": _now(),
+            "by": by, "ms": round(float(summary.get("ms", 0.0)), 1), "probe": summary}
+
+
 def record_probe(repo_dir: Path, unit: str, summary: dict, *, profile: str = "", by: str = "invoke probe") -> dict:
     """Append one accuracy-probe result (serving/probe.py ``ProbeResult.summary()``) to releases.json's
     history as ``{"action": "probe", "from": None, "to": None, "unit", "profile", "time", "by", "ms",
     "probe": summary}`` (``from``/``to`` stay empty: a probe moves no traffic, so rollback and retention
     ignore it). At most ``PROBE_HISTORY_MAX`` probe records stay. Atomic write under the releases lock.
-    Raises UserError when ``repo_dir`` has no releases.json. Returns the record."""
+    Raises UserError when ``repo_dir`` has no releases.json or ``unit`` is not an engine unit (e.g.
+    ``ensemble``). Returns the record."""
     repo_dir = Path(repo_dir)
+    check_probe_unit(unit)
     with _lock(repo_dir):
         state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
                                  "create it with `invoke promote --profile P` first.", recover=False)
-        rec = {"action": "probe", "from": None, "to": None, "unit": unit, "profile": profile, "time": _now(),
-               "by": by, "ms": round(float(summary.get("ms", 0.0)), 1), "probe": summary}
+        rec = probe_record(unit, summary, profile=profile, by=by)
         hist = state.get("history", []) + [rec]
         n_probe = sum(1 for h in hist if h.get("action") == "probe")
         drop = max(0, n_probe - PROBE_HISTORY_MAX)
@@ -853,7 +1092,7 @@ def record_probe(repo_dir: Path, unit: str, summary: dict, *, profile: str = "",
                 continue
             kept.append(h)
         state["history"] = kept[-HISTORY_MAX:]
-        atomic_write_json(state_path(repo_dir), state)
+        _write_state(repo_dir, state)
     return rec
 
 
@@ -867,4 +1106,5 @@ def list_releases(repo_dir: Path) -> dict:
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "init_serving_repo", "recover", "smoke_test",
                           "read_state", "serving_models", "list_releases", "STEPS", "INIT_STEPS", "CRASH_ENV",
                           "set_canary", "begin_rollout", "set_rollout_percent", "finish_rollout", "abort_rollout",
-                          "rollout_state", "ROLLOUT_STEPS", "record_probe"]
+                          "rollout_state", "ROLLOUT_STEPS", "record_probe", "verify_server", "reconcile_server",
+                          "current_order", "rejected_units", "MOVES", "IDENTITY_PARAM"]

@@ -58,8 +58,11 @@ COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure", "nv_
 
 def parse_steps(text: str | Sequence[int]) -> tuple[int, ...]:
     """``"5,20,50,100"`` -> (5, 20, 50, 100): strictly increasing integers in 1..100 ending at 100."""
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    if any(not str(x).strip() for x in parts):  # "5,,100" or "5,100,": a typo, not a shorter plan
+        raise UserError("--steps", f"{text!r} has an empty step.", "e.g. --steps 5,20,50,100")
     try:
-        steps = tuple(int(x) for x in (text.split(",") if isinstance(text, str) else text) if str(x).strip())
+        steps = tuple(int(x) for x in parts)
     except ValueError:
         raise UserError("--steps", f"{text!r} is not a comma-separated list of integers.", "e.g. --steps 5,20,50,100") from None
     why = canary_steps_problem(steps)
@@ -91,6 +94,21 @@ def scrape(metrics_url: str, timeout: float = 5.0) -> dict[tuple[str, str], floa
 
 def metrics_url(server) -> str:
     return f"http://{server.host}:{server.metrics_port}/metrics"
+
+
+def check_metrics(server, unit: str) -> None:
+    """Refuse (UserError on ``--metrics-port``, exit 2) a metrics endpoint that is not ``server``'s:
+    it must answer with Triton's per-model metrics and list ``unit`` (loaded there; Triton registers
+    a loaded model's counters at 0). Run before anything is loaded."""
+    url = metrics_url(server)
+    fix = "pass the server's metrics port (`invoke serve` prints it; default HTTP port + 2)."
+    try:
+        got = scrape(url)
+    except (OSError, ValueError) as e:
+        raise UserError("--metrics-port", f"no Triton metrics at {url} ({type(e).__name__}: {str(e)[:160]}).", fix) from None
+    if ("nv_inference_request_success", unit) not in got:
+        raise UserError("--metrics-port", f"the metrics at {url} do not list {unit}, which the server at "
+                        f"{server.http_url} serves: another server's metrics port?", fix)
 
 
 @dataclass
@@ -144,6 +162,21 @@ def wait_drained(server, unit: str, t_decision: float, timeout_s: float = 60.0, 
             break
     after = sum(last.get((k, unit), 0.0) - first.get((k, unit), 0.0) for k in COUNTERS[:2])
     return {"decision_to_stable_ms": round((t_change - t_decision) * 1e3, 1), "served_after_decision": int(after)}
+
+
+HOLD_POLL_S = 2.0
+"""During a step's hold the server's metrics endpoint is read every this many seconds, so a server
+that dies mid-step ends the rollout (check ``server``) within seconds, not after the hold."""
+
+
+def hold(url: str, hold_s: float, poll_s: float = HOLD_POLL_S) -> None:
+    """Wait ``hold_s`` seconds; raises OSError (or ValueError) as soon as ``url`` (the server's
+    metrics) stops answering."""
+    end = time.monotonic() + hold_s
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(poll_s, left))
+        if end - time.monotonic() > 0:
+            scrape(url)
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,12 +234,13 @@ def _evaluate(server, probe_set, stable: str, cand: str, a: dict, b: dict, perce
 
 
 def abort(repo_dir: Path, server=None, *, failed_check: str = "manual abort", numbers: dict | None = None,
-          by: str = "invoke rollout --abort", t_decision: float | None = None) -> dict:
-    """All traffic back to the stable release, candidate unloaded, the abort recorded (module doc)."""
+          by: str = "invoke rollout --abort", t_decision: float | None = None, verify: bool = True) -> dict:
+    """All traffic back to the stable release, candidate unloaded, the abort recorded (module doc;
+    ``release.abort_rollout``: ``verify`` checks first that ``server`` serves ``repo_dir``)."""
     t_decision = time.perf_counter() if t_decision is None else t_decision
     drained = (lambda unit: wait_drained(server, unit, t_decision)) if server is not None else None
     return release.abort_rollout(repo_dir, server=server, failed_check=failed_check, numbers=numbers, by=by,
-                                 drained=drained)
+                                 drained=drained, verify=verify)
 
 
 def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iterable[int] = DEFAULT_STEPS,
@@ -214,60 +248,82 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
             checks: Checks = Checks(), probe_fn: Callable | None = None,
             on_step: Callable[[dict], None] | None = None) -> RolloutResult:
     """Roll ``engine_unit`` out on ``server`` in ``steps`` (module doc). Returns a RolloutResult; a
-    failed check is a rollback, not an exception. Raises UserError for a wrong set-up (no serving
-    repository, a rollout already in progress) and re-raises anything unexpected after rolling back."""
+    failed check is a rollback, not an exception, and so is a server that stops answering or refuses
+    mid-step (check ``server``: the candidate may have brought it down). Raises UserError for a wrong
+    set-up (no serving repository, a server that does not serve it, a metrics port that is not its, a
+    rollout already in progress) before anything is loaded, and re-raises anything unexpected after
+    rolling back. SIGTERM and SIGHUP (in the main thread) roll back as Ctrl-C does (failed check
+    ``interrupted``), then KeyboardInterrupt propagates."""
     from precision_pipeline.serving import probe
+    from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     steps = parse_steps(list(steps))
     probe_fn = probe_fn or probe.run_probe
     t0 = time.perf_counter()
-    ro = release.begin_rollout(repo_dir, engine_unit, server=server, profile=profile, gate=gate, steps=steps, by=by)
-    cand, stable = ro["candidate"], ro["stable"]
-    res = RolloutResult("rolled_back", cand, stable)
-    url = metrics_url(server)
-    prev_numbers = None
-    def ours() -> bool:  # False once `invoke rollout --abort` (another process) ended this rollout
-        st = release.rollout_state(repo_dir)
-        return bool(st) and st.get("candidate") == cand and st.get("pid") == ro.get("pid")
+    state = release.read_state(repo_dir)
+    if state and server is not None:
+        release.verify_server(repo_dir, server)
+        check_metrics(server, state["current"])
+    with terminate_as_interrupt():
+        ro = release.begin_rollout(repo_dir, engine_unit, server=server, profile=profile, gate=gate, steps=steps, by=by)
+        cand, stable = ro["candidate"], ro["stable"]
+        res = RolloutResult("rolled_back", cand, stable)
+        url = metrics_url(server)
+        prev_numbers = None
 
-    try:
-        for pct in steps:
-            if not ours():
-                res.status = "aborted"
-                break
-            if pct == 100:
-                t = release.finish_rollout(repo_dir, server=server, checks={"steps": res.steps})
-                res.status = "promoted"
-                res.steps.append({"percent": 100, "switched_ms": round(t["switched_ms"], 1)})
+        def ours() -> bool:  # False once `invoke rollout --abort` (another process) ended this rollout
+            st = release.rollout_state(repo_dir)
+            return bool(st) and st.get("candidate") == cand and st.get("pid") == ro.get("pid")
+
+        def rolled_back(pct: int, failed: str, nums: dict) -> None:
+            rec = abort(repo_dir, server, failed_check=failed, numbers=nums, by=f"{by} (automatic)",
+                        t_decision=time.perf_counter(), verify=False)
+            res.failed_step, res.failed_check, res.numbers = pct, failed, nums
+            res.decision_to_stable_ms = rec.get("decision_to_stable_ms")
+
+        try:
+            for pct in steps:
+                if not ours():
+                    res.status = "aborted"
+                    break
+                if pct == 100:
+                    try:
+                        t = release.finish_rollout(repo_dir, server=server, checks={"steps": res.steps})
+                    except (OSError, RuntimeError) as e:  # the switch failed (configs put back) or the server died
+                        rolled_back(pct, "server", {"percent": pct, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                        break
+                    res.status = "promoted"
+                    res.steps.append({"percent": 100, "switched_ms": round(t["switched_ms"], 1)})
+                    if on_step:
+                        on_step(res.steps[-1])
+                    break
+                release.set_rollout_percent(repo_dir, pct, prev_numbers)
+                try:
+                    a = scrape(url)
+                    hold(url, hold_s)
+                    b = scrape(url)
+                except (OSError, ValueError) as e:  # the server (or its metrics) stopped answering
+                    rolled_back(pct, "server", {"percent": pct, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    break
+                if not ours():
+                    res.status = "aborted"
+                    break
+                nums, failed = _evaluate(server, probe_set, stable, cand, a, b, pct, checks, probe_fn)
+                res.steps.append({**nums, "passed": failed is None})
                 if on_step:
                     on_step(res.steps[-1])
-                break
-            release.set_rollout_percent(repo_dir, pct, prev_numbers)
-            a = scrape(url)
-            time.sleep(hold_s)
-            b = scrape(url)
-            if not ours():
-                res.status = "aborted"
-                break
-            nums, failed = _evaluate(server, probe_set, stable, cand, a, b, pct, checks, probe_fn)
-            res.steps.append({**nums, "passed": failed is None})
-            if on_step:
-                on_step(res.steps[-1])
-            if failed is not None:
-                t_decision = time.perf_counter()
-                rec = abort(repo_dir, server, failed_check=failed, numbers=nums, by=f"{by} (automatic)",
-                            t_decision=t_decision)
-                res.failed_step, res.failed_check, res.numbers = pct, failed, nums
-                res.decision_to_stable_ms = rec.get("decision_to_stable_ms")
-                break
-            prev_numbers = nums
-    except BaseException:
-        if release.rollout_state(repo_dir):
-            abort(repo_dir, server, failed_check="error", by=f"{by} (error)")
-        raise
+                if failed is not None:
+                    rolled_back(pct, failed, nums)
+                    break
+                prev_numbers = nums
+        except BaseException as e:
+            if ours():
+                abort(repo_dir, server, failed_check="interrupted" if isinstance(e, KeyboardInterrupt) else "error",
+                      by=f"{by} ({'interrupted' if isinstance(e, KeyboardInterrupt) else 'error'})", verify=False)
+            raise
     res.seconds = time.perf_counter() - t0
     return res
 
 
-__all__ = ["rollout", "abort", "scrape", "canary_share", "wait_drained", "parse_steps", "Checks", "RolloutResult",
+__all__ = ["rollout", "abort", "scrape", "check_metrics", "canary_share", "wait_drained", "parse_steps", "Checks", "RolloutResult",
            "Window", "DEFAULT_STEPS"]

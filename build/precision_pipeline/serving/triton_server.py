@@ -10,6 +10,11 @@ How it runs (facts in shared/reference/triton-on-cpu.md):
   LIBDIR, ``PATH`` with the venv's ``bin`` first (the stub finds its packages through ``python3``),
   ``OMP_NUM_THREADS=1``, explicit model control, 127.0.0.1 only and free ports.
 * ``TritonServer.stop()`` sends SIGTERM and waits (SIGKILL only after a timeout).
+* Leaks: the python backend's shared-memory regions are named ``/dev/shm/<SHM_PREFIX><token>_...``
+  (``--backend-config=python,shm-region-prefix-name``, python_backend's option that deploy.py uses
+  too); ``stop()`` removes its own, ``start()`` removes those no running process maps any more
+  (servers killed with -9). A server's own temporary log (no ``log_file`` given) is removed by a clean
+  ``stop()``; ``serve`` logs to one file per HTTP port (``serve_log_path``), rewritten by each serve.
 
 ``serve(model_repository, ...)`` is what ``invoke serve`` calls: it loads the current release (or every
 model of a freshly packed repository), prints the endpoints and runs until Ctrl-C.
@@ -42,6 +47,10 @@ from typing import Any, Iterable
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT, cache_dir
 
+SHM_PREFIX = "precision_pipeline_"
+"""Prefix of the python backend's shared-memory regions of the servers started here (``/dev/shm``)."""
+SHM_MIN_AGE_S = 30.0
+"""A region younger than this is never removed as stale: a server that is starting may not map it yet."""
 STANDIN_BACKEND = REPO_ROOT / "triton_repo" / "backends" / "tensorrtllm"
 SERVER_VERSION = "2.51"
 TRACE_SERVICE_NAME = "precision-pipeline"
@@ -161,7 +170,12 @@ class TritonServer:
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
+        self._own_log = not log_file  # a temporary log of our own: removed by a clean stop()
         self.log_file = Path(log_file) if log_file else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.log_mode = "ab"
+        """How start() opens the log: "ab" appends, "wb" starts it afresh (serve's per-port log)."""
+        self.shm_token = f"{os.getpid()}_{os.urandom(4).hex()}_"
+        """This server's part of its shared-memory region names (``SHM_PREFIX`` + token)."""
         self.threads = threads
         self.stub_timeout_s = stub_timeout_s
         self.verbose = verbose
@@ -184,8 +198,9 @@ class TritonServer:
             raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
         srv = cls(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
         srv.host = host or "127.0.0.1"
-        if srv._get("/v2/health/ready") != 200:
-            raise UserError("--url", f"no ready Triton server answers at http://{http_url}.",
+        # live, not ready: Triton reports not-ready while any model is still UNLOADING (after an abort)
+        if srv._get("/v2/health/live") != 200:
+            raise UserError("--url", f"no Triton server answers at http://{http_url}.",
                             "start one with `invoke serve`, or leave --url out to only rewrite the repository.")
         return srv
 
@@ -204,7 +219,8 @@ class TritonServer:
                 "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
                 f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                 "--allow-gpu-metrics=false", "--model-control-mode=explicit", "--exit-timeout-secs=10",
-                f"--backend-config=python,stub-timeout-seconds={self.stub_timeout_s}"]
+                f"--backend-config=python,stub-timeout-seconds={self.stub_timeout_s}",
+                f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}{self.shm_token}"]
         argv += [f"--load-model={m}" for m in self.models]
         argv += trace_args(self.trace_url)
         if self.verbose:
@@ -212,11 +228,16 @@ class TritonServer:
         return argv
 
     def ports_in_use(self) -> list[tuple[str, int]]:
-        """``[(flag, port)]`` of this server's ports that another process already listens on (127.0.0.1)."""
+        """``[(flag, port)]`` of this server's ports that another process already listens on (127.0.0.1).
+
+        The probe binds with ``SO_REUSEADDR``, as tritonserver's HTTP and gRPC servers do: a port that
+        only has TIME-WAIT connections left (a server stopped a minute ago) is free for them, so it is
+        not reported; a listening socket still is (Linux refuses that bind even with SO_REUSEADDR)."""
         busy = []
         for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
                            ("--metrics-port", self.metrics_port)):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((self.host, port))
                 except OSError:
@@ -236,7 +257,8 @@ class TritonServer:
                             + ", ".join(f"{p} ({f})" for f, p in busy) + "; another server is probably running.",
                             "stop that server, or pass free ports (--http-port/--grpc-port/--metrics-port).")
         t0 = time.perf_counter()
-        log = open(self.log_file, "ab")
+        clean_stale_shm()
+        log = open(self.log_file, self.log_mode)
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=server_env(self.threads),
                                      cwd=str(self.model_repository.parent), start_new_session=True,
                                      preexec_fn=_die_with_parent)
@@ -303,7 +325,9 @@ class TritonServer:
             raise RuntimeError(f"loading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
         return time.perf_counter() - t0
 
-    def unload(self, name: str) -> float:
+    def unload(self, name: str, wait_s: float = 120.0) -> float:
+        """Unload a model and wait (up to ``wait_s``) until it has left state UNLOADING, i.e. its instances
+        (python-backend stubs) are gone and their memory is free; returns seconds."""
         t0 = time.perf_counter()
         req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{name}/unload",
                                      data=b"{}", method="POST", headers={"Content-Type": "application/json"})
@@ -312,7 +336,21 @@ class TritonServer:
                 r.read()
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"unloading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and self.loaded_models().get(name) == "UNLOADING":
+            time.sleep(0.1)
         return time.perf_counter() - t0
+
+    def model_config(self, name: str) -> dict | None:
+        """The configuration the server uses for loaded model ``name`` (``GET /v2/models/<name>/config``,
+        JSON), or None when it has no such model loaded. Raises OSError when the server does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{name}/config", timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if e.code in (400, 404):
+                return None
+            raise
 
     def loaded_models(self) -> dict[str, str]:
         """{name: state} from the repository index."""
@@ -338,6 +376,10 @@ class TritonServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        clean_stale_shm(self.shm_token, min_age_s=0.0)
+        if self._own_log and self.proc.returncode == 0:
+            with contextlib.suppress(OSError):
+                self.log_file.unlink()
         return self.proc.returncode
 
     def __enter__(self) -> "TritonServer":
@@ -347,6 +389,74 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _mapped_shm() -> set[str]:
+    """Names under /dev/shm that some process (whose maps this user can read) has mapped."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            i = line.find("/dev/shm/")
+            if i >= 0:
+                names.add(line[i + len("/dev/shm/"):].removesuffix(" (deleted)").strip())
+    return names
+
+
+def clean_stale_shm(token: str = "", *, min_age_s: float = SHM_MIN_AGE_S, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Remove the python backend's shared-memory regions ``<shm_dir>/<SHM_PREFIX><token>*`` that no
+    process maps and that are at least ``min_age_s`` old (left by servers killed with -9: a server
+    stopped with SIGTERM removes its own). Returns the names removed; never raises."""
+    removed = []
+    try:
+        found = [p for p in shm_dir.glob(f"{SHM_PREFIX}{token}*") if p.is_file()]
+    except OSError:
+        return removed
+    if not found:
+        return removed
+    mapped = _mapped_shm()
+    now = time.time()
+    for p in found:
+        try:
+            st = p.stat()
+            if p.name in mapped or now - max(st.st_mtime, st.st_ctime) < min_age_s:
+                continue
+            p.unlink()
+            removed.append(p.name)
+        except OSError:
+            continue
+    return removed
+
+
+def terminate_as_interrupt():
+    """Context manager: SIGTERM and SIGHUP raise KeyboardInterrupt (once) in the main thread, so a task
+    stopped by ``timeout``, ``kill`` or a closed terminal cleans up as Ctrl-C does; later signals are
+    ignored until the block ends (the clean-up is not interrupted). Does nothing outside the main thread."""
+    import threading
+
+    @contextlib.contextmanager
+    def cm():
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        fired = []
+
+        def handler(signum, frame):
+            if fired:
+                return
+            fired.append(signum)
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    return cm()
 
 
 def text_request(text: str, max_tokens: int, client_module: Any = None, **extra: tuple[str, Any]) -> list:
@@ -384,20 +494,78 @@ def models_to_load(model_repository: Path) -> list[str]:
     return sorted(names, key=lambda n: (order.get(n, 5), n))
 
 
+SERVER_DIED_EXIT = 1
+"""Exit status of ``invoke serve`` when its tritonserver ends on its own (killed, crashed): an
+unexpected failure, reported with the server's log tail and no traceback."""
+
+
+def serve_log_path(http_port: int) -> Path:
+    """``invoke serve``'s server log: one file per HTTP port under the cache (``logs/tritonserver-<port>.log``),
+    rewritten by each serve on that port, so logs neither pile up nor need a writable repository."""
+    return cache_dir() / "logs" / f"tritonserver-{int(http_port)}.log"
+
+
+def _read_only_check(repo: Path, err: OSError) -> str:
+    """serve() of a repository it cannot write (``err``): fine when the files already agree with
+    releases.json (nothing to recover); UserError naming what would need fixing otherwise. Returns a note."""
+    from precision_pipeline.serving import release
+
+    state = release.read_state(repo)
+    if not state or not state.get("current"):
+        return f"note: {repo.parent} is read-only ({err.strerror}); serving it as it is"
+    cur = state["current"]
+    problems = []
+    if not (repo / cur / "config.pbtxt").is_file():
+        problems.append(f"the current release {cur} is missing")
+    ens, bls = release.current_of_configs(repo)
+    if (ens, bls) != (cur, cur):
+        problems.append(f"ensemble/BLS name {ens}/{bls}, releases.json {cur} (an interrupted change)")
+    if state.get("rollout"):
+        problems.append(f"a rollout of {state['rollout'].get('candidate')} is recorded as in progress")
+    if problems:
+        raise UserError("--repo", f"{repo} is read-only ({err.strerror}: {err.filename}) and needs a recovery "
+                        f"before it can be served: {'; '.join(problems)}.",
+                        "serve it once where it is writable (serve recovers it), or copy it to a writable place.")
+    return (f"note: {repo.parent} is read-only ({err.strerror}); it agrees with releases.json ({cur}), so it is "
+            "served as it is")
+
+
 def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           models: Iterable[str] | None = None, block: bool = True, log_file: Path | None = None) -> TritonServer:
-    """Start tritonserver on ``model_repository``, print the endpoints, and (``block``) run until Ctrl-C."""
+    """Start tritonserver on ``model_repository``, print the endpoints, and (``block``) run until Ctrl-C,
+    SIGTERM or SIGHUP (then the server is stopped and this returns).
+
+    A read-only repository is served as it is when its files agree with releases.json (UserError
+    when it would need a recovery). Raises ``PipelineError`` (exit ``SERVER_DIED_EXIT``, the log tail
+    in the message) when the server ends on its own while blocking."""
+    import errno as _errno
+
+    from precision_pipeline.core.errors import PipelineError
     from precision_pipeline.serving import release
 
     repo = Path(model_repository)
     if not repo.is_dir():
         raise UserError("model_repository", f"{repo} does not exist.", "run `invoke build --profile X` first.")
-    release.recover(repo)
+    note = None
+    try:
+        release.recover(repo)
+    except OSError as e:
+        if e.errno not in (_errno.EROFS, _errno.EACCES, _errno.EPERM):
+            raise
+        note = _read_only_check(repo, e)
     names = list(models) if models is not None else models_to_load(repo)
-    srv = TritonServer(repo, names, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=log_file,
-                       trace_url=repository_traces_url(repo))
+    srv = TritonServer(repo, names, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                       log_file=log_file or serve_log_path(http_port), trace_url=repository_traces_url(repo))
+    if log_file is None:
+        srv.log_mode = "wb"
+        srv.log_file.parent.mkdir(parents=True, exist_ok=True)
+    if note:
+        print(note, flush=True)
     print(f"starting tritonserver {SERVER_VERSION} (CPU reference stand-in for tensorrtllm) on {repo} ...", flush=True)
-    srv.start()
+    try:
+        srv.start()
+    except (RuntimeError, TimeoutError) as e:  # it exited or never became ready: its log says why
+        raise PipelineError(f"tritonserver did not start on {repo}: {e}\nLog: {srv.log_file}") from None
     print(f"ready in {srv.start_s:.1f} s; models: {', '.join(names)}")
     print(f"  HTTP    http://{srv.http_url}/v2/models/ensemble/generate")
     print(f"  gRPC    {srv.grpc_url}")
@@ -408,18 +576,18 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     if not block:
         return srv
 
-    def _terminate(signum, frame):  # SIGTERM/SIGHUP of the task: stop the server like Ctrl-C does
-        raise KeyboardInterrupt
-
-    old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    died = None
     try:
-        while srv.proc.poll() is None:
-            time.sleep(0.5)
-        print(f"tritonserver exited with {srv.proc.returncode}; log tail:\n{srv.log_tail()}", file=sys.stderr)
+        with terminate_as_interrupt():  # SIGTERM/SIGHUP of the task: stop the server like Ctrl-C does
+            while srv.proc.poll() is None:
+                time.sleep(0.5)
+            died = srv.proc.returncode
     except KeyboardInterrupt:
         print("stopping (SIGTERM) ...", flush=True)
     finally:
         srv.stop()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
+    if died is not None:
+        how = f"was killed by signal {-died}" if died < 0 else f"exited with status {died}"
+        raise PipelineError(f"tritonserver {how} while serving {repo}; nothing serves on port {srv.http_port} now. "
+                            f"Log {srv.log_file}, last lines:\n{srv.log_tail()}")
     return srv

@@ -1,0 +1,203 @@
+"""Releases against a real tritonserver (CPU reference backend): the live server always serves what
+releases.json records (issue 25 items 3, 4, 6, 15, 17, 20).
+
+One server for the module, on serving repository A (current unit A of ``units4``). The tests run in
+file order and build on each other's history; the LAST test kills the server (kill -9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.serving import release, rollout
+from precision_pipeline.serving.triton_server import SHM_PREFIX, TritonServer, free_port, models_to_load, text_request
+from tests.serving.test_release_safety import units4  # noqa: F401  (module fixture)
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, units4):  # noqa: F811
+    repo = tmp_path_factory.mktemp("live-a") / "model_repository"
+    release.init_serving_repo(repo, units4[0].out_dir, profile="bf16-h100")
+    srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log")
+    srv.start()
+    print(f"\n[release-live] server ready in {srv.start_s:.1f} s")
+    try:
+        yield repo, srv
+    finally:
+        srv.stop()
+
+
+def ask(srv, model="ensemble") -> str:
+    c = srv.http_client()
+    try:
+        return c.infer(model, text_request("What is 2 + 2?", 2)).as_numpy("text_output").reshape(-1)[0].decode()
+    finally:
+        c.close()
+
+
+def in_subprocess(code: str, crash_at: str | None = None, **kw) -> subprocess.Popen | subprocess.CompletedProcess:
+    env = dict(os.environ, **({release.CRASH_ENV: crash_at} if crash_at else {}))
+    pre = "import sys, json; sys.path.insert(0, 'build'); from pathlib import Path; "
+    return subprocess.run([sys.executable, "-c", pre + code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def at_step(repo, percent) -> bool:
+    """The rollout's route.json (written after releases.json) sends ``percent`` % to the candidate."""
+    route = json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text())
+    return (route.get("canary") or {}).get("percent") == percent
+
+
+def attach_code(srv) -> str:
+    return (f"from precision_pipeline.serving.triton_server import TritonServer; srv = TritonServer.attach({srv.http_url!r}); "
+            f"srv.metrics_port = {srv.metrics_port}; ")
+
+
+def test_url_of_another_repository_is_refused_before_anything_changes(served, units4, tmp_path):  # noqa: F811
+    repo_a, srv = served
+    release.verify_server(repo_a, srv)                # the server serves A: accepted
+    repo_b = tmp_path / "b" / "model_repository"      # B: the same unit names as A (the same build)
+    release.init_serving_repo(repo_b, units4[0].out_dir, profile="bf16-h100")
+    release.promote(repo_b, units4[1].out_dir)
+    before_b, before_srv = release.state_path(repo_b).read_text(), srv.loaded_models()
+    for call in (lambda: release.rollback(repo_b, server=srv),
+                 lambda: release.promote(repo_b, units4[2].out_dir, server=srv),
+                 lambda: release.recover(repo_b, server=srv),
+                 lambda: rollout.rollout(repo_b, units4[2].out_dir, srv, None, steps=(100,), hold_s=0)):
+        with pytest.raises(UserError, match="does not serve") as ei:
+            call()
+        assert ei.value.problems[0].field == "--url"
+    r = subprocess.run([sys.executable, "-m", "invoke", "rollback", "--repo", str(repo_b), "--url", srv.http_url],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 2 and "--url:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert release.state_path(repo_b).read_text() == before_b and srv.loaded_models() == before_srv
+    assert ask(srv).strip()                           # A still serves
+    assert release._live_unit(srv) == units4[0].engine_unit
+
+
+def test_wrong_metrics_port_is_refused_before_loading(served, units4):  # noqa: F811
+    repo, srv = served
+    other = TritonServer.attach(srv.http_url)
+    other.metrics_port = free_port()
+    with pytest.raises(UserError, match="no Triton metrics") as ei:
+        rollout.rollout(repo, units4[3].out_dir, other, None, steps=(50, 100), hold_s=0)
+    assert ei.value.problems[0].field == "--metrics-port"
+    assert "rollout" not in release.read_state(repo) and srv.loaded_models().get(units4[3].engine_unit) is None
+
+
+def test_abort_after_a_crash_at_the_100_percent_switch_serves_stable(served, units4):  # noqa: F811
+    """Crash after the ensemble was reloaded on the candidate, before the commit; then `rollout --abort`."""
+    repo, srv = served
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    p = in_subprocess(attach_code(srv) + "from precision_pipeline.serving import release; "
+                      f"release.begin_rollout(Path({str(repo)!r}), Path({str(units4[1].out_dir)!r}), server=srv, steps=(100,)); "
+                      f"release.finish_rollout(Path({str(repo)!r}), server=srv)", crash_at="rollout_switch")
+    assert p.returncode == release.CRASH_EXIT, p.stderr
+    assert release._live_unit(srv) == b and release.read_state(repo)["current"] == a  # the live ensemble on B
+    rec = rollout.abort(repo, srv)
+    assert rec["ensemble_reloaded"] is True and "candidate_kept" not in rec
+    assert release._live_unit(srv) == a and ask(srv).strip()            # the stable release serves
+    assert srv.loaded_models().get(b) != "READY" and srv.loaded_models().get(a) == "READY"
+    assert release.current_of_configs(repo) == (a, a)
+    assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}
+    assert release.read_state(repo)["history"][-1]["action"] == "rollout_abort"
+
+
+def test_refused_rollback_after_a_crash_at_switch_still_reconciles_the_server(served, units4):  # noqa: F811
+    """Crash of a promote after the ensemble reload (step ``switch``); `rollback --url` then has no previous
+    release (B was only an aborted candidate) and refuses, but the live server is put back on A first."""
+    repo, srv = served
+    a, c = units4[0].engine_unit, units4[2].engine_unit
+    p = in_subprocess(attach_code(srv) + "from precision_pipeline.serving import release; "
+                      f"release.promote(Path({str(repo)!r}), Path({str(units4[2].out_dir)!r}), server=srv)", crash_at="switch")
+    assert p.returncode == release.CRASH_EXIT, p.stderr
+    assert release._live_unit(srv) == c and release.read_state(repo)["current"] == a
+    with pytest.raises(UserError, match="no previous release"):
+        release.rollback(repo, server=srv)
+    assert release._live_unit(srv) == a and ask(srv).strip()
+    assert srv.loaded_models().get(c) != "READY"      # the uncommitted unit is not left loaded
+    assert release.current_of_configs(repo) == (a, a)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_abort_the_rollout(served, units4, sig):  # noqa: F811
+    repo, srv = served
+    a, d = units4[0].engine_unit, units4[3].engine_unit
+    env = dict(os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, 'build'); from pathlib import Path; "
+                             + attach_code(srv) + "from precision_pipeline.serving import rollout; "
+                             f"rollout.rollout(Path({str(repo)!r}), Path({str(units4[3].out_dir)!r}), srv, None, "
+                             "steps=(50, 100), hold_s=300)"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not at_step(repo, 50):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the rollout did not reach 50 %"
+            time.sleep(0.2)
+        route = json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text())
+        assert route["canary"] == {"tensorrt_llm_model_name": d, "percent": 50}
+        t = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(120)
+        print(f"\n[release-live] {sig.name}: rollout ended in {time.monotonic() - t:.1f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in out, out
+    st = release.read_state(repo)
+    assert "rollout" not in st and st["current"] == a
+    last = st["history"][-1]
+    assert last["action"] == "rollout_abort" and last["rollout"]["failed_check"] == "interrupted"
+    assert last["rollout"]["percent"] == 50
+    assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}
+    assert srv.loaded_models().get(d) != "READY"
+
+
+def test_server_dying_mid_step_rolls_back_and_leaves_no_shared_memory(served, units4):  # noqa: F811
+    """LAST in this module: kills the module's server (kill -9) while a rollout holds its first step."""
+    repo, srv = served
+    a = units4[0].engine_unit
+    mine = sorted(p.name for p in Path("/dev/shm").glob(f"{SHM_PREFIX}{srv.shm_token}*"))
+    assert mine, "the python backend's regions carry this server's prefix"
+    code = (attach_code(srv) + "from precision_pipeline.serving import rollout; "
+            f"r = rollout.rollout(Path({str(repo)!r}), Path({str(units4[3].out_dir)!r}), srv, None, steps=(50, 100), "
+            "hold_s=300); print('RESULT', json.dumps({'status': r.status, 'failed_check': r.failed_check}))")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, json; sys.path.insert(0, 'build'); from pathlib import Path; "
+                             + code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not at_step(repo, 50):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        os.killpg(srv.proc.pid, signal.SIGKILL)       # the server and its stubs
+        t = time.monotonic()
+        proc.wait(300)
+        assert time.monotonic() - t < 60              # noticed during the 300 s hold, not after it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    result = json.loads(out.split("RESULT", 1)[1])
+    assert result == {"status": "rolled_back", "failed_check": "server"}
+    st = release.read_state(repo)
+    assert "rollout" not in st and st["current"] == a
+    assert "server_error" in st["history"][-1]["rollout"]
+    assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}
+    srv.stop()
+    assert not list(Path("/dev/shm").glob(f"{SHM_PREFIX}{srv.shm_token}*"))

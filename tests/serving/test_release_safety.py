@@ -1,0 +1,386 @@
+"""Releases that never serve the wrong thing (issue 25, serving half), without a server.
+
+Retention and rollback ignore aborted candidates; a damaged releases.json stops every command with
+the file and the fix; leftovers of killed writes are removed; CLI refusals of bad serving inputs;
+TIME-WAIT ports; read-only repositories (the read-only file system is simulated where the write
+would fail: as root, chmod cannot make a directory unwritable).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.serving import pack, release, rollout
+from precision_pipeline.spec.profile import load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+INVOKE = [sys.executable, "-m", "invoke"]
+
+
+def inv(*args):
+    return subprocess.run([*INVOKE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, COLUMNS="200"))
+
+
+@pytest.fixture(scope="module")
+def units4(tmp_path_factory, default_model_dir):
+    """Four packed repositories of the default model with different engine hashes (A, B, C, D)."""
+    from tests.serving.test_pack import make_plan, with_limits
+
+    base = tmp_path_factory.mktemp("units4")
+    prof = load_profile("bf16-h100")
+    out = []
+    for i, mb in enumerate((64, 32, 16, 8)):
+        d = base / f"build{i}"
+        out.append(pack.pack_repository(with_limits(make_plan(prof), max_batch_size=mb), prof, Path(default_model_dir),
+                                        d / "no-checkpoint", d / "engine", False, d / "model_repository", str(d)))
+    assert len({r.engine_unit for r in out}) == 4
+    return out
+
+
+def serving_repo(tmp_path, first, keep=2) -> Path:
+    repo = tmp_path / "serving" / "model_repository"
+    release.init_serving_repo(repo, first.out_dir, profile="bf16-h100", keep_releases=keep)
+    return repo
+
+
+def rejected_rollout(repo, unit_src, failed_check="probe:kl_p99", percent=5):
+    """A rollout of ``unit_src`` that its checks rejected at ``percent`` % (no server: the files only)."""
+    release.begin_rollout(repo, unit_src.out_dir, steps=(percent, 100))
+    release.set_rollout_percent(repo, percent)
+    return release.abort_rollout(repo, failed_check=failed_check, by="test (automatic)")
+
+
+def on_disk(repo):
+    return sorted(p.name for p in repo.iterdir() if pack.is_unit(p.name))
+
+
+# ---- item 1: retention never keeps an aborted candidate in place of a release
+
+
+def test_aborted_candidate_never_pushes_out_a_release(tmp_path, units4):
+    a, b, c, d = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0], keep=2)
+    release.promote(repo, units4[1].out_dir)          # B current, A previous
+    rejected_rollout(repo, units4[2], failed_check="manual abort")  # C aborted
+    t = release.promote(repo, units4[3].out_dir)      # D current: keep B and A (2 previous); C goes
+    st = release.read_state(repo)
+    assert on_disk(repo) == sorted([a, b, d]) and t["removed"] == [c]
+    assert sorted(r["unit"] for r in st["releases"]) == sorted([a, b, d])
+    assert release.current_order(st) == [d, b, a]
+    release.rollback(repo, to=a)                      # A's unit and record are still usable
+    assert release.read_state(repo)["current"] == a
+
+
+# ---- item 5: a rejected candidate is never a rollback target
+
+
+def test_rejected_candidate_is_never_a_rollback_target(tmp_path, units4):
+    a, b, c, _ = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0])
+    rejected_rollout(repo, units4[2])                 # C rejected by the probe at 5 %
+    assert release.rejected_units(release.read_state(repo)) == {c: "probe:kl_p99 at 5 %"}
+    with pytest.raises(UserError, match="no previous release"):
+        release.rollback(repo)                        # the only other unit on disk is the rejected one
+    with pytest.raises(UserError, match=r"rolled back \(probe:kl_p99 at 5 %\)") as ei:
+        release.rollback(repo, to=c)
+    assert ei.value.problems[0].field == "--to"
+    release.promote(repo, units4[1].out_dir)          # B current; the previous release is A, never C
+    assert release.rollback(repo)["unit"] == a
+    assert release.read_state(repo)["current"] == a and c not in on_disk(repo)  # retention dropped C
+
+
+def test_a_candidate_rolled_out_later_is_a_release_again(tmp_path, units4):
+    a, _, c, _ = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0])
+    rejected_rollout(repo, units4[2])
+    release.begin_rollout(repo, units4[2].out_dir, steps=(100,))
+    release.finish_rollout(repo)                      # C passed this time: current
+    assert release.rejected_units(release.read_state(repo)) == {}
+    assert release.rollback(repo)["unit"] == a and release.rollback(repo)["unit"] == c
+
+
+# ---- item 17: a damaged releases.json
+
+
+@pytest.mark.parametrize("damage", ["truncate", "not-a-record"])
+def test_damaged_releases_json_is_refused_and_never_overwritten(tmp_path, units4, damage):
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)          # a write: releases.json.prev exists
+    path = release.state_path(repo)
+    text = path.read_text()
+    bad = text[: len(text) // 2] if damage == "truncate" else "[1, 2]\n"
+    path.write_text(bad)
+    calls = [lambda: release.read_state(repo), lambda: release.rollback(repo),
+             lambda: release.promote(repo, units4[2].out_dir), lambda: release.recover(repo),
+             lambda: release.begin_rollout(repo, units4[2].out_dir, steps=(100,))]
+    for call in calls:
+        with pytest.raises(UserError) as ei:
+            call()
+        p = ei.value.problems[0]
+        assert p.field == str(path) and "damaged" in p.reason and "changed nothing" in p.reason
+        assert f"cp {path}.prev {path}" in p.fix
+    assert path.read_text() == bad                    # never overwritten
+    assert json.loads(Path(f"{path}.prev").read_text())["current"] == units4[1].engine_unit
+    r = inv("releases", "--repo", str(repo))
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+    assert str(path) in r.stdout and "damaged" in r.stdout
+
+
+# ---- item 20: leftovers of killed writes
+
+
+def test_recover_removes_leftovers_of_killed_writes(tmp_path, units4):
+    repo = serving_repo(tmp_path, units4[0])
+    parent = repo.parent
+    planted = [parent / ".releases.json.k2j3h4.tmp", parent / ".releases.json.prev.4242.tmp",
+               parent / "..releases.lock.json.ab12cd.tmp", repo / "tensorrt_llm_bls" / ".route.json.x1y2.tmp",
+               repo / "ensemble" / ".config.pbtxt.q9w8.tmp"]
+    for p in planted:  # what a kill -9 in the middle of atomic_write_bytes leaves (mkstemp names)
+        p.write_text("{")
+    fixed = release.recover(repo)
+    assert [p.name for p in planted if p.exists()] == []
+    assert any("leftover temporary" in f for f in fixed)
+    assert sorted(p.name for p in parent.iterdir()) == [".releases.lock", "model_repository", "releases.json"]
+    release.promote(repo, units4[1].out_dir)          # a promote leaves only the state and its .prev
+    assert sorted(p.name for p in parent.iterdir()) == [".releases.lock", "model_repository", "releases.json",
+                                                        "releases.json.prev"]
+
+
+def test_stale_shared_memory_regions_are_removed_unless_mapped(tmp_path):
+    from precision_pipeline.serving.triton_server import SHM_PREFIX, clean_stale_shm
+
+    shm = Path("/dev/shm")
+    stale, used, other = (shm / f"{SHM_PREFIX}test{os.getpid()}_{n}" for n in ("stale", "used", "x"))
+    foreign = shm / f"not_ours_{os.getpid()}"
+    for p in (stale, used, foreign):
+        p.write_bytes(b"\0" * 4096)
+    try:
+        with open(used, "r+b") as f, mmap.mmap(f.fileno(), 4096) as m:  # a live server's region: mapped
+            m[0] = 1
+            assert clean_stale_shm(f"test{os.getpid()}_", min_age_s=3600) == []  # too young to be judged
+            assert clean_stale_shm(f"test{os.getpid()}_", min_age_s=0) == [stale.name]
+            assert used.exists() and foreign.exists() and not stale.exists() and not other.exists()
+    finally:
+        for p in (stale, used, foreign):
+            p.unlink(missing_ok=True)
+
+
+# ---- items 15 / 17: refusals of bad serving inputs
+
+
+@pytest.mark.parametrize("text", ["5,,100", "5,100,", ",100"])
+def test_steps_with_an_empty_step_are_refused(text):
+    with pytest.raises(UserError, match="has an empty step") as ei:
+        rollout.parse_steps(text)
+    assert ei.value.problems[0].field == "--steps"
+    assert rollout.parse_steps("5,20,100") == (5, 20, 100)
+
+
+def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
+    repo = serving_repo(tmp_path, units4[0])
+    before = release.state_path(repo).read_text()
+    with pytest.raises(UserError, match="not an engine unit") as ei:
+        release.record_probe(repo, "ensemble", {"passed": True, "ms": 1.0})
+    assert ei.value.problems[0].field == "--unit" and release.state_path(repo).read_text() == before
+    r = inv("probe", "--unit", "ensemble", "--gate", "/nonexistent/gate", "--repo", str(repo))
+    assert r.returncode == 2 and "--unit:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["releases", "--repo", "/nonexistent/serving/model_repository"], "--repo"),
+    (["rollout", "--profile", "fp8-h100", "--metrics-port", "abc"], "--metrics-port"),
+    (["rollout", "--abort", "--metrics-port", "70000"], "--metrics-port"),
+    (["build", "--profile", "fp8-h100", "--repo-root", "/" + "a" * 5000, "--out", "/nonexistent-dir/x"], "--repo-root"),
+    (["build", "--profile", "fp8-h100", "--repo-root", "/" + "b" * 300 + "/x", "--out", "/nonexistent-dir/x"], "--repo-root"),
+])
+def test_bad_serving_values_exit_2(args, flag):
+    r = inv(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{flag}:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert len(r.stdout) < 2000  # the 5,000 characters are not echoed back
+
+
+# ---- item 18: TIME-WAIT ports, read-only repositories
+
+
+def test_a_port_with_only_time_wait_sockets_is_free():
+    from precision_pipeline.serving.triton_server import TritonServer, free_port
+
+    srv_sock = socket.socket()
+    # as tritonserver's listeners (libevent's LEV_OPT_REUSEABLE, gRPC): Linux lets a new bind through a
+    # TIME-WAIT socket only when both have SO_REUSEADDR, and the accepted sockets inherit it
+    srv_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv_sock.bind(("127.0.0.1", 0))
+    srv_sock.listen(1)
+    port = srv_sock.getsockname()[1]
+    cli = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv_sock.accept()
+    conn.close()                        # the server side closes first: its end goes to TIME-WAIT on `port`
+    time.sleep(0.1)
+    cli.close()
+    srv_sock.close()
+    ss = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True, text=True).stdout
+    assert "TIME-WAIT" in ss, ss
+    srv = TritonServer(Path("."), http_port=port, grpc_port=free_port(), metrics_port=free_port())
+    assert srv.ports_in_use() == []
+    with socket.socket() as listening:  # a listening socket still counts
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        srv.http_port = listening.getsockname()[1]
+        assert srv.ports_in_use() == [("--http-port", srv.http_port)]
+
+
+def _read_only(*_a, **_k):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), "/srv/ro/.releases.lock")
+
+
+def test_probe_result_is_kept_when_releases_json_cannot_be_written(tmp_path, units4, monkeypatch):
+    from precision_pipeline.serving import probe
+
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    repo = serving_repo(tmp_path, units4[0])
+    unit = units4[0].engine_unit
+    summary = {"unit": unit, "kl_p99": 0.25, "top1": 0.96, "passed": True, "ms": 12.0}
+
+    class Res:
+        passed = True
+
+        def summary(self):
+            return summary
+
+    monkeypatch.setattr(probe, "run_probe", lambda *a, **k: Res())
+    monkeypatch.setattr(release, "_lock", _read_only)
+    rec = probe.probe_and_record(None, unit, None, repo_dir=repo, profile="bf16-h100")
+    path = probe.elsewhere_path(repo)
+    assert rec["recorded_in"] == str(path) and "Read-only file system" in rec["not_recorded"]
+    line = json.loads(path.read_text().splitlines()[-1])
+    assert line["probe"] == summary and line["unit"] == unit and line["repo"] == str(repo.resolve())
+    assert line["action"] == "probe" and line["profile"] == "bf16-h100"
+
+
+def test_serve_of_a_read_only_repository(tmp_path, units4, monkeypatch, capsys):
+    from precision_pipeline.serving import triton_server as ts
+
+    repo = serving_repo(tmp_path, units4[0])
+    started = []
+    monkeypatch.setattr(release, "recover", _read_only)
+    monkeypatch.setattr(ts.TritonServer, "start", lambda self: started.append(self.models) or setattr(self, "start_s", 0.0))
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    srv = ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    assert started == [release.serving_models(repo, release.read_state(repo))]
+    assert "read-only" in capsys.readouterr().out and srv.log_file == tmp_path / "cache" / "logs" / "tritonserver-1.log"
+    release.point_bls(repo, units4[1].engine_unit)    # an interrupted switch: needs a recovery it cannot write
+    with pytest.raises(UserError, match="is read-only .* needs a recovery") as ei:
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    assert "writable" in ei.value.problems[0].fix and len(started) == 1
+
+
+# ---- items 15 / 20: `invoke serve` when its tritonserver dies; its log
+
+
+def _live(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_serve_exits_non_zero_when_its_server_dies(tmp_path):
+    """`invoke serve` of an empty repository; kill -9 of its tritonserver ends the task with exit 1, the
+    server's log tail and no traceback. The log is the per-port file, not a new temporary file."""
+    from precision_pipeline.serving.triton_server import free_port, serve_log_path
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    ports = [free_port(), free_port(), free_port()]
+    tmp_logs = set(Path("/tmp").glob("tritonserver-*.log"))
+    proc = subprocess.Popen([*INVOKE, "serve", "--repo", str(repo), "--http-port", str(ports[0]), "--grpc-port",
+                             str(ports[1]), "--metrics-port", str(ports[2])], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, COLUMNS="200"))
+    try:
+        deadline = time.monotonic() + 180
+        while not _live(ports[0]):                    # serving
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        servers = [c for c in _children(proc.pid) if Path(f"/proc/{c}/comm").read_text().strip() == "tritonserver"]
+        os.kill(servers[0], signal.SIGKILL)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert proc.returncode == 1, out
+    assert "tritonserver was killed by signal 9" in out and "Traceback" not in out
+    log = serve_log_path(ports[0])
+    try:
+        assert str(log) in out and log.is_file()
+        assert set(Path("/tmp").glob("tritonserver-*.log")) <= tmp_logs  # no temporary log left behind
+    finally:
+        log.unlink(missing_ok=True)
+
+
+def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, capsys):
+    """`invoke rollout` whose rollout another shell aborted: not promoted, so exit 3 (as a rollback)."""
+    import importlib.util
+
+    from invoke import Exit
+
+    from precision_pipeline.serving import triton_server
+
+    spec = importlib.util.spec_from_file_location("tasks_under_test", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+
+    class Srv:
+        http_port = 8000
+
+    monkeypatch.setattr(tasks, "_built_repo", lambda profile, out=None: (load_profile("bf16-h100"), tmp_path, tmp_path, {}))
+    monkeypatch.setattr(tasks, "_probe_set", lambda *a: None)
+    monkeypatch.setattr(release, "read_state", lambda repo: {"current": "tensorrt_llm_000000000000"})
+    monkeypatch.setattr(triton_server.TritonServer, "attach", classmethod(lambda cls, url: Srv()))
+    monkeypatch.setattr(rollout, "rollout", lambda *a, **k: rollout.RolloutResult("aborted", "tensorrt_llm_c", "tensorrt_llm_s"))
+    with pytest.raises(Exit) as ei:
+        tasks.rollout.body(None, profile="bf16-h100", steps="5,100", hold="0")
+    assert ei.value.code == 3 and "was aborted" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_clean_stop_removes_the_servers_own_temporary_log(tmp_path):
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    (tmp_path / "repo").mkdir()
+    srv = TritonServer(tmp_path / "repo").start()
+    log = srv.log_file
+    assert log.is_file() and log.name.startswith("tritonserver-")
+    assert srv.stop() == 0 and not log.exists()
+    kept = TritonServer(tmp_path / "repo", log_file=tmp_path / "mine.log").start()  # a log the caller named stays
+    assert kept.stop() == 0 and (tmp_path / "mine.log").is_file()
