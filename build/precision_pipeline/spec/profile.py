@@ -644,10 +644,24 @@ WRITTEN_BY = "# Written by `invoke "
 --write-profile``): ``save_profile`` replaces only such files, never a hand-written or shipped one."""
 
 
+def is_shipped_profile(path: Path) -> bool:
+    """Whether ``path`` is a shipped profile: an existing file whose resolved path lies directly in the resolved
+    ``precision_profiles/`` folder beside the package (``PROFILES_DIR``, symlinks resolved on both sides).
+
+    The rule needs no git and no list to keep in step: it holds the same in a clone, a tarball or an
+    installed copy, because the folder *is* the shipped set (``shipped_profiles()`` lists it). A file a
+    user writes into that folder becomes shipped by the same rule and is protected too."""
+    try:
+        p = Path(path).expanduser().resolve()
+        return p.is_file() and p.parent == PROFILES_DIR.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def check_profile_target(path: Path, field: str = "--write", name_from_stem: bool = False) -> Path:
     """``path`` resolved, when a profile may be written there: it ends in ``.yaml``/``.yml``, is not a folder,
-    no folder above it is a file, and it does not exist or starts with ``WRITTEN_BY`` (a hand-written or
-    shipped profile is never replaced); with ``name_from_stem`` (the text will set no ``name:``) its stem
+    no folder above it is a file, it is not a shipped profile (``is_shipped_profile``), and it does not exist or
+    starts with ``WRITTEN_BY`` (a hand-written or shipped profile is never replaced); with ``name_from_stem`` (the text will set no ``name:``) its stem
     is a profile name. Raises UserError naming ``field`` otherwise. Callers check this before long work
     whose result goes there (``invoke sensitivity --write-profile``)."""
     path = Path(path).expanduser().resolve()
@@ -663,6 +677,12 @@ def check_profile_target(path: Path, field: str = "--write", name_from_stem: boo
     if blocker is not None:
         raise UserError(field, f"{_short(str(blocker))} is a file, not a folder, so {_short(path.name)} cannot go under it.",
                         "give a path whose folders are folders.")
+    if path.exists() and is_shipped_profile(path):
+        raise UserError(field, f"{_short(str(path))} is a shipped profile (an existing file in {PROFILES_DIR}); "
+                        "shipped profiles are never replaced, whatever their first line says.",
+                        "write to a file outside precision_profiles/ (e.g. profiles/my-profile.yaml, which may "
+                        "'extends:' the shipped one); to regenerate a shipped profile on purpose, delete it first "
+                        "(git rm) and write it again.")
     if path.exists():
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
