@@ -117,6 +117,48 @@ def test_a_stage_killed_mid_swap_is_a_cache_hit_after_recovery(tmp_path, monkeyp
     assert runner.run(Writes(), 1, None, {}).record.status == "done"  # the old key is not taken for the new folder
 
 
+@pytest.mark.parametrize("step", ["journal", "swap"])
+def test_a_kill_mid_swap_then_the_temporary_folder_removed_is_no_cache_hit(tmp_path, step):
+    """Issue 25 item 10: after a kill in the swap, someone deletes the ``.NAME.tmp-*`` folder; recovery must not
+    write the new record over the old folder (that made the next build say ``pack: cached`` for a stale pack)."""
+    import shutil
+
+    from precision_pipeline.core.stage import Artifact, Frozen, Manifest, Stage, StageRunner, execute
+
+    class In(Frozen):
+        n: int
+
+    class Writes(Stage):
+        name, output, artifact_type = "pack", "model_repository", Artifact
+
+        def inputs(self, plan, request, upstream):
+            return In(n=plan)
+
+        def run(self, inputs, workdir):
+            (workdir / "f").write_text(str(inputs.n))
+            return Artifact()
+
+    execute(Writes(), 1, None, {}, tmp_path)
+    # the kill, in this process: the crash hook raises instead of exiting
+    def kill(s):
+        if s == step:
+            raise SystemExit("killed")
+    from unittest import mock
+    with mock.patch.object(store, "_crash_point", kill), pytest.raises(SystemExit):
+        execute(Writes(), 2, None, {}, tmp_path)
+    leftovers = [q for q in tmp_path.iterdir() if q.name.startswith(".model_repository.tmp-")]
+    assert len(leftovers) == 1
+    shutil.rmtree(leftovers[0])  # "the temporary folder removed"
+    clean_stale(tmp_path, names=["model_repository", ".stages"])
+    assert (tmp_path / "model_repository" / "f").read_text() == "1"  # the previous copy, put back when needed
+    assert not list(tmp_path.glob(".*.swap.json"))
+    runner = StageRunner(tmp_path, Manifest.open(tmp_path / "manifest.json", profile="p", profile_source="p",
+                                                 model_dir="m", out_dir=str(tmp_path)))
+    assert runner.run(Writes(), 2, None, {}).record.status == "done"  # not "cached": the folder held n=1
+    assert (tmp_path / "model_repository" / "f").read_text() == "2"
+    assert runner.run(Writes(), 2, None, {}).record.status == "cached"
+
+
 def test_clean_stale_with_names_touches_only_those_leftovers(tmp_path):
     (tmp_path / ".env.tmp-backup").write_text("user secret")
     (tmp_path / ".gate.tmp-abc").mkdir()

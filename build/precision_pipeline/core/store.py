@@ -155,9 +155,27 @@ def _journal_path(target: Path) -> Path:
     return target.parent / f".{target.name}{SWAP_JOURNAL}"
 
 
+def _dir_id(path: Path) -> list[int]:
+    """[st_dev, st_ino] of a folder: a rename keeps both, so it names the new copy wherever it moved."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino]
+
+
+def _is_copy(target: Path, tmp_id: Any) -> bool:
+    """Whether ``target`` is the journal's new copy (its ``tmp_id``), i.e. the rename onto it happened."""
+    try:
+        return isinstance(tmp_id, list) and target.is_dir() and _dir_id(target) == tmp_id
+    except OSError:
+        return False
+
+
 def _finish_swap(parent: Path, journal: dict, crash: Callable[[str], None]) -> None:
     """Roll a journaled swap forward: the complete new copy becomes ``target``, then the commit files are
-    written, then the journal is removed (the commit), then the old copy is deleted. Idempotent."""
+    written, then the journal is removed (the commit), then the old copy is deleted. Idempotent.
+
+    When the new copy is neither at its temporary name nor at ``target`` (the journal's ``tmp_id``: device and
+    inode of the copy, which a rename keeps), it was removed after a kill: the swap is dropped instead, the
+    previous copy stays (or is put back from ``old``) and no commit file is written."""
     target = parent / journal["target"]
     tmp = parent / journal["tmp"]
     old = parent / journal["old"]
@@ -167,6 +185,15 @@ def _finish_swap(parent: Path, journal: dict, crash: Callable[[str], None]) -> N
             os.replace(target, old)
         crash("swap")
         os.replace(tmp, target)
+    elif not _is_copy(target, journal.get("tmp_id")):
+        # the new copy is gone and the target is not it (someone removed the temporary folder after a kill):
+        # the swap never happened. Keep (or put back) the previous copy and write none of the commit files, so
+        # no record ever describes a folder that is not there.
+        if not target.exists() and old.is_dir():
+            os.replace(old, target)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_journal_path(target))
+        return
     for rel, obj in (journal.get("files") or {}).items():
         atomic_write_json(parent / rel, obj)
     crash("commit")
@@ -211,7 +238,8 @@ def atomic_dir(target: Path, commit_files: Optional[dict[Path, Any]] = None,
         if rel.startswith(".."):
             raise ValueError(f"commit file {path} is outside {parent}")
         files[rel] = obj
-    journal = {"target": target.name, "tmp": tmp.name, "old": f".{target.name}.old-{os.getpid()}", "files": files}
+    journal = {"target": target.name, "tmp": tmp.name, "old": f".{target.name}.old-{os.getpid()}", "files": files,
+               "tmp_id": _dir_id(tmp)}
     try:
         atomic_write_json(_journal_path(target), journal)
     except BaseException:
