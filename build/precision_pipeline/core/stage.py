@@ -21,7 +21,10 @@ Only ``StageRunner`` computes keys::
 with the strict canonical form of ``core.store.canonical`` (unknown types are a TypeError that
 names the offending value's path; paths enter only as ``core.fingerprint.Fingerprint``). A stage
 is *cached* when its typed artifact record (``<out>/.stages/<name>.json``) is present, valid and
-holds its key, and its folder is present; otherwise it runs. The record is the authority, not the
+holds its key, and its folder is present and is what the record's ``files`` inventory says (each
+file's size and content sample, ``core.fingerprint.inventory``; reports ``VIEW_SUFFIXES`` aside):
+a checkpoint truncated or edited after its build, or a file added, makes the stage run again
+(``StageRunner.not_reused`` says why); otherwise it runs. The record is the authority, not the
 manifest row: it is committed together with the stage's folder (a commit file of
 ``core.store.atomic_dir``), so a kill during the folder swap is rolled forward with its record by
 the next build's ``clean_stale``.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +46,7 @@ from typing import Any, Callable, ClassVar, Generic, Literal, Mapping, Optional,
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from precision_pipeline.core.fingerprint import inventory, inventory_problem
 from precision_pipeline.core.paths import PACKAGE_DIR
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, canonical_json, hash_dir, hash_file, read_json
 
@@ -52,6 +57,11 @@ RECORDS_DIR = ".stages"
 """Folder under the build output holding each stage's typed artifact record (``<name>.json``)."""
 
 CODE_SUFFIXES = (".py", ".jsonl")
+
+VIEW_SUFFIXES = (".md", ".html", ".png")
+"""Files of a stage folder its record does not vouch for: reports and pictures that later tasks re-render
+(``invoke sensitivity`` adds a section to ``gate/report.md``). Every other file's size and content sample
+(``core.fingerprint.inventory``) is stored in the record and checked on each cache hit."""
 
 Status = Literal["done", "cached", "skipped", "failed"]
 
@@ -202,6 +212,8 @@ class StageRunner:
         self.manifest = manifest
         self.on_stage = on_stage
         self.records: list[StageRecord] = []
+        self.not_reused: dict[str, str] = {}
+        """{stage: why its folder did not match its record} for stages whose key matched (they ran again)."""
 
     def _record_path(self, stage: Stage) -> Path:
         return self.out_dir / RECORDS_DIR / f"{stage.name}.json"
@@ -221,6 +233,13 @@ class StageRunner:
         reusable = art.status == "done" or (art.status == "failed" and stage.reuse_failed)
         if not reusable or not art.present(self.out_dir):
             return None
+        if stage.output is not None:
+            why = inventory_problem(self.out_dir / stage.output, rec.get("files"), VIEW_SUFFIXES)
+            if why is not None:
+                self.not_reused[stage.name] = why
+                print(f"[{stage.name}] not reused: {self.out_dir / stage.output} is not what its record says ({why}); "
+                      "running it again.", file=sys.stderr, flush=True)
+                return None
         return art
 
     def run(self, stage: Stage, plan: Any, request: Any, done: Mapping[str, Done]) -> Done:
@@ -261,7 +280,8 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
         with atomic_dir(out, commit_files=commit) as tmp:
             art = checked(stage.run(inputs, tmp))
             if record_path is not None:
-                commit[record_path] = {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")}
+                commit[record_path] = {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json"),
+                                       "files": inventory(tmp, VIEW_SUFFIXES)}
     else:
         art = checked(stage.run(inputs, None))
         if record_path is not None:
