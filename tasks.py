@@ -193,9 +193,11 @@ def _build_on(con, on, profile, model, out, image, golden_limit=None) -> None:
 
     if on != "k8s":
         raise UserError("--on", f"{str(on)[:40]!r} is not a place to build.", "use --on k8s (or leave --on out to build here).")
+    from precision_pipeline.engine.job import check_gated_output
+
     prof = load_build_profile(profile)
     plan = plan_mod.resolve(prof, _model_dir(model), for_build=True)
-    out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
+    out_dir = check_gated_output(Path(out) if out else default_out_dir(prof.name), prof.name)
     text = build_job.render_job(plan, out_dir, image or deploy.DEFAULT_IMAGE, model_dir=_model_dir(model),
                                 golden_limit=golden_limit)
     rc = build_job.apply_and_follow(text)
