@@ -21,6 +21,10 @@ Loading rules (``load_profile``):
   ``MAX_YAML_NODES`` nodes (a "billion laughs" file is refused before it is built), numbers and
   booleans are not converted into each other (``max_batch_size: true`` is refused), and
   non-finite numbers (``.inf``, ``.nan``) are refused.
+* Numbers mean what YAML 1.2 says or are refused: PyYAML reads YAML 1.1, where ``064`` is octal 52,
+  ``1:04`` is base-60 64 and ``1_000`` drops the ``_``; each of these is refused with the value it
+  would silently have become (``_yaml11_number_problem``). ``!!binary`` is refused. Merge keys
+  (``<<: *anchor``) are supported: the anchored mapping's keys, then the mapping's own keys win.
 * Validation is pydantic with ``extra="forbid"``: an unknown key is an error that suggests the
   closest known key.
 
@@ -374,6 +378,8 @@ class _ProfileLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:  # ``<<: *base``: merged by SafeConstructor.flatten_mapping, own keys win
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)
@@ -386,6 +392,61 @@ class _ProfileLoader(yaml.SafeLoader):
                     "YAML keeps only the last one, which silently drops the first", key_node.start_mark)
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+    def construct_yaml_int(self, node):
+        why = _yaml11_number_problem(self.construct_scalar(node), "int")
+        if why:
+            raise yaml.constructor.ConstructorError(None, None, why, node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        why = _yaml11_number_problem(self.construct_scalar(node), "float")
+        if why:
+            raise yaml.constructor.ConstructorError(None, None, why, node.start_mark)
+        return super().construct_yaml_float(node)
+
+    def construct_yaml_binary(self, node):
+        raise yaml.constructor.ConstructorError(
+            None, None, "!!binary (base64 bytes) is not a profile value; profiles hold text, numbers and booleans "
+            "(write the text itself, without the !!binary tag)", node.start_mark)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:float", _ProfileLoader.construct_yaml_float)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:binary", _ProfileLoader.construct_yaml_binary)
+
+
+def _yaml11_number_problem(text: str, kind: str) -> Optional[str]:
+    """Why ``text`` (a plain scalar PyYAML resolves as a YAML 1.1 number) would be read differently by YAML 1.2,
+    or None. PyYAML implements YAML 1.1 (resolver.py: ``0[0-7_]+`` is octal, ``[0-9]+(:[0-5]?[0-9])+`` is base 60,
+    ``_`` is ignored, ``0b...`` is binary), YAML 1.2's core schema has none of these (``064`` is 64, ``1:04`` a
+    string). Such a value is refused with what it would silently have become, instead of being guessed."""
+    t = text.strip()
+    body = t.lstrip("+-")
+    if ":" in body:
+        return (f"{_short(t)} is a base-60 number in YAML 1.1 (PyYAML reads it as "
+                f"{_short(_yaml11_value(t, kind))}) and text in YAML 1.2; write the plain number, or quote it if it is text")
+    if kind == "int" and re.fullmatch(r"0[0-9_]+", body):
+        return (f"{_short(t)} has a leading zero: YAML 1.1 (PyYAML) reads it as octal {_short(_yaml11_value(t, kind))}, "
+                f"YAML 1.2 as {int(body.replace('_', ''))}; write it without the leading zero "
+                f"({'-' if t.startswith('-') else ''}{int(body.replace('_', ''))})")
+    if kind == "int" and body.lower().startswith("0b"):
+        return f"{_short(t)} is a YAML 1.1 binary number (not YAML 1.2); write it in decimal"
+    if "_" in body:
+        return (f"{_short(t)}: YAML 1.1 (PyYAML) drops the '_' and reads {_short(_yaml11_value(t, kind))}, YAML 1.2 "
+                "reads text; write the number without '_'")
+    return None
+
+
+def _yaml11_value(text: str, kind: str) -> Any:
+    c = yaml.constructor.SafeConstructor()
+    node = yaml.ScalarNode(f"tag:yaml.org,2002:{kind}", text)
+    try:
+        return c.construct_yaml_int(node) if kind == "int" else c.construct_yaml_float(node)
+    except (ValueError, yaml.YAMLError):
+        return text
 
 
 def _expanded_nodes(node: yaml.Node, memo: dict[int, int]) -> int:
