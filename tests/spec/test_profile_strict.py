@@ -87,6 +87,18 @@ def test_yaml_1_1_float_forms_and_binary_are_refused(tmp_path):
     assert "!!binary (base64 bytes) is not a profile value" in e.message
 
 
+def test_a_user_profile_named_like_a_shipped_one_extends_the_shipped_one(tmp_path):
+    """Issue 25 item 21: a user's fp8-h100.yaml with ``extends: fp8-h100`` was reported as a cycle."""
+    p = write(tmp_path / "mine", "fp8-h100.yaml", "extends: fp8-h100\nbuild:\n  max_batch_size: 16\n")
+    prof = load_profile(str(p))
+    shipped = load_profile("fp8-h100")
+    assert prof.name == "fp8-h100" and prof.build.max_batch_size == 16
+    assert prof.quantization == shipped.quantization and prof.target == shipped.target
+    write(tmp_path / "c", "a.yaml", "extends: b\n")  # a real cycle is still one
+    write(tmp_path / "c", "b.yaml", "extends: a\n")
+    assert "cycle: a -> b -> a" in refusal(tmp_path / "c" / "a.yaml").message
+
+
 def test_yaml_merge_keys_are_supported(tmp_path):
     """Issue 25 item 21: ``<<: *anchor`` was refused as 'could not determine a constructor for the tag ...merge'."""
     p = write(tmp_path, "m.yaml", BASE + "gate:\n  overrides:\n    A: &a {kl_mean_max: 0.3, top1_min: 0.7}\n"

@@ -12,7 +12,8 @@ Loading rules (``load_profile``):
   a YAML file. Names are ``[a-z0-9][a-z0-9._-]*``; anything else (``../../etc``) is refused.
 * ``extends: NAME`` merges the profile over its parent: mappings merge key by key, lists and
   scalars replace. Cycles are refused. ``NAME`` is looked up as ``NAME.yaml`` beside the
-  extending profile first, then among the shipped profiles. ``extends: sub/base.yaml`` is a
+  extending profile first (unless that is the extending file itself: a user's ``fp8-h100.yaml``
+  with ``extends: fp8-h100`` extends the shipped one), then among the shipped profiles. ``extends: sub/base.yaml`` is a
   path relative to the extending profile's folder and must stay inside that folder tree or
   inside ``precision_profiles/`` (symlinks resolved; absolute paths and ``..`` escapes are
   refused), so a profile can never make the loader open an unrelated file.
@@ -616,7 +617,7 @@ def _extends_path(parent: str, child: Path) -> Path:
     if not NAME_RE.match(parent):
         raise UserError("extends", f"{_short(parent)} is not a profile name (lower-case letters, digits, '.', '_', '-').", fix)
     beside = here / f"{parent}.yaml"
-    if _is_file(beside):
+    if _is_file(beside) and beside.resolve() != child.resolve():  # a file never extends itself: NAME is then the shipped one
         return beside
     return resolve_profile_path(parent, field="extends")
 
