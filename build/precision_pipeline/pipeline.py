@@ -19,7 +19,8 @@ the fix to delete it or pick a new ``--out``: it cannot be told apart from a use
 Order: every input is checked before the first write (profile, ``--model``, ``--out``,
 ``--checkpoint`` down to each tensor's byte range, ``--golden-limit``, ``--repo-root``,
 ``--image``, the resolve rules including ``calibration.dataset``, and the dataset's token lengths).
-Then the output is created and locked (``.build.lock`` inside it: a writable ``--out`` in a
+Then the output is created and locked (``.build.lock`` inside it, plus an ``flock`` on the output
+folder itself, so deleting ``.build.lock`` lets no second build in; a writable ``--out`` in a
 read-only parent works; a second build of the same output waits and says who holds it, or with
 ``wait=False`` / ``--no-wait`` is refused at once), interrupted stage swaps are rolled forward
 (``core.store.clean_stale``), and the stages run. ``plan.json`` is written after each stage that
@@ -260,6 +261,16 @@ def _preflight_build_node(plan, strict: bool) -> None:
                   argv=build_args(plan, Path("checkpoint"), Path("engine")), strict=strict)
 
 
+def output_lock(out_dir: Path, what: str, wait: bool = True, on_wait: Callable[[str], None] | None = None):
+    """The build lock of output ``out_dir`` (a context manager): ``.build.lock`` (its sidecar names the holder)
+    plus an ``flock`` on ``out_dir`` itself (``core.store.locked(folder_lock=True)``), so deleting
+    ``.build.lock`` during a build lets no second build in. ``wait``: False refuses at once (UserError on
+    ``--out`` naming the holder)."""
+    return locked(Path(out_dir) / LOCK_FILE, timeout_s=None if wait else 0, what=what, field="--out",
+                  on_wait=on_wait or _say, folder_lock=True,
+                  busy_fix="wait for that build to finish (leave out --no-wait to wait for it), or give another --out.")
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -292,9 +303,7 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
     _preflight_build_node(plan, req.strict)
     out_dir = req.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)  # the first write: every input was checked above
-    with locked(out_dir / LOCK_FILE, timeout_s=None if wait else 0, what=f"build of {req.profile.name}", field="--out",
-                on_wait=on_wait or _say,
-                busy_fix="wait for that build to finish (leave out --no-wait to wait for it), or give another --out."):
+    with output_lock(out_dir, f"build of {req.profile.name}", wait, on_wait or _say):
         _validate_out_dir(out_dir)  # again, under the lock
         if read_output_marker(out_dir) is None:
             write_output_marker(out_dir, req.profile.name)

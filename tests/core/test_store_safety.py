@@ -213,3 +213,32 @@ def test_lock_waiter_says_who_it_waits_for_then_gets_the_lock(tmp_path):
         holder.wait()
     assert said and all(f"held by pid {holder.pid}" in m for m in said), said
     assert not Path(str(lock) + ".json").exists()  # the sidecar goes with the lock
+
+
+def test_deleting_build_lock_lets_no_second_build_in(tmp_path):
+    """Issue 25 item 15: ``rm <out>/.build.lock`` during a build let a second build of the same output run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    code = f"""
+        import sys, time
+        from pathlib import Path
+        from precision_pipeline.pipeline import output_lock
+        with output_lock(Path({str(out)!r}), "build of first"):
+            print("held", flush=True)
+            time.sleep(30)
+    """
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=BUILD, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / ".build.lock").unlink()  # the careless user
+        from precision_pipeline.pipeline import output_lock
+
+        with pytest.raises(UserError) as e:
+            with output_lock(out, "build of second", wait=False):
+                pytest.fail("a second build got the lock of a running one")
+        assert e.value.problems[0].field == "--out" and f"pid {holder.pid}" in e.value.problems[0].reason
+    finally:
+        holder.kill()
+        holder.wait()
+    with output_lock(out, "build of third", wait=False):  # a killed holder leaves no lock behind
+        pass

@@ -322,17 +322,51 @@ def describe_holder(info: dict) -> str:
     return f"pid {info['pid']} on {info.get('host', '?')} since {since}{what}"
 
 
+class _DirLock:
+    """An exclusive ``flock(2)`` on a folder's own file descriptor (Linux/BSD allow flock on a directory fd).
+
+    Unlike a lock *file*, it cannot be sidestepped by deleting a file: the folder cannot be removed while
+    it holds the build's files, and a new process locks the same inode. Released when closed or when the
+    process dies (the kernel drops flock locks with the last descriptor)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.fd: Optional[int] = None
+
+    def try_acquire(self) -> bool:
+        import fcntl
+
+        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+
 @contextlib.contextmanager
 def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", field: str = "lock",
            on_wait: Optional[Callable[[str], None]] = None, interval_s: float = 5.0,
-           busy_fix: str = "wait for it to finish, then run again.") -> Iterator[None]:
-    """Hold an inter-process file lock at ``path`` (``filelock``) for the duration.
+           busy_fix: str = "wait for it to finish, then run again.", folder_lock: bool = False) -> Iterator[None]:
+    """Hold an inter-process file lock at ``path`` (``filelock``: ``fcntl.flock`` on the file) for the duration.
 
     The holder writes ``<path>.json`` (pid, host, start time, ``what``) so a process that finds the
     lock taken can say who holds it. ``timeout_s``: seconds to wait (None: for ever; 0: not at all);
     ``on_wait(message)`` is called every ``interval_s`` seconds while waiting. When the time is up,
     raises ``UserError(field, "... held by pid N on HOST since T ...", busy_fix)`` (exit 2), never a
-    timeout traceback."""
+    timeout traceback. ``folder_lock``: also hold an exclusive ``flock`` on ``path``'s folder itself
+    (``_DirLock``), taken after the file lock: deleting the lock file (``rm .build.lock``) then lets no
+    second holder in, because the folder's lock is still held."""
     from filelock import Timeout
 
     from precision_pipeline.core.errors import UserError
@@ -340,13 +374,24 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path))
+    folder = _DirLock(path.parent) if folder_lock else None
     t0 = time.monotonic()
     while True:
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
         step = interval_s if left is None else min(interval_s, left)
         try:
             lock.acquire(timeout=step)
-            break
+            if folder is None:
+                break
+            got = folder.try_acquire()
+            t_dir = time.monotonic()
+            while not got and time.monotonic() - t_dir < step:
+                time.sleep(min(0.1, step))
+                got = folder.try_acquire()
+            if got:
+                break
+            lock.release()
+            raise Timeout(str(path))
         except Timeout:
             who = describe_holder(lock_holder(path))
             if left is not None and left <= step:
@@ -360,6 +405,8 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
     finally:
         with contextlib.suppress(OSError):
             info.unlink()
+        if folder is not None:
+            folder.release()
         lock.release()
 
 
