@@ -311,7 +311,13 @@ def load_raw_fp8():
 @pytest.mark.parametrize("bad,why", [("http://c:99999", "port"), ("http://c:abc", "port"), ("http://c:0", "port"),
                                      ("http://[::1", "not a URL"), ("http://c:4318\u200b", "not a URL"),
                                      ("http://c\x00:4318", "not a URL"), ("http://" + "a" * 300 + ":4318", "host name"),
-                                     ("http://c:4318/" + "p" * 3000, "characters")])
+                                     ("http://c:4318/" + "p" * 3000, "characters"),
+                                     # issue 25 item 15: a percent-escaped newline and a five-part "address"
+                                     ("http://otel%0a:4318", "is not a DNS name"),
+                                     ("http://1.2.3.4.5:4318", "neither an IPv4 address"),
+                                     ("http://10.0.0.256:4318", "neither an IPv4 address"),
+                                     ("http://otel..svc:4318", "is not a DNS name"),
+                                     ("http://[fe80::zz]:4318", "not a URL")])
 def test_otlp_endpoint_port_length_and_invisible_characters_are_user_errors(bad, why):
     from precision_pipeline.spec.profile import otlp_endpoint_problem
 
@@ -320,6 +326,8 @@ def test_otlp_endpoint_port_length_and_invisible_characters_are_user_errors(bad,
         validate_profile(deep_merge(load_raw_fp8(), {"deployment": {"otlp_endpoint": bad}}))
     assert "deployment.otlp_endpoint" in str(e.value)
     assert otlp_endpoint_problem("http://[::1]:4318") is None and otlp_endpoint_problem("http://c:65535") is None
+    for ok in ("http://10.0.0.7:4318", "http://otel-collector.monitoring.svc.cluster.local:4318", "https://Otel.Example.com"):
+        assert otlp_endpoint_problem(ok) is None, ok
 
 
 TOOL_TEXT = "# Written by `invoke recommend`.\nextends: fp8-h100\n"

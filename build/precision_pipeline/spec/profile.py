@@ -231,6 +231,39 @@ OTLP_ENDPOINT_MAX = 2048
 """Longest ``deployment.otlp_endpoint`` accepted (characters): a base URL; longer ones are pasted by mistake."""
 
 
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+
+def _otlp_host_problem(host: str, bracketed: bool) -> Optional[str]:
+    """Why ``host`` (``urlsplit(...).hostname``: lower-cased, IPv6 brackets removed) names no host, or None.
+
+    A host is a bracketed IPv6 address, an IPv4 address, or a DNS name of letters, digits and inner '-' per
+    label (RFC 1123 2.1; RFC 3986 3.2.2 allows percent-encoding in reg-name, but no resolver takes ``otel%0a``:
+    it is a newline). A name whose last label is all digits must be an IPv4 address (RFC 3696 2: a top-level
+    label is never all-numeric), so ``1.2.3.4.5`` and ``1.2.3.999`` are refused."""
+    import ipaddress
+
+    if bracketed:
+        try:
+            ipaddress.IPv6Address(host)
+            return None
+        except ValueError:
+            return f"[{_short(host)}] is not an IPv6 address"
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if labels and labels[-1].isdigit():
+        try:
+            ipaddress.IPv4Address(host)
+            return None
+        except ValueError:
+            return (f"the host {_short(host)} is neither an IPv4 address (four numbers 0..255) nor a DNS name "
+                    "(whose last label is never all digits)")
+    bad = next((lb for lb in labels if not _DNS_LABEL.match(lb)), None)
+    if bad is not None:
+        return (f"the host {_short(host)} is not a DNS name: label {_short(bad)} may hold only letters, digits and "
+                "inner '-' (no '%' escapes, '_' or empty labels)")
+    return None
+
+
 def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
     """Why ``deployment.otlp_endpoint`` is unusable (None when fine): an ``http``/``https`` URL with a host, no
     query, fragment, credentials or whitespace, and without ``/v1/traces`` (it is appended)."""
@@ -253,6 +286,9 @@ def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
         return f"{_short(v)}: port 0 is not a usable port (1..65535; OTLP/HTTP listens on 4318)"
     if len(u.hostname) > 253 or any(len(label) > 63 for label in u.hostname.split(".")):
         return f"{_short(v)}: the host name is longer than DNS allows (253 characters, 63 per label; RFC 1035 2.3.4)"
+    host_why = _otlp_host_problem(u.hostname, bracketed="[" in u.netloc)
+    if host_why:
+        return f"{_short(v)}: {host_why}"
     if u.query or u.fragment or u.username or u.password:
         return f"{_short(v)} has a query, fragment or credentials (give the receiver's base URL)"
     if u.path.rstrip("/").endswith(OTLP_TRACES_PATH):
