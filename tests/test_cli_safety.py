@@ -222,6 +222,29 @@ def test_bad_serving_options_are_refused_before_writing(flags, field, previous_o
     assert hash_dir(previous_output) == before
 
 
+@pytest.mark.parametrize("name, says", [("my build", "contains a space"), ("café", "non-ASCII character 'é' (U+00E9)"),
+                                        ("tab\there", "contains whitespace"), ("a$b", "the character '$'")])
+def test_out_path_the_serving_stubs_cannot_start_from_is_refused_at_build_time(tmp_path, name, says):
+    """Issue 25 item 13: a build into a path with a space exited 0 and ``serve`` never became ready; a non-ASCII path
+    gave a traceback. Refused by ``build_request`` (before any write), and by the task with exit 2."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.pipeline import build_request
+
+    out = tmp_path / name
+    with pytest.raises(UserError) as e:
+        build_request("fp8-h100", out=str(out), device="cpu")
+    pr = e.value.problems[0]
+    assert pr.field == "--out" and says in pr.reason and "unquoted" in pr.reason and "ASCII letters" in pr.fix
+    assert not out.exists()
+    with pytest.raises(UserError) as e:
+        build_request("fp8-h100", out=str(tmp_path / "ok"), repo_root=f"/srv/{name}", device="cpu")
+    assert e.value.problems[0].field == "--repo-root"
+    build_request("fp8-h100", out=str(tmp_path / "fine-1.0_x"), device="cpu")  # ordinary names still pass
+    if name == "café":
+        _refused(run_task("build", "--profile", "fp8-h100", "--out", str(out)), "--out", "non-ASCII")
+        assert not out.exists()
+
+
 def test_golden_limit_is_checked_by_run_build_itself(previous_output):
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.pipeline import run_build

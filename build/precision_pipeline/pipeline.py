@@ -34,6 +34,7 @@ Errors: ``UserError`` (exit 2) before any write for bad input or refused checks;
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -147,6 +148,33 @@ def _validate_out_dir(out: Path) -> Path:
                     "give a new or empty directory, or a previous build's output folder.")
 
 
+SERVING_PATH_RE = re.compile(r"^[A-Za-z0-9/._+@:,=~-]+$")
+"""Characters a build output (and ``--repo-root``) may have in its path. The packed Triton repository names
+its files by this path (``gpt_model_path``, ``tokenizer_dir``, the Python models' folders), and Triton's
+Python backend starts each stub through a shell command line with the paths unquoted
+(triton-inference-server/python_backend ``src/stub_launcher.cc``; python_backend pull requests 401/412
+"There were no quotes around any of the paths in the stub launcher"), so a space splits the path and the
+stub never starts: ``serve`` waits for ever. Non-ASCII and shell characters are refused for the same reason."""
+
+
+def serving_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot hold a servable build (``SERVING_PATH_RE``), naming the first bad character; None if fine."""
+    if SERVING_PATH_RE.match(path):
+        return None
+    bad = next((c for c in path if not SERVING_PATH_RE.match(c)), " ")
+    what = ("a space" if bad == " " else "whitespace" if bad.isspace() else
+            f"the non-ASCII character {bad!r} (U+{ord(bad):04X})" if not bad.isascii() else f"the character {bad!r}")
+    return (f"{path[:200]!r} contains {what}. Triton's Python backend starts its stubs through a shell command "
+            "line with the model paths unquoted, so the served repository would never become ready")
+
+
+def _check_serving_path(path: Path | str, field: str) -> None:
+    why = serving_path_problem(str(path))
+    if why:
+        raise UserError(field, why + ".", "build into a path of ASCII letters, digits and / . _ - + @ : , = ~ "
+                        "(e.g. --out artifacts/my-build), or move the checkout to such a path.")
+
+
 def _model_dir(model: str | None) -> Path:
     if model is None:
         from precision_pipeline.spec.default_model import ensure_default_model
@@ -224,11 +252,15 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
 
     profile = load_build_profile(profile_ref)
     model_dir = _model_dir(model)
-    out_dir = _validate_out_dir(Path(out) if out else default_out_dir(profile.name or "profile"))
+    out_dir = Path(out).expanduser() if out else default_out_dir(profile.name or "profile")
+    _check_serving_path(out_dir.absolute(), "--out")  # before any filesystem call on it (non-ASCII names included)
+    out_dir = _validate_out_dir(out_dir)
+    _check_serving_path(out_dir, "--out")  # the resolved path (a symlink may lead elsewhere)
     ck = check_checkpoint_dir(checkpoint) if checkpoint is not None else None
     check_golden_limit(golden_limit)
     if repo_root is not None:
         check_repo_root(repo_root)
+        _check_serving_path(repo_root, "--repo-root")
     if image is not None:
         check_image(image, "--image")
     choice = choose_device(device, reference_dtype)
