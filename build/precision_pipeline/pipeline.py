@@ -151,10 +151,10 @@ def _validate_out_dir(out: Path) -> Path:
 SERVING_PATH_RE = re.compile(r"^[A-Za-z0-9/._+@:,=~-]+$")
 """Characters a build output (and ``--repo-root``) may have in its path. The packed Triton repository names
 its files by this path (``gpt_model_path``, ``tokenizer_dir``, the Python models' folders), and Triton's
-Python backend starts each stub through a shell command line with the paths unquoted
-(triton-inference-server/python_backend ``src/stub_launcher.cc``; python_backend pull requests 401/412
-"There were no quotes around any of the paths in the stub launcher"), so a space splits the path and the
-stub never starts: ``serve`` waits for ever. Non-ASCII and shell characters are refused for the same reason."""
+Python backend starts each stub as ``execvp("bash", {"bash", "-c", " exec <stub> <model_path> ..."})`` with the
+paths joined by spaces, unquoted (triton-inference-server/python_backend ``src/stub_launcher.cc``,
+``StubLauncher::Launch``), so a space splits the model path and the stub never starts: ``serve`` waits for
+ever. Shell characters break the same command line; non-ASCII names are refused as well (a traceback before)."""
 
 
 def serving_path_problem(path: str) -> str | None:
