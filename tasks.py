@@ -231,6 +231,10 @@ def check(c, profile=None, all=False, model=None):
 
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
     p = plan_mod.resolve(load_build_profile(profile), model_dir, for_build=True)  # the same rules as invoke build
+    if not p.problems:
+        from precision_pipeline.pipeline import check_dataset_tokens
+
+        check_dataset_tokens(p.profile.calibration, model_dir)  # token counts of a user dataset, as the build checks
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
               f"KV {mem.kv_bytes_per_token} B/token, capacity {mem.kv_tokens_capacity} tokens")

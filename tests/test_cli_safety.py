@@ -202,13 +202,27 @@ def test_build_refuses_a_bad_dataset_before_writing(tmp_path, previous_output):
     assert hash_dir(previous_output) == before and sorted(p.name for p in previous_output.iterdir()) == names
 
 
+def test_check_counts_bytes_and_tokens_of_the_samples_as_the_build_does(tmp_path):
+    """Issue 25 item 16: a sample too large passed ``invoke check`` and only failed (or OOMed) at build."""
+    prof = _dataset_profile(tmp_path, "big.jsonl", "bigsample")
+    prof.write_text(prof.read_text().replace("num_samples: 2\n", "num_samples: 2\n  seq_len: 16\n"))
+    data = prof.parent / "big.jsonl"
+    data.write_text(json.dumps({"text": "x" * 5000}) + "\n" + json.dumps({"text": "short"}) + "\n"
+                    + json.dumps({"text": "word " * 50}) + "\n")
+    _refused(run_task("check", "--profile", str(prof)), "calibration.dataset",
+             "line 1 (5,012 bytes): more than 4,096 bytes, so more than calibration.seq_len = 16 tokens")
+    data.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "word " * 50}) + "\n")
+    _refused(run_task("check", "--profile", str(prof)), "calibration.dataset",
+             "line 2 (51 tokens) is longer than calibration.seq_len = 16 tokens")
+
+
 def test_build_refuses_texts_longer_than_seq_len_before_writing(tmp_path, previous_output):
     prof = _dataset_profile(tmp_path, "long.jsonl", "longtexts")
     prof.write_text(prof.read_text().replace("num_samples: 2\n", "num_samples: 2\n  seq_len: 16\n"))
     (prof.parent / "long.jsonl").write_text(json.dumps({"text": "word " * 50}) + "\n" + json.dumps({"text": "short"}) + "\n")
     before = hash_dir(previous_output)
     r = run_task("build", "--profile", str(prof), "--out", str(previous_output))
-    _refused(r, "calibration.dataset", "line 1 is longer than calibration.seq_len = 16 tokens")
+    _refused(r, "calibration.dataset", "line 1 (51 tokens) is longer than calibration.seq_len = 16 tokens")
     assert hash_dir(previous_output) == before
 
 

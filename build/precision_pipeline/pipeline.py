@@ -269,16 +269,22 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
                         image=image or DEFAULT_IMAGE, strict=strict, device=choice)
 
 
-def _check_dataset_tokens(req: BuildRequest, plan) -> None:
-    """The calibration checks that need the tokenizer (texts longer than ``calibration.seq_len``), before any write."""
+def check_dataset_tokens(calibration, model_dir: Path, say: Callable[[str], None] | None = None) -> None:
+    """The calibration checks that need the tokenizer (texts longer than ``calibration.seq_len`` tokens, with
+    their token counts), on the lines a build reads; ``invoke build`` (before any write) and ``invoke check``
+    run it. Nothing for ``builtin``. ``say``: progress lines while reading/tokenizing. Raises UserError."""
     from precision_pipeline.resolve.dataset import BUILTIN
 
-    cal = plan.profile.calibration
-    if req.checkpoint is not None or cal.dataset == BUILTIN:
+    if calibration.dataset == BUILTIN:
         return
     from precision_pipeline.quantize.calibration import build_calibration_set, load_tokenizer
 
-    build_calibration_set(cal, load_tokenizer(req.model_dir))
+    build_calibration_set(calibration, load_tokenizer(model_dir), say=say or _say)
+
+
+def _check_dataset_tokens(req: BuildRequest, plan) -> None:
+    if req.checkpoint is None:
+        check_dataset_tokens(plan.profile.calibration, req.model_dir)
 
 
 def _preflight_build_node(plan, strict: bool) -> None:

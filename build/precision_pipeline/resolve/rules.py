@@ -1521,7 +1521,7 @@ def _calibration_dataset(ctx: Context) -> list[Finding]:
     from precision_pipeline.resolve.dataset import dataset_problems
 
     c = ctx.profile.calibration
-    return [refuse(pr.field, pr.reason, pr.fix) for pr in dataset_problems(c.dataset, c.num_samples)]
+    return [refuse(pr.field, pr.reason, pr.fix) for pr in dataset_problems(c.dataset, c.num_samples, c.seq_len)]
 
 
 def describe_rules() -> list[dict]:
