@@ -343,3 +343,32 @@ def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
     assert rows["engine_gate"] == "failed" and rows["engine"] == "done"
     assert {p: p.stat().st_mtime_ns for p in (out / "model_repository").rglob("config.pbtxt")} == packed
     assert "--gather_context_logits" in calls()[-1]  # the gate-only build
+
+
+def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_path, monkeypatch):
+    """Issue 25 item 19: the same dataset at another path re-quantized (the key held the path)."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.quantize.stage import QuantizeStage
+    from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    m = _model(tmp_path)
+    text = '{"text": "one"}\n{"text": "two"}\n'
+    for d in ("a", "b/c"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "calib.jsonl").write_text(text)
+    (tmp_path / "other.jsonl").write_text('{"text": "three"}\n{"text": "two"}\n')
+
+    def key(ds: str, **cal) -> str:
+        prof = validate_profile(deep_merge(load_raw("fp8-h100"), {"calibration": {"dataset": ds, "num_samples": 2, **cal}}))
+        st = QuantizeStage()
+        inputs = st.inputs(SimpleNamespace(profile=prof), SimpleNamespace(checkpoint=None, model_dir=m, device=None), {})
+        assert inputs.profile.calibration.dataset == ds  # the stage still reads the file where it is
+        return stage_mod.stage_key(st, inputs, {})
+
+    k = key(str(tmp_path / "a" / "calib.jsonl"))
+    assert key(str(tmp_path / "b" / "c" / "calib.jsonl")) == k
+    assert key(str(tmp_path / "other.jsonl")) != k  # other content, other key
+    assert key(str(tmp_path / "a" / "calib.jsonl"), seed=1) != k  # the other calibration fields still count
+    assert key("builtin") != k

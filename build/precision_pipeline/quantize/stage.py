@@ -20,7 +20,8 @@ from precision_pipeline.spec.profile import Profile
 
 class QuantizeInputs(Frozen):
     """The model, and the profile the quantizer is called with. Keyed: only the sections it reads
-    (quantization, calibration, parallel, build.logits_dtype) and a calibration file's content."""
+    (quantization, calibration, parallel, build.logits_dtype) and a calibration file's content; a user
+    dataset's path is not keyed (the same file moved or copied elsewhere does not re-quantize)."""
 
     model: Fingerprint
     profile: Profile
@@ -32,7 +33,10 @@ class QuantizeInputs(Frozen):
 
     def canonical(self) -> dict[str, Any]:
         p = self.profile
-        out = {"model": self.model, "quantization": p.quantization, "calibration": p.calibration,
+        cal = p.calibration
+        if self.calibration_data is not None:  # a user file: its content is keyed (calibration_data), never its path
+            cal = cal.model_copy(update={"dataset": "file"})
+        out = {"model": self.model, "quantization": p.quantization, "calibration": cal,
                "parallel": p.parallel, "logits_dtype": p.build.logits_dtype, "calibration_data": self.calibration_data}
         if (self.device, self.compute_dtype) != ("cpu", "float32"):  # CPU keys stay what they were before devices
             out["compute"] = {"device": self.device, "dtype": self.compute_dtype}
