@@ -338,12 +338,12 @@ def _serving_repo(repo):
 def _built_repo(profile, out=None):
     """The packed model_repository of a finished build of ``profile`` (UserError if absent/failed)."""
     from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.stage import read_manifest
     from precision_pipeline.spec.profile import load_profile
-    from precision_pipeline.core.store import read_json
 
     prof = load_profile(profile)
     out_dir = Path(out).expanduser().resolve() if out else ROOT / "artifacts" / prof.name
-    manifest = read_json(out_dir / "manifest.json", {}) or {}
+    manifest = read_manifest(out_dir / "manifest.json")
     stages = manifest.get("stages", {})
     if manifest.get("profile") not in (None, prof.name):
         raise UserError("--profile", f"{out_dir} holds a build of {manifest.get('profile')!r}, not of {prof.name!r}; "

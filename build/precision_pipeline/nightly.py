@@ -458,12 +458,12 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
 
 
 def _promote(row: Row, opts: NightlyOptions) -> str:
-    from precision_pipeline.core.store import read_json
+    from precision_pipeline.core.stage import read_manifest
     from precision_pipeline.serving import release
 
     repo = Path(opts.serving_repo) if opts.serving_repo else Path(opts.out_root) / "serving" / "model_repository"
     out = Path(row.out_dir)
-    gate = ((read_json(out / "manifest.json", {}) or {}).get("stages", {}).get("gate", {}) or {}).get("numbers", {})
+    gate = ((read_manifest(out / "manifest.json")).get("stages", {}).get("gate", {}) or {}).get("numbers", {})
     if release.read_state(repo) is None:
         state = release.init_serving_repo(repo, out / "model_repository", profile=row.profile, gate=gate, by="invoke nightly")
         return str(state["current"])

@@ -242,3 +242,30 @@ def test_deleting_build_lock_lets_no_second_build_in(tmp_path):
         holder.wait()
     with output_lock(out, "build of third", wait=False):  # a killed holder leaves no lock behind
         pass
+
+
+def test_a_truncated_manifest_is_a_sentence_and_the_next_build_rewrites_it(tmp_path, capsys):
+    """Issue 25 item 17: a truncated manifest.json broke every later command on the output with a traceback."""
+    from precision_pipeline.core.stage import Manifest, read_manifest
+
+    m = tmp_path / "manifest.json"
+    m.write_text('{"profile": "fp8-h100", "stag')
+    with pytest.raises(UserError) as e:
+        read_manifest(m)
+    pr = e.value.problems[0]
+    assert pr.field == "manifest.json" and str(m) in pr.reason and "not valid JSON" in pr.reason
+    assert f"--out {tmp_path}" in pr.fix
+    m.write_text("[1, 2]")
+    with pytest.raises(UserError, match="a JSON list, not an object"):
+        read_manifest(m)
+    assert read_manifest(tmp_path / "none.json") == {}
+    man = Manifest.open(m, profile="p", profile_source="p", model_dir="m", out_dir=str(tmp_path))  # a build replaces it
+    assert man.previous == {} and "is damaged" in capsys.readouterr().err
+    man.save()
+    assert read_manifest(m)["profile"] == "p"
+    # through a task that reads it (promote): exit 2 and the sentence, no traceback
+    m.write_text('{"profile": "fp8-h100", "stag')
+    p = subprocess.run([sys.executable, "-m", "invoke", "promote", "--profile", "fp8-h100", "--out", str(tmp_path),
+                        "--repo", str(tmp_path / "serving" / "model_repository")], cwd=BUILD.parent, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr and "manifest.json:" in p.stdout, p.stdout + p.stderr

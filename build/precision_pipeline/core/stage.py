@@ -46,6 +46,7 @@ from typing import Any, Callable, ClassVar, Generic, Literal, Mapping, Optional,
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from precision_pipeline.core.errors import PipelineError
 from precision_pipeline.core.fingerprint import inventory, inventory_problem
 from precision_pipeline.core.paths import PACKAGE_DIR
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, canonical_json, hash_dir, hash_file, read_json
@@ -161,6 +162,28 @@ def stage_key(stage: Stage, inputs: BaseModel, upstream_keys: Mapping[str, str])
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
+def read_manifest(path: Path) -> dict:
+    """``manifest.json`` at ``path`` as a dict ({} when the file does not exist).
+
+    A file that is not a JSON object (truncated by a full disk, edited by hand) raises UserError (exit 2)
+    naming it and the fix: ``invoke build`` on that output rewrites it from the stage records
+    (``.stages/``, the authority), without re-running an unchanged stage."""
+    from precision_pipeline.core.errors import UserError
+
+    try:
+        data = read_json(path, default={})
+    except (ValueError, UnicodeDecodeError) as e:
+        data = f"not valid JSON ({str(e)[:80]})"
+    except OSError as e:
+        data = f"unreadable ({e.strerror or e})"
+    if not isinstance(data, dict):
+        why = data if isinstance(data, str) else f"a JSON {type(data).__name__}, not an object"
+        raise UserError("manifest.json", f"{path} is {why}: the build output's summary is damaged.",
+                        f"run `invoke build --profile P --out {Path(path).parent}` again: it rewrites manifest.json "
+                        "from the stage records and reuses every unchanged stage.")
+    return data
+
+
 @dataclass
 class Manifest:
     """manifest.json as an object: rendered with the layout the README documents."""
@@ -178,7 +201,14 @@ class Manifest:
 
     @classmethod
     def open(cls, path: Path, **head: str) -> "Manifest":
-        old = read_json(path, default={}) or {}
+        """The manifest a build (re)writes: the previous rows of a readable ``path``; a damaged one (not a JSON
+        object, ``read_manifest``) is replaced, since the rows are rewritten from the stage records."""
+        try:
+            old = read_manifest(path)
+        except PipelineError:
+            print(f"[manifest] {path} is damaged (not a JSON object); it is rewritten from the stage records.",
+                  file=sys.stderr, flush=True)
+            old = {}
         prev = old.get("stages", {}) if isinstance(old, dict) else {}
         prev = prev if isinstance(prev, dict) else {}
         return cls(path=Path(path), previous=dict(prev), stages=dict(prev), **head)
@@ -291,4 +321,4 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
 
 
 __all__ = ["Frozen", "Artifact", "Stage", "StageRunner", "StageRecord", "Done", "Manifest", "stage_key", "execute",
-           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR"]
+           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR", "read_manifest"]

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from precision_pipeline.core.errors import GateFailed, PipelineError, StrictSkip, UserError
-from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRecord, StageRunner
+from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRecord, StageRunner, read_manifest
 
 
 def _record(out: Path, name: str, fix: str = "run `invoke build --profile P --out OUT` on the CPU side first "
@@ -80,7 +80,7 @@ def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = 
     q, g = _record(out, "quantize"), _record(out, "gate")
     up = {"quantize": Done(artifact=None, key=q["key"], dir=out / "checkpoint", record=StageRecord("quantize", "cached")),
           "gate": Done(artifact=None, key=g["key"], dir=out / "gate", record=StageRecord("gate", "cached"))}
-    old = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").is_file() else {}
+    old = read_manifest(out / "manifest.json")
     manifest = Manifest.open(out / "manifest.json", profile=plan.profile.name, profile_source=old.get("profile_source", ""),
                              model_dir=old.get("model_dir", ""), out_dir=str(out))
     model = Path(model_dir) if model_dir is not None else (Path(old["model_dir"]) if old.get("model_dir") else None)
