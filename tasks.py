@@ -84,13 +84,14 @@ def guarded(fn):
                 os.dup2(devnull, sys.stdout.fileno())
                 raise Exit(code=141)
             if e.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS, _errno.ENOSPC, _errno.EDQUOT,
-                           _errno.ENAMETOOLONG, _errno.EMFILE):
+                           _errno.ENAMETOOLONG, _errno.EMFILE, _errno.EFBIG):
                 from rich.markup import escape as esc
 
-                where = str(e.filename or "")[:200]
+                where = str(e.filename2 or e.filename or "")[:200] or "(a file the system did not name)"
+                fix = "raise the file-size limit (ulimit -f)" if e.errno == _errno.EFBIG else "free space or fix permissions"
                 _console().print(f"[bold red]error[/]: cannot write {esc(where)}: {esc(e.strerror or str(e))}. "
                                  "Writes are atomic, so the previous artifacts and the serving repository are "
-                                 "intact; free space or fix permissions and run again.", soft_wrap=True)
+                                 f"intact; {fix} and run again.", soft_wrap=True)
                 raise Exit(code=EXIT_INVALID)
             _internal_error()
             raise Exit(code=EXIT_INTERNAL)

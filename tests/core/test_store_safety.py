@@ -269,3 +269,43 @@ def test_a_truncated_manifest_is_a_sentence_and_the_next_build_rewrites_it(tmp_p
                         "--repo", str(tmp_path / "serving" / "model_repository")], cwd=BUILD.parent, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr and "manifest.json:" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_full_disk_or_ulimit_during_a_checkpoint_copy_is_a_sentence_and_leaves_nothing(tmp_path):
+    """Issue 25 items 17 and 21: ``ulimit -f`` / a full disk during the ``--checkpoint`` copy was a shutil.Error
+    traceback; full-disk errors printed an empty path."""
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "rank0.safetensors").write_bytes(os.urandom(300_000))
+    out = tmp_path / "out"
+    code = f"""
+        import resource
+        from pathlib import Path
+        from precision_pipeline.core.errors import UserError
+        from precision_pipeline.core.fingerprint import fingerprint
+        from precision_pipeline.core.stage import execute
+        from precision_pipeline.quantize.stage import QuantizeStage, ReuseInputs
+
+        class Req:
+            checkpoint = Path({str(src)!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # ulimit -f 100 (KB)
+        try:
+            execute(QuantizeStage(), None, Req(), {{}}, Path({str(out)!r}))
+        except UserError as e:
+            print("USERERROR", e.problems[0].field, "|", e.problems[0].reason, "|", e.problems[0].fix)
+    """
+    p = _python(code)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    line = p.stdout.strip()
+    assert line.startswith("USERERROR --checkpoint |") and f"copying {src / 'rank0.safetensors'} to " in line, line
+    assert "File too large" in line and "ulimit -f" in line
+    assert not (out / "checkpoint").exists() and not [q for q in out.iterdir() if ".tmp-" in q.name]  # nothing half-written
+    # a write that fails with no file name (ENOSPC from write()) names the target
+    import errno
+    from unittest import mock
+
+    with mock.patch.object(os, "fsync", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+        with pytest.raises(OSError) as e:
+            store.atomic_write_json(tmp_path / "manifest.json", {"a": 1})
+    assert e.value.filename == str(tmp_path / "manifest.json") and not (tmp_path / "manifest.json").exists()

@@ -36,6 +36,7 @@ verdict (re-measuring an unchanged failing gate costs minutes and changes nothin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -285,6 +286,18 @@ class StageRunner:
         return d
 
 
+@contextlib.contextmanager
+def _names_the_folder(out: Path):
+    """An OSError without a file name (``write()`` on a full disk: ENOSPC, EFBIG) gets the stage folder as its
+    ``filename``, so the message says where the write failed instead of an empty path."""
+    try:
+        yield
+    except OSError as e:
+        if not e.filename:
+            e.filename = str(out)
+        raise
+
+
 def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out_dir: Optional[Path] = None,
             cached: Optional[Callable[[Stage, str], Optional[Artifact]]] = None) -> Done:
     """Key ``stage``, reuse its artifact when ``cached`` returns one, else run it (atomically into
@@ -307,7 +320,7 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
     if out is not None:
         # the record is a commit file of the folder's swap: a kill mid-swap is rolled forward with it
         commit: dict[Path, Any] = {}
-        with atomic_dir(out, commit_files=commit) as tmp:
+        with _names_the_folder(out), atomic_dir(out, commit_files=commit) as tmp:
             art = checked(stage.run(inputs, tmp))
             if record_path is not None:
                 commit[record_path] = {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json"),
