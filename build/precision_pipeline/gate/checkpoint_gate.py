@@ -960,6 +960,30 @@ def _fmt_reason(name: str, value: Optional[float], threshold: Optional[float], o
     return f"{name} = {value:.4g} ({'within' if ok else 'outside'} {op} {threshold:.4g})"
 
 
+def rejudge(metrics: dict[str, Any], thresholds: GateThresholds) -> dict[str, Any]:
+    """``metrics`` (a gate's metrics.json content) judged against ``thresholds`` instead of the ones it was
+    measured with: each checked metric's threshold, ``passed``, ``floor_exceeds_threshold`` and reason, and the
+    top-level ``passed``/``failures``/``thresholds``, by the same rule as a measuring run (``_check``,
+    ``_fmt_reason``, ``CHECKS``). The measured values, intervals and the rest are kept. Returns a new dict."""
+    import copy
+
+    out = copy.deepcopy(metrics)
+    failures: list[str] = []
+    for name, m in out.get("metrics", {}).items():
+        thr_field, op = CHECKS.get(name, (None, None))
+        thr = getattr(thresholds, thr_field) if thr_field else None
+        v = m.get("value")
+        ok, _ = _check(v, thr, op) if thr_field else (None, "")
+        fv = m.get("noise_floor")
+        m.update({"threshold": thr, "passed": ok, "reason": _fmt_reason(name, v, thr, op or "", ok),
+                  "floor_exceeds_threshold": None if thr is None or fv is None else
+                  ((fv > thr) if op == "<=" else (fv < thr))})
+        if ok is False:
+            failures.append(name)
+    out.update({"passed": not failures, "failures": failures, "thresholds": thresholds.model_dump(mode="json")})
+    return out
+
+
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -1406,6 +1430,6 @@ __all__ = [
     "Candidate", "HFCandidate", "CallableCandidate", "as_candidate", "TokenMetrics", "token_metrics", "kl_summary",
     "bootstrap_ci", "compare_generations", "greedy_all", "perplexity", "heldout_texts", "heldout_windows", "model_fingerprint",
     "ReferenceData", "reference_data", "reference_key", "torch_threads", "auto_threads", "GateOptions", "GateRuntime",
-    "GateResult", "run_gate", "gate_checkpoint", "write_gate_dir", "CHECKS",
+    "GateResult", "run_gate", "gate_checkpoint", "write_gate_dir", "rejudge", "CHECKS",
     "METRIC_ORDER", "METRIC_LABELS",
 ]
