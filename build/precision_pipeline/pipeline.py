@@ -238,7 +238,9 @@ def choose_device(device: str = "auto", reference_dtype: str = "float32"):
     UserError for an unknown value or ``cuda`` without a usable GPU."""
     from precision_pipeline.spec.device import probe_machine, select_device
 
-    select_device(device, probe_machine("cpu"), reference_dtype)  # a bad value is refused before torch is asked
+    # a bad value is refused before torch is asked: checked against this machine's host side with the values that
+    # need no GPU (``cuda`` itself is judged on the real probe below, so its refusal names what is missing)
+    select_device("cpu" if str(device).strip().lower() == "cuda" else device, probe_machine("cpu"), reference_dtype)
     return select_device(device, probe_machine(device), reference_dtype)
 
 
