@@ -201,6 +201,8 @@ def test_a_cache_hit_checks_the_folder_is_what_its_record_says(tmp_path, damage)
     assert _runner(out).run(_Writes(), 1, None, {}).record.status == "done"
     assert _runner(out).run(_Writes(), 1, None, {}).record.status == "cached"
     (out / "checkpoint" / "report.md").write_text("re-rendered by a later task")  # views are not vouched for
+    (out / "checkpoint" / "__pycache__").mkdir()
+    (out / "checkpoint" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0")  # served in place
     assert _runner(out).run(_Writes(), 1, None, {}).record.status == "cached"
     w = out / "checkpoint" / "rank0.safetensors"
     if damage == "truncate":

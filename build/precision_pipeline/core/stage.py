@@ -60,9 +60,10 @@ RECORDS_DIR = ".stages"
 
 CODE_SUFFIXES = (".py", ".jsonl")
 
-VIEW_SUFFIXES = (".md", ".html", ".png")
+VIEW_SUFFIXES = (".md", ".html", ".png", ".pyc")
 """Files of a stage folder its record does not vouch for: reports and pictures that later tasks re-render
-(``invoke sensitivity`` adds a section to ``gate/report.md``). Every other file's size and content sample
+(``invoke sensitivity`` adds a section to ``gate/report.md``), and the ``__pycache__/*.pyc`` Python writes
+when a packed repository is served in place. Every other file's size and content sample
 (``core.fingerprint.inventory``) is stored in the record and checked on each cache hit."""
 
 Status = Literal["done", "cached", "skipped", "failed"]

@@ -344,6 +344,13 @@ class _DirLock:
         except BlockingIOError:
             os.close(fd)
             return False
+        except OSError as e:
+            import errno
+
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without flock (some NFS)
+                return True  # the lock file alone, as before
+            raise
         except BaseException:
             os.close(fd)
             raise
