@@ -5,6 +5,8 @@ Models are ModelArch objects made from HF config dicts (no files needed).
 
 from __future__ import annotations
 
+import json
+
 
 import pytest
 
@@ -101,6 +103,19 @@ def test_linear_weight_bytes():
 
 # ---------------------------------------------------------------------------------------------
 # gpu.*
+
+
+def test_an_alias_of_several_memory_sizes_is_warned_and_recorded(default_model_dir):
+    """Issue 25 item 15: ``gpu: a100`` silently meant the 80 GB card."""
+    plan = run(gemm("W4A16_AWQ", "a100"))
+    assert plan.gpu.id == "a100-80gb" and not plan.problems
+    w = [c for c in plan.checks if c["rule"] == "gpu.variant"]
+    assert len(w) == 1 and w[0]["status"] == "warn"
+    assert "'a100' is read as a100-80gb (80 GB, 2,039 GB/s); it also names a100-40gb (40 GB, 1,555 GB/s)" in w[0]["message"]
+    assert any("a100-40gb" in x for x in plan.warnings) and "gpu.variant" in json.dumps(plan.to_json())
+    exact = run(gemm("W4A16_AWQ", "a100-80gb"))
+    assert [c["status"] for c in exact.checks if c["rule"] == "gpu.variant"] == ["pass"]
+    assert not any("a100-40gb" in x for x in exact.warnings)
 
 
 def test_gpu_supported_refuses_v100_and_t4():

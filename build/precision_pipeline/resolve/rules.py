@@ -661,6 +661,17 @@ def build_memory_plan(ctx: Context) -> dict:
 # Rules: GPU
 
 
+@rule("gpu.variant", "target.gpu names one memory size (a100 is read as a100-80gb: warned, with the choices)",
+      "build/precision_pipeline/spec/hardware.py (_VARIANTS)")
+def _gpu_variant(ctx: Context) -> list[Finding]:
+    from precision_pipeline.spec.hardware import variant_note  # local: avoid a cycle at import time
+
+    note = variant_note(ctx.profile.target.gpu)
+    if note:
+        return [warn("target.gpu", note + ".", f"write the id ({ctx.gpu.id} or another of the choices) to say which.")]
+    return []
+
+
 @rule("gpu.supported", "target GPU is SM >= 80 (TensorRT-LLM 1.x)", F.SRC_SUPPORT)
 def _gpu_supported(ctx: Context) -> list[Finding]:
     g = ctx.gpu
@@ -1552,7 +1563,7 @@ def _calibration_dataset(ctx: Context) -> list[Finding]:
     from precision_pipeline.resolve.dataset import dataset_problems
 
     c = ctx.profile.calibration
-    return [refuse(pr.field, pr.reason, pr.fix) for pr in dataset_problems(c.dataset, c.num_samples)]
+    return [refuse(pr.field, pr.reason, pr.fix) for pr in dataset_problems(c.dataset, c.num_samples, c.seq_len)]
 
 
 def describe_rules() -> list[dict]:
