@@ -310,18 +310,20 @@ def test_parse_steps_text_and_sequences():
 
 def test_wait_drained_measures_the_last_request(monkeypatch):
     """The candidate serves 2 more requests after the decision, then nothing: decision_to_stable_ms is
-    the time to its count's last change, served_after_decision 2; pending requests keep it waiting."""
+    the time to its count's last change (rounded to 0.1 ms), served_after_decision 2; pending requests
+    keep it waiting. A stand-in clock (binary fractions, so every sum is exact)."""
     seq = [counters(cand=(10, 0, 0, 1)), counters(cand=(11, 0, 0, 1)), counters(cand=(12, 0, 0, 0))]
     clock = {"t": 100.0}
     monkeypatch.setattr(rollout.time, "perf_counter", lambda: clock["t"])
     monkeypatch.setattr(rollout.time, "sleep", lambda s: clock.__setitem__("t", clock["t"] + s))
     monkeypatch.setattr(rollout, "scrape", lambda url: seq.pop(0) if len(seq) > 1 else seq[0])
     srv = MetricsServer(None)
-    got = rollout.wait_drained(srv, C, t_decision=99.0, poll_s=0.1, quiet_s=0.25)
+    got = rollout.wait_drained(srv, C, t_decision=99.99996, poll_s=0.25, quiet_s=0.5)
     assert got["served_after_decision"] == 2
-    assert got["decision_to_stable_ms"] == pytest.approx(1200.0)  # 99.0 -> 100.2 (second poll: last change)
-    # a unit that never drains: gives up after timeout_s
+    assert got["decision_to_stable_ms"] == 500.0  # 99.99996 -> 100.5 (second poll: last change) = 500.04 ms
+    assert clock["t"] == 101.0  # quiet for 0.5 s after the last change, nothing pending
+    # a unit that never drains: gives up after timeout_s, polling until the deadline and not past it
     monkeypatch.setattr(rollout, "scrape", lambda url: counters(cand=(10, 0, 0, 3)))
     clock["t"] = 0.0
-    got = rollout.wait_drained(srv, C, t_decision=0.0, timeout_s=1.0, poll_s=0.1)
-    assert got == {"decision_to_stable_ms": 0.0, "served_after_decision": 0} and 1.0 <= clock["t"] <= 1.1 + 1e-9
+    got = rollout.wait_drained(srv, C, t_decision=0.0, timeout_s=1.0, poll_s=0.25)
+    assert got == {"decision_to_stable_ms": 0.0, "served_after_decision": 0} and clock["t"] == 1.0
