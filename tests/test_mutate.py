@@ -81,6 +81,6 @@ def test_configured_modules_exist_and_have_tests():
         assert module in known, module
         src = M.module_path(module).read_text()
         assert M.enumerate_points(src, spec.get("functions")), module
-        for t in spec["tests"]:
+        for t in spec.get("tests", []):
             if t.startswith("tests/"):
                 assert (M.ROOT / t.split("::")[0]).is_file(), t
