@@ -123,8 +123,14 @@ def test_a_wrong_token_counts_exactly():
     assert r.per_prompt[0] == {"id": "a", "tokens": 2, "kl_mean": pytest.approx(bad / 2, rel=1e-5), "top1": 0.5}
     lo, hi = r.ci95["kl_p99"]
     assert 0.0 <= lo <= r.kl_p99 <= hi and set(r.ci95) == {"kl_p99", "kl_mean", "top1"}
+    # the intervals are the gate's own bootstrap over prompts (same statistic, resamples and seed)
+    groups = [np.array([0.0, bad], np.float32), np.array([0.0], np.float32)]
+    assert r.ci95["kl_p99"] == pytest.approx(list(cg.bootstrap_ci(groups, lambda x: float(np.percentile(x, 99)), 50, 0)), abs=1e-6)
+    assert r.ci95["kl_mean"] == pytest.approx(list(cg.bootstrap_ci(groups, np.mean, 50, 0)), abs=1e-6)
     s = r.summary()
     assert s["passed"] is False and s["tokens"] == 3 and s["unit"] == "u" and s["ms"] >= 0
+    r.ms = 12.3456
+    assert r.summary()["ms"] == 12.3  # rounded to 0.1 ms
 
 
 def test_checks_at_their_thresholds():
