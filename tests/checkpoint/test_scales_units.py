@@ -148,3 +148,12 @@ def test_kind_numbers_and_order(tmp_path):
     assert k["granularity"] == "per_tensor" and k["family"] == W and k["quant_algo"] == "FP8"
     assert sum(k["histogram"]["counts"]) == 4 and k["histogram"]["first_bin"] == math.floor(math.log10(0.5) * 20)
     assert rep["tensors"] == 4 + 1 + 3 and rep["ratio"] == 8.0 and rep["rule"] == S.RULE
+
+
+def test_quantiles_stay_exact_up_to_exact_max_distinct_values(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "EXACT_MAX", 3)
+    three = S.scale_report(_ckpt(tmp_path / "three", {0: 1.0, 1: 2.0, 2: 3.0}))["kinds"][f"{W}:FP8"]
+    assert three["quantiles_exact"] is True and three["median"] == 2.0
+    four = S.scale_report(_ckpt(tmp_path / "four", {0: 1.0, 1: 2.0, 2: 3.0, 3: 5.0}))["kinds"][f"{W}:FP8"]
+    assert four["quantiles_exact"] is False  # binned: the median is a bin centre within 1.2 %
+    assert four["median"] == pytest.approx(2.0, rel=0.012) and four["median"] != 2.0
