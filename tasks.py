@@ -321,17 +321,24 @@ def test(c, k=None, fast=False):
         raise Exit(code=r.exited)
 
 
-@task(help={"module": "one module under build/precision_pipeline, e.g. resolve/rules.py (default: every configured one)",
+@task(help={"module": "one module: under build/precision_pipeline (serving/rollout.py) or triton_repo/... "
+                      "(default: every module; `--list` names them)",
             "max_mutants": "sample at most N mutants per module (default: [tool.mutate] max_mutants in pyproject.toml)",
+            "all_mutants": "every mutation point of each module (the whole set: hours), not a sample",
+            "list": "print each module's mutation points and selected tests; run nothing",
             "seed": "sampling seed (default 0)", "jobs": "parallel test runs (default 2)",
             "min_score": "exit 1 when the score over the run is below this fraction, e.g. 0.9"})
-def mutate(c, module=None, max_mutants=None, seed=0, jobs=2, min_score=None):
-    """Mutation testing of the core modules (tests/mutate.py); not part of `invoke test`."""
+def mutate(c, module=None, max_mutants=None, all_mutants=False, list=False, seed=0, jobs=2, min_score=None):
+    """Mutation testing of every module with the tests that import it (tests/mutate.py); not part of `invoke test`."""
     cmd = [sys.executable, str(ROOT / "tests" / "mutate.py"), "--seed", str(int(seed)), "--jobs", str(int(jobs))]
     if module:
         cmd += ["--module", str(module)]
     if max_mutants is not None:
         cmd += ["--max-mutants", str(int(max_mutants))]
+    if all_mutants:
+        cmd += ["--all-mutants"]
+    if list:
+        cmd += ["--list"]
     if min_score is not None:
         cmd += ["--min-score", str(float(min_score))]
     import shlex

@@ -247,7 +247,7 @@ def golden_copy(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.mark.slow
-def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default_model_dir, golden_copy):
+def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default_model_dir, golden_copy, small_gate):
     from precision_pipeline.pipeline import run_build
 
     prof = tmp_path / "loose.yaml"
@@ -287,7 +287,7 @@ def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default
 
 
 @pytest.mark.slow
-def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
+def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch, small_gate):
     """With a toolchain the engine stage's probe accepts (fake tensorrt_llm package, nvidia-smi
     reporting SM 9.0, trtllm-build on PATH), the stage runs once, is cached, and runs again only
     when a limit changes."""

@@ -251,7 +251,7 @@ def test_reader_refuses_broken_mixed_checkpoints(mixed_export, tmp_path, case):
     assert p.field == "checkpoint" and words in p.reason, p.reason
 
 
-def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path):
+def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path, small_gate):
     """invoke build's pipeline on the mixed profile: the search runs in the quantize stage, the gate
     reads the MIXED_PRECISION checkpoint, the plan lists every GEMM's format, engine is skipped here."""
     from precision_pipeline.pipeline import run_build
