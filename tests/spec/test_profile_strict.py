@@ -100,13 +100,15 @@ def test_a_user_profile_named_like_a_shipped_one_extends_the_shipped_one(tmp_pat
 
 
 def test_yaml_merge_keys_are_supported(tmp_path):
-    """Issue 25 item 21: ``<<: *anchor`` was refused as 'could not determine a constructor for the tag ...merge'."""
-    p = write(tmp_path, "m.yaml", BASE + "gate:\n  overrides:\n    A: &a {kl_mean_max: 0.3, top1_min: 0.7}\n"
-              "    B:\n      <<: *a\n      top1_min: 0.5\n")
+    """Issue 25 item 21: ``<<: *anchor`` was refused as 'could not determine a constructor for the tag ...merge'.
+    (gate.overrides keys are model fingerprints: 64 hex digits.)"""
+    a, b = "a" * 64, "b" * 64
+    p = write(tmp_path, "m.yaml", BASE + f"gate:\n  overrides:\n    {a}: &a {{kl_mean_max: 0.3, top1_min: 0.7}}\n"
+              f"    {b}:\n      <<: *a\n      top1_min: 0.5\n")
     ov = load_profile(str(p)).gate.overrides
-    assert (ov["B"].kl_mean_max, ov["B"].top1_min, ov["A"].top1_min) == (0.3, 0.5, 0.7)
-    e = refusal(write(tmp_path, "d.yaml", BASE + "gate:\n  overrides:\n    A: &a {kl_mean_max: 0.3}\n"
-                      "    B:\n      <<: *a\n      top1_min: 0.5\n      top1_min: 0.6\n"))
+    assert (ov[b].kl_mean_max, ov[b].top1_min, ov[a].top1_min) == (0.3, 0.5, 0.7)
+    e = refusal(write(tmp_path, "d.yaml", BASE + f"gate:\n  overrides:\n    {a}: &a {{kl_mean_max: 0.3}}\n"
+                      f"    {b}:\n      <<: *a\n      top1_min: 0.5\n      top1_min: 0.6\n"))
     assert "duplicate key 'top1_min'" in e.message
 
 
