@@ -235,6 +235,10 @@ def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: st
         "exclude_input_in_output": True,
         "multi_block_mode": bool(eff.multi_block_mode),
         "gpu_device_ids": ",".join(str(i) for i in range(world)),
+        # guided decoding off: the backend reads these three without a default (serving/backend_contract.py)
+        "tokenizer_dir": "",
+        "xgrammar_tokenizer_info_path": "",
+        "guided_decoding_backend": "",
         "cpu_reference": True,
         "cpu_reference_threads": 1,
     }
