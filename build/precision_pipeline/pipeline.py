@@ -1,4 +1,4 @@
-"""The main job: resolve -> quantize -> gate -> engine -> pack -> deploy, as a list of stages and one loop.
+"""The main job: resolve -> quantize -> verify -> gate -> engine -> pack -> deploy, as a list of stages and one loop.
 
 ``run_build`` is what ``invoke build`` calls. Each stage (``core/stage.py``) declares its typed
 inputs, the upstream stages it needs and the code it depends on; ``StageRunner`` alone computes
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from precision_pipeline.checkpoint.stage import VerifyStage
 from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Done, Manifest, Stage, StageRecord, StageRunner, execute
@@ -51,8 +52,10 @@ from precision_pipeline.resolve.stage import BuildRequest, ResolveStage
 from precision_pipeline.serving.stage import DeployStage, PackStage
 from precision_pipeline.spec.profile import load_profile
 
-STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), GateStage(), EngineStage(), EngineGateStage(), PackStage(),
-                              DeployStage())
+STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), EngineStage(), EngineGateStage(),
+                              PackStage(), DeployStage())
+"""``verify`` (checkpoint/verify.py) reads the exported checkpoint's headers and scale tensors and refuses
+(exit 2) a checkpoint that does not match its formats' layouts, its metadata or the plan, before the gate."""
 
 
 @dataclass
@@ -181,6 +184,9 @@ def check_checkpoint_dir(checkpoint: str) -> Path:
     for f in sorted(ck.glob("rank*.safetensors")):
         safetensors_header(f, field="--checkpoint")  # every tensor's byte range within the file, before any copy
     check_declared_formats(ck)  # header-level: a broken checkpoint is refused before anything is written
+    from precision_pipeline.checkpoint.verify import verify_checkpoint
+
+    verify_checkpoint(ck)  # layouts, scales, metadata (the verify stage repeats it against the plan after the copy)
     return ck
 
 
