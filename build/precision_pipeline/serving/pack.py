@@ -47,7 +47,7 @@ from typing import Any, Mapping
 
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
-from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj
+from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj, make_readable
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.serving import templates
 from precision_pipeline.spec.formats import TRITON_DTYPE
@@ -525,6 +525,7 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
                          chat_template_applied_by="preprocessing" if has_template else "client (tokenizer has no chat template)",
                          notes=notes)
         (tmp / PACK_FILE).write_text(json.dumps(res.to_json(), indent=2, sort_keys=True) + "\n")
+        make_readable(tmp)  # a Triton container running as another user reads it (hard-linked 0600 files too)
     return res
 
 
