@@ -270,6 +270,18 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _written(records: list[StageRecord], plan_written: bool, out_dir: Path) -> tuple[str, ...]:
+    """What this build has written so far, relative to ``out_dir``: ``plan.json`` (when a stage ran),
+    ``manifest.json``, the folder of each stage that ran (not cached) and the stage records."""
+    by_name = {s.name: s for s in STAGES}
+    ran = [r.name for r in records if r.status != "cached"]
+    folders = [by_name[n].output + "/" for n in ran if n in by_name and by_name[n].output
+               and (out_dir / by_name[n].output).exists()]
+    from precision_pipeline.core.stage import RECORDS_DIR
+
+    return tuple((["plan.json"] if plan_written else []) + ["manifest.json"] + folders + [RECORDS_DIR + "/"])
+
+
 def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
               repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
               image: str | None = None, on_stage: Callable[[StageRecord], None] | None = None, wait: bool = True,
@@ -319,12 +331,19 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
         def write_plan() -> None:  # the plan goes with the stages it describes (plan.json shows the checkpoint)
             atomic_write_json(out_dir / "plan.json", plan.to_json(layers=layers))
 
+        plan_written = False
         for stage in rest:
-            d = done[stage.name] = runner.run(stage, plan, req, done)
+            try:
+                d = done[stage.name] = runner.run(stage, plan, req, done)
+            except UserError as e:  # refused after writes: say what was written (tasks.py prints it)
+                e.stage = stage.name
+                e.written = _written(runner.records, plan_written, out_dir)
+                raise
             if stage.name == "quantize":
                 layers = d.artifact.layers
             if d.record.status != "cached":
                 write_plan()
+                plan_written = True
             if stage.name == "gate" and not d.artifact.passed:
                 raise GateFailed(f"accuracy gate failed for {req.profile.name}; see {out_dir / 'gate' / 'report.md'}")
             if stage.name == "engine_gate" and d.artifact.status == "failed":
