@@ -183,3 +183,28 @@ def test_build_with_a_damaged_checkpoint_exits_2_naming_the_tensor(fp8_checkpoin
     assert r.returncode == 2, text
     assert name in text and "verify.fused_scales" in text and "fix:" in text and "Traceback" not in text
     assert not (out / "gate").exists()
+
+
+def test_layout_table_per_exported_format():
+    """The layouts verify checks (codecs.Codec.layout), for a linear [out 256, in 128] at the default group
+    (128): shared/reference/trtllm-1.2-build-reference.md section 7 (ModelOpt 0.47 export, measured)."""
+    from precision_pipeline.checkpoint.codecs import CODECS
+    from precision_pipeline.spec.formats import GEMM
+
+    def table(algo):
+        f = GEMM[algo]
+        return {k: s.text() for k, s in CODECS[f.codec].layout(f, 256, 128, None).items()}
+
+    assert table("FP8") == {"weight": "F8_E4M3 [256, 128]", "weights_scaling_factor": "F32 [] or [1] or [256]",
+                            "activation_scaling_factor": "F32 [] or [1]"}
+    assert table("NVFP4") == {"weight": "U8 [256, 64]", "weights_scaling_factor": "F8_E4M3 [256, 8]",
+                              "weights_scaling_factor_2": "F32 [] or [1]", "activation_scaling_factor": "F32 [] or [1]"}
+    assert table("W4A16_AWQ") == {"weight": "I8 [128, 128]", "weights_scaling_factor": "F32 [256, 1]",
+                                  "prequant_scaling_factor": "BF16/F16/F32 [128]"}
+    assert table("W4A8_AWQ") == {**table("W4A16_AWQ"), "weights_scaling_factor_2": "F32 [] or [1]",
+                                 "activation_scaling_factor": "F32 [] or [1]"}
+    assert table("W8A8_SQ_PER_CHANNEL") == {"weight": "I8 [256, 128]", "weights_scaling_factor": "F32 [256]",
+                                            "activation_scaling_factor": "F32 [] or [1]",
+                                            "prequant_scaling_factor": "BF16/F16/F32 [128]"}
+    assert table("W8A16") == {"weight": "I8 [256, 128]", "weights_scaling_factor": "F32 [256]"}
+    assert table("NO_QUANT") == {"weight": "BF16/F16/F32 [256, 128]"}
