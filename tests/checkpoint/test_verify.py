@@ -208,3 +208,40 @@ def test_layout_table_per_exported_format():
                                             "prequant_scaling_factor": "BF16/F16/F32 [128]"}
     assert table("W8A16") == {"weight": "I8 [256, 128]", "weights_scaling_factor": "F32 [256]"}
     assert table("NO_QUANT") == {"weight": "BF16/F16/F32 [256, 128]"}
+
+
+def _mixed(fp8: Path, awq: Path, dst: Path, gate_awq_layer: int | None = None) -> Path:
+    """A MIXED_PRECISION checkpoint made of two exported ones (no quantization run): layers 0-14 from the
+    FP8 checkpoint, 15-29 from the W4A16_AWQ one (group 64), FP8 KV scales everywhere, lm_head unquantized.
+    ``gate_awq_layer``: that FP8 layer's mlp.gate taken from the AWQ checkpoint (a split fused group)."""
+    from safetensors.torch import load_file, save_file
+
+    a, b = load_file(str(fp8 / "rank0.safetensors")), load_file(str(awq / "rank0.safetensors"))
+    out, layers = {}, {}
+    for name, t in a.items():
+        if not name.startswith("transformer.layers.") or "cache_scaling_factor" in name or "layernorm" in name:
+            out[name] = t
+    for i in range(30):
+        src, algo = (a, {"quant_algo": "FP8"}) if i < 15 else (b, {"quant_algo": "W4A16_AWQ", "group_size": 64})
+        for lin in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
+            stem = f"transformer.layers.{i}.{lin}"
+            s, al = (b, {"quant_algo": "W4A16_AWQ", "group_size": 64}) if (i == gate_awq_layer and lin == "mlp.gate") else (src, algo)
+            out.update({k: v for k, v in s.items() if k.startswith(stem + ".")})
+            layers[stem] = al
+    dst.mkdir()
+    save_file(out, str(dst / "rank0.safetensors"))
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization"] = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "quant_cfg.json").write_text(json.dumps({"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
+                                                    "quantized_layers": layers}))
+    return dst
+
+
+def test_mixed_precision_checkpoint_verifies_and_a_split_fused_group_is_refused(fp8_checkpoint, int4_awq_checkpoint, tmp_path):
+    r = verify_checkpoint(_mixed(fp8_checkpoint, int4_awq_checkpoint, tmp_path / "m"),
+                          {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8"})
+    assert r["linears"] == 151 and "quant_cfg.json" in r["files"]
+    e = refusal(_mixed(fp8_checkpoint, int4_awq_checkpoint, tmp_path / "bad", gate_awq_layer=3))
+    assert [(p.field, p.rule) for p in e.problems] == [("transformer.layers.3.mlp.gate (rank0.safetensors)", "verify.fused_scales")]
+    assert "is W4A16_AWQ but transformer.layers.3.mlp.fc is FP8" in e.problems[0].reason
