@@ -65,7 +65,12 @@ def guarded(fn):
             from rich.markup import escape as esc  # user text and patterns such as [a-z0-9] are not markup
 
             con = _console()
-            con.print("[bold red]error[/]: the input was refused; nothing was changed.")
+            if e.written:  # refused by a stage after the build had written (pipeline.run_build sets it)
+                con.print(f"[bold red]error[/]: the {esc(e.stage or 'build')} stage refused the input after this build "
+                          f"wrote {esc(', '.join(e.written))} in the output; the previous artifacts of the later "
+                          "stages are unchanged.", soft_wrap=True)
+            else:
+                con.print("[bold red]error[/]: the input was refused; nothing was changed.")
             for p in e.problems:
                 con.print(f"  [bold]{esc(p.field)}[/]: {esc(p.reason)}" + (f"\n    fix: {esc(p.fix)}" if p.fix else "")
                           + (f"\n    rule: {esc(p.rule)}" + (f" ({esc(p.source)})" if p.source else "") if p.rule else ""),

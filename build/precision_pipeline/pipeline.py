@@ -1,4 +1,4 @@
-"""The main job: resolve -> quantize -> gate -> engine -> pack -> deploy, as a list of stages and one loop.
+"""The main job: resolve -> quantize -> verify -> gate -> engine -> pack -> deploy, as a list of stages and one loop.
 
 ``run_build`` is what ``invoke build`` calls. Each stage (``core/stage.py``) declares its typed
 inputs, the upstream stages it needs and the code it depends on; ``StageRunner`` alone computes
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from precision_pipeline.checkpoint.stage import VerifyStage
 from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Done, Manifest, Stage, StageRecord, StageRunner, execute
@@ -53,8 +54,10 @@ from precision_pipeline.resolve.stage import BuildRequest, ResolveStage
 from precision_pipeline.serving.stage import DeployStage, PackStage
 from precision_pipeline.spec.profile import load_profile
 
-STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), GateStage(), EngineStage(), EngineGateStage(), PackStage(),
-                              DeployStage())
+STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), EngineStage(), EngineGateStage(),
+                              PackStage(), DeployStage())
+"""``verify`` (checkpoint/verify.py) reads the exported checkpoint's headers and scale tensors and refuses
+(exit 2) a checkpoint that does not match its formats' layouts, its metadata or the plan, before the gate."""
 
 
 @dataclass
@@ -210,6 +213,9 @@ def check_checkpoint_dir(checkpoint: str) -> Path:
     for f in sorted(ck.glob("rank*.safetensors")):
         safetensors_header(f, field="--checkpoint")  # every tensor's byte range within the file, before any copy
     check_declared_formats(ck)  # header-level: a broken checkpoint is refused before anything is written
+    from precision_pipeline.checkpoint.verify import verify_checkpoint
+
+    verify_checkpoint(ck)  # layouts, scales, metadata (the verify stage repeats it against the plan after the copy)
     return ck
 
 
@@ -315,6 +321,18 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _written(records: list[StageRecord], plan_written: bool, out_dir: Path) -> tuple[str, ...]:
+    """What this build has written so far, relative to ``out_dir``: ``plan.json`` (when a stage ran),
+    ``manifest.json``, the folder of each stage that ran (not cached) and the stage records."""
+    by_name = {s.name: s for s in STAGES}
+    ran = [r.name for r in records if r.status != "cached"]
+    folders = [by_name[n].output + "/" for n in ran if n in by_name and by_name[n].output
+               and (out_dir / by_name[n].output).exists()]
+    from precision_pipeline.core.stage import RECORDS_DIR
+
+    return tuple((["plan.json"] if plan_written else []) + ["manifest.json"] + folders + [RECORDS_DIR + "/"])
+
+
 def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
               repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
               image: str | None = None, on_stage: Callable[[StageRecord], None] | None = None, wait: bool = True,
@@ -362,12 +380,19 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
         def write_plan() -> None:  # the plan goes with the stages it describes (plan.json shows the checkpoint)
             atomic_write_json(out_dir / "plan.json", plan.to_json(layers=layers))
 
+        plan_written = False
         for stage in rest:
-            d = done[stage.name] = runner.run(stage, plan, req, done)
+            try:
+                d = done[stage.name] = runner.run(stage, plan, req, done)
+            except UserError as e:  # refused after writes: say what was written (tasks.py prints it)
+                e.stage = stage.name
+                e.written = _written(runner.records, plan_written, out_dir)
+                raise
             if stage.name == "quantize":
                 layers = d.artifact.layers
             if d.record.status != "cached":
                 write_plan()
+                plan_written = True
             if stage.name == "gate" and not d.artifact.passed:
                 raise GateFailed(f"accuracy gate failed for {req.profile.name} ({', '.join(d.artifact.failed_metrics)}); "
                                  f"see {out_dir / 'gate' / 'report.md'}")

@@ -258,17 +258,17 @@ def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default
         return run_build(str(prof), model=str(model) if model else None, out=str(out), golden_limit=1,
                          checkpoint=str(fp8_checkpoint))
 
-    assert _statuses(build()) == {"resolve": "done", "quantize": "done", "gate": "done", "engine": "skipped", "engine_gate": "skipped",
-                                  "pack": "done", "deploy": "done"}
-    assert _statuses(build()) == {"resolve": "done", "quantize": "cached", "gate": "cached", "engine": "skipped", "engine_gate": "skipped",
-                                  "pack": "cached", "deploy": "cached"}
+    assert _statuses(build()) == {"resolve": "done", "quantize": "done", "verify": "done", "gate": "done", "engine": "skipped",
+                                  "engine_gate": "skipped", "pack": "done", "deploy": "done"}
+    assert _statuses(build()) == {"resolve": "done", "quantize": "cached", "verify": "cached", "gate": "cached", "engine": "skipped",
+                                  "engine_gate": "skipped", "pack": "cached", "deploy": "cached"}
     # editing the golden set re-runs the gate and what follows it, not quantize
     lines = golden_copy.read_text().splitlines()
     row = json.loads(lines[0])
     lines[0] = json.dumps({**row, "answer": row["answer"] + " (edited)"})
     golden_copy.write_text("\n".join(lines) + "\n")
     st = _statuses(build())
-    assert st == {"resolve": "done", "quantize": "cached", "gate": "done", "engine": "skipped", "engine_gate": "skipped", "pack": "done",
+    assert st == {"resolve": "done", "quantize": "cached", "verify": "cached", "gate": "done", "engine": "skipped", "engine_gate": "skipped", "pack": "done",
                   "deploy": "done"}, st
     # the same checkpoint against another model (same name, one file differs) is not a gate cache hit
     other = tmp_path / "models" / Path(default_model_dir).name

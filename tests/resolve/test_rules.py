@@ -497,3 +497,28 @@ def test_checkpoint_mapping_function(tmp_path):
     assert len(f) == 1 and "holds quant_algo W4A16_AWQ / kv_cache_quant_algo NONE" in f[0].message
     (tmp_path / "config.json").write_text("{not json")
     assert R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)[0].field == "--checkpoint"
+
+
+def test_unknown_rope_type_is_refused_at_resolve_with_the_supported_list():
+    """Previously accepted here and a KeyError traceback in quantize (transformers ROPE_INIT_FUNCTIONS)."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.spec.model_arch import ROPE_TYPES
+
+    base = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 4096}
+    with pytest.raises(UserError) as e:
+        arch_from_config({**base, "rope_scaling": {"rope_type": "banana", "factor": 2.0}}, path="m/config.json")
+    p = e.value.problems[0]
+    assert p.field == "--model" and "rope_scaling type 'banana' is not supported" in p.reason
+    assert "default, linear, dynamic, llama3, longrope, yarn" in p.reason and p.fix
+    for t in ROPE_TYPES:  # every listed type is accepted (type or rope_type key)
+        arch_from_config({**base, "rope_scaling": {"type": t, "factor": 2.0, "original_max_position_embeddings": 1024,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
+
+
+def test_rope_types_are_what_transformers_and_trtllm_both_read():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from precision_pipeline.spec.model_arch import ROPE_TYPES
+
+    assert set(ROPE_TYPES) == set(ROPE_INIT_FUNCTIONS)

@@ -109,17 +109,47 @@ def hash_dir(path: Path, exclude: tuple[str, ...] = (), suffixes: tuple[str, ...
     return h.hexdigest()
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``
+    ``Umask:``, kernel >= 4.7); elsewhere set and restored at once (``os.umask`` has no getter)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def make_readable(root: Path) -> None:
+    """Give every file and folder under ``root`` (and ``root``) the read (folders: read + search) bits the
+    umask allows, keeping the bits it has: a file that arrived 0600 (``mkstemp``, a hard link of one)
+    becomes 0644 under umask 022, so a server running as another user can read the tree."""
+    mask = current_umask()
+    for p in [Path(root), *Path(root).rglob("*")]:
+        if p.is_symlink():
+            continue
+        mode = p.stat().st_mode
+        add = (0o555 if p.is_dir() else 0o444) & ~mask
+        if mode & add != add:
+            os.chmod(p, (mode & 0o7777) | add)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (``atomic_write_bytes``)."""
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory + rename)."""
+    """Write ``data`` to ``path`` atomically (temp file in the same directory + rename); its mode follows
+    the umask (0644 under the usual 022), as a file ``open()`` creates."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; a written file follows the umask as open() does
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -207,7 +237,8 @@ def _finish_swap(parent: Path, journal: dict, crash: Callable[[str], None]) -> N
 @contextlib.contextmanager
 def atomic_dir(target: Path, commit_files: Optional[dict[Path, Any]] = None,
                crash: Optional[Callable[[str], None]] = None) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success it replaces ``target``, recoverably.
+    """Yield a fresh temporary directory (mode per the umask: 0755 under 022); on success it replaces
+    ``target``, recoverably.
 
     On an exception the temporary directory is removed and ``target`` is left untouched.
     The swap, once the body has returned:
@@ -229,6 +260,7 @@ def atomic_dir(target: Path, commit_files: Optional[dict[Path, Any]] = None,
     parent.mkdir(parents=True, exist_ok=True)
     crash = crash or _crash_point
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; the folder becomes target: follow the umask
     try:
         yield tmp
     except BaseException:
