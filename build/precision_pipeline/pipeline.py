@@ -43,6 +43,7 @@ from typing import Callable
 
 from precision_pipeline.checkpoint.stage import VerifyStage
 from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
+from precision_pipeline.core.outputs import OUTPUT_FORMAT, OUTPUT_MARKER, OUTPUT_VERSION, read_output_marker  # noqa: F401
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Done, Manifest, Stage, StageRecord, StageRunner, execute
 from precision_pipeline.core.store import atomic_write_json, clean_stale, locked, read_json, read_json_safe
@@ -73,10 +74,6 @@ def default_out_dir(profile_name: str) -> Path:
     return REPO_ROOT / "artifacts" / profile_name
 
 
-OUTPUT_MARKER = ".precision-build.json"
-"""The file that makes a folder a build output (written by the first build into it)."""
-OUTPUT_FORMAT = "precision-pipeline-build"
-OUTPUT_VERSION = 1
 LOCK_FILE = ".build.lock"
 """The build lock, inside the output; its sidecar ``.build.lock.json`` names the holder (core.store.locked)."""
 _OWN_FILES = (OUTPUT_MARKER, LOCK_FILE, LOCK_FILE + ".json")
@@ -87,12 +84,6 @@ def stage_folders() -> tuple[str, ...]:
     from precision_pipeline.core.stage import RECORDS_DIR
 
     return tuple(s.output for s in STAGES if s.output) + (RECORDS_DIR,)
-
-
-def read_output_marker(out: Path) -> dict | None:
-    """The marker of build output ``out`` ({"format", "version", ...}), or None when it has none (or not ours)."""
-    m = read_json_safe(Path(out) / OUTPUT_MARKER)
-    return m if isinstance(m, dict) and m.get("format") == OUTPUT_FORMAT else None
 
 
 def write_output_marker(out: Path, profile: str = "") -> None:

@@ -213,7 +213,7 @@ def _fake_runtime(bin_dir: Path, trtllm: str) -> None:
 
 
 def test_image_versions_inside_the_image_else_the_catalog(tmp_path, monkeypatch):
-    from precision_pipeline.engine.toolchain import image_versions
+    from precision_pipeline.serving.images import image_versions
 
     tag = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
     monkeypatch.setenv("PATH", str(tmp_path / "none"))

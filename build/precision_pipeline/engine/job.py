@@ -41,7 +41,7 @@ def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "-
     The one rule for both sides of the engine build Job: ``invoke build --on k8s`` checks it before it renders
     (or applies) a Job, and the Job itself (``run_engine_job``) before it builds. Raises UserError (exit 2)
     naming ``field`` otherwise."""
-    from precision_pipeline.pipeline import read_output_marker
+    from precision_pipeline.core.outputs import read_output_marker
 
     out = Path(out).expanduser().resolve()
     cpu_side = f"run `invoke build --profile {profile or 'P'} --out {out}` on the CPU side first (quantize + gate), then the Job."

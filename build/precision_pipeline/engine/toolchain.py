@@ -33,6 +33,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from precision_pipeline.core.versions import dist_version
+
 SMI_QUERY = "index,uuid,name,compute_cap,memory.total,driver_version"
 SMI_TIMEOUT_S = 20
 TENSORRT_DISTS = ("tensorrt", "tensorrt-cu12", "tensorrt-cu13", "tensorrt_cu12", "tensorrt_cu13")
@@ -164,16 +166,6 @@ def _gpu_sms() -> list[int]:
     return [g.sm for g in probe_gpus()[0]]
 
 
-def dist_version(*names: str) -> Optional[str]:
-    """The installed version of the first of ``names`` that is installed, else None."""
-    for n in names:
-        try:
-            return importlib.metadata.version(n)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def detect_toolchain() -> Toolchain:
     """Probe for ``tensorrt_llm`` (import spec, not an import), ``trtllm-build`` on PATH, GPUs (``nvidia-smi``)
     and the versions of the components an engine depends on."""
@@ -220,49 +212,12 @@ class ImageVersions(BaseModel):
     why: str = ""
 
 
-def _run(argv: list[str], timeout: float) -> Optional[subprocess.CompletedProcess]:
+def run_quiet(argv: list[str], timeout: float) -> Optional[subprocess.CompletedProcess]:
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-def image_versions(image: str, *, runtimes: tuple[str, ...] = CONTAINER_RUNTIMES,
-                   timeout_s: float = IMAGE_PROBE_TIMEOUT_S) -> ImageVersions:
-    """The serving image's TensorRT-LLM and TensorRT versions: from inside the image where a container
-    runtime (``docker``/``podman`` on PATH) has it locally (``<rt> image inspect`` succeeds; nothing is
-    pulled), by ``<rt> run --rm --network none --entrypoint python3 IMAGE -c IMAGE_VERSION_SCRIPT``;
-    else from the tag catalog (``serving.images.lookup``), saying so. Never raises."""
-    from precision_pipeline.serving import images
-
-    tried: list[str] = []
-    for rt in runtimes:
-        exe = shutil.which(rt)
-        if not exe:
-            continue
-        ins = _run([exe, "image", "inspect", image], min(timeout_s, 30))
-        if ins is None or ins.returncode != 0:
-            tried.append(f"{rt} has no local copy of it")
-            continue
-        out = _run([exe, "run", "--rm", "--network", "none", "--entrypoint", "python3", image, "-c",
-                    IMAGE_VERSION_SCRIPT], timeout_s)
-        if out is None or out.returncode != 0:
-            tried.append(f"{rt} could not run python3 in it")
-            continue
-        vals = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if "=" in ln)
-        trtllm, trt = vals.get("tensorrt_llm") or None, vals.get("tensorrt") or None
-        if trtllm is None:
-            tried.append(f"{rt}: no tensorrt_llm distribution inside it")
-            continue
-        return ImageVersions(image=image, tensorrt_llm=trtllm, tensorrt=trt, source="image", runtime=rt,
-                             why=f"read inside the image with {rt} (package metadata)")
-    where = "; ".join(tried) if tried else "no container runtime (docker, podman) on PATH"
-    row = images.lookup(image)
-    if row is not None:
-        return ImageVersions(image=image, tensorrt_llm=row.tensorrt_llm, tensorrt=row.tensorrt, source="catalog",
-                             why=f"the tag catalog (serving/images.py: {row.source}) was used: {where}")
-    return ImageVersions(image=image, source="unknown", why=f"not in the tag catalog, and {where}")
-
-
 __all__ = ["GpuInfo", "Toolchain", "detect_toolchain", "probe_gpus", "visible", "parse_sm", "dist_version",
-           "ImageVersions", "image_versions", "IMAGE_VERSION_SCRIPT", "CONTAINER_RUNTIMES"]
+           "ImageVersions", "IMAGE_VERSION_SCRIPT", "CONTAINER_RUNTIMES"]

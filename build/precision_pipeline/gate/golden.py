@@ -47,7 +47,7 @@ from typing import Any, Iterable, Sequence
 from precision_pipeline.core.errors import UserError
 
 GOLDEN_PATH = Path(__file__).resolve().parent / "data" / "golden_prompts.jsonl"
-CATEGORIES: tuple[str, ...] = ("facts", "reasoning", "code", "instructions", "long_context", "non_english")
+from precision_pipeline.spec.profile import GOLDEN_CATEGORIES as CATEGORIES  # noqa: E402 (one home: spec, which profiles validate against)
 MIN_PER_CATEGORY = 8
 MIN_ANSWER_TOKENS = 5000  # what the full set must give (checked by tests, not at load time)
 REQUIRED_KEYS = ("id", "category", "prompt", "answer")

@@ -177,7 +177,7 @@ def gate_record(inputs: GateInputs) -> dict[str, Any]:
     from importlib import metadata
 
     from precision_pipeline.core.store import read_json
-    from precision_pipeline.engine.toolchain import dist_version
+    from precision_pipeline.core.versions import dist_version
 
     cfg = read_json(Path(inputs.checkpoint.path) / "config.json", {}) or {}
     m = cfg.get("mapping") or {}

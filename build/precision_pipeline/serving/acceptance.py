@@ -157,7 +157,7 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
     # -- runtime: the serving image's versions (inside the image, else the catalog) vs the engine and the gate
     image_info: dict[str, Any] = {}
     if image:
-        from precision_pipeline.engine.toolchain import image_versions
+        from precision_pipeline.serving.images import image_versions
         from precision_pipeline.serving import images
 
         iv = image_versions(image)

@@ -355,10 +355,12 @@ class GateThresholds(_Strict):
 
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{64}$")
 
+GOLDEN_CATEGORIES: tuple[str, ...] = ("facts", "reasoning", "code", "instructions", "long_context", "non_english")
+"""The golden set's categories (``gate.golden.CATEGORIES`` is this tuple; ``gate.categories`` keys must be one)."""
+
 
 def _known_categories(v: dict[str, GateThresholds]) -> dict[str, GateThresholds]:
-    from precision_pipeline.gate.golden import CATEGORIES  # the golden set is the one home of its categories
-
+    CATEGORIES = GOLDEN_CATEGORIES
     bad = [k for k in v if k not in CATEGORIES]
     if bad:
         raise ValueError(f"{_short(bad[0])} is not a golden-set category. Fix: use one of: {', '.join(CATEGORIES)}.")
