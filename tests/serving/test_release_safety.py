@@ -365,6 +365,9 @@ def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, cap
 
     monkeypatch.setattr(tasks, "_built_repo", lambda profile, out=None: (load_profile("bf16-h100"), tmp_path, tmp_path, {}))
     monkeypatch.setattr(tasks, "_probe_set", lambda *a: None)
+    from precision_pipeline.serving import acceptance  # what the build holds is checked by its own tests (test_acceptance)
+
+    monkeypatch.setattr(acceptance, "check_promotable", lambda *a, **k: acceptance.Acceptance(gate={}, warnings=[]))
     monkeypatch.setattr(release, "read_state", lambda repo: {"current": "tensorrt_llm_000000000000"})
     monkeypatch.setattr(triton_server.TritonServer, "attach", classmethod(lambda cls, url: Srv()))
     monkeypatch.setattr(rollout, "rollout", lambda *a, **k: rollout.RolloutResult("aborted", "tensorrt_llm_c", "tensorrt_llm_s"))
