@@ -189,6 +189,28 @@ def test_steps_with_an_empty_step_are_refused(text):
     assert rollout.parse_steps("5,20,100") == (5, 20, 100)
 
 
+def test_a_copy_of_the_repository_is_refused_with_the_originals_server(tmp_path, units4):
+    """Hostile round: `cp -a` of a serving repository carries its identity and its absolute tokenizer_dir, so
+    both matched the original's server; a rollback on the copy then switched and unloaded the original's
+    live models (every request 404). The copy is refused before anything is loaded."""
+    import shutil
+
+    from tests.serving.test_release_planted import RecordingServer
+
+    repo_a = serving_repo(tmp_path, units4[0])
+    release.promote(repo_a, units4[1].out_dir)
+    copy = tmp_path / "copy" / "model_repository"
+    shutil.copytree(repo_a.parent, copy.parent)
+    srv = RecordingServer(repo_a, ready={"ensemble", "preprocessing", units4[1].engine_unit})
+    release.verify_server(repo_a, srv)  # the original: accepted
+    before = release.state_path(copy).read_text()
+    for call in (lambda: release.verify_server(copy, srv), lambda: release.rollback(copy, server=srv)):
+        with pytest.raises(UserError, match="is a copy or a move") as ei:
+            call()
+        assert ei.value.problems[0].field == "--repo"
+    assert srv.calls == [] and release.state_path(copy).read_text() == before
+
+
 def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
     repo = serving_repo(tmp_path, units4[0])
     before = release.state_path(repo).read_text()

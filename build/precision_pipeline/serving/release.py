@@ -595,12 +595,22 @@ def _routed(repo_dir: Path, server) -> set[str]:
     return {u for u in units if u}
 
 
+def _inside_dir(p: Path, folder: Path) -> bool:
+    try:
+        p.resolve().relative_to(Path(folder).resolve())
+        return True
+    except (ValueError, OSError, RuntimeError):
+        return False
+
+
 def verify_server(repo_dir: Path, server) -> None:
     """Refuse (UserError on ``--url``, exit 2) a ``server`` that does not serve ``repo_dir``, before
     anything is changed: the parameters that identify the repository must be the same in the files
     and in the configs the server loaded: the ensemble's ``IDENTITY_PARAM`` (repositories created
     since it exists) and the preprocessing's ``tokenizer_dir`` (an absolute path into the repository).
-    At least one of the two models must be loaded there. Nothing to check without a server."""
+    At least one of the two models must be loaded there. A repository whose ``tokenizer_dir`` points
+    outside it (a copy or a move: its files still name the original) is refused (UserError on ``--repo``).
+    Nothing to check without a server."""
     if server is None:
         return
     repo_dir = Path(repo_dir)
@@ -613,6 +623,13 @@ def verify_server(repo_dir: Path, server) -> None:
         want = pack.config_params(load_config(p)).get(key) if p.is_file() else None
         if not want:
             continue
+        if key == "tokenizer_dir" and not _inside_dir(Path(want), repo_dir):
+            # a copied (or moved) repository: its files still name the original, so both identities
+            # would match the original's server, and edits here would switch and unload models there
+            raise UserError("--repo", f"{repo_dir} is a copy or a move of another serving repository: its preprocessing's "
+                            f"tokenizer_dir is {want!r}, outside it; the server at --url would load the original's "
+                            "configs, not these.", "run the command on the repository the server serves (the one "
+                            "tokenizer_dir points into), or create a new one here with `invoke promote --repo`.")
         try:
             live = server.model_config(model)
         except OSError as e:
