@@ -65,7 +65,12 @@ def guarded(fn):
             from rich.markup import escape as esc  # user text and patterns such as [a-z0-9] are not markup
 
             con = _console()
-            con.print("[bold red]error[/]: the input was refused; nothing was changed.")
+            if e.written:  # refused by a stage after the build had written (pipeline.run_build sets it)
+                con.print(f"[bold red]error[/]: the {esc(e.stage or 'build')} stage refused the input after this build "
+                          f"wrote {esc(', '.join(e.written))} in the output; the previous artifacts of the later "
+                          "stages are unchanged.", soft_wrap=True)
+            else:
+                con.print("[bold red]error[/]: the input was refused; nothing was changed.")
             for p in e.problems:
                 con.print(f"  [bold]{esc(p.field)}[/]: {esc(p.reason)}" + (f"\n    fix: {esc(p.fix)}" if p.fix else "")
                           + (f"\n    rule: {esc(p.rule)}" + (f" ({esc(p.source)})" if p.source else "") if p.rule else ""),
@@ -84,13 +89,14 @@ def guarded(fn):
                 os.dup2(devnull, sys.stdout.fileno())
                 raise Exit(code=141)
             if e.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS, _errno.ENOSPC, _errno.EDQUOT,
-                           _errno.ENAMETOOLONG, _errno.EMFILE):
+                           _errno.ENAMETOOLONG, _errno.EMFILE, _errno.EFBIG):
                 from rich.markup import escape as esc
 
-                where = str(e.filename or "")[:200]
+                where = str(e.filename2 or e.filename or "")[:200] or "(a file the system did not name)"
+                fix = "raise the file-size limit (ulimit -f)" if e.errno == _errno.EFBIG else "free space or fix permissions"
                 _console().print(f"[bold red]error[/]: cannot write {esc(where)}: {esc(e.strerror or str(e))}. "
                                  "Writes are atomic, so the previous artifacts and the serving repository are "
-                                 "intact; free space or fix permissions and run again.", soft_wrap=True)
+                                 f"intact; {fix} and run again.", soft_wrap=True)
                 raise Exit(code=EXIT_INVALID)
             _internal_error()
             raise Exit(code=EXIT_INTERNAL)
@@ -193,9 +199,11 @@ def _build_on(con, on, profile, model, out, image, golden_limit=None) -> None:
 
     if on != "k8s":
         raise UserError("--on", f"{str(on)[:40]!r} is not a place to build.", "use --on k8s (or leave --on out to build here).")
+    from precision_pipeline.engine.job import check_gated_output
+
     prof = load_build_profile(profile)
     plan = plan_mod.resolve(prof, _model_dir(model), for_build=True)
-    out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
+    out_dir = check_gated_output(Path(out) if out else default_out_dir(prof.name), prof.name)
     text = build_job.render_job(plan, out_dir, image or deploy.DEFAULT_IMAGE, model_dir=_model_dir(model),
                                 golden_limit=golden_limit)
     rc = build_job.apply_and_follow(text)
@@ -233,6 +241,10 @@ def check(c, profile=None, all=False, model=None):
 
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
     p = plan_mod.resolve(load_build_profile(profile), model_dir, for_build=buildable)  # the same rules as invoke build
+    if buildable and not p.problems:
+        from precision_pipeline.pipeline import check_dataset_tokens
+
+        check_dataset_tokens(p.profile.calibration, model_dir)  # token counts of a user dataset, as the build checks
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
               f"KV {mem.kv_bytes_per_token} B/token, capacity {mem.kv_tokens_capacity} tokens")
@@ -314,17 +326,24 @@ def test(c, k=None, fast=False):
         raise Exit(code=r.exited)
 
 
-@task(help={"module": "one module under build/precision_pipeline, e.g. resolve/rules.py (default: every configured one)",
+@task(help={"module": "one module: under build/precision_pipeline (serving/rollout.py) or triton_repo/... "
+                      "(default: every module; `--list` names them)",
             "max_mutants": "sample at most N mutants per module (default: [tool.mutate] max_mutants in pyproject.toml)",
+            "all_mutants": "every mutation point of each module (the whole set: hours), not a sample",
+            "list": "print each module's mutation points and selected tests; run nothing",
             "seed": "sampling seed (default 0)", "jobs": "parallel test runs (default 2)",
             "min_score": "exit 1 when the score over the run is below this fraction, e.g. 0.9"})
-def mutate(c, module=None, max_mutants=None, seed=0, jobs=2, min_score=None):
-    """Mutation testing of the core modules (tests/mutate.py); not part of `invoke test`."""
+def mutate(c, module=None, max_mutants=None, all_mutants=False, list=False, seed=0, jobs=2, min_score=None):
+    """Mutation testing of every module with the tests that import it (tests/mutate.py); not part of `invoke test`."""
     cmd = [sys.executable, str(ROOT / "tests" / "mutate.py"), "--seed", str(int(seed)), "--jobs", str(int(jobs))]
     if module:
         cmd += ["--module", str(module)]
     if max_mutants is not None:
         cmd += ["--max-mutants", str(int(max_mutants))]
+    if all_mutants:
+        cmd += ["--all-mutants"]
+    if list:
+        cmd += ["--list"]
     if min_score is not None:
         cmd += ["--min-score", str(float(min_score))]
     import shlex
@@ -345,12 +364,12 @@ def _serving_repo(repo):
 def _built_repo(profile, out=None):
     """The packed model_repository of a finished build of ``profile`` (UserError if absent/failed)."""
     from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.stage import read_manifest
     from precision_pipeline.spec.profile import load_profile
-    from precision_pipeline.core.store import read_json
 
     prof = load_profile(profile)
     out_dir = Path(out).expanduser().resolve() if out else ROOT / "artifacts" / prof.name
-    manifest = read_json(out_dir / "manifest.json", {}) or {}
+    manifest = read_manifest(out_dir / "manifest.json")
     stages = manifest.get("stages", {})
     if manifest.get("profile") not in (None, prof.name):
         raise UserError("--profile", f"{out_dir} holds a build of {manifest.get('profile')!r}, not of {prof.name!r}; "

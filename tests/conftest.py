@@ -218,3 +218,23 @@ def prof(base: str = "bf16-h100", **dotted):
             cur = cur.setdefault(part, {})
         cur[parts[-1]] = val
     return validate_profile(data)
+
+
+SMALL_GATE = {"heldout_tokens": 128, "greedy_new_tokens": 3}
+"""The gate stage's held-out text and greedy length in the end-to-end tests of the stage flow (caching,
+rebuilds, exit codes): run_build's ``--golden-limit 1`` cuts the prompts but not the 2048 held-out
+tokens nor the 32 greedy tokens, which the reference, the BF16 noise floor and the candidate each
+run (the gate's own numbers are tested in tests/gate/ on their own subsets)."""
+
+
+@pytest.fixture
+def small_gate(monkeypatch):
+    """run_build's gate stage measures ``SMALL_GATE`` (every phase still runs: reference, noise floor,
+    candidate, held-out perplexity, greedy), so a stage-flow test does not pay for the full held-out text."""
+    import functools
+
+    from precision_pipeline.gate import stage as gate_stage
+    from precision_pipeline.gate.options import GateOptions
+
+    monkeypatch.setattr(gate_stage, "GateOptions", functools.partial(GateOptions, **SMALL_GATE))
+    return SMALL_GATE

@@ -178,3 +178,48 @@ def test_bad_write_profile_target_is_refused_before_measuring(tmp_path, target, 
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     assert "--write-profile:" in p.stdout and says in p.stdout  # not the missing checkpoint of --out: nothing was measured
     assert not (tmp_path / "empty").exists()
+
+
+def test_a_full_disk_names_the_stage_folder_and_efbig_names_ulimit(tmp_path, capsys):
+    """Issue 25 item 21: full-disk errors printed an empty path (write() names no file); ``ulimit -f`` (EFBIG) was
+    an internal error."""
+    import importlib.util
+
+    from invoke import Exit
+
+    from precision_pipeline.core.stage import Artifact, Frozen, Stage, execute
+
+    spec = importlib.util.spec_from_file_location("tasks_under_test", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+
+    class In(Frozen):
+        n: int
+
+    class Fills(Stage):
+        name, output, artifact_type = "quantize", "checkpoint", Artifact
+
+        def inputs(self, plan, request, upstream):
+            return In(n=1)
+
+        def run(self, inputs, workdir):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it: no file name
+
+    @tasks.guarded
+    def build():
+        execute(Fills(), None, None, {}, tmp_path)
+
+    with pytest.raises(Exit) as ei:
+        build()
+    out = capsys.readouterr().out
+    assert ei.value.code == 2 and f"cannot write {tmp_path / 'checkpoint'}: No space left on device" in out, out
+
+    @tasks.guarded
+    def big():
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), "/src/rank0.safetensors", None, "/srv/out/x/rank0.safetensors")
+
+    with pytest.raises(Exit) as ei:
+        big()
+    out = capsys.readouterr()
+    assert ei.value.code == 2 and "cannot write /srv/out/x/rank0.safetensors: File too large" in out.out
+    assert "ulimit -f" in out.out and "Traceback" not in out.out + out.err

@@ -202,13 +202,27 @@ def test_build_refuses_a_bad_dataset_before_writing(tmp_path, previous_output):
     assert hash_dir(previous_output) == before and sorted(p.name for p in previous_output.iterdir()) == names
 
 
+def test_check_counts_bytes_and_tokens_of_the_samples_as_the_build_does(tmp_path):
+    """Issue 25 item 16: a sample too large passed ``invoke check`` and only failed (or OOMed) at build."""
+    prof = _dataset_profile(tmp_path, "big.jsonl", "bigsample")
+    prof.write_text(prof.read_text().replace("num_samples: 2\n", "num_samples: 2\n  seq_len: 16\n"))
+    data = prof.parent / "big.jsonl"
+    data.write_text(json.dumps({"text": "x" * 5000}) + "\n" + json.dumps({"text": "short"}) + "\n"
+                    + json.dumps({"text": "word " * 50}) + "\n")
+    _refused(run_task("check", "--profile", str(prof)), "calibration.dataset",
+             "line 1 (5,012 bytes): more than 4,096 bytes, so more than calibration.seq_len = 16 tokens")
+    data.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "word " * 50}) + "\n")
+    _refused(run_task("check", "--profile", str(prof)), "calibration.dataset",
+             "line 2 (51 tokens) is longer than calibration.seq_len = 16 tokens")
+
+
 def test_build_refuses_texts_longer_than_seq_len_before_writing(tmp_path, previous_output):
     prof = _dataset_profile(tmp_path, "long.jsonl", "longtexts")
     prof.write_text(prof.read_text().replace("num_samples: 2\n", "num_samples: 2\n  seq_len: 16\n"))
     (prof.parent / "long.jsonl").write_text(json.dumps({"text": "word " * 50}) + "\n" + json.dumps({"text": "short"}) + "\n")
     before = hash_dir(previous_output)
     r = run_task("build", "--profile", str(prof), "--out", str(previous_output))
-    _refused(r, "calibration.dataset", "line 1 is longer than calibration.seq_len = 16 tokens")
+    _refused(r, "calibration.dataset", "line 1 (51 tokens) is longer than calibration.seq_len = 16 tokens")
     assert hash_dir(previous_output) == before
 
 
@@ -220,6 +234,29 @@ def test_bad_serving_options_are_refused_before_writing(flags, field, previous_o
     before = hash_dir(previous_output)
     _refused(run_task("build", "--profile", "fp8-h100", "--out", str(previous_output), *flags), field)
     assert hash_dir(previous_output) == before
+
+
+@pytest.mark.parametrize("name, says", [("my build", "contains a space"), ("café", "non-ASCII character 'é' (U+00E9)"),
+                                        ("tab\there", "contains whitespace"), ("a$b", "the character '$'")])
+def test_out_path_the_serving_stubs_cannot_start_from_is_refused_at_build_time(tmp_path, name, says):
+    """Issue 25 item 13: a build into a path with a space exited 0 and ``serve`` never became ready; a non-ASCII path
+    gave a traceback. Refused by ``build_request`` (before any write), and by the task with exit 2."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.pipeline import build_request
+
+    out = tmp_path / name
+    with pytest.raises(UserError) as e:
+        build_request("fp8-h100", out=str(out), device="cpu")
+    pr = e.value.problems[0]
+    assert pr.field == "--out" and says in pr.reason and "unquoted" in pr.reason and "ASCII letters" in pr.fix
+    assert not out.exists()
+    with pytest.raises(UserError) as e:
+        build_request("fp8-h100", out=str(tmp_path / "ok"), repo_root=f"/srv/{name}", device="cpu")
+    assert e.value.problems[0].field == "--repo-root"
+    build_request("fp8-h100", out=str(tmp_path / "fine-1.0_x"), device="cpu")  # ordinary names still pass
+    if name == "café":
+        _refused(run_task("build", "--profile", "fp8-h100", "--out", str(out)), "--out", "non-ASCII")
+        assert not out.exists()
 
 
 def test_golden_limit_is_checked_by_run_build_itself(previous_output):

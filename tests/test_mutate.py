@@ -49,13 +49,38 @@ def test_functions_filter():
     assert M.enumerate_points(TOY, ["g"]) == []
 
 
+def test_every_module_is_covered_and_has_tests():
+    """Every package module and Triton model with a mutation point is scored, each with tests."""
+    mods = M.discover_modules()
+    assert {"serving/rollout.py", "serving/probe.py", "checkpoint/scales.py", "gate/checkpoint_gate.py",
+            "triton_repo/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py",
+            "triton_repo/backends/tensorrtllm/model.py"} <= set(mods)
+    tmap = M.test_map(mods)
+    cfg = M.load_config()
+    assert [m for m in mods if not M.selection(m, cfg, tmap)[0]] == []
+    # the static import map: a direct import, the most specific test file first
+    assert tmap["serving/rollout.py"][0].startswith("tests/serving/test_rollout")
+    assert "tests/serving/test_probe_model_dir.py" in tmap["serving/probe.py"]
+    # a Triton model runs only in a real server: the server tests, slow ones included
+    tests, marker, _ = M.selection("triton_repo/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py", cfg, tmap)
+    assert "tests/serving/test_rollout.py" in tests and marker == "not gpu"
+    # a module whose tests are all slow runs them; one with fast tests runs only those
+    assert M._has_fast_tests(["tests/serving/test_pack.py"]) and not M._has_fast_tests(["tests/serving/test_serve.py"])
+
+
+def test_equivalent_mutants_are_matched_by_line_text_and_mutation():
+    spec = {"equivalent": [{"source": "if n_boot <= 0:", "what": "<= -> <", "why": "no interval either way"}]}
+    assert M._equivalent(spec, {"source": "if n_boot <= 0:  # x", "what": "<= -> <", "function": "f"}) == "no interval either way"
+    assert M._equivalent(spec, {"source": "if n_boot <= 0:", "what": "0 -> 1", "function": "f"}) is None
+
+
 def test_configured_modules_exist_and_have_tests():
     cfg = M.load_config()
-    assert {"resolve/rules.py", "spec/formats.py", "resolve/plan.py", "checkpoint/codecs.py", "gate/checkpoint_gate.py",
-            "serving/pack.py", "serving/release.py", "serving/deploy.py", "core/stage.py"} <= set(cfg["modules"])
+    known = set(M.discover_modules())
     for module, spec in cfg["modules"].items():
-        src = (M.PACKAGE / module).read_text()
+        assert module in known, module
+        src = M.module_path(module).read_text()
         assert M.enumerate_points(src, spec.get("functions")), module
-        for t in spec["tests"]:
+        for t in spec.get("tests", []):
             if t.startswith("tests/"):
                 assert (M.ROOT / t.split("::")[0]).is_file(), t

@@ -47,7 +47,7 @@ def test_two_profiles_from_scratch(scratch):
     rows = _rows(s)
     assert s.exit_code == 0 and set(rows) == {"night-a", "night-b"}
     for r in rows.values():
-        assert r.verdict == "pass" and r.rebuilt == ["quantize", "gate", "pack", "deploy"], r
+        assert r.verdict == "pass" and r.rebuilt == ["quantize", "verify", "gate", "pack", "deploy"], r
         assert "tensorrt_llm" in r.skipped["engine"]  # the engine is skipped on CPU and said so
         assert r.baseline is None and r.findings == []
         assert r.gate["kl_mean"]["value"] > 0 and len(r.gate["kl_mean"]["ci95"]) == 2 and r.checkpoint_bytes > 10**8

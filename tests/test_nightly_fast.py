@@ -100,10 +100,38 @@ def test_profile_and_checkpoint_options():
     assert nl.select_profiles(" a, b ,a") == ["a", "b"]
     with pytest.raises(UserError):
         nl.select_profiles(",")
+    for blank in ("", "  "):  # issue 25 item 11: an empty --profiles built all 10 profiles
+        with pytest.raises(UserError, match="names no profile"):
+            nl.select_profiles(blank)
     assert nl.parse_checkpoints("x=/c1,y=/c2", ["x", "y"]) == {"x": "/c1", "y": "/c2"}
     assert nl.parse_checkpoints("/c", ["x"]) == {"*": "/c"}
     with pytest.raises(UserError, match="ambiguous"):
         nl.parse_checkpoints("/c", ["x", "y"])
+
+
+def test_a_regressed_night_does_not_become_the_baseline_of_the_re_run(tmp_path, monkeypatch):
+    """Issue 25 item 11: exit 6, then a re-run with the same (regressed) numbers passed against them."""
+    good = {"value": 0.05, "ci95": [0.045, 0.055], "passed": True, "op": "<="}
+    bad = {"value": 0.09, "ci95": [0.08, 0.10], "passed": True, "op": "<="}
+    tonight = {"gate": good}
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(nl, "_check", lambda ref, opts: (SimpleNamespace(profile=SimpleNamespace(name=ref)), None))
+
+    def build_row(ref, req, plan, opts, build, say):
+        return nl.Row(profile="p", source="p", gate={"kl_mean": dict(tonight["gate"])}, checkpoint_bytes=100)
+    monkeypatch.setattr(nl, "_build_row", build_row)
+    opts = nl.NightlyOptions(profiles=["p"], out_root=tmp_path, serving_repo=tmp_path / "none" / "model_repository")
+    assert nl.run_nightly(opts, say=lambda m: None).exit_code == 0
+    tonight["gate"] = bad
+    s1 = nl.run_nightly(opts, say=lambda m: None)
+    assert s1.exit_code == 6 and s1.rows[0].verdict == "regressed"
+    s2 = nl.run_nightly(opts, say=lambda m: None)  # the re-run, same numbers
+    assert s2.exit_code == 6 and s2.rows[0].baseline["gate"]["kl_mean"]["value"] == 0.05
+    saved = json.loads((tmp_path / "nightly" / "summary.json").read_text())
+    assert saved["last_measured"]["p"]["gate"]["kl_mean"]["value"] == 0.05
+    tonight["gate"] = good  # fixed: passes, and is the baseline again
+    assert nl.run_nightly(opts, say=lambda m: None).exit_code == 0
 
 
 def test_promote_needs_exactly_one_profile(tmp_path):

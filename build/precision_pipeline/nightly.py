@@ -13,7 +13,9 @@
    ``resolve`` always runs and is not listed; a skipped engine is listed apart, with its reason.
 3. **Compare.** Each profile's gate numbers against its baseline (``find_baseline``): the last release
    of that profile in ``releases.json`` (the serving repository's, or ``--baseline FILE``), else the
-   previous nightly's row (``<out>/nightly/summary.json``, or ``--baseline DIR`` holding one).
+   previous nightly's row (``<out>/nightly/summary.json``, or ``--baseline DIR`` holding one; its
+   ``last_measured`` keeps each profile's last row that did not regress, so a regression stays one
+   on the next run until it is fixed or promoted).
    Findings (``compare``): a metric worse than the baseline beyond tonight's 95 % bootstrap interval
    (the baseline value lies outside it on the good side), a metric that newly fails its threshold, a
    changed checkpoint size, a changed provenance (ModelOpt version, the checkpoint's quantization
@@ -90,10 +92,12 @@ class NightlyOptions:
 
 
 def select_profiles(spec: Optional[str]) -> list[str]:
-    """``--profiles``: None or ``all`` = every shipped profile; else comma-separated names or YAML paths."""
+    """``--profiles``: None (not given) or ``all`` = every shipped profile; else comma-separated names or YAML
+    paths. An empty or blank value (``--profiles ''``, an unset shell variable) is refused (UserError), never
+    read as "all": building every profile is asked for by name."""
     from precision_pipeline.spec.profile import shipped_profiles
 
-    if spec is None or str(spec).strip() in ("", "all"):
+    if spec is None or str(spec).strip() == "all":
         return shipped_profiles()
     items = [s.strip() for s in str(spec).split(",") if s.strip()]
     if not items:
@@ -437,7 +441,9 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
         rows.append(row)
     last = dict((previous or {}).get("last_measured") or {})
     for r in rows:
-        if r.measured:
+        # a regressed row never becomes the baseline: a re-run would compare against the regressed numbers and
+        # pass (issue 25 item 11); the baseline stays the last measurement that did not regress
+        if r.measured and r.verdict != "regressed":
             last[r.profile] = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gate": r.gate,
                                "failed_metrics": r.failed_metrics, "checkpoint_bytes": r.checkpoint_bytes,
                                "provenance": r.provenance}

@@ -1,4 +1,4 @@
-"""The main job: resolve -> quantize -> gate -> engine -> pack -> deploy, as a list of stages and one loop.
+"""The main job: resolve -> quantize -> verify -> gate -> engine -> pack -> deploy, as a list of stages and one loop.
 
 ``run_build`` is what ``invoke build`` calls. Each stage (``core/stage.py``) declares its typed
 inputs, the upstream stages it needs and the code it depends on; ``StageRunner`` alone computes
@@ -19,7 +19,8 @@ the fix to delete it or pick a new ``--out``: it cannot be told apart from a use
 Order: every input is checked before the first write (profile, ``--model``, ``--out``,
 ``--checkpoint`` down to each tensor's byte range, ``--golden-limit``, ``--repo-root``,
 ``--image``, the resolve rules including ``calibration.dataset``, and the dataset's token lengths).
-Then the output is created and locked (``.build.lock`` inside it: a writable ``--out`` in a
+Then the output is created and locked (``.build.lock`` inside it, plus an ``flock`` on the output
+folder itself, so deleting ``.build.lock`` lets no second build in; a writable ``--out`` in a
 read-only parent works; a second build of the same output waits and says who holds it, or with
 ``wait=False`` / ``--no-wait`` is refused at once), interrupted stage swaps are rolled forward
 (``core.store.clean_stale``), and the stages run. ``plan.json`` is written after each stage that
@@ -33,12 +34,14 @@ Errors: ``UserError`` (exit 2) before any write for bad input or refused checks;
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from precision_pipeline.checkpoint.stage import VerifyStage
 from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Done, Manifest, Stage, StageRecord, StageRunner, execute
@@ -51,8 +54,10 @@ from precision_pipeline.resolve.stage import BuildRequest, ResolveStage
 from precision_pipeline.serving.stage import DeployStage, PackStage
 from precision_pipeline.spec.profile import load_profile
 
-STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), GateStage(), EngineStage(), EngineGateStage(), PackStage(),
-                              DeployStage())
+STAGES: tuple[Stage, ...] = (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), EngineStage(), EngineGateStage(),
+                              PackStage(), DeployStage())
+"""``verify`` (checkpoint/verify.py) reads the exported checkpoint's headers and scale tensors and refuses
+(exit 2) a checkpoint that does not match its formats' layouts, its metadata or the plan, before the gate."""
 
 
 @dataclass
@@ -146,6 +151,33 @@ def _validate_out_dir(out: Path) -> Path:
                     "give a new or empty directory, or a previous build's output folder.")
 
 
+SERVING_PATH_RE = re.compile(r"^[A-Za-z0-9/._+@:,=~-]+$")
+"""Characters a build output (and ``--repo-root``) may have in its path. The packed Triton repository names
+its files by this path (``gpt_model_path``, ``tokenizer_dir``, the Python models' folders), and Triton's
+Python backend starts each stub as ``execvp("bash", {"bash", "-c", " exec <stub> <model_path> ..."})`` with the
+paths joined by spaces, unquoted (triton-inference-server/python_backend ``src/stub_launcher.cc``,
+``StubLauncher::Launch``), so a space splits the model path and the stub never starts: ``serve`` waits for
+ever. Shell characters break the same command line; non-ASCII names are refused as well (a traceback before)."""
+
+
+def serving_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot hold a servable build (``SERVING_PATH_RE``), naming the first bad character; None if fine."""
+    if SERVING_PATH_RE.match(path):
+        return None
+    bad = next((c for c in path if not SERVING_PATH_RE.match(c)), " ")
+    what = ("a space" if bad == " " else "whitespace" if bad.isspace() else
+            f"the non-ASCII character {bad!r} (U+{ord(bad):04X})" if not bad.isascii() else f"the character {bad!r}")
+    return (f"{path[:200]!r} contains {what}. Triton's Python backend starts its stubs through a shell command "
+            "line with the model paths unquoted, so the served repository would never become ready")
+
+
+def _check_serving_path(path: Path | str, field: str) -> None:
+    why = serving_path_problem(str(path))
+    if why:
+        raise UserError(field, why + ".", "build into a path of ASCII letters, digits and / . _ - + @ : , = ~ "
+                        "(e.g. --out artifacts/my-build), or move the checkout to such a path.")
+
+
 def _model_dir(model: str | None) -> Path:
     if model is None:
         from precision_pipeline.spec.default_model import ensure_default_model
@@ -181,6 +213,9 @@ def check_checkpoint_dir(checkpoint: str) -> Path:
     for f in sorted(ck.glob("rank*.safetensors")):
         safetensors_header(f, field="--checkpoint")  # every tensor's byte range within the file, before any copy
     check_declared_formats(ck)  # header-level: a broken checkpoint is refused before anything is written
+    from precision_pipeline.checkpoint.verify import verify_checkpoint
+
+    verify_checkpoint(ck)  # layouts, scales, metadata (the verify stage repeats it against the plan after the copy)
     return ck
 
 
@@ -209,7 +244,9 @@ def choose_device(device: str = "auto", reference_dtype: str = "float32"):
     UserError for an unknown value or ``cuda`` without a usable GPU."""
     from precision_pipeline.spec.device import probe_machine, select_device
 
-    select_device(device, probe_machine("cpu"), reference_dtype)  # a bad value is refused before torch is asked
+    # a bad value is refused before torch is asked: checked against this machine's host side with the values that
+    # need no GPU (``cuda`` itself is judged on the real probe below, so its refusal names what is missing)
+    select_device("cpu" if str(device).strip().lower() == "cuda" else device, probe_machine("cpu"), reference_dtype)
     return select_device(device, probe_machine(device), reference_dtype)
 
 
@@ -223,11 +260,15 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
 
     profile = load_build_profile(profile_ref)
     model_dir = _model_dir(model)
-    out_dir = _validate_out_dir(Path(out) if out else default_out_dir(profile.name or "profile"))
+    out_dir = Path(out).expanduser() if out else default_out_dir(profile.name or "profile")
+    _check_serving_path(out_dir.absolute(), "--out")  # before any filesystem call on it (non-ASCII names included)
+    out_dir = _validate_out_dir(out_dir)
+    _check_serving_path(out_dir, "--out")  # the resolved path (a symlink may lead elsewhere)
     ck = check_checkpoint_dir(checkpoint) if checkpoint is not None else None
     check_golden_limit(golden_limit)
     if repo_root is not None:
         check_repo_root(repo_root)
+        _check_serving_path(repo_root, "--repo-root")
     if image is not None:
         check_image(image, "--image")
     choice = choose_device(device, reference_dtype)
@@ -236,16 +277,22 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
                         image=image or DEFAULT_IMAGE, strict=strict, device=choice)
 
 
-def _check_dataset_tokens(req: BuildRequest, plan) -> None:
-    """The calibration checks that need the tokenizer (texts longer than ``calibration.seq_len``), before any write."""
+def check_dataset_tokens(calibration, model_dir: Path, say: Callable[[str], None] | None = None) -> None:
+    """The calibration checks that need the tokenizer (texts longer than ``calibration.seq_len`` tokens, with
+    their token counts), on the lines a build reads; ``invoke build`` (before any write) and ``invoke check``
+    run it. Nothing for ``builtin``. ``say``: progress lines while reading/tokenizing. Raises UserError."""
     from precision_pipeline.resolve.dataset import BUILTIN
 
-    cal = plan.profile.calibration
-    if req.checkpoint is not None or cal.dataset == BUILTIN:
+    if calibration.dataset == BUILTIN:
         return
     from precision_pipeline.quantize.calibration import build_calibration_set, load_tokenizer
 
-    build_calibration_set(cal, load_tokenizer(req.model_dir))
+    build_calibration_set(calibration, load_tokenizer(model_dir), say=say or _say)
+
+
+def _check_dataset_tokens(req: BuildRequest, plan) -> None:
+    if req.checkpoint is None:
+        check_dataset_tokens(plan.profile.calibration, req.model_dir)
 
 
 def _preflight_build_node(plan, strict: bool) -> None:
@@ -260,8 +307,30 @@ def _preflight_build_node(plan, strict: bool) -> None:
                   argv=build_args(plan, Path("checkpoint"), Path("engine")), strict=strict)
 
 
+def output_lock(out_dir: Path, what: str, wait: bool = True, on_wait: Callable[[str], None] | None = None):
+    """The build lock of output ``out_dir`` (a context manager): ``.build.lock`` (its sidecar names the holder)
+    plus an ``flock`` on ``out_dir`` itself (``core.store.locked(folder_lock=True)``), so deleting
+    ``.build.lock`` during a build lets no second build in. ``wait``: False refuses at once (UserError on
+    ``--out`` naming the holder)."""
+    return locked(Path(out_dir) / LOCK_FILE, timeout_s=None if wait else 0, what=what, field="--out",
+                  on_wait=on_wait or _say, folder_lock=True,
+                  busy_fix="wait for that build to finish (leave out --no-wait to wait for it), or give another --out.")
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _written(records: list[StageRecord], plan_written: bool, out_dir: Path) -> tuple[str, ...]:
+    """What this build has written so far, relative to ``out_dir``: ``plan.json`` (when a stage ran),
+    ``manifest.json``, the folder of each stage that ran (not cached) and the stage records."""
+    by_name = {s.name: s for s in STAGES}
+    ran = [r.name for r in records if r.status != "cached"]
+    folders = [by_name[n].output + "/" for n in ran if n in by_name and by_name[n].output
+               and (out_dir / by_name[n].output).exists()]
+    from precision_pipeline.core.stage import RECORDS_DIR
+
+    return tuple((["plan.json"] if plan_written else []) + ["manifest.json"] + folders + [RECORDS_DIR + "/"])
 
 
 def run_build(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
@@ -292,9 +361,7 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
     _preflight_build_node(plan, req.strict)
     out_dir = req.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)  # the first write: every input was checked above
-    with locked(out_dir / LOCK_FILE, timeout_s=None if wait else 0, what=f"build of {req.profile.name}", field="--out",
-                on_wait=on_wait or _say,
-                busy_fix="wait for that build to finish (leave out --no-wait to wait for it), or give another --out."):
+    with output_lock(out_dir, f"build of {req.profile.name}", wait, on_wait or _say):
         _validate_out_dir(out_dir)  # again, under the lock
         if read_output_marker(out_dir) is None:
             write_output_marker(out_dir, req.profile.name)
@@ -313,12 +380,19 @@ def run_build(profile_ref: str, model: str | None = None, out: str | None = None
         def write_plan() -> None:  # the plan goes with the stages it describes (plan.json shows the checkpoint)
             atomic_write_json(out_dir / "plan.json", plan.to_json(layers=layers))
 
+        plan_written = False
         for stage in rest:
-            d = done[stage.name] = runner.run(stage, plan, req, done)
+            try:
+                d = done[stage.name] = runner.run(stage, plan, req, done)
+            except UserError as e:  # refused after writes: say what was written (tasks.py prints it)
+                e.stage = stage.name
+                e.written = _written(runner.records, plan_written, out_dir)
+                raise
             if stage.name == "quantize":
                 layers = d.artifact.layers
             if d.record.status != "cached":
                 write_plan()
+                plan_written = True
             if stage.name == "gate" and not d.artifact.passed:
                 raise GateFailed(f"accuracy gate failed for {req.profile.name} ({', '.join(d.artifact.failed_metrics)}); "
                                  f"see {out_dir / 'gate' / 'report.md'}")

@@ -164,6 +164,12 @@ def test_quant_linear_prequant_and_fp8_input():
     lin = QuantLinear(spec, "fp8", torch.float32)
     # x * pre = [2.125, 0.5] -> fp8: 2.125 is a tie between 2.0 and 2.25 -> 2.0 (even)
     assert lin(torch.tensor([[1.0625, 1.0]])).tolist() == [[2.0, 0.5]]
+    # numbers for which the ORDER matters (pre-quant scale first, then the activation scale's fake-quant):
+    # (1.0625 * 3) / 0.5 = 6.375 -> fp8 6.5 (spacing 0.5 in [4, 8)) -> * 0.5 = 3.25; fake-quant first would
+    # give 1.0625 / 0.5 = 2.125 -> 2.0 (tie, even) -> * 0.5 * 3 = 3.0
+    spec = LinearSpec(weight=torch.eye(2), quantized=True, act_scale=torch.tensor(0.5), pre=torch.tensor([3.0, 0.25]))
+    lin = QuantLinear(spec, "fp8", torch.float32)
+    assert lin(torch.tensor([[1.0625, 1.75]])).tolist() == [[3.25, 0.4375]]
 
 
 # --------------------------------------------------------------------------------------------

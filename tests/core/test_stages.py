@@ -116,8 +116,113 @@ def test_gate_fingerprint_is_the_same_policy(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "w").write_bytes(b"x" * 10)
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"x" * 10)
     assert gate_fp(tmp_path / "m") == fingerprint(tmp_path / "m").sha256
+
+
+def _model(tmp_path: Path) -> Path:
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    (m / "tokenizer.json").write_text("{}")
+    (m / "model.safetensors").write_bytes(os.urandom(8 << 20))
+    return m
+
+
+def test_model_fingerprint_sees_1_mb_rewritten_with_size_and_mtime_put_back(tmp_path, monkeypatch):
+    """Issue 25 item 7: 1 MB of weights changed in place, then ``touch -r`` (size and mtime as before)."""
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    m = _model(tmp_path)
+    w = m / "model.safetensors"
+    f1 = fp_mod.model_fingerprint(m)
+    st = w.stat()
+    with open(w, "r+b") as f:
+        f.seek(3 << 20)
+        f.write(os.urandom(1_000_000))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (w.stat().st_size, w.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    f2 = fp_mod.model_fingerprint(m)
+    assert f2.sha256 != f1.sha256 and f2.sha256 == fingerprint(m, memo=False).sha256
+    # the content sample alone (a memo row whose stat fields all match) still sees a change in a sampled block
+    memo = json.loads((tmp_path / "cache" / fp_mod.MEMO_FILE).read_text())
+    with open(w, "r+b") as f:
+        f.write(b"\xff" * 16)  # the header: block 0 of the sample
+    now = w.stat()
+    row = memo["files"][str(w.resolve())]
+    row[:4] = [now.st_size, now.st_mtime_ns, now.st_ctime_ns, now.st_ino]
+    (tmp_path / "cache" / fp_mod.MEMO_FILE).write_text(json.dumps(memo))
+    assert fp_mod.model_fingerprint(m).sha256 == fingerprint(m, memo=False).sha256 != f2.sha256
+
+
+def test_model_fingerprint_reads_only_the_loader_files(tmp_path, monkeypatch):
+    """Issue 25 item 19: a README.md (or LICENSE, .git/) added to the model folder changes no key."""
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    m = _model(tmp_path)
+    f1 = fp_mod.model_fingerprint(m)
+    assert f1.sha256 == fingerprint(m).sha256  # a folder of loader files only: the full digest, as before
+    (m / "README.md").write_text("# my notes\n")
+    (m / "LICENSE").write_text("Apache-2.0\n")
+    (m / ".git").mkdir()
+    (m / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert fp_mod.model_fingerprint(m) == f1
+    (m / "tokenizer_config.json").write_text('{"x": 1}')  # a file the tokenizer reads is in the key
+    f3 = fp_mod.model_fingerprint(m)
+    assert f3 != f1
+    (m / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 8)
+    assert fp_mod.model_fingerprint(m) != f3
+
+
+class _In(stage_mod.Frozen):
+    n: int
+
+
+class _Writes(stage_mod.Stage):
+    name, output, artifact_type = "quantize", "checkpoint", stage_mod.Artifact
+
+    def inputs(self, plan, request, upstream):
+        return _In(n=plan)
+
+    def run(self, inputs, workdir):
+        (workdir / "rank0.safetensors").write_bytes(bytes([inputs.n]) * (3 << 20))
+        (workdir / "config.json").write_text('{"n": %d}' % inputs.n)
+        (workdir / "report.md").write_text("view")
+        return stage_mod.Artifact()
+
+
+def _runner(out: Path):
+    return stage_mod.StageRunner(out, stage_mod.Manifest.open(out / "manifest.json", profile="p", profile_source="p",
+                                                              model_dir="m", out_dir=str(out)))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "rewrite", "add", "delete"])
+def test_a_cache_hit_checks_the_folder_is_what_its_record_says(tmp_path, damage):
+    """Issue 25 item 7: ``truncate -s`` of a checkpoint after its build made quantize (and the gate) say cached."""
+    out = tmp_path / "out"
+    assert _runner(out).run(_Writes(), 1, None, {}).record.status == "done"
+    assert _runner(out).run(_Writes(), 1, None, {}).record.status == "cached"
+    (out / "checkpoint" / "report.md").write_text("re-rendered by a later task")  # views are not vouched for
+    (out / "checkpoint" / "__pycache__").mkdir()
+    (out / "checkpoint" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0")  # served in place
+    assert _runner(out).run(_Writes(), 1, None, {}).record.status == "cached"
+    w = out / "checkpoint" / "rank0.safetensors"
+    if damage == "truncate":
+        os.truncate(w, 1_000_000)
+        why = "rank0.safetensors is 1,000,000 bytes, its record says 3145728"
+    elif damage == "rewrite":
+        with open(w, "r+b") as f:
+            f.write(b"\x07" * 10)
+        why = "rank0.safetensors changed after it was written"
+    elif damage == "add":
+        (out / "checkpoint" / "rank1.safetensors").write_bytes(b"x")
+        why = "rank1.safetensors was added"
+    else:
+        (out / "checkpoint" / "config.json").unlink()
+        why = "config.json is missing"
+    r = _runner(out)
+    assert r.run(_Writes(), 1, None, {}).record.status == "done"
+    assert why in r.not_reused["quantize"]
+    assert w.stat().st_size == 3 << 20
+    assert _runner(out).run(_Writes(), 1, None, {}).record.status == "cached"
 
 
 # ---- builds
@@ -142,7 +247,7 @@ def golden_copy(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.mark.slow
-def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default_model_dir, golden_copy):
+def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default_model_dir, golden_copy, small_gate):
     from precision_pipeline.pipeline import run_build
 
     prof = tmp_path / "loose.yaml"
@@ -153,17 +258,17 @@ def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default
         return run_build(str(prof), model=str(model) if model else None, out=str(out), golden_limit=1,
                          checkpoint=str(fp8_checkpoint))
 
-    assert _statuses(build()) == {"resolve": "done", "quantize": "done", "gate": "done", "engine": "skipped", "engine_gate": "skipped",
-                                  "pack": "done", "deploy": "done"}
-    assert _statuses(build()) == {"resolve": "done", "quantize": "cached", "gate": "cached", "engine": "skipped", "engine_gate": "skipped",
-                                  "pack": "cached", "deploy": "cached"}
+    assert _statuses(build()) == {"resolve": "done", "quantize": "done", "verify": "done", "gate": "done", "engine": "skipped",
+                                  "engine_gate": "skipped", "pack": "done", "deploy": "done"}
+    assert _statuses(build()) == {"resolve": "done", "quantize": "cached", "verify": "cached", "gate": "cached", "engine": "skipped",
+                                  "engine_gate": "skipped", "pack": "cached", "deploy": "cached"}
     # editing the golden set re-runs the gate and what follows it, not quantize
     lines = golden_copy.read_text().splitlines()
     row = json.loads(lines[0])
     lines[0] = json.dumps({**row, "answer": row["answer"] + " (edited)"})
     golden_copy.write_text("\n".join(lines) + "\n")
     st = _statuses(build())
-    assert st == {"resolve": "done", "quantize": "cached", "gate": "done", "engine": "skipped", "engine_gate": "skipped", "pack": "done",
+    assert st == {"resolve": "done", "quantize": "cached", "verify": "cached", "gate": "done", "engine": "skipped", "engine_gate": "skipped", "pack": "done",
                   "deploy": "done"}, st
     # the same checkpoint against another model (same name, one file differs) is not a gate cache hit
     other = tmp_path / "models" / Path(default_model_dir).name
@@ -182,7 +287,7 @@ def test_rebuilds_follow_golden_file_and_model(tmp_path, fp8_checkpoint, default
 
 
 @pytest.mark.slow
-def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
+def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch, small_gate):
     """With a toolchain the engine stage's probe accepts (fake tensorrt_llm package, nvidia-smi
     reporting SM 9.0, trtllm-build on PATH), the stage runs once, is cached, and runs again only
     when a limit changes."""
@@ -240,3 +345,32 @@ def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch):
     assert rows["engine_gate"] == "failed" and rows["engine"] == "done"
     assert {p: p.stat().st_mtime_ns for p in (out / "model_repository").rglob("config.pbtxt")} == packed
     assert "--gather_context_logits" in calls()[-1]  # the gate-only build
+
+
+def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_path, monkeypatch):
+    """Issue 25 item 19: the same dataset at another path re-quantized (the key held the path)."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.quantize.stage import QuantizeStage
+    from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    m = _model(tmp_path)
+    text = '{"text": "one"}\n{"text": "two"}\n'
+    for d in ("a", "b/c"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "calib.jsonl").write_text(text)
+    (tmp_path / "other.jsonl").write_text('{"text": "three"}\n{"text": "two"}\n')
+
+    def key(ds: str, **cal) -> str:
+        prof = validate_profile(deep_merge(load_raw("fp8-h100"), {"calibration": {"dataset": ds, "num_samples": 2, **cal}}))
+        st = QuantizeStage()
+        inputs = st.inputs(SimpleNamespace(profile=prof), SimpleNamespace(checkpoint=None, model_dir=m, device=None), {})
+        assert inputs.profile.calibration.dataset == ds  # the stage still reads the file where it is
+        return stage_mod.stage_key(st, inputs, {})
+
+    k = key(str(tmp_path / "a" / "calib.jsonl"))
+    assert key(str(tmp_path / "b" / "c" / "calib.jsonl")) == k
+    assert key(str(tmp_path / "other.jsonl")) != k  # other content, other key
+    assert key(str(tmp_path / "a" / "calib.jsonl"), seed=1) != k  # the other calibration fields still count
+    assert key("builtin") != k

@@ -55,3 +55,23 @@ def test_atomic_write_json_and_clean_stale(tmp_path):
     (tmp_path / ".x.old-9").write_text("")
     clean_stale(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+@pytest.mark.parametrize("umask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_atomic_writers_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+    """mkstemp/mkdtemp create 0600/0700; what the atomic writers leave follows the umask like open() does."""
+    import os
+    import stat
+
+    from precision_pipeline.core.store import atomic_dir, atomic_write_json, current_umask
+
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+        with atomic_dir(tmp_path / "d") as tmp:
+            (tmp / "f").write_text("x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == file_mode
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == dir_mode

@@ -117,6 +117,48 @@ def test_a_stage_killed_mid_swap_is_a_cache_hit_after_recovery(tmp_path, monkeyp
     assert runner.run(Writes(), 1, None, {}).record.status == "done"  # the old key is not taken for the new folder
 
 
+@pytest.mark.parametrize("step", ["journal", "swap"])
+def test_a_kill_mid_swap_then_the_temporary_folder_removed_is_no_cache_hit(tmp_path, step):
+    """Issue 25 item 10: after a kill in the swap, someone deletes the ``.NAME.tmp-*`` folder; recovery must not
+    write the new record over the old folder (that made the next build say ``pack: cached`` for a stale pack)."""
+    import shutil
+
+    from precision_pipeline.core.stage import Artifact, Frozen, Manifest, Stage, StageRunner, execute
+
+    class In(Frozen):
+        n: int
+
+    class Writes(Stage):
+        name, output, artifact_type = "pack", "model_repository", Artifact
+
+        def inputs(self, plan, request, upstream):
+            return In(n=plan)
+
+        def run(self, inputs, workdir):
+            (workdir / "f").write_text(str(inputs.n))
+            return Artifact()
+
+    execute(Writes(), 1, None, {}, tmp_path)
+    # the kill, in this process: the crash hook raises instead of exiting
+    def kill(s):
+        if s == step:
+            raise SystemExit("killed")
+    from unittest import mock
+    with mock.patch.object(store, "_crash_point", kill), pytest.raises(SystemExit):
+        execute(Writes(), 2, None, {}, tmp_path)
+    leftovers = [q for q in tmp_path.iterdir() if q.name.startswith(".model_repository.tmp-")]
+    assert len(leftovers) == 1
+    shutil.rmtree(leftovers[0])  # "the temporary folder removed"
+    clean_stale(tmp_path, names=["model_repository", ".stages"])
+    assert (tmp_path / "model_repository" / "f").read_text() == "1"  # the previous copy, put back when needed
+    assert not list(tmp_path.glob(".*.swap.json"))
+    runner = StageRunner(tmp_path, Manifest.open(tmp_path / "manifest.json", profile="p", profile_source="p",
+                                                 model_dir="m", out_dir=str(tmp_path)))
+    assert runner.run(Writes(), 2, None, {}).record.status == "done"  # not "cached": the folder held n=1
+    assert (tmp_path / "model_repository" / "f").read_text() == "2"
+    assert runner.run(Writes(), 2, None, {}).record.status == "cached"
+
+
 def test_clean_stale_with_names_touches_only_those_leftovers(tmp_path):
     (tmp_path / ".env.tmp-backup").write_text("user secret")
     (tmp_path / ".gate.tmp-abc").mkdir()
@@ -171,3 +213,99 @@ def test_lock_waiter_says_who_it_waits_for_then_gets_the_lock(tmp_path):
         holder.wait()
     assert said and all(f"held by pid {holder.pid}" in m for m in said), said
     assert not Path(str(lock) + ".json").exists()  # the sidecar goes with the lock
+
+
+def test_deleting_build_lock_lets_no_second_build_in(tmp_path):
+    """Issue 25 item 15: ``rm <out>/.build.lock`` during a build let a second build of the same output run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    code = f"""
+        import sys, time
+        from pathlib import Path
+        from precision_pipeline.pipeline import output_lock
+        with output_lock(Path({str(out)!r}), "build of first"):
+            print("held", flush=True)
+            time.sleep(30)
+    """
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=BUILD, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / ".build.lock").unlink()  # the careless user
+        from precision_pipeline.pipeline import output_lock
+
+        with pytest.raises(UserError) as e:
+            with output_lock(out, "build of second", wait=False):
+                pytest.fail("a second build got the lock of a running one")
+        assert e.value.problems[0].field == "--out" and f"pid {holder.pid}" in e.value.problems[0].reason
+    finally:
+        holder.kill()
+        holder.wait()
+    with output_lock(out, "build of third", wait=False):  # a killed holder leaves no lock behind
+        pass
+
+
+def test_a_truncated_manifest_is_a_sentence_and_the_next_build_rewrites_it(tmp_path, capsys):
+    """Issue 25 item 17: a truncated manifest.json broke every later command on the output with a traceback."""
+    from precision_pipeline.core.stage import Manifest, read_manifest
+
+    m = tmp_path / "manifest.json"
+    m.write_text('{"profile": "fp8-h100", "stag')
+    with pytest.raises(UserError) as e:
+        read_manifest(m)
+    pr = e.value.problems[0]
+    assert pr.field == "manifest.json" and str(m) in pr.reason and "not valid JSON" in pr.reason
+    assert f"--out {tmp_path}" in pr.fix
+    m.write_text("[1, 2]")
+    with pytest.raises(UserError, match="a JSON list, not an object"):
+        read_manifest(m)
+    assert read_manifest(tmp_path / "none.json") == {}
+    man = Manifest.open(m, profile="p", profile_source="p", model_dir="m", out_dir=str(tmp_path))  # a build replaces it
+    assert man.previous == {} and "is damaged" in capsys.readouterr().err
+    man.save()
+    assert read_manifest(m)["profile"] == "p"
+    # through a task that reads it (promote): exit 2 and the sentence, no traceback
+    m.write_text('{"profile": "fp8-h100", "stag')
+    p = subprocess.run([sys.executable, "-m", "invoke", "promote", "--profile", "fp8-h100", "--out", str(tmp_path),
+                        "--repo", str(tmp_path / "serving" / "model_repository")], cwd=BUILD.parent, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr and "manifest.json:" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_full_disk_or_ulimit_during_a_checkpoint_copy_is_a_sentence_and_leaves_nothing(tmp_path):
+    """Issue 25 items 17 and 21: ``ulimit -f`` / a full disk during the ``--checkpoint`` copy was a shutil.Error
+    traceback; full-disk errors printed an empty path."""
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "rank0.safetensors").write_bytes(os.urandom(300_000))
+    out = tmp_path / "out"
+    code = f"""
+        import resource
+        from pathlib import Path
+        from precision_pipeline.core.errors import UserError
+        from precision_pipeline.core.fingerprint import fingerprint
+        from precision_pipeline.core.stage import execute
+        from precision_pipeline.quantize.stage import QuantizeStage, ReuseInputs
+
+        class Req:
+            checkpoint = Path({str(src)!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # ulimit -f 100 (KB)
+        try:
+            execute(QuantizeStage(), None, Req(), {{}}, Path({str(out)!r}))
+        except UserError as e:
+            print("USERERROR", e.problems[0].field, "|", e.problems[0].reason, "|", e.problems[0].fix)
+    """
+    p = _python(code)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    line = p.stdout.strip()
+    assert line.startswith("USERERROR --checkpoint |") and f"copying {src / 'rank0.safetensors'} to " in line, line
+    assert "File too large" in line and "ulimit -f" in line
+    assert not (out / "checkpoint").exists() and not [q for q in out.iterdir() if ".tmp-" in q.name]  # nothing half-written
+    # a write that fails with no file name (ENOSPC from write()) names the target
+    import errno
+    from unittest import mock
+
+    with mock.patch.object(os, "fsync", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+        with pytest.raises(OSError) as e:
+            store.atomic_write_json(tmp_path / "manifest.json", {"a": 1})
+    assert e.value.filename == str(tmp_path / "manifest.json") and not (tmp_path / "manifest.json").exists()

@@ -32,7 +32,66 @@ def cpu_build(tmp_path, default_model_dir):
     for name, rec in recs.items():
         (out / RECORDS_DIR / f"{name}.json").write_text(json.dumps({"stage": name, **rec}))
     (out / "manifest.json").write_text(json.dumps({"profile": "fp8-h100", "model_dir": str(default_model_dir), "stages": {}}))
+    from precision_pipeline.pipeline import write_output_marker
+
+    write_output_marker(out, "fp8-h100")
     return out
+
+
+def test_build_on_k8s_refuses_an_output_with_no_build_a_failed_gate_or_the_root(tmp_path, cpu_build, default_model_dir):
+    """Issue 25 item 12: ``build --on k8s`` rendered a Job for ``--out /``, an empty folder, a failed gate."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert job.check_gated_output(cpu_build, "fp8-h100") == cpu_build.resolve()
+    cases = [(Path("/"), "filesystem root"), (tmp_path / "empty", "not a build output"),
+             (tmp_path / "nowhere", "not a build output")]
+    (tmp_path / "empty").mkdir()
+    for out, says in cases:
+        with pytest.raises(UserError, match=says):
+            job.check_gated_output(out, "fp8-h100")
+    with pytest.raises(UserError, match="holds the build of profile 'fp8-h100', not 'bf16-h100'"):
+        job.check_gated_output(cpu_build, "bf16-h100")
+    (cpu_build / RECORDS_DIR / "gate.json").write_text(json.dumps({"stage": "gate", "key": "2" * 64,
+                                                                    "artifact": {"status": "failed", "passed": False}}))
+    with pytest.raises(UserError, match="did not pass its accuracy gate"):
+        job.check_gated_output(cpu_build, "fp8-h100")
+    (cpu_build / RECORDS_DIR / "gate.json").unlink()
+    with pytest.raises(UserError, match="gate.json is missing"):
+        job.check_gated_output(cpu_build, "fp8-h100")
+    # through the task: exit 2, a sentence, no Job printed
+    root = Path(__file__).resolve().parents[2]
+    for out in ("/", str(cpu_build)):
+        p = subprocess.run([sys.executable, "-m", "invoke", "build", "--profile", "fp8-h100", "--on", "k8s", "--out", out,
+                            "--model", str(default_model_dir)], cwd=root, capture_output=True, text=True, timeout=120,
+                           env={**__import__("os").environ, "PATH": "/usr/bin:/bin"})
+        assert p.returncode == 2 and "kind: Job" not in p.stdout and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+
+
+def test_kubectl_apply_refused_is_a_user_error(tmp_path, monkeypatch):
+    """Issue 25 item 17: a refused ``kubectl apply`` was a CalledProcessError traceback."""
+    import shutil
+    import subprocess
+
+    from precision_pipeline.serving import build_job
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/kubectl")
+    seen = []
+
+    def run(argv, **kw):
+        seen.append(argv[1:3])
+        if argv[1:3] == ["config", "current-context"]:
+            return subprocess.CompletedProcess(argv, 0, "kind-test\n", "")
+        if argv[1] == "apply":
+            assert not kw.get("check")
+            return subprocess.CompletedProcess(argv, 1, "", 'Error from server (Forbidden): jobs.batch is forbidden: '
+                                               'User "dev" cannot create resource "jobs"')
+        raise AssertionError(f"nothing runs after a refused apply: {argv}")
+    text = "apiVersion: batch/v1\nkind: Job\nmetadata: {name: engine-build-x, namespace: ml}\n"
+    with pytest.raises(UserError, match=r"kubectl apply refused the Job ml/engine-build-x .*Forbidden") as e:
+        build_job.apply_and_follow(text, run=run)
+    assert e.value.problems[0].field == "--on" and seen == [["config", "current-context"], ["apply", "-f"]]
 
 
 def test_engine_then_engine_gate_skipped_without_a_runner(tmp_path, monkeypatch, cpu_build):

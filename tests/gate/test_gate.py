@@ -328,3 +328,53 @@ def test_fp8_checkpoint_gate(default_model_dir, fp8_checkpoint, gate_cache, tmp_
     assert any(w["expected"] and "lm_head" in w["message"] for w in res.metrics["quantize_warnings"]["warnings"])
     assert (res.out_dir / "scale_histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![scale-factor histograms](scale_histogram.png)" in res.report_md.read_text()
+
+
+def test_a_threshold_only_change_is_judged_from_the_stored_measurements(self_gate, default_model_dir, tmp_path,
+                                                                         monkeypatch):
+    """Issue 25 item 19: a threshold-only change re-measured the whole gate; the verdict can be re-judged from the
+    stored measurements (same checkpoint, model, golden set, options and gate code)."""
+    import json
+    import shutil
+
+    from precision_pipeline.core.fingerprint import Fingerprint, fingerprint
+    from precision_pipeline.gate import checkpoint_gate
+    from precision_pipeline.gate.stage import MEASUREMENT_FILE, GateInputs, GateStage, golden_file
+    from precision_pipeline.spec.profile import GateThresholds
+
+    out = tmp_path / "out"
+    shutil.copytree(self_gate.out_dir, out / "gate")
+    metrics = json.loads((out / "gate" / "metrics.json").read_text())
+    metrics["metrics"]["kl_mean"]["value"] = 0.2  # a measured number the bars below disagree about
+    (out / "gate" / "metrics.json").write_text(json.dumps(metrics))
+    st = GateStage()
+
+    def inputs(**thr) -> GateInputs:
+        return GateInputs(checkpoint=Fingerprint(sha256="1" * 64, path=tmp_path), model=fingerprint(default_model_dir),
+                          thresholds=GateThresholds(**thr), golden=fingerprint(golden_file()), options=SUBSET)
+
+    loose, tight = inputs(kl_mean_max=0.25, top1_min=0.9), inputs(kl_mean_max=0.1, top1_min=0.9)
+    assert st.measurement_key(loose) == st.measurement_key(tight)
+    (out / "gate" / MEASUREMENT_FILE).write_text(json.dumps({"key": st.measurement_key(loose)}))
+
+    def measured(*a, **k):
+        raise AssertionError("the gate was measured again for a threshold-only change")
+    monkeypatch.setattr(checkpoint_gate, "gate_checkpoint", measured)
+    work = out / ".gate.tmp-1"
+    work.mkdir()
+    art = st.run(tight, work)
+    assert (art.passed, art.failed_metrics, art.status) == (False, ("kl_mean",), "failed")
+    m = json.loads((work / "metrics.json").read_text())
+    assert m["metrics"]["kl_mean"]["threshold"] == 0.1 and m["metrics"]["kl_mean"]["passed"] is False
+    assert "0.2 (outside <= 0.1)" in m["metrics"]["kl_mean"]["reason"] and m["thresholds"]["kl_mean_max"] == 0.1
+    assert m["rejudged"]["previous_thresholds"]["kl_mean_max"] == metrics["thresholds"]["kl_mean_max"]
+    assert "0.1" in (work / "report.md").read_text() and (work / "per_token.npz").is_file()
+    assert json.loads((work / MEASUREMENT_FILE).read_text()) == {"key": st.measurement_key(tight)}
+    work2 = out / ".gate.tmp-2"
+    work2.mkdir()
+    assert st.run(loose, work2).passed is True
+    # anything measured differently (here the options) is measured again
+    other = GateInputs(**{**loose.__dict__, "options": SUBSET.model_copy(update={"seed": 1})})
+    with pytest.raises(AssertionError, match="measured again"):
+        st.run(other, out / ".gate.tmp-3")
+    assert checkpoint_gate.rejudge(metrics, GateThresholds())["passed"] is True  # no bar: nothing fails

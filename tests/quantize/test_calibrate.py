@@ -143,7 +143,59 @@ def test_user_jsonl_too_long_is_refused_not_truncated(tok, tmp_path):
     assert len(encode_raw(tok, long_text)) > 32
     with pytest.raises(UserError) as e:
         build_calibration_set(Calibration(dataset=path, num_samples=1, seq_len=32), tok)
-    assert "line 2 is longer than calibration.seq_len = 32 tokens" in e.value.message
+    assert "line 2 (101 tokens) is longer than calibration.seq_len = 32 tokens" in e.value.message
+
+
+def test_a_huge_jsonl_is_read_only_as_far_as_the_samples_need(tok, tmp_path, monkeypatch):
+    """Issue 25 item 16: 3 million lines with num_samples 16 were all read and tokenized, silently (140 s+)."""
+    import time
+
+    from precision_pipeline.resolve import dataset as D
+
+    n = 300_000
+    p = tmp_path / "big.jsonl"
+    with open(p, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"Sentence number {i} of a long calibration file."}) + "\n")
+        f.write("{not json at the very end\n")
+    t0 = time.perf_counter()
+    data, problems = D.scan_user_dataset(str(p), stop_after=D.sample_pool(16), seq_len=64)
+    assert time.perf_counter() - t0 < 2.0
+    assert (data.lines, len(data.texts), problems) == (64, 64, [])  # 4 x 16 usable lines, the rest never read
+    assert D.dataset_problems(str(p), 16, 64) == []  # the bad last line is past what a build reads
+    cs = build_calibration_set(Calibration(dataset=str(p), num_samples=16, seq_len=64, seed=0), tok)
+    used = cs.composition["sources"]["user"]["lines_used"]
+    assert len(used) == 16 and max(used) <= 64 and cs.composition["sources"]["user"]["lines"] == 64
+    said = []
+    monkeypatch.setattr(D, "PROGRESS_EVERY_S", 0.0)
+    D.scan_user_dataset(str(p), stop_after=3, seq_len=64, say=said.append)
+    assert said and said[-1].startswith(f"[calibration] reading {p}: line 3, ") and "usable texts of the 3 needed" in said[-1]
+
+
+def test_a_300_mb_sample_is_refused_by_its_size_before_any_tokenizer(tmp_path):
+    """Issue 25 item 16: one 300 MB text passed ``check``, then the build's tokenizer reached 5.5 GB. Refused by byte
+    size (more bytes than seq_len tokens can have), with the numbers, read in bounded memory."""
+    import tracemalloc
+
+    from precision_pipeline.resolve import dataset as D
+
+    p = tmp_path / "one-huge.jsonl"
+    big = 50_000_000
+    with open(p, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "fine"}) + "\n")
+        f.write('{"text": "' + "a" * big + '"}\n')
+        f.write(json.dumps({"text": "also fine"}) + "\n")
+    tracemalloc.start()
+    try:
+        probs = D.dataset_problems(str(p), 2, 256)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8_000_000, peak  # the 50 MB line is never held whole
+    assert len(probs) == 1
+    msg = probs[0].reason
+    assert f"line 2 ({big + 12:,} bytes): more than 65,536 bytes, so more than calibration.seq_len = 256 tokens" in msg
+    assert D.max_text_bytes(256) == 65_536 and D.MAX_TOKEN_BYTES == 256
 
 
 def test_user_jsonl_missing_file(tok, tmp_path):

@@ -251,7 +251,7 @@ def test_reader_refuses_broken_mixed_checkpoints(mixed_export, tmp_path, case):
     assert p.field == "checkpoint" and words in p.reason, p.reason
 
 
-def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path):
+def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path, small_gate):
     """invoke build's pipeline on the mixed profile: the search runs in the quantize stage, the gate
     reads the MIXED_PRECISION checkpoint, the plan lists every GEMM's format, engine is skipped here."""
     from precision_pipeline.pipeline import run_build
@@ -263,7 +263,7 @@ def test_build_runs_mixed_precision_end_to_end(smollm_2layers, tmp_path):
     out = tmp_path / "out"
     r = run_build(str(prof), model=str(smollm_2layers), out=str(out), golden_limit=1)
     st = {s.name: s.status for s in r.stages}
-    assert st == {"resolve": "done", "quantize": "done", "gate": "done", "engine": "skipped", "engine_gate": "skipped", "pack": "done",
+    assert st == {"resolve": "done", "quantize": "done", "verify": "done", "gate": "done", "engine": "skipped", "engine_gate": "skipped", "pack": "done",
                   "deploy": "done"}
     q = next(s for s in r.stages if s.name == "quantize").numbers
     assert q["quant_algo"] == "MIXED_PRECISION" and q["kv_cache_quant_algo"] == "FP8"

@@ -330,3 +330,33 @@ def test_awq_export_layout(int4_awq_checkpoint):
     assert h[p + "weights_scaling_factor"]["shape"] == [960, 9]                             # [out, in/64]
     assert h[p + "prequant_scaling_factor"]["shape"] == [576]
     assert h["transformer.layers.0.mlp.proj.weights_scaling_factor"]["shape"] == [576, 24]  # 1536/64
+
+
+def test_nan_weights_are_refused_before_modelopt_naming_the_tensor(default_model_dir, tmp_path):
+    """Issue 25 item 17: NaN weights in the model ended in ModelOpt's assertion (a traceback)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from precision_pipeline.quantize.ptq import load_model, quantize_model
+
+    m = tmp_path / "tiny"
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(m, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir / f, m / f)
+    load_model(m)  # intact: loads
+    sd = load_file(m / "model.safetensors")
+    sd["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(sd, m / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError) as e:
+        load_model(m)
+    pr = e.value.problems[0]
+    assert pr.field == "--model" and "model.layers.1.mlp.down_proj.weight (1 NaN, 1 infinite of 2,048)" in pr.reason
+    with pytest.raises(UserError, match="non-finite weights: model.layers.1.mlp.down_proj.weight"):
+        quantize_model(profile("fp8-h100", calibration={"num_samples": 2, "seq_len": 16, "batch_size": 2}), m,
+                       show_progress=False)

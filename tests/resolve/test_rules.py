@@ -5,6 +5,8 @@ Models are ModelArch objects made from HF config dicts (no files needed).
 
 from __future__ import annotations
 
+import json
+
 
 import pytest
 
@@ -101,6 +103,19 @@ def test_linear_weight_bytes():
 
 # ---------------------------------------------------------------------------------------------
 # gpu.*
+
+
+def test_an_alias_of_several_memory_sizes_is_warned_and_recorded(default_model_dir):
+    """Issue 25 item 15: ``gpu: a100`` silently meant the 80 GB card."""
+    plan = run(gemm("W4A16_AWQ", "a100"))
+    assert plan.gpu.id == "a100-80gb" and not plan.problems
+    w = [c for c in plan.checks if c["rule"] == "gpu.variant"]
+    assert len(w) == 1 and w[0]["status"] == "warn"
+    assert "'a100' is read as a100-80gb (80 GB, 2,039 GB/s); it also names a100-40gb (40 GB, 1,555 GB/s)" in w[0]["message"]
+    assert any("a100-40gb" in x for x in plan.warnings) and "gpu.variant" in json.dumps(plan.to_json())
+    exact = run(gemm("W4A16_AWQ", "a100-80gb"))
+    assert [c["status"] for c in exact.checks if c["rule"] == "gpu.variant"] == ["pass"]
+    assert not any("a100-40gb" in x for x in exact.warnings)
 
 
 def test_gpu_supported_refuses_v100_and_t4():
@@ -482,3 +497,28 @@ def test_checkpoint_mapping_function(tmp_path):
     assert len(f) == 1 and "holds quant_algo W4A16_AWQ / kv_cache_quant_algo NONE" in f[0].message
     (tmp_path / "config.json").write_text("{not json")
     assert R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)[0].field == "--checkpoint"
+
+
+def test_unknown_rope_type_is_refused_at_resolve_with_the_supported_list():
+    """Previously accepted here and a KeyError traceback in quantize (transformers ROPE_INIT_FUNCTIONS)."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.spec.model_arch import ROPE_TYPES
+
+    base = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 4096}
+    with pytest.raises(UserError) as e:
+        arch_from_config({**base, "rope_scaling": {"rope_type": "banana", "factor": 2.0}}, path="m/config.json")
+    p = e.value.problems[0]
+    assert p.field == "--model" and "rope_scaling type 'banana' is not supported" in p.reason
+    assert "default, linear, dynamic, llama3, longrope, yarn" in p.reason and p.fix
+    for t in ROPE_TYPES:  # every listed type is accepted (type or rope_type key)
+        arch_from_config({**base, "rope_scaling": {"type": t, "factor": 2.0, "original_max_position_embeddings": 1024,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
+
+
+def test_rope_types_are_what_transformers_and_trtllm_both_read():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from precision_pipeline.spec.model_arch import ROPE_TYPES
+
+    assert set(ROPE_TYPES) == set(ROPE_INIT_FUNCTIONS)

@@ -72,7 +72,9 @@ def test_promtool_check_rules(rendered):
 def test_promtool_unit_tests_fire_and_stay_quiet(rendered):
     _, doc, thr, tmp = rendered
     rules = _rules_file(doc, tmp)
-    hi, lo = round(thr.kl_p99_max * 2, 6), round(thr.kl_p99_max / 2, 6)
+    # good: exactly at both gate thresholds (the gate passes there: kl_p99 <= max, top1 >= min); bad: beyond both
+    hi, lo = round(thr.kl_p99_max * 2, 6), thr.kl_p99_max
+    t1_bad = round(thr.top1_min - 0.1, 6)
     good, bad = 'profile="fp8-h100",engine_unit="tensorrt_llm_good"', 'profile="fp8-h100",engine_unit="tensorrt_llm_bad"'
     # series values at 1m steps; time() at the evaluation time in seconds since 0
     tests = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [
@@ -80,8 +82,8 @@ def test_promtool_unit_tests_fire_and_stay_quiet(rendered):
          "input_series": [
              {"series": f"precision_pipeline_probe_kl_p99{{{good}}}", "values": f"{lo}x20"},
              {"series": f"precision_pipeline_probe_kl_p99{{{bad}}}", "values": f"{hi}x20"},
-             {"series": f"precision_pipeline_probe_top1{{{good}}}", "values": "1x20"},
-             {"series": f"precision_pipeline_probe_top1{{{bad}}}", "values": "1x20"},
+             {"series": f"precision_pipeline_probe_top1{{{good}}}", "values": f"{thr.top1_min!r}x20"},
+             {"series": f"precision_pipeline_probe_top1{{{bad}}}", "values": f"1x2 {t1_bad}x20"},
              # good: probed every minute (timestamp = now); bad: last run at t = 0
              {"series": f"precision_pipeline_probe_last_run_timestamp_seconds{{{good}}}", "values": "0+60x40"},
              {"series": f"precision_pipeline_probe_last_run_timestamp_seconds{{{bad}}}", "values": "0x40"},
@@ -95,7 +97,14 @@ def test_promtool_unit_tests_fire_and_stay_quiet(rendered):
                                   "description": f"The golden-prompt probe of profile fp8-h100 measured kl_p99 = {hi!r} "
                                                  f"on the live server; the gate allows <= {thr.kl_p99_max!r}."}}]},
              {"eval_time": "3m", "alertname": "PrecisionProbeKlP99AboveGate", "exp_alerts": []},  # not for 5m yet
-             {"eval_time": "10m", "alertname": "PrecisionProbeTop1BelowGate", "exp_alerts": []},
+             # top-1 below the gate from minute 2 on: fires once it held for 5 minutes, for the bad unit only
+             {"eval_time": "6m", "alertname": "PrecisionProbeTop1BelowGate", "exp_alerts": []},
+             {"eval_time": "10m", "alertname": "PrecisionProbeTop1BelowGate",
+              "exp_alerts": [{"exp_labels": {"severity": "critical", "engine_unit": "tensorrt_llm_bad"},
+                              "exp_annotations": {
+                                  "summary": f"live top1 of tensorrt_llm_bad beyond the gate (>= {thr.top1_min!r})",
+                                  "description": f"The golden-prompt probe of profile fp8-h100 measured top1 = {t1_bad!r} "
+                                                 f"on the live server; the gate allows >= {thr.top1_min!r}."}}]},
              {"eval_time": "20m", "alertname": "PrecisionProbeStale", "exp_alerts": []},
              {"eval_time": "31m", "alertname": "PrecisionProbeStale",
               "exp_alerts": [{"exp_labels": {"severity": "warning", "engine_unit": "tensorrt_llm_bad"},

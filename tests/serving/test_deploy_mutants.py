@@ -83,3 +83,12 @@ def test_startup_failure_threshold_of_one_is_allowed(tmp_path):
     render(tmp_path, startup_failure_threshold=1)
     with pytest.raises(UserError):
         render(tmp_path, startup_failure_threshold=0)
+
+
+def test_pdb_min_available_zero_is_allowed_negative_is_not():
+    def pdb(ma):
+        return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "p"}, "spec": {"minAvailable": ma}}
+
+    assert not [p for p in deploy.semantic_problems(pdb(0), "pdb") if p.field.endswith("minAvailable")]
+    assert [p.field for p in deploy.semantic_problems(pdb(-1), "pdb") if p.field.endswith("minAvailable")] == [
+        "pdb: spec.minAvailable"]

@@ -299,3 +299,22 @@ def test_otlp_endpoint_is_rendered_into_the_bls_config(model_dir, default_model_
     assert pack.config_params(cfg)["otlp_traces_url"] == "http://c.obs:4318/v1/traces"
     path = pack.precision_path(make_plan(traced), "ab" * 32)  # the facts the span's attributes come from
     assert path["model"] == Path(default_model_dir).name and path["unit"] == "tensorrt_llm_abababababab"
+
+
+def test_packed_repository_is_readable_by_another_user(tmp_path, model_dir, ckpt):
+    """A Triton container running as another user must read every file and list every folder (umask 022);
+    files that arrive with 0600 (a checkpoint written by mkstemp, linked into engine/checkpoint) get read bits."""
+    import os
+    import stat
+
+    (ckpt / "rank0.safetensors").write_bytes(b"\0" * 8)
+    os.chmod(ckpt / "rank0.safetensors", 0o600)
+    old = os.umask(0o022)
+    try:
+        _, out = do_pack(tmp_path, model_dir, ckpt)
+    finally:
+        os.umask(old)
+    repo = out / "model_repository"
+    unreadable = [str(p.relative_to(repo)) for p in [repo, *repo.rglob("*")]
+                  if (stat.S_IMODE(p.stat().st_mode) & (0o005 if p.is_dir() else 0o004)) != (0o005 if p.is_dir() else 0o004)]
+    assert unreadable == []

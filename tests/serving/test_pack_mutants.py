@@ -51,3 +51,33 @@ def test_engine_world_size_from_tp_and_pp_when_not_given():
     assert [p.rule for p in probs if p.rule == "pack.world_size"] == ["pack.world_size"]
     assert "is 4 but gpu_device_ids lists 2" in next(p.reason for p in probs if p.rule == "pack.world_size")
     assert not [p for p in pack.cross_check_engine(cfg, {"gpu_device_ids": "0,1,2,3"}) if p.rule == "pack.world_size"]
+
+
+def test_bls_does_not_accumulate_tokens(params):
+    assert params["tensorrt_llm_bls"]["accumulate_tokens"] is False
+
+
+def test_link_tree_links_every_file_and_skips(tmp_path):
+    import os
+
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "f.txt").write_text("x")
+    (src / "a" / "g.txt").write_text("y")
+    (src / "skipped").mkdir()
+    (src / "skipped" / "h.txt").write_text("z")
+    pack.link_tree(src, tmp_path / "dst", skip=("skipped",))
+    dst = tmp_path / "dst"
+    assert (dst / "a" / "b" / "f.txt").read_text() == "x" and (dst / "a" / "g.txt").read_text() == "y"
+    assert not (dst / "skipped").exists()
+    assert os.stat(dst / "a" / "g.txt").st_ino == os.stat(src / "a" / "g.txt").st_ino  # a hard link, not a copy
+
+
+def test_unit_limits_of_a_rendered_unit(params, tmp_path):
+    text = pack.render_all(params)["tensorrt_llm"]
+    unit = params["tensorrt_llm"]["model_name"]
+    (tmp_path / unit).mkdir()
+    (tmp_path / unit / "config.pbtxt").write_text(text)
+    assert pack.unit_limits(tmp_path, unit) == {"max_batch_size": params["tensorrt_llm"]["triton_max_batch_size"],
+                                                "max_beam_width": params["tensorrt_llm"]["max_beam_width"]}
+    assert pack.unit_gpus(tmp_path, unit) == 1

@@ -311,7 +311,13 @@ def load_raw_fp8():
 @pytest.mark.parametrize("bad,why", [("http://c:99999", "port"), ("http://c:abc", "port"), ("http://c:0", "port"),
                                      ("http://[::1", "not a URL"), ("http://c:4318\u200b", "not a URL"),
                                      ("http://c\x00:4318", "not a URL"), ("http://" + "a" * 300 + ":4318", "host name"),
-                                     ("http://c:4318/" + "p" * 3000, "characters")])
+                                     ("http://c:4318/" + "p" * 3000, "characters"),
+                                     # issue 25 item 15: a percent-escaped newline and a five-part "address"
+                                     ("http://otel%0a:4318", "is not a DNS name"),
+                                     ("http://1.2.3.4.5:4318", "neither an IPv4 address"),
+                                     ("http://10.0.0.256:4318", "neither an IPv4 address"),
+                                     ("http://otel..svc:4318", "is not a DNS name"),
+                                     ("http://[fe80::zz]:4318", "not a URL")])
 def test_otlp_endpoint_port_length_and_invisible_characters_are_user_errors(bad, why):
     from precision_pipeline.spec.profile import otlp_endpoint_problem
 
@@ -320,6 +326,8 @@ def test_otlp_endpoint_port_length_and_invisible_characters_are_user_errors(bad,
         validate_profile(deep_merge(load_raw_fp8(), {"deployment": {"otlp_endpoint": bad}}))
     assert "deployment.otlp_endpoint" in str(e.value)
     assert otlp_endpoint_problem("http://[::1]:4318") is None and otlp_endpoint_problem("http://c:65535") is None
+    for ok in ("http://10.0.0.7:4318", "http://otel-collector.monitoring.svc.cluster.local:4318", "https://Otel.Example.com"):
+        assert otlp_endpoint_problem(ok) is None, ok
 
 
 TOOL_TEXT = "# Written by `invoke recommend`.\nextends: fp8-h100\n"
@@ -336,7 +344,7 @@ def test_save_profile_keeps_a_hand_written_or_shipped_profile(tmp_path):
     assert mine.read_text() == "extends: fp8-h100\ndescription: hand-written\n"
     shipped = PROFILES_DIR / "bf16-h100.yaml"
     before = shipped.read_bytes()
-    with pytest.raises(UserError, match="not written by invoke"):
+    with pytest.raises(UserError, match="is a shipped profile"):
         save_profile(shipped, TOOL_TEXT.replace("extends: fp8-h100", "extends: fp8-h100\nname: bf16-h100"))
     assert shipped.read_bytes() == before
     tool = tmp_path / "tool.yaml"
@@ -362,3 +370,32 @@ def test_save_profile_under_a_file_or_into_an_unwritable_place_is_a_user_error(t
     with pytest.raises(UserError, match="cannot write") as e:
         save_profile(tmp_path / "t.yaml", TOOL_TEXT)
     assert "No such file or directory" in e.value.problems[0].reason
+
+
+def test_save_profile_never_replaces_a_shipped_profile_even_with_the_written_by_header(tmp_path, monkeypatch):
+    # issue 25 item 2: the tuned shipped profiles begin with the "Written by `invoke" line; they are shipped all the same
+    import shutil
+
+    from precision_pipeline.spec import profile as P
+
+    shipped = tmp_path / "precision_profiles"
+    shutil.copytree(P.PROFILES_DIR, shipped)
+    monkeypatch.setattr(P, "PROFILES_DIR", shipped)
+    target = shipped / "int8-sq-l4-smollm2.yaml"
+    before = target.read_bytes()
+    assert before.startswith(P.WRITTEN_BY.encode())
+    text = "# Written by `invoke recommend`.\nextends: int8-sq-l4\n"
+    for field in ("--write", "--write-profile"):
+        with pytest.raises(UserError, match="is a shipped profile") as e:
+            P.save_profile(target, text, field=field)
+        assert e.value.problems[0].field == field and "delete it first" in e.value.problems[0].fix
+        with pytest.raises(UserError, match="is a shipped profile"):
+            P.check_profile_target(target, field, name_from_stem=True)
+    link = tmp_path / "elsewhere.yaml"
+    link.symlink_to(target)  # a symlink to a shipped file is the shipped file
+    with pytest.raises(UserError, match="is a shipped profile"):
+        P.save_profile(link, text)
+    assert target.read_bytes() == before
+    assert P.is_shipped_profile(target) and not P.is_shipped_profile(shipped / "new.yaml")
+    P.save_profile(shipped / "new.yaml", text)  # a new file in the folder may be written once
+    assert P.is_shipped_profile(shipped / "new.yaml")

@@ -67,6 +67,51 @@ def test_duplicate_keys_refused_with_both_lines(tmp_path):
     assert "duplicate key 'max_batch_size' (first at line 4, again at line 5)" in refusal(p).message
 
 
+@pytest.mark.parametrize("value, says", [
+    ("064", "reads it as octal 52, YAML 1.2 as 64"), ("012", "reads it as octal 10, YAML 1.2 as 12"),
+    ("1:04", "base-60 number in YAML 1.1 (PyYAML reads it as 64)"), ("1_024", "drops the '_' and reads 1024"),
+    ("0b101", "YAML 1.1 binary number"), ("-010", "reads it as octal -8")])
+def test_yaml_1_1_numbers_are_refused_not_reread(tmp_path, value, says):
+    """Issue 25 item 15: ``064`` became 52, ``012`` 10 and ``1:04`` 64 without a word."""
+    e = refusal(write(tmp_path, "n.yaml", BASE + f"build:\n  max_batch_size: {value}\n"))
+    assert says in e.message and "line 4" in e.message, e.message
+    assert load_profile(str(write(tmp_path, "ok.yaml", BASE + "build:\n  max_batch_size: 64\n"))).build.max_batch_size == 64
+    assert load_profile(str(write(tmp_path, "f.yaml", BASE + "runtime:\n  kv_cache_free_gpu_mem_fraction: 0.85\n"
+                                  ))).runtime.kv_cache_free_gpu_mem_fraction == 0.85
+
+
+def test_yaml_1_1_float_forms_and_binary_are_refused(tmp_path):
+    e = refusal(write(tmp_path, "f.yaml", BASE + "runtime:\n  kv_cache_free_gpu_mem_fraction: 0:0.5\n"))
+    assert "base-60" in e.message
+    e = refusal(write(tmp_path, "b.yaml", BASE + "description: !!binary aGVsbG8=\n"))
+    assert "!!binary (base64 bytes) is not a profile value" in e.message
+
+
+def test_a_user_profile_named_like_a_shipped_one_extends_the_shipped_one(tmp_path):
+    """Issue 25 item 21: a user's fp8-h100.yaml with ``extends: fp8-h100`` was reported as a cycle."""
+    p = write(tmp_path / "mine", "fp8-h100.yaml", "extends: fp8-h100\nbuild:\n  max_batch_size: 16\n")
+    prof = load_profile(str(p))
+    shipped = load_profile("fp8-h100")
+    assert prof.name == "fp8-h100" and prof.build.max_batch_size == 16
+    assert prof.quantization == shipped.quantization and prof.target == shipped.target
+    write(tmp_path / "c", "a.yaml", "extends: b\n")  # a real cycle is still one
+    write(tmp_path / "c", "b.yaml", "extends: a\n")
+    assert "cycle: a -> b -> a" in refusal(tmp_path / "c" / "a.yaml").message
+
+
+def test_yaml_merge_keys_are_supported(tmp_path):
+    """Issue 25 item 21: ``<<: *anchor`` was refused as 'could not determine a constructor for the tag ...merge'.
+    (gate.overrides keys are model fingerprints: 64 hex digits.)"""
+    a, b = "a" * 64, "b" * 64
+    p = write(tmp_path, "m.yaml", BASE + f"gate:\n  overrides:\n    {a}: &a {{kl_mean_max: 0.3, top1_min: 0.7}}\n"
+              f"    {b}:\n      <<: *a\n      top1_min: 0.5\n")
+    ov = load_profile(str(p)).gate.overrides
+    assert (ov[b].kl_mean_max, ov[b].top1_min, ov[a].top1_min) == (0.3, 0.5, 0.7)
+    e = refusal(write(tmp_path, "d.yaml", BASE + f"gate:\n  overrides:\n    {a}: &a {{kl_mean_max: 0.3}}\n"
+                      f"    {b}:\n      <<: *a\n      top1_min: 0.5\n      top1_min: 0.6\n"))
+    assert "duplicate key 'top1_min'" in e.message
+
+
 @pytest.mark.parametrize("snippet, field, says", [
     ("build:\n  max_batch_size: true\n", "build.max_batch_size", "must be a number, got True"),
     ("build:\n  max_batch_size: '8'\n", "build.max_batch_size", "must be a number, got '8'"),

@@ -119,8 +119,18 @@ ACCURACY_PRIOR: dict[str, Accuracy] = {
 
 
 @lru_cache(maxsize=None)
+def _shipped(name: str):
+    """``load_profile(name)`` of a shipped profile, read once per process (candidates only read it)."""
+    return load_profile(name)
+
+
+@lru_cache(maxsize=None)
 def _shipped_quality(name: str) -> str:
-    return json.dumps(_quality_key(load_profile(name)), sort_keys=True)
+    return json.dumps(_quality_key(_shipped(name)), sort_keys=True)
+
+
+def _shipped_algo(name: str) -> QuantAlgo:
+    return _shipped(name).quantization.quant_algo
 
 
 def prior_for(profile) -> Optional[Accuracy]:
@@ -187,7 +197,7 @@ def base_profiles_for(algo: QuantAlgo) -> list[str]:
     first = base_profile_for(algo)
     out, seen = [first], {_shipped_quality(first)}
     for n in shipped_profiles():
-        if n != first and load_profile(n).quantization.quant_algo == algo and _shipped_quality(n) not in seen:
+        if n != first and _shipped_algo(n) == algo and _shipped_quality(n) not in seen:
             seen.add(_shipped_quality(n))
             out.append(n)
     return out
@@ -197,7 +207,7 @@ def base_profile_for(algo: QuantAlgo) -> str:
     """The shipped profile a candidate of GEMM format ``algo`` starts from: the first shipped profile
     with that quant_algo, else one whose format groups its scales the same way (``GemmFormat.grouping``
     per_group / fixed_block: its group_size), else the unquantized one."""
-    loaded = [(n, load_profile(n).quantization.quant_algo) for n in shipped_profiles()]
+    loaded = [(n, _shipped_algo(n)) for n in shipped_profiles()]
     same = [n for n, a in loaded if a == algo]
     grouping = F.GEMM[algo].grouping
     alike = [n for n, a in loaded if grouping != "none" and F.GEMM[a].grouping == grouping]
@@ -419,6 +429,7 @@ def tokens_per_gpu(c: Candidate) -> float:
     return c.perf["deployed_tokens_per_s_per_gpu"] if c.perf else 0.0
 
 
+@lru_cache(maxsize=1)
 def _max_batch_limit() -> int:
     from precision_pipeline.spec.profile import BuildLimits
 
@@ -466,7 +477,7 @@ def enumerate_candidates(gpu: str, model: Union[Path, str, ModelArch], artifacts
         if fmt.refusal:
             continue
         for i, base in enumerate(base_profiles_for(fmt.algo)):
-            raw = load_raw(base)
+            raw = json.loads(_raw(base))
             has_fb = bool((raw.get("deployment") or {}).get("fallback"))
             for kv in F.KV.values():
                 for tp in tp_sizes:

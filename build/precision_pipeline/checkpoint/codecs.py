@@ -25,6 +25,7 @@ Bit layouts (what ModelOpt 0.47 writes; sources per class):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
 import torch
@@ -198,6 +199,48 @@ class Codec:
 
     fake_quant: ClassVar[Optional[Callable[..., torch.Tensor]]] = None
 
+    def layout(self, fmt: GemmFormat, n_out: int, n_in: int, group: Optional[int]) -> dict[str, Slot]:
+        """Every tensor one rank of a linear ``[n_out, n_in]`` (this rank's slice) stores in ``fmt``:
+        ``{suffix: Slot}`` (``weight`` and the scale tensors, names as ``reader.SCALE_SUFFIXES``).
+        The activation scale and the pre-quant scale follow the registry (``fmt.needs_act_scale``,
+        ``fmt.scales.prequant``); the rest is the codec's own layout (class docstrings)."""
+        out = self._own(fmt, n_out, n_in, group)
+        if fmt.needs_act_scale:
+            out["activation_scaling_factor"] = Slot(("F32",), SCALAR)
+        if fmt.scales.prequant:
+            out["prequant_scaling_factor"] = Slot(PLAIN_DTYPES, (n_in,))
+        return out
+
+    def _own(self, fmt: GemmFormat, n_out: int, n_in: int, group: Optional[int]) -> dict[str, "Slot"]:
+        raise NotImplementedError
+
+
+SCALAR = ()
+"""A per-tensor scale's shape: stored as ``[]`` (NVFP4) or ``[1]`` (the others); ``Slot.fits`` takes both."""
+PLAIN_DTYPES = ("BF16", "F16", "F32")  # unquantized weights and pre-quant scales (the model dtype)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One stored tensor of a linear: the safetensors dtypes it may have and its shape (``SCALAR``:
+    one value, ``[]`` or ``[1]``); ``alt_shape``: a second accepted shape (FP8 per-channel)."""
+
+    dtypes: tuple[str, ...]
+    shape: tuple[int, ...]
+    alt_shape: Optional[tuple[int, ...]] = None
+
+    def fits(self, shape: list[int]) -> bool:
+        got = tuple(shape)
+        if self.shape == SCALAR:
+            return got in ((), (1,))
+        return got == self.shape or (self.alt_shape is not None and got == self.alt_shape)
+
+    def text(self) -> str:
+        shp = "[] or [1]" if self.shape == SCALAR else str(list(self.shape))
+        if self.alt_shape is not None:
+            shp += f" or {list(self.alt_shape)}"
+        return f"{'/'.join(self.dtypes)} {shp}"
+
 
 class Plain(Codec):
     """BF16 / F16 / F32 weights: cast to float32."""
@@ -206,6 +249,9 @@ class Plain(Codec):
 
     def dequantize(self, t, prefix, group_size):
         return t[prefix + "weight"].to(torch.float32)
+
+    def _own(self, fmt, n_out, n_in, group):
+        return {"weight": Slot(PLAIN_DTYPES, (n_out, n_in))}
 
 
 class Fp8E4M3(Codec):
@@ -226,6 +272,10 @@ class Fp8E4M3(Codec):
             return fp8_e4m3_to_float(w) * s.reshape(-1, 1)
         raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements for FP8 weight {tuple(w.shape)}.",
                         "re-export the checkpoint.")
+
+    def _own(self, fmt, n_out, n_in, group):  # per-tensor scale (per-channel also decoded, see dequantize)
+        return {"weight": Slot(("F8_E4M3",), (n_out, n_in)),
+                "weights_scaling_factor": Slot(("F32",), SCALAR, alt_shape=(n_out,))}
 
 
 class Nvfp4(Codec):
@@ -248,6 +298,11 @@ class Nvfp4(Codec):
         scale = fp8_e4m3_to_float(sf) * sf2
         return vals * scale.repeat_interleave(block, dim=1)
 
+    def _own(self, fmt, n_out, n_in, group):  # packed along the input dim; FP8 scale per NVFP4_BLOCK inputs
+        return {"weight": Slot(("U8",), (n_out, n_in // fmt.pack)),
+                "weights_scaling_factor": Slot(("F8_E4M3",), (n_out, n_in // NVFP4_BLOCK)),
+                "weights_scaling_factor_2": Slot(("F32",), SCALAR)}
+
 
 def _int4_packed(weight: dict, scale: dict) -> bool:
     """Header shapes say INT4 packed rows with per-group scales: ``[out, in/g]`` for ``[out/2, in]``."""
@@ -266,6 +321,14 @@ class Int4Awq(Codec):
     def dequantize(self, t, prefix, group_size):
         _need(t, prefix, "weights_scaling_factor")
         return dequant_int4(t, prefix, int(group_size or AWQ_DEFAULT_GROUP))
+
+    def _own(self, fmt, n_out, n_in, group):  # packed along the OUTPUT dim; F32 scale per group of inputs
+        g = int(group or AWQ_DEFAULT_GROUP)
+        out = {"weight": Slot(("I8",), (n_out // fmt.pack, n_in)),
+               "weights_scaling_factor": Slot(("F32",), (n_out, n_in // g))}
+        if fmt.needs_act_scale:  # W4A8: the second, FP8 weight quantizer's per-tensor scale (dequant_int4)
+            out["weights_scaling_factor_2"] = Slot(("F32",), SCALAR)
+        return out
 
     def header_problem(self, stem, fmt, weight, scale):
         if weight["dtype"] == "I8" and scale is not None and not _int4_packed(weight, scale):
@@ -290,6 +353,9 @@ class Int8PerChannel(Codec):
             raise UserError(FIELD, f"{prefix}weights_scaling_factor has {s.numel()} elements; expected {w.shape[0]} (per output channel).",
                             "re-export the checkpoint.")
         return w.to(torch.float32) * s.reshape(-1, 1)
+
+    def _own(self, fmt, n_out, n_in, group):
+        return {"weight": Slot(("I8",), (n_out, n_in)), "weights_scaling_factor": Slot(("F32",), (n_out,))}
 
     def header_problem(self, stem, fmt, weight, scale):
         if weight["dtype"] == "I8" and scale is not None and _int4_packed(weight, scale):
@@ -332,6 +398,6 @@ def dequantize(t: dict[str, torch.Tensor], prefix: str, fmt: GemmFormat, group_s
     return codec.dequantize(t, prefix, group_size)
 
 
-__all__ = ["Codec", "Plain", "Fp8E4M3", "Nvfp4", "Int4Awq", "Int8PerChannel", "CODECS", "FAKE_QUANT", "codec_for", "dequantize",
+__all__ = ["Slot", "SCALAR", "PLAIN_DTYPES", "Codec", "Plain", "Fp8E4M3", "Nvfp4", "Int4Awq", "Int8PerChannel", "CODECS", "FAKE_QUANT", "codec_for", "dequantize",
            "dequant_int4", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4", "unpack_int4_rows", "fake_quant_fp8",
            "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "FP8_MAX", "INT8_MAX", "INT4_MAX", "NVFP4_SCALE_MAX", "CODE_MAX", "E2M1_VALUES", "QUANTIZED_DTYPES"]

@@ -50,6 +50,11 @@ class UserError(PipelineError):
     """Bad input or a refused check (exit 2). Carries one or more ``Problem``s."""
 
     exit_code = EXIT_INVALID
+    written: tuple[str, ...] = ()
+    """What the run had already written when this was raised (paths relative to its output, e.g.
+    ``plan.json``, ``checkpoint/``); empty: refused before any write (set by ``pipeline.run_build``)."""
+    stage: str = ""
+    """The stage that raised it, when a stage did."""
 
     def __init__(self, field_or_problems, reason: str = "", fix: str = "", rule: str = "", source: str = ""):
         if isinstance(field_or_problems, (list, tuple)):

@@ -21,7 +21,10 @@ Only ``StageRunner`` computes keys::
 with the strict canonical form of ``core.store.canonical`` (unknown types are a TypeError that
 names the offending value's path; paths enter only as ``core.fingerprint.Fingerprint``). A stage
 is *cached* when its typed artifact record (``<out>/.stages/<name>.json``) is present, valid and
-holds its key, and its folder is present; otherwise it runs. The record is the authority, not the
+holds its key, and its folder is present and is what the record's ``files`` inventory says (each
+file's size and content sample, ``core.fingerprint.inventory``; reports ``VIEW_SUFFIXES`` aside):
+a checkpoint truncated or edited after its build, or a file added, makes the stage run again
+(``StageRunner.not_reused`` says why); otherwise it runs. The record is the authority, not the
 manifest row: it is committed together with the stage's folder (a commit file of
 ``core.store.atomic_dir``), so a kill during the folder swap is rolled forward with its record by
 the next build's ``clean_stale``.
@@ -33,8 +36,10 @@ verdict (re-measuring an unchanged failing gate costs minutes and changes nothin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +47,8 @@ from typing import Any, Callable, ClassVar, Generic, Literal, Mapping, Optional,
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from precision_pipeline.core.errors import PipelineError
+from precision_pipeline.core.fingerprint import inventory, inventory_problem
 from precision_pipeline.core.paths import PACKAGE_DIR
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, canonical_json, hash_dir, hash_file, read_json
 
@@ -52,6 +59,12 @@ RECORDS_DIR = ".stages"
 """Folder under the build output holding each stage's typed artifact record (``<name>.json``)."""
 
 CODE_SUFFIXES = (".py", ".jsonl")
+
+VIEW_SUFFIXES = (".md", ".html", ".png", ".pyc")
+"""Files of a stage folder its record does not vouch for: reports and pictures that later tasks re-render
+(``invoke sensitivity`` adds a section to ``gate/report.md``), and the ``__pycache__/*.pyc`` Python writes
+when a packed repository is served in place. Every other file's size and content sample
+(``core.fingerprint.inventory``) is stored in the record and checked on each cache hit."""
 
 Status = Literal["done", "cached", "skipped", "failed"]
 
@@ -151,6 +164,28 @@ def stage_key(stage: Stage, inputs: BaseModel, upstream_keys: Mapping[str, str])
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
+def read_manifest(path: Path) -> dict:
+    """``manifest.json`` at ``path`` as a dict ({} when the file does not exist).
+
+    A file that is not a JSON object (truncated by a full disk, edited by hand) raises UserError (exit 2)
+    naming it and the fix: ``invoke build`` on that output rewrites it from the stage records
+    (``.stages/``, the authority), without re-running an unchanged stage."""
+    from precision_pipeline.core.errors import UserError
+
+    try:
+        data = read_json(path, default={})
+    except (ValueError, UnicodeDecodeError) as e:
+        data = f"not valid JSON ({str(e)[:80]})"
+    except OSError as e:
+        data = f"unreadable ({e.strerror or e})"
+    if not isinstance(data, dict):
+        why = data if isinstance(data, str) else f"a JSON {type(data).__name__}, not an object"
+        raise UserError("manifest.json", f"{path} is {why}: the build output's summary is damaged.",
+                        f"run `invoke build --profile P --out {Path(path).parent}` again: it rewrites manifest.json "
+                        "from the stage records and reuses every unchanged stage.")
+    return data
+
+
 @dataclass
 class Manifest:
     """manifest.json as an object: rendered with the layout the README documents."""
@@ -168,7 +203,14 @@ class Manifest:
 
     @classmethod
     def open(cls, path: Path, **head: str) -> "Manifest":
-        old = read_json(path, default={}) or {}
+        """The manifest a build (re)writes: the previous rows of a readable ``path``; a damaged one (not a JSON
+        object, ``read_manifest``) is replaced, since the rows are rewritten from the stage records."""
+        try:
+            old = read_manifest(path)
+        except PipelineError:
+            print(f"[manifest] {path} is damaged (not a JSON object); it is rewritten from the stage records.",
+                  file=sys.stderr, flush=True)
+            old = {}
         prev = old.get("stages", {}) if isinstance(old, dict) else {}
         prev = prev if isinstance(prev, dict) else {}
         return cls(path=Path(path), previous=dict(prev), stages=dict(prev), **head)
@@ -202,6 +244,8 @@ class StageRunner:
         self.manifest = manifest
         self.on_stage = on_stage
         self.records: list[StageRecord] = []
+        self.not_reused: dict[str, str] = {}
+        """{stage: why its folder did not match its record} for stages whose key matched (they ran again)."""
 
     def _record_path(self, stage: Stage) -> Path:
         return self.out_dir / RECORDS_DIR / f"{stage.name}.json"
@@ -221,6 +265,13 @@ class StageRunner:
         reusable = art.status == "done" or (art.status == "failed" and stage.reuse_failed)
         if not reusable or not art.present(self.out_dir):
             return None
+        if stage.output is not None:
+            why = inventory_problem(self.out_dir / stage.output, rec.get("files"), VIEW_SUFFIXES)
+            if why is not None:
+                self.not_reused[stage.name] = why
+                print(f"[{stage.name}] not reused: {self.out_dir / stage.output} is not what its record says ({why}); "
+                      "running it again.", file=sys.stderr, flush=True)
+                return None
         return art
 
     def run(self, stage: Stage, plan: Any, request: Any, done: Mapping[str, Done]) -> Done:
@@ -234,6 +285,18 @@ class StageRunner:
         if self.on_stage:
             self.on_stage(d.record)
         return d
+
+
+@contextlib.contextmanager
+def _names_the_folder(out: Path):
+    """An OSError without a file name (``write()`` on a full disk: ENOSPC, EFBIG) gets the stage folder as its
+    ``filename``, so the message says where the write failed instead of an empty path."""
+    try:
+        yield
+    except OSError as e:
+        if not e.filename:
+            e.filename = str(out)
+        raise
 
 
 def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out_dir: Optional[Path] = None,
@@ -258,10 +321,11 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
     if out is not None:
         # the record is a commit file of the folder's swap: a kill mid-swap is rolled forward with it
         commit: dict[Path, Any] = {}
-        with atomic_dir(out, commit_files=commit) as tmp:
+        with _names_the_folder(out), atomic_dir(out, commit_files=commit) as tmp:
             art = checked(stage.run(inputs, tmp))
             if record_path is not None:
-                commit[record_path] = {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")}
+                commit[record_path] = {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json"),
+                                       "files": inventory(tmp, VIEW_SUFFIXES)}
     else:
         art = checked(stage.run(inputs, None))
         if record_path is not None:
@@ -271,4 +335,4 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
 
 
 __all__ = ["Frozen", "Artifact", "Stage", "StageRunner", "StageRecord", "Done", "Manifest", "stage_key", "execute",
-           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR"]
+           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR", "read_manifest"]

@@ -109,25 +109,57 @@ def hash_dir(path: Path, exclude: tuple[str, ...] = (), suffixes: tuple[str, ...
     return h.hexdigest()
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``
+    ``Umask:``, kernel >= 4.7); elsewhere set and restored at once (``os.umask`` has no getter)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def make_readable(root: Path) -> None:
+    """Give every file and folder under ``root`` (and ``root``) the read (folders: read + search) bits the
+    umask allows, keeping the bits it has: a file that arrived 0600 (``mkstemp``, a hard link of one)
+    becomes 0644 under umask 022, so a server running as another user can read the tree."""
+    mask = current_umask()
+    for p in [Path(root), *Path(root).rglob("*")]:
+        if p.is_symlink():
+            continue
+        mode = p.stat().st_mode
+        add = (0o555 if p.is_dir() else 0o444) & ~mask
+        if mode & add != add:
+            os.chmod(p, (mode & 0o7777) | add)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (``atomic_write_bytes``)."""
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory + rename)."""
+    """Write ``data`` to ``path`` atomically (temp file in the same directory + rename); its mode follows
+    the umask (0644 under the usual 022), as a file ``open()`` creates."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; a written file follows the umask as open() does
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not e.filename:  # write() on a full disk names no file: name the target
+            e.filename = str(path)
         raise
 
 
@@ -155,9 +187,27 @@ def _journal_path(target: Path) -> Path:
     return target.parent / f".{target.name}{SWAP_JOURNAL}"
 
 
+def _dir_id(path: Path) -> list[int]:
+    """[st_dev, st_ino] of a folder: a rename keeps both, so it names the new copy wherever it moved."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino]
+
+
+def _is_copy(target: Path, tmp_id: Any) -> bool:
+    """Whether ``target`` is the journal's new copy (its ``tmp_id``), i.e. the rename onto it happened."""
+    try:
+        return isinstance(tmp_id, list) and target.is_dir() and _dir_id(target) == tmp_id
+    except OSError:
+        return False
+
+
 def _finish_swap(parent: Path, journal: dict, crash: Callable[[str], None]) -> None:
     """Roll a journaled swap forward: the complete new copy becomes ``target``, then the commit files are
-    written, then the journal is removed (the commit), then the old copy is deleted. Idempotent."""
+    written, then the journal is removed (the commit), then the old copy is deleted. Idempotent.
+
+    When the new copy is neither at its temporary name nor at ``target`` (the journal's ``tmp_id``: device and
+    inode of the copy, which a rename keeps), it was removed after a kill: the swap is dropped instead, the
+    previous copy stays (or is put back from ``old``) and no commit file is written."""
     target = parent / journal["target"]
     tmp = parent / journal["tmp"]
     old = parent / journal["old"]
@@ -167,6 +217,15 @@ def _finish_swap(parent: Path, journal: dict, crash: Callable[[str], None]) -> N
             os.replace(target, old)
         crash("swap")
         os.replace(tmp, target)
+    elif not _is_copy(target, journal.get("tmp_id")):
+        # the new copy is gone and the target is not it (someone removed the temporary folder after a kill):
+        # the swap never happened. Keep (or put back) the previous copy and write none of the commit files, so
+        # no record ever describes a folder that is not there.
+        if not target.exists() and old.is_dir():
+            os.replace(old, target)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_journal_path(target))
+        return
     for rel, obj in (journal.get("files") or {}).items():
         atomic_write_json(parent / rel, obj)
     crash("commit")
@@ -178,7 +237,8 @@ def _finish_swap(parent: Path, journal: dict, crash: Callable[[str], None]) -> N
 @contextlib.contextmanager
 def atomic_dir(target: Path, commit_files: Optional[dict[Path, Any]] = None,
                crash: Optional[Callable[[str], None]] = None) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success it replaces ``target``, recoverably.
+    """Yield a fresh temporary directory (mode per the umask: 0755 under 022); on success it replaces
+    ``target``, recoverably.
 
     On an exception the temporary directory is removed and ``target`` is left untouched.
     The swap, once the body has returned:
@@ -200,6 +260,7 @@ def atomic_dir(target: Path, commit_files: Optional[dict[Path, Any]] = None,
     parent.mkdir(parents=True, exist_ok=True)
     crash = crash or _crash_point
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; the folder becomes target: follow the umask
     try:
         yield tmp
     except BaseException:
@@ -211,7 +272,8 @@ def atomic_dir(target: Path, commit_files: Optional[dict[Path, Any]] = None,
         if rel.startswith(".."):
             raise ValueError(f"commit file {path} is outside {parent}")
         files[rel] = obj
-    journal = {"target": target.name, "tmp": tmp.name, "old": f".{target.name}.old-{os.getpid()}", "files": files}
+    journal = {"target": target.name, "tmp": tmp.name, "old": f".{target.name}.old-{os.getpid()}", "files": files,
+               "tmp_id": _dir_id(tmp)}
     try:
         atomic_write_json(_journal_path(target), journal)
     except BaseException:
@@ -294,17 +356,58 @@ def describe_holder(info: dict) -> str:
     return f"pid {info['pid']} on {info.get('host', '?')} since {since}{what}"
 
 
+class _DirLock:
+    """An exclusive ``flock(2)`` on a folder's own file descriptor (Linux/BSD allow flock on a directory fd).
+
+    Unlike a lock *file*, it cannot be sidestepped by deleting a file: the folder cannot be removed while
+    it holds the build's files, and a new process locks the same inode. Released when closed or when the
+    process dies (the kernel drops flock locks with the last descriptor)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.fd: Optional[int] = None
+
+    def try_acquire(self) -> bool:
+        import fcntl
+
+        fd = os.open(self.folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as e:
+            import errno
+
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without flock (some NFS)
+                return True  # the lock file alone, as before
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+
 @contextlib.contextmanager
 def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", field: str = "lock",
            on_wait: Optional[Callable[[str], None]] = None, interval_s: float = 5.0,
-           busy_fix: str = "wait for it to finish, then run again.") -> Iterator[None]:
-    """Hold an inter-process file lock at ``path`` (``filelock``) for the duration.
+           busy_fix: str = "wait for it to finish, then run again.", folder_lock: bool = False) -> Iterator[None]:
+    """Hold an inter-process file lock at ``path`` (``filelock``: ``fcntl.flock`` on the file) for the duration.
 
     The holder writes ``<path>.json`` (pid, host, start time, ``what``) so a process that finds the
     lock taken can say who holds it. ``timeout_s``: seconds to wait (None: for ever; 0: not at all);
     ``on_wait(message)`` is called every ``interval_s`` seconds while waiting. When the time is up,
     raises ``UserError(field, "... held by pid N on HOST since T ...", busy_fix)`` (exit 2), never a
-    timeout traceback."""
+    timeout traceback. ``folder_lock``: also hold an exclusive ``flock`` on ``path``'s folder itself
+    (``_DirLock``), taken after the file lock: deleting the lock file (``rm .build.lock``) then lets no
+    second holder in, because the folder's lock is still held."""
     from filelock import Timeout
 
     from precision_pipeline.core.errors import UserError
@@ -312,13 +415,24 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path))
+    folder = _DirLock(path.parent) if folder_lock else None
     t0 = time.monotonic()
     while True:
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
         step = interval_s if left is None else min(interval_s, left)
         try:
             lock.acquire(timeout=step)
-            break
+            if folder is None:
+                break
+            got = folder.try_acquire()
+            t_dir = time.monotonic()
+            while not got and time.monotonic() - t_dir < step:
+                time.sleep(min(0.1, step))
+                got = folder.try_acquire()
+            if got:
+                break
+            lock.release()
+            raise Timeout(str(path))
         except Timeout:
             who = describe_holder(lock_holder(path))
             if left is not None and left <= step:
@@ -332,6 +446,8 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
     finally:
         with contextlib.suppress(OSError):
             info.unlink()
+        if folder is not None:
+            folder.release()
         lock.release()
 
 

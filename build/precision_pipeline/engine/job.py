@@ -18,17 +18,48 @@ from types import SimpleNamespace
 from typing import Optional
 
 from precision_pipeline.core.errors import GateFailed, PipelineError, StrictSkip, UserError
-from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRecord, StageRunner
+from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRecord, StageRunner, read_manifest
 
 
-def _record(out: Path, name: str) -> dict:
+def _record(out: Path, name: str, fix: str = "run `invoke build --profile P --out OUT` on the CPU side first "
+            "(quantize + gate), then the Job.") -> dict:
     p = out / RECORDS_DIR / f"{name}.json"
     try:
         rec = json.loads(p.read_text())
     except (OSError, ValueError):
-        raise UserError("--out", f"{p} is missing or unreadable: {out} holds no gated build.",
-                        "run `invoke build --profile P --out OUT` on the CPU side first (quantize + gate), then the Job.")
+        rec = None
+    if not isinstance(rec, dict):
+        raise UserError("--out", f"{p} is missing or unreadable: {out} holds no gated build.", fix)
     return rec
+
+
+def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "--out") -> Path:
+    """``out`` resolved, when it holds a CPU-side build whose checkpoint passed its accuracy gate: not a
+    filesystem root, a build output (its ``.precision-build.json`` marker), with the resolve, quantize and
+    gate records, the gate ``done`` and passed, and (``profile`` given) the build of that profile.
+
+    The one rule for both sides of the engine build Job: ``invoke build --on k8s`` checks it before it renders
+    (or applies) a Job, and the Job itself (``run_engine_job``) before it builds. Raises UserError (exit 2)
+    naming ``field`` otherwise."""
+    from precision_pipeline.pipeline import read_output_marker
+
+    out = Path(out).expanduser().resolve()
+    cpu_side = f"run `invoke build --profile {profile or 'P'} --out {out}` on the CPU side first (quantize + gate), then the Job."
+    if out == Path(out.anchor):
+        raise UserError(field, f"{out} is the filesystem root, not a build output.", "give the build's output folder.")
+    if read_output_marker(out) is None:
+        raise UserError(field, f"{out} is not a build output (no .precision-build.json): nothing was built there.", cpu_side)
+    rec = {name: _record(out, name, cpu_side) for name in ("resolve", "quantize", "gate")}
+    built = ((rec["resolve"].get("artifact") or {}).get("plan") or {}).get("profile", {}).get("name") \
+        if isinstance(rec["resolve"].get("artifact"), dict) else None
+    if profile is not None and built != profile:
+        raise UserError(field, f"{out} holds the build of profile {built!r}, not {profile!r}.",
+                        f"give the output of {profile}'s build, or build it there first.")
+    g = rec["gate"].get("artifact") if isinstance(rec["gate"].get("artifact"), dict) else {}
+    if g.get("status") != "done" or not g.get("passed"):
+        raise UserError("gate", f"the checkpoint in {out} did not pass its accuracy gate; no engine is built from it.",
+                        "fix the profile and rebuild on the CPU side.")
+    return out
 
 
 def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = None,
@@ -44,15 +75,12 @@ def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = 
     from precision_pipeline.engine.stage import EngineStage
     from precision_pipeline.resolve.stage import PlanArtifact
 
-    out = Path(out).resolve()
+    out = check_gated_output(out)
     plan = PlanArtifact.model_validate(_record(out, "resolve")["artifact"]).plan
     q, g = _record(out, "quantize"), _record(out, "gate")
-    if g.get("artifact", {}).get("status") != "done" or not g.get("artifact", {}).get("passed"):
-        raise UserError("gate", f"the checkpoint in {out} did not pass its accuracy gate; no engine is built from it.",
-                        "fix the profile and rebuild on the CPU side.")
     up = {"quantize": Done(artifact=None, key=q["key"], dir=out / "checkpoint", record=StageRecord("quantize", "cached")),
           "gate": Done(artifact=None, key=g["key"], dir=out / "gate", record=StageRecord("gate", "cached"))}
-    old = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").is_file() else {}
+    old = read_manifest(out / "manifest.json")
     manifest = Manifest.open(out / "manifest.json", profile=plan.profile.name, profile_source=old.get("profile_source", ""),
                              model_dir=old.get("model_dir", ""), out_dir=str(out))
     model = Path(model_dir) if model_dir is not None else (Path(old["model_dir"]) if old.get("model_dir") else None)

@@ -1091,6 +1091,22 @@ def _fmt_reason(name: str, value: Optional[float], threshold: Optional[float], o
     return f"{name} = {value:.4g} ({'within' if ok else 'outside'} {op} {threshold:.4g})"
 
 
+def rejudge(metrics: dict[str, Any], thresholds: GateThresholds) -> dict[str, Any]:
+    """``metrics`` (a gate's metrics.json content) judged against ``thresholds`` instead of the ones it was
+    measured with, by the one verdict rule (``judge_metrics``: overall rows, categories, promotable), plus each
+    row's ``floor_exceeds_threshold`` and the top-level ``thresholds``. The measured values, intervals and the
+    rest are kept. Returns a new dict."""
+    import copy
+
+    out = copy.deepcopy(metrics)
+    out.update(judge_metrics(out, thresholds))
+    for m in out.get("metrics", {}).values():
+        thr, op, fv = m.get("threshold"), m.get("op"), m.get("noise_floor")
+        m["floor_exceeds_threshold"] = None if thr is None or fv is None else ((fv > thr) if op == "<=" else (fv < thr))
+    out["thresholds"] = thresholds.model_dump(mode="json")
+    return out
+
+
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -1544,6 +1560,6 @@ __all__ = [
     "Candidate", "HFCandidate", "CallableCandidate", "as_candidate", "TokenMetrics", "token_metrics", "kl_summary",
     "bootstrap_ci", "compare_generations", "greedy_all", "perplexity", "heldout_texts", "heldout_windows", "model_fingerprint",
     "ReferenceData", "reference_data", "reference_key", "torch_threads", "auto_threads", "GateOptions", "GateRuntime",
-    "GateResult", "run_gate", "gate_checkpoint", "write_gate_dir", "CHECKS",
+    "GateResult", "run_gate", "gate_checkpoint", "write_gate_dir", "rejudge", "CHECKS",
     "METRIC_ORDER", "METRIC_LABELS",
 ]

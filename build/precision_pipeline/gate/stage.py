@@ -6,10 +6,17 @@ file's content and every ``GateOptions`` field (what is measured: prompts per ca
 tokens, greedy tokens, bootstrap, seed; the build's device, reference dtype and candidate dtype
 when they are not the CPU defaults). ``GateRuntime`` (threads, progress) is never keyed. The
 code key covers gate/, checkpoint/, spec/, core/.
+
+A threshold-only change (same measurement key: everything above but the thresholds) changes the stage key
+but is not measured again: the stored numbers (``metrics.json``, ``per_token.npz``) are judged against the
+new thresholds (``checkpoint_gate.rejudge``) and the reports re-rendered; ``metrics.json`` says so
+(``rejudged``).
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,6 +26,10 @@ from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
 from precision_pipeline.gate.options import GateOptions
 from precision_pipeline.spec.profile import GateBar, GateThresholds
+
+
+MEASUREMENT_FILE = "measurement.json"
+"""``<out>/gate/measurement.json``: ``{"key": GateStage.measurement_key}`` of the numbers in metrics.json."""
 
 
 class GateInputs(Frozen):
@@ -93,19 +104,63 @@ class GateStage(Stage[GateInputs, GateArtifact]):
                           golden=fingerprint(golden_file()),
                           options=GateOptions(prompts_per_category=request.golden_limit, **compute))
 
+    def measurement_key(self, inputs: GateInputs) -> str:
+        """The key of what the gate *measures*: the stage key's parts without the thresholds (checkpoint, model,
+        golden file, options, the gate's code). Two runs with the same measurement key measure the same numbers."""
+        from precision_pipeline.core.stage import code_fingerprint
+        from precision_pipeline.core.store import hash_obj
+
+        return hash_obj({"stage": self.name, "version": self.version, "checkpoint": inputs.checkpoint, "model": inputs.model,
+                         "golden": inputs.golden, "options": inputs.options, "code": code_fingerprint(self.code)})
+
     def run(self, inputs: GateInputs, workdir: Path) -> GateArtifact:
         from precision_pipeline.gate import checkpoint_gate
 
-        options = inputs.options.model_copy(update={"golden_path": inputs.golden.path})
+        mkey = self.measurement_key(inputs)
         record = gate_record(inputs)
-        res = checkpoint_gate.gate_checkpoint(inputs.checkpoint.path, inputs.model.path, inputs.thresholds, workdir,
-                                              options, extra={"record": record})
+        res = self._rejudged(inputs, workdir, mkey, record)
+        if res is None:
+            options = inputs.options.model_copy(update={"golden_path": inputs.golden.path})
+            res = checkpoint_gate.gate_checkpoint(inputs.checkpoint.path, inputs.model.path, inputs.thresholds, workdir,
+                                                  options, extra={"record": record})
+        (Path(workdir) / MEASUREMENT_FILE).write_text(json.dumps({"key": mkey}) + "\n")
         failed = tuple(res.failed_metrics())
         return GateArtifact(status="done" if res.passed else "failed",
                             reason="" if res.passed else "accuracy gate failed: " + ", ".join(failed),
                             passed=bool(res.passed), failed_metrics=failed, numbers=res.summary(),
                             promotable=bool(res.metrics.get("promotable", True)),
                             not_promotable=str(res.metrics.get("not_promotable", "")), record=record)
+
+    def _rejudged(self, inputs: GateInputs, workdir: Path, mkey: str, record: dict[str, Any]):
+        """When the folder this run replaces (``<out>/gate``, beside the runner's temporary ``workdir``) holds a
+        measurement with key ``mkey`` (only the thresholds changed), its numbers judged against the new
+        thresholds (``checkpoint_gate.rejudge``), written into ``workdir`` with re-rendered reports; else None."""
+        import numpy as np
+
+        from precision_pipeline.core.store import read_json_safe
+        from precision_pipeline.gate import checkpoint_gate
+
+        prev = Path(workdir).parent / self.output
+        mark, metrics = read_json_safe(prev / MEASUREMENT_FILE), read_json_safe(prev / "metrics.json")
+        if not (isinstance(mark, dict) and mark.get("key") == mkey and isinstance(metrics, dict)
+                and isinstance(metrics.get("metrics"), dict) and (prev / "per_token.npz").is_file()):
+            return None
+        try:
+            with np.load(prev / "per_token.npz") as z:
+                per_token = {k: z[k] for k in z.files}
+        except (OSError, ValueError):
+            return None
+        judged = checkpoint_gate.rejudge(metrics, inputs.thresholds)
+        judged["record"] = record  # what the release will serve may differ (the planned layout is not measured)
+        judged["rejudged"] = {"from": "the stored measurements of the same checkpoint, model, golden set and options",
+                              "previous_thresholds": metrics.get("thresholds"), "previous_passed": metrics.get("passed")}
+        res = checkpoint_gate.GateResult(judged["passed"], checkpoint_gate.verdict_failures(judged), judged, Path(workdir),
+                                         per_token)
+        checkpoint_gate.write_gate_dir(res)
+        print(f"[gate] only the thresholds changed: the stored measurements are judged again "
+              f"({'passed' if res.passed else 'failed: ' + ', '.join(res.failures)}), not measured again.",
+              file=sys.stderr, flush=True)
+        return res
 
 
 def gate_record(inputs: GateInputs) -> dict[str, Any]:

@@ -43,8 +43,10 @@ line, read by ``resolve/dataset.py`` (the same reader the ``calibration.dataset`
 so ``invoke check`` refuses what the build would; a relative path is relative to the profile's
 folder). Refused with ``UserError("calibration.dataset", ...)`` naming line numbers: invalid JSON,
 a line that is not an object with a string ``text``, blank lines or blank texts, texts longer
-than ``seq_len`` tokens (never silently truncated), fewer usable lines than ``num_samples``.
-With more lines than ``num_samples``, a seed-chosen subset (kept in file order) is used.
+than ``seq_len`` tokens (never silently truncated; texts of more than ``seq_len x MAX_TOKEN_BYTES``
+bytes are refused before they are tokenized), fewer usable lines than ``num_samples``. Only the first
+``sample_pool(num_samples)`` = 4 x ``num_samples`` usable lines are read; the seed chooses
+``num_samples`` of them (kept in file order).
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ import json
 import random
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from precision_pipeline.core.errors import Problem, UserError
-from precision_pipeline.resolve.dataset import MAX_USER_FILE_BYTES, count_problem, lines_msg, scan_user_dataset  # noqa: F401
+from precision_pipeline.resolve.dataset import (MAX_USER_FILE_BYTES, count_problem, lines_msg,  # noqa: F401
+                                                sample_pool, scan_user_dataset)
 
 KINDS = ("news", "docs", "code")
 LENGTHS = ("short", "medium", "long")
@@ -335,22 +339,30 @@ def token_sha256(samples: Iterable[Sequence[int]]) -> str:
 # User JSONL
 
 
-def _user_set(tokenizer: Any, path_str: str, num_samples: int, seq_len: int, seed: int) -> CalibrationSet:
-    # the file and its lines are checked by the one reader the resolve rule uses (resolve/dataset.py);
-    # what needs the tokenizer (texts longer than seq_len, usable count after that) is checked here
-    data, problems = scan_user_dataset(path_str)
+def _user_set(tokenizer: Any, path_str: str, num_samples: int, seq_len: int, seed: int,
+              say: Callable[[str], None] | None = None) -> CalibrationSet:
+    # the file and its lines are checked by the one reader the resolve rule uses (resolve/dataset.py), which
+    # reads only the first sample_pool(num_samples) usable lines and refuses texts too large in bytes before
+    # any is tokenized; what needs the tokenizer (texts longer than seq_len tokens) is checked here
+    data, problems = scan_user_dataset(path_str, stop_after=sample_pool(num_samples), seq_len=seq_len, say=say)
     if data is None:
         raise UserError(problems)
     path = data.path
     encoded: list[tuple[int, list[int]]] = []
-    too_long: list[int] = []
-    for no, text in data.texts:
+    too_long: list[tuple[int, int]] = []
+    t_last = time.monotonic()
+    for i, (no, text) in enumerate(data.texts):
+        if say is not None and time.monotonic() - t_last >= 2.0:
+            t_last = time.monotonic()
+            say(f"[calibration] tokenizing {path}: text {i:,} of {len(data.texts):,}")
         ids = encode_raw(tokenizer, text)
         if len(ids) > seq_len:
-            too_long.append(no)
+            too_long.append((no, len(ids)))
         encoded.append((no, ids))
     if too_long:
-        problems.append(Problem(FIELD, f"{path}: {lines_msg(too_long)} {'are' if len(too_long) > 1 else 'is'} longer than "
+        shown = ", ".join(f"line {n} ({t:,} tokens)" for n, t in too_long[:20]) + (
+            f" (and {len(too_long) - 20} more)" if len(too_long) > 20 else "")
+        problems.append(Problem(FIELD, f"{path}: {shown} {'are' if len(too_long) > 1 else 'is'} longer than "
                                 f"calibration.seq_len = {seq_len} tokens (texts are never truncated).",
                                 "split those texts, or raise calibration.seq_len."))
     count = count_problem(path, len(encoded) - len(too_long), num_samples)
@@ -390,20 +402,21 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def build_calibration_set(calibration: Any, tokenizer: Any,
-                          progress: Callable[[int], None] | None = None) -> CalibrationSet:
+                          progress: Callable[[int], None] | None = None,
+                          say: Callable[[str], None] | None = None) -> CalibrationSet:
     """The calibration set the profile's ``calibration`` section asks for.
 
     ``calibration``: ``precision_pipeline.spec.profile.Calibration`` (dataset, num_samples, seq_len, seed).
     ``tokenizer``: an HF tokenizer (or a model folder ``Path``). Returns ``CalibrationSet``.
     Raises ``UserError`` (field ``calibration.dataset``) for a bad user JSONL, a missing file or
-    missing builtin sources.
+    missing builtin sources. ``say(message)``: progress lines while a user dataset is read and tokenized.
     """
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(Path(tokenizer))
     ds = calibration.dataset
     if ds == "builtin":
         return _builtin_set(tokenizer, calibration.num_samples, calibration.seq_len, calibration.seed, progress)
-    return _user_set(tokenizer, ds, calibration.num_samples, calibration.seq_len, calibration.seed)
+    return _user_set(tokenizer, ds, calibration.num_samples, calibration.seq_len, calibration.seed, say)
 
 
 __all__ = [

@@ -345,6 +345,9 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
         raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model; the per-layer "
                         "search exports Llama-architecture models only.", "use a Llama-family model.")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from precision_pipeline.quantize.ptq import refuse_non_finite  # local: ptq imports this module
+
+    refuse_non_finite(model, model_dir)
     model, per_layer_hf, stats = run_search(model, calib_token_batches, effective_bits, fmts, disabled_layers,
                                              group_size, method)
 

@@ -20,7 +20,8 @@ from precision_pipeline.spec.profile import Profile
 
 class QuantizeInputs(Frozen):
     """The model, and the profile the quantizer is called with. Keyed: only the sections it reads
-    (quantization, calibration, parallel, build.logits_dtype) and a calibration file's content."""
+    (quantization, calibration, parallel, build.logits_dtype) and a calibration file's content; a user
+    dataset's path is not keyed (the same file moved or copied elsewhere does not re-quantize)."""
 
     model: Fingerprint
     profile: Profile
@@ -32,7 +33,10 @@ class QuantizeInputs(Frozen):
 
     def canonical(self) -> dict[str, Any]:
         p = self.profile
-        out = {"model": self.model, "quantization": p.quantization, "calibration": p.calibration,
+        cal = p.calibration
+        if self.calibration_data is not None:  # a user file: its content is keyed (calibration_data), never its path
+            cal = cal.model_copy(update={"dataset": "file"})
+        out = {"model": self.model, "quantization": p.quantization, "calibration": cal,
                "parallel": p.parallel, "logits_dtype": p.build.logits_dtype, "calibration_data": self.calibration_data}
         if (self.device, self.compute_dtype) != ("cpu", "float32"):  # CPU keys stay what they were before devices
             out["compute"] = {"device": self.device, "dtype": self.compute_dtype}
@@ -78,6 +82,33 @@ def _calibration_file(profile: Profile) -> Optional[Fingerprint]:
     return fingerprint(p) if p.exists() else None
 
 
+def copy_checkpoint(src: Path, dst: Path) -> None:
+    """Copy the ``--checkpoint`` folder ``src`` into the stage's temporary folder ``dst``, stopping at the first
+    failure. A full disk (ENOSPC), a file-size limit (``ulimit -f``: EFBIG) or any other OSError is a UserError
+    (exit 2) naming the file and the cause; the runner then removes the partial copy (``core.store.atomic_dir``),
+    so nothing is left half-written and the previous checkpoint stays. (``shutil.copytree`` would go on after a
+    failure and raise ``shutil.Error`` with every file at the end.)"""
+    from precision_pipeline.core.errors import UserError
+
+    src, dst = Path(src), Path(dst)
+    for f in sorted(src.rglob("*")):
+        target = dst / f.relative_to(src)
+        try:
+            if f.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, target)
+        except OSError as e:
+            import errno
+
+            hint = {errno.ENOSPC: "free space on that filesystem (df -h)", errno.EDQUOT: "free space in your quota",
+                    errno.EFBIG: "raise the file-size limit (ulimit -f) or write the output elsewhere"}.get(
+                        e.errno, "check that folder's permissions and free space")
+            raise UserError("--checkpoint", f"copying {f} to {target} failed: {e.strerror or e}; nothing was written "
+                            "(the partial copy is removed and the previous checkpoint is intact).", f"{hint}, then run again.")
+
+
 class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact]):
     name = "quantize"
     version = 1
@@ -102,7 +133,7 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
         calibration = None
         reason = ""
         if isinstance(inputs, ReuseInputs):
-            shutil.copytree(inputs.checkpoint.path, workdir, dirs_exist_ok=True)
+            copy_checkpoint(inputs.checkpoint.path, workdir)
             reason = f"reused {inputs.checkpoint.path}"
         else:
             from precision_pipeline.quantize import ptq

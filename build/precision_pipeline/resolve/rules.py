@@ -25,6 +25,7 @@ import fnmatch
 import json
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -330,7 +331,40 @@ _KIND_NAMES = {
 
 
 def _excluded(patterns: list[str], names: list[str]) -> bool:
+    """Any of ``names`` matches any of the fnmatch ``patterns`` (the direct matcher; ``_excluded_kinds`` memoises it)."""
     return any(fnmatch.fnmatchcase(n, pat) for pat in patterns for n in names)
+
+
+def _kind_names(i: int, kind: str) -> list[str]:
+    """Names ``exclude_modules`` patterns are matched against for linear ``kind`` of decoder layer ``i``:
+    TensorRT-LLM full and short name, HF (dense and MoE) full and short names."""
+    trt, hf = _KIND_NAMES[kind]
+    names = [f"transformer.layers.{i}.{trt}", trt.split(".")[-1]]
+    return names + [f"model.layers.{i}.{h}" for h in hf] + [h.split(".")[-1] for h in hf]
+
+
+@lru_cache(maxsize=256)
+def _excluded_kinds(patterns: tuple[str, ...], num_layers: int) -> tuple[frozenset[str], ...]:
+    """Per decoder layer 0..num_layers-1: the ``_KIND_NAMES`` kinds whose names ``patterns`` match
+    (``_excluded`` over ``_kind_names``). The names depend on the layer count alone, so this is
+    computed once per (pattern tuple, layer count) and not again for every candidate / tp / GPU."""
+    return tuple(frozenset(k for k in _KIND_NAMES if _excluded(patterns, _kind_names(i, k))) for i in range(num_layers))
+
+
+@lru_cache(maxsize=256)
+def _kept_kinds(patterns: tuple[str, ...], keep_first: int, keep_last: int, num_layers: int) -> tuple[frozenset[str], ...]:
+    """Per decoder layer: the kinds kept in high precision (``_layer_excluded``): every kind of a keep_first /
+    keep_last layer, else those ``patterns`` match. A layer's weight bytes depend on its index through this
+    set alone, so ``weight_bytes`` computes one layer per distinct set."""
+    matched = _excluded_kinds(patterns, num_layers)
+    every = frozenset(_KIND_NAMES)
+    return tuple(every if i < keep_first or i >= num_layers - keep_last else matched[i] for i in range(num_layers))
+
+
+@lru_cache(maxsize=256)
+def _lm_head_excluded(patterns: tuple[str, ...]) -> bool:
+    """``lm_head`` matches one of ``patterns`` (``_excluded``, memoised per pattern tuple)."""
+    return _excluded(list(patterns), ["lm_head"])
 
 
 def _layer_excluded(q, i: int, kind: str, num_layers: int) -> bool:
@@ -338,10 +372,19 @@ def _layer_excluded(q, i: int, kind: str, num_layers: int) -> bool:
         return True
     if not q.exclude_modules:
         return False
-    trt, hf = _KIND_NAMES[kind]
-    names = [f"transformer.layers.{i}.{trt}", trt.split(".")[-1]]
-    names += [f"model.layers.{i}.{h}" for h in hf] + [h.split(".")[-1] for h in hf]
-    return _excluded(q.exclude_modules, names)
+    if 0 <= i < num_layers:
+        return kind in _excluded_kinds(tuple(q.exclude_modules), num_layers)[i]
+    return _excluded(q.exclude_modules, _kind_names(i, kind))
+
+
+@lru_cache(maxsize=256)
+def _decoder_linears_kept(patterns: tuple[str, ...], keep_first: int, keep_last: int, num_layers: int) -> tuple[int, int]:
+    """(decoder linears kept in high precision, decoder linears) of a ``num_layers``-layer Llama: the export's
+    own matching (``spec.names.resolve_exclusions`` over ``llama_linear_names`` less ``lm_head``), memoised per
+    (pattern tuple, keep_first, keep_last, layer count): the names depend on nothing else."""
+    decoder = [n for n in llama_linear_names(num_layers) if n != "lm_head"]
+    kept, _ = resolve_exclusions(decoder, list(patterns), keep_first, keep_last, num_layers)
+    return len(kept), len(decoder)
 
 
 def kv_heads_per_rank(m: ModelArch, tp: int) -> int:
@@ -422,13 +465,14 @@ def weight_bytes(m: ModelArch, p: Profile, mapping: dict) -> dict:
     emb = m.vocab_size * h * db
     if p.parallel.use_parallel_embedding:
         emb = -(-m.vocab_size // tp) * h * db
-    lm_keep = _excluded(q.exclude_modules, ["lm_head"]) or not fmt.is_quantized
+    lm_keep = _lm_head_excluded(tuple(q.exclude_modules)) or not fmt.is_quantized
     lm_head = lin(h, -(-m.vocab_size // tp), lm_keep)
+    kept = _kept_kinds(tuple(q.exclude_modules), q.keep_first_layers, q.keep_last_layers, m.num_layers)
     best = None
     for r, idx in enumerate(ranks):
         dec = 0.0
         for i in idx:
-            key = (i < q.keep_first_layers or i >= m.num_layers - q.keep_last_layers) if not q.exclude_modules else i
+            key = kept[i]  # layers kept alike weigh alike
             if key not in per_layer_cache:
                 per_layer_cache[key] = layer_bytes(i)
             dec += per_layer_cache[key]
@@ -617,6 +661,17 @@ def build_memory_plan(ctx: Context) -> dict:
 # Rules: GPU
 
 
+@rule("gpu.variant", "target.gpu names one memory size (a100 is read as a100-80gb: warned, with the choices)",
+      "build/precision_pipeline/spec/hardware.py (_VARIANTS)")
+def _gpu_variant(ctx: Context) -> list[Finding]:
+    from precision_pipeline.spec.hardware import variant_note  # local: avoid a cycle at import time
+
+    note = variant_note(ctx.profile.target.gpu)
+    if note:
+        return [warn("target.gpu", note + ".", f"write the id ({ctx.gpu.id} or another of the choices) to say which.")]
+    return []
+
+
 @rule("gpu.supported", "target GPU is SM >= 80 (TensorRT-LLM 1.x)", F.SRC_SUPPORT)
 def _gpu_supported(ctx: Context) -> list[Finding]:
     g = ctx.gpu
@@ -720,13 +775,11 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
                           f"keep fewer layers (together < {m.num_layers}), or use quant_algo NO_QUANT."))
     elif ctx.fmt.is_quantized and not m.is_moe and m.num_layers > 0 and q.exclude_modules:
         # the same matching the export applies (spec/names.py): patterns on HF, TensorRT-LLM and short names
-        names = llama_linear_names(m.num_layers)
-        decoder = [n for n in names if n != "lm_head"]
-        kept, _ = resolve_exclusions(decoder, list(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
-                                     m.num_layers)
-        if len(kept) == len(decoder):
+        kept, n_decoder = _decoder_linears_kept(tuple(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
+                                                m.num_layers)
+        if kept == n_decoder:
             out.append(refuse("quantization.exclude_modules",
-                              f"the patterns {_short_list(q.exclude_modules)} keep every one of the {len(decoder)} "
+                              f"the patterns {_short_list(q.exclude_modules)} keep every one of the {n_decoder} "
                               f"decoder linears of {m.name} in high precision: nothing would be quantized.",
                               "exclude fewer modules (e.g. lm_head, *router*), or use quant_algo NO_QUANT."))
     if par.pp_size != 1 and ctx.checkpoint_dir is None:
@@ -1510,7 +1563,7 @@ def _calibration_dataset(ctx: Context) -> list[Finding]:
     from precision_pipeline.resolve.dataset import dataset_problems
 
     c = ctx.profile.calibration
-    return [refuse(pr.field, pr.reason, pr.fix) for pr in dataset_problems(c.dataset, c.num_samples)]
+    return [refuse(pr.field, pr.reason, pr.fix) for pr in dataset_problems(c.dataset, c.num_samples, c.seq_len)]
 
 
 def describe_rules() -> list[dict]:

@@ -26,6 +26,7 @@ from typing import Optional
 
 import yaml
 
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.engine.provenance import IMAGE_ENV
 from precision_pipeline.serving import deploy
@@ -75,7 +76,8 @@ def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namesp
 
 def apply_and_follow(text: str, run=None) -> Optional[int]:
     """With a kubectl context: apply the Job, follow its logs, return the Job's exit (0 ok, 1 failed); None
-    without kubectl or a current context (the caller prints the manifest instead)."""
+    without kubectl or a current context (the caller prints the manifest instead). ``kubectl apply`` refusing
+    the Job (RBAC, a missing namespace, admission) is a UserError (exit 2) quoting kubectl, never a traceback."""
     import shutil
     import subprocess
 
@@ -88,7 +90,12 @@ def apply_and_follow(text: str, run=None) -> Optional[int]:
         return None
     doc = yaml.safe_load(text)
     name, ns = doc["metadata"]["name"], doc["metadata"]["namespace"]
-    run([kubectl, "apply", "-f", "-"], input=text, text=True, check=True)
+    applied = run([kubectl, "apply", "-f", "-"], input=text, text=True, capture_output=True)
+    if applied.returncode != 0:
+        why = " ".join(((applied.stderr or "") + " " + (applied.stdout or "")).split())[:400] or f"exit {applied.returncode}"
+        raise UserError("--on", f"kubectl apply refused the Job {ns}/{name} (context {ctx.stdout.strip()!r}): {why}",
+                        "fix what kubectl says (namespace, RBAC, the artifacts PVC), or run without a kubectl "
+                        "context to print the manifest and apply it yourself.")
     run([kubectl, "-n", ns, "wait", "--for=condition=Ready", "pod", "-l", f"job-name={name}", "--timeout=30m"])
     run([kubectl, "-n", ns, "logs", "-f", f"job/{name}"])
     done = run([kubectl, "-n", ns, "wait", "--for=condition=Complete", f"job/{name}", "--timeout=1s"],

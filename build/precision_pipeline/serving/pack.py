@@ -47,7 +47,7 @@ from typing import Any, Mapping
 
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
-from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj
+from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj, make_readable
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.serving import templates
 from precision_pipeline.spec.formats import TRITON_DTYPE
@@ -235,6 +235,10 @@ def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: st
         "exclude_input_in_output": True,
         "multi_block_mode": bool(eff.multi_block_mode),
         "gpu_device_ids": ",".join(str(i) for i in range(world)),
+        # guided decoding off: the backend reads these three without a default (serving/backend_contract.py)
+        "tokenizer_dir": "",
+        "xgrammar_tokenizer_info_path": "",
+        "guided_decoding_backend": "",
         "cpu_reference": True,
         "cpu_reference_threads": 1,
     }
@@ -521,6 +525,7 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
                          chat_template_applied_by="preprocessing" if has_template else "client (tokenizer has no chat template)",
                          notes=notes)
         (tmp / PACK_FILE).write_text(json.dumps(res.to_json(), indent=2, sort_keys=True) + "\n")
+        make_readable(tmp)  # a Triton container running as another user reads it (hard-linked 0600 files too)
     return res
 
 

@@ -1,7 +1,8 @@
 """Hardware catalog: every GPU the planner knows, with the number's source next to it.
 
 Each entry is keyed by a canonical id (``h100-sxm``, ``a100-80gb``, ...) and has aliases
-(``h100`` -> ``h100-sxm``, ``a100`` -> ``a100-80gb``). Names are matched exactly after
+(``h100`` -> ``h100-sxm``, ``a100`` -> ``a100-80gb``; an alias of a product sold with several memory
+sizes, ``a100``/``a800``, is read as the larger and ``variant_note`` says so). Names are matched exactly after
 normalisation (lower case, spaces/underscores -> ``-``, a leading ``nvidia-``/``geforce-``/
 ``tesla-`` dropped) -- never by substring, because marketing names mislead:
 
@@ -496,9 +497,32 @@ def resolve_gpu(name: str) -> GPUSpec:
     _refuse(f"unknown GPU {shown}.", f"{near}{known}")
 
 
+_VARIANTS: dict[str, tuple[str, ...]] = {
+    "a100": ("a100-80gb", "a100-40gb"),
+    "a800": ("a800-80gb", "a800-40gb"),
+}
+"""Aliases that name a product sold with different memory sizes (the A100 datasheet lists 40 GB and 80 GB
+cards): the alias resolves to the first id, and ``variant_note`` says so (rule ``gpu.variant`` warns)."""
+
+
+def variant_note(name: str) -> Optional[str]:
+    """For an alias of a product with several memory sizes (``_VARIANTS``, e.g. ``a100``): a sentence naming
+    the id it was read as and the other choices, with their memory; None for an exact id or any other name."""
+    if not isinstance(name, str):
+        return None
+    ids = _VARIANTS.get(normalize_gpu_name(name))
+    if not ids:
+        return None
+    chosen, others = CATALOG[ids[0]], [CATALOG[i] for i in ids[1:]]
+    alts = ", ".join(f"{g.id} ({g.memory_gb:g} GB, {g.bandwidth_gbs:,.0f} GB/s)" for g in others)
+    return (f"{_shown(name)} is read as {chosen.id} ({chosen.memory_gb:g} GB, {chosen.bandwidth_gbs:,.0f} GB/s); it also "
+            f"names {alts}, for which memory plans and KV capacity differ")
+
+
 def gpus_with_sm(ranges) -> list[GPUSpec]:
     """Catalog entries whose SM lies in any inclusive (lo, hi) range."""
     return [g for g in _SPECS if any(lo <= g.sm <= hi for lo, hi in ranges)]
 
 
-__all__ = ["GPUSpec", "Interconnect", "interconnect", "CATALOG", "resolve_gpu", "normalize_gpu_name", "gpus_with_sm", "MIB", "GIB", "ARCH_BY_SM"]
+__all__ = ["GPUSpec", "Interconnect", "interconnect", "CATALOG", "resolve_gpu", "normalize_gpu_name", "gpus_with_sm", "variant_note",
+           "MIB", "GIB", "ARCH_BY_SM"]

@@ -40,6 +40,12 @@ GATE_ARCHITECTURES = ("LlamaForCausalLM",)
 exported, but ``invoke build`` refuses it at resolve (rule ``model.gate_reads``), before quantizing."""
 # rope types whose factor does not extend max_position_embeddings (tensorrt_llm/builder.py)
 _ROPE_NO_FACTOR = ("su", "longrope", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
+"""``rope_scaling`` types a build handles: the ones both the CPU side reads (transformers 4.57
+``modeling_rope_utils.ROPE_INIT_FUNCTIONS``; quantize, the gate and the CPU reference backend build
+their rotary embedding with it, and any other type is a ``KeyError`` there) and TensorRT-LLM 1.2 builds
+(``tensorrt_llm/functional.py`` ``RotaryScalingType``: none/"default", linear, dynamic, longrope,
+llama3, yarn, mrope; ``from_string`` raises "Unsupported rotary scaling type" for others)."""
 
 
 class ModelArch(BaseModel):
@@ -165,6 +171,11 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
     factor, rtype = 1.0, None
     if isinstance(rs, dict):
         rtype = rs.get("rope_type", rs.get("type"))
+        if rtype is not None and rtype not in ROPE_TYPES:
+            raise UserError("--model", f"{path}: rope_scaling type {str(rtype)[:40]!r} is not supported (quantize, the gate "
+                            f"and TensorRT-LLM 1.2 read {', '.join(ROPE_TYPES)}).",
+                            "use a model whose config.json rope_scaling type is one of those, or remove rope_scaling "
+                            "if the model was not trained with it.")
         f = rs.get("factor", 1.0)
         if rtype not in _ROPE_NO_FACTOR:
             try:
@@ -207,4 +218,4 @@ def read_model_arch(model_dir: Path) -> ModelArch:
 
 
 __all__ = ["ModelArch", "read_model_arch", "arch_from_config", "count_params", "SUPPORTED_ARCHITECTURES",
-           "GATE_ARCHITECTURES"]
+           "GATE_ARCHITECTURES", "ROPE_TYPES"]

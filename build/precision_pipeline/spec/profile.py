@@ -12,7 +12,8 @@ Loading rules (``load_profile``):
   a YAML file. Names are ``[a-z0-9][a-z0-9._-]*``; anything else (``../../etc``) is refused.
 * ``extends: NAME`` merges the profile over its parent: mappings merge key by key, lists and
   scalars replace. Cycles are refused. ``NAME`` is looked up as ``NAME.yaml`` beside the
-  extending profile first, then among the shipped profiles. ``extends: sub/base.yaml`` is a
+  extending profile first (unless that is the extending file itself: a user's ``fp8-h100.yaml``
+  with ``extends: fp8-h100`` extends the shipped one), then among the shipped profiles. ``extends: sub/base.yaml`` is a
   path relative to the extending profile's folder and must stay inside that folder tree or
   inside ``precision_profiles/`` (symlinks resolved; absolute paths and ``..`` escapes are
   refused), so a profile can never make the loader open an unrelated file.
@@ -21,6 +22,10 @@ Loading rules (``load_profile``):
   ``MAX_YAML_NODES`` nodes (a "billion laughs" file is refused before it is built), numbers and
   booleans are not converted into each other (``max_batch_size: true`` is refused), and
   non-finite numbers (``.inf``, ``.nan``) are refused.
+* Numbers mean what YAML 1.2 says or are refused: PyYAML reads YAML 1.1, where ``064`` is octal 52,
+  ``1:04`` is base-60 64 and ``1_000`` drops the ``_``; each of these is refused with the value it
+  would silently have become (``_yaml11_number_problem``). ``!!binary`` is refused. Merge keys
+  (``<<: *anchor``) are supported: the anchored mapping's keys, then the mapping's own keys win.
 * Validation is pydantic with ``extra="forbid"``: an unknown key is an error that suggests the
   closest known key.
 
@@ -226,6 +231,39 @@ OTLP_ENDPOINT_MAX = 2048
 """Longest ``deployment.otlp_endpoint`` accepted (characters): a base URL; longer ones are pasted by mistake."""
 
 
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+
+def _otlp_host_problem(host: str, bracketed: bool) -> Optional[str]:
+    """Why ``host`` (``urlsplit(...).hostname``: lower-cased, IPv6 brackets removed) names no host, or None.
+
+    A host is a bracketed IPv6 address, an IPv4 address, or a DNS name of letters, digits and inner '-' per
+    label (RFC 1123 2.1; RFC 3986 3.2.2 allows percent-encoding in reg-name, but no resolver takes ``otel%0a``:
+    it is a newline). A name whose last label is all digits must be an IPv4 address (RFC 3696 2: a top-level
+    label is never all-numeric), so ``1.2.3.4.5`` and ``1.2.3.999`` are refused."""
+    import ipaddress
+
+    if bracketed:
+        try:
+            ipaddress.IPv6Address(host)
+            return None
+        except ValueError:
+            return f"[{_short(host)}] is not an IPv6 address"
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if labels and labels[-1].isdigit():
+        try:
+            ipaddress.IPv4Address(host)
+            return None
+        except ValueError:
+            return (f"the host {_short(host)} is neither an IPv4 address (four numbers 0..255) nor a DNS name "
+                    "(whose last label is never all digits)")
+    bad = next((lb for lb in labels if not _DNS_LABEL.match(lb)), None)
+    if bad is not None:
+        return (f"the host {_short(host)} is not a DNS name: label {_short(bad)} may hold only letters, digits and "
+                "inner '-' (no '%' escapes, '_' or empty labels)")
+    return None
+
+
 def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
     """Why ``deployment.otlp_endpoint`` is unusable (None when fine): an ``http``/``https`` URL with a host, no
     query, fragment, credentials or whitespace, and without ``/v1/traces`` (it is appended)."""
@@ -248,6 +286,9 @@ def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
         return f"{_short(v)}: port 0 is not a usable port (1..65535; OTLP/HTTP listens on 4318)"
     if len(u.hostname) > 253 or any(len(label) > 63 for label in u.hostname.split(".")):
         return f"{_short(v)}: the host name is longer than DNS allows (253 characters, 63 per label; RFC 1035 2.3.4)"
+    host_why = _otlp_host_problem(u.hostname, bracketed="[" in u.netloc)
+    if host_why:
+        return f"{_short(v)}: {host_why}"
     if u.query or u.fragment or u.username or u.password:
         return f"{_short(v)} has a query, fragment or credentials (give the receiver's base URL)"
     if u.path.rstrip("/").endswith(OTLP_TRACES_PATH):
@@ -470,6 +511,8 @@ class _ProfileLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:  # ``<<: *base``: merged by SafeConstructor.flatten_mapping, own keys win
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)
@@ -482,6 +525,61 @@ class _ProfileLoader(yaml.SafeLoader):
                     "YAML keeps only the last one, which silently drops the first", key_node.start_mark)
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+    def construct_yaml_int(self, node):
+        why = _yaml11_number_problem(self.construct_scalar(node), "int")
+        if why:
+            raise yaml.constructor.ConstructorError(None, None, why, node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        why = _yaml11_number_problem(self.construct_scalar(node), "float")
+        if why:
+            raise yaml.constructor.ConstructorError(None, None, why, node.start_mark)
+        return super().construct_yaml_float(node)
+
+    def construct_yaml_binary(self, node):
+        raise yaml.constructor.ConstructorError(
+            None, None, "!!binary (base64 bytes) is not a profile value; profiles hold text, numbers and booleans "
+            "(write the text itself, without the !!binary tag)", node.start_mark)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:float", _ProfileLoader.construct_yaml_float)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:binary", _ProfileLoader.construct_yaml_binary)
+
+
+def _yaml11_number_problem(text: str, kind: str) -> Optional[str]:
+    """Why ``text`` (a plain scalar PyYAML resolves as a YAML 1.1 number) would be read differently by YAML 1.2,
+    or None. PyYAML implements YAML 1.1 (resolver.py: ``0[0-7_]+`` is octal, ``[0-9]+(:[0-5]?[0-9])+`` is base 60,
+    ``_`` is ignored, ``0b...`` is binary), YAML 1.2's core schema has none of these (``064`` is 64, ``1:04`` a
+    string). Such a value is refused with what it would silently have become, instead of being guessed."""
+    t = text.strip()
+    body = t.lstrip("+-")
+    if ":" in body:
+        return (f"{_short(t)} is a base-60 number in YAML 1.1 (PyYAML reads it as "
+                f"{_short(_yaml11_value(t, kind))}) and text in YAML 1.2; write the plain number, or quote it if it is text")
+    if kind == "int" and re.fullmatch(r"0[0-9_]+", body):
+        return (f"{_short(t)} has a leading zero: YAML 1.1 (PyYAML) reads it as octal {_short(_yaml11_value(t, kind))}, "
+                f"YAML 1.2 as {int(body.replace('_', ''))}; write it without the leading zero "
+                f"({'-' if t.startswith('-') else ''}{int(body.replace('_', ''))})")
+    if kind == "int" and body.lower().startswith("0b"):
+        return f"{_short(t)} is a YAML 1.1 binary number (not YAML 1.2); write it in decimal"
+    if "_" in body:
+        return (f"{_short(t)}: YAML 1.1 (PyYAML) drops the '_' and reads {_short(_yaml11_value(t, kind))}, YAML 1.2 "
+                "reads text; write the number without '_'")
+    return None
+
+
+def _yaml11_value(text: str, kind: str) -> Any:
+    c = yaml.constructor.SafeConstructor()
+    node = yaml.ScalarNode(f"tag:yaml.org,2002:{kind}", text)
+    try:
+        return c.construct_yaml_int(node) if kind == "int" else c.construct_yaml_float(node)
+    except (ValueError, yaml.YAMLError):
+        return text
 
 
 def _expanded_nodes(node: yaml.Node, memo: dict[int, int]) -> int:
@@ -651,7 +749,7 @@ def _extends_path(parent: str, child: Path) -> Path:
     if not NAME_RE.match(parent):
         raise UserError("extends", f"{_short(parent)} is not a profile name (lower-case letters, digits, '.', '_', '-').", fix)
     beside = here / f"{parent}.yaml"
-    if _is_file(beside):
+    if _is_file(beside) and beside.resolve() != child.resolve():  # a file never extends itself: NAME is then the shipped one
         return beside
     return resolve_profile_path(parent, field="extends")
 
@@ -740,10 +838,24 @@ WRITTEN_BY = "# Written by `invoke "
 --write-profile``): ``save_profile`` replaces only such files, never a hand-written or shipped one."""
 
 
+def is_shipped_profile(path: Path) -> bool:
+    """Whether ``path`` is a shipped profile: an existing file whose resolved path lies directly in the resolved
+    ``precision_profiles/`` folder beside the package (``PROFILES_DIR``, symlinks resolved on both sides).
+
+    The rule needs no git and no list to keep in step: it holds the same in a clone, a tarball or an
+    installed copy, because the folder *is* the shipped set (``shipped_profiles()`` lists it). A file a
+    user writes into that folder becomes shipped by the same rule and is protected too."""
+    try:
+        p = Path(path).expanduser().resolve()
+        return p.is_file() and p.parent == PROFILES_DIR.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def check_profile_target(path: Path, field: str = "--write", name_from_stem: bool = False) -> Path:
     """``path`` resolved, when a profile may be written there: it ends in ``.yaml``/``.yml``, is not a folder,
-    no folder above it is a file, and it does not exist or starts with ``WRITTEN_BY`` (a hand-written or
-    shipped profile is never replaced); with ``name_from_stem`` (the text will set no ``name:``) its stem
+    no folder above it is a file, it is not a shipped profile (``is_shipped_profile``), and it does not exist or
+    starts with ``WRITTEN_BY`` (a hand-written or shipped profile is never replaced); with ``name_from_stem`` (the text will set no ``name:``) its stem
     is a profile name. Raises UserError naming ``field`` otherwise. Callers check this before long work
     whose result goes there (``invoke sensitivity --write-profile``)."""
     path = Path(path).expanduser().resolve()
@@ -759,6 +871,12 @@ def check_profile_target(path: Path, field: str = "--write", name_from_stem: boo
     if blocker is not None:
         raise UserError(field, f"{_short(str(blocker))} is a file, not a folder, so {_short(path.name)} cannot go under it.",
                         "give a path whose folders are folders.")
+    if path.exists() and is_shipped_profile(path):
+        raise UserError(field, f"{_short(str(path))} is a shipped profile (an existing file in {PROFILES_DIR}); "
+                        "shipped profiles are never replaced, whatever their first line says.",
+                        "write to a file outside precision_profiles/ (e.g. profiles/my-profile.yaml, which may "
+                        "'extends:' the shipped one); to regenerate a shipped profile on purpose, delete it first "
+                        "(git rm) and write it again.")
     if path.exists():
         try:
             with open(path, encoding="utf-8", errors="replace") as f:

@@ -6,6 +6,11 @@ unit (``tensorrt_llm_<h12>``) loads on a machine without a GPU or NVIDIA's conta
 the serving machinery (ensemble/BLS wiring, tensor names and dtypes, releases and rollbacks) for real;
 it does not measure TensorRT-LLM's speed, memory or numerics.
 
+It refuses to load a config the real backend would refuse: a parameter the backend reads without a
+default (``tokenizer_dir``, ``xgrammar_tokenizer_info_path``, ``guided_decoding_backend``,
+``gpt_model_type``, ...) missing or malformed, per ``precision_pipeline.serving.backend_contract``
+(``check_contract``), with the backend's own message ("Cannot find parameter with name: ...").
+
 Like the real backend it takes the engine location from the ``gpt_model_path`` parameter and ignores
 Triton version directories. From that directory it reads ``cpu_reference.json`` (written by
 build/precision_pipeline/serving/pack.py) naming the TRT-LLM checkpoint stored with the engine and the HF model folder, and loads
@@ -83,6 +88,21 @@ def load_model(engine_dir):
     return model.eval(), f"HF model {hf_dir} in FP32 ({why})"
 
 
+def check_contract(engine_dir, params):
+    """What the real tensorrtllm backend would refuse in this config's parameters (messages; empty: it loads),
+    from the project's contract table (precision_pipeline.serving.backend_contract, found through the
+    engine's cpu_reference.json ``project_root``). Without the table nothing can be vouched for: refused."""
+    try:
+        with open(os.path.join(engine_dir, "cpu_reference.json")) as f:
+            root = json.load(f).get("project_root")
+        if root and root not in sys.path:
+            sys.path.insert(0, root)
+        from precision_pipeline.serving.backend_contract import check_parameters
+    except (OSError, ValueError, ImportError) as e:
+        return [f"the contract table precision_pipeline.serving.backend_contract cannot be read ({e})"]
+    return check_parameters(params)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         t0 = time.perf_counter()
@@ -95,6 +115,10 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"{TAG} {self.name}: {self.engine_dir}/cpu_reference.json not found (gpt_model_path must be this "
                 "machine's path of the engine unit; pack with --repo-root left at its default to serve locally)")
+        refused = check_contract(self.engine_dir, {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()})
+        if refused:
+            raise pb_utils.TritonModelException(f"{TAG} {self.name}: the tensorrtllm backend would not load this "
+                                                f"config: {'; '.join(refused)}")
         threads = int(_param(cfg, "cpu_reference_threads", "1"))
         import torch
 
