@@ -211,6 +211,23 @@ def test_a_copy_of_the_repository_is_refused_with_the_originals_server(tmp_path,
     assert srv.calls == [] and release.state_path(copy).read_text() == before
 
 
+def test_a_rollback_target_that_does_not_load_is_refused_not_a_traceback(tmp_path, units4):
+    """Hostile round: a kept release damaged on disk (its checkpoint truncated through the build output's hard
+    link) failed to load on `rollback --to`: exit 1 with a traceback. It is a refusal; nothing is switched."""
+    from tests.serving.test_release_planted import RecordingServer
+
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    before = release.state_path(repo).read_text()
+    srv = RecordingServer(repo, ready={"ensemble", "preprocessing", b}, fail_load=a)
+    with pytest.raises(UserError, match="does not load") as ei:
+        release.rollback(repo, to=a, server=srv)
+    assert ei.value.problems[0].field == "--to"
+    assert release.state_path(repo).read_text() == before and release.current_of_configs(repo) == (b, b)
+    assert [c[:2] for c in srv.calls] == [("load", a), ("unload", a)]
+
+
 def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
     repo = serving_repo(tmp_path, units4[0])
     before = release.state_path(repo).read_text()

@@ -893,10 +893,17 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         timings["warm"] = loaded.get(target) == "READY"
         if server is not None and not timings["warm"]:
             t = time.perf_counter()
-            server.load(target)
-            timings["load_ms"] = (time.perf_counter() - t) * 1e3
-            if smoke:
-                timings["smoke"] = smoke_test(server, target)
+            try:
+                server.load(target)
+                timings["load_ms"] = (time.perf_counter() - t) * 1e3
+                if smoke:
+                    timings["smoke"] = smoke_test(server, target)
+            except RuntimeError as e:  # a damaged kept unit (e.g. a truncated checkpoint): refused, nothing switched
+                with contextlib.suppress(Exception):
+                    server.unload(target)
+                raise UserError("--fallback" if fallback else "--to", f"{target} does not load or answer on the server, so nothing was switched "
+                                f"({cur} still serves): {str(e)[:400]}",
+                                "roll back to another kept release (--to), or promote a fresh build.") from None
         _switch(repo_dir, server, target, timings, cur)
         timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
         state["current"] = target
