@@ -223,9 +223,16 @@ def test_a_rollback_target_that_does_not_load_is_refused_not_a_traceback(tmp_pat
     srv = RecordingServer(repo, ready={"ensemble", "preprocessing", b}, fail_load=a)
     with pytest.raises(UserError, match="does not load") as ei:
         release.rollback(repo, to=a, server=srv)
-    assert ei.value.problems[0].field == "--to"
-    assert release.state_path(repo).read_text() == before and release.current_of_configs(repo) == (b, b)
-    assert [c[:2] for c in srv.calls] == [("load", a), ("unload", a)]
+    assert ei.value.problems[0].field == "--to" and release.state_path(repo).read_text() == before
+    c = units4[2].engine_unit  # the same for promote and rollout of a unit the server refuses (exit 2, no switch)
+    for call in (lambda: release.promote(repo, units4[2].out_dir, server=srv),
+                 lambda: release.begin_rollout(repo, units4[2].out_dir, server=srv, steps=(100,))):
+        srv.fail_load = c
+        with pytest.raises(UserError, match="does not load") as ei:
+            call()
+        assert ei.value.problems[0].field == "--out" and release.current_of_configs(repo) == (b, b)
+    assert release.read_state(repo)["current"] == b and "rollout" not in release.read_state(repo)
+    assert [x[:2] for x in srv.calls if x[0] == "load"] == [("load", a), ("load", c), ("load", c)]
 
 
 def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):

@@ -516,6 +516,18 @@ def _recover_locked(repo_dir: Path) -> list[str]:
 # Smoke test (direct, before the ensemble routes traffic to a unit)
 
 
+def _load_unit(server, unit: str, field: str, serving: str, fix: str) -> None:
+    """``server.load(unit)``; a unit the server refuses to load (a damaged or outdated unit: the backend's
+    own message) is a UserError on ``field`` (exit 2) saying that ``serving`` still serves, not a traceback."""
+    try:
+        server.load(unit)
+    except RuntimeError as e:
+        with contextlib.suppress(Exception):
+            server.unload(unit)
+        raise UserError(field, f"the server does not load {unit}, so nothing was switched ({serving} still serves): "
+                        f"{str(e)[:400]}", fix) from None
+
+
 def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int = 8, expect: str | None = None) -> dict:
     """Infer ``unit`` directly: preprocessing -> unit -> postprocessing, called one by one.
 
@@ -786,7 +798,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
         if server is not None:
             t = time.perf_counter()
-            server.load(unit)
+            _load_unit(server, unit, "--out", previous, "rebuild the output (`invoke build`), then promote it again.")
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
         _crash_point("load")
         if server is not None and smoke:
@@ -893,17 +905,11 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         timings["warm"] = loaded.get(target) == "READY"
         if server is not None and not timings["warm"]:
             t = time.perf_counter()
-            try:
-                server.load(target)
-                timings["load_ms"] = (time.perf_counter() - t) * 1e3
-                if smoke:
-                    timings["smoke"] = smoke_test(server, target)
-            except RuntimeError as e:  # a damaged kept unit (e.g. a truncated checkpoint): refused, nothing switched
-                with contextlib.suppress(Exception):
-                    server.unload(target)
-                raise UserError("--fallback" if fallback else "--to", f"{target} does not load or answer on the server, so nothing was switched "
-                                f"({cur} still serves): {str(e)[:400]}",
-                                "roll back to another kept release (--to), or promote a fresh build.") from None
+            _load_unit(server, target, "--fallback" if fallback else "--to", cur,
+                       "roll back to another kept release (--to), or promote a fresh build.")
+            timings["load_ms"] = (time.perf_counter() - t) * 1e3
+            if smoke:
+                timings["smoke"] = smoke_test(server, target)
         _switch(repo_dir, server, target, timings, cur)
         timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
         state["current"] = target
@@ -951,7 +957,7 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
             raise UserError("--profile", f"{unit} is already the current release.", "nothing to roll out.")
         if server is not None:
             t = time.perf_counter()
-            server.load(unit)
+            _load_unit(server, unit, "--out", state["current"], "rebuild the output (`invoke build`), then roll it out again.")
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             if smoke:
                 try:
