@@ -235,6 +235,14 @@ def test_a_rollback_target_that_does_not_load_is_refused_not_a_traceback(tmp_pat
     assert [x[:2] for x in srv.calls if x[0] == "load"] == [("load", a), ("load", c), ("load", c)]
 
 
+def test_a_folder_that_is_no_serving_repository_is_never_offered_for_deletion(units4):
+    """Hostile round: `promote --repo /` said 'fix: delete / (or move it away) and promote again'."""
+    with pytest.raises(UserError) as ei:
+        release.init_serving_repo(Path("/"), units4[0].out_dir, profile="bf16-h100")
+    p = ei.value.problems[0]
+    assert "not a serving repository" in p.reason and "delete /" not in p.fix and "new directory as --repo" in p.fix
+
+
 def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
     repo = serving_repo(tmp_path, units4[0])
     before = release.state_path(repo).read_text()

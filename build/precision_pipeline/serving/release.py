@@ -375,7 +375,8 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
             if state is None:
                 raise UserError("repo_dir", f"{repo_dir} exists but has no {STATE_FILE} beside it, so it is not a serving "
                                 "repository this pipeline can use.",
-                                f"delete {repo_dir} (or move it away) and promote again, or choose a new directory.")
+                                "pass a new directory as --repo (e.g. artifacts/serving/model_repository); never delete a "
+                                "folder you did not create with `invoke promote`.")
             raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
         return _init_locked(repo_dir, packed_repo, unit_src, serve_root=serve_root, profile=profile, gate=gate, by=by,
                             fallback_repo=fallback_repo, warm_fallback=warm_fallback, keep_releases=keep_releases)
