@@ -189,6 +189,60 @@ def test_steps_with_an_empty_step_are_refused(text):
     assert rollout.parse_steps("5,20,100") == (5, 20, 100)
 
 
+def test_a_copy_of_the_repository_is_refused_with_the_originals_server(tmp_path, units4):
+    """Hostile round: `cp -a` of a serving repository carries its identity and its absolute tokenizer_dir, so
+    both matched the original's server; a rollback on the copy then switched and unloaded the original's
+    live models (every request 404). The copy is refused before anything is loaded."""
+    import shutil
+
+    from tests.serving.test_release_planted import RecordingServer
+
+    repo_a = serving_repo(tmp_path, units4[0])
+    release.promote(repo_a, units4[1].out_dir)
+    copy = tmp_path / "copy" / "model_repository"
+    shutil.copytree(repo_a.parent, copy.parent)
+    srv = RecordingServer(repo_a, ready={"ensemble", "preprocessing", units4[1].engine_unit})
+    release.verify_server(repo_a, srv)  # the original: accepted
+    before = release.state_path(copy).read_text()
+    for call in (lambda: release.verify_server(copy, srv), lambda: release.rollback(copy, server=srv)):
+        with pytest.raises(UserError, match="is a copy or a move") as ei:
+            call()
+        assert ei.value.problems[0].field == "--repo"
+    assert srv.calls == [] and release.state_path(copy).read_text() == before
+
+
+def test_a_rollback_target_that_does_not_load_is_refused_not_a_traceback(tmp_path, units4):
+    """Hostile round: a kept release damaged on disk (its checkpoint truncated through the build output's hard
+    link) failed to load on `rollback --to`: exit 1 with a traceback. It is a refusal; nothing is switched."""
+    from tests.serving.test_release_planted import RecordingServer
+
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    before = release.state_path(repo).read_text()
+    srv = RecordingServer(repo, ready={"ensemble", "preprocessing", b}, fail_load=a)
+    with pytest.raises(UserError, match="does not load") as ei:
+        release.rollback(repo, to=a, server=srv)
+    assert ei.value.problems[0].field == "--to" and release.state_path(repo).read_text() == before
+    c = units4[2].engine_unit  # the same for promote and rollout of a unit the server refuses (exit 2, no switch)
+    for call in (lambda: release.promote(repo, units4[2].out_dir, server=srv),
+                 lambda: release.begin_rollout(repo, units4[2].out_dir, server=srv, steps=(100,))):
+        srv.fail_load = c
+        with pytest.raises(UserError, match="does not load") as ei:
+            call()
+        assert ei.value.problems[0].field == "--out" and release.current_of_configs(repo) == (b, b)
+    assert release.read_state(repo)["current"] == b and "rollout" not in release.read_state(repo)
+    assert [x[:2] for x in srv.calls if x[0] == "load"] == [("load", a), ("load", c), ("load", c)]
+
+
+def test_a_folder_that_is_no_serving_repository_is_never_offered_for_deletion(units4):
+    """Hostile round: `promote --repo /` said 'fix: delete / (or move it away) and promote again'."""
+    with pytest.raises(UserError) as ei:
+        release.init_serving_repo(Path("/"), units4[0].out_dir, profile="bf16-h100")
+    p = ei.value.problems[0]
+    assert "not a serving repository" in p.reason and "delete /" not in p.fix and "new directory as --repo" in p.fix
+
+
 def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
     repo = serving_repo(tmp_path, units4[0])
     before = release.state_path(repo).read_text()

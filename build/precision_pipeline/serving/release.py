@@ -375,7 +375,8 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
             if state is None:
                 raise UserError("repo_dir", f"{repo_dir} exists but has no {STATE_FILE} beside it, so it is not a serving "
                                 "repository this pipeline can use.",
-                                f"delete {repo_dir} (or move it away) and promote again, or choose a new directory.")
+                                "pass a new directory as --repo (e.g. artifacts/serving/model_repository); never delete a "
+                                "folder you did not create with `invoke promote`.")
             raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
         return _init_locked(repo_dir, packed_repo, unit_src, serve_root=serve_root, profile=profile, gate=gate, by=by,
                             fallback_repo=fallback_repo, warm_fallback=warm_fallback, keep_releases=keep_releases)
@@ -516,6 +517,18 @@ def _recover_locked(repo_dir: Path) -> list[str]:
 # Smoke test (direct, before the ensemble routes traffic to a unit)
 
 
+def _load_unit(server, unit: str, field: str, serving: str, fix: str) -> None:
+    """``server.load(unit)``; a unit the server refuses to load (a damaged or outdated unit: the backend's
+    own message) is a UserError on ``field`` (exit 2) saying that ``serving`` still serves, not a traceback."""
+    try:
+        server.load(unit)
+    except RuntimeError as e:
+        with contextlib.suppress(Exception):
+            server.unload(unit)
+        raise UserError(field, f"the server does not load {unit}, so nothing was switched ({serving} still serves): "
+                        f"{str(e)[:400]}", fix) from None
+
+
 def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int = 8, expect: str | None = None) -> dict:
     """Infer ``unit`` directly: preprocessing -> unit -> postprocessing, called one by one.
 
@@ -595,12 +608,22 @@ def _routed(repo_dir: Path, server) -> set[str]:
     return {u for u in units if u}
 
 
+def _inside_dir(p: Path, folder: Path) -> bool:
+    try:
+        p.resolve().relative_to(Path(folder).resolve())
+        return True
+    except (ValueError, OSError, RuntimeError):
+        return False
+
+
 def verify_server(repo_dir: Path, server) -> None:
     """Refuse (UserError on ``--url``, exit 2) a ``server`` that does not serve ``repo_dir``, before
     anything is changed: the parameters that identify the repository must be the same in the files
     and in the configs the server loaded: the ensemble's ``IDENTITY_PARAM`` (repositories created
     since it exists) and the preprocessing's ``tokenizer_dir`` (an absolute path into the repository).
-    At least one of the two models must be loaded there. Nothing to check without a server."""
+    At least one of the two models must be loaded there. A repository whose ``tokenizer_dir`` points
+    outside it (a copy or a move: its files still name the original) is refused (UserError on ``--repo``).
+    Nothing to check without a server."""
     if server is None:
         return
     repo_dir = Path(repo_dir)
@@ -613,6 +636,13 @@ def verify_server(repo_dir: Path, server) -> None:
         want = pack.config_params(load_config(p)).get(key) if p.is_file() else None
         if not want:
             continue
+        if key == "tokenizer_dir" and not _inside_dir(Path(want), repo_dir):
+            # a copied (or moved) repository: its files still name the original, so both identities
+            # would match the original's server, and edits here would switch and unload models there
+            raise UserError("--repo", f"{repo_dir} is a copy or a move of another serving repository: its preprocessing's "
+                            f"tokenizer_dir is {want!r}, outside it; the server at --url would load the original's "
+                            "configs, not these.", "run the command on the repository the server serves (the one "
+                            "tokenizer_dir points into), or create a new one here with `invoke promote --repo`.")
         try:
             live = server.model_config(model)
         except OSError as e:
@@ -769,7 +799,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
         if server is not None:
             t = time.perf_counter()
-            server.load(unit)
+            _load_unit(server, unit, "--out", previous, "rebuild the output (`invoke build`), then promote it again.")
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
         _crash_point("load")
         if server is not None and smoke:
@@ -876,7 +906,8 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         timings["warm"] = loaded.get(target) == "READY"
         if server is not None and not timings["warm"]:
             t = time.perf_counter()
-            server.load(target)
+            _load_unit(server, target, "--fallback" if fallback else "--to", cur,
+                       "roll back to another kept release (--to), or promote a fresh build.")
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             if smoke:
                 timings["smoke"] = smoke_test(server, target)
@@ -927,7 +958,7 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
             raise UserError("--profile", f"{unit} is already the current release.", "nothing to roll out.")
         if server is not None:
             t = time.perf_counter()
-            server.load(unit)
+            _load_unit(server, unit, "--out", state["current"], "rebuild the output (`invoke build`), then roll it out again.")
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             if smoke:
                 try:
