@@ -55,7 +55,7 @@ def test_two_profiles_from_scratch(scratch):
     nd = scratch["opts"].nightly_dir
     data = json.loads((nd / "summary.json").read_text())
     assert [p["profile"] for p in data["profiles"]] == ["night-a", "night-b"] and data["exit_code"] == 0
-    assert "| night-a | quantize, gate, pack, deploy |" in (nd / "summary.md").read_text()
+    assert "| night-a | quantize, verify, gate, pack, deploy |" in (nd / "summary.md").read_text()
     assert any(ln.startswith("[nightly] night-a gate: done") for ln in scratch["lines"])  # a line per stage
 
 
@@ -96,8 +96,9 @@ def _planted(src: Path, dst: Path) -> Path:
         if f.suffix != ".safetensors":
             shutil.copy2(f, dst / f.name)
     t = load_file(str(src / "rank0.safetensors"))
-    name = "transformer.layers.10.mlp.fc.weights_scaling_factor"
-    t[name] = t[name] * 10
+    # both GEMMs of the fused gate/up pair, so the verify stage (fused scales must agree) lets it through to the gate
+    for name in ("transformer.layers.10.mlp.fc.weights_scaling_factor", "transformer.layers.10.mlp.gate.weights_scaling_factor"):
+        t[name] = t[name] * 10
     save_file(t, str(dst / "rank0.safetensors"), metadata={"format": "pt"})
     return dst
 
