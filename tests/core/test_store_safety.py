@@ -82,15 +82,15 @@ def test_kill_before_the_journal_keeps_the_previous_copy(tmp_path):
     assert sorted(q.name for q in tmp_path.iterdir()) == [".stages", "checkpoint"]
 
 
-def test_a_stage_killed_mid_swap_is_a_cache_hit_after_recovery(tmp_path, monkeypatch):
-    """Through the runner: the record is committed with the folder, so the next build reuses it."""
-    from precision_pipeline.core.stage import Artifact, Frozen, Manifest, Stage, StageRunner, execute
+def _writing_stage(stage_name: str, folder: str):
+    """A stage that writes its input ``n`` into ``<folder>/f`` (the swap tests' stand-in for a real stage)."""
+    from precision_pipeline.core.stage import Artifact, Frozen, Stage
 
     class In(Frozen):
         n: int
 
     class Writes(Stage):
-        name, output, artifact_type = "quantize", "checkpoint", Artifact
+        name, output, artifact_type = stage_name, folder, Artifact
 
         def inputs(self, plan, request, upstream):
             return In(n=plan)
@@ -98,6 +98,15 @@ def test_a_stage_killed_mid_swap_is_a_cache_hit_after_recovery(tmp_path, monkeyp
         def run(self, inputs, workdir):
             (workdir / "f").write_text(str(inputs.n))
             return Artifact()
+
+    return Writes
+
+
+def test_a_stage_killed_mid_swap_is_a_cache_hit_after_recovery(tmp_path, monkeypatch):
+    """Through the runner: the record is committed with the folder, so the next build reuses it."""
+    from precision_pipeline.core.stage import Manifest, StageRunner, execute
+
+    Writes = _writing_stage("quantize", "checkpoint")
 
     execute(Writes(), 1, None, {}, tmp_path)
 
@@ -123,20 +132,9 @@ def test_a_kill_mid_swap_then_the_temporary_folder_removed_is_no_cache_hit(tmp_p
     write the new record over the old folder (that made the next build say ``pack: cached`` for a stale pack)."""
     import shutil
 
-    from precision_pipeline.core.stage import Artifact, Frozen, Manifest, Stage, StageRunner, execute
+    from precision_pipeline.core.stage import Manifest, StageRunner, execute
 
-    class In(Frozen):
-        n: int
-
-    class Writes(Stage):
-        name, output, artifact_type = "pack", "model_repository", Artifact
-
-        def inputs(self, plan, request, upstream):
-            return In(n=plan)
-
-        def run(self, inputs, workdir):
-            (workdir / "f").write_text(str(inputs.n))
-            return Artifact()
+    Writes = _writing_stage("pack", "model_repository")
 
     execute(Writes(), 1, None, {}, tmp_path)
     # the kill, in this process: the crash hook raises instead of exiting
