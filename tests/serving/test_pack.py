@@ -72,7 +72,7 @@ def test_pack_renders_and_parses(tmp_path, model_dir, ckpt):
     res, out = do_pack(tmp_path, model_dir, ckpt, repo_root="/srv/llm")
     repo = out / "model_repository"
     assert res.engine_present is False and any("engine absent" in n for n in res.notes)
-    assert res.engine_unit == pack.unit_name(res.engine_hash) and pack.is_unit(res.engine_unit)
+    assert res.engine_unit == pack.unit_name(res.unit_key) and pack.is_unit(res.engine_unit)
     assert sorted(res.models) == sorted([*pack.FIXED_MODELS, res.engine_unit])
     cfgs = pack.check_repository(repo)
     assert set(cfgs) == set(res.models)

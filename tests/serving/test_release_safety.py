@@ -12,6 +12,7 @@ import errno
 import json
 import mmap
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -441,3 +442,111 @@ def test_a_clean_stop_removes_the_servers_own_temporary_log(tmp_path):
     assert srv.stop() == 0 and not log.exists()
     kept = TritonServer(tmp_path / "repo", log_file=tmp_path / "mine.log").start()  # a log the caller named stays
     assert kept.stop() == 0 and (tmp_path / "mine.log").is_file()
+
+
+# ---- the serving repository never shares a file with a build output; a unit's name is its content
+
+
+def _pack_with_checkpoint(root: Path, profile=None, size=300_000):
+    """A packed build output ``root`` whose unit links a (fake) checkpoint ``root/checkpoint`` of ``size`` bytes."""
+    from tests.serving.test_pack import make_plan
+
+    prof = profile or load_profile("bf16-h100")
+    ck = root / "checkpoint"
+    ck.mkdir(parents=True)
+    (ck / "config.json").write_text('{"architecture": "LlamaForCausalLM"}')
+    (ck / "rank0.safetensors").write_bytes(os.urandom(size))
+    return pack.pack_repository(make_plan(prof), prof, Path(default_model()), ck, root / "engine", False,
+                                root / "model_repository", str(root))
+
+
+def default_model():
+    from precision_pipeline.spec.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def _inodes(folder: Path) -> set[tuple[int, int]]:
+    return {(p.stat().st_dev, p.stat().st_ino) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_truncating_a_build_output_never_reaches_a_kept_release(tmp_path, units4):
+    """Hostile round #66/#107: pack and promote hard-linked the checkpoint, so `truncate -s` of the build output's
+    checkpoint/rank0.safetensors also truncated the release kept in the serving repository (a rollback target)."""
+    res = _pack_with_checkpoint(tmp_path / "out")
+    unit = res.engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, res.out_dir)               # unit with the checkpoint: current
+    release.promote(repo, units4[1].out_dir)         # ... now the kept previous release
+    assert not _inodes(repo.parent) & (_inodes(tmp_path / "out") | _inodes(units4[0].out_dir.parent))
+    kept = repo / unit / "engine" / "checkpoint" / "rank0.safetensors"
+    before = kept.read_bytes()
+    os.truncate(tmp_path / "out" / "checkpoint" / "rank0.safetensors", 1000)
+    assert kept.stat().st_size == 300_000 and kept.read_bytes() == before
+    release.rollback(repo, to=unit)                  # the rollback target is intact
+    assert release.read_state(repo)["current"] == unit
+
+
+def test_a_build_output_changed_after_its_pack_is_refused_at_install(tmp_path, units4):
+    """Install copies each file of the unit and checks its size and sha256 against pack.json's unit_files."""
+    res = _pack_with_checkpoint(tmp_path / "out")
+    repo = serving_repo(tmp_path, units4[0])
+    before = release.state_path(repo).read_text()
+    rank0 = tmp_path / "out" / "checkpoint" / "rank0.safetensors"
+    os.truncate(rank0, 100_000)
+    with pytest.raises(UserError) as ei:
+        release.promote(repo, res.out_dir)
+    p = ei.value.problems[0]
+    assert p.field == str(res.out_dir / res.engine_unit / "engine" / "checkpoint" / "rank0.safetensors")
+    assert "is 100,000 bytes, but pack recorded 300,000 bytes" in p.reason and "invoke build" in p.fix
+    assert release.state_path(repo).read_text() == before and on_disk(repo) == [units4[0].engine_unit]
+    assert not [q.name for q in repo.iterdir() if q.name.startswith(".")]
+    with open(rank0, "r+b") as f:                    # same size, other bytes: the sha256 tells
+        f.truncate(300_000)
+    with pytest.raises(UserError, match="is 300,000 bytes with another sha256, but pack recorded 300,000 bytes"):
+        release.promote(repo, res.out_dir)
+    assert release.state_path(repo).read_text() == before
+
+
+def test_a_change_to_what_pack_renders_gives_the_unit_another_name(tmp_path):
+    """Hostile round #139: a re-pack after a change to the rendered config kept the unit's name (it was the
+    engine hash), so promote took the stale folder of that name in the serving repository."""
+    from tests.conftest import prof
+
+    a = _pack_with_checkpoint(tmp_path / "a", prof(runtime__max_queue_delay_microseconds=100))
+    b = _pack_with_checkpoint(tmp_path / "b", prof(runtime__max_queue_delay_microseconds=200))
+    assert a.engine_hash != b.engine_hash            # other checkpoint bytes
+    # the same checkpoint bytes and plan, only the rendered config differs: same engine hash, other unit
+    shutil.rmtree(tmp_path / "b")
+    shutil.copytree(tmp_path / "a" / "checkpoint", tmp_path / "b" / "checkpoint")
+    from tests.serving.test_pack import make_plan
+
+    p2 = prof(runtime__max_queue_delay_microseconds=200)
+    b = pack.pack_repository(make_plan(p2), p2, Path(default_model()), tmp_path / "b" / "checkpoint",
+                             tmp_path / "b" / "engine", False, tmp_path / "b" / "model_repository", str(tmp_path / "a"))
+    assert b.engine_hash == a.engine_hash and b.engine_unit != a.engine_unit
+    assert b.engine_unit == pack.unit_name(b.unit_key)
+
+
+def test_a_stale_folder_of_the_units_name_is_replaced_or_refused_when_it_serves(tmp_path, units4):
+    """An existing folder of the unit's name is verified (files and config); a stale one is replaced by a
+    verified copy, unless it is the unit that serves now (refused, nothing changed)."""
+    a, b = units4[0], units4[1]
+    repo = serving_repo(tmp_path, a)
+    release.promote(repo, b.out_dir)                 # a: kept previous release
+    cfg = repo / a.engine_unit / "config.pbtxt"
+    good = cfg.read_text()
+    release._set_params(cfg, {"kv_cache_free_gpu_mem_fraction": "0.5"})  # a stale render of the same name
+    release.promote(repo, a.out_dir)
+    assert release.read_state(repo)["current"] == a.engine_unit
+    assert pack.config_params(release.load_config(cfg))["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    assert release.load_config(cfg).SerializeToString(deterministic=True) == \
+        pack.parse_model_config(good, "x").SerializeToString(deterministic=True)
+    assert not [q.name for q in repo.iterdir() if q.name.startswith(".")]
+    ref = repo / a.engine_unit / "engine" / pack.CPU_REFERENCE_FILE
+    ref.write_text(ref.read_text() + " ")            # the current unit differs from the build: refused
+    before = release.state_path(repo).read_text()
+    with pytest.raises(UserError, match="it is the unit that serves now") as ei:
+        release.promote(repo, a.out_dir)
+    assert "engine/cpu_reference.json is" in ei.value.problems[0].reason
+    assert release.state_path(repo).read_text() == before and ref.read_text().endswith(" ")

@@ -10,10 +10,17 @@ Layout written to ``out_dir`` (the build output's ``model_repository/``), atomic
     tensorrt_llm_<h12>/      config.pbtxt, 1/, engine/   one Triton model per engine ("engine unit")
         engine/              the engine files (hard links of the engine stage's output) when it was built,
                              plus cpu_reference.json and checkpoint/ (hard links) for the CPU reference backend
-    pack.json                what was rendered (engine hash, unit name, parameters, notes)
+    pack.json                what was rendered (engine hash, unit name, parameters, notes) and ``unit_files``:
+                             {path in the unit: [size in bytes, sha256]} of every file of the unit
 
-``<h12>`` is the first 12 hex digits of the engine hash: sha256 of the engine directory's files when
-the engine was built, else of the TRT-LLM checkpoint plus the plan's limits/effective settings.
+``<h12>`` is the first 12 hex digits of the unit's **content key** (``unit_key``): sha256 over every file
+of the unit (engine files, checkpoint, ``cpu_reference.json``, ``precision_path.json``, the rendered
+``config.pbtxt``) as written under a placeholder name (the name and the paths that contain it are not yet
+known), so a change to anything in the unit -- the engine, the checkpoint or only what pack renders --
+gives another name. The *engine hash* (sha256 of the engine directory's files when the engine was built,
+else of the TRT-LLM checkpoint plus the plan's limits/effective settings) names the engine inside it.
+The hard links stay inside the build output; a serving repository gets copies (``serving/release.py``
+``install_unit``), verified against ``unit_files``.
 
 Paths inside configs are *serving-side* paths: ``repo_root`` is where the build output (the parent of
 ``model_repository/``) will be inside the serving container (default: the output's absolute path):
@@ -37,6 +44,7 @@ rendered config.pbtxt must parse with
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -47,7 +55,7 @@ from typing import Any, Mapping
 
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
-from precision_pipeline.core.store import atomic_dir, hash_dir, hash_obj, make_readable
+from precision_pipeline.core.store import atomic_dir, hash_dir, hash_file, hash_obj, make_readable
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.serving import templates
 from precision_pipeline.spec.formats import TRITON_DTYPE
@@ -80,12 +88,17 @@ class PackResult:
     params: dict[str, dict[str, str]]
     chat_template_applied_by: str
     notes: list[str] = field(default_factory=list)
+    unit_key: str = ""
+    """sha256 over the unit's files as written under ``UNIT_PLACEHOLDER``; ``engine_unit`` is its first 12 digits."""
+    unit_files: dict[str, list] = field(default_factory=dict)
+    """{path in the unit: [size in bytes, sha256]}: what ``install_unit`` verifies each copy against."""
 
     def to_json(self) -> dict:
         return {
             "out_dir": str(self.out_dir), "models": self.models, "engine_unit": self.engine_unit,
             "engine_hash": self.engine_hash, "engine_present": self.engine_present, "params": self.params,
             "chat_template_applied_by": self.chat_template_applied_by, "notes": self.notes,
+            "unit_key": self.unit_key, "unit_files": self.unit_files,
         }
 
 
@@ -117,9 +130,13 @@ def config_params(cfg) -> dict[str, str]:
     return {k: v.string_value for k, v in cfg.parameters.items()}
 
 
-def unit_name(engine_hash: str) -> str:
-    """Triton model name of an engine unit."""
-    return f"{UNIT_PREFIX}{engine_hash[:12]}"
+def unit_name(key: str) -> str:
+    """Triton model name of an engine unit: ``tensorrt_llm_`` + the first 12 hex digits of its content key."""
+    return f"{UNIT_PREFIX}{key[:12]}"
+
+
+UNIT_PLACEHOLDER = f"{UNIT_PREFIX}000000000000"
+"""The name a unit is rendered and written under to compute its content key (its real name is that key)."""
 
 
 def is_unit(name: str) -> bool:
@@ -184,7 +201,7 @@ def _chat_template(model_dir: Path) -> str | None:
 
 
 def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: str, repo_root: str,
-                   repo_name: str = "model_repository") -> tuple[dict[str, dict[str, Any]], list[str]]:
+                   repo_name: str = "model_repository", unit: str | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Template parameters for each model, from the typed plan, the profile's runtime section and the model's files.
 
     Limits, mapping, the effective per-phase settings and the KV-cache capacity are read from
@@ -213,7 +230,7 @@ def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: st
     end_id, pad_id, stop_words = token_ids(model_dir)
     has_template = _chat_template(model_dir) is not None
     tok_dir = serving_path(repo_root, repo_name, "preprocessing", "tokenizer")
-    unit = unit_name(engine_hash)
+    unit = unit or unit_name(engine_hash)
     common = {"triton_max_batch_size": max_batch}
 
     trt = {
@@ -390,7 +407,9 @@ def check_engine_dir(engine_dir: Path, trt_params: Mapping[str, Any], plan: Reso
 
 
 def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
-    """Recreate ``src`` under ``dst`` with hard links (copies across filesystems)."""
+    """Recreate ``src`` under ``dst`` with hard links (copies across filesystems). Only inside one build output
+    (pack links the build's own engine and checkpoint into its unit); a serving repository never shares an inode
+    with a build output (``copy_tree``, ``serving/release.py`` ``install_unit``)."""
     src, dst = Path(src), Path(dst)
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
@@ -407,17 +426,60 @@ def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
                 shutil.copy2(p, q)
 
 
-def engine_hash_of(plan: ResolvedPlan, checkpoint_dir: Path, engine_dir: Path, engine_built: bool) -> str:
-    """sha256 naming an engine unit (engine files when built; checkpoint + the plan's limits,
-    effective settings, mapping and profile name otherwise)."""
+def copy_tree(src: Path, dst: Path) -> None:
+    """Recreate ``src`` under ``dst`` with copies (``shutil.copyfile``: in-kernel copy where Linux offers it),
+    never hard links: an edit of ``src`` afterwards leaves ``dst`` as it was."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in sorted(src.rglob("*")):
+        q = dst / p.relative_to(src)
+        if p.is_dir():
+            q.mkdir(parents=True, exist_ok=True)
+        elif p.is_file():
+            q.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p, q)
+
+
+def file_digests(folder: Path, exclude: tuple[str, ...] = ()) -> list[tuple[str, int, str]]:
+    """[(relative POSIX path, size in bytes, sha256)] of every regular file under ``folder`` (top-level names in
+    ``exclude`` skipped), in ``core.store.hash_dir``'s order; each file is read once."""
+    folder = Path(folder)
+    out = []
+    for p in sorted(q for q in folder.rglob("*") if q.is_file()):
+        rel = p.relative_to(folder).as_posix()
+        if rel.split("/")[0] in exclude:
+            continue
+        out.append((rel, p.stat().st_size, hash_file(p)))
+    return out
+
+
+def _hash_digests(digests: list[tuple[str, int, str]]) -> str:
+    """``core.store.hash_dir`` of a folder from its ``file_digests`` (same value, no second read)."""
+    h = hashlib.sha256()
+    for rel, _size, sha in digests:
+        h.update(rel.encode() + b"\0")
+        h.update(sha.encode())
+    return h.hexdigest()
+
+
+def engine_hash_of(plan: ResolvedPlan, checkpoint_dir: Path, engine_dir: Path, engine_built: bool, *,
+                   digests: Mapping[str, list] | None = None) -> str:
+    """sha256 naming the engine of a unit (engine files when built; checkpoint + the plan's limits,
+    effective settings, mapping and profile name otherwise). ``digests``: {"engine": file_digests,
+    "checkpoint": file_digests} already computed (else the folders are read)."""
+    digests = digests or {}
     if engine_built:
-        return hash_dir(engine_dir, exclude=(ENGINE_ARGS_FILE,))
-    ck = hash_dir(checkpoint_dir) if Path(checkpoint_dir).is_dir() else None
+        eng = digests.get("engine")
+        return _hash_digests(eng) if eng is not None else hash_dir(engine_dir, exclude=(ENGINE_ARGS_FILE,))
+    ck = None
+    if Path(checkpoint_dir).is_dir():
+        ckd = digests.get("checkpoint")
+        ck = _hash_digests(ckd) if ckd is not None else hash_dir(checkpoint_dir)
     return hash_obj({"checkpoint": ck, "limits": plan.limits, "effective": plan.effective,
                      "mapping": plan.mapping, "profile": plan.profile.name})
 
 
-def precision_path(plan: ResolvedPlan, engine_hash: str) -> dict[str, str]:
+def precision_path(plan: ResolvedPlan, engine_hash: str, unit: str | None = None) -> dict[str, str]:
     """The precision path one engine unit serves, as strings (metric labels, the ``precision_path`` output and
     the attributes of the BLS's per-request span, all read from this one dict):
 
@@ -430,7 +492,7 @@ def precision_path(plan: ResolvedPlan, engine_hash: str) -> dict[str, str]:
     fmha = "off" if not e.context_fmha else ("fp8" if e.use_fp8_context_fmha else q.dtype)
     if e.context_fmha and e.use_paged_context_fmha:
         fmha += "+paged"
-    return {"model": plan.model.name, "profile": plan.profile.name, "unit": unit_name(engine_hash), "engine_hash": engine_hash,
+    return {"model": plan.model.name, "profile": plan.profile.name, "unit": unit or unit_name(engine_hash), "engine_hash": engine_hash,
             "gemm": q.quant_algo.value, "kv": q.kv_cache_quant_algo.value, "context_fmha": fmha,
             "logits_dtype": e.logits_dtype, "dtype": q.dtype}
 
@@ -488,8 +550,11 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
         raise UserError("engine", f"engine_built is true but {engine_dir}/config.json is missing.", "rebuild the engine.")
     if not str(repo_root).startswith("/"):
         raise UserError("--repo-root", f"{repo_root!r} is not an absolute path.", "give the absolute path the output will have in the serving container.")
-    ehash = engine_hash_of(plan, checkpoint_dir, engine_dir, engine_built)
-    params, notes = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name)
+    # every file of the unit is read once here: the engine hash, the content key and pack.json's unit_files
+    digests = {"engine": file_digests(engine_dir, exclude=(ENGINE_ARGS_FILE,)) if engine_built else None,
+               "checkpoint": file_digests(checkpoint_dir) if checkpoint_dir.is_dir() else None}
+    ehash = engine_hash_of(plan, checkpoint_dir, engine_dir, engine_built, digests=digests)
+    params, notes = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name, unit=UNIT_PLACEHOLDER)
     texts = render_all(params)
     if engine_built:
         check_engine_dir(engine_dir, params["tensorrt_llm"], plan)
@@ -505,9 +570,20 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
     else:
         notes.append("engine absent: configs are rendered, gpt_model_path names where the engine must be placed; "
                      "only the CPU reference backend can serve this repository.")
-    unit = unit_name(ehash)
     has_template = params["preprocessing"]["apply_chat_template"]
     with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(out_dir)) as tmp:
+        # the unit is written under a placeholder name first: its content key (over every file) is its name
+        staged = tmp / UNIT_PLACEHOLDER
+        write_unit(staged, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
+                   checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
+                   profile_name=plan.profile.name, path=precision_path(plan, ehash, UNIT_PLACEHOLDER))
+        key = hash_obj(unit_digests(staged, digests))
+        unit = unit_name(key)
+        params, _ = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name, unit=unit)
+        texts = render_all(params)
+        (staged / "config.pbtxt").write_text(texts["tensorrt_llm"])
+        (staged / PRECISION_PATH_FILE).write_text(json.dumps(precision_path(plan, ehash, unit), indent=2) + "\n")
+        os.rename(staged, tmp / unit)
         copy_python_models(tmp)
         for m in FIXED_MODELS:
             (tmp / m / "config.pbtxt").write_text(texts[m])
@@ -516,17 +592,32 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tok / name)
-        write_unit(tmp / unit, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
-                   checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
-                   profile_name=plan.profile.name, path=precision_path(plan, ehash))
         res = PackResult(out_dir=out_dir, models=sorted([*FIXED_MODELS, unit]), engine_unit=unit, engine_hash=ehash,
                          engine_present=bool(engine_built),
                          params={k: {pk: templates.pbtxt_text(pv) for pk, pv in v.items()} for k, v in params.items()},
                          chat_template_applied_by="preprocessing" if has_template else "client (tokenizer has no chat template)",
-                         notes=notes)
+                         notes=notes, unit_key=key, unit_files=unit_digests(tmp / unit, digests))
         (tmp / PACK_FILE).write_text(json.dumps(res.to_json(), indent=2, sort_keys=True) + "\n")
         make_readable(tmp)  # a Triton container running as another user reads it (hard-linked 0600 files too)
     return res
+
+
+def unit_digests(unit_dir: Path, known: Mapping[str, list | None] | None = None) -> dict[str, list]:
+    """{path in the unit: [size in bytes, sha256]} of every file of a written unit. ``known``: ``file_digests`` of
+    the engine folder (``"engine"``, files under ``engine/``) and the checkpoint (``"checkpoint"``, under
+    ``engine/checkpoint/``) that pack linked in, so those large files are not read a second time."""
+    unit_dir = Path(unit_dir)
+    known = known or {}
+    have: dict[str, list] = {}
+    for prefix, rows in (("engine/", known.get("engine")), ("engine/checkpoint/", known.get("checkpoint"))):
+        for rel, size, sha in rows or ():
+            have[prefix + rel] = [size, sha]
+    out: dict[str, list] = {}
+    for p in sorted(q for q in unit_dir.rglob("*") if q.is_file()):
+        rel = p.relative_to(unit_dir).as_posix()
+        row = have.get(rel)
+        out[rel] = row if row is not None and p.stat().st_size == row[0] else [p.stat().st_size, hash_file(p)]
+    return out
 
 
 def check_repository(repo_dir: Path) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from typing import Any, Iterable
 
 from precision_pipeline.serving import pack
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.core.store import atomic_write_json, atomic_write_text, clean_stale, locked, read_json
+from precision_pipeline.core.store import atomic_write_json, atomic_write_text, clean_stale, hash_file, locked, read_json
 
 STATE_FILE = "releases.json"
 PREV_SUFFIX = ".prev"
@@ -319,28 +319,132 @@ def check_unit_skew(engine_unit: Path, *, image: str | None = None, sm: int | No
                              where=f"{unit.name}/engine", limits=pack.unit_limits(unit.parent, unit.name))
 
 
-def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None) -> str:
-    """Copy (hard links) a unit into the serving repository atomically; point gpt_model_path at its new place."""
+def _unit_record(unit_src: Path) -> dict[str, list]:
+    """``unit_files`` of the pack that wrote ``unit_src`` (its repository's pack.json): {path in the unit:
+    [size in bytes, sha256]}. UserError (exit 2) when pack.json records none for this unit."""
+    pj_path = unit_src.parent / pack.PACK_FILE
+    try:
+        pj = read_json(pj_path, {}) or {}
+    except ValueError:
+        pj = {}
+    files = pj.get("unit_files") if isinstance(pj, dict) and pj.get("engine_unit") == unit_src.name else None
+    if not isinstance(files, dict) or "config.pbtxt" not in files \
+            or not all(isinstance(r, list) and len(r) == 2 for r in files.values()):
+        raise UserError("--out", f"{pj_path} records no per-file sizes and checksums of {unit_src.name} (packed before "
+                        "pack recorded them, or not the output of a pack), so its copy in the serving repository "
+                        "cannot be verified.", "rebuild the output (`invoke build --profile P --out OUT` packs it "
+                        "again), then promote it.")
+    return files
+
+
+def _mismatch(unit_src: Path, rel: str, row: list, size: int | None) -> UserError:
+    got = "missing" if size is None else (f"{size:,} bytes" if size != row[0] else f"{size:,} bytes with another sha256")
+    return UserError(str(unit_src / rel), f"is {got}, but pack recorded {row[0]:,} bytes (sha256 {str(row[1])[:12]}…): "
+                     "the build output changed after it was packed (truncated or edited in place); nothing was "
+                     "installed and the serving repository is unchanged.",
+                     "rebuild the output (`invoke build --profile P --out OUT`), then promote it again.")
+
+
+def _copy_unit(unit_src: Path, dst: Path, files: dict[str, list], gpt_model_path: str) -> None:
+    """Copy the unit's recorded files into ``dst`` (``shutil.copyfile``: never a hard link, so a later edit
+    of the build output cannot reach the serving repository), verify each copy's size and sha256 against
+    ``files`` (UserError naming the file otherwise), then point its config's gpt_model_path at its place."""
+    for rel, row in sorted(files.items()):
+        src, q = unit_src / rel, dst / rel
+        if not src.is_file():
+            raise _mismatch(unit_src, rel, row, None)
+        q.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, q)
+        size = q.stat().st_size
+        if size != row[0] or hash_file(q) != row[1]:
+            raise _mismatch(unit_src, rel, row, size)
+    (dst / "1").mkdir(parents=True, exist_ok=True)
+    cfg = dst / "config.pbtxt"
+    _set_params(cfg, {"gpt_model_path": gpt_model_path})
+    pack.parse_model_config(cfg.read_text(), str(cfg))
+
+
+def _installed_config(unit_src: Path, files: dict[str, list], gpt_model_path: str):
+    """The unit's config as it is installed (gpt_model_path set), from the build's verified config.pbtxt."""
+    src = unit_src / "config.pbtxt"
+    row = files["config.pbtxt"]
+    size = src.stat().st_size if src.is_file() else None
+    if size != row[0] or hash_file(src) != row[1]:
+        raise _mismatch(unit_src, "config.pbtxt", row, size)
+    cfg = pack.parse_model_config(src.read_text(), str(src))
+    cfg.parameters["gpt_model_path"].string_value = gpt_model_path
+    return cfg
+
+
+def unit_differs(dst: Path, unit_src: Path, files: dict[str, list], gpt_model_path: str) -> str | None:
+    """Why the installed unit ``dst`` is not the build's unit ``unit_src`` (``files``: its pack record), or None:
+    every recorded file with its size and sha256 (read in full), and the config as installed (parsed: the
+    install rewrote gpt_model_path)."""
+    for rel, row in sorted(files.items()):
+        if rel == "config.pbtxt":
+            continue
+        q = dst / rel
+        if not q.is_file():
+            return f"{rel} is missing"
+        size = q.stat().st_size
+        if size != row[0]:
+            return f"{rel} is {size:,} bytes, the build's is {row[0]:,}"
+        if hash_file(q) != row[1]:
+            return f"{rel} has another sha256 than the build's"
+    want = _installed_config(unit_src, files, gpt_model_path)
+    try:
+        got = load_config(dst / "config.pbtxt")
+    except (OSError, UserError):
+        return "its config.pbtxt is missing or does not parse"
+    if got.SerializeToString(deterministic=True) != want.SerializeToString(deterministic=True):
+        return "its config.pbtxt differs from the build's"
+    return None
+
+
+def serving_now(state: dict) -> set[str]:
+    """Units whose files a server may be reading now: the current release, a rollout's candidate and a warm
+    fallback (``install_unit`` never replaces them)."""
+    ro = state.get("rollout") or {}
+    fb = state.get("fallback") if state.get("warm_fallback") else None
+    return {u for u in (state.get("current"), ro.get("candidate"), fb) if u}
+
+
+def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, *, protect: Iterable[str] = ()) -> str:
+    """Copy a unit into the serving repository atomically (verified against its pack record, ``_copy_unit``);
+    point gpt_model_path at its new place. Returns the unit's name.
+
+    A folder of that name already there is kept only when it is the build's unit (``unit_differs``); otherwise
+    it is replaced (the copy is staged aside, then swapped in) -- unless its name is in ``protect`` (the unit
+    that serves now), which is a UserError (exit 2): files are never replaced under the server."""
     repo_dir = Path(repo_dir)
     unit_src = resolve_unit_source(unit_src)
     name = unit_src.name
+    files = _unit_record(unit_src)
     dst = repo_dir / name
-    if dst.is_dir():
-        return name
     root = serve_root or str(repo_dir.resolve().parent)
+    gpt = pack.serving_path(root, repo_dir.name, name, "engine")
+    if dst.is_dir():
+        why = unit_differs(dst, unit_src, files, gpt)
+        if why is None:
+            return name
+        if name in set(protect):
+            raise UserError("--out", f"{dst} is not this build's unit of the same name ({why}), and it is the unit that "
+                            "serves now, so it is not replaced under the server; nothing was changed.",
+                            "make another release current first (`invoke rollback`), then promote this build again: "
+                            "the folder is then replaced by a verified copy.")
     tmp = repo_dir / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        pack.link_tree(unit_src, tmp)
-        cfg = tmp / "config.pbtxt"
-        # config.pbtxt is a hard link to the source: replace, never modify in place.
-        text = cfg.read_text()
-        cfg.unlink()
-        cfg.write_text(text)
-        _set_params(cfg, {"gpt_model_path": pack.serving_path(root, repo_dir.name, name, "engine")})
-        pack.parse_model_config(cfg.read_text(), str(cfg))
+        _copy_unit(unit_src, tmp, files, gpt)
         _crash_point("stage")
-        os.replace(tmp, dst)
+        if dst.is_dir():  # a stale or damaged folder of this name that nothing serves: swapped for the copy
+            trash = repo_dir / f".{name}.old-{os.getpid()}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(dst, trash)
+            os.replace(tmp, dst)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -400,12 +504,8 @@ def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_roo
     commit: dict[Path, Any] = {}
     # releases.json is a commit file of the repository's swap: written with it, or rolled forward with it
     with atomic_dir(repo_dir, commit_files=commit, crash=lambda step: _crash_point(f"init_{step}")) as tmp:
-        for m in pack.FIXED_MODELS:
-            pack.link_tree(packed_repo / m, tmp / m)
-            cfg = tmp / m / "config.pbtxt"
-            text = cfg.read_text()
-            cfg.unlink()
-            cfg.write_text(text)
+        for m in pack.FIXED_MODELS:  # copies: the serving repository shares no inode with a build output
+            pack.copy_tree(packed_repo / m, tmp / m)
         tok = pack.serving_path(root, repo_dir.name, "preprocessing", "tokenizer")
         for m in ("preprocessing", "postprocessing"):
             _set_params(tmp / m / "config.pbtxt", {"tokenizer_dir": tok})
@@ -434,12 +534,7 @@ def _install_into(tmp_repo: Path, repo_name: str, unit_src: Path, root: str) -> 
     name = unit_src.name
     if (tmp_repo / name).is_dir():
         return name
-    pack.link_tree(unit_src, tmp_repo / name)
-    cfg = tmp_repo / name / "config.pbtxt"
-    text = cfg.read_text()
-    cfg.unlink()
-    cfg.write_text(text)
-    _set_params(cfg, {"gpt_model_path": pack.serving_path(root, repo_name, name, "engine")})
+    _copy_unit(unit_src, tmp_repo / name, _unit_record(unit_src), pack.serving_path(root, repo_name, name, "engine"))
     return name
 
 
@@ -790,7 +885,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
                                  "create one with release.init_serving_repo(repo_dir, <build>/model_repository).", server=server)
         previous = state["current"]
-        unit = install_unit(repo_dir, engine_unit, serve_root)
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
         _crash_point("install")
         if state.get("rollout"):
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
@@ -841,7 +936,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     timings: dict[str, Any] = {}
     with _lock(repo_dir):
         state = _state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
-        unit = install_unit(repo_dir, engine_unit, serve_root)
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
         if server is not None and warm:
             t = time.perf_counter()
             server.load(unit)
@@ -953,7 +1048,7 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
         if state.get("rollout"):
             raise UserError("rollout", f"a rollout of {state['rollout']['candidate']} is already in progress.",
                             "end it with `invoke rollout --abort` first.")
-        unit = install_unit(repo_dir, engine_unit, serve_root)
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
         if unit == state["current"]:
             raise UserError("--profile", f"{unit} is already the current release.", "nothing to roll out.")
         if server is not None:
