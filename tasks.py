@@ -455,7 +455,7 @@ def promote(c, profile, repo=None, url=None, out=None):
     con.print(f"promoted {t['unit']} in {t.get('total_ms', 0):.0f} ms" + ("" if server else " (no server given: repository only)"))
 
 
-@task(help={"repo": "serving repository", "to": "engine hash (prefix) or unit name to roll back to",
+@task(help={"repo": "serving repository", "to": "unit name, or a prefix of its 12 hex digits (invoke releases), to roll back to",
             "fallback": "roll back to the fallback engine", "url": "HOST:PORT of the running server"})
 @guarded
 def rollback(c, repo=None, to=None, fallback=False, url=None):
@@ -467,7 +467,7 @@ def rollback(c, repo=None, to=None, fallback=False, url=None):
         from precision_pipeline.core.errors import UserError
 
         raise UserError("--to", "is empty (an unset shell variable?); rolling back to the previous release instead "
-                        "would be a guess.", "pass an engine hash prefix or unit name, or leave --to out for the "
+                        "would be a guess.", "pass a unit name (or a prefix of its 12 hex digits), or leave --to out for the "
                         "previous release.")
     server = TritonServer.attach(url) if url else None
     t = release.rollback(_serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")

@@ -18,6 +18,9 @@ On disk stay: the current unit, the previous ``keep_releases`` releases and the 
 prebuilt engine of the profile's ``deployment.fallback`` profile). Loaded stay: the current unit, and
 the fallback when ``warm_fallback`` (rollback to it is then a config switch, no engine load).
 
+Units are installed as verified copies (``install_unit``): a serving repository never shares an inode
+with a build output, so a kept release (a rollback target) survives edits of the output it came from.
+
 Atomicity: every file is written aside and renamed (units are staged as hidden ``.<unit>.tmp-*``
 directories, configs through ``atomic_write_text``), and ``releases.json`` is written LAST: it is the
 commit point. The first promote (``init_serving_repo``) stages the whole repository and renames it
@@ -952,7 +955,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
 
 def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, server=None, by: str = "manual",
              smoke: bool = True) -> dict:
-    """Switch back to an earlier release (``to``: unit name or engine-hash prefix; default: the
+    """Switch back to an earlier release (``to``: unit name or a prefix of its 12 hex digits; default: the
     previous release) or to the fallback. A loaded (warm) target costs only the config switch;
     a cold one is loaded and smoke-tested first. Returns timings in ms (``warm``: whether it was loaded)."""
     repo_dir = Path(repo_dir)
