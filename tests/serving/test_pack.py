@@ -318,3 +318,37 @@ def test_packed_repository_is_readable_by_another_user(tmp_path, model_dir, ckpt
     unreadable = [str(p.relative_to(repo)) for p in [repo, *repo.rglob("*")]
                   if (stat.S_IMODE(p.stat().st_mode) & (0o005 if p.is_dir() else 0o004)) != (0o005 if p.is_dir() else 0o004)]
     assert unreadable == []
+
+
+def test_a_pack_cache_hit_checks_the_checkpoint_it_links(tmp_path, model_dir):
+    """Pack hard-links the build's own checkpoint into its unit; a cache hit of pack checks its folder against
+    the stage record (sizes and content samples, core/stage.py), so a checkpoint truncated in place after the
+    build re-packs (and pack.json's unit_files then records what is there now) instead of saying cached."""
+    import os
+    import types
+
+    from precision_pipeline.core.stage import Done, Manifest, StageRecord, StageRunner
+    from precision_pipeline.serving.stage import PackStage
+
+    out = tmp_path / "out"
+    ck = out / "checkpoint"
+    ck.mkdir(parents=True)
+    (ck / "config.json").write_text('{"architecture": "LlamaForCausalLM"}')
+    (ck / "rank0.safetensors").write_bytes(os.urandom(200_000))
+    prof = load_profile("bf16-h100")
+    done = {"quantize": Done(artifact=types.SimpleNamespace(), key="a" * 64, dir=ck, record=StageRecord("quantize")),
+            "engine": Done(artifact=types.SimpleNamespace(built=False), key="b" * 64, dir=out / "engine",
+                           record=StageRecord("engine"))}
+    request = types.SimpleNamespace(model_dir=model_dir, repo_root=str(out), out_dir=out, image="")
+
+    def run():
+        r = StageRunner(out, Manifest(out / "manifest.json", profile=prof.name, profile_source="", model_dir="", out_dir=str(out)))
+        return r, r.run(PackStage(), make_plan(prof), request, done)
+
+    assert run()[1].record.status == "done"
+    assert run()[1].record.status == "cached"
+    os.truncate(ck / "rank0.safetensors", 1000)
+    r, d = run()
+    assert d.record.status == "done" and "rank0.safetensors is 1,000 bytes" in r.not_reused["pack"]
+    pj = json.loads((out / "model_repository" / pack.PACK_FILE).read_text())
+    assert pj["unit_files"]["engine/checkpoint/rank0.safetensors"][0] == 1000
