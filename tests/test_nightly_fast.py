@@ -320,3 +320,23 @@ def test_scales_digest_reads_any_dtype_and_sees_one_changed_byte(tmp_path):
     (tmp_path / "rank0.safetensors").unlink()
     save_file({"w": torch.zeros(2)}, str(tmp_path / "rank0.safetensors"))
     assert nl._scales_digest(tmp_path) is None
+
+
+def test_an_empty_profile_entry_and_the_filesystem_root_are_refused():
+    """Hostile round #138/#134: `--profiles fp8-h100,,bf16-h100` built both (the empty entry skipped, while
+    rollout's `--steps 5,,100` is refused); `nightly --out /` built into /fp8-h100."""
+    for spec in ("fp8-h100,,bf16-h100", "fp8-h100,", ",fp8-h100"):
+        with pytest.raises(UserError, match="has an empty entry") as ei:
+            nl.select_profiles(spec)
+        assert ei.value.problems[0].field == "--profiles"
+    root = Path(__file__).resolve().parents[1]
+    for args in (["--profiles", "fp8-h100,,bf16-h100"], ["--profiles", "fp8-h100", "--out", "/"],
+                 ["--cronjob", "h100", "--out", "/"]):
+        r = subprocess.run([sys.executable, "-m", "invoke", "nightly", *args], cwd=root, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (args, r.stdout, r.stderr)
+        assert ("has an empty entry" if "," in args[1] else "/ is the filesystem root") in r.stdout
+    from precision_pipeline.pipeline import _validate_out_dir
+
+    with pytest.raises(UserError, match="/ is the filesystem root"):  # the one rule, build's --out too
+        _validate_out_dir(Path("/"))

@@ -94,14 +94,17 @@ class NightlyOptions:
 def select_profiles(spec: Optional[str]) -> list[str]:
     """``--profiles``: None (not given) or ``all`` = every shipped profile; else comma-separated names or YAML
     paths. An empty or blank value (``--profiles ''``, an unset shell variable) is refused (UserError), never
-    read as "all": building every profile is asked for by name."""
+    read as "all": building every profile is asked for by name; so is an empty entry (``a,,b``, ``a,``)."""
     from precision_pipeline.spec.profile import shipped_profiles
 
     if spec is None or str(spec).strip() == "all":
         return shipped_profiles()
-    items = [s.strip() for s in str(spec).split(",") if s.strip()]
+    parts = [s.strip() for s in str(spec).split(",")]
+    items = [s for s in parts if s]
     if not items:
         raise UserError("--profiles", f"{str(spec)[:80]!r} names no profile.", "pass e.g. --profiles fp8-h100,bf16-h100 or all.")
+    if len(items) != len(parts):  # "a,,b" or "a,": a typo, not a shorter list (as rollout's --steps 5,,100)
+        raise UserError("--profiles", f"{str(spec)[:80]!r} has an empty entry.", "pass e.g. --profiles fp8-h100,bf16-h100 or all.")
     return list(dict.fromkeys(items))
 
 

@@ -43,7 +43,7 @@ from typing import Callable
 
 from precision_pipeline.checkpoint.stage import VerifyStage
 from precision_pipeline.core.errors import GateFailed, StrictSkip, UserError
-from precision_pipeline.core.outputs import OUTPUT_FORMAT, OUTPUT_MARKER, OUTPUT_VERSION, read_output_marker  # noqa: F401
+from precision_pipeline.core.outputs import OUTPUT_FORMAT, OUTPUT_MARKER, OUTPUT_VERSION, read_output_marker, refuse_filesystem_root  # noqa: F401
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Done, Manifest, Stage, StageRecord, StageRunner, execute
 from precision_pipeline.core.store import atomic_write_json, clean_stale, locked, read_json, read_json_safe
@@ -103,6 +103,7 @@ def _validate_out_dir(out: Path) -> Path:
     out = Path(out).expanduser()
     field = "--out"
     try:
+        refuse_filesystem_root(out, field)
         exists, is_dir = out.exists(), out.is_dir()
     except (OSError, ValueError) as e:
         raise UserError(field, f"{str(out)[:200]!r} cannot be used ({type(e).__name__}).", "give a directory path.")

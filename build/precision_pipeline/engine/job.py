@@ -41,12 +41,10 @@ def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "-
     The one rule for both sides of the engine build Job: ``invoke build --on k8s`` checks it before it renders
     (or applies) a Job, and the Job itself (``run_engine_job``) before it builds. Raises UserError (exit 2)
     naming ``field`` otherwise."""
-    from precision_pipeline.core.outputs import read_output_marker
+    from precision_pipeline.core.outputs import read_output_marker, refuse_filesystem_root
 
-    out = Path(out).expanduser().resolve()
+    out = refuse_filesystem_root(out, field)
     cpu_side = f"run `invoke build --profile {profile or 'P'} --out {out}` on the CPU side first (quantize + gate), then the Job."
-    if out == Path(out.anchor):
-        raise UserError(field, f"{out} is the filesystem root, not a build output.", "give the build's output folder.")
     if read_output_marker(out) is None:
         raise UserError(field, f"{out} is not a build output (no .precision-build.json): nothing was built there.", cpu_side)
     rec = {name: _record(out, name, cpu_side) for name in ("resolve", "quantize", "gate")}
