@@ -322,7 +322,7 @@ def test_scales_digest_reads_any_dtype_and_sees_one_changed_byte(tmp_path):
     assert nl._scales_digest(tmp_path) is None
 
 
-def test_an_empty_profile_entry_and_the_filesystem_root_are_refused():
+def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path):
     """Hostile round #138/#134: `--profiles fp8-h100,,bf16-h100` built both (the empty entry skipped, while
     rollout's `--steps 5,,100` is refused); `nightly --out /` built into /fp8-h100."""
     for spec in ("fp8-h100,,bf16-h100", "fp8-h100,", ",fp8-h100"):
@@ -330,8 +330,8 @@ def test_an_empty_profile_entry_and_the_filesystem_root_are_refused():
             nl.select_profiles(spec)
         assert ei.value.problems[0].field == "--profiles"
     root = Path(__file__).resolve().parents[1]
-    for args in (["--profiles", "fp8-h100,,bf16-h100"], ["--profiles", "fp8-h100", "--out", "/"],
-                 ["--cronjob", "h100", "--out", "/"]):
+    # arguments that build nothing if the refusal broke (unknown names, an unknown GPU), never into /
+    for args in (["--profiles", "nosuch-a,,nosuch-b", "--out", str(tmp_path)], ["--cronjob", "nosuch-gpu", "--out", "/"]):
         r = subprocess.run([sys.executable, "-m", "invoke", "nightly", *args], cwd=root, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (args, r.stdout, r.stderr)
