@@ -657,14 +657,9 @@ def releases(c, repo=None):
     """Show releases.json of the serving repository and what is on disk."""
     import json
 
-    from precision_pipeline.core.errors import UserError
     from precision_pipeline.serving import release
 
-    repo_dir = _serving_repo(repo)
-    if not repo_dir.is_dir():
-        raise UserError("--repo", f"{repo_dir} does not exist.", "pass the serving repository that `invoke promote` "
-                        "created (default artifacts/serving/model_repository).")
-    print(json.dumps(release.list_releases(repo_dir), indent=2))
+    print(json.dumps(release.list_releases(_serving_repo(repo)), indent=2))
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.serving import release
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 from tests.serving.test_release_planted import RecordingServer, smoke_calls  # noqa: F401  (fixture)
@@ -97,7 +98,8 @@ def test_init_defaults_and_list_releases(tmp_path, units):  # noqa: F811
     lr = release.list_releases(repo)
     assert lr["state"]["current"] == a and lr["state"]["fallback"] == b
     assert lr["on_disk"] == sorted([a, b]) and lr["configs"] == (a, a)
-    assert release.list_releases(tmp_path / "nothing") == {"state": {}, "on_disk": [], "configs": None}
+    with pytest.raises(UserError, match="does not exist"):
+        release.list_releases(tmp_path / "nothing")
 
 
 def test_serving_models_order_and_warm_fallback(tmp_path, units):  # noqa: F811

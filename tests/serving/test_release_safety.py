@@ -256,6 +256,7 @@ def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
 
 @pytest.mark.parametrize("args, flag", [
     (["releases", "--repo", "/nonexistent/serving/model_repository"], "--repo"),
+    (["releases", "--repo", "/"], "--repo"),  # hostile round #16: exit 0 with an empty state
     (["rollout", "--profile", "fp8-h100", "--metrics-port", "abc"], "--metrics-port"),
     (["rollout", "--abort", "--metrics-port", "70000"], "--metrics-port"),
     (["build", "--profile", "fp8-h100", "--repo-root", "/" + "a" * 5000, "--out", "/nonexistent-dir/x"], "--repo-root"),
@@ -265,6 +266,8 @@ def test_bad_serving_values_exit_2(args, flag):
     r = inv(*args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"{flag}:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    if args[:3] == ["releases", "--repo", "/"]:
+        assert "/ is not a serving repository: there is no /releases.json beside it" in r.stdout
     assert len(r.stdout) < 2000  # the 5,000 characters are not echoed back
 
 

@@ -1226,10 +1226,19 @@ def record_probe(repo_dir: Path, unit: str, summary: dict, *, profile: str = "",
 
 
 def list_releases(repo_dir: Path) -> dict:
-    """releases.json plus what is on disk (for `invoke releases`)."""
-    state = read_state(repo_dir) or {}
-    on_disk = sorted(p.name for p in Path(repo_dir).iterdir() if pack.is_unit(p.name)) if Path(repo_dir).is_dir() else []
-    return {"state": state, "on_disk": on_disk, "configs": current_of_configs(repo_dir) if Path(repo_dir).is_dir() else None}
+    """releases.json plus what is on disk (for `invoke releases`). UserError (``--repo``, exit 2) when
+    ``repo_dir`` does not exist or is no serving repository (no releases.json beside it: ``/``, a build
+    output's model_repository)."""
+    repo_dir = Path(repo_dir)
+    fix = "pass the serving repository that `invoke promote` created (default artifacts/serving/model_repository)."
+    if not repo_dir.is_dir():
+        raise UserError("--repo", f"{repo_dir} does not exist.", fix)
+    state = read_state(repo_dir)
+    if state is None:
+        raise UserError("--repo", f"{repo_dir} is not a serving repository: there is no {state_path(repo_dir)} "
+                        "beside it.", fix)
+    on_disk = sorted(p.name for p in repo_dir.iterdir() if pack.is_unit(p.name))
+    return {"state": state, "on_disk": on_disk, "configs": current_of_configs(repo_dir)}
 
 
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "init_serving_repo", "recover", "smoke_test",
