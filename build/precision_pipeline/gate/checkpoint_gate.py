@@ -993,6 +993,23 @@ def golden_set_size(golden_path: Optional[Path] = None) -> int:
     return len(load_golden(golden_path))
 
 
+def check_min_prompts(profile) -> None:
+    """Refuse (UserError on ``gate.min_prompts``, exit 2) a profile whose ``gate.min_prompts`` exceeds the golden
+    set (``golden_set_size``): no verdict could ever be promotable. Called by ``invoke check`` and ``build``
+    (``pipeline.load_build_profile``)."""
+    need = profile.gate.min_prompts
+    if need is None:
+        return
+    golden = load_golden()
+    if need > len(golden):
+        per = {}
+        for g in golden:
+            per[g.category] = per.get(g.category, 0) + 1
+        raise UserError("gate.min_prompts", f"is {need:,} but the golden set has {len(golden)} prompts ("
+                        + ", ".join(f"{c} {n}" for c, n in per.items()) + "), so no verdict could ever be promotable.",
+                        f"set gate.min_prompts to at most {len(golden)}, or leave it out (the whole golden set).")
+
+
 def judge_metrics(m: dict, thresholds: GateThresholds) -> dict:
     """Judge stored gate measurements (a metrics.json mapping) against ``thresholds`` (a ``GateBar``).
 
