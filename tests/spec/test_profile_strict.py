@@ -80,6 +80,20 @@ def test_yaml_1_1_numbers_are_refused_not_reread(tmp_path, value, says):
                                   ))).runtime.kv_cache_free_gpu_mem_fraction == 0.85
 
 
+@pytest.mark.parametrize("value, reads", [("yes", "true"), ("Yes", "true"), ("NO", "false"), ("on", "true"),
+                                          ("OFF", "false"), ("Off", "false")])
+def test_yaml_1_1_booleans_are_refused_not_reread(tmp_path, value, reads):
+    """Hostile round #112: ``warm_fallback: yes`` was read as true (YAML 1.2 reads text); the YAML 1.1 rule says so."""
+    e = refusal(write(tmp_path, "b.yaml", BASE + f"deployment:\n  warm_fallback: {value}\n"))
+    assert f"{value!r} is a YAML 1.1 boolean (PyYAML reads it as {reads})" in e.message and "write true or false" in e.message
+    assert "line 4" in e.message, e.message
+    for ok, want in (("true", True), ("True", True), ("FALSE", False)):  # YAML 1.2 core booleans stay
+        assert load_profile(str(write(tmp_path, f"ok-{ok.lower()}.yaml", BASE + f"deployment:\n  warm_fallback: {ok}\n"
+                                      ))).deployment.warm_fallback is want
+    for text in ("y", "n"):  # text in both YAML versions: the boolean field refuses it
+        assert "must be true or false" in refusal(write(tmp_path, "t.yaml", BASE + f"deployment:\n  warm_fallback: {text}\n")).message
+
+
 def test_yaml_1_1_float_forms_and_binary_are_refused(tmp_path):
     e = refusal(write(tmp_path, "f.yaml", BASE + "runtime:\n  kv_cache_free_gpu_mem_fraction: 0:0.5\n"))
     assert "base-60" in e.message

@@ -24,7 +24,8 @@ Loading rules (``load_profile``):
   non-finite numbers (``.inf``, ``.nan``) are refused.
 * Numbers mean what YAML 1.2 says or are refused: PyYAML reads YAML 1.1, where ``064`` is octal 52,
   ``1:04`` is base-60 64 and ``1_000`` drops the ``_``; each of these is refused with the value it
-  would silently have become (``_yaml11_number_problem``). ``!!binary`` is refused. Merge keys
+  would silently have become (``_yaml11_number_problem``); so are the YAML 1.1 booleans ``yes``/``no``/``on``/``off``
+  (any case: "write true or false"; ``y``/``n`` stay text, which a boolean field refuses). ``!!binary`` is refused. Merge keys
   (``<<: *anchor``) are supported: the anchored mapping's keys, then the mapping's own keys win.
 * Validation is pydantic with ``extra="forbid"``: an unknown key is an error that suggests the
   closest known key.
@@ -541,6 +542,14 @@ class _ProfileLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(None, None, why, node.start_mark)
         return super().construct_yaml_float(node)
 
+    def construct_yaml_bool(self, node):
+        t = self.construct_scalar(node)
+        if t.strip().lower() not in ("true", "false"):  # yes/no/on/off: YAML 1.1 booleans, text in YAML 1.2
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{_short(t)} is a YAML 1.1 boolean (PyYAML reads it as {str(super().construct_yaml_bool(node)).lower()}) "
+                "and text in YAML 1.2; write true or false", node.start_mark)
+        return super().construct_yaml_bool(node)
+
     def construct_yaml_binary(self, node):
         raise yaml.constructor.ConstructorError(
             None, None, "!!binary (base64 bytes) is not a profile value; profiles hold text, numbers and booleans "
@@ -551,6 +560,7 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 _ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)
 _ProfileLoader.add_constructor("tag:yaml.org,2002:float", _ProfileLoader.construct_yaml_float)
 _ProfileLoader.add_constructor("tag:yaml.org,2002:binary", _ProfileLoader.construct_yaml_binary)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:bool", _ProfileLoader.construct_yaml_bool)
 
 
 def _yaml11_number_problem(text: str, kind: str) -> Optional[str]:
