@@ -50,13 +50,28 @@ def _internal_error() -> None:
           "with the traceback above and the command line.", file=sys.stderr)
 
 
+HELP_FLAGS = ("--help", "-h")
+
+
+def _task_help(name: str) -> None:
+    """``invoke --help NAME``'s output. Invoke hands ``invoke build --help`` to a task whose first argument is
+    positional (``profile``) as that argument's value (invoke/parser/parser.py ``Parser.handle``: a missing
+    positional argument eats the next token before the per-task ``--help`` check)."""
+    from invoke.main import program
+
+    program.print_task_help(name.replace("_", "-"))
+
+
 def guarded(fn):
-    """Map pipeline errors to exit codes; only unexpected errors print a traceback."""
+    """Map pipeline errors to exit codes; only unexpected errors print a traceback. A ``--help``/``-h`` that Invoke
+    passed as an argument's value prints the task's help (exit 0)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from precision_pipeline.core.errors import EXIT_INTERNAL, EXIT_INVALID, PipelineError, UserError
 
+        if any(isinstance(v, str) and v in HELP_FLAGS for v in (*args[1:], *kwargs.values())):
+            return _task_help(fn.__name__)
         try:
             return fn(*args, **kwargs)
         except Exit:

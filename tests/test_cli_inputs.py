@@ -245,3 +245,15 @@ def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path):
     r = subprocess.run([sys.executable, "-m", "invoke", "check", "--profile", str(tmp_path / "mp1000.yaml")],
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "gate.min_prompts:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args", [["build", "--help"], ["build", "-h"], ["promote", "--help"], ["recommend", "-h"]])
+def test_help_after_a_task_with_a_positional_argument_is_its_help(args):
+    """Hostile round: `invoke build --help` was refused as the profile name '--help' (Invoke gives a task's missing
+    positional argument the next token, --help included); it prints the task's help, as `invoke --help build`."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "invoke", *args], cwd=root, capture_output=True, text=True, timeout=120)
+    want = subprocess.run([sys.executable, "-m", "invoke", "--help", args[0]], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert r.returncode == 0 and r.stdout == want.stdout and "Usage:" in r.stdout, r.stdout + r.stderr
+    assert "refused" not in r.stdout + r.stderr
