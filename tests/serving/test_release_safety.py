@@ -553,3 +553,14 @@ def test_a_stale_folder_of_the_units_name_is_replaced_or_refused_when_it_serves(
         release.promote(repo, a.out_dir)
     assert "engine/cpu_reference.json is" in ei.value.problems[0].reason
     assert release.state_path(repo).read_text() == before and ref.read_text().endswith(" ")
+
+
+def test_rollback_fallback_without_one_names_the_commands_to_run(tmp_path, units4):
+    """Hostile round #38: the fix of `rollback --fallback` with no fallback was 'set one with release.set_fallback()',
+    a Python function, not a command."""
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    r = inv("rollback", "--repo", str(repo), "--fallback")
+    assert r.returncode == 2 and "--fallback: this repository has no fallback release" in r.stdout, r.stdout
+    fix = " ".join(r.stdout.split())
+    assert f"invoke rollback --repo {repo}" in fix and "invoke build --profile" in fix and "set_fallback" not in fix

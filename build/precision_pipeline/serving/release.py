@@ -886,7 +886,8 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
     timings: dict[str, Any] = {"warnings": check_unit_skew(engine_unit, image=image, sm=sm)}
     with _lock(repo_dir):
         state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
-                                 "create one with release.init_serving_repo(repo_dir, <build>/model_repository).", server=server)
+                                 "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
+                                 server=server)
         previous = state["current"]
         unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
         _crash_point("install")
@@ -977,7 +978,11 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         if fallback:
             target = state.get("fallback")
             if not target:
-                raise UserError("--fallback", "this repository has no fallback release.", "set one with release.set_fallback().")
+                raise UserError("--fallback", "this repository has no fallback release.",
+                                f"roll back to a kept release instead: `invoke rollback --repo {repo_dir}` (the previous "
+                                f"one) or `--to UNIT` (`invoke releases --repo {repo_dir}` lists them). A repository gets "
+                                "its fallback at its first promote, from the profile's deployment.fallback build "
+                                "(`invoke build --profile <that profile>` first).")
         elif to:
             t = to if to.startswith(pack.UNIT_PREFIX) else pack.UNIT_PREFIX + to[:12]
             cands = [u for u in units if u.startswith(t)] if len(t) < len(pack.UNIT_PREFIX) + 12 else [t]
