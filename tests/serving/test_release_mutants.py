@@ -153,7 +153,7 @@ def test_failed_smoke_unloads_the_new_unit(tmp_path, units, smoke_calls):  # noq
     repo = new_repo(tmp_path, units, warm=True)
     smoke_calls[1].append(True)
     srv = RecordingServer(repo, ready={units[0].engine_unit, "ensemble"})
-    with pytest.raises(RuntimeError, match="smoke test of"):
+    with pytest.raises(UserError, match="loads but fails its smoke request"):
         release.promote(repo, units[2].out_dir, server=srv)
     assert ("unload", units[2].engine_unit) in [x[:2] for x in srv.calls]
     assert release.read_state(repo)["current"] == units[0].engine_unit

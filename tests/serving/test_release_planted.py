@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.serving import release
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 
@@ -97,7 +98,7 @@ def test_failed_smoke_test_on_rollback_changes_nothing(tmp_path, units, smoke_ca
     before = release.read_state(repo)
     smoke_calls[1].append(True)
     srv = RecordingServer(repo, ready={c, "ensemble"})
-    with pytest.raises(RuntimeError, match="smoke test of"):
+    with pytest.raises(UserError, match="loads but fails its smoke request"):
         release.rollback(repo, fallback=True, server=srv)
     assert smoke_calls[0] == [b]
     assert release.read_state(repo) == before and release.current_of_configs(repo) == (c, c)

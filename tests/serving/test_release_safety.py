@@ -564,3 +564,30 @@ def test_rollback_fallback_without_one_names_the_commands_to_run(tmp_path, units
     assert r.returncode == 2 and "--fallback: this repository has no fallback release" in r.stdout, r.stdout
     fix = " ".join(r.stdout.split())
     assert f"invoke rollback --repo {repo}" in fix and "invoke build --profile" in fix and "set_fallback" not in fix
+
+
+def test_a_unit_that_fails_its_smoke_request_is_refused_not_a_traceback(tmp_path, units4, monkeypatch):
+    """Hostile round (458128f reverted to RuntimeError): a unit that loads but fails its smoke request made promote
+    exit 1 with a traceback. It is a refusal of that unit: exit 2, its name, the server's message, nothing switched."""
+    from tritonclient.utils import InferenceServerException
+
+    from tests.serving.test_release_planted import RecordingServer
+
+    repo = serving_repo(tmp_path, units4[0])
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    before = release.state_path(repo).read_text()
+    for err in (RuntimeError(f"smoke test of {b}: empty text"),
+                InferenceServerException(f"[400] in ensemble '{b}', decoding failed")):
+        def failing(server, unit, **kw):
+            raise err
+        monkeypatch.setattr(release, "smoke_test", failing)
+        srv = RecordingServer(repo, ready={"ensemble", "preprocessing", a})
+        for call, field in ((lambda: release.promote(repo, units4[1].out_dir, server=srv), "--out"),
+                            (lambda: release.begin_rollout(repo, units4[1].out_dir, server=srv, steps=(100,)), "--out")):
+            with pytest.raises(UserError) as ei:
+                call()
+            p = ei.value.problems[0]
+            assert p.field == field and f"{b} loads but fails its smoke request" in p.reason and f"({a} still serves)" in p.reason
+            assert str(err)[:30] in p.reason
+            assert release.state_path(repo).read_text() == before and release.current_of_configs(repo) == (a, a)
+            assert ("unload", b) in [x[:2] for x in srv.calls]

@@ -627,6 +627,19 @@ def _load_unit(server, unit: str, field: str, serving: str, fix: str) -> None:
                         f"{str(e)[:400]}", fix) from None
 
 
+def _smoke_unit(server, unit: str, field: str, serving: str, fix: str, *, expect: str | None = None) -> dict:
+    """``smoke_test``; a unit that loaded but fails its smoke request (a wrong or empty answer, or the server's
+    error for it) is a UserError on ``field`` (exit 2) naming the unit, the server's message and that ``serving``
+    still serves -- a refusal of that unit, not an internal error. The caller unloads it."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return smoke_test(server, unit, expect=expect)
+    except (RuntimeError, InferenceServerException) as e:
+        raise UserError(field, f"{unit} loads but fails its smoke request, so nothing was switched ({serving} still "
+                        f"serves): {str(e)[:400]}", fix) from None
+
+
 def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int = 8, expect: str | None = None) -> dict:
     """Infer ``unit`` directly: preprocessing -> unit -> postprocessing, called one by one.
 
@@ -903,7 +916,8 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         _crash_point("load")
         if server is not None and smoke:
             try:
-                timings["smoke"] = smoke_test(server, unit, expect=expect)
+                timings["smoke"] = _smoke_unit(server, unit, "--out", previous,
+                                               "rebuild the output (`invoke build`), then promote it again.", expect=expect)
             except Exception:
                 if unit not in (state.get("fallback"),) or not state.get("warm_fallback"):
                     with contextlib.suppress(Exception):
@@ -1013,7 +1027,8 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
                        "roll back to another kept release (--to), or promote a fresh build.")
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             if smoke:
-                timings["smoke"] = smoke_test(server, target)
+                timings["smoke"] = _smoke_unit(server, target, "--fallback" if fallback else "--to", cur,
+                                               "roll back to another kept release (--to), or promote a fresh build.")
         _switch(repo_dir, server, target, timings, cur)
         timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
         state["current"] = target
@@ -1065,7 +1080,8 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             if smoke:
                 try:
-                    timings["smoke"] = smoke_test(server, unit)
+                    timings["smoke"] = _smoke_unit(server, unit, "--out", state["current"],
+                                                   "rebuild the output (`invoke build`), then roll it out again.")
                 except Exception:
                     with contextlib.suppress(Exception):
                         server.unload(unit)
