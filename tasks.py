@@ -446,8 +446,7 @@ def promote(c, profile, repo=None, url=None, out=None):
     skew = _serving_side(prof, out_dir)
     ok = check_promotable(prof, out_dir, packed, **skew)  # refuses before anything is written
     gate = ok.gate
-    shown = list(ok.warnings)
-    for w in shown:  # on every promote, the first one too
+    for w in ok.warnings:  # on every promote, the first one too (the one skew check: check_promotable)
         con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
     if release.read_state(repo_dir) is None:
         fb_repo = None
@@ -459,14 +458,11 @@ def promote(c, profile, repo=None, url=None, out=None):
                           f"run `invoke build --profile {prof.deployment.fallback}` to keep it on disk.")
         state = release.init_serving_repo(repo_dir, packed, profile=prof.name, gate=gate, by="invoke promote",
                                           fallback_repo=fb_repo, warm_fallback=prof.deployment.warm_fallback,
-                                          keep_releases=prof.deployment.keep_releases, **skew)
+                                          keep_releases=prof.deployment.keep_releases)
         con.print(f"created {repo_dir}: current {state['current']}, fallback {state['fallback']}")
         return
     server = TritonServer.attach(url) if url else None
-    t = release.promote(repo_dir, packed, server=server, profile=prof.name, gate=gate, promoted_by="invoke promote", **skew)
-    for w in t.get("warnings") or []:
-        if w not in shown:
-            con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
+    t = release.promote(repo_dir, packed, server=server, profile=prof.name, gate=gate, promoted_by="invoke promote")
     con.print(f"promoted {t['unit']} in {t.get('total_ms', 0):.0f} ms" + ("" if server else " (no server given: repository only)"))
 
 

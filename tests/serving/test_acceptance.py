@@ -44,8 +44,9 @@ def write_profile(d: Path, name: str = "mybf16", *, tp: int = 1, kl: float = 0.1
 
 
 def fake_build(out: Path, prof, fingerprint: str, *, layout: dict | None = None, manifest_profile: str | None = None,
-               prompts_per_category: int | None = None) -> Path:
-    """A finished build of ``prof`` in ``out`` whose gate judged the synthetic numbers with ``prof``'s bar."""
+               prompts_per_category: int | None = None, packed: Path | None = None) -> Path:
+    """A finished build of ``prof`` in ``out`` whose gate judged the synthetic numbers with ``prof``'s bar
+    (``packed``: a model_repository already packed into ``out``, e.g. with a built engine; else one is packed)."""
     from tests.gate.test_report import _synthetic
     from tests.serving.test_pack import make_plan
 
@@ -61,8 +62,9 @@ def fake_build(out: Path, prof, fingerprint: str, *, layout: dict | None = None,
     (out / "gate" / "metrics.json").write_text(json.dumps(metrics))
     from precision_pipeline.spec.default_model import ensure_default_model
 
-    pack.pack_repository(make_plan(prof), prof, ensure_default_model(), out / "no-checkpoint", out / "engine", False,
-                         out / "model_repository", str(out))
+    if packed is None:
+        pack.pack_repository(make_plan(prof), prof, ensure_default_model(), out / "no-checkpoint", out / "engine", False,
+                             out / "model_repository", str(out))
     (out / "plan.json").write_text(json.dumps({"profile": prof.name}))
     numbers = {k: v["value"] for k, v in metrics["metrics"].items()}
     (out / "manifest.json").write_text(json.dumps({

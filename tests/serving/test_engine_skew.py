@@ -92,25 +92,50 @@ def test_world_size_and_limit_skews_and_missing_rank(tmp_path, monkeypatch):
 
 
 def test_each_skew_refused_at_promote_before_anything_changes(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811
+    """The one skew check of a release is acceptance's (``check_promotable``, before anything is written);
+    ``release.promote`` and ``init_serving_repo`` make none of their own."""
+    from precision_pipeline.core.fingerprint import model_fingerprint
+    from precision_pipeline.serving.acceptance import check_promotable
+    from tests.serving.test_acceptance import fake_build
+
+    from tests.conftest import prof
+
+    fp = model_fingerprint(model_dir).sha256
+    loose = prof("fp8-h100", gate={"kl_mean_max": 0.1, "min_prompts": 18})  # a bar the synthetic gate numbers meet
     res, packed = do_pack(tmp_path, model_dir, ckpt, engine(tmp_path, monkeypatch))
+    fake_build(packed.parent, loose, fp, packed=packed)
     serving = tmp_path / "serving" / "model_repository"
     for kw, rule in (({"image": "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3", "sm": 90}, "skew.tensorrt_llm"),
-                     ({"image": GOOD_IMAGE, "sm": 100}, "skew.sm")):
+                     ({"image": GOOD_IMAGE, "sm": 100}, "skew.sm"), ({"image": None, "sm": 100}, "skew.sm")):
         with pytest.raises(UserError) as e:
-            release.init_serving_repo(serving, packed, **kw)
-        assert e.value.problems[0].rule == rule and not serving.exists()
-    release.init_serving_repo(serving, packed, image=GOOD_IMAGE, sm=90)
+            check_promotable(loose, packed.parent, packed, **kw)
+        assert rule in [p.rule for p in e.value.problems] and not serving.exists()
+    check_promotable(loose, packed.parent, packed, image=GOOD_IMAGE, sm=90)
+    release.init_serving_repo(serving, packed)
     state = json.loads(release.state_path(serving).read_text())
-    # a second build whose engine was then altered: promote refuses it, the release stays
+    # a second build whose engine was then altered: acceptance refuses it, and so does install (unit_files)
     other = engine(tmp_path / "b", monkeypatch, key="d" * 64)
     res2, packed2 = do_pack(tmp_path, model_dir, ckpt, other, name="out2")
+    fake_build(packed2.parent, loose, fp, packed=packed2)
     f = packed2 / res2.engine_unit / "engine" / "rank0.engine"
     f.unlink()
     f.write_bytes(b"rank file of another build")
     with pytest.raises(UserError) as e:
-        release.promote(serving, packed2, image=GOOD_IMAGE, sm=90)
-    assert "rank0.engine" in e.value.problems[0].field
+        check_promotable(loose, packed2.parent, packed2, image=GOOD_IMAGE, sm=90)
+    assert any("rank0.engine" in p.field for p in e.value.problems)
+    with pytest.raises(UserError) as e:
+        release.promote(serving, packed2)
+    assert e.value.problems[0].field.endswith("rank0.engine")
     assert json.loads(release.state_path(serving).read_text()) == state
+
+
+def test_release_makes_no_skew_check_of_its_own():
+    """One home: the skew check of a release is ``acceptance.check_promotable``'s."""
+    import inspect
+
+    assert not hasattr(release, "check_unit_skew")
+    src = inspect.getsource(release)
+    assert "check_engine" not in src and "check_unit_skew" not in src and "import skew" not in src
 
 
 def test_deploy_refuses_a_skewed_engine(tmp_path, monkeypatch, model_dir, ckpt):  # noqa: F811

@@ -23,7 +23,9 @@ will serve:
 * **runtime** (``accept.runtime``): the serving image's TensorRT-LLM / TensorRT versions, read inside
   the image where a container runtime has it (``engine.toolchain.image_versions``), else from the tag
   catalog (the record says which); a unit with a built engine is checked by ``serving.skew.check_engine``
-  against them; a gate that ran with another TensorRT-LLM than the image's is a warning.
+  (provenance, SM, world size, limits, and against the image's versions when an image is known): the one skew
+  check of a release, made here once (``release.promote`` and ``init_serving_repo`` make none of their own);
+  a gate that ran with another TensorRT-LLM than the image's is a warning.
 
 Refusals: ``UserError`` (exit 2) listing every problem with its fix; nothing is written. Returns an
 ``Acceptance``: the gate record for ``releases.json`` and the skew warnings, which promote prints
@@ -155,28 +157,33 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
                                 f"= {profile.world_size}.", rebuild, rule="accept.layout"))
 
     # -- runtime: the serving image's versions (inside the image, else the catalog) vs the engine and the gate
+    from precision_pipeline.serving import images
+
     image_info: dict[str, Any] = {}
+    catalog = images.CATALOG
+    iv = None
     if image:
         from precision_pipeline.serving.images import image_versions
-        from precision_pipeline.serving import images
 
         iv = image_versions(image)
         image_info = iv.model_dump(mode="json")
         warnings.append(f"serving image {image}: TensorRT-LLM {iv.tensorrt_llm or '?'}, TensorRT {iv.tensorrt or '?'}; "
                         f"{iv.why}.")
-        catalog = ((images.ServingImage(image, iv.tensorrt_llm, iv.tensorrt, f"inside the image ({iv.runtime})"),)
-                   if iv.source == "image" else images.CATALOG)
-        eng = unit / "engine"
-        if (eng / "config.json").is_file():
-            try:
-                warnings += skew.check_engine(eng, image=image, sm=sm, world_size=gpus, where=f"{unit.name}/engine",
-                                              limits=pack.unit_limits(unit.parent, unit.name), catalog=catalog)
-            except UserError as e:
-                problems += e.problems
-        gated_trtllm = (record.get("runtime") or {}).get("tensorrt_llm")
-        if gated_trtllm and iv.tensorrt_llm and gated_trtllm != iv.tensorrt_llm:
-            warnings.append(f"the gate ran where TensorRT-LLM {gated_trtllm} was installed; {image} ships "
-                            f"{iv.tensorrt_llm}.")
+        if iv.source == "image":
+            catalog = (images.ServingImage(image, iv.tensorrt_llm, iv.tensorrt, f"inside the image ({iv.runtime})"),)
+    # the one skew check of a release (promote, rollout, the first promote, nightly --promote): the unit's built
+    # engine (provenance, SM, world size, limits, and with ``image`` its TensorRT-LLM / TensorRT) -- also without an image
+    eng = unit / "engine"
+    if (eng / "config.json").is_file():
+        try:
+            warnings += skew.check_engine(eng, image=image, sm=sm, world_size=gpus, where=f"{unit.name}/engine",
+                                          limits=pack.unit_limits(unit.parent, unit.name), catalog=catalog)
+        except UserError as e:
+            problems += e.problems
+    gated_trtllm = (record.get("runtime") or {}).get("tensorrt_llm")
+    if iv is not None and gated_trtllm and iv.tensorrt_llm and gated_trtllm != iv.tensorrt_llm:
+        warnings.append(f"the gate ran where TensorRT-LLM {gated_trtllm} was installed; {image} ships "
+                        f"{iv.tensorrt_llm}.")
     if problems:
         raise UserError(problems)
     gate = {k: v for k, v in ((metrics.get("metrics") or {}).items())}

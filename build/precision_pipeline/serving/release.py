@@ -308,20 +308,6 @@ def resolve_unit_source(engine_unit: Path) -> Path:
     return units[0]
 
 
-def check_unit_skew(engine_unit: Path, *, image: str | None = None, sm: int | None = None) -> list[str]:
-    """Refuse (UserError, exit 2) a unit whose built engine does not match the serving image / GPU
-    (``serving/skew.py``: provenance, SM, world size = the unit's gpu_device_ids, limits of its
-    config.pbtxt, TensorRT-LLM/TensorRT of ``image``); [] for a unit without an engine. Returns warnings."""
-    from precision_pipeline.serving import skew
-
-    unit = resolve_unit_source(engine_unit)
-    eng = unit / "engine"
-    if not (eng / "config.json").is_file():
-        return []
-    return skew.check_engine(eng, image=image, sm=sm, world_size=pack.unit_gpus(unit.parent, unit.name),
-                             where=f"{unit.name}/engine", limits=pack.unit_limits(unit.parent, unit.name))
-
-
 def _unit_record(unit_src: Path) -> dict[str, list]:
     """``unit_files`` of the pack that wrote ``unit_src`` (its repository's pack.json): {path in the unit:
     [size in bytes, sha256]}. UserError (exit 2) when pack.json records none for this unit."""
@@ -463,8 +449,7 @@ def _remove_dir(p: Path) -> None:
 
 def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | None = None, profile: str = "",
                       gate: dict | None = None, by: str = "init", fallback_repo: Path | None = None,
-                      warm_fallback: bool = False, keep_releases: int = 2, image: str | None = None,
-                      sm: int | None = None) -> dict:
+                      warm_fallback: bool = False, keep_releases: int = 2) -> dict:
     """Create a serving repository from a packed one (its unit becomes the current release).
 
     ``fallback_repo``: a packed repository of the fallback profile whose unit is kept on disk
@@ -472,7 +457,6 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
     """
     repo_dir, packed_repo = Path(repo_dir), Path(packed_repo)
     unit_src = resolve_unit_source(packed_repo)
-    check_unit_skew(unit_src, image=image, sm=sm)  # before anything is written
     with _lock(repo_dir):
         _recover_first_promote(repo_dir)
         if repo_dir.exists():
@@ -885,18 +869,18 @@ def _retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: 
 
 def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = "", gate: dict | None = None,
             promoted_by: str = "manual", smoke: bool = True, expect: str | None = None, serve_root: str | None = None,
-            warm_previous: bool = False, image: str | None = None, sm: int | None = None) -> dict:
+            warm_previous: bool = False) -> dict:
     """Make ``engine_unit`` (a unit dir or a packed repository) the current release of ``repo_dir``.
 
     Steps: install the unit aside and rename it in; load it beside the current one (``server``);
     smoke-test it directly; point ensemble and BLS at it (atomic rewrites) and reload them; commit
     releases.json; unload/delete what retention no longer needs. Returns timings in ms.
-    Before any of that, a built engine in the unit is refused on skew against ``image`` (the serving
-    image) and ``sm`` (the deployment GPU's SM) by ``check_unit_skew``; its warnings are ``timings["warnings"]``.
+    The build itself (skew of a built engine against the serving image and GPU included) is judged before,
+    once, by ``serving/acceptance.py`` ``check_promotable``; install verifies the unit's files (``install_unit``).
     """
     repo_dir = Path(repo_dir)
     t0 = time.perf_counter()
-    timings: dict[str, Any] = {"warnings": check_unit_skew(engine_unit, image=image, sm=sm)}
+    timings: dict[str, Any] = {}
     with _lock(repo_dir):
         state = _state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
                                  "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
