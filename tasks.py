@@ -470,7 +470,7 @@ def promote(c, profile, repo=None, url=None, out=None):
             "fallback": "roll back to the fallback engine", "url": "HOST:PORT of the running server"})
 @guarded
 def rollback(c, repo=None, to=None, fallback=False, url=None):
-    """Switch the serving repository back (previous release, --to HASH, or --fallback)."""
+    """Switch the serving repository back (previous release, --to UNIT, or --fallback)."""
     from precision_pipeline.serving import release
     from precision_pipeline.serving.triton_server import TritonServer
 
