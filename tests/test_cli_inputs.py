@@ -67,7 +67,8 @@ def test_markup_in_messages_is_printed_verbatim(tmp_path):
 
 def test_releases_into_a_closed_pipe_is_quiet(tmp_path):
     repo = tmp_path / "repo"
-    repo.mkdir()
+    repo.mkdir()  # a serving repository: releases.json beside it (`releases` refuses a folder without one)
+    (tmp_path / "releases.json").write_text('{"current": "tensorrt_llm_000000000001", "releases": [], "history": []}')
     p = subprocess.run(f"{sys.executable} -m invoke releases --repo {repo} | head -c 1", shell=True, cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
