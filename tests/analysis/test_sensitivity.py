@@ -168,7 +168,8 @@ def _corrupt_copy(src: Path, dst: Path, tensor: str, factor: float) -> Path:
 @pytest.fixture(scope="module")
 def corrupted_run(fp8_checkpoint, default_model_dir, golden_file, tmp_path_factory):
     """A run on a copy of the fp8 checkpoint whose L29 mlp.proj weight scale is x10, with a gate folder."""
-    from precision_pipeline.gate.checkpoint_gate import GateResult, write_gate_dir
+    from precision_pipeline.gate.checkpoint_gate import write_gate_dir
+    from precision_pipeline.gate.verdict import GateResult
 
     root = tmp_path_factory.mktemp("corrupt")
     _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)

@@ -148,7 +148,7 @@ class Measurement:
     seconds: float
 
     def summary(self) -> dict[str, float]:
-        from precision_pipeline.gate.checkpoint_gate import kl_summary
+        from precision_pipeline.gate.metrics import kl_summary
 
         return {**kl_summary(self.kl), "top1": float(self.top1.mean()) if self.top1.size else float("nan")}
 
@@ -357,7 +357,7 @@ class Evaluator:
 
     def measure(self, cells: Sequence[Cell]) -> Measurement:
         """KL / top-1 with ``cells`` quantized and everything else FP32."""
-        from precision_pipeline.gate.checkpoint_gate import token_metrics
+        from precision_pipeline.gate.metrics import token_metrics
 
         t0 = time.perf_counter()
         cells = list(cells)
@@ -408,7 +408,7 @@ def _predict(full_kl: np.ndarray, cell_kl: dict[str, np.ndarray], excluded: Iter
 
 
 def _meets(kl: np.ndarray, thresholds: dict) -> bool:
-    from precision_pipeline.gate.checkpoint_gate import kl_summary
+    from precision_pipeline.gate.metrics import kl_summary
 
     s = kl_summary(kl)
     ok = True
@@ -426,7 +426,7 @@ def suggest_exclusions(full_kl: np.ndarray, cell_kl: dict[str, np.ndarray], cost
     ``cell_kl``: per-token isolated KL of every measured cell (kv_cache included: it counts in the
     shares but is never chosen); ``costs``: cost in bytes of the excludable cells.
     """
-    from precision_pipeline.gate.checkpoint_gate import kl_summary
+    from precision_pipeline.gate.metrics import kl_summary
 
     chosen: list[str] = []
     path = []
@@ -665,7 +665,7 @@ class SensitivityRuntime(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     threads: Optional[PositiveInt] = None
-    """Torch CPU threads; None = the cores not already busy (``checkpoint_gate.auto_threads``)."""
+    """Torch CPU threads; None = the cores not already busy (``gate.threads.auto_threads``)."""
     progress: bool = True
     """Rich progress bar on stderr."""
     fresh: bool = False
@@ -698,7 +698,8 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
     """
     from precision_pipeline.gate import golden as golden_mod
     from precision_pipeline.checkpoint.reader import dequantize_checkpoint, read_config
-    from precision_pipeline.gate.checkpoint_gate import model_fingerprint, torch_threads
+    from precision_pipeline.gate.reference import model_fingerprint
+    from precision_pipeline.gate.threads import torch_threads
 
     t_start = time.perf_counter()
     model_dir = Path(model_dir)

@@ -298,7 +298,7 @@ def _markdown_warnings(m: dict) -> list[str]:
 # Markdown
 
 
-# Row order of the metric table (same as build/precision_pipeline/gate/checkpoint_gate.py METRIC_ORDER; metrics.json is key-sorted).
+# Row order of the metric table (same as build/precision_pipeline/gate/metrics.py METRIC_ORDER; metrics.json is key-sorted).
 METRIC_ORDER = ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same")
 
 
