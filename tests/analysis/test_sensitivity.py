@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.analysis.sensitivity import (KINDS, Cell, Evaluator, SensitivityOptions, SensitivityRuntime,
-                                                     exclude_patterns, heatmap_size, plot_heatmap, resolved_trt_names,
+from precision_pipeline.analysis.evaluator import KINDS, Cell, Evaluator
+from precision_pipeline.analysis.heatmap import heatmap_size, plot_heatmap
+from precision_pipeline.analysis.sensitivity import (SensitivityOptions, SensitivityRuntime,
+                                                     exclude_patterns, resolved_trt_names,
                                                      run_sensitivity, suggest_exclusions)
 
 LAYERS = [28, 29]
