@@ -157,12 +157,6 @@ def test_reference_key_hashes_gate_options(default_model_dir):
     assert reference_key(default_model_dir, enc, [[5, 6]], 3, base) != key  # stop id
 
 
-def test_gate_checkpoint_refuses_two_prompt_limits(tmp_path):
-    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
-
-    with pytest.raises(ValueError, match="golden_limit"):
-        gate_checkpoint(tmp_path, tmp_path, GateThresholds(), tmp_path / "gate", GateOptions(), golden_limit=1)
-
 # ------------------------------------------------------------------------------------------------
 # End to end on the default model (small subset)
 

@@ -264,13 +264,13 @@ def _run_facts(options: GateOptions, ref: ReferenceData, used_threads: int) -> d
 
 def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThresholds, out_dir: Path,
              options: GateOptions = GateOptions(), runtime: GateRuntime = GateRuntime(), *,
-             candidate_name: str = "", model_name: Optional[str] = None, extra: Optional[dict] = None) -> GateResult:
+             candidate_name: str = "", extra: Optional[dict] = None) -> GateResult:
     """Score ``candidate`` against the FP32 reference in ``reference_model_dir`` (see module doc).
 
     ``options``: what is measured (prompts per category, held-out tokens, greedy length, bootstrap,
     ...; every field can change a number). ``runtime``: threads, progress, reference cache, reports
-    (never changes a number). ``candidate_name`` / ``model_name`` label metrics.json; ``extra`` is
-    merged into it. ``out_dir``: the gate's folder; metrics.json, report.md, report.html and
+    (never changes a number). ``candidate_name`` labels metrics.json (``model`` is the reference folder's
+    name); ``extra`` is merged into it. ``out_dir``: the gate's folder; metrics.json, report.md, report.html and
     per_token.npz are written into it atomically (the folder is replaced as a whole).
     Returns a ``GateResult``; it does not raise on failure (call ``raise_if_failed()``). Raises
     ``UserError`` when ``reference_model_dir`` is not an HF folder or the candidate gives no logits.
@@ -296,7 +296,7 @@ def run_gate(candidate: Any, reference_model_dir: Path, thresholds: GateThreshol
                                       golden={"set_prompts": golden_set_size(options.golden_path),
                                               "prompts_per_category": options.prompts_per_category})
         timings["metrics"] = time.perf_counter() - t0
-        metrics.update({"schema": 1, "model": model_name or reference_model_dir.name, "candidate": cand.name,
+        metrics.update({"schema": 1, "model": reference_model_dir.name, "candidate": cand.name,
                         "reference_model_dir": str(reference_model_dir),
                         **_run_facts(options, measured.ref, used_threads)})
         if extra:
@@ -336,25 +336,18 @@ def write_gate_dir(result: GateResult, heatmap_png: Optional[Path] = None, write
 
 
 def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds, gate_dir: Path,
-                    options: Optional[GateOptions] = None, runtime: GateRuntime = GateRuntime(), *,
-                    golden_limit: Optional[int] = None, candidate_name: Optional[str] = None,
-                    extra: Optional[dict] = None) -> GateResult:
+                    options: GateOptions = GateOptions(), runtime: GateRuntime = GateRuntime(), *,
+                    candidate_name: Optional[str] = None, extra: Optional[dict] = None) -> GateResult:
     """The pipeline's gate stage: dequantize the exported TRT-LLM checkpoint
     (``precision_pipeline.checkpoint.reader.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
 
-    ``golden_limit`` is shorthand for ``GateOptions(prompts_per_category=golden_limit)`` (the pipeline's
-    ``--golden-limit``); passing both ``options`` and ``golden_limit`` is a ``ValueError``.
-    ``candidate_name`` defaults to ``checkpoint <folder name>``; ``extra`` is merged into metrics.json
+    The pipeline's ``--golden-limit`` is ``options.prompts_per_category``. ``candidate_name`` defaults to ``checkpoint <folder name>``; ``extra`` is merged into metrics.json
     (the gate stage's ``record``).
     """
     from precision_pipeline.checkpoint.reader import load_checkpoint_model
     from precision_pipeline.checkpoint.scales import scale_report
     from precision_pipeline.quantize.ptq import read_quantize_warnings
 
-    if options is not None and golden_limit is not None:
-        raise ValueError("pass golden_limit inside options (GateOptions.prompts_per_category), not both")
-    if options is None:
-        options = GateOptions(prompts_per_category=golden_limit)
     t0 = time.perf_counter()
     label = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}[options.candidate_dtype]
     where = " on CUDA" if options.device == "cuda" else ""
