@@ -45,7 +45,6 @@ EXCEPTIONS: dict[str, tuple[int, int, str]] = {
     "build/precision_pipeline/checkpoint/verify.py:verify_checkpoint": (193, 2, "one pass over every tensor of the checkpoint; not split yet"),
     "build/precision_pipeline/engine/provenance.py:write_provenance": (21, 10, "one argument per provenance.json field; not split yet"),
     "build/precision_pipeline/engine/trtllm_build.py:run_engine": (67, 11, KEYWORD_API + " (the engine stage)"),
-    "build/precision_pipeline/gate/report.py:render_html": (99, 3, "one HTML page built in order; not split yet"),
     "build/precision_pipeline/pipeline.py:build_request": (25, 10, NOT_SPLIT_YET + " (loop: pipeline.py)"),
     "build/precision_pipeline/pipeline.py:run_build": (72, 13, NOT_SPLIT_YET + " (loop: pipeline.py)"),
     "build/precision_pipeline/quantize/calibration.py:_builtin_set": (81, 5, NOT_SPLIT_YET + " (fam: quantize/)"),
