@@ -77,13 +77,14 @@ def make_unit(base: Path, name: str, model_dir: Path, mb: int) -> Path:
 def make_gate(base: Path, model_dir: Path):
     """A small gate run of the model itself (its metrics.json, per_token.npz, cached FP32 reference)."""
     from precision_pipeline.gate import checkpoint_gate as cg
+    from precision_pipeline.gate.candidates import TORCH_DTYPES, load_hf_model
     from precision_pipeline.gate.options import GateOptions, GateRuntime
 
     thr = load_profile("bf16-h100").gate.for_model(model_dir.name).model_copy(
         update={"ppl_delta_pct_max": None, "greedy_same_min": None})
     opts = GateOptions(prompts_per_category=1, heldout_tokens=0, greedy_new_tokens=0, noise_floor=False,
                        bootstrap_resamples=50)
-    cg.run_gate(cg.load_hf_model(model_dir, cg.TORCH_DTYPES["float32"]), model_dir, thr, base / "gate", opts,
+    cg.run_gate(load_hf_model(model_dir, TORCH_DTYPES["float32"]), model_dir, thr, base / "gate", opts,
                 GateRuntime(progress=False, write_report=False), candidate_name="FP32 model")
     return base / "gate", thr
 

@@ -246,7 +246,7 @@ def _params(kind: str, names) -> list:
 
 def test_the_reader_sees_the_package():
     assert len(MODS) > 30 and "precision_pipeline.pipeline" in MODS
-    assert "precision_pipeline.gate.checkpoint_gate" in MODS["precision_pipeline.analysis.sensitivity"].internal
+    assert "precision_pipeline.gate.metrics" in MODS["precision_pipeline.analysis.sensitivity"].internal
     assert "torch" in MODS["precision_pipeline.gate.checkpoint_gate"].external
     # function-level imports count
     assert "precision_pipeline.gate.report" in MODS["precision_pipeline.gate.checkpoint_gate"].internal

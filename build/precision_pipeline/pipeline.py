@@ -215,8 +215,8 @@ def load_build_profile(profile_ref: str):
     """``load_profile`` plus what depends on where the profile file is: a relative
     ``calibration.dataset`` becomes absolute against the profile file's folder (``invoke build``
     and ``invoke check`` both load profiles through this). Refuses a ``gate.min_prompts`` above the golden set
-    (``gate.checkpoint_gate.check_min_prompts``)."""
-    from precision_pipeline.gate.checkpoint_gate import check_min_prompts
+    (``gate.verdict.check_min_prompts``)."""
+    from precision_pipeline.gate.verdict import check_min_prompts
     from precision_pipeline.resolve.dataset import with_dataset_resolved
     from precision_pipeline.spec.profile import resolve_profile_path
 

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from precision_pipeline.analysis import accuracy as A
+from precision_pipeline.analysis import candidate as CD
 from precision_pipeline.analysis import choose as C
+from precision_pipeline.analysis import compare_report as R
 from precision_pipeline.resolve import perf as PF
 from precision_pipeline.resolve.plan import evaluate
 from precision_pipeline.spec.profile import load_profile, shipped_profiles
@@ -16,11 +19,11 @@ from precision_pipeline.spec.profile import load_profile, shipped_profiles
 NOWHERE = Path("/nonexistent-artifacts")
 
 
-def by_label(rec: C.Recommendation) -> dict[str, C.Candidate]:
+def by_label(rec: C.Recommendation) -> dict[str, CD.Candidate]:
     return {c.label: c for c in rec.candidates}
 
 
-def rules_of(c: C.Candidate) -> set[str]:
+def rules_of(c: CD.Candidate) -> set[str]:
     return {r["rule"] for r in c.refused}
 
 
@@ -48,9 +51,9 @@ def test_h100_picks_fp8_and_says_why_the_others_lose(h100):
     assert [x.label for x in h100.feasible] == ["fp8/kv-fp8/tp1/fb-same-gpus", "fp8/kv-fp8/tp1/fb-none", "bf16/kv-bf16/tp1",
                                                 "fp8/kv-fp8/tp1/fb-own-replica"]
     own = c["fp8/kv-fp8/tp1/fb-own-replica"]
-    assert own.perf["deployment_gpus"] == 2 and C.tokens_per_gpu(own) == pytest.approx(C.tokens_per_gpu(h100.best) / 2, abs=0.1)
+    assert own.perf["deployment_gpus"] == 2 and CD.tokens_per_gpu(own) == pytest.approx(CD.tokens_per_gpu(h100.best) / 2, abs=0.1)
     assert c["fp8/kv-fp8/tp1/fb-none"].fallback["rollback_s"] > 0 == h100.best.fallback["rollback_s"]
-    assert C.tokens_per_gpu(h100.best) > C.tokens_per_gpu(c["bf16/kv-bf16/tp1"])
+    assert CD.tokens_per_gpu(h100.best) > CD.tokens_per_gpu(c["bf16/kv-bf16/tp1"])
     assert h100.best.estimate["context_tokens"] == C.DEFAULT_CONTEXT
     assert h100.best.perf["batch"] == h100.best.profile.build.max_batch_size == C.RUNTIME_MAX_BATCH  # sized by the runtime
 
@@ -72,7 +75,7 @@ def test_l4_loose_bound_and_infeasible_concurrency(default_model_dir):
     # the mixed FP8/INT4 profile, whose INT4 layers pay for dequantization
     assert rec.best.label == "fp8/kv-fp8/tp1/fb-none"
     same = by_label(rec)["fp8/kv-fp8/tp1/fb-same-gpus"]
-    assert same.ok and same.perf["batch"] < rec.best.perf["batch"] and C.tokens_per_gpu(same) < C.tokens_per_gpu(rec.best)
+    assert same.ok and same.perf["batch"] < rec.best.perf["batch"] and CD.tokens_per_gpu(same) < CD.tokens_per_gpu(rec.best)
     assert by_label(rec)["int4-awq/kv-bf16/tp1"].ok and by_label(rec)["mixed/kv-fp8/tp1/fb-none"].ok
     none = C.recommend("l4", default_model_dir, NOWHERE, C.Constraints(min_concurrency=100_000))
     assert none.best is None and not none.feasible
@@ -142,25 +145,25 @@ def test_compare_all_shipped_and_on_another_gpu(default_model_dir, tmp_path):
     assert "format.gemm_sm" in rules_of(on_a100["fp8-h100@a100-80gb"])
     assert "format.gemm_sm" in rules_of(on_a100["nvfp4-b200@a100-80gb"])
     assert not on_a100["int4-awq-a100@a100-80gb"].refused
-    rows = {r["profile"]: r for r in C.table_rows(list(on_a100.values()))}
+    rows = {r["profile"]: r for r in R.table_rows(list(on_a100.values()))}
     assert rows["fp8-h100@a100-80gb"]["runs"] is False and "format.gemm_sm" in rows["fp8-h100@a100-80gb"]["refused"]
-    paths = C.write_compare(list(on_a100.values()), tmp_path)
+    paths = R.write_compare(list(on_a100.values()), tmp_path)
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(paths["json"].read_text())
     assert {r["profile"] for r in data["rows"]} == set(on_a100)
 
 
 def _fake(label: str, tps: float, kl):
-    c = C.Candidate(label, "x", {})
+    c = CD.Candidate(label, "x", {})
     c.perf = {"deployed_tokens_per_s_per_gpu": tps}
-    c.accuracy = C.Accuracy("prior", kl_p99=kl)
+    c.accuracy = A.Accuracy("prior", kl_p99=kl)
     return c
 
 
 def test_pareto_frontier():
     a, b, d, e = _fake("a", 100, 0.0), _fake("b", 200, 0.5), _fake("d", 150, 0.6), _fake("e", 300, None)
     same = _fake("b2", 200, 0.5)
-    front = C.pareto([a, b, d, e, same])
+    front = CD.pareto([a, b, d, e, same])
     assert [c.label for c in front] == ["a", "b", "b2"]  # d is beaten by b on both axes; e has no KL
 
 
@@ -171,8 +174,8 @@ def test_compare_page_in_a_browser(default_model_dir, tmp_path):
         pytest.skip(f"{CHROMIUM} is not installed")
     sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
     cands = C.compare(["fp8-h100", "bf16-h100", "nvfp4-b200", "int4-awq-a100"], default_model_dir, NOWHERE, gpu="h100")
-    html_path = C.write_compare(cands, tmp_path)["html"]
-    front = {c.label for c in C.pareto(cands)}
+    html_path = R.write_compare(cands, tmp_path)["html"]
+    front = {c.label for c in CD.pareto(cands)}
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
         try:
@@ -240,7 +243,7 @@ def test_compare_build_builds_only_the_unmeasured(tmp_path, default_model_dir):
     cands = C.compare(names, default_model_dir, arts)
     calls: list = []
     C.build_unmeasured(cands, _fake_gate_build(arts, default_model_dir, 0.2, calls))
-    q = {n: C._quality_key(load_profile(n)) for n in names}
+    q = {n: A.quality_key(load_profile(n)) for n in names}
     expected = [n for i, n in enumerate(names) if q[n] not in [q[m] for m in names[:i]]]
     assert calls == expected
     after = {c.label: c for c in C.compare(names, default_model_dir, arts)}
@@ -275,7 +278,7 @@ def test_chart_labels_of_nearby_points_do_not_overlap():
 
     fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=100)
     ax.set_xlim(0, 100), ax.set_ylim(0, 10)
-    C._annotate_apart(ax, fig, [((50, 5), "fp8-h100"), ((50.2, 5), "fp8-h200"), ((10, 1), "bf16-h100")])
+    R._annotate_apart(ax, fig, [((50, 5), "fp8-h100"), ((50.2, 5), "fp8-h200"), ((10, 1), "bf16-h100")])
     ann = {a.get_text(): a for a in ax.texts}
     offs = {k: a.xyann for k, a in ann.items()}
     assert offs["bf16-h100"] == (6.0, 6.0) and offs["fp8-h100"] == (6.0, 6.0)
@@ -307,15 +310,15 @@ def test_measured_accuracy_is_keyed_by_model_and_whole_golden_set(tmp_path, defa
     arts = tmp_path / "artifacts"
     _fake_build(arts, "fp8-h100", smol.to_json(), golden_prompts=full)
     prof = load_profile("fp8-h100")
-    mine = C.accuracy_of(prof, smol.model, arts)
+    mine = A.accuracy_of(prof, smol.model, arts)
     assert mine.kind == "measured" and mine.kl_p99 == 0.3
-    theirs = C.accuracy_of(prof, other, arts)
+    theirs = A.accuracy_of(prof, other, arts)
     assert theirs.kind == "prior" and "not this model" in theirs.source and theirs.kl_p99 == 0.424
     quick = tmp_path / "quick"
     _fake_build(quick, "fp8-h100", smol.to_json(), golden_prompts=18)
-    assert C.accuracy_of(prof, smol.model, quick).kind == "prior"
+    assert A.accuracy_of(prof, smol.model, quick).kind == "prior"
     _fake_build(quick, "fp8-h100-full", smol.to_json(), golden_prompts=full)
-    assert C.accuracy_of(prof, smol.model, quick).kind == "measured"
+    assert A.accuracy_of(prof, smol.model, quick).kind == "measured"
 
 
 @pytest.mark.slow
@@ -335,9 +338,9 @@ def test_recommend_config_only_70b_picks_fp8_on_h100_and_h200():
         # ... with more GPUs it does, at the KV cache's expense
         warm = by_label(rec)[warm_label]
         assert warm.ok and warm.plan.memory.fallback_bytes > 0 and warm.fallback["rollback_s"] == 0.0
-        assert C.tokens_per_gpu(warm) < C.tokens_per_gpu(rec.best)
+        assert CD.tokens_per_gpu(warm) < CD.tokens_per_gpu(rec.best)
         bf16 = [c for c in rec.feasible if c.profile.quantization.quant_algo.value == "NO_QUANT"]
-        assert bf16 and C.tokens_per_gpu(bf16[0]) < C.tokens_per_gpu(rec.best)
+        assert bf16 and CD.tokens_per_gpu(bf16[0]) < CD.tokens_per_gpu(rec.best)
 
 
 def test_written_70b_profile_names_its_fallback_as_deployed(tmp_path):
@@ -351,7 +354,7 @@ def test_written_70b_profile_names_its_fallback_as_deployed(tmp_path):
     m70 = read_model_arch(Path(__file__).resolve().parents[1] / "data" / "models" / "Llama-3.1-70B")
     wl = PF.Workload()
     o = C._overrides("h100-sxm", QuantAlgo.FP8, KVCacheQuantAlgo.FP8, 2, load_raw("fp8-h100"), 4096, None, wl)
-    c = C.evaluate_candidate("fp8/kv-fp8/tp2/fb-none", "fp8-h100", o, m70, NOWHERE, 4096, True, wl, "none")
+    c = C.evaluate_candidate("fp8/kv-fp8/tp2/fb-none", "fp8-h100", o, m70, NOWHERE, C.EvalSettings(4096, True, wl), "none")
     assert c.ok and c.fallback == {"where": "none", "profile": "bf16-h100", "tp_size": 2, "gpus": 0, "rollback_s": 35.8}
     path = C.write_profile(c, tmp_path / "rec.yaml")
     fb_path = tmp_path / "rec-fallback.yaml"

@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.analysis.sensitivity import (KINDS, Cell, Evaluator, SensitivityOptions, SensitivityRuntime,
-                                                     exclude_patterns, heatmap_size, plot_heatmap, resolved_trt_names,
+from precision_pipeline.analysis.evaluator import KINDS, Cell, Evaluator
+from precision_pipeline.analysis.heatmap import heatmap_size, plot_heatmap
+from precision_pipeline.analysis.sensitivity import (SensitivityOptions, SensitivityRuntime,
+                                                     exclude_patterns, resolved_trt_names,
                                                      run_sensitivity, suggest_exclusions)
 
 LAYERS = [28, 29]
@@ -168,7 +170,8 @@ def _corrupt_copy(src: Path, dst: Path, tensor: str, factor: float) -> Path:
 @pytest.fixture(scope="module")
 def corrupted_run(fp8_checkpoint, default_model_dir, golden_file, tmp_path_factory):
     """A run on a copy of the fp8 checkpoint whose L29 mlp.proj weight scale is x10, with a gate folder."""
-    from precision_pipeline.gate.checkpoint_gate import GateResult, write_gate_dir
+    from precision_pipeline.gate.checkpoint_gate import write_gate_dir
+    from precision_pipeline.gate.verdict import GateResult
 
     root = tmp_path_factory.mktemp("corrupt")
     _corrupt_copy(fp8_checkpoint, root / "checkpoint", "transformer.layers.29.mlp.proj.weights_scaling_factor", 10.0)

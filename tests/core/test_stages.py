@@ -112,7 +112,7 @@ def test_model_fingerprint_is_full_and_memoized(tmp_path, monkeypatch):
 
 
 def test_gate_fingerprint_is_the_same_policy(tmp_path, monkeypatch):
-    from precision_pipeline.gate.checkpoint_gate import model_fingerprint as gate_fp
+    from precision_pipeline.gate.reference import model_fingerprint as gate_fp
 
     monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "m").mkdir()

@@ -1,6 +1,6 @@
 """Gate verdicts per golden-set category, per-model bars keyed by content, and promotable verdicts.
 
-The verdict rule (``checkpoint_gate.judge_metrics``) is exercised on the synthetic gate numbers of
+The verdict rule (``gate.verdict.judge_metrics``) is exercised on the synthetic gate numbers of
 tests/gate/test_report.py (3 prompts per category; per-token KL drawn with a mean of 0.02 x the
 category's index + 1, so facts is the best category and non_english the worst); one slow test runs a
 real build (the FP8 test checkpoint through ``--checkpoint``, 2 prompts per category) to exit 3."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.core.errors import GateFailed, UserError
-from precision_pipeline.gate.checkpoint_gate import GateResult, judge_metrics
+from precision_pipeline.gate.verdict import GateResult, judge_metrics
 from precision_pipeline.spec.profile import GateBar, GateThresholds, deep_merge, load_profile, load_raw, validate_profile
 from tests.gate.test_report import _synthetic
 
@@ -223,7 +223,7 @@ def test_real_gate_fails_naming_the_category(tmp_path, fp8_checkpoint, default_m
     assert m["record"]["layout"] == {"tp_size": 1, "pp_size": 1, "moe_ep_size": 1}
     assert m["record"]["model_fingerprint"] == model.sha256 and m["record"]["golden"]["prompts_per_category"] == 2
     assert m["record"]["runtime"]["checkpoint_producer"].startswith("modelopt ")
-    from precision_pipeline.gate.checkpoint_gate import GateResult
+    from precision_pipeline.gate.verdict import GateResult
 
     with pytest.raises(GateFailed) as e:
         GateResult(m["passed"], m["failures"], m, tmp_path / "gate").raise_if_failed()

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from precision_pipeline.core.errors import EXIT_GATE_FAILED, GateFailed, UserError
-from precision_pipeline.gate.checkpoint_gate import (CallableCandidate, as_candidate, bootstrap_ci, compare_generations, kl_summary,
-                        perplexity, run_gate, token_metrics, _check)
+from precision_pipeline.gate.candidates import CallableCandidate, as_candidate
+from precision_pipeline.gate.checkpoint_gate import run_gate
+from precision_pipeline.gate.metrics import bootstrap_ci, compare_generations, kl_summary, perplexity, token_metrics
+from precision_pipeline.gate.verdict import _check
 from precision_pipeline.gate.options import GateOptions, GateRuntime
 from precision_pipeline.spec.profile import GateThresholds, load_profile
 
@@ -140,7 +142,7 @@ def test_gate_options_are_frozen_and_strict():
 
 
 def test_reference_key_hashes_gate_options(default_model_dir):
-    from precision_pipeline.gate.checkpoint_gate import reference_key
+    from precision_pipeline.gate.reference import reference_key
     from precision_pipeline.gate.golden import EncodedPrompt
 
     assert set(OPTION_CHANGES) == set(GateOptions.model_fields), "classify the new GateOptions field here"
@@ -154,12 +156,6 @@ def test_reference_key_hashes_gate_options(default_model_dir):
     assert reference_key(default_model_dir, enc, [[5, 7]], 2, base) != key  # held-out tokens
     assert reference_key(default_model_dir, enc, [[5, 6]], 3, base) != key  # stop id
 
-
-def test_gate_checkpoint_refuses_two_prompt_limits(tmp_path):
-    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
-
-    with pytest.raises(ValueError, match="golden_limit"):
-        gate_checkpoint(tmp_path, tmp_path, GateThresholds(), tmp_path / "gate", GateOptions(), golden_limit=1)
 
 # ------------------------------------------------------------------------------------------------
 # End to end on the default model (small subset)
@@ -178,7 +174,7 @@ def _runtime(cache) -> GateRuntime:
 
 @pytest.fixture(scope="session")
 def fp32_model(default_model_dir):
-    from precision_pipeline.gate.checkpoint_gate import load_hf_model
+    from precision_pipeline.gate.candidates import load_hf_model
 
     return load_hf_model(default_model_dir, torch.float32)
 
@@ -338,7 +334,7 @@ def test_a_threshold_only_change_is_judged_from_the_stored_measurements(self_gat
     import shutil
 
     from precision_pipeline.core.fingerprint import Fingerprint, fingerprint
-    from precision_pipeline.gate import checkpoint_gate
+    from precision_pipeline.gate import checkpoint_gate, verdict
     from precision_pipeline.gate.stage import MEASUREMENT_FILE, GateInputs, GateStage, golden_file
     from precision_pipeline.spec.profile import GateThresholds
 
@@ -377,4 +373,4 @@ def test_a_threshold_only_change_is_judged_from_the_stored_measurements(self_gat
     other = GateInputs(**{**loose.__dict__, "options": SUBSET.model_copy(update={"seed": 1})})
     with pytest.raises(AssertionError, match="measured again"):
         st.run(other, out / ".gate.tmp-3")
-    assert checkpoint_gate.rejudge(metrics, GateThresholds())["passed"] is True  # no bar: nothing fails
+    assert verdict.rejudge(metrics, GateThresholds())["passed"] is True  # no bar: nothing fails

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from precision_pipeline.gate import checkpoint_gate as G
+from precision_pipeline.gate import metrics as G
 
 
 def _groups(seed=3, k=12):
@@ -35,7 +35,7 @@ def _oracle(kl, top1, n_boot, seed):
 
 def test_shared_resample_cis_match_an_independent_computation():
     kl, top1 = _groups()
-    got = G._ci_for_all(kl, top1, n_boot=200, seed=5)
+    got = G.ci_for_all(kl, top1, n_boot=200, seed=5)
     want = _oracle(kl, top1, 200, 5)
     assert set(got) == set(want)
     for m in want:
@@ -45,9 +45,9 @@ def test_shared_resample_cis_match_an_independent_computation():
 
 def test_no_groups_or_no_resamples_give_no_interval():
     kl, top1 = _groups()
-    assert G._ci_for_all([], [], n_boot=100, seed=0) == {}
-    assert G._ci_for_all(kl, top1, n_boot=0, seed=0) == {}
-    assert G._ci_for_all(kl, top1, n_boot=1, seed=0) != {}
+    assert G.ci_for_all([], [], n_boot=100, seed=0) == {}
+    assert G.ci_for_all(kl, top1, n_boot=0, seed=0) == {}
+    assert G.ci_for_all(kl, top1, n_boot=1, seed=0) != {}
     lo, hi = G.bootstrap_ci(kl, np.mean, n_boot=0)
     assert math.isnan(lo) and math.isnan(hi)
     lo, hi = G.bootstrap_ci(kl, np.mean, n_boot=1)

@@ -212,7 +212,7 @@ def _final_norm_amax(model_dir: Path, n_texts: int = 4, max_tokens: int = 256) -
     from transformers import AutoTokenizer
 
     from precision_pipeline.quantize.calibration import news_texts
-    from precision_pipeline.gate.checkpoint_gate import load_hf_model
+    from precision_pipeline.gate.candidates import load_hf_model
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_hf_model(model_dir, torch.float32)

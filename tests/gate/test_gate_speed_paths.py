@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from precision_pipeline.core import progress as progress_mod
+from precision_pipeline.gate import candidates as gc
 from precision_pipeline.gate import checkpoint_gate as cg
+from precision_pipeline.gate import threads as gthreads
 from precision_pipeline.gate.golden import encode_golden, end_of_turn_id, load_golden
 from precision_pipeline.gate.options import GateOptions, GateRuntime
 from precision_pipeline.spec.profile import GateThresholds
@@ -21,14 +23,14 @@ def tiny(smollm_2layers):
 
     tok = AutoTokenizer.from_pretrained(str(smollm_2layers))
     enc = encode_golden(tok, load_golden(None, per_category=1))
-    return cg.load_hf_model(smollm_2layers, torch.float32), enc, end_of_turn_id(tok)
+    return gc.load_hf_model(smollm_2layers, torch.float32), enc, end_of_turn_id(tok)
 
 
 def test_forward_with_prefix_is_the_plain_forward_and_its_prefill(tiny):
     model, enc, _ = tiny
     e = max(enc, key=lambda x: len(x.input_ids))
-    pp = cg.forward_with_prefix(model, e, hidden=True)
-    plain = cg.HFCandidate(model).logits(e.input_ids)
+    pp = gc.forward_with_prefix(model, e, hidden=True)
+    plain = gc.HFCandidate(model).logits(e.input_ids)
     assert torch.equal(pp.logits, plain)
     assert pp.hidden.shape == (len(e.input_ids), model.config.hidden_size)
     plen = len(e.generation_prompt)
@@ -45,14 +47,14 @@ def test_decode_greedy_matches_generate(tiny):
     """FP32, batches of prompts of different lengths: the same tokens as HF generate (left-padded
     batch), including stopping at end-of-turn."""
     model, enc, stop = tiny
-    cand = cg.HFCandidate(model)
-    for idx in cg._batches_by_length(enc, 4):
-        passes = [cg.forward_with_prefix(model, enc[i]) for i in idx]
-        new = cg.decode_greedy(model, passes, 12, stop)
+    cand = gc.HFCandidate(model)
+    for idx in gc.batches_by_length(enc, 4):
+        passes = [gc.forward_with_prefix(model, enc[i]) for i in idx]
+        new = gc.decode_greedy(model, passes, 12, stop)
         old = cand.greedy_batch([enc[i].generation_prompt for i in idx], 12, stop)
         assert new == old
         assert all(1 <= len(g) <= 12 for g in new)
-    assert cg.decode_greedy(model, passes, 0, stop) == [[] for _ in passes]
+    assert gc.decode_greedy(model, passes, 0, stop) == [[] for _ in passes]
 
 
 def _prompts(lengths):
@@ -64,36 +66,36 @@ def _prompts(lengths):
 def test_batches_are_balanced_and_sorted_by_length():
     """65 prompts at batch 48: 33 + 32 (not 48 + 17), each batch sorted by length; every prompt once."""
     enc = _prompts([(i * 37) % 101 + 5 for i in range(65)])
-    groups = cg._batches_by_length(enc, 48)
+    groups = gc.batches_by_length(enc, 48)
     assert [len(g) for g in groups] == [33, 32]
     flat = [i for g in groups for i in g]
     assert sorted(flat) == list(range(65))
     lens = [len(enc[i].generation_prompt) for i in flat]
     assert lens == sorted(lens)
-    assert [len(g) for g in cg._batches_by_length(enc, 8)] == [8, 8] + [7] * 7
-    assert [len(g) for g in cg._batches_by_length(enc, 65)] == [65]
-    assert [len(g) for g in cg._batches_by_length(enc, 1)] == [1] * 65
-    assert cg._batches_by_length([], 48) == []
+    assert [len(g) for g in gc.batches_by_length(enc, 8)] == [8, 8] + [7] * 7
+    assert [len(g) for g in gc.batches_by_length(enc, 65)] == [65]
+    assert [len(g) for g in gc.batches_by_length(enc, 1)] == [1] * 65
+    assert gc.batches_by_length([], 48) == []
 
 
 def test_others_busy_excludes_our_own_cpu(monkeypatch):
     """Both cores busy during the sample, all of it this process: 2 threads, not 1."""
     seq = iter([(1000.0, 500.0), (1100.0, 599.0)])     # 100 busy jiffies, 99 of them ours
-    monkeypatch.setattr(cg, "_proc_jiffies", lambda: next(seq))
-    monkeypatch.setattr(cg.os, "sysconf", lambda name: 100)
-    ch = cg.thread_choice(sample_s=0.5, cores=2)
+    monkeypatch.setattr(gthreads, "_proc_jiffies", lambda: next(seq))
+    monkeypatch.setattr(gthreads.os, "sysconf", lambda name: 100)
+    ch = gthreads.thread_choice(sample_s=0.5, cores=2)
     assert ch.threads == 2 and ch.others_busy < 0.05
     assert ch.reason.startswith("2 torch threads: other processes kept 0.0 of 2 cores busy")
     # others really busy (1.5 cores of the 2 over the sample): back off to 1
     seq = iter([(1000.0, 500.0), (1075.0, 500.0)])      # 75 jiffies at 100/s over ~0.5 s
-    ch = cg.thread_choice(sample_s=0.5, cores=2)
+    ch = gthreads.thread_choice(sample_s=0.5, cores=2)
     assert ch.threads == 1 and ch.others_busy == pytest.approx(1.5, rel=0.1)
 
 
 def test_thread_choice_without_proc_subtracts_own_average(monkeypatch):
-    monkeypatch.setattr(cg, "_proc_jiffies", lambda: None)
-    monkeypatch.setattr(cg.os, "getloadavg", lambda: (2.0, 2.0, 2.0))
-    monkeypatch.setattr(cg, "_process_start_time", lambda: time.time() - 100.0)
+    monkeypatch.setattr(gthreads, "_proc_jiffies", lambda: None)
+    monkeypatch.setattr(gthreads.os, "getloadavg", lambda: (2.0, 2.0, 2.0))
+    monkeypatch.setattr(gthreads, "_process_start_time", lambda: time.time() - 100.0)
 
     class RU:
         ru_utime, ru_stime = 150.0, 40.0   # 1.9 cores on average for 100 s: the load is ours
@@ -101,7 +103,7 @@ def test_thread_choice_without_proc_subtracts_own_average(monkeypatch):
     import resource
 
     monkeypatch.setattr(resource, "getrusage", lambda who: RU)
-    ch = cg.thread_choice(sample_s=0.5, cores=2)
+    ch = gthreads.thread_choice(sample_s=0.5, cores=2)
     assert ch.threads == 2 and ch.others_busy == pytest.approx(0.1, abs=0.01)
     assert "load average 2.00 minus this process's own 1.90" in ch.reason
 
@@ -145,7 +147,7 @@ def test_gate_phases_print_lines_often_enough(tiny, smollm_2layers, tmp_path, mo
     assert len(ref_lines) >= 3 and "ETA" in ref_lines[1] and " tokens, " in ref_lines[1]  # start, heartbeat(s), end
     # units: every prompt's tokens + 5 decode steps per prompt, for the FP32 reference and the BF16 floor
     total = 2 * (sum(len(e.input_ids) for e in enc) + 5 * len(enc))
-    assert cg.greedy_units(enc, 6) * 2 == total
+    assert gc.greedy_units(enc, 6) * 2 == total
     assert f": {total}/{total} tokens done in " in ref_lines[-1]
     # the count moves within the phase (per prompt and per decode step), not only at its end
     counts = [int(ln.split(": ")[1].split("/")[0]) for ln in ref_lines]

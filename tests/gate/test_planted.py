@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precision_pipeline.gate.checkpoint_gate import load_hf_model, run_gate
+from precision_pipeline.gate.candidates import load_hf_model
+from precision_pipeline.gate.checkpoint_gate import run_gate
 from precision_pipeline.gate.golden import encode_golden, load_golden, select
 from precision_pipeline.gate.options import GateOptions, GateRuntime
 from precision_pipeline.spec.profile import GateThresholds

@@ -11,7 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_pipeline.gate.checkpoint_gate import GateResult, ReferenceData, TokenMetrics, _assemble, write_gate_dir
+from precision_pipeline.gate.assemble import Measured, Settings, assemble
+from precision_pipeline.gate.checkpoint_gate import write_gate_dir
+from precision_pipeline.gate.metrics import TokenMetrics
+from precision_pipeline.gate.reference import ReferenceData
+from precision_pipeline.gate.verdict import GateResult
 from precision_pipeline.gate.golden import CATEGORIES, EncodedPrompt
 from precision_pipeline.spec.profile import GateThresholds
 from precision_pipeline.gate.report import LIMITS_TEXT, render_dir
@@ -49,9 +53,8 @@ def _synthetic(thresholds: GateThresholds, seed: int = 0) -> tuple[dict, dict]:
                         ref_answer_nll=[p[0].ref_nll for p in per_prompt],
                         floor={"answer": floor_rows, "prompt": floor_prompt, "greedy": floor_greedy,
                                "heldout_nll": np.full(100, 3.001)}, seconds={})
-    return _assemble(encoded=encoded, tok=_Tok(), per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
-                     cand_heldout=np.full(100, 3.05), thresholds=thresholds, bootstrap=100, seed=0,
-                     greedy_new_tokens=4, heldout_window=101, windows=[list(range(101))])
+    return assemble(Measured(encoded, per_prompt, ref, cand_greedy, np.full(100, 3.05), [list(range(101))]), _Tok(),
+                    thresholds, Settings(bootstrap=100, seed=0, greedy_new_tokens=4, heldout_window=101))
 
 
 class _Parser(HTMLParser):

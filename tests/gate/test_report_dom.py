@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_pipeline.gate.checkpoint_gate import METRIC_ORDER
+from precision_pipeline.gate.metrics import METRIC_ORDER
 from precision_pipeline.spec.profile import GateThresholds
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.gate.checkpoint_gate import judge_metrics
+from precision_pipeline.gate.verdict import judge_metrics
 from precision_pipeline.serving import pack
 from precision_pipeline.serving.acceptance import check_promotable
 from precision_pipeline.spec.profile import load_profile

@@ -27,7 +27,7 @@ def rendered(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("alerts")
     prof = make_profile()
     plan = make_plan(prof)
-    res = deploy.render_manifests(plan, prof, make_repo(tmp / "build"), tmp / "build", REPO_ROOT_IN_POD)
+    res = deploy.render_manifests(deploy.ManifestInputs(plan, prof, make_repo(tmp / "build"), REPO_ROOT_IN_POD), tmp / "build")
     doc = yaml.safe_load((res.out_dir / "monitoring" / "prometheus-rule.yaml").read_text())
     return res, doc, prof.gate.for_model(plan.model.name), tmp
 

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import yaml
 
-from precision_pipeline.serving import deploy
+from precision_pipeline.serving import monitoring
 from tests.serving.test_k8s_policy import _render_argo
 
 PROMTOOL = shutil.which("promtool")
@@ -41,7 +41,7 @@ def test_error_rate_limit_fails_the_canary_above_one_percent(analysis):
     """Planted: ``MAX_ERROR_RATE * 100`` (a percentage limit on a fraction) passes a 2 % error rate."""
     m, _ = analysis
     cond = m["error-rate"]["successCondition"]
-    assert deploy.MAX_ERROR_RATE == 0.01
+    assert monitoring.MAX_ERROR_RATE == 0.01
     assert condition_holds(cond, [0.005]) and condition_holds(cond, [0.01])
     assert not condition_holds(cond, [0.02]) and not condition_holds(cond, [0.5])
     assert condition_holds(cond, [])  # no traffic yet: no data is not a failure

@@ -84,7 +84,7 @@ def test_fp8_h100_single_gpu(tmp_path):
     prof = make_profile()
     plan = make_plan(prof)
     repo = make_repo(tmp_path / "build")
-    res = deploy.render_manifests(plan, prof, repo, tmp_path / "build", REPO_ROOT_IN_POD)
+    res = deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, REPO_ROOT_IN_POD), tmp_path / "build")
 
     assert res.out_dir == tmp_path / "build" / "k8s"
     assert res.files == ["service.yaml", "triton-deployment.yaml"]  # replicas 1: no PDB
@@ -155,7 +155,7 @@ def test_tp2_renders_mpi_launch_and_pdb(tmp_path):
     prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"replicas": 3, "gpus_per_replica": 2})
     plan = make_plan(prof, tp=2)
     repo = make_repo(tmp_path / "b", world=2)
-    res = deploy.render_manifests(plan, prof, repo, tmp_path / "b", "/srv/b", namespace="llm")
+    res = deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, "/srv/b", namespace="llm"), tmp_path / "b")
     assert res.gpus_per_replica == 2 and res.replicas == 3 and res.launcher == "mpirun"
     assert res.files == ["pdb.yaml", "service.yaml", "triton-deployment.yaml"]
     docs = load_out(res)
@@ -186,16 +186,16 @@ def test_tp2_renders_mpi_launch_and_pdb(tmp_path):
 def test_gpu_count_mismatches_are_refused(tmp_path):
     prof = make_profile("tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 4})
     with pytest.raises(UserError) as e:
-        deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "a", world=2), tmp_path / "a", "/x")
+        deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=2), prof, make_repo(tmp_path / "a", world=2), "/x"), tmp_path / "a")
     assert "deployment.gpus_per_replica" in str(e.value) and "4" in str(e.value)
     # the repository's engine was packed for 1 GPU but the plan needs 2
     prof = make_profile("tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": None})
     with pytest.raises(UserError) as e:
-        deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=1), tmp_path / "b", "/x")
+        deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=1), "/x"), tmp_path / "b")
     assert "runs on 1 GPU(s) but the plan needs 2" in str(e.value)
     # plan and profile disagree
     with pytest.raises(UserError, match="parallel"):
-        deploy.render_manifests(make_plan(prof, tp=1), prof, make_repo(tmp_path / "c", world=1), tmp_path / "c", "/x")
+        deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=1), prof, make_repo(tmp_path / "c", world=1), "/x"), tmp_path / "c")
     assert not (tmp_path / "a" / "k8s").exists()
 
 
@@ -206,7 +206,7 @@ def test_releases_json_names_current_and_warm_fallback(tmp_path):
              "releases": [{"unit": cur, "engine_hash": "ab" * 32, "engine_present": True, "kind": "release"}]}
     repo = make_repo(tmp_path / "srv", releases=state, extra_units={fb: 1})
     prof = make_profile()
-    res = deploy.render_manifests(make_plan(prof), prof, repo, tmp_path / "srv", "/srv")
+    res = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof), prof, repo, "/srv"), tmp_path / "srv")
     assert res.load_models == ["preprocessing", "postprocessing", cur, fb, "ensemble", "tensorrt_llm_bls"]
     assert res.release_source.endswith("releases.json") and res.engine_present is True
     docs = load_out(res)
@@ -224,7 +224,7 @@ def test_misspelt_and_unfilled_placeholders_are_errors(tmp_path):
     svc = tdir / "service.yaml"
     svc.write_text(svc.read_text().replace("${selector}", "${selectr}"))
     with pytest.raises(UserError) as e:
-        deploy.render_manifests(plan, prof, repo, tmp_path / "b", "/x", templates_dir=tdir)
+        deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, "/x", templates_dir=tdir), tmp_path / "b")
     msg = str(e.value)
     assert "k8s/service.yaml: parameter 'selector'" in msg and "did you mean 'selectr'" in msg
     assert "k8s/service.yaml: ${selectr}: is not filled" in msg
@@ -234,13 +234,13 @@ def test_misspelt_and_unfilled_placeholders_are_errors(tmp_path):
     shutil.copy(deploy.TEMPLATES_DIR / "service.yaml", svc)
     svc.write_text(svc.read_text().replace("name: ${name}", "name: svc-${name}"))
     with pytest.raises(UserError, match="whole YAML value"):
-        deploy.render_manifests(plan, prof, repo, tmp_path / "b", "/x", templates_dir=tdir)
+        deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, "/x", templates_dir=tdir), tmp_path / "b")
 
     # a template deploy.py does not know
     shutil.copy(deploy.TEMPLATES_DIR / "service.yaml", svc)
     (tdir / "ingress.yaml").write_text("apiVersion: v1\nkind: ConfigMap\n")
     with pytest.raises(UserError, match="ingress.yaml"):
-        deploy.render_manifests(plan, prof, repo, tmp_path / "b", "/x", templates_dir=tdir)
+        deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, "/x", templates_dir=tdir), tmp_path / "b")
 
 
 def test_kubernetes_validate_catches_a_misspelt_field(tmp_path):
@@ -251,7 +251,7 @@ def test_kubernetes_validate_catches_a_misspelt_field(tmp_path):
     dep = tdir / "triton-deployment.yaml"
     dep.write_text(dep.read_text().replace("readinessProbe:", "readinesProbe:"))
     with pytest.raises(UserError) as e:
-        deploy.render_manifests(make_plan(prof), prof, make_repo(tmp_path / "b"), tmp_path / "b", "/x", templates_dir=tdir)
+        deploy.render_manifests(deploy.ManifestInputs(make_plan(prof), prof, make_repo(tmp_path / "b"), "/x", templates_dir=tdir), tmp_path / "b")
     msg = str(e.value)
     assert msg.startswith("k8s/triton-deployment.yaml: spec.template.spec.containers[0]")
     assert "readinesProbe" in msg and "Kubernetes 1.30" in msg
@@ -274,7 +274,7 @@ def test_negative_replicas_from_a_bad_input(tmp_path):
     prof = make_profile()
     bad = prof.model_copy(update={"deployment": prof.deployment.model_construct(**{**prof.deployment.model_dump(), "replicas": -1})})
     with pytest.raises(UserError) as e:
-        deploy.render_manifests(make_plan(bad), bad, make_repo(tmp_path / "b"), tmp_path / "b", "/x")
+        deploy.render_manifests(deploy.ManifestInputs(make_plan(bad), bad, make_repo(tmp_path / "b"), "/x"), tmp_path / "b")
     assert "k8s/triton-deployment.yaml: spec.replicas: is -1" in str(e.value)
 
 
@@ -285,21 +285,21 @@ def test_bad_names_and_paths(tmp_path):
     for kw, field in [({"namespace": "Bad_NS"}, "namespace"), ({"pvc_name": "PVC!"}, "pvc_name"),
                       ({"image": "two words"}, "image"), ({"gpu_products": ["has space"]}, "gpu_products")]:
         with pytest.raises(UserError) as e:
-            deploy.render_manifests(plan, prof, repo, tmp_path / "b", "/x", **kw)
+            deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, "/x", **kw), tmp_path / "b")
         assert str(e.value).startswith(field), (kw, str(e.value))
     with pytest.raises(UserError, match="--repo-root"):
-        deploy.render_manifests(plan, prof, repo, tmp_path / "b", "relative/path")
+        deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, "relative/path"), tmp_path / "b")
     unknown = plan.model_copy(update={"gpu": None})
     with pytest.raises(UserError, match="target.gpu"):
-        deploy.render_manifests(unknown, prof, repo, tmp_path / "b", "/x")
+        deploy.render_manifests(deploy.ManifestInputs(unknown, prof, repo, "/x"), tmp_path / "b")
     with pytest.raises(UserError, match="model_repository"):
-        deploy.render_manifests(plan, prof, tmp_path / "nowhere", tmp_path / "b", "/x")
+        deploy.render_manifests(deploy.ManifestInputs(plan, prof, tmp_path / "nowhere", "/x"), tmp_path / "b")
 
 
 def test_rerender_replaces_atomically_and_keeps_previous_on_failure(tmp_path):
     prof3 = make_profile(deployment={"replicas": 3})
     repo = make_repo(tmp_path / "b")
-    res = deploy.render_manifests(make_plan(prof3), prof3, repo, tmp_path / "b", "/x")
+    res = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof3), prof3, repo, "/x"), tmp_path / "b")
     assert "pdb.yaml" in res.files
     def files(d):  # every file, the monitoring/ sub-folder's included
         return {str(p.relative_to(d)): p.read_text() for p in d.rglob("*") if p.is_file()}
@@ -308,11 +308,11 @@ def test_rerender_replaces_atomically_and_keeps_previous_on_failure(tmp_path):
     assert "monitoring/prometheus-rule.yaml" in before
     # a failing render leaves the previous manifests untouched
     with pytest.raises(UserError):
-        deploy.render_manifests(make_plan(prof3), prof3, repo, tmp_path / "b", "/x", namespace="BAD")
+        deploy.render_manifests(deploy.ManifestInputs(make_plan(prof3), prof3, repo, "/x", namespace="BAD"), tmp_path / "b")
     assert files(res.out_dir) == before
     # one replica: the stale pdb.yaml is gone
     prof1 = make_profile()
-    res1 = deploy.render_manifests(make_plan(prof1), prof1, repo, tmp_path / "b", "/x")
+    res1 = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof1), prof1, repo, "/x"), tmp_path / "b")
     assert sorted(p.name for p in res1.out_dir.iterdir()) == ["monitoring", "service.yaml", "triton-deployment.yaml"]
     assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(".k8s")]
 
@@ -328,11 +328,10 @@ def test_gpu_product_labels_and_names():
 def test_engine_version_note_and_override_gpu_products(tmp_path):
     prof = make_profile()
     repo = make_repo(tmp_path / "b", engine_version="1.2.0")
-    res = deploy.render_manifests(make_plan(prof), prof, repo, tmp_path / "b", "/x",
-                                  gpu_products=["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-80GB-HBM3-SHARED"])
+    res = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof), prof, repo, "/x", gpu_products=["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-80GB-HBM3-SHARED"]), tmp_path / "b")
     assert any("1.2.0" in n and deploy.DEFAULT_IMAGE_TRTLLM in n for n in res.notes)
     assert res.gpu_products == ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-80GB-HBM3-SHARED"]
-    res2 = deploy.render_manifests(make_plan(prof), prof, repo, tmp_path / "b", "/x", image="registry.local/triton:build-1")
+    res2 = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof), prof, repo, "/x", image="registry.local/triton:build-1"), tmp_path / "b")
     assert not any("ships" in n for n in res2.notes)
 
 
@@ -364,7 +363,7 @@ def test_shipped_profiles_render(tmp_path):
         gpu = resolve_gpu(prof.target.gpu)
         plan = make_plan(prof, tp=prof.parallel.tp_size, pp=prof.parallel.pp_size, gpu_id=gpu.id, gpu_name=gpu.name)
         repo = make_repo(tmp_path / name, world=prof.world_size)
-        res = deploy.render_manifests(plan, prof, repo, tmp_path / name, f"/artifacts/{name}")
+        res = deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, f"/artifacts/{name}"), tmp_path / name)
         assert res.gpus_per_replica == prof.world_size
         assert res.gpu_products == [gpu.name.replace(" ", "-")]
 
@@ -376,11 +375,11 @@ def test_warm_fallback_with_another_world_size_is_refused(tmp_path):
     repo = make_repo(tmp_path / "srv", world=2, releases=state, extra_units={fb: 1})
     prof = make_profile("tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2})
     with pytest.raises(UserError) as e:
-        deploy.render_manifests(make_plan(prof, tp=2), prof, repo, tmp_path / "srv", "/srv")
+        deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=2), prof, repo, "/srv"), tmp_path / "srv")
     assert "warm fallback" in str(e.value) and "warm_fallback: false" in str(e.value)
     # cold fallback: kept on disk, not loaded, so no conflict
     (tmp_path / "srv" / "releases.json").write_text(json.dumps({**state, "warm_fallback": False}))
-    res = deploy.render_manifests(make_plan(prof, tp=2), prof, repo, tmp_path / "srv", "/srv")
+    res = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=2), prof, repo, "/srv"), tmp_path / "srv")
     assert fb not in res.load_models
 
 
@@ -393,11 +392,11 @@ def test_triton_tracing_follows_the_bls_otlp_url(tmp_path):
     prof = make_profile()
     plan = make_plan(prof)
     repo = make_repo(tmp_path / "a")
-    args = container(load_out(deploy.render_manifests(plan, prof, repo, tmp_path / "a", REPO_ROOT_IN_POD)))["args"]
+    args = container(load_out(deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, REPO_ROOT_IN_POD), tmp_path / "a")))["args"]
     assert not [a for a in args if a.startswith("--trace")]  # no endpoint: Triton does not trace
     url = "http://otel-collector.monitoring:4318/v1/traces"
     _bls_with_traces(repo, url)
-    res = deploy.render_manifests(plan, prof, repo, tmp_path / "a", REPO_ROOT_IN_POD)
+    res = deploy.render_manifests(deploy.ManifestInputs(plan, prof, repo, REPO_ROOT_IN_POD), tmp_path / "a")
     args = container(load_out(res))["args"]
     assert [a for a in args if a.startswith("--trace")] == [
         "--trace-config=mode=opentelemetry", "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS",
@@ -408,7 +407,7 @@ def test_triton_tracing_follows_the_bls_otlp_url(tmp_path):
     prof2 = make_profile(parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2})
     repo2 = make_repo(tmp_path / "b", world=2)
     _bls_with_traces(repo2, url)
-    args2 = container(load_out(deploy.render_manifests(make_plan(prof2, tp=2), prof2, repo2, tmp_path / "b", REPO_ROOT_IN_POD)))["args"]
+    args2 = container(load_out(deploy.render_manifests(deploy.ManifestInputs(make_plan(prof2, tp=2), prof2, repo2, REPO_ROOT_IN_POD), tmp_path / "b")))["args"]
     ranks = " ".join(args2).split(" : ")
     assert len(ranks) == 2 and f"opentelemetry,url={url}" in ranks[0] and "--trace" not in ranks[1]
 

@@ -24,7 +24,7 @@ def render(tmp_path, name="fp8-h100", gate=True, **dep):
     if gate:
         (root / "gate").mkdir()
         (root / "gate" / "metrics.json").write_text("{}")
-    return deploy.render_manifests(make_plan(prof), prof, repo, root, "/srv/b", namespace=NS)
+    return deploy.render_manifests(deploy.ManifestInputs(make_plan(prof), prof, repo, "/srv/b", namespace=NS), root)
 
 
 def probe_url(docs) -> str:

@@ -30,7 +30,7 @@ def render_multinode(tmp_path, tp=16, per_node=8, replicas=2, gate=False, **dep)
     if gate:
         (tmp_path / "b" / "gate").mkdir()
         (tmp_path / "b" / "gate" / "metrics.json").write_text("{}")
-    return deploy.render_manifests(make_plan(prof, tp=tp), prof, repo, tmp_path / "b", "/srv/b", namespace="llm-serving")
+    return deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=tp), prof, repo, "/srv/b", namespace="llm-serving"), tmp_path / "b")
 
 
 def app_contexts(args: list[str]) -> list[list[str]]:
@@ -82,8 +82,7 @@ def test_world_over_node_renders_a_leaderworkerset_instead_of_the_deployment(tmp
 
 def test_leader_and_worker_are_hardened_exactly_like_the_single_node_pod(tmp_path):
     one = make_profile("fp8-h100-tp8", parallel={"tp_size": 8}, deployment={"gpus_per_replica": 8, "gpus_per_node": 8})
-    single = load_out(deploy.render_manifests(make_plan(one, tp=8), one, make_repo(tmp_path / "one", world=8),
-                                              tmp_path / "one", "/srv/b", namespace="llm-serving"))
+    single = load_out(deploy.render_manifests(deploy.ManifestInputs(make_plan(one, tp=8), one, make_repo(tmp_path / "one", world=8), "/srv/b", namespace="llm-serving"), tmp_path / "one"))
     pod = single["triton-deployment.yaml"]["spec"]["template"]
     lwt = load_out(render_multinode(tmp_path))["triton-leaderworkerset.yaml"]["spec"]["leaderWorkerTemplate"]
     for key in ("leaderTemplate", "workerTemplate"):

@@ -14,15 +14,14 @@ import shutil
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import deploy
+from precision_pipeline.serving import deploy, k8s
 from tests.serving.test_deploy import container, load_out, make_plan, make_profile, make_repo
 
 
 def _render(tmp_path, tp=1, replicas=1, templates_dir=deploy.TEMPLATES_DIR):
     prof = make_profile(f"fp8-h100-tp{tp}", parallel={"tp_size": tp},
                         deployment={"replicas": replicas, "gpus_per_replica": tp})
-    return deploy.render_manifests(make_plan(prof, tp=tp), prof, make_repo(tmp_path / "b", world=tp), tmp_path / "b",
-                                   "/srv/b", templates_dir=templates_dir)
+    return deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=tp), prof, make_repo(tmp_path / "b", world=tp), "/srv/b", templates_dir=templates_dir), tmp_path / "b")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -41,12 +40,12 @@ def test_semantic_check_refuses_requests_unequal_to_limits():
                     "template": {"metadata": {"labels": {"a": "b"}},
                                  "spec": {"containers": [{"name": "c", "resources": {"requests": {"nvidia.com/gpu": 1},
                                                                                       "limits": {"nvidia.com/gpu": 2}}}]}}}}
-    probs = deploy.semantic_problems(doc, "k8s/x.yaml")
+    probs = k8s.semantic_problems(doc, "k8s/x.yaml")
     assert [(p.field, p.reason) for p in probs] == [
         ("k8s/x.yaml: spec.template.spec.containers[0].resources.requests.nvidia.com/gpu",
          "is 1 but the limit is 2; extended resources need requests = limits.")]
     doc["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] = 2
-    assert deploy.semantic_problems(doc, "k8s/x.yaml") == []
+    assert k8s.semantic_problems(doc, "k8s/x.yaml") == []
 
 
 def test_a_template_that_hard_codes_one_gpu_is_refused_for_tp2(tmp_path):

@@ -142,10 +142,9 @@ def test_deploy_refuses_a_skewed_engine(tmp_path, monkeypatch, model_dir, ckpt):
     _, repo = do_pack(tmp_path, model_dir, ckpt, engine(tmp_path, monkeypatch))
     plan = make_plan(PROF)
     with pytest.raises(UserError) as e:
-        deploy.render_manifests(plan, PROF, repo, tmp_path / "out", str(tmp_path / "out"),
-                                image="nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3")
+        deploy.render_manifests(deploy.ManifestInputs(plan, PROF, repo, str(tmp_path / "out"), image="nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"), tmp_path / "out")
     assert e.value.problems[0].rule == "skew.tensorrt_llm"
-    deploy.render_manifests(plan, PROF, repo, tmp_path / "out", str(tmp_path / "out"), image=GOOD_IMAGE)
+    deploy.render_manifests(deploy.ManifestInputs(plan, PROF, repo, str(tmp_path / "out"), image=GOOD_IMAGE), tmp_path / "out")
 
 
 @pytest.mark.parametrize("name", shipped_profiles())

@@ -48,8 +48,7 @@ def checkov_bin() -> str | None:
 
 def _render(tmp_path, tp=2, replicas=2):
     prof = make_profile(f"fp8-h100-tp{tp}", parallel={"tp_size": tp}, deployment={"replicas": replicas, "gpus_per_replica": tp})
-    return deploy.render_manifests(make_plan(prof, tp=tp), prof, make_repo(tmp_path / "b", world=tp), tmp_path / "b",
-                                   "/srv/b", namespace="llm-serving")
+    return deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=tp), prof, make_repo(tmp_path / "b", world=tp), "/srv/b", namespace="llm-serving"), tmp_path / "b")
 
 
 def test_pod_is_hardened(tmp_path):
@@ -153,7 +152,7 @@ def _render_argo(tmp_path, gate=False, **dep):
 
     # the profile as it applies to the default model (its gate.overrides bar, keyed by content): what the deploy stage passes
     applied = prof.for_model(model_fingerprint(ensure_default_model()).sha256)
-    return deploy.render_manifests(make_plan(prof), applied, repo, tmp_path / "b", "/srv/b", namespace="llm-serving")
+    return deploy.render_manifests(deploy.ManifestInputs(make_plan(prof), applied, repo, "/srv/b", namespace="llm-serving"), tmp_path / "b")
 
 
 def test_argo_rollout_and_analysis_template(tmp_path):
@@ -216,8 +215,8 @@ def test_canary_steps_are_checked_by_the_profile():
 
 def test_engine_larger_than_a_node_runs_as_a_leaderworkerset(tmp_path):
     prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 1})
-    res = deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=2), tmp_path / "b", "/srv/b")
+    res = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=2), prof, make_repo(tmp_path / "b", world=2), "/srv/b"), tmp_path / "b")
     assert "triton-deployment.yaml" not in res.files and "triton-leaderworkerset.yaml" in res.files
     prof = make_profile("fp8-h100-tp2", parallel={"tp_size": 2}, deployment={"gpus_per_replica": 2, "gpus_per_node": 2})
-    res = deploy.render_manifests(make_plan(prof, tp=2), prof, make_repo(tmp_path / "c", world=2), tmp_path / "c", "/srv/c")
+    res = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof, tp=2), prof, make_repo(tmp_path / "c", world=2), "/srv/c"), tmp_path / "c")
     assert "triton-deployment.yaml" in res.files and "triton-leaderworkerset.yaml" not in res.files

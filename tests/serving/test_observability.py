@@ -357,7 +357,7 @@ def test_real_prometheus_scrapes_server_and_probe_and_evaluates_rules(obs_served
 
     import yaml
 
-    from precision_pipeline.serving import deploy
+    from precision_pipeline.serving import monitoring
     from precision_pipeline.serving.triton_server import free_port
 
     repo, srv = obs_served
@@ -368,7 +368,7 @@ def test_real_prometheus_scrapes_server_and_probe_and_evaluates_rules(obs_served
     ex = probe.ProbeExporter(ex_port, addr="127.0.0.1")
     probe.probe_and_record(srv, stable, pset, profile="fp8-h100", exporter=ex)
     # fp8-h100's rules with a threshold the FP32 unit is below, and one it is above (the latter fires)
-    groups = deploy.alert_groups("fp8-h100", pset.thresholds.model_copy(update={"kl_p99_max": -1.0}))
+    groups = monitoring.alert_groups("fp8-h100", pset.thresholds.model_copy(update={"kl_p99_max": -1.0}))
     for r in groups[0]["rules"]:
         r.pop("for", None)  # evaluate at once
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{**groups[0], "interval": "1s"}]}))

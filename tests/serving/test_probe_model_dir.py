@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.gate import checkpoint_gate as cg
+from precision_pipeline.gate import reference as gate_reference
 from precision_pipeline.serving import probe
 
 
@@ -20,7 +20,7 @@ def test_missing_reference_model_is_refused_with_the_fix(tmp_path, monkeypatch):
     (gate / "metrics.json").write_text(json.dumps({"reference_cache": {"key": "k" * 64},
                                                    "reference_model_dir": str(tmp_path / "gone" / "SmolLM2-135M-Instruct"),
                                                    "prompts": [], "thresholds": {}}))
-    monkeypatch.setattr(cg, "cached_reference", lambda key, root=None: object())  # the stored reference is there
+    monkeypatch.setattr(gate_reference, "cached_reference", lambda key, root=None: object())  # the stored reference is there
     monkeypatch.delenv("PRECISION_PROBE_MODEL_DIR", raising=False)
     with pytest.raises(UserError, match="SmolLM2-135M-Instruct, on this machine") as e:
         probe.load_probe_set(gate, 2)
@@ -48,7 +48,7 @@ def _gate(tmp_path, **over):
     (lambda g: (g / "per_token.npz").write_bytes(b"junk"), "per_token.npz"),
 ])
 def test_damaged_gate_folder_is_a_user_error(tmp_path, monkeypatch, damage, says):
-    monkeypatch.setattr(cg, "cached_reference", lambda key, root=None: object())
+    monkeypatch.setattr(gate_reference, "cached_reference", lambda key, root=None: object())
     gate = _gate(tmp_path)
     damage(gate)
     with pytest.raises(UserError, match=says) as e:
@@ -57,7 +57,7 @@ def test_damaged_gate_folder_is_a_user_error(tmp_path, monkeypatch, damage, says
 
 
 def test_gate_path_that_is_a_file_or_lacks_keys_is_a_user_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(cg, "cached_reference", lambda key, root=None: object())
+    monkeypatch.setattr(gate_reference, "cached_reference", lambda key, root=None: object())
     (tmp_path / "afile").write_text("x")
     with pytest.raises(UserError, match="has no metrics.json"):
         probe.load_probe_set(tmp_path / "afile", 2)
@@ -69,7 +69,7 @@ def test_garbage_or_other_reference_model_is_a_user_error(tmp_path, monkeypatch,
     class Ref:
         hidden = [np.zeros((3, 64), np.float32)]  # a model with hidden size 64, not the default model's 576
 
-    monkeypatch.setattr(cg, "cached_reference", lambda key, root=None: Ref())
+    monkeypatch.setattr(gate_reference, "cached_reference", lambda key, root=None: Ref())
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "config.json").write_text("{}")

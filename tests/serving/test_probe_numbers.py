@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from precision_pipeline.gate import checkpoint_gate as cg
+from precision_pipeline.gate import metrics as gm
 from precision_pipeline.serving import probe
 from precision_pipeline.spec.profile import GateThresholds
 
@@ -111,7 +111,7 @@ def test_a_wrong_token_counts_exactly():
     the gate's own token_metrics on the same rows."""
     ps = _set()
     r = probe.run_probe(Server(Client(_engine(same=False))), "u", ps, bootstrap=50)
-    m = cg.token_metrics(torch.tensor([REF_A[1]]), torch.tensor([[0.0, 0.0, 0.0, 4.0, 0.0]]))
+    m = gm.token_metrics(torch.tensor([REF_A[1]]), torch.tensor([[0.0, 0.0, 0.0, 4.0, 0.0]]))
     bad = float(m.kl[0])
     assert bad > 1.0
     kl = np.array([0.0, bad, 0.0])
@@ -125,8 +125,8 @@ def test_a_wrong_token_counts_exactly():
     assert 0.0 <= lo <= r.kl_p99 <= hi and set(r.ci95) == {"kl_p99", "kl_mean", "top1"}
     # the intervals are the gate's own bootstrap over prompts (same statistic, resamples and seed)
     groups = [np.array([0.0, bad], np.float32), np.array([0.0], np.float32)]
-    assert r.ci95["kl_p99"] == pytest.approx(list(cg.bootstrap_ci(groups, lambda x: float(np.percentile(x, 99)), 50, 0)), abs=1e-6)
-    assert r.ci95["kl_mean"] == pytest.approx(list(cg.bootstrap_ci(groups, np.mean, 50, 0)), abs=1e-6)
+    assert r.ci95["kl_p99"] == pytest.approx(list(gm.bootstrap_ci(groups, lambda x: float(np.percentile(x, 99)), 50, 0)), abs=1e-6)
+    assert r.ci95["kl_mean"] == pytest.approx(list(gm.bootstrap_ci(groups, np.mean, 50, 0)), abs=1e-6)
     s = r.summary()
     assert s["passed"] is False and s["tokens"] == 3 and s["unit"] == "u" and s["ms"] >= 0
     r.ms = 12.3456

@@ -102,7 +102,7 @@ def test_runtime_field_reaches_the_triton_configs(field):
 def _deploy(tmp_path, tp=1, gate=False, **dep):
     prof = make_profile("fp8-h100", parallel={"tp_size": tp}, deployment={"gpus_per_replica": tp, **dep})
     repo = make_repo(tmp_path / "b", world=tp)
-    return deploy.render_manifests(deploy_plan(prof, tp=tp), prof, repo, tmp_path / "b", "/srv/b")
+    return deploy.render_manifests(deploy.ManifestInputs(deploy_plan(prof, tp=tp), prof, repo, "/srv/b"), tmp_path / "b")
 
 
 def test_replicas(tmp_path):

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.spec.profile import MAX_YAML_NODES, PROFILES_DIR, load_profile
+from precision_pipeline.spec.profile import PROFILES_DIR, load_profile
+from precision_pipeline.spec.profile_yaml import MAX_YAML_NODES
 
 BASE = "target:\n  gpu: h100-sxm\n"
 

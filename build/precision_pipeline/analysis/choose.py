@@ -47,20 +47,20 @@ service: replicas added), ``max_cold_start_s`` (replica start or cold rollback).
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import json
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import yaml
 
+from precision_pipeline.analysis.accuracy import (ACCURACY_PRIOR, Accuracy, accuracy_of, measured_accuracy, prior_for,
+                                                  quality_key, shipped_algo, shipped_quality)
+from precision_pipeline.analysis.candidate import Candidate, pareto, tokens_per_gpu
+from precision_pipeline.analysis.compare_report import pareto_png, render_html, table_rows, write_compare
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.core.store import atomic_write_bytes, atomic_write_text
 from precision_pipeline.resolve import perf as PF
 from precision_pipeline.resolve import plan as P
 from precision_pipeline.spec import formats as F
@@ -82,93 +82,6 @@ LOAD_GBS = 2.0
 """GB/s per GPU an engine's weights load at (local NVMe; an assumption, not measured): cold-start times."""
 RUNTIME_START_S = 30.0
 """Seconds a replica needs before loading weights (container, Triton, TensorRT-LLM runtime; an assumption)."""
-SRC_PRIOR = "README.md 'Measured gate numbers' (SmolLM2-135M-Instruct, full golden set, vs FP32)"
-PRIOR_MODEL = "SmolLM2-135M-Instruct"
-
-
-@dataclass(frozen=True)
-class Accuracy:
-    """Gate numbers of a candidate: KL mean / P99 (nats), top-1 agreement; ``kind`` measured / prior / unknown."""
-
-    kind: str
-    kl_mean: Optional[float] = None
-    kl_p99: Optional[float] = None
-    top1: Optional[float] = None
-    source: str = ""
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
-
-ACCURACY_PRIOR: dict[str, Accuracy] = {
-    # shipped profile -> its measured gate numbers (SRC_PRIOR). A candidate gets one only when its resolved
-    # quantization and calibration equal that profile's (``prior_for``): on the default model the FP8 KV
-    # cache is where most of the FP8 profile's loss comes from (README), so a prior never carries over to
-    # another KV format, and a tuned profile's exclusions are part of its quantization.
-    "bf16-h100": Accuracy("prior", 0.0, 0.0, 1.0, f"{SRC_PRIOR}: bf16-h100"),
-    "fp8-h100": Accuracy("prior", 0.0539, 0.424, 0.898, f"{SRC_PRIOR}: fp8-h100"),
-    "int8-sq-l4": Accuracy("prior", 0.3696, 2.600, 0.737, f"{SRC_PRIOR}: int8-sq-l4"),
-    "int8-sq-l4-smollm2": Accuracy("prior", 0.1841, 1.793, 0.817, f"{SRC_PRIOR}: int8-sq-l4-smollm2"),
-    "int4-awq-a100": Accuracy("prior", 0.3392, 2.517, 0.745, f"{SRC_PRIOR}: int4-awq-a100"),
-    "int4-awq-a100-smollm2": Accuracy("prior", 0.2353, 1.878, 0.792, f"{SRC_PRIOR}: int4-awq-a100-smollm2"),
-    "nvfp4-b200": Accuracy("prior", 0.5905, 3.614, 0.653, f"{SRC_PRIOR}: nvfp4-b200"),
-    "nvfp4-b200-smollm2": Accuracy("prior", 0.2368, 1.845, 0.790, f"{SRC_PRIOR}: nvfp4-b200-smollm2"),
-    "mixed-fp8-int4-h100": Accuracy("prior", 0.1759, 1.342, 0.812, f"{SRC_PRIOR}: mixed-fp8-int4-h100, 6.0 bits"),
-}
-"""Per-profile accuracy priors (used only when no build of the candidate was measured)."""
-
-
-@lru_cache(maxsize=None)
-def _shipped(name: str):
-    """``load_profile(name)`` of a shipped profile, read once per process (candidates only read it)."""
-    return load_profile(name)
-
-
-@lru_cache(maxsize=None)
-def _shipped_quality(name: str) -> str:
-    return json.dumps(_quality_key(_shipped(name)), sort_keys=True)
-
-
-def _shipped_algo(name: str) -> QuantAlgo:
-    return _shipped(name).quantization.quant_algo
-
-
-def prior_for(profile) -> Optional[Accuracy]:
-    """The ``ACCURACY_PRIOR`` of the shipped profile whose quantization + calibration equal ``profile``'s, or None."""
-    want = json.dumps(_quality_key(profile), sort_keys=True)
-    return next((a for n, a in ACCURACY_PRIOR.items() if _shipped_quality(n) == want), None)
-
-
-@dataclass
-class Candidate:
-    """One evaluated candidate: its profile (None when the profile itself is invalid), plan, estimate,
-    accuracy, and why it is out (``refused``: the rules; ``violations``: the constraints)."""
-
-    label: str
-    base: str
-    overrides: dict
-    profile: Any = None
-    plan: Any = None
-    estimate: Optional[dict] = None
-    perf: Optional[dict] = None
-    fallback: dict = field(default_factory=dict)  # where the fallback lives, its GPUs, rollback time
-    accuracy: Accuracy = field(default_factory=lambda: Accuracy("unknown"))
-    refused: list[dict] = field(default_factory=list)  # {"rule", "field", "reason"}
-    violations: list[dict] = field(default_factory=list)  # {"constraint", "limit", "value", "by", "text"}
-
-    @property
-    def ok(self) -> bool:
-        return not self.refused and not self.violations
-
-    @property
-    def world_size(self) -> int:
-        return self.plan.mapping.world_size if self.plan is not None else self.overrides["parallel"]["tp_size"]
-
-    def to_json(self) -> dict:
-        return {"label": self.label, "base": self.base, "overrides": self.overrides, "ok": self.ok,
-                "refused": self.refused, "violations": self.violations, "accuracy": self.accuracy.to_json(),
-                "estimate": self.estimate, "perf": self.perf, "fallback": self.fallback,
-                "memory": self.plan.memory.to_json() if self.plan is not None and self.plan.memory else None}
 
 
 @dataclass(frozen=True)
@@ -195,10 +108,10 @@ def base_profiles_for(algo: QuantAlgo) -> list[str]:
     first, then the other shipped profiles of that quant_algo whose quantization + calibration differ
     (a tuned variant such as ``nvfp4-b200-smollm2``; same-quality copies such as ``fp8-h200`` add nothing)."""
     first = base_profile_for(algo)
-    out, seen = [first], {_shipped_quality(first)}
+    out, seen = [first], {shipped_quality(first)}
     for n in shipped_profiles():
-        if n != first and _shipped_algo(n) == algo and _shipped_quality(n) not in seen:
-            seen.add(_shipped_quality(n))
+        if n != first and shipped_algo(n) == algo and shipped_quality(n) not in seen:
+            seen.add(shipped_quality(n))
             out.append(n)
     return out
 
@@ -207,7 +120,7 @@ def base_profile_for(algo: QuantAlgo) -> str:
     """The shipped profile a candidate of GEMM format ``algo`` starts from: the first shipped profile
     with that quant_algo, else one whose format groups its scales the same way (``GemmFormat.grouping``
     per_group / fixed_block: its group_size), else the unquantized one."""
-    loaded = [(n, _shipped_algo(n)) for n in shipped_profiles()]
+    loaded = [(n, shipped_algo(n)) for n in shipped_profiles()]
     same = [n for n, a in loaded if a == algo]
     grouping = F.GEMM[algo].grouping
     alike = [n for n, a in loaded if grouping != "none" and F.GEMM[a].grouping == grouping]
@@ -235,63 +148,6 @@ def context_settings(profile, sm: int) -> dict:
     return out
 
 
-def _quality_key(p) -> dict:
-    """What the gate's numbers depend on: the resolved quantization and calibration sections."""
-    return {"quantization": p.quantization.model_dump(mode="json"), "calibration": p.calibration.model_dump(mode="json")}
-
-
-def _full_golden_prompts() -> int:
-    from precision_pipeline.gate.golden import load_golden
-
-    return len(load_golden())
-
-
-def measured_accuracy(profile, artifacts: Path, model: Optional[ModelArch] = None) -> Optional[Accuracy]:
-    """Gate numbers of an existing build of the same quantization + calibration (``artifacts/*/gate/metrics.json``)
-    **of the same model** (plan.json's ``model`` equals ``model``'s config: measurements are keyed by the model
-    they were made on) over the **whole golden set** (a ``--golden-limit`` build is a quick check, not a
-    measurement: its prompts are fewer than ``load_golden()``'s)."""
-    if not artifacts.is_dir():
-        return None
-    want = _quality_key(profile)
-    want_model = model.model_dump(mode="json") if model is not None else None
-    for gate in sorted(artifacts.glob("*/gate/metrics.json")):
-        out = gate.parent.parent
-        try:
-            plan = json.loads((out / "plan.json").read_text())
-            doc = json.loads(gate.read_text())
-            metrics = doc.get("metrics") or {}
-        except (OSError, ValueError):
-            continue
-        pr = plan.get("profile_resolved") or {}
-        if {"quantization": pr.get("quantization"), "calibration": pr.get("calibration")} != want:
-            continue
-        if want_model is not None and plan.get("model") != want_model:
-            continue
-        prompts = (doc.get("golden") or {}).get("prompts")
-        if isinstance(prompts, int) and prompts < _full_golden_prompts():
-            continue
-
-        def val(k):
-            v = metrics.get(k)
-            return v.get("value") if isinstance(v, dict) else None
-
-        return Accuracy("measured", val("kl_mean"), val("kl_p99"), val("top1"), f"{gate} (build of {plan.get('profile')})")
-    return None
-
-
-def accuracy_of(profile, model: ModelArch, artifacts: Path) -> Accuracy:
-    """measured, else prior (labelled with the model it was measured on), else unknown."""
-    got = measured_accuracy(profile, artifacts, model)
-    if got is not None:
-        return got
-    q = profile.quantization
-    prior = prior_for(profile)
-    if prior is None:
-        return Accuracy("unknown", source=f"no build measured and no prior for {q.quant_algo.value} GEMMs with a "
-                                          f"{q.kv_cache_quant_algo.value} KV cache")
-    other = "" if model.name == PRIOR_MODEL else f"; measured on {PRIOR_MODEL}, not this model"
-    return Accuracy("prior", prior.kl_mean, prior.kl_p99, prior.top1, prior.source + other)
 
 
 def _refusals(plan) -> list[dict]:
@@ -346,19 +202,28 @@ def _load_s(weight_bytes_per_gpu: float) -> float:
     return weight_bytes_per_gpu / (LOAD_GBS * 1e9)
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How a candidate is estimated: ``context`` (tokens per sequence of the estimate; None: the plan's),
+    ``fit_context_kernels`` (first add ``context_settings``: the per-phase kernels the builder keeps) and
+    ``workload`` (the performance model's input; None: ``PF.Workload()``)."""
+
+    context: Optional[int] = None
+    fit_context_kernels: bool = False
+    workload: Optional[PF.Workload] = None
+
+
 def evaluate_candidate(label: str, base: str, overrides: dict, model: ModelArch, artifacts: Path,
-                       context: Optional[int] = None, fit_context_kernels: bool = False,
-                       workload: Optional[PF.Workload] = None, fallback_choice: Optional[str] = None) -> Candidate:
-    """Merge ``overrides`` over ``base`` (as ``extends`` does), validate, resolve, estimate.
-    ``fit_context_kernels``: first add ``context_settings`` (the per-phase kernels the builder keeps).
-    ``workload``: the performance model's input (default ``PF.Workload()``). ``fallback_choice``: one of
-    ``FALLBACK_CHOICES`` for the profile's deployment.fallback (None: as the profile says); the fallback is
-    deployed at the candidate's tp x pp (same-gpus, none) or at the fewest GPUs it runs on (own-replica)."""
-    wl = workload or PF.Workload()
+                       settings: EvalSettings = EvalSettings(), fallback_choice: Optional[str] = None) -> Candidate:
+    """Merge ``overrides`` over ``base`` (as ``extends`` does), validate, resolve, estimate at ``settings``.
+    ``fallback_choice``: one of ``FALLBACK_CHOICES`` for the profile's deployment.fallback (None: as the
+    profile says); the fallback is deployed at the candidate's tp x pp (same-gpus, none) or at the fewest
+    GPUs it runs on (own-replica)."""
+    wl, context = settings.workload or PF.Workload(), settings.context
     c = Candidate(label, base, overrides)
     try:
         c.profile = _merged(base, overrides, label)
-        if fit_context_kernels:
+        if settings.fit_context_kernels:
             extra = context_settings(c.profile, resolve_gpu(c.profile.target.gpu).sm)
             if extra:
                 c.overrides = overrides = deep_merge(overrides, extra)
@@ -424,9 +289,7 @@ def _deployed_rate(c: Candidate, wl: PF.Workload, min_tokens_per_s: Optional[flo
     c.perf["deployed_tokens_per_s_per_gpu"] = round(per * reps / gpus, 1) if gpus else 0.0
 
 
-def tokens_per_gpu(c: Candidate) -> float:
-    """The ranking's throughput: output tokens/s per GPU of the deployment (``perf``)."""
-    return c.perf["deployed_tokens_per_s_per_gpu"] if c.perf else 0.0
+
 
 
 @lru_cache(maxsize=1)
@@ -485,8 +348,7 @@ def enumerate_candidates(gpu: str, model: Union[Path, str, ModelArch], artifacts
                     o = _overrides(spec.id, fmt.algo, kv.algo, tp, raw, context, min_concurrency, workload)
                     for choice in (fallback_choices if has_fb else (None,)):
                         out.append(evaluate_candidate(label + (f"/fb-{choice}" if choice else ""), base, o, m,
-                                                      artifacts, context, fit_context_kernels=True, workload=workload,
-                                                      fallback_choice=choice))
+                                                      artifacts, EvalSettings(context, True, workload), choice))
     return out
 
 
@@ -683,7 +545,7 @@ def _unmeasured_by_quality(cands: list[Candidate]) -> list[Candidate]:
     for c in cands:
         if c.profile is None or c.refused or c.accuracy.kind == "measured":
             continue
-        q = _quality_key(c.profile)
+        q = quality_key(c.profile)
         if q not in seen:
             seen.append(q)
             out.append(c)
@@ -752,166 +614,13 @@ def compare(profiles: list[str], model: Union[Path, str, ModelArch], artifacts: 
         base = load_profile(name)  # UserError for an unknown profile name
         over = {"target": {"gpu": spec.id}} if spec else {}
         label = base.name + (f"@{spec.id}" if spec else "")
-        out.append(evaluate_candidate(label, name, over, m, artifacts, workload=workload))
+        out.append(evaluate_candidate(label, name, over, m, artifacts, EvalSettings(workload=workload)))
     return out
 
 
-def pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Runnable candidates with a known KL P99 that no other one beats on both axes (higher decode
-    tokens/s per GPU and lower KL P99, at least one strictly)."""
-    pts = [c for c in cands if not c.refused and c.accuracy.kl_p99 is not None]
-
-    def dominated(a: Candidate) -> bool:
-        ta, la = tokens_per_gpu(a), a.accuracy.kl_p99
-        return any((tokens_per_gpu(b) >= ta and b.accuracy.kl_p99 <= la)
-                   and (tokens_per_gpu(b) > ta or b.accuracy.kl_p99 < la) for b in pts if b is not a)
-
-    return [c for c in pts if not dominated(c)]
-
-
-def pareto_png(cands: list[Candidate]) -> bytes:
-    """Accuracy loss (KL P99) vs estimated decode tokens/s per GPU; marker area ~ weight bytes per GPU;
-    the frontier joined by a line and its points outlined."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    pts = [c for c in cands if not c.refused and c.accuracy.kl_p99 is not None]
-    front = pareto(cands)
-    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=100)
-    wmax = max((c.plan.memory.weight_bytes_per_gpu for c in pts), default=1)
-    gpus = {c.label.rpartition("@")[2] for c in pts if "@" in c.label}
-    same_gpu = len(gpus) == 1 and all("@" in c.label for c in pts)  # compare --gpu G: G goes into the title
-    for c in pts:
-        x, y = tokens_per_gpu(c), c.accuracy.kl_p99
-        size = 60 + 600 * c.plan.memory.weight_bytes_per_gpu / wmax
-        on = c in front
-        ax.scatter([x], [y], s=size, alpha=0.6, edgecolors="black" if on else "none", linewidths=2 if on else 0,
-                   marker="o" if c.accuracy.kind == "measured" else "s")
-    _annotate_apart(ax, fig, [((tokens_per_gpu(c), c.accuracy.kl_p99),
-                               c.label.rpartition("@")[0] if same_gpu else c.label) for c in pts])
-    if front:
-        f = sorted(front, key=tokens_per_gpu)
-        ax.plot([tokens_per_gpu(c) for c in f], [c.accuracy.kl_p99 for c in f], "k--", lw=1,
-                label="Pareto frontier")
-        ax.legend(loc="lower right", fontsize=8)
-        lo, hi = PF.RANGE
-        for c in pts:  # the honest range of each estimate, as a horizontal bar
-            ax.plot([tokens_per_gpu(c) * lo, tokens_per_gpu(c) * hi], [c.accuracy.kl_p99] * 2, "-", color="0.6", lw=0.8)
-    w = next((c.perf["workload"] for c in pts if c.perf), None)
-    load = "" if w is None else (f", concurrency {w['concurrency']:,}" if w["concurrency"] is not None
-                                 else f", {w['request_rate']:g} req/s" if w["request_rate"] is not None else ", max load")
-    wl = "" if w is None else f"; {w['input_len']:,} in / {w['output_len']:,} out tokens{load}"
-    ax.set_xlabel(f"output tokens/s per GPU (performance model{wl}; grey: its range)", fontsize=9)
-    ax.set_ylabel("KL P99 vs reference (nats; circle measured, square prior)")
-    ax.set_title("accuracy loss vs estimated throughput" + (f" on {gpus.pop()}" if same_gpu else ", each on its own GPU")
-                 + " (marker size = weight bytes per GPU)", fontsize=10)
-    ax.grid(alpha=0.3)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def _annotate_apart(ax, fig, points: list[tuple[tuple[float, float], str]], line_px: float = 11.0) -> None:
-    """Label each point to its upper right, moving a label up (in screen pixels) while it would
-    overlap one placed before it (points taken bottom to top), with a leader line when moved."""
-    fig.canvas.draw()
-    to_px = ax.transData.transform
-    placed: list[tuple[float, float, float]] = []  # x0, x1, y of each label's baseline, in pixels
-    for (x, y), text in sorted(points, key=lambda p: (p[0][1], p[0][0])):
-        px, py = to_px((x, y))
-        lx, ly = px + 6, py + 6
-        width = 5.2 * len(text)  # 8 pt sans: ~5.2 px per character at 100 dpi
-        while any(lx < b1 and a0 < lx + width and abs(ly - by) < line_px for a0, b1, by in placed):
-            ly += line_px
-        placed.append((lx, lx + width, ly))
-        moved = ly - py > 6 + 0.5
-        ax.annotate(text, (x, y), xytext=(lx - px, ly - py), textcoords="offset pixels", fontsize=8,
-                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4"} if moved else None)
-
-
-def table_rows(cands: list[Candidate]) -> list[dict]:
-    """One row per candidate (the table of ``invoke compare`` and of the HTML page)."""
-    front = pareto(cands)
-    rows = []
-    for c in cands:
-        if c.refused:
-            rows.append({"profile": c.label, "runs": False,
-                         "refused": "; ".join(f"{r['rule']}: {r['reason']}" for r in c.refused)})
-            continue
-        mem, e, a = c.plan.memory, c.estimate, c.accuracy
-        rows.append({"profile": c.label, "runs": True, "gpu": c.plan.gpu.id, "gpus": c.world_size,
-                     "weight_bytes_per_gpu": mem.weight_bytes_per_gpu, "kv_bytes_per_token": mem.kv_bytes_per_token,
-                     "kv_tokens_capacity": mem.kv_tokens_capacity,
-                     "concurrency": e["kv_concurrency_at_context"], "context": e["context_tokens"],
-                     "decode_tokens_per_s_per_gpu": e["decode_tokens_per_s_per_gpu"],
-                     "output_tokens_per_s_per_gpu": tokens_per_gpu(c),
-                     "output_tokens_per_s_per_replica": c.perf["output_tokens_per_s_per_replica"] if c.perf else None,
-                     "ttft_p99_s": c.perf["ttft_p99_s"] if c.perf else None, "tpot_s": c.perf["tpot_s"] if c.perf else None,
-                     "ranges": c.perf.get("ranges") if c.perf else None, "batch": c.perf["batch"] if c.perf else None,
-                     "fallback": c.fallback.get("where"),
-                     "prefill_tokens_per_s": e["prefill_tokens_per_s"],
-                     "kl_mean": a.kl_mean, "kl_p99": a.kl_p99, "top1": a.top1, "accuracy": a.kind,
-                     "accuracy_source": a.source, "frontier": c in front})
-    return rows
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, bool):
-        return "yes" if v else ""
-    if isinstance(v, float):
-        return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
-COLUMNS = ("profile", "gpu", "gpus", "weight_bytes_per_gpu", "kv_bytes_per_token", "kv_tokens_capacity", "batch",
-           "output_tokens_per_s_per_gpu", "output_tokens_per_s_per_replica", "ttft_p99_s", "tpot_s", "kl_mean", "kl_p99", "top1", "accuracy", "frontier")
-
-
-def render_html(cands: list[Candidate], png: bytes) -> str:
-    """Self-contained page: the table (``table#compare``, one ``tr[data-profile]`` per runnable profile),
-    the chart (base64 PNG), the refused profiles (``ul#refused``) and the estimate's limits."""
-    e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
-    rows = table_rows(cands)
-    head = "".join(f"<th>{e(c)}</th>" for c in COLUMNS)
-    body = "".join(
-        f'<tr data-profile="{e(r["profile"])}" class="{"frontier" if r["frontier"] else ""}">'
-        + "".join(f'<td class="{c}">{e(_cell(r.get(c)))}</td>' for c in COLUMNS) + "</tr>"
-        for r in rows if r["runs"])
-    refused = "".join(f'<li data-profile="{e(r["profile"])}">{e(r["profile"])}: {e(r["refused"])}</li>'
-                      for r in rows if not r["runs"])
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>profile comparison</title>"
-            "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;border-bottom:1px solid #ddd}"
-            "tr.frontier td{font-weight:bold}</style></head><body><h1>profile comparison</h1>"
-            f"<p id='kind'>Throughput, TTFT, TPOT: {e(PF.KIND)} ({e(PF.CALIBRATION)}); every value lies within "
-            f"x{PF.RANGE[0]}..x{PF.RANGE[1]} of the measured ones on benchmarks/planner.py's table. Accuracy: measured gate numbers "
-            "of an existing build of the same quantization and calibration, else a per-format prior (labelled).</p>"
-            f"<table id='compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-            f"<section id='chart'><img class='plot' alt='Pareto chart' src='data:image/png;base64,"
-            f"{base64.b64encode(png).decode()}'></section>"
-            f"<h2>cannot run</h2><ul id='refused'>{refused}</ul></body></html>")
-
-
-def write_compare(cands: list[Candidate], out_dir: Path) -> dict[str, Path]:
-    """compare.json, pareto.png and compare.html in ``out_dir`` (each written atomically)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = pareto_png(cands)
-    paths = {"json": out_dir / "compare.json", "png": out_dir / "pareto.png", "html": out_dir / "compare.html"}
-    atomic_write_text(paths["json"], json.dumps({"rows": table_rows(cands), "candidates": [c.to_json() for c in cands]},
-                                                indent=2))
-    atomic_write_bytes(paths["png"], png)
-    atomic_write_text(paths["html"], render_html(cands, png))
-    return paths
-
-
-__all__ = ["ACCURACY_PRIOR", "Accuracy", "Candidate", "Constraints", "Recommendation", "enumerate_candidates",
-           "recommend", "compare", "pareto", "pareto_png", "render_html", "write_compare", "profile_yaml",
-           "write_profile", "fallback_yaml", "fallback_text", "tokens_per_gpu", "FALLBACK_CHOICES", "measure_top", "build_unmeasured", "profile_file_stem", "table_rows", "base_profile_for", "base_profiles_for", "prior_for", "accuracy_of", "measured_accuracy"]
+__all__ = ["Constraints", "EvalSettings", "evaluate_candidate", "Recommendation", "enumerate_candidates", "recommend", "compare", "profile_yaml",
+           "write_profile", "fallback_yaml", "fallback_text", "FALLBACK_CHOICES", "measure_top", "build_unmeasured",
+           "profile_file_stem", "base_profile_for", "base_profiles_for",
+           # homes: analysis/accuracy.py, candidate.py, compare_report.py; here for callers not moved yet (tasks.py)
+           "ACCURACY_PRIOR", "Accuracy", "prior_for", "accuracy_of", "measured_accuracy", "Candidate", "tokens_per_gpu",
+           "pareto", "pareto_png", "render_html", "table_rows", "write_compare"]

@@ -59,7 +59,6 @@ Outputs in ``<out>/sensitivity/``:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -71,325 +70,22 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 import yaml
 import torch
-import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from precision_pipeline.analysis.evaluator import (DEFAULT_PACK_TOKENS, HEAD_KIND, KINDS, KV_KIND, LINEAR_KINDS, Cell,
+                                                   Evaluator)
+from precision_pipeline.analysis.heatmap import plot_heatmap
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, hash_dir, hash_file, hash_obj
 from precision_pipeline.spec import formats as FMT
 
 CODE_VERSION = 2  # 2: the measurement key hashes SensitivityOptions
-LINEAR_KINDS: dict[str, tuple[str, ...]] = {
-    "attention.qkv": ("attention.qkv",),
-    "attention.dense": ("attention.dense",),
-    "mlp.fc_gate": ("mlp.fc", "mlp.gate"),
-    "mlp.proj": ("mlp.proj",),
-}
-KV_KIND = "kv_cache"
-HEAD_KIND = "lm_head"
-KINDS: tuple[str, ...] = tuple(LINEAR_KINDS) + (KV_KIND,)
-# TRT-LLM linear -> HF Llama module (relative to the decoder layer)
-_TRT_TO_HF = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
-              "mlp.proj": "mlp.down_proj"}
-DEFAULT_PACK_TOKENS = 512
 MAX_REFINE = 2  # extra suggest+verify rounds when the verified suggestion misses the thresholds
-HEATMAP_DPI = 100
 FIELD = "sensitivity"
-
-
-# ==============================================================================================
-# Cells
-
-
-@dataclass(frozen=True, order=True)
-class Cell:
-    """One unit that is quantized alone: ``layer`` (None for lm_head) x ``kind``."""
-
-    layer: int
-    kind: str
-
-    @property
-    def name(self) -> str:
-        return HEAD_KIND if self.kind == HEAD_KIND else f"L{self.layer:02d}.{self.kind}"
-
-    @property
-    def trt_linears(self) -> tuple[str, ...]:
-        """TensorRT-LLM linear names this cell covers (empty for kv_cache)."""
-        if self.kind == HEAD_KIND:
-            return ("lm_head",)
-        return tuple(f"transformer.layers.{self.layer}.{t}" for t in LINEAR_KINDS.get(self.kind, ()))
-
-    @property
-    def excludable(self) -> bool:
-        return self.kind != KV_KIND
-
-    @staticmethod
-    def parse(name: str) -> "Cell":
-        if name == HEAD_KIND:
-            return Cell(1 << 30, HEAD_KIND)
-        layer, kind = name.split(".", 1)
-        return Cell(int(layer[1:]), kind)
 
 
 def _rounded(a: np.ndarray) -> list[float]:
     return [float(f"{x:.6g}") for x in np.asarray(a, dtype=np.float64)]
-
-
-# ==============================================================================================
-# The evaluator: FP32 model, cached layer inputs, swap cells in and out
-
-
-@dataclass
-class Measurement:
-    """KL / top-1 of one set of quantized cells vs the FP32 reference (answer positions)."""
-
-    kl: np.ndarray
-    top1: np.ndarray
-    seconds: float
-
-    def summary(self) -> dict[str, float]:
-        from precision_pipeline.gate.checkpoint_gate import kl_summary
-
-        return {**kl_summary(self.kl), "top1": float(self.top1.mean()) if self.top1.size else float("nan")}
-
-
-class Evaluator:
-    """The FP32 HF model plus the checkpoint's quantized modules, cell by cell.
-
-    ``ck``: the dequantized checkpoint (``checkpoint.dequantize_checkpoint``); tests may replace
-    entries of ``ck.linears`` before measuring. ``encoded``: golden prompts (``golden.encode_golden``).
-    """
-
-    def __init__(self, model_dir: Path, ck: Any, encoded: Sequence[Any], pack_tokens: int = DEFAULT_PACK_TOKENS):
-        from transformers import AutoModelForCausalLM
-
-        from precision_pipeline.checkpoint.reader import ATTN_IMPL, act_fake_quant, register_attention
-
-        self.ck = ck
-        cfg = ck.config
-        q = cfg.get("quantization") or {}
-        self.quant_algo = FMT.gemm(q.get("quant_algo")).value
-        self.kv_algo = getattr(ck, "kv_cache_quant_algo", None) or q.get("kv_cache_quant_algo")
-        self.group_size = q.get("group_size")
-        self.act_format = act_fake_quant(self.quant_algo)
-        kvf = FMT.KV.get(self.kv_algo) if self.kv_algo else None
-        self.kv_format = kvf.fake_quant if kvf is not None else None
-        register_attention()
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        model.config._attn_implementation = ATTN_IMPL
-        for layer in model.model.layers:
-            layer.self_attn.config._attn_implementation = ATTN_IMPL
-            layer.self_attn.kv_format = None
-        self.model = model
-        self.n_layers = len(model.model.layers)
-        if int(cfg.get("num_hidden_layers", -1)) != self.n_layers:
-            raise UserError("checkpoint", f"checkpoint has {cfg.get('num_hidden_layers')} layers, the model {self.n_layers}.",
-                            "pass the HF folder the checkpoint was made from (--model).")
-        self.hf_linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        hd = int(cfg.get("head_size") or model.config.hidden_size // model.config.num_attention_heads)
-        self.nq = model.config.num_attention_heads * hd
-        self.nkv = model.config.num_key_value_heads * hd
-        self.head_dim = hd
-        self._pack(encoded, pack_tokens)
-        self._reference()
-
-    # ---- packing
-    def _pack(self, encoded: Sequence[Any], pack_tokens: int) -> None:
-        """Pack prompts (first-fit decreasing, at most ``pack_tokens`` tokens a pack) into sequences
-        ``[shared prefix][prompt 1 rest][prompt 2 rest]...``: the chat template's system header
-        that every prompt starts with is computed once per pack; each prompt attends to the prefix
-        and to itself (block-diagonal causal mask), positions continue after the prefix as in the
-        prompt alone. A pack of one prompt is the prompt itself (plain causal attention)."""
-        encoded = list(encoded)
-        if not encoded:
-            raise UserError("golden set", "the prompt subset is empty.", "use prompts_per_category >= 1.")
-        lcp = min(len(e.input_ids) for e in encoded)
-        first = encoded[0].input_ids
-        for e in encoded[1:]:
-            n = 0
-            while n < lcp and e.input_ids[n] == first[n]:
-                n += 1
-            lcp = n
-        lcp = max(0, min([lcp] + [e.user_start - 1 for e in encoded]))
-        self.prefix_tokens = lcp
-        bins: list[list[Any]] = []
-        sizes: list[int] = []
-        for e in sorted(encoded, key=lambda e: -len(e.input_ids)):
-            n = len(e.input_ids) - lcp
-            for k in range(len(bins)):
-                if sizes[k] + n <= pack_tokens:
-                    bins[k].append(e)
-                    sizes[k] += n
-                    break
-            else:
-                bins.append([e])
-                sizes.append(lcp + n)
-        self.packs = []
-        for p in bins:
-            P = lcp if len(p) > 1 else 0
-            ids, pos, seg, ans = list(p[0].input_ids[:P]), list(range(P)), [-1] * P, []
-            for k, e in enumerate(p):
-                off = len(ids)
-                ids += list(e.input_ids[P:])
-                pos += list(range(P, len(e.input_ids)))
-                seg += [k] * (len(e.input_ids) - P)
-                a = e.answer_positions
-                ans += list(range(off + a.start - P, off + a.stop - P))
-            mask = None
-            if len(p) > 1:
-                s = torch.tensor(seg)
-                t = torch.arange(len(ids))
-                mask = ((s[None, :] == s[:, None]) | (s[None, :] == -1)) & (t[None, :] <= t[:, None])
-                mask = mask[None, None]
-            self.packs.append({"ids": torch.tensor([ids], dtype=torch.long), "pos": torch.tensor([pos], dtype=torch.long),
-                               "mask": mask, "answer": torch.tensor(ans, dtype=torch.long), "prompts": [e.id for e in p]})
-        self.tokens = sum(int(p["ids"].shape[1]) for p in self.packs)
-        self.answer_tokens = sum(int(p["answer"].numel()) for p in self.packs)
-
-    # ---- running
-    @torch.inference_mode()
-    def _run(self, start: int, hidden: list[torch.Tensor], cache: bool = False) -> torch.Tensor:
-        """Answer-position logits ``[A, V]`` from layer ``start`` on (``hidden``: per pack, its input)."""
-        m = self.model.model
-        outs, finals = [], []
-        for pi, p in enumerate(self.packs):
-            h = hidden[pi]
-            pe = p["pe"]
-            for i in range(start, self.n_layers):
-                if cache:
-                    self.layer_inputs[i].append(h)
-                h = m.layers[i](h, attention_mask=p["mask"], position_ids=p["pos"], position_embeddings=pe,
-                                cache_position=p["cache_position"])
-            h = m.norm(h[0, p["answer"]])
-            if cache:
-                finals.append(h)
-            outs.append(self.model.lm_head(h).float())
-        if cache:
-            self.final_hidden = torch.cat(finals)
-        return torch.cat(outs)
-
-    @torch.inference_mode()
-    def _reference(self) -> None:
-        t0 = time.perf_counter()
-        m = self.model.model
-        self.layer_inputs: list[list[torch.Tensor]] = [[] for _ in range(self.n_layers)]
-        emb = []
-        for p in self.packs:
-            x = m.embed_tokens(p["ids"])
-            p["pe"] = m.rotary_emb(x, p["pos"])
-            p["cache_position"] = torch.arange(p["ids"].shape[1])
-            emb.append(x)
-        self.ref_logits = self._run(0, emb, cache=True)
-        self.reference_seconds = time.perf_counter() - t0
-
-    # ---- swapping
-    def _spec(self, trt: str):
-        spec = self.ck.linears.get(trt)
-        if spec is None:
-            raise UserError("checkpoint", f"the checkpoint has no {trt}.", "re-export the checkpoint.")
-        return spec
-
-    def quantized(self, cell: Cell) -> bool:
-        """Whether the checkpoint quantizes this cell (kv_cache: the KV cache is quantized)."""
-        if cell.kind == KV_KIND:
-            return self.kv_format is not None
-        if cell.kind == HEAD_KIND:
-            s = self.ck.linears.get("lm_head")
-            return bool(s is not None and s.quantized)
-        return all(self._spec(t).quantized for t in cell.trt_linears)
-
-    def _replacements(self, cell: Cell) -> list[tuple[nn.Module, str, nn.Module]]:
-        from precision_pipeline.checkpoint.reader import LinearSpec, QuantLinear, act_fake_quant
-
-        def act_of(spec: Any) -> Optional[str]:  # per linear (MIXED_PRECISION layers differ)
-            algo = getattr(spec, "quant_algo", None)
-            return act_fake_quant(algo) if FMT.gemm(algo).is_quantized else self.act_format
-
-        if cell.kind == HEAD_KIND:
-            spec = self._spec("lm_head")
-            return [(self.model, "lm_head", QuantLinear(spec, act_of(spec), torch.float32))]
-        layer = self.model.model.layers[cell.layer]
-        out = []
-        for trt in cell.trt_linears:
-            spec = self._spec(trt)
-            short = trt.split(".", 3)[3]
-            if short == "attention.qkv":
-                nq, nkv = self.nq, self.nkv
-                for name, (a, b) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, nq + 2 * nkv))):
-                    rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in spec.act_scale_rows if s < b and e > a]
-                    sub = LinearSpec(weight=spec.weight[a:b], quantized=spec.quantized, act_scale=spec.act_scale,
-                                     act_scale_rows=rows, pre=spec.pre)
-                    out.append((layer.self_attn, name, QuantLinear(sub, act_of(spec) if sub.quantized else None,
-                                                                   torch.float32)))
-            else:
-                parent, attr = _TRT_TO_HF[short].split(".")
-                mod = getattr(layer, parent)
-                old = getattr(mod, attr)
-                if tuple(old.weight.shape) != tuple(spec.weight.shape):
-                    raise UserError("checkpoint", f"{trt} has shape {tuple(spec.weight.shape)}; the model expects "
-                                    f"{tuple(old.weight.shape)}.", "pass the HF folder the checkpoint was made from.")
-                out.append((mod, attr, QuantLinear(spec, act_of(spec) if spec.quantized else None, torch.float32)))
-        return out
-
-    @contextlib.contextmanager
-    def swapped(self, cells: Iterable[Cell]):
-        """Quantize ``cells`` (and only them) for the duration; the FP32 modules come back afterwards."""
-        saved: list[tuple[nn.Module, str, Any]] = []
-        kv_layers: list[int] = []
-        try:
-            for c in cells:
-                if c.kind == KV_KIND:
-                    attn = self.model.model.layers[c.layer].self_attn
-                    ks, vs = self.ck.kv_scales[c.layer]
-                    attn.kv_format = self.kv_format
-                    attn.k_scale, attn.v_scale = ks.to(torch.float32), vs.to(torch.float32)
-                    kv_layers.append(c.layer)
-                    continue
-                for parent, attr, new in self._replacements(c):
-                    saved.append((parent, attr, getattr(parent, attr)))
-                    setattr(parent, attr, new)
-            yield
-        finally:
-            for parent, attr, old in reversed(saved):
-                setattr(parent, attr, old)
-            for i in kv_layers:
-                self.model.model.layers[i].self_attn.kv_format = None
-
-    def measure(self, cells: Sequence[Cell]) -> Measurement:
-        """KL / top-1 with ``cells`` quantized and everything else FP32."""
-        from precision_pipeline.gate.checkpoint_gate import token_metrics
-
-        t0 = time.perf_counter()
-        cells = list(cells)
-        start = min([c.layer for c in cells if c.kind != HEAD_KIND] or [self.n_layers])
-        with self.swapped(cells), torch.inference_mode():
-            if start < self.n_layers:
-                logits = self._run(start, self.layer_inputs[start])
-            else:  # lm_head only: the FP32 final hidden states are cached
-                logits = self.model.lm_head(self.final_hidden).float()
-        tm = token_metrics(self.ref_logits, logits)
-        return Measurement(tm.kl, tm.top1, time.perf_counter() - t0)
-
-    # ---- cost
-    def cell_bytes(self, cell: Cell) -> dict[str, float]:
-        """Checkpoint bytes of the cell in BF16 and quantized; excluding it costs the difference.
-        kv_cache: KV bytes per token of that layer (BF16 vs quantized)."""
-        if cell.kind == KV_KIND:
-            elems = 2 * self.nkv
-            kvf = FMT.KV.get(self.kv_algo) if self.kv_algo else FMT.kv(None)
-            q = elems * (kvf.bytes_per_element if kvf is not None else 2.0)
-            return {"kv_bytes_per_token_bf16": elems * 2.0, "kv_bytes_per_token_quantized": q}
-        bf16 = quant = 0.0
-        for t in cell.trt_linears:
-            spec = self._spec(t)
-            n_out, n_in = spec.weight.shape
-            bf16 += 2.0 * n_in * n_out
-            # MIXED_PRECISION: each linear's own format and group size (from quant_cfg.json)
-            algo = getattr(spec, "quant_algo", None)
-            algo = algo if FMT.gemm(algo).is_quantized or FMT.gemm(self.quant_algo).per_layer else self.quant_algo
-            group = getattr(spec, "group_size", None) or self.group_size
-            quant += FMT.linear_weight_bytes(algo, n_in, n_out, group, dtype_bytes=2)
-        return {"bf16_bytes": bf16, "quantized_bytes": quant, "cost_bytes": bf16 - quant}
 
 
 # ==============================================================================================
@@ -408,7 +104,7 @@ def _predict(full_kl: np.ndarray, cell_kl: dict[str, np.ndarray], excluded: Iter
 
 
 def _meets(kl: np.ndarray, thresholds: dict) -> bool:
-    from precision_pipeline.gate.checkpoint_gate import kl_summary
+    from precision_pipeline.gate.metrics import kl_summary
 
     s = kl_summary(kl)
     ok = True
@@ -426,7 +122,7 @@ def suggest_exclusions(full_kl: np.ndarray, cell_kl: dict[str, np.ndarray], cost
     ``cell_kl``: per-token isolated KL of every measured cell (kv_cache included: it counts in the
     shares but is never chosen); ``costs``: cost in bytes of the excludable cells.
     """
-    from precision_pipeline.gate.checkpoint_gate import kl_summary
+    from precision_pipeline.gate.metrics import kl_summary
 
     chosen: list[str] = []
     path = []
@@ -487,84 +183,6 @@ def resolved_trt_names(hf_linear_names: list[str], patterns: list[str], n_layers
 
     hf, _ = resolve_exclusions(hf_linear_names, patterns, 0, 0, n_layers)
     return sorted({trtllm_name(n) for n in hf})
-
-
-# ==============================================================================================
-# Heatmap
-
-
-def heatmap_size(n_layers: int, n_kinds: int) -> tuple[int, int]:
-    """Pixel size (width, height) of heatmap.png for a matrix of ``n_layers`` x ``n_kinds``."""
-    w, h = _heatmap_inches(n_layers, n_kinds)
-    return int(round(w * HEATMAP_DPI)), int(round(h * HEATMAP_DPI))
-
-
-def _heatmap_inches(n_layers: int, n_kinds: int) -> tuple[float, float]:
-    return 2.6 + 1.25 * n_kinds, 2.4 + 0.3 * (n_layers + 1)
-
-
-def plot_heatmap(matrix: np.ndarray, layers: Sequence[int], kinds: Sequence[str], kind_rows: Optional[np.ndarray],
-                 path: Path, title: str = "") -> tuple[int, int]:
-    """Write the heatmap PNG (KL mean per cell; NaN = not quantized in the checkpoint). Returns its pixel size."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-
-    n, k = matrix.shape
-    vals = np.concatenate([matrix.ravel(), kind_rows.ravel() if kind_rows is not None else np.zeros(0)])
-    pos = vals[np.isfinite(vals) & (vals > 0)]
-    vmin = float(pos.min()) if pos.size else 1e-6
-    vmax = float(pos.max()) if pos.size else 1.0
-    if vmax <= vmin:
-        vmax = vmin * 10
-    norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#dddddd")
-    w, h = _heatmap_inches(n, k)
-    fig = plt.figure(figsize=(w, h), dpi=HEATMAP_DPI)
-    top, bottom_margin = 1.0 - 0.45 / h, 0.55 / h
-    row_h = (top - bottom_margin) / (n + 2.0)
-    ax = fig.add_axes((1.6 / w, bottom_margin + 2.0 * row_h, (w - 2.9) / w, n * row_h))
-    ax2 = fig.add_axes((1.6 / w, bottom_margin, (w - 2.9) / w, row_h))
-    cax = fig.add_axes(((w - 1.1) / w, bottom_margin + 2.0 * row_h, 0.18 / w, n * row_h))
-
-    def draw(a, data, ylabels):
-        masked = np.ma.masked_invalid(np.where(data > 0, data, np.nan) if np.isfinite(data).any() else data)
-        im = a.imshow(masked, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
-        a.set_yticks(range(len(ylabels)))
-        a.set_yticklabels(ylabels, fontsize=7)
-        for r in range(data.shape[0]):
-            for c in range(data.shape[1]):
-                v = data[r, c]
-                if not np.isfinite(v):
-                    txt, col = "excl", "#555555"
-                else:
-                    txt = f"{v:.2g}"
-                    rgba = cmap(norm(max(v, vmin)))
-                    lum = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]
-                    col = "black" if lum > 0.5 else "white"
-                a.text(c, r, txt, ha="center", va="center", fontsize=6.5, color=col)
-        return im
-
-    im = draw(ax, matrix, [str(i) for i in layers])
-    ax.set_xticks(range(k))
-    ax.set_xticklabels([])
-    ax.set_ylabel("decoder layer", fontsize=8)
-    ax.set_title(title or "KL mean (nats) with one cell quantized, rest FP32", fontsize=9)
-    rows = kind_rows if kind_rows is not None else np.full((1, k), np.nan)
-    draw(ax2, rows.reshape(1, k), ["all layers"])
-    ax2.set_xticks(range(k))
-    ax2.set_xticklabels(list(kinds), fontsize=7.5, rotation=20, ha="right")
-    fig.colorbar(im, cax=cax).set_label("KL mean (nats, log)", fontsize=7)
-    cax.tick_params(labelsize=6.5)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=HEATMAP_DPI)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return heatmap_size(n, k)
 
 
 # ==============================================================================================
@@ -665,7 +283,7 @@ class SensitivityRuntime(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     threads: Optional[PositiveInt] = None
-    """Torch CPU threads; None = the cores not already busy (``checkpoint_gate.auto_threads``)."""
+    """Torch CPU threads; None = the cores not already busy (``gate.threads.auto_threads``)."""
     progress: bool = True
     """Rich progress bar on stderr."""
     fresh: bool = False
@@ -682,28 +300,26 @@ class SensitivityRuntime(BaseModel):
     measure). Changes only the suggestion, never a measurement."""
 
 
-def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: SensitivityOptions = SensitivityOptions(),
-                    runtime: SensitivityRuntime = SensitivityRuntime(), *, checkpoint_dir: Optional[Path] = None,
-                    layers: Optional[Sequence[int]] = None, kinds: Optional[Sequence[str]] = None,
-                    verify: bool = True) -> SensitivityResult:
-    """Measure per-cell sensitivity of ``<out_dir>/checkpoint`` and suggest exclusions (module doc).
+@dataclass
+class _Scope:
+    """What one run analyses: the checkpoint, its quantization, and the layers x kinds asked for."""
 
-    ``profile``: a validated Profile (thresholds from ``profile.gate.for_model_dir(model_dir)``,
-    existing ``quantization.exclude_modules`` kept in the suggestion). ``options``: how each cell is
-    measured (hashed into each measurement's key); ``runtime``: threads, progress, resume, hooks (not
-    hashed). ``checkpoint_dir``: analyse this checkpoint instead of ``<out_dir>/checkpoint``.
-    ``layers`` / ``kinds``: restrict the analysed cells (default all; a measurement's id names its
-    cells, so a narrower run reuses a wider one's cells). ``verify``: measure the suggestion.
-    Raises UserError for a missing or mismatching checkpoint or bad ``layers`` / ``kinds``.
-    """
-    from precision_pipeline.gate import golden as golden_mod
-    from precision_pipeline.checkpoint.reader import dequantize_checkpoint, read_config
-    from precision_pipeline.gate.checkpoint_gate import model_fingerprint, torch_threads
+    ck_dir: Path
+    cfg: dict
+    algo: str
+    n_layers: int
+    layers: list[int]
+    kinds: list[str]
 
-    t_start = time.perf_counter()
-    model_dir = Path(model_dir)
-    out_dir = Path(out_dir)
-    ck_dir = checkpoint_dir_for(out_dir, profile.name, checkpoint_dir)
+    @property
+    def q(self) -> dict:
+        return self.cfg.get("quantization") or {}
+
+
+def _scope(profile: Any, ck_dir: Path, layers: Optional[Sequence[int]], kinds: Optional[Sequence[str]]) -> _Scope:
+    """The checkpoint's config checked against ``profile`` and the asked layers / kinds (UserError if not)."""
+    from precision_pipeline.checkpoint.reader import read_config
+
     cfg = read_config(ck_dir)
     q = cfg.get("quantization") or {}
     algo = q.get("quant_algo") or FMT.gemm(None).value  # config.json null = NO_QUANT
@@ -728,187 +344,304 @@ def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: Sensi
         raise UserError("kinds", f"unknown kinds {unknown}.", f"use {', '.join(KINDS)}.")
     if not q.get("kv_cache_quant_algo") and KV_KIND in kinds:
         kinds.remove(KV_KIND)
-    thresholds = profile.gate.for_model_dir(model_dir).thresholds().model_dump(mode="json")
-    sens_dir = out_dir / "sensitivity"
-    sens_dir.mkdir(parents=True, exist_ok=True)
+    return _Scope(ck_dir, cfg, algo, n_layers, layers, kinds)
 
-    timings: dict[str, float] = {}
-    with torch_threads(runtime.threads):
-        used_threads = torch.get_num_threads()
-        t0 = time.perf_counter()
-        from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        encoded = golden_mod.encode_golden(
-            tok, golden_mod.load_golden(options.golden_path, per_category=options.prompts_per_category))
-        key = hash_obj({
-            "v": CODE_VERSION, "options": options.key_fields(), "ckpt": hash_dir(ck_dir),
-            "golden": golden_mod.golden_hash(encoded), "model": model_fingerprint(model_dir), "torch": torch.__version__,
-            "code": [hash_file(Path(__file__)), hash_file(Path(__file__).resolve().parents[1] / "checkpoint" / "reader.py")],
-        })
-        state_path = sens_dir / "cells.jsonl"
-        if runtime.fresh and state_path.exists():
-            state_path.unlink()
-        done = _load_state(state_path, key)
-        timings["prepare"] = time.perf_counter() - t0
+def _measurement_key(scope: _Scope, options: SensitivityOptions, encoded: Sequence[Any], model_dir: Path) -> str:
+    """What every measurement of this run is keyed by (cells.jsonl's ``key``): module doc, Outputs."""
+    from precision_pipeline.gate import golden as golden_mod
+    from precision_pipeline.gate.reference import model_fingerprint
 
-        t0 = time.perf_counter()
-        ck = dequantize_checkpoint(ck_dir)
-        ck.tensors.clear()  # embedding / norms come from the FP32 model
-        ev = Evaluator(model_dir, ck, encoded, options.pack_tokens)
-        if runtime.prepare is not None:
-            runtime.prepare(ev)
-        timings["load_and_reference"] = time.perf_counter() - t0
+    return hash_obj({
+        "v": CODE_VERSION, "options": options.key_fields(), "ckpt": hash_dir(scope.ck_dir),
+        "golden": golden_mod.golden_hash(encoded), "model": model_fingerprint(model_dir), "torch": torch.__version__,
+        "code": [hash_file(Path(__file__)), hash_file(Path(__file__).resolve().parent / "evaluator.py"),
+                 hash_file(Path(__file__).resolve().parents[1] / "checkpoint" / "reader.py")],
+    })
 
-        all_cells = [Cell(i, k) for i in layers for k in kinds]
-        if HEAD_KIND not in (cfg.get("quantization") or {}).get("exclude_modules", []) and ev.quantized(Cell(1 << 30, HEAD_KIND)):
-            all_cells.append(Cell(1 << 30, HEAD_KIND))
-        cells = [c for c in all_cells if ev.quantized(c)]
-        kind_sets = {k: [c for c in cells if c.kind == k] for k in kinds}
-        kind_sets = {k: v for k, v in kind_sets.items() if v}
-        jobs: list[tuple[str, list[Cell]]] = [(f"cell:{c.name}", [c]) for c in cells]
-        jobs += [(f"kind:{k}", v) for k, v in kind_sets.items()]
-        jobs.append(("full", cells))
-        computed, reused = [], []
-        results: dict[str, dict] = {}
 
-        def run_job(phase, jid: str, job_cells: list[Cell]) -> dict:
-            if jid in done:
-                reused.append(jid)
-                return done[jid]
-            m = ev.measure(job_cells)
-            rec = {"key": key, "id": jid, "cells": [c.name for c in job_cells] if len(job_cells) <= 8 else len(job_cells),
-                   **m.summary(), "seconds": round(m.seconds, 3), "kl_tokens": _rounded(m.kl),
-                   "top1_tokens": m.top1.astype(int).tolist()}
-            _append(state_path, rec)
-            computed.append(jid)
+@dataclass
+class _Jobs:
+    """The run's measurements: reused from cells.jsonl when their key matches, else measured and appended."""
+
+    ev: Evaluator
+    key: str
+    state_path: Path
+    done: dict[str, dict]
+    runtime: SensitivityRuntime
+    computed: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    results: dict[str, dict] = field(default_factory=dict)
+
+    def run(self, phase: Any, jid: str, job_cells: list[Cell]) -> dict:
+        if jid in self.done:
+            self.reused.append(jid)
+            return self.done[jid]
+        m = self.ev.measure(job_cells)
+        rec = {"key": self.key, "id": jid, "cells": [c.name for c in job_cells] if len(job_cells) <= 8 else len(job_cells),
+               **m.summary(), "seconds": round(m.seconds, 3), "kl_tokens": _rounded(m.kl),
+               "top1_tokens": m.top1.astype(int).tolist()}
+        _append(self.state_path, rec)
+        self.computed.append(jid)
+        phase.advance()
+        if self.runtime.on_measured is not None:
+            self.runtime.on_measured(jid, rec)
+        return rec
+
+
+def _cells_of(scope: _Scope, ev: Evaluator) -> tuple[list[Cell], list[Cell], dict[str, list[Cell]]]:
+    """(every analysed cell, the quantized ones, kind -> its quantized cells)."""
+    all_cells = [Cell(i, k) for i in scope.layers for k in scope.kinds]
+    if HEAD_KIND not in scope.q.get("exclude_modules", []) and ev.quantized(Cell(1 << 30, HEAD_KIND)):
+        all_cells.append(Cell(1 << 30, HEAD_KIND))
+    cells = [c for c in all_cells if ev.quantized(c)]
+    kind_sets = {k: [c for c in cells if c.kind == k] for k in scope.kinds}
+    return all_cells, cells, {k: v for k, v in kind_sets.items() if v}
+
+
+def _suggestion(jobs: _Jobs, phase: Any, cells: list[Cell], scope: _Scope, existing: list[str], aim: dict,
+                verify: bool) -> tuple[dict, dict[str, float]]:
+    """(the suggestion with its verification rounds, exclusion cost per cell): module doc, Suggestion."""
+    results, ev = jobs.results, jobs.ev
+    cell_kl = {c.name: np.asarray(results[f"cell:{c.name}"]["kl_tokens"]) for c in cells}
+    full_kl = np.asarray(results["full"]["kl_tokens"])
+    cost = {c.name: ev.cell_bytes(c)["cost_bytes"] for c in cells if c.excludable}
+    target = dict(aim)
+    rounds: list[dict] = []
+    for rnd in range(1 + (MAX_REFINE if verify else 0)):
+        sug = suggest_exclusions(full_kl, cell_kl, cost, target)
+        added = exclude_patterns(sug["cells"])
+        sug["added_exclude_modules"] = added
+        sug["exclude_modules"] = existing + [p for p in added if p not in existing]
+        intended = sorted({t for n in sug["cells"] for t in Cell.parse(n).trt_linears})
+        got = resolved_trt_names(ev.hf_linear_names, added, scope.n_layers) if added else []
+        if got != intended:  # pragma: no cover - a bug in exclude_patterns
+            raise RuntimeError(f"exclude patterns {added} resolve to {got}, expected {intended}")
+        sug["resolves_to"] = got
+        if not verify:
+            break
+        if sug["cells"]:
+            keep = set(sug["cells"])
+            vid = "verify:" + hash_obj(sorted(keep))[:12]
+            if vid in jobs.done:
+                phase.advance()
+            if rnd:
+                phase.total += 1
+            vrec = jobs.run(phase, vid, [c for c in cells if c.name not in keep])
+        else:
+            vid, vrec = "full", results["full"]
             phase.advance()
-            if runtime.on_measured is not None:
-                runtime.on_measured(jid, rec)
-            return rec
+        sug["measured"] = {k: vrec[k] for k in ("kl_mean", "kl_p99", "top1")}
+        sug["measured_id"] = vid
+        sug["meets_measured"] = _meets(np.asarray(vrec["kl_tokens"]), aim)
+        rounds.append({"cells": len(sug["cells"]), "cost_bytes": sug["cost_bytes"], "target": dict(target),
+                       "predicted": sug["predicted"], "measured": sug["measured"],
+                       "meets_measured": sug["meets_measured"]})
+        if sug["meets_measured"] or not sug["cells"] or not sug["reachable"]:
+            break
+        # the additive prediction was optimistic: tighten the target by the measured/predicted ratio
+        for m, f in (("kl_mean", "kl_mean_max"), ("kl_p99", "kl_p99_max")):
+            pr, me = sug["predicted"][m], sug["measured"][m]
+            if target.get(f) is not None and pr > 0 and me > pr:
+                target[f] = target[f] * pr / me
+    sug["rounds"] = rounds
+    return sug, cost
 
-        t_jobs = time.perf_counter()
-        with _progress(runtime.progress) as prog:
-            total = len(jobs) + (1 if verify else 0)
-            already = sum(1 for j, _ in jobs if j in done)
-            phase = prog.phase("cells measured (one quantized at a time, then kinds, full, verify)", total, "cells")
-            phase.done = already
-            for jid, jc in jobs:
-                results[jid] = run_job(phase, jid, jc)
 
-            # ---- suggestion
-            cell_kl = {c.name: np.asarray(results[f"cell:{c.name}"]["kl_tokens"]) for c in cells}
-            full_kl = np.asarray(results["full"]["kl_tokens"])
-            cost = {c.name: ev.cell_bytes(c)["cost_bytes"] for c in cells if c.excludable}
-            existing = list(profile.quantization.exclude_modules)
-            aim = {k: (v * runtime.margin if k in ("kl_mean_max", "kl_p99_max") and v is not None else v)
-                   for k, v in thresholds.items()}
-            target = dict(aim)
-            rounds: list[dict] = []
-            for rnd in range(1 + (MAX_REFINE if verify else 0)):
-                sug = suggest_exclusions(full_kl, cell_kl, cost, target)
-                added = exclude_patterns(sug["cells"])
-                sug["added_exclude_modules"] = added
-                sug["exclude_modules"] = existing + [p for p in added if p not in existing]
-                intended = sorted({t for n in sug["cells"] for t in Cell.parse(n).trt_linears})
-                got = resolved_trt_names(ev.hf_linear_names, added, n_layers) if added else []
-                if got != intended:  # pragma: no cover - a bug in exclude_patterns
-                    raise RuntimeError(f"exclude patterns {added} resolve to {got}, expected {intended}")
-                sug["resolves_to"] = got
-                if not verify:
-                    break
-                if sug["cells"]:
-                    keep = set(sug["cells"])
-                    vid = "verify:" + hash_obj(sorted(keep))[:12]
-                    if vid in done:
-                        phase.advance()
-                    if rnd:
-                        phase.total += 1
-                    vrec = run_job(phase, vid, [c for c in cells if c.name not in keep])
-                else:
-                    vid, vrec = "full", results["full"]
-                    phase.advance()
-                sug["measured"] = {k: vrec[k] for k in ("kl_mean", "kl_p99", "top1")}
-                sug["measured_id"] = vid
-                sug["meets_measured"] = _meets(np.asarray(vrec["kl_tokens"]), aim)
-                rounds.append({"cells": len(sug["cells"]), "cost_bytes": sug["cost_bytes"], "target": dict(target),
-                               "predicted": sug["predicted"], "measured": sug["measured"],
-                               "meets_measured": sug["meets_measured"]})
-                if sug["meets_measured"] or not sug["cells"] or not sug["reachable"]:
-                    break
-                # the additive prediction was optimistic: tighten the target by the measured/predicted ratio
-                for m, f in (("kl_mean", "kl_mean_max"), ("kl_p99", "kl_p99_max")):
-                    pr, me = sug["predicted"][m], sug["measured"][m]
-                    if target.get(f) is not None and pr > 0 and me > pr:
-                        target[f] = target[f] * pr / me
-            sug["rounds"] = rounds
-        timings["measure"] = time.perf_counter() - t_jobs
+_STATS = ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1")
 
-    # ---- assemble
-    lin_kinds = [k for k in kinds]
+
+def _tables(scope: _Scope, ev: Evaluator, all_cells: list[Cell], kind_sets: dict[str, list[Cell]],
+            results: dict[str, dict]) -> dict[str, Any]:
+    """sensitivity.json's measurement tables: the layers x kinds matrix, every cell, the ranking, per kind, full."""
+    layers, lin_kinds = scope.layers, list(scope.kinds)
     matrix = np.full((len(layers), len(lin_kinds)), np.nan)
     cells_json = {}
     for c in all_cells:
-        b = ev.cell_bytes(c)
-        row = {"layer": None if c.kind == HEAD_KIND else c.layer, "kind": c.kind, "quantized": ev.quantized(c), **b}
+        row = {"layer": None if c.kind == HEAD_KIND else c.layer, "kind": c.kind, "quantized": ev.quantized(c),
+               **ev.cell_bytes(c)}
         r = results.get(f"cell:{c.name}")
         if r is not None:
-            row.update({k: r[k] for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1")})
+            row.update({k: r[k] for k in _STATS})
             if c.kind != HEAD_KIND:
                 matrix[layers.index(c.layer), lin_kinds.index(c.kind)] = r["kl_mean"]
         cells_json[c.name] = row
     ranked = sorted((n for n, r in cells_json.items() if "kl_mean" in r), key=lambda n: -cells_json[n]["kl_mean"])
-    per_kind = {k: {m: results[f"kind:{k}"][m] for m in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1")}
+    per_kind = {k: {m: results[f"kind:{k}"][m] for m in _STATS}
                 | {"cells": len(kind_sets[k]),
                    "sum_of_cells_kl_mean": float(sum(cells_json[c.name]["kl_mean"] for c in kind_sets[k]))}
                 for k in kind_sets}
-    kind_rows = np.array([[per_kind[k]["kl_mean"] if k in per_kind else np.nan for k in lin_kinds]])
-    full = {m: results["full"][m] for m in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1")}
+    full = {m: results["full"][m] for m in _STATS}
     full["sum_of_cells_kl_mean"] = float(sum(r["kl_mean"] for r in cells_json.values() if "kl_mean" in r))
-    gate_dir = out_dir / "gate"
-    gate_metrics = None
-    if (gate_dir / "metrics.json").is_file():
-        gm = json.loads((gate_dir / "metrics.json").read_text())
-        gate_metrics = {k: (gm.get("metrics", {}).get(k) or {}).get("value") for k in ("kl_mean", "kl_p99", "top1")}
-    title = f"{profile.name} ({algo}" + (f", KV {q.get('kv_cache_quant_algo')}" if q.get("kv_cache_quant_algo") else "") \
-        + "): KL mean, one cell quantized, rest FP32"
-    t0 = time.perf_counter()
-    size = plot_heatmap(matrix, layers, lin_kinds, kind_rows, sens_dir / "heatmap.png", title)
-    timings["heatmap"] = time.perf_counter() - t0
-    data = {
-        "schema": 1, "profile": profile.name, "model": model_dir.name, "model_dir": str(model_dir),
-        "checkpoint_dir": str(ck_dir), "quant_algo": algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
-        "checkpoint_exclude_modules": list(q.get("exclude_modules") or []),
-        "key": key, "layers": layers, "kinds": lin_kinds,
-        "prompts": {"per_category": options.prompts_per_category, "ids": [e.id for e in encoded], "tokens": ev.tokens,
-                    "answer_tokens": ev.answer_tokens, "packs": len(ev.packs)},
-        "thresholds": thresholds, "margin": runtime.margin,
-        "matrix_kl_mean": [[None if not np.isfinite(v) else float(v) for v in row] for row in matrix],
-        "cells": cells_json, "ranking": ranked, "per_kind": per_kind, "full": full,
-        "gate_metrics": gate_metrics, "suggestion": sug,
-        "bytes": {"quantized_cells_cost_bytes_total": float(sum(cost.values())),
-                  "suggestion_cost_bytes": sug["cost_bytes"]},
-        "heatmap": {"path": str(sens_dir / "heatmap.png"), "size_px": list(size)},
-        "method": {
-            "cell": "one cell quantized (checkpoint weights dequantized + input fake-quant, or that layer's KV fake-quant), "
-                    "every other module the FP32 HF model's",
-            "metrics": "gate.token_metrics on the golden answer positions of the subset: KL(P_ref || P_cand) nats, top-1",
-            "cost": "excluding a linear cell costs bf16 bytes - quantized bytes (formats.linear_weight_bytes); "
-                    "kv_cache cells are not excludable (one KV dtype per TensorRT-LLM engine)",
-            "suggestion": "assumes additivity up to a common factor: per token, full-run KL x share of the isolated KL "
-                          "carried by the remaining cells; greedy by predicted KL-mean reduction per byte until "
-                          "kl_mean_max and kl_p99_max are met, then unneeded cells dropped; verified by one measurement",
-        },
-        "run": {"threads": used_threads, "computed": len(computed), "reused": len(reused),
-                "reference_s": round(ev.reference_seconds, 3),
-                "seconds_per_cell_mean": round(float(np.mean([results[j]["seconds"] for j, _ in jobs])), 3)},
-    }
-    timings["total"] = time.perf_counter() - t_start
-    data["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    atomic_write_json(sens_dir / "sensitivity.json", data)
-    if runtime.rerender_gate and (gate_dir / "metrics.json").is_file():
-        _rerender_gate(gate_dir, sens_dir / "heatmap.png")
-    return SensitivityResult(sens_dir, data, computed, reused)
+    return {"matrix": matrix, "cells": cells_json, "ranking": ranked, "per_kind": per_kind, "full": full,
+            "kind_rows": np.array([[per_kind[k]["kl_mean"] if k in per_kind else np.nan for k in lin_kinds]])}
+
+
+_METHOD = {
+    "cell": "one cell quantized (checkpoint weights dequantized + input fake-quant, or that layer's KV fake-quant), "
+            "every other module the FP32 HF model's",
+    "metrics": "gate.token_metrics on the golden answer positions of the subset: KL(P_ref || P_cand) nats, top-1",
+    "cost": "excluding a linear cell costs bf16 bytes - quantized bytes (formats.linear_weight_bytes); "
+            "kv_cache cells are not excludable (one KV dtype per TensorRT-LLM engine)",
+    "suggestion": "assumes additivity up to a common factor: per token, full-run KL x share of the isolated KL "
+                  "carried by the remaining cells; greedy by predicted KL-mean reduction per byte until "
+                  "kl_mean_max and kl_p99_max are met, then unneeded cells dropped; verified by one measurement",
+}
+
+
+def _gate_metrics(gate_dir: Path) -> Optional[dict]:
+    """KL mean / P99 / top-1 of the build's gate run, when there is one."""
+    if not (gate_dir / "metrics.json").is_file():
+        return None
+    gm = json.loads((gate_dir / "metrics.json").read_text())
+    return {k: (gm.get("metrics", {}).get(k) or {}).get("value") for k in ("kl_mean", "kl_p99", "top1")}
+
+
+@dataclass
+class _Outcome:
+    """What the measuring part of a run produced (``_Run.measure``)."""
+
+    encoded: list
+    key: str
+    ev: Evaluator
+    all_cells: list[Cell]
+    kind_sets: dict[str, list[Cell]]
+    job_list: list[tuple[str, list[Cell]]]
+    jobs: _Jobs
+    sug: dict
+    cost: dict[str, float]
+    used_threads: int
+
+
+@dataclass
+class _Run:
+    """One ``run_sensitivity`` call: its inputs, the checked scope and the phase timings."""
+
+    profile: Any
+    model_dir: Path
+    out_dir: Path
+    options: SensitivityOptions
+    runtime: SensitivityRuntime
+    scope: _Scope
+    thresholds: dict
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sens_dir(self) -> Path:
+        return self.out_dir / "sensitivity"
+
+    def _evaluator(self) -> tuple[list, str, dict[str, dict], Evaluator]:
+        """(golden prompts, measurement key, finished measurements, evaluator with its FP32 reference)."""
+        from transformers import AutoTokenizer
+
+        from precision_pipeline.checkpoint.reader import dequantize_checkpoint
+        from precision_pipeline.gate import golden as golden_mod
+
+        t0 = time.perf_counter()
+        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+        options = self.options
+        encoded = golden_mod.encode_golden(
+            tok, golden_mod.load_golden(options.golden_path, per_category=options.prompts_per_category))
+        key = _measurement_key(self.scope, options, encoded, self.model_dir)
+        state_path = self.sens_dir / "cells.jsonl"
+        if self.runtime.fresh and state_path.exists():
+            state_path.unlink()
+        done = _load_state(state_path, key)
+        self.timings["prepare"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ck = dequantize_checkpoint(self.scope.ck_dir)
+        ck.tensors.clear()  # embedding / norms come from the FP32 model
+        ev = Evaluator(self.model_dir, ck, encoded, options.pack_tokens)
+        if self.runtime.prepare is not None:
+            self.runtime.prepare(ev)
+        self.timings["load_and_reference"] = time.perf_counter() - t0
+        return encoded, key, done, ev
+
+    def measure(self, verify: bool) -> _Outcome:
+        """Every cell, every kind, the full run, then the suggestion (and its verification)."""
+        from precision_pipeline.gate.threads import torch_threads
+
+        runtime = self.runtime
+        with torch_threads(runtime.threads):
+            used_threads = torch.get_num_threads()
+            encoded, key, done, ev = self._evaluator()
+            all_cells, cells, kind_sets = _cells_of(self.scope, ev)
+            job_list: list[tuple[str, list[Cell]]] = [(f"cell:{c.name}", [c]) for c in cells]
+            job_list += [(f"kind:{k}", v) for k, v in kind_sets.items()]
+            job_list.append(("full", cells))
+            jobs = _Jobs(ev, key, self.sens_dir / "cells.jsonl", done, runtime)
+            t_jobs = time.perf_counter()
+            with _progress(runtime.progress) as prog:
+                phase = prog.phase("cells measured (one quantized at a time, then kinds, full, verify)",
+                                   len(job_list) + (1 if verify else 0), "cells")
+                phase.done = sum(1 for j, _ in job_list if j in done)
+                for jid, jc in job_list:
+                    jobs.results[jid] = jobs.run(phase, jid, jc)
+                aim = {k: (v * runtime.margin if k in ("kl_mean_max", "kl_p99_max") and v is not None else v)
+                       for k, v in self.thresholds.items()}
+                sug, cost = _suggestion(jobs, phase, cells, self.scope, list(self.profile.quantization.exclude_modules),
+                                        aim, verify)
+            self.timings["measure"] = time.perf_counter() - t_jobs
+        return _Outcome(encoded, key, ev, all_cells, kind_sets, job_list, jobs, sug, cost, used_threads)
+
+    def data(self, o: _Outcome) -> dict:
+        """sensitivity.json (the heatmap drawn on the way)."""
+        scope, q, ev, sens_dir = self.scope, self.scope.q, o.ev, self.sens_dir
+        tables = _tables(scope, ev, o.all_cells, o.kind_sets, o.jobs.results)
+        title = f"{self.profile.name} ({scope.algo}" + (
+            f", KV {q.get('kv_cache_quant_algo')}" if q.get("kv_cache_quant_algo") else "") + "): KL mean, one cell quantized, rest FP32"
+        t0 = time.perf_counter()
+        size = plot_heatmap(tables["matrix"], scope.layers, scope.kinds, tables["kind_rows"], sens_dir / "heatmap.png", title)
+        self.timings["heatmap"] = time.perf_counter() - t0
+        return {
+            "schema": 1, "profile": self.profile.name, "model": self.model_dir.name, "model_dir": str(self.model_dir),
+            "checkpoint_dir": str(scope.ck_dir), "quant_algo": scope.algo, "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
+            "checkpoint_exclude_modules": list(q.get("exclude_modules") or []),
+            "key": o.key, "layers": scope.layers, "kinds": list(scope.kinds),
+            "prompts": {"per_category": self.options.prompts_per_category, "ids": [e.id for e in o.encoded],
+                        "tokens": ev.tokens, "answer_tokens": ev.answer_tokens, "packs": len(ev.packs)},
+            "thresholds": self.thresholds, "margin": self.runtime.margin,
+            "matrix_kl_mean": [[None if not np.isfinite(v) else float(v) for v in row] for row in tables["matrix"]],
+            "cells": tables["cells"], "ranking": tables["ranking"], "per_kind": tables["per_kind"], "full": tables["full"],
+            "gate_metrics": _gate_metrics(self.out_dir / "gate"), "suggestion": o.sug,
+            "bytes": {"quantized_cells_cost_bytes_total": float(sum(o.cost.values())),
+                      "suggestion_cost_bytes": o.sug["cost_bytes"]},
+            "heatmap": {"path": str(sens_dir / "heatmap.png"), "size_px": list(size)},
+            "method": dict(_METHOD),
+            "run": {"threads": o.used_threads, "computed": len(o.jobs.computed), "reused": len(o.jobs.reused),
+                    "reference_s": round(ev.reference_seconds, 3),
+                    "seconds_per_cell_mean": round(float(np.mean([o.jobs.results[j]["seconds"] for j, _ in o.job_list])), 3)},
+        }
+
+
+def run_sensitivity(profile: Any, model_dir: Path, out_dir: Path, options: SensitivityOptions = SensitivityOptions(),
+                    runtime: SensitivityRuntime = SensitivityRuntime(), *, checkpoint_dir: Optional[Path] = None,
+                    layers: Optional[Sequence[int]] = None, kinds: Optional[Sequence[str]] = None,
+                    verify: bool = True) -> SensitivityResult:
+    """Measure per-cell sensitivity of ``<out_dir>/checkpoint`` and suggest exclusions (module doc).
+
+    ``profile``: a validated Profile (thresholds from ``profile.gate.for_model_dir(model_dir)``,
+    existing ``quantization.exclude_modules`` kept in the suggestion). ``options``: how each cell is
+    measured (hashed into each measurement's key); ``runtime``: threads, progress, resume, hooks (not
+    hashed). ``checkpoint_dir``: analyse this checkpoint instead of ``<out_dir>/checkpoint``.
+    ``layers`` / ``kinds``: restrict the analysed cells (default all; a measurement's id names its
+    cells, so a narrower run reuses a wider one's cells). ``verify``: measure the suggestion.
+    Raises UserError for a missing or mismatching checkpoint or bad ``layers`` / ``kinds``.
+    """
+    t_start = time.perf_counter()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    scope = _scope(profile, checkpoint_dir_for(out_dir, profile.name, checkpoint_dir), layers, kinds)
+    thresholds = profile.gate.for_model_dir(model_dir).thresholds().model_dump(mode="json")
+    run = _Run(profile, model_dir, out_dir, options, runtime, scope, thresholds)
+    run.sens_dir.mkdir(parents=True, exist_ok=True)
+    outcome = run.measure(verify)
+    data = run.data(outcome)
+    run.timings["total"] = time.perf_counter() - t_start
+    data["timings_s"] = {k: round(v, 3) for k, v in run.timings.items()}
+    atomic_write_json(run.sens_dir / "sensitivity.json", data)
+    if runtime.rerender_gate and (out_dir / "gate" / "metrics.json").is_file():
+        _rerender_gate(out_dir / "gate", run.sens_dir / "heatmap.png")
+    return SensitivityResult(run.sens_dir, data, outcome.jobs.computed, outcome.jobs.reused)
 
 
 def extends_reference(profile_arg: str, target: Path) -> str:
@@ -990,7 +723,6 @@ def _rerender_gate(gate_dir: Path, heatmap: Path) -> None:
     render_dir(gate_dir)
 
 
-__all__ = ["Cell", "Evaluator", "Measurement", "SensitivityOptions", "SensitivityRuntime", "SensitivityResult",
-           "run_sensitivity", "suggest_exclusions", "tuned_profile_yaml", "write_tuned_profile", "extends_reference",
-           "exclude_patterns", "resolved_trt_names", "plot_heatmap", "heatmap_size", "checkpoint_dir_for",
-           "KINDS", "LINEAR_KINDS", "KV_KIND", "HEAD_KIND"]
+__all__ = ["SensitivityOptions", "SensitivityRuntime", "SensitivityResult", "run_sensitivity", "suggest_exclusions",
+           "tuned_profile_yaml", "write_tuned_profile", "extends_reference", "exclude_patterns", "resolved_trt_names",
+           "checkpoint_dir_for"]

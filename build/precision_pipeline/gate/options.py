@@ -102,7 +102,7 @@ class GateRuntime(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     threads: Optional[PositiveInt] = None
-    """Torch CPU threads; None = the cores other processes leave free (``checkpoint_gate.thread_choice``)."""
+    """Torch CPU threads; None = the cores other processes leave free (``gate.threads.thread_choice``)."""
     progress: bool = True
     """Progress: rich bars in a terminal, a line at least every 10 s in a log (``core.progress``)."""
     reference_cache: Optional[Path] = None

@@ -298,7 +298,7 @@ def _markdown_warnings(m: dict) -> list[str]:
 # Markdown
 
 
-# Row order of the metric table (same as build/precision_pipeline/gate/checkpoint_gate.py METRIC_ORDER; metrics.json is key-sorted).
+# Row order of the metric table (same as build/precision_pipeline/gate/metrics.py METRIC_ORDER; metrics.json is key-sorted).
 METRIC_ORDER = ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same")
 
 
@@ -424,7 +424,19 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = None) -> str:
+    """The self-contained report.html of a gate's metrics.json ``m`` (``plots``: PNGs by name, ``heatmap``: the
+    sensitivity heatmap), section by section."""
     met = _ordered(m["metrics"])
+    h = _html_summary(m, met) + _html_metrics(m, met)
+    if "kl_hist" in plots:
+        h.append('<section id="kl-histogram"><h2>Per-token KL</h2>' + _img(plots["kl_hist"], "KL histogram") + "</section>")
+    h += _html_categories(m, plots) + _html_worst(m) + _html_greedy(m)
+    h += _html_scales(m, plots.get("scales")) + _html_warnings(m) + _html_tail(m, heatmap)
+    return "\n".join(h) + "\n"
+
+
+def _html_summary(m: dict, met: dict) -> list[str]:
+    """The head, the verdict and the summary list."""
     tok = m["tokens"]
     verdict = "pass" if m["passed"] else "fail"
     h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -446,9 +458,13 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
     if m.get("promotable") is False:
         h.append(f'<li id="not-promotable">Not promotable: {_e(m.get("not_promotable", ""))}</li>')
     h.append("</ul></section>")
+    return h
 
-    h += ['<section id="metric-table"><h2>Metrics</h2><table id="metrics"><thead><tr><th>metric</th><th>value</th>'
-          "<th>95% CI</th><th>BF16 noise floor</th><th>threshold</th><th>result</th></tr></thead><tbody>"]
+
+def _html_metrics(m: dict, met: dict) -> list[str]:
+    """The metric table, the noise-floor warning and the held-out perplexities."""
+    h = ['<section id="metric-table"><h2>Metrics</h2><table id="metrics"><thead><tr><th>metric</th><th>value</th>'
+         "<th>95% CI</th><th>BF16 noise floor</th><th>threshold</th><th>result</th></tr></thead><tbody>"]
     for name, x in met.items():
         st = _status(x)
         h.append(f'<tr data-metric="{_e(name)}" class="{st}"><td class="name" title="{_e(x.get("label", ""))}">{_e(name)}</td>'
@@ -463,10 +479,12 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
     ppl = m.get("perplexity", {})
     h.append(f"<p>Held-out perplexity: reference {_f(ppl.get('heldout_reference'), 5)}, candidate "
              f"{_f(ppl.get('heldout_candidate'), 5)}, BF16 {_f(ppl.get('heldout_floor'), 5)}.</p></section>")
+    return h
 
-    if "kl_hist" in plots:
-        h.append('<section id="kl-histogram"><h2>Per-token KL</h2>' + _img(plots["kl_hist"], "KL histogram") + "</section>")
 
+def _html_categories(m: dict, plots: dict[str, bytes]) -> list[str]:
+    """The per-category table and bars, and the prompt segment."""
+    h: list[str] = []
     h.append('<section id="categories"><h2>Per category</h2><table id="categories-table"><thead><tr><th>category</th>'
              "<th>prompts</th><th>tokens</th><th>KL mean</th><th>KL P99</th><th>top-1</th><th>greedy unchanged</th>"
              "<th>floor KL mean</th><th>floor top-1</th></tr></thead><tbody>")
@@ -481,7 +499,12 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
     ps = m.get("prompt_segment", {})
     h.append(f"<p>Prompt segment (user-turn positions, not gated): {ps.get('tokens', 0)} tokens, KL mean "
              f"{_f(ps.get('kl_mean'))}, P99 {_f(ps.get('kl_p99'))}, top-1 {_f(ps.get('top1'))}.</p></section>")
+    return h
 
+
+def _html_worst(m: dict) -> list[str]:
+    """The worst prompts with both generations."""
+    h: list[str] = []
     h.append('<section id="worst-prompts"><h2>Worst prompts</h2>')
     for w in m.get("worst_prompts", []):
         h.append(f'<div class="worst" data-prompt-id="{_e(w["id"])}"><h3>{_e(w["id"])} ({_e(w["category"])})</h3>'
@@ -493,7 +516,12 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
                      f'<div><h4>Candidate</h4><pre class="candidate">{_e(w["candidate_text"])}</pre></div></div>')
         h.append("</div>")
     h.append("</section>")
+    return h
 
+
+def _html_greedy(m: dict) -> list[str]:
+    """The greedy generations table (when greedy was measured)."""
+    h: list[str] = []
     if m.get("greedy"):
         g = m["greedy"]
         h.append(f'<section id="greedy"><h2>Greedy generations</h2><p>{sum(r["same"] for r in g)} of {len(g)} prompts '
@@ -506,9 +534,12 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
                      f'<td>{_f(r.get("floor_same"))}</td><td><pre>{_e(r["reference_text"])}</pre></td>'
                      f'<td><pre>{_e(r["candidate_text"])}</pre></td></tr>')
         h.append("</tbody></table></section>")
+    return h
 
-    h += _html_scales(m, plots.get("scales")) + _html_warnings(m)
 
+def _html_tail(m: dict, heatmap: Optional[bytes]) -> list[str]:
+    """The heatmap, what the gate cannot see, the method and the timings."""
+    h: list[str] = []
     if heatmap is not None:
         h.append('<section id="heatmap"><h2>Sensitivity heatmap</h2>' + _img(heatmap, "sensitivity heatmap") + "</section>")
 
@@ -521,7 +552,7 @@ def render_html(m: dict, plots: dict[str, bytes], heatmap: Optional[bytes] = Non
     if t:
         h.append("<li><b>timings (s)</b>: " + _e(", ".join(f"{k} {v}" for k, v in t.items())) + "</li>")
     h.append("</ul></section></body></html>")
-    return "\n".join(h) + "\n"
+    return h
 
 
 def _html_scales(m: dict, png: Optional[bytes]) -> list[str]:

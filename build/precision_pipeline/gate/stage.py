@@ -9,7 +9,7 @@ code key covers gate/, checkpoint/, spec/, core/.
 
 A threshold-only change (same measurement key: everything above but the thresholds) changes the stage key
 but is not measured again: the stored numbers (``metrics.json``, ``per_token.npz``) are judged against the
-new thresholds (``checkpoint_gate.rejudge``) and the reports re-rendered; ``metrics.json`` says so
+new thresholds (``gate.verdict.rejudge``) and the reports re-rendered; ``metrics.json`` says so
 (``rejudged``).
 """
 
@@ -134,11 +134,11 @@ class GateStage(Stage[GateInputs, GateArtifact]):
     def _rejudged(self, inputs: GateInputs, workdir: Path, mkey: str, record: dict[str, Any]):
         """When the folder this run replaces (``<out>/gate``, beside the runner's temporary ``workdir``) holds a
         measurement with key ``mkey`` (only the thresholds changed), its numbers judged against the new
-        thresholds (``checkpoint_gate.rejudge``), written into ``workdir`` with re-rendered reports; else None."""
+        thresholds (``verdict.rejudge``), written into ``workdir`` with re-rendered reports; else None."""
         import numpy as np
 
         from precision_pipeline.core.store import read_json_safe
-        from precision_pipeline.gate import checkpoint_gate
+        from precision_pipeline.gate import checkpoint_gate, verdict
 
         prev = Path(workdir).parent / self.output
         mark, metrics = read_json_safe(prev / MEASUREMENT_FILE), read_json_safe(prev / "metrics.json")
@@ -150,12 +150,11 @@ class GateStage(Stage[GateInputs, GateArtifact]):
                 per_token = {k: z[k] for k in z.files}
         except (OSError, ValueError):
             return None
-        judged = checkpoint_gate.rejudge(metrics, inputs.thresholds)
+        judged = verdict.rejudge(metrics, inputs.thresholds)
         judged["record"] = record  # what the release will serve may differ (the planned layout is not measured)
         judged["rejudged"] = {"from": "the stored measurements of the same checkpoint, model, golden set and options",
                               "previous_thresholds": metrics.get("thresholds"), "previous_passed": metrics.get("passed")}
-        res = checkpoint_gate.GateResult(judged["passed"], checkpoint_gate.verdict_failures(judged), judged, Path(workdir),
-                                         per_token)
+        res = verdict.GateResult(judged["passed"], verdict.verdict_failures(judged), judged, Path(workdir), per_token)
         checkpoint_gate.write_gate_dir(res)
         print(f"[gate] only the thresholds changed: the stored measurements are judged again "
               f"({'passed' if res.passed else 'failed: ' + ', '.join(res.failures)}), not measured again.",

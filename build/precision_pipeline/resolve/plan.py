@@ -242,9 +242,6 @@ class ResolvedPlan(BaseModel):
                 + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
 
 
-Plan = ResolvedPlan  # the name callers used before the plan was typed
-
-
 def one_line(pr: Problem) -> str:
     """A Problem on one line without square brackets (safe for rich console markup)."""
     text = f"{pr.field}: {pr.reason}"
@@ -406,5 +403,5 @@ def profiles_for_gpu(gpu: str, model_dir: Union[Path, str, ModelArch]) -> list[t
     return out
 
 
-__all__ = ["ResolvedPlan", "Plan", "Mapping", "Limits", "Effective", "OverrideRecord", "MemoryPlan", "WeightBreakdown",
+__all__ = ["ResolvedPlan", "Mapping", "Limits", "Effective", "OverrideRecord", "MemoryPlan", "WeightBreakdown",
            "FallbackMemory", "FallbackInfo", "evaluate", "resolve", "check_all", "profiles_for_gpu", "one_line"]

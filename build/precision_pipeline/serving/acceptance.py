@@ -70,7 +70,7 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
     """Refuse (UserError, exit 2) a build that does not hold for the release (module doc); return the
     release's gate record and the warnings. ``image``: the serving image (the build's rendered
     Deployment); ``sm``: the deployment GPU's SM; ``action``: ``promote`` or ``rollout`` (messages)."""
-    from precision_pipeline.gate.checkpoint_gate import judge_metrics, verdict_failures, verdict_reasons
+    from precision_pipeline.gate.verdict import judge_metrics, verdict_failures, verdict_reasons
     from precision_pipeline.serving import pack, release, skew
 
     out_dir = Path(out_dir)

@@ -3,7 +3,7 @@
 The Job (template ``k8s/jobs/engine-build-job.yaml``) runs in the *serving image* (``--image``,
 default ``deploy.DEFAULT_IMAGE``), so the TensorRT-LLM / TensorRT that build the engine are the ones
 that load it; ``nodeSelector`` ``nvidia.com/gpu.product`` = the profile GPU's GFD label
-(``deploy.gpu_product_label``), ``nvidia.com/gpu`` = tp x pp (``trtllm-build --workers`` = world size:
+(``k8s.gpu_product_label``), ``nvidia.com/gpu`` = tp x pp (``trtllm-build --workers`` = world size:
 one build process per rank, capped by the visible GPUs; tensorrt_llm/commands/build.py), and the
 artifacts PVC mounted read-write at the build output's own absolute path, so the engine stage's key
 (which holds that path) is the same on both sides and the CPU side's next ``invoke build`` packs the
@@ -15,8 +15,8 @@ copied there by the operator; the serving image has no copy of this project). Mu
 no MPI for the build: ``trtllm-build`` spawns its workers itself; MPI (``mpirun -n N``) is what the
 engine *gate* and serving use (gate/engine_gate.py, serving/deploy.py).
 
-The manifest is validated like the deploy stage's (``deploy.validate_manifest``: kubernetes-validate's
-strict schemas for ``deploy.K8S_VERSION`` plus the API-server rules).
+The manifest is validated like the deploy stage's (``k8s.validate_manifest``: kubernetes-validate's
+strict schemas for ``k8s.K8S_VERSION`` plus the API-server rules).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import yaml
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.engine.provenance import IMAGE_ENV
-from precision_pipeline.serving import deploy
+from precision_pipeline.serving import deploy, k8s
 
 TEMPLATE = REPO_ROOT / "k8s" / "jobs" / "engine-build-job.yaml"
 SOURCE_SUBDIR = ".precision-pipeline/build"
@@ -37,7 +37,7 @@ DEADLINE_S = 6 * 3600
 
 
 def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namespace: str = "default",
-               pvc_name: str = deploy.DEFAULT_PVC, strict: bool = True, k8s_version: str = deploy.K8S_VERSION,
+               pvc_name: str = deploy.DEFAULT_PVC, strict: bool = True, k8s_version: str = k8s.K8S_VERSION,
                model_dir: Optional[Path] = None, golden_limit: Optional[int] = None) -> str:
     """The validated Job manifest (YAML text) that runs the engine stage and the engine gate of ``plan``
     for build output ``out_dir``. ``model_dir``: the engine gate's reference model, passed as ``--model``
@@ -48,15 +48,15 @@ def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namesp
     gpu = plan.gpu
     world = int(plan.mapping.world_size)
     profile = plan.profile.name
-    name = deploy.k8s_name(profile, prefix="engine-build-")
+    name = k8s.k8s_name(profile, prefix="engine-build-")
     labels = {"app.kubernetes.io/name": "engine-build", "app.kubernetes.io/instance": name,
-              "app.kubernetes.io/part-of": deploy.LABEL_PREFIX, "app.kubernetes.io/managed-by": deploy.LABEL_PREFIX,
-              f"{deploy.LABEL_PREFIX}/profile": profile[:63].rstrip("-._")}
+              "app.kubernetes.io/part-of": k8s.LABEL_PREFIX, "app.kubernetes.io/managed-by": k8s.LABEL_PREFIX,
+              f"{k8s.LABEL_PREFIX}/profile": profile[:63].rstrip("-._")}
     params = {
         "name": name, "namespace": namespace, "labels": labels,
-        "annotations": {f"{deploy.LABEL_PREFIX}/profile": profile, f"{deploy.LABEL_PREFIX}/gpu": str(gpu.id),
-                        f"{deploy.LABEL_PREFIX}/parallel": f"tp{plan.mapping.tp_size}xpp{plan.mapping.pp_size}"},
-        "deadline_s": DEADLINE_S, "node_selector": {deploy.GPU_PRODUCT_LABEL: deploy.gpu_product_label(gpu.name)},
+        "annotations": {f"{k8s.LABEL_PREFIX}/profile": profile, f"{k8s.LABEL_PREFIX}/gpu": str(gpu.id),
+                        f"{k8s.LABEL_PREFIX}/parallel": f"tp{plan.mapping.tp_size}xpp{plan.mapping.pp_size}"},
+        "deadline_s": DEADLINE_S, "node_selector": {k8s.GPU_PRODUCT_LABEL: k8s.gpu_product_label(gpu.name)},
         "image": image, "command": ["python3", "-m", "precision_pipeline.engine.job"],
         "args": ["--out", out, *(["--strict"] if strict else []),
                  *(["--model", str(Path(model_dir).resolve())] if model_dir is not None else []),
@@ -66,9 +66,9 @@ def render_job(plan, out_dir: Path, image: str = deploy.DEFAULT_IMAGE, *, namesp
         "gpus": world, "pvc_name": pvc_name, "shm_size": f"{max(2, 1 + world)}Gi",
     }
     where = "k8s/jobs/engine-build-job.yaml"
-    text = deploy.render_template(TEMPLATE.read_text(), params, where)
-    doc = deploy.parse_manifest(text, where)
-    deploy.validate_manifest(doc, where, k8s_version)
+    text = k8s.render_template(TEMPLATE.read_text(), params, where)
+    doc = k8s.parse_manifest(text, where)
+    k8s.validate_manifest(doc, where, k8s_version)
     return (f"# Rendered by build/precision_pipeline/serving/build_job.py: engine build Job for {profile} "
             f"({gpu.name}, {world} GPU(s)).\n# Validated against Kubernetes {k8s_version} (strict).\n"
             + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000))

@@ -60,7 +60,7 @@ def _panel(pid: int, title: str, targets: list[dict], *, y: int, x: int = 0, uni
 
 def dashboard(plan, profile, name: str) -> dict:
     """The dashboard JSON (module doc). ``name``: the deployment's Kubernetes name (its title and uid)."""
-    from precision_pipeline.gate.checkpoint_gate import CHECKS
+    from precision_pipeline.gate.metrics import CHECKS
 
     pname = plan.profile.name or profile.name
     sel = f'profile="{pname}"'

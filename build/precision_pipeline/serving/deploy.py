@@ -49,34 +49,37 @@ Checks (each failure is a ``UserError``, exit 2, naming the file and the path in
 (a misspelt key is an error; ``serving/templates.py``, style ``YAML_VALUE``), gpus_per_replica = tp_size x pp_size = the repository's world size,
 every manifest passes ``kubernetes_validate`` against Kubernetes ``K8S_VERSION`` in strict mode
 (unknown fields are errors), plus the API-server rules the JSON schemas do not carry (DNS names,
-label syntax, replicas >= 1, selector matching the pod labels, GPU requests = limits).
+label syntax, replicas >= 1, selector matching the pod labels, GPU requests = limits; serving/k8s.py).
+
+Modules: serving/k8s.py (names, labels, rendering, strict validation), serving/monitoring.py (the probe
+Deployment, canary Service, Argo Rollouts analysis, alerts); this module computes the parameters and renders.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import yaml
-from packaging.version import Version
 
-from precision_pipeline.core.errors import Problem, UserError
-from precision_pipeline.core.store import atomic_dir, hash_file, read_json
-from precision_pipeline.serving import pack, templates
-from precision_pipeline.serving.probe import PROBE_LAST_RUN, PROBE_METRIC_NAMES
-
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT
+from precision_pipeline.core.store import atomic_dir, hash_file, read_json
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.resolve.rules import lws_group  # the multi-node layout (also the rule layout.nodes)
+from precision_pipeline.serving import pack
+from precision_pipeline.serving.k8s import (DNS_LABEL, DNS_SUBDOMAIN, GPU_PRODUCT_LABEL, GPU_RESOURCE, GRPC_PORT,
+                                            HTTP_PORT, K8S_VERSION, LABEL_PREFIX, LABEL_VALUE, METRICS_PORT, TMP_SIZE,
+                                            gpu_product_label, k8s_name, label_value, parse_manifest, render_template,
+                                            validate_manifest)
+from precision_pipeline.serving.monitoring import (CANARY_SERVICE_FILE, MONITORING_SUBDIR, SERVICE_ROLE_LABEL, SOURCE_DIR,
+                                                   alert_groups, argo_params, canary_service_name, has_gate, probe_params)
+
 TEMPLATES_DIR = REPO_ROOT / "k8s"
 OUT_SUBDIR = "k8s"
-
-K8S_VERSION = "1.30"
-"""Kubernetes version the manifests are validated against (kubernetes-validate's bundled schemas)."""
 
 DEFAULT_IMAGE = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
 DEFAULT_IMAGE_TRTLLM = "1.2.1"
@@ -89,13 +92,6 @@ DEFAULT_IMAGE_SOURCE = (
 
 DEFAULT_PVC = "precision-artifacts"
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
-GPU_RESOURCE = "nvidia.com/gpu"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-"""GPU Feature Discovery label (now part of NVIDIA/k8s-device-plugin): the NVML device name with spaces
-replaced by '-' (``productLabel`` in internal/lm/resource.go), e.g. ``NVIDIA-H100-80GB-HBM3``. Time-sliced
-GPUs get a ``-SHARED`` suffix and MIG devices ``-MIG-<profile>`` (mixed strategy): pass ``gpu_products=``."""
-
-HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 8001, 8002
 STARTUP_PERIOD_S = 10
 STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes to load engines before the kubelet restarts the pod
 TERMINATION_GRACE_S = 60
@@ -104,15 +100,6 @@ CPU_PER_GPU = 4
 MEMORY_GI_BASE, MEMORY_GI_PER_GPU = 16, 16
 """Memory request (= limit) ``MEMORY_GI_BASE + MEMORY_GI_PER_GPU x GPUs`` GiB: host copies of engine
 shards while loading plus the pinned host buffers of the TensorRT-LLM runtime; a sizing default."""
-TMP_SIZE = "4Gi"
-LABEL_PREFIX = "precision-pipeline"
-
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 
 @dataclass
@@ -146,29 +133,6 @@ class DeployResult:
         d["out_dir"] = str(self.out_dir)
         return d
 
-
-# --------------------------------------------------------------------------------------------
-# Names and labels
-
-
-def k8s_name(profile_name: str, prefix: str = "triton-") -> str:
-    """A DNS-1035 label (<= 63 characters) for the profile: ``triton-<profile>``, '.'/'_' -> '-'."""
-    s = re.sub(r"[^a-z0-9-]+", "-", f"{prefix}{profile_name}".lower())
-    s = re.sub(r"-+", "-", s)[:63].strip("-")
-    if not _DNS_1035.match(s):
-        raise UserError("profile.name", f"cannot make a Kubernetes name from {profile_name!r}.",
-                        "use a profile name made of lower-case letters, digits and '-'.")
-    return s
-
-
-def gpu_product_label(gpu_name: str) -> str:
-    """The ``nvidia.com/gpu.product`` value GPU Feature Discovery sets for an NVML device name."""
-    return str(gpu_name).strip().replace(" ", "-")
-
-
-def _label_value(v: str, max_len: int = 63) -> str:
-    s = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(v))[:max_len]
-    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,212 +246,6 @@ def triton_command(world_size: int, repo_path: str, load_models: list[str], unit
     return ["mpirun"], args, "mpirun"
 
 
-# --------------------------------------------------------------------------------------------
-# Templates
-
-
-def render_template(text: str, params: Mapping[str, Any], where: str) -> str:
-    """Fill the ``${name}`` placeholders of a manifest template with JSON values (``templates.render`` in the
-    ``YAML_VALUE`` style: unknown, missing and unused names are refused; each placeholder is a whole YAML value)."""
-    return templates.render(text, params, where, templates.YAML_VALUE)
-
-
-def parse_manifest(text: str, where: str) -> dict:
-    """Exactly one YAML document, a mapping with apiVersion and kind."""
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(where, f"is not valid YAML after rendering{at}: {getattr(e, 'problem', e)}.", "fix the template.")
-    if len(docs) != 1 or not isinstance(docs[0], dict):
-        raise UserError(where, f"renders {len(docs)} YAML documents; one Kubernetes object per template is expected.",
-                        "keep one object per template file.")
-    doc = docs[0]
-    for k in ("apiVersion", "kind"):
-        if not isinstance(doc.get(k), str):
-            raise UserError(f"{where}: {k}", "is missing.", "every manifest needs apiVersion and kind.")
-    return doc
-
-
-def _path_str(parts) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or "(top level)"
-
-
-@functools.lru_cache(maxsize=32)
-def _schema_validator(k8s_version: str, kind: str, api_version: str):
-    """A cached jsonschema validator for one kind, from kubernetes-validate's bundled strict schemas.
-
-    Same lookup as ``kubernetes_validate.validate(..., strict=True)`` (newest bundled schema version not
-    newer than ``k8s_version``); cached because loading ``_definitions.json`` takes ~0.3 s per call.
-    Returns (validator, schema version used).
-    """
-    import jsonschema
-    from kubernetes_validate import utils as kvu
-    from referencing import Registry, Resource
-
-    want = kvu.major_minor(k8s_version.lstrip("v"))
-    if Version(want) > Version(kvu.latest_version()):
-        raise UserError("k8s_version", f"kubernetes-validate bundles schemas up to {kvu.latest_version()}, not {want}.",
-                        "use an older Kubernetes version or upgrade kubernetes-validate.")
-    older = [v for v in kvu.all_versions() if Version(kvu.major_minor(v)) <= Version(want)]
-    if not older:
-        raise UserError("k8s_version", f"kubernetes-validate bundles no schema for Kubernetes {want}.", "use a newer version.")
-    version = older[-1]
-    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
-    schema_dir = f"v{version}-local-strict"
-    try:
-        schema = kvu.schema_contents(f"kubernetes-json-schema/{schema_dir}/{kind.lower()}-{group}.json", want)
-    except FileNotFoundError:
-        raise UserError("kind", f"no Kubernetes {kvu.major_minor(version)} schema for kind {kind} in {api_version}.",
-                        "use a kind/apiVersion that exists in that Kubernetes version.")
-    defs = kvu.schema_contents(f"kubernetes-json-schema/{schema_dir}/_definitions.json", want)
-    registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
-    return jsonschema.validators.Draft202012Validator(schema, registry=registry), kvu.major_minor(version)
-
-
-CRD_DIR = Path(__file__).resolve().parent / "crds"
-"""JSON schemas of the custom resources rendered here (``<group>-<version>-<Kind>.json``; each names its
-source and version in its ``description``)."""
-
-
-@functools.lru_cache(maxsize=8)
-def _crd_validator(api_version: str, kind: str):
-    import json
-
-    import jsonschema
-
-    path = CRD_DIR / f"{api_version.replace('/', '-')}-{kind}.json"
-    if not path.is_file():
-        raise UserError("kind", f"no schema for custom resource {kind} in {api_version} ({path.name}).",
-                        f"add its CRD schema to {CRD_DIR}.")
-    schema = json.loads(path.read_text())
-    return jsonschema.validators.Draft202012Validator(schema), schema.get("title", path.name)
-
-
-def validate_manifest(doc: dict, where: str, k8s_version: str = K8S_VERSION) -> None:
-    """Strict schema validation (kubernetes-validate's schemas: unknown fields are errors; custom
-    resources: the schemas in ``CRD_DIR``) plus the API-server rules the schemas lack. Raises
-    UserError naming the file and the path of each problem."""
-    api = str(doc.get("apiVersion"))
-    if "." in api.split("/")[0] and not api.split("/")[0].endswith(".k8s.io"):
-        validator, used = _crd_validator(api, str(doc.get("kind")))
-    else:
-        validator, used = _schema_validator(k8s_version, str(doc.get("kind")), api)
-    errors = [(list(e.absolute_path), e.message) for e in validator.iter_errors(doc)]
-    if not errors and doc.get("kind") == "LeaderWorkerSet":
-        # the CRD schema leaves the two pod templates open: each is a core v1 PodTemplateSpec (strict)
-        pod_validator, used = _schema_validator(k8s_version, "PodTemplate", "v1")
-        lwt = (doc.get("spec") or {}).get("leaderWorkerTemplate") or {}
-        for key in ("leaderTemplate", "workerTemplate"):
-            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": lwt.get(key) or {}}
-            errors += [(["spec", "leaderWorkerTemplate", key, *list(e.absolute_path)[1:]], e.message)
-                       for e in pod_validator.iter_errors(wrapped)]
-    errors.sort(key=lambda e: [str(p) for p in e[0]])
-    if errors:
-        raise UserError([Problem(f"{where}: {_path_str(path)}",
-                                 f"fails Kubernetes {used} schema validation (strict): {_short(msg)}.",
-                                 "fix the template or the input that produced this value.") for path, msg in errors[:5]])
-    problems = semantic_problems(doc, where)
-    if problems:
-        raise UserError(problems)
-
-
-def _short(s: str, n: int = 300) -> str:
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def _check_labels(labels: Any, path: str, where: str) -> list[Problem]:
-    out = []
-    for k, v in (labels or {}).items():
-        prefix, _, name = str(k).rpartition("/")
-        if (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix))) or len(name) > 63 or not _LABEL_NAME.match(name):
-            out.append(Problem(f"{where}: {path}.{k}", "is not a valid label key ([prefix/]name, name <= 63 characters).", "rename it."))
-        if not isinstance(v, str) or len(v) > 63 or not _LABEL_VALUE.match(v):
-            out.append(Problem(f"{where}: {path}.{k}", f"value {v!r} is not a valid label value (<= 63 of [A-Za-z0-9._-], alphanumeric ends).",
-                               "shorten or sanitise it."))
-    return out
-
-
-def semantic_problems(doc: dict, where: str) -> list[Problem]:
-    """Rules the API server enforces that the OpenAPI JSON schemas do not express."""
-    probs: list[Problem] = []
-    kind = doc.get("kind")
-    meta = doc.get("metadata") or {}
-    name = str(meta.get("name", ""))
-    name_re, what = (_DNS_1035, "a DNS-1035 label") if kind == "Service" else (_DNS_SUBDOMAIN, "a DNS-1123 subdomain")
-    if not name_re.match(name) or len(name) > (63 if kind == "Service" else 253):
-        probs.append(Problem(f"{where}: metadata.name", f"{name!r} is not {what}.", "use lower-case letters, digits and '-'."))
-    ns = meta.get("namespace")
-    if ns is not None and (not _DNS_LABEL.match(str(ns)) or len(str(ns)) > 63):
-        probs.append(Problem(f"{where}: metadata.namespace", f"{ns!r} is not a DNS-1123 label.", "pass a valid namespace."))
-    probs += _check_labels(meta.get("labels"), "metadata.labels", where)
-    spec = doc.get("spec") or {}
-    if kind == "Deployment":
-        reps = spec.get("replicas")
-        if not isinstance(reps, int) or reps < 1:
-            probs.append(Problem(f"{where}: spec.replicas", f"is {reps!r}; a serving Deployment needs at least 1.",
-                                 "set deployment.replicas >= 1 in the profile."))
-        sel = (spec.get("selector") or {}).get("matchLabels") or {}
-        tmpl = spec.get("template") or {}
-        pod_labels = (tmpl.get("metadata") or {}).get("labels") or {}
-        probs += _check_labels(pod_labels, "spec.template.metadata.labels", where)
-        if not sel or any(pod_labels.get(k) != v for k, v in sel.items()):
-            probs.append(Problem(f"{where}: spec.selector.matchLabels", "does not match spec.template.metadata.labels.",
-                                 "the selector's labels must all be on the pod template."))
-        probs += _pod_template_problems(tmpl, "spec.template", where)
-    elif kind == "LeaderWorkerSet":
-        lwt = spec.get("leaderWorkerTemplate") or {}
-        size = lwt.get("size")
-        if not isinstance(size, int) or size < 2:
-            probs.append(Problem(f"{where}: spec.leaderWorkerTemplate.size", f"is {size!r}; a multi-node group has a leader and "
-                                 "at least one worker.", "render a Deployment for an engine that fits one node."))
-        for key in ("leaderTemplate", "workerTemplate"):
-            tmpl = lwt.get(key) or {}
-            path = f"spec.leaderWorkerTemplate.{key}"
-            probs += _check_labels((tmpl.get("metadata") or {}).get("labels"), f"{path}.metadata.labels", where)
-            probs += _pod_template_problems(tmpl, path, where)
-    elif kind == "PodDisruptionBudget":
-        ma = spec.get("minAvailable")
-        if isinstance(ma, int) and ma < 0:
-            probs.append(Problem(f"{where}: spec.minAvailable", f"is {ma}.", "use >= 0."))
-    return probs
-
-
-def _pod_template_problems(tmpl: dict, path: str, where: str) -> list[Problem]:
-    """API-server rules for one pod template (at ``path`` in the object): whole positive GPU counts with
-    requests = limits, ports 1..65535, probe counts >= 1, emptyDir quantities, PVC names."""
-    probs: list[Problem] = []
-    for i, c in enumerate((tmpl.get("spec") or {}).get("containers") or []):
-        res = c.get("resources") or {}
-        lim, req = (res.get("limits") or {}).get(GPU_RESOURCE), (res.get("requests") or {}).get(GPU_RESOURCE)
-        p = f"{where}: {path}.spec.containers[{i}].resources"
-        if lim is not None and (not isinstance(lim, int) or lim < 1):
-            probs.append(Problem(f"{p}.limits.{GPU_RESOURCE}", f"is {lim!r}; GPUs are whole positive numbers.", "fix gpus_per_replica."))
-        if req is not None and req != lim:
-            probs.append(Problem(f"{p}.requests.{GPU_RESOURCE}", f"is {req!r} but the limit is {lim!r}; extended resources need requests = limits.",
-                                 "render both from gpus_per_replica."))
-        for j, port in enumerate(c.get("ports") or []):
-            cp = port.get("containerPort")
-            if not isinstance(cp, int) or not 0 < cp < 65536:
-                probs.append(Problem(f"{where}: {path}.spec.containers[{i}].ports[{j}].containerPort", f"is {cp!r}.", "use 1..65535."))
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            pr = c.get(probe) or {}
-            for k in ("periodSeconds", "failureThreshold", "timeoutSeconds"):
-                if k in pr and (not isinstance(pr[k], int) or pr[k] < 1):
-                    probs.append(Problem(f"{where}: {path}.spec.containers[{i}].{probe}.{k}", f"is {pr[k]!r}; must be >= 1.", "fix it."))
-    for i, v in enumerate((tmpl.get("spec") or {}).get("volumes") or []):
-        size = (v.get("emptyDir") or {}).get("sizeLimit")
-        if size is not None and not _QUANTITY.match(str(size)):
-            probs.append(Problem(f"{where}: {path}.spec.volumes[{i}].emptyDir.sizeLimit", f"{size!r} is not a quantity.", "e.g. 2Gi."))
-        claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
-        if claim is not None and (not _DNS_SUBDOMAIN.match(str(claim)) or len(str(claim)) > 253):
-            probs.append(Problem(f"{where}: {path}.spec.volumes[{i}].persistentVolumeClaim.claimName",
-                                 f"{claim!r} is not a DNS-1123 subdomain.", "pass a valid PVC name."))
-    return probs
 
 
 # --------------------------------------------------------------------------------------------
@@ -619,117 +377,86 @@ def _lws_params(dep: dict, pod_template: dict, group: int, pod_gpus: int) -> dic
     }
 
 
+
+
 # --------------------------------------------------------------------------------------------
-# The in-cluster accuracy probe (serving/probe.py as a long-lived Deployment)
-
-GATE_SUBDIR = "gate"
-"""The build's gate output next to ``model_repository`` (metrics.json, per_token.npz): what the probe reads."""
-SOURCE_DIR = "/workspace/precision-pipeline"
-"""The repository checkout inside the image of cluster-side jobs (the nightly CronJob, the probe): bake it into a
-derived image of the serving image (its ``.venv`` set up: the root filesystem is read-only)."""
-PROBE_METRICS_PORT = 8004
-PROBE_EVERY_S = 600
-PROBE_FIRST_RESULT_S = 180
-"""The AnalysisTemplate's ``initialDelay`` of the probe metrics: the canary's first probe result needs a
-probe retry after the canary pods are ready (``probe.RETRY_AFTER_ERROR_S``, 30 s), one probe run and a
-Prometheus scrape; without it the first measurement can precede any probe run of the new unit
-(``len(result) > 0`` fails) and abort a healthy canary."""
-"""Seconds between probe runs (``PROBE_STALE_S`` allows three missed runs)."""
-PROBE_CPU, PROBE_MEMORY = "2", "8Gi"
-"""Probe pod requests (memory limit = request): the tokenizer, lm_head in FP32 and the stored reference hidden
-states of the probe's prompts; a sizing default, not a measured number."""
-PROBE_SCRAPE_INTERVAL = "60s"
+# Parameters of the manifests
 
 
-def has_gate(model_repository: Path) -> bool:
-    """Whether the build output holds a gate run (``<out>/gate/metrics.json``): the probe Deployment and its
-    PodMonitor are rendered only then."""
-    return (Path(model_repository).parent / GATE_SUBDIR / "metrics.json").is_file()
+@dataclass(frozen=True)
+class ManifestInputs:
+    """What ``render_manifests`` renders from (``compute_params`` checks every field).
+
+    ``repo_root``: where the build output (the parent of ``model_repository``) is mounted in the pod (the PVC
+    ``pvc_name``, read-only). ``gpu_products``: node label values to accept instead of the one derived from the
+    plan's GPU name. ``shm_size``: the ``/dev/shm`` emptyDir (None: ``max(2, 1 + GPUs per pod)`` Gi).
+    ``templates_dir``: the ``k8s/`` templates (also the pod template of a multi-node LeaderWorkerSet and of the
+    probe: the one home of the hardened pod spec)."""
+
+    plan: ResolvedPlan
+    profile: Any
+    model_repository: Path
+    repo_root: str
+    image: str = DEFAULT_IMAGE
+    namespace: str = "default"
+    pvc_name: str = DEFAULT_PVC
+    gpu_products: Optional[list[str]] = None
+    shm_size: Optional[str] = None
+    startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD
+    k8s_version: str = K8S_VERSION
+    templates_dir: Path = TEMPLATES_DIR
+
+    @property
+    def profile_name(self) -> str:
+        return self.plan.profile.name or self.profile.name
 
 
-def probe_command(service: str, namespace: str, repo_root: str, unit: str, profile_name: str) -> list[str]:
-    """``invoke probe`` (through run.sh) against the Service ``service`` (the serving Service, or the Rollout's
-    canary Service under ``workload: argo-rollout``; ``--url <service>.<namespace>.svc:8000``), every
-    ``PROBE_EVERY_S`` s, exporting on ``PROBE_METRICS_PORT``; ``--unit``/``--profile`` name the release so no
-    repository state is read or written."""
-    from precision_pipeline.serving.probe import DEFAULT_PROMPTS
+@dataclass(frozen=True)
+class Layout:
+    """How one replica's engine ranks sit on GPUs and pods."""
 
-    root = str(repo_root).rstrip("/") or ""
-    return ["./run.sh", "probe", "--url", f"{service}.{namespace}.svc:{HTTP_PORT}", "--gate", f"{root}/{GATE_SUBDIR}",
-            "--prompts", str(DEFAULT_PROMPTS), "--every", str(PROBE_EVERY_S), "--metrics-port", str(PROBE_METRICS_PORT),
-            "--unit", unit, "--profile", profile_name]
-
-
-def _probe_params(dep: dict, pod_template: dict, profile_name: str, unit: str, image: str,
-                  service: str) -> tuple[dict, dict]:
-    """Parameters of the probe Deployment and its PodMonitor (requests go to the Service ``service``); the
-    securityContexts are the Triton pod's."""
-    name = f"{dep['name'][:57]}-probe"
-    selector = {"app.kubernetes.io/name": "precision-probe", "app.kubernetes.io/instance": dep["name"]}
-    labels = {**dep["labels"], **selector, "app.kubernetes.io/component": "accuracy-probe"}
-    root = dep["repo_root"]
-    probe = {"name": name, "namespace": dep["namespace"], "labels": labels, "selector": selector,
-             "annotations": {k: v for k, v in dep["annotations"].items() if k != f"{LABEL_PREFIX}/launcher"},
-             "pod_security_context": pod_template["spec"]["securityContext"],
-             "container_security_context": pod_template["spec"]["containers"][0]["securityContext"],
-             "image": image, "working_dir": SOURCE_DIR,
-             "command": probe_command(service, dep["namespace"], root, unit, profile_name),
-             "cache_dir": f"{root.rstrip('/')}/.cache", "cpu_request": PROBE_CPU, "memory_request": PROBE_MEMORY,
-             "repo_root": root, "pvc_name": dep["pvc_name"], "tmp_size": TMP_SIZE}
-    monitor = {"name": name, "namespace": dep["namespace"], "labels": labels, "selector": selector,
-               "interval": PROBE_SCRAPE_INTERVAL}
-    return probe, monitor
+    gpu: Any            # the plan's catalog GPU
+    world: int          # GPUs per replica = tp_size x pp_size
+    tp: int
+    pp: int
+    group: int          # pods per replica (> 1: a LeaderWorkerSet)
+    pod_gpus: int       # GPUs per pod
+    products: list[str]  # accepted nvidia.com/gpu.product values
 
 
-CANARY_SERVICE_FILE = "service-canary.yaml"
-"""Output file of the Rollout's canary Service: ``service.yaml`` rendered a second time (one home for the ports)."""
-SERVICE_ROLE_LABEL = f"{LABEL_PREFIX}/service-role"
-"""Label on the canary Service only (value ``canary``), so that a ServiceMonitor or a selector over Services can tell
-it from the main Service (both front the same pods between rollouts)."""
+def _check_inputs(i: ManifestInputs) -> None:
+    check_repo_root(i.repo_root)
+    check_image(i.image, "image")
+    _check_pod_spec_inputs(i.namespace, "namespace", DNS_LABEL, "a DNS-1123 label", 63)
+    _check_pod_spec_inputs(i.pvc_name, "pvc_name", DNS_SUBDOMAIN, "a DNS-1123 subdomain", 253)
+    if not isinstance(i.startup_failure_threshold, int) or i.startup_failure_threshold < 1:
+        raise UserError("startup_failure_threshold", f"is {i.startup_failure_threshold!r}.",
+                        "use a positive number of probe periods.")
 
 
-def canary_service_name(name: str) -> str:
-    """``<name>-canary`` (a DNS-1035 label, <= 63 characters): the Service the Rollout names as ``canaryService``."""
-    return f"{name[:56]}-canary"
-
-
-def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_root: str, image: str, namespace: str, *,
-                   pvc_name: str = DEFAULT_PVC, gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
-                   startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD,
-                   templates_dir: Path = TEMPLATES_DIR) -> tuple[dict[str, Optional[dict]], dict]:
-    """Template parameters per template file (None = template not rendered) and facts for DeployResult
-    (``facts["derived"]``: output file -> (template file, parameters) for objects rendered from a template a
-    second time: the canary Service).
-
-    ``templates_dir``: where ``triton-deployment.yaml`` is read for the pod template of a multi-node
-    LeaderWorkerSet and of the probe (the one home of the hardened pod spec)."""
-    notes: list[str] = []
-    model_repository = Path(model_repository)
-    check_repo_root(repo_root)
-    check_image(image, "image")
-    _check_pod_spec_inputs(namespace, "namespace", _DNS_LABEL, "a DNS-1123 label", 63)
-    _check_pod_spec_inputs(pvc_name, "pvc_name", _DNS_SUBDOMAIN, "a DNS-1123 subdomain", 253)
-    if not isinstance(startup_failure_threshold, int) or startup_failure_threshold < 1:
-        raise UserError("startup_failure_threshold", f"is {startup_failure_threshold!r}.", "use a positive number of probe periods.")
-
+def _layout(i: ManifestInputs) -> Layout:
+    plan, profile = i.plan, i.profile
     gpu = plan.gpu
     if gpu is None or not gpu.id or not gpu.name:
         raise UserError("target.gpu", f"plan.json has no known GPU (asked: {plan.profile.target.gpu!r}).", "resolve the profile on a catalog GPU first.")
     world, tp, pp = _gpus(plan, profile)
     group = lws_group(world, profile.deployment.gpus_per_node, profile.deployment.workload)
-    pod_gpus = world // group
-    products = list(gpu_products) if gpu_products else [gpu_product_label(gpu.name)]
+    products = list(i.gpu_products) if i.gpu_products else [gpu_product_label(gpu.name)]
     for p in products:
-        if not isinstance(p, str) or len(p) > 63 or not p or not _LABEL_VALUE.match(p):
+        if not isinstance(p, str) or len(p) > 63 or not p or not LABEL_VALUE.match(p):
             raise UserError("gpu_products", f"{p!r} is not a valid {GPU_PRODUCT_LABEL} label value.", "use the value GPU Feature Discovery sets, e.g. NVIDIA-H100-80GB-HBM3.")
+    return Layout(gpu, world, tp, pp, group, world // group, products)
 
-    ss = serving_set(model_repository)
+
+def _check_units(i: ManifestInputs, ss: ServingSet, lay: Layout) -> list[str]:
+    """Every loaded engine unit fits the layout and the image (refused otherwise); returns notes."""
+    model_repository, world, notes = Path(i.model_repository), lay.world, []
     for u in ss.units:
         uw = unit_world_size(model_repository, u)
         if uw != world:
             role = "current release" if u == ss.unit else "warm fallback"
             raise UserError("deployment.gpus_per_replica",
-                            f"the {role} {u} in {model_repository} runs on {uw} GPU(s) but the plan needs {world} (tp {tp} x pp {pp}).",
+                            f"the {role} {u} in {model_repository} runs on {uw} GPU(s) but the plan needs {world} (tp {lay.tp} x pp {lay.pp}).",
                             "pack/promote an engine built from this plan" + ("" if u == ss.unit else
                             ", or set deployment.warm_fallback: false (every loaded engine must use the same GPUs)") + ".")
     for u in ss.units:
@@ -739,35 +466,45 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
         if (eng / "config.json").is_file() and (eng / "provenance.json").is_file():
             from precision_pipeline.serving import skew
 
-            notes += skew.check_engine(eng, image=image, sm=gpu.sm, world_size=world, where=f"{u}/engine",
+            notes += skew.check_engine(eng, image=i.image, sm=lay.gpu.sm, world_size=world, where=f"{u}/engine",
                                        limits=pack.unit_limits(model_repository, u))
     if ss.engine_present is False:
         notes.append(f"engine absent in {ss.unit}: the real tensorrtllm backend will fail to load it; build the engine on a GPU node and re-pack.")
     ev = _engine_version(model_repository, ss.unit)
-    if ev and image == DEFAULT_IMAGE and ev != DEFAULT_IMAGE_TRTLLM:
-        notes.append(f"engine built by TensorRT-LLM {ev} but {image} ships {DEFAULT_IMAGE_TRTLLM}: engines load only under the "
+    if ev and i.image == DEFAULT_IMAGE and ev != DEFAULT_IMAGE_TRTLLM:
+        notes.append(f"engine built by TensorRT-LLM {ev} but {i.image} ships {DEFAULT_IMAGE_TRTLLM}: engines load only under the "
                      "version that built them; pass image= with the build's container.")
+    return notes
 
-    profile_name = plan.profile.name or profile.name
-    name = k8s_name(profile_name)
-    repo_path = pack.serving_path(repo_root, model_repository.name)
+
+def _launch(i: ManifestInputs, ss: ServingSet, lay: Layout, notes: list[str]) -> tuple[list[str], list[str], str]:
+    """(command, args, launcher) of the Triton container; appends what the reader should know to ``notes``."""
     from precision_pipeline.serving.triton_server import repository_traces_url
 
-    trace_url = repository_traces_url(model_repository)  # what the BLS was packed with (deployment.otlp_endpoint)
+    world = lay.world
+    repo_path = pack.serving_path(i.repo_root, Path(i.model_repository).name)
+    trace_url = repository_traces_url(Path(i.model_repository))  # what the BLS was packed with (deployment.otlp_endpoint)
     command, args, launcher = triton_command(world, repo_path, ss.models, ss.units, trace_url)
     if trace_url:
         notes.append(f"traces: Triton (--trace-config mode=opentelemetry) and the BLS send spans to {trace_url}; the BLS "
                      "imports opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http (requirements.lock pins): the "
                      "serving image must have them, or the BLS refuses to load.")
-    if group > 1:
+    if lay.group > 1:
         command, launcher = [*LEADER_SHELL, "mpi-leader"], "mpirun-lws"
-        notes.append(f"world size {world} > deployment.gpus_per_node {profile.deployment.gpus_per_node}: a LeaderWorkerSet "
-                     f"of {group} pods x {pod_gpus} GPUs per replica; the leader's mpirun starts the ranks of the worker pods "
+        notes.append(f"world size {world} > deployment.gpus_per_node {i.profile.deployment.gpus_per_node}: a LeaderWorkerSet "
+                     f"of {lay.group} pods x {lay.pod_gpus} GPUs per replica; the leader's mpirun starts the ranks of the worker pods "
                      "through kubectl exec (the image needs kubectl; the LWS controller must be installed).")
     elif launcher == "mpirun":
         notes.append(f"world size {world}: mpirun runs {world} tritonserver ranks (tensorrtllm_backend leader mode), "
                      "the line launch_triton_server.py would build, run in the foreground.")
-    replicas = profile.deployment.replicas
+    return command, args, launcher
+
+
+def _deployment_params(i: ManifestInputs, ss: ServingSet, lay: Layout, launch: tuple[list[str], list[str], str]) -> dict:
+    """The Deployment's parameters (``triton-deployment.yaml``; also the pod template of the other workloads)."""
+    command, args, launcher = launch
+    profile_name = i.profile_name
+    name = k8s_name(profile_name)
     h12 = ss.unit[len(pack.UNIT_PREFIX):]
     selector = {"app.kubernetes.io/name": "triton", "app.kubernetes.io/instance": name}
     labels = {
@@ -775,7 +512,7 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
         "app.kubernetes.io/component": "inference-server",
         "app.kubernetes.io/part-of": LABEL_PREFIX,
         "app.kubernetes.io/managed-by": LABEL_PREFIX,
-        f"{LABEL_PREFIX}/profile": _label_value(profile_name),
+        f"{LABEL_PREFIX}/profile": label_value(profile_name),
         f"{LABEL_PREFIX}/engine-hash": h12,
         f"{LABEL_PREFIX}/engine-unit": ss.unit,
     }
@@ -783,44 +520,58 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
         f"{LABEL_PREFIX}/engine-hash": ss.engine_hash,
         f"{LABEL_PREFIX}/engine-unit": ss.unit,
         f"{LABEL_PREFIX}/profile": profile_name,
-        f"{LABEL_PREFIX}/gpu": str(gpu.id),
-        f"{LABEL_PREFIX}/parallel": f"tp{tp}xpp{pp}",
-        f"{LABEL_PREFIX}/release-source": _rel_source(ss.source, model_repository),
+        f"{LABEL_PREFIX}/gpu": str(lay.gpu.id),
+        f"{LABEL_PREFIX}/parallel": f"tp{lay.tp}xpp{lay.pp}",
+        f"{LABEL_PREFIX}/release-source": _rel_source(ss.source, Path(i.model_repository)),
         f"{LABEL_PREFIX}/launcher": launcher,
     }
-    shm = shm_size or f"{max(2, 1 + pod_gpus)}Gi"
-    dep = {
-        "name": name, "namespace": namespace, "labels": labels, "annotations": annotations,
-        "replicas": replicas, "selector": selector, "pod_labels": labels,
+    pod_gpus, threshold = lay.pod_gpus, i.startup_failure_threshold
+    return {
+        "name": name, "namespace": i.namespace, "labels": labels, "annotations": annotations,
+        "replicas": i.profile.deployment.replicas, "selector": selector, "pod_labels": labels,
         "pod_annotations": {**annotations, "kubectl.kubernetes.io/default-container": "triton"},
-        "progress_deadline_s": STARTUP_PERIOD_S * startup_failure_threshold + 600,
-        "termination_grace_s": TERMINATION_GRACE_S, "gpu_products": products,
-        "image": image, "command": command, "args": args, "gpus": pod_gpus,
-        "startup_period_s": STARTUP_PERIOD_S, "startup_failure_threshold": startup_failure_threshold,
-        "repo_root": str(repo_root).rstrip("/") or "/", "shm_size": shm, "pvc_name": pvc_name,
-        "cpu_request": str(CPU_PER_GPU * pod_gpus), "memory_request": f"{MEMORY_GI_BASE + MEMORY_GI_PER_GPU * pod_gpus}Gi",
-        "tmp_size": TMP_SIZE,
+        "progress_deadline_s": STARTUP_PERIOD_S * threshold + 600,
+        "termination_grace_s": TERMINATION_GRACE_S, "gpu_products": lay.products,
+        "image": i.image, "command": command, "args": args, "gpus": pod_gpus,
+        "startup_period_s": STARTUP_PERIOD_S, "startup_failure_threshold": threshold,
+        "repo_root": str(i.repo_root).rstrip("/") or "/", "shm_size": i.shm_size or f"{max(2, 1 + pod_gpus)}Gi",
+        "pvc_name": i.pvc_name, "cpu_request": str(CPU_PER_GPU * pod_gpus),
+        "memory_request": f"{MEMORY_GI_BASE + MEMORY_GI_PER_GPU * pod_gpus}Gi", "tmp_size": TMP_SIZE,
     }
-    pod_template = _pod_template(templates_dir, dep) if group > 1 or has_gate(model_repository) else None
-    lws = _lws_params(dep, pod_template, group, pod_gpus) if group > 1 else {}
+
+
+def compute_params(i: ManifestInputs) -> tuple[dict[str, Optional[dict]], dict]:
+    """Template parameters per template file (None = template not rendered) and facts for DeployResult
+    (``facts["derived"]``: output file -> (template file, parameters) for objects rendered from a template a
+    second time: the canary Service). Raises UserError on any refused input."""
+    _check_inputs(i)
+    lay = _layout(i)
+    ss = serving_set(Path(i.model_repository))
+    notes = _check_units(i, ss, lay)
+    launch = _launch(i, ss, lay, notes)
+    dep = _deployment_params(i, ss, lay, launch)
+    name, labels, selector, replicas = dep["name"], dep["labels"], dep["selector"], dep["replicas"]
+    gated = has_gate(Path(i.model_repository))
+    pod_template = _pod_template(i.templates_dir, dep) if lay.group > 1 or gated else None
+    lws = _lws_params(dep, pod_template, lay.group, lay.pod_gpus) if lay.group > 1 else {}
     serving_selector = {**selector, LWS_WORKER_INDEX_LABEL: "0"} if lws else selector
-    svc = {"name": name, "namespace": namespace, "labels": labels, "selector": serving_selector}
-    pdb = ({"name": name, "namespace": namespace, "labels": labels, "selector": serving_selector, "min_available": 1}
+    svc = {"name": name, "namespace": i.namespace, "labels": labels, "selector": serving_selector}
+    pdb = ({"name": name, "namespace": i.namespace, "labels": labels, "selector": serving_selector, "min_available": 1}
            if replicas > 1 else None)
     if pdb is None:
         notes.append("replicas = 1: no PodDisruptionBudget (minAvailable: 1 would block every drain of the node).")
     derived: dict[str, tuple[str, dict]] = {}
-    canary = canary_service_name(name) if profile.deployment.workload == "argo-rollout" else None
+    canary = canary_service_name(name) if i.profile.deployment.workload == "argo-rollout" else None
     if canary is not None:
         # same ports and selector as the main Service; Argo Rollouts adds the canary ReplicaSet's
         # rollouts-pod-template-hash to this selector at runtime, so the probe reaches canary pods only
         derived[CANARY_SERVICE_FILE] = ("service.yaml", {**svc, "name": canary, "labels": {**labels, SERVICE_ROLE_LABEL: "canary"}})
-    probe, monitor = (_probe_params(dep, pod_template, profile_name, ss.unit, image, canary or name)
-                      if has_gate(model_repository) else (None, None))
-    facts = {"name": name, "replicas": replicas, "gpus_per_replica": world, "gpu_products": products, "serving": ss,
-             "launcher": launcher, "command": [*command, *args], "notes": notes, "probe_monitor": monitor,
-             "group_size": group, "pod_params": dep, "derived": derived}
-    rollout, analysis = _argo_params(plan, profile, name, namespace, labels, annotations, selector, ss.unit, dep, canary)
+    probe, monitor = (probe_params(dep, pod_template, i.profile_name, ss.unit, i.image, canary or name)
+                      if gated else (None, None))
+    facts = {"name": name, "replicas": replicas, "gpus_per_replica": lay.world, "gpu_products": lay.products, "serving": ss,
+             "launcher": launch[2], "command": [*launch[0], *launch[1]], "notes": notes, "probe_monitor": monitor,
+             "group_size": lay.group, "pod_params": dep, "derived": derived}
+    rollout, analysis = argo_params(i.profile.deployment, i.profile.gate.for_model(i.plan.model.name), dep, ss.unit, canary)
     if rollout is not None:
         notes.append(f"workload argo-rollout: apply the Rollout, AnalysisTemplate and canary Service {canary} with the "
                      "Deployment; the Rollout owns releases, the probe targets the canary Service (k8s/README.md).")
@@ -830,127 +581,13 @@ def compute_params(plan: ResolvedPlan, profile, model_repository: Path, repo_roo
             "lws-launcher-rolebinding.yaml": lws.get("binding"), "probe-deployment.yaml": probe}, facts
 
 
-DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
-"""Prometheus the AnalysisTemplate queries (the prometheus-operator's default Service name); an argument."""
-PROBE_METRICS = PROBE_METRIC_NAMES
-"""Gauges the accuracy probe publishes per engine unit (label ``engine_unit``; serving/probe.py ``ProbeExporter``)."""
-MAX_ERROR_RATE = 0.01
-ANALYSIS_INTERVAL = "60s"
-
-
-def _argo_params(plan, profile, name, namespace, labels, annotations, selector, unit, dep,
-                 canary_service: Optional[str]) -> tuple[Optional[dict], Optional[dict]]:
-    """Rollout and AnalysisTemplate parameters (None, None unless ``deployment.workload: argo-rollout``);
-    ``canary_service``: the Rollout's ``strategy.canary.canaryService``."""
-    d = profile.deployment
-    if d.workload != "argo-rollout":
-        return None, None
-    from precision_pipeline.gate.checkpoint_gate import CHECKS
-
-    steps: list[dict] = []
-    for pct in d.canary_steps:
-        steps.append({"setWeight": int(pct)})
-        if pct < 100:
-            steps.append({"pause": {"duration": f"{int(d.canary_pause_s)}s"}})
-    thr = profile.gate.for_model(plan.model.name)
-    canary = 'rollouts_pod_template_hash="{{args.canary-hash}}"'
-    metrics = []
-    for key, metric in PROBE_METRICS.items():
-        field_name, op = CHECKS[key]
-        v = getattr(thr, field_name)
-        if v is None:
-            continue
-        metrics.append({"name": f"probe-{key.replace('_', '-')}", "interval": ANALYSIS_INTERVAL,
-                        "initialDelay": f"{PROBE_FIRST_RESULT_S}s", "failureLimit": 0,
-                        "successCondition": f"len(result) > 0 && result[0] {op} {v!r}",
-                        "provider": {"prometheus": {"address": "{{args.prometheus-address}}",
-                                                    "query": f'max({metric}{{engine_unit="{unit}"}})'}}})
-    fail = f"sum(rate(nv_inference_request_failure{{{canary}}}[2m]))"
-    total = f"sum(rate(nv_inference_request_success{{{canary}}}[2m])) + {fail}"
-    metrics.append({"name": "error-rate", "interval": ANALYSIS_INTERVAL, "failureLimit": 0,
-                    "successCondition": f"len(result) == 0 || result[0] <= {MAX_ERROR_RATE!r}",
-                    "provider": {"prometheus": {"address": "{{args.prometheus-address}}",
-                                                "query": f"({fail}) / clamp_min({total}, 1e-9)"}}})
-    rollout = {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations,
-               "replicas": dep["replicas"], "progress_deadline_s": dep["progress_deadline_s"], "selector": selector,
-               "deployment_name": name, "analysis_name": name, "canary_service": canary_service, "steps": steps}
-    analysis = {"name": name, "namespace": namespace, "labels": labels, "prometheus_address": DEFAULT_PROMETHEUS,
-                "metrics": metrics}
-    return rollout, analysis
-
-
-MONITORING_SUBDIR = "monitoring"
-"""``<out>/k8s/monitoring/``: manifests of the prometheus-operator's kinds (``k8s/monitoring/`` templates),
-apart so that ``kubectl apply -f <out>/k8s/`` works on a cluster without that operator."""
-PROBE_STALE_S = 1800
-"""PrecisionProbeStale fires when the probe's last run of a profile is older than this (seconds): 3 runs
-of a probe every 10 minutes (``invoke probe --every 600``) missed."""
-PROBE_ALERT_FOR = "5m"
-"""How long a probe result beyond the gate threshold must persist (the next runs did not clear it)."""
-
-
-def _promql_str(s: str) -> str:
-    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def alert_groups(profile_name: str, thresholds, *, stale_s: int = PROBE_STALE_S) -> list[dict]:
-    """The PrometheusRule's groups for one profile: the probe's checked metrics (``PROBE_METRICS``, ops
-    and thresholds from ``checkpoint_gate.CHECKS`` and ``thresholds``, the profile's gate section for the
-    model), probe staleness and errors, and the BLS's ``precision_pipeline_fallback_active`` gauge."""
-    from precision_pipeline.gate.checkpoint_gate import CHECKS
-
-    sel = f"profile={_promql_str(profile_name)}"
-    rules: list[dict] = []
-    for key, metric in PROBE_METRICS.items():
-        field_name, op = CHECKS[key]
-        v = getattr(thresholds, field_name)
-        if v is None:
-            continue
-        bad = ">" if op == "<=" else "<"
-        name = "PrecisionProbe" + "".join(w.capitalize() for w in key.split("_")) + ("AboveGate" if bad == ">" else "BelowGate")
-        rules.append({"alert": name, "expr": f"max by (engine_unit) ({metric}{{{sel}}}) {bad} {v!r}",
-                      "for": PROBE_ALERT_FOR, "labels": {"severity": "critical"},
-                      "annotations": {"summary": f"live {key} of {{{{ $labels.engine_unit }}}} beyond the gate ({op} {v!r})",
-                                      "description": f"The golden-prompt probe of profile {profile_name} measured "
-                                                     f"{key} = {{{{ $value }}}} on the live server; the gate allows {op} {v!r}."}})
-    rules.append({"alert": "PrecisionProbeStale",
-                  "expr": f"time() - max by (engine_unit) ({PROBE_LAST_RUN}{{{sel}}}) > {int(stale_s)}",
-                  "labels": {"severity": "warning"},
-                  "annotations": {"summary": f"no probe run of {{{{ $labels.engine_unit }}}} for over {int(stale_s)} s"}})
-    rules.append({"alert": "PrecisionProbeAbsent", "expr": f"absent({PROBE_LAST_RUN}{{{sel}}})", "for": f"{int(stale_s)}s",
-                  "labels": {"severity": "warning"},
-                  "annotations": {"summary": f"the accuracy probe of profile {profile_name} exports nothing"}})
-    rules.append({"alert": "PrecisionProbeErrors",
-                  "expr": f'increase(precision_pipeline_probe_runs_total{{{sel},result="error"}}[15m]) > 0',
-                  "labels": {"severity": "warning"},
-                  "annotations": {"summary": "probe runs of {{ $labels.engine_unit }} failed to get logits from the server"}})
-    rules.append({"alert": "PrecisionFallbackActive", "expr": "max(precision_pipeline_fallback_active) > 0",
-                  "for": "5m", "labels": {"severity": "warning"},
-                  "annotations": {"summary": "the BLS serves the fallback release (releases.json fallback)"}})
-    return [{"name": f"precision-pipeline.{profile_name}", "interval": "1m", "rules": rules}]
-
-
 # --------------------------------------------------------------------------------------------
 # Stage
 
 
-def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_dir: Path, repo_root: str,
-                     image: str = DEFAULT_IMAGE, namespace: str = "default", *, pvc_name: str = DEFAULT_PVC,
-                     gpu_products: Optional[list[str]] = None, shm_size: Optional[str] = None,
-                     startup_failure_threshold: int = STARTUP_FAILURE_THRESHOLD, k8s_version: str = K8S_VERSION,
-                     templates_dir: Path = TEMPLATES_DIR, workdir: Optional[Path] = None) -> DeployResult:
-    """Render and validate the manifests; write ``<out_dir>/k8s/*.yaml`` atomically (all or nothing).
-
-    ``repo_root``: where the build output (the parent of ``model_repository``) is mounted in the pod
-    (the PVC ``pvc_name``, read-only). ``gpu_products``: node label values to accept instead of the one
-    derived from the plan's GPU name. ``workdir``: write the manifests there instead of
-    ``<out_dir>/k8s`` (the stage runner renames it into place). Raises UserError (exit 2) on any
-    refused input or invalid manifest.
-    """
-    templates_dir = Path(templates_dir)
-    params, facts = compute_params(plan, profile, Path(model_repository), repo_root, image, namespace, pvc_name=pvc_name,
-                                   gpu_products=gpu_products, shm_size=shm_size,
-                                   startup_failure_threshold=startup_failure_threshold, templates_dir=templates_dir)
+def _render_workload(i: ManifestInputs, params: dict[str, Optional[dict]], facts: dict) -> dict[str, str]:
+    """Output file -> rendered, validated YAML of every ``k8s/*.yaml`` template with parameters (and the derived ones)."""
+    templates_dir = Path(i.templates_dir)
     found = sorted(p.name for p in templates_dir.glob("*.yaml"))
     unknown = sorted(set(found) - set(params))
     missing = sorted(set(params) - set(found))
@@ -966,39 +603,61 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
             continue
         text = render_template((templates_dir / tname).read_text(), p, where)
         doc = parse_manifest(text, where)
-        validate_manifest(doc, where, k8s_version)
-        header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {plan.profile.name or profile.name}, "
-                  f"engine unit {facts['serving'].unit}.\n# Validated against Kubernetes {k8s_version} (strict). Re-render; do not edit.\n")
+        validate_manifest(doc, where, i.k8s_version)
+        header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {i.profile_name}, "
+                  f"engine unit {facts['serving'].unit}.\n# Validated against Kubernetes {i.k8s_version} (strict). Re-render; do not edit.\n")
         rendered[out] = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
+    return rendered
+
+
+def _monitoring_params(i: ManifestInputs, tpath: Path, facts: dict) -> Optional[dict]:
+    """Parameters of one ``k8s/monitoring/`` template (None: not rendered for this build)."""
+    dep = facts["pod_params"]  # the Deployment's parameters (also for a LeaderWorkerSet, which replaces it)
+    p = {"name": dep["name"], "namespace": dep["namespace"], "labels": dep["labels"]}
+    if tpath.name == "probe-podmonitor.yaml":
+        return facts["probe_monitor"]
+    if tpath.name == "prometheus-rule.yaml":
+        p["groups"] = alert_groups(i.profile_name, i.profile.gate.for_model(i.plan.model.name))
+    elif tpath.name == "grafana-dashboard.yaml":
+        from precision_pipeline.serving import dashboard
+
+        p["name"] = f"{dep['name']}-dashboard"[:63]
+        p["labels"] = {**dep["labels"], "grafana_dashboard": "1"}
+        p["data"] = {f"{dep['name']}.json": dashboard.to_json(dashboard.dashboard(i.plan, i.profile, dep["name"]))}
+    else:
+        raise UserError(str(tpath), "is a monitoring template build/precision_pipeline/serving/deploy.py does not fill.",
+                        "keep k8s/monitoring/ and deploy.py in step.")
+    return p
+
+
+def _render_monitoring(i: ManifestInputs, facts: dict) -> dict[str, str]:
+    """``monitoring/<file>`` -> rendered, validated YAML of the ``k8s/monitoring/`` templates."""
     monitoring: dict[str, str] = {}
-    mon_dir = templates_dir / MONITORING_SUBDIR
+    mon_dir = Path(i.templates_dir) / MONITORING_SUBDIR
     for tpath in sorted(mon_dir.glob("*.yaml")) if mon_dir.is_dir() else []:
         where = f"k8s/{MONITORING_SUBDIR}/{tpath.name}"
-        dep = facts["pod_params"]  # the Deployment's parameters (also for a LeaderWorkerSet, which replaces it)
-        p = {"name": dep["name"], "namespace": dep["namespace"], "labels": dep["labels"]}
-        if tpath.name == "probe-podmonitor.yaml":
-            if facts["probe_monitor"] is None:
-                continue
-            p = facts["probe_monitor"]
-        elif tpath.name == "prometheus-rule.yaml":
-            p["groups"] = alert_groups(plan.profile.name or profile.name, profile.gate.for_model(plan.model.name))
-        elif tpath.name == "grafana-dashboard.yaml":
-            from precision_pipeline.serving import dashboard
-
-            p["name"] = f"{dep['name']}-dashboard"[:63]
-            p["labels"] = {**dep["labels"], "grafana_dashboard": "1"}
-            p["data"] = {f"{dep['name']}.json": dashboard.to_json(dashboard.dashboard(plan, profile, dep["name"]))}
-        else:
-            raise UserError(str(tpath), "is a monitoring template build/precision_pipeline/serving/deploy.py does not fill.",
-                            "keep k8s/monitoring/ and deploy.py in step.")
+        p = _monitoring_params(i, tpath, facts)
+        if p is None:
+            continue
         doc = parse_manifest(render_template(tpath.read_text(), p, where), where)
-        validate_manifest(doc, where, k8s_version)
+        validate_manifest(doc, where, i.k8s_version)
         monitoring[f"{MONITORING_SUBDIR}/{tpath.name}"] = (
-            f"# Rendered by build/precision_pipeline/serving/deploy.py from {where}: profile {plan.profile.name or profile.name}.\n"
+            f"# Rendered by build/precision_pipeline/serving/deploy.py from {where}: profile {i.profile_name}.\n"
             "# For a cluster with the prometheus-operator / Grafana's sidecar. Re-render; do not edit.\n"
             + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000))
-    out_dir = Path(out_dir)
-    target = out_dir / OUT_SUBDIR
+    return monitoring
+
+
+def render_manifests(inputs: ManifestInputs, out_dir: Path, workdir: Optional[Path] = None) -> DeployResult:
+    """Render and validate the manifests; write ``<out_dir>/k8s/*.yaml`` atomically (all or nothing).
+
+    ``workdir``: write the manifests there instead of ``<out_dir>/k8s`` (the stage runner renames it into
+    place). Raises UserError (exit 2) on any refused input or invalid manifest.
+    """
+    params, facts = compute_params(inputs)
+    rendered = _render_workload(inputs, params, facts)
+    monitoring = _render_monitoring(inputs, facts)
+    target = Path(out_dir) / OUT_SUBDIR
     with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(target)) as tmp:
         for tname, text in rendered.items():
             (tmp / tname).write_text(text)
@@ -1008,10 +667,10 @@ def render_manifests(plan: ResolvedPlan, profile, model_repository: Path, out_di
     ss: ServingSet = facts["serving"]
     return DeployResult(
         out_dir=target, files=sorted(rendered), replicas=facts["replicas"], gpus_per_replica=facts["gpus_per_replica"],
-        gpu_resource=GPU_RESOURCE, image=image, namespace=namespace, name=facts["name"], gpu_products=facts["gpu_products"],
-        engine_unit=ss.unit, engine_hash=ss.engine_hash, engine_present=ss.engine_present, load_models=ss.models,
-        release_source=ss.source, launcher=facts["launcher"], command=facts["command"], k8s_version=k8s_version,
-        notes=facts["notes"], monitoring=sorted(monitoring))
+        gpu_resource=GPU_RESOURCE, image=inputs.image, namespace=inputs.namespace, name=facts["name"],
+        gpu_products=facts["gpu_products"], engine_unit=ss.unit, engine_hash=ss.engine_hash,
+        engine_present=ss.engine_present, load_models=ss.models, release_source=ss.source, launcher=facts["launcher"],
+        command=facts["command"], k8s_version=inputs.k8s_version, notes=facts["notes"], monitoring=sorted(monitoring))
 
 
 def stage_inputs(plan: ResolvedPlan, profile, repo_root: str, image: str = DEFAULT_IMAGE, *, namespace: str = "default",
@@ -1036,7 +695,9 @@ def stage_inputs(plan: ResolvedPlan, profile, repo_root: str, image: str = DEFAU
     }
 
 
-__all__ = ["render_manifests", "stage_inputs", "DeployResult", "DEFAULT_IMAGE", "DEFAULT_IMAGE_TRTLLM",
-           "DEFAULT_IMAGE_SOURCE", "K8S_VERSION", "GPU_RESOURCE", "GPU_PRODUCT_LABEL", "serving_set",
-           "triton_command", "render_template", "validate_manifest", "gpu_product_label", "k8s_name", "alert_groups",
-           "canary_service_name", "CANARY_SERVICE_FILE"]
+__all__ = ["ManifestInputs", "render_manifests", "compute_params", "stage_inputs", "DeployResult", "DEFAULT_IMAGE",
+           "DEFAULT_IMAGE_TRTLLM", "DEFAULT_IMAGE_SOURCE", "DEFAULT_PVC", "serving_set", "triton_command", "check_repo_root",
+           "check_image",
+           # homes in serving/k8s.py and serving/monitoring.py; here for callers not moved yet (nightly.py, pipeline.py)
+           "K8S_VERSION", "GPU_RESOURCE", "GPU_PRODUCT_LABEL", "render_template", "parse_manifest", "validate_manifest",
+           "gpu_product_label", "k8s_name", "alert_groups", "canary_service_name", "CANARY_SERVICE_FILE", "SOURCE_DIR"]

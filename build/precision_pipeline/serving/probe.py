@@ -8,7 +8,7 @@ only for an engine built with ``trtllm-build --gather_context_logits``, profile
 ``build.gather_context_logits: true``, and a unit config with ``logits_datatype`` TYPE_FP32). The
 answer positions are scored against the FP32 reference the gate stored (the reference cache entry
 named by the gate's ``metrics.json`` ``reference_cache.key``: final hidden states, multiplied by the
-FP32 lm_head) with the gate's own per-token code (``checkpoint_gate.token_metrics``):
+FP32 lm_head) with the gate's own per-token code (``gate.metrics.token_metrics``):
 KL(P_ref || P_engine) P99 and mean (nats, pooled over answer tokens) and top-1 agreement.
 
 Public API (``invoke rollout`` uses it at each step; ``invoke probe`` may reuse it):
@@ -50,7 +50,7 @@ from precision_pipeline.core.store import read_json_safe
 from precision_pipeline.spec.profile import GateThresholds
 
 PROBE_METRICS = ("kl_p99", "top1")
-"""The metrics the probe checks (threshold fields from ``checkpoint_gate.CHECKS``)."""
+"""The metrics the probe checks (threshold fields from ``gate.metrics.CHECKS``)."""
 DEFAULT_PROMPTS = 4
 RETRY_AFTER_ERROR_S = 30
 """With ``--every N``: a run that errored (the unit not loaded yet, the server unreachable) is retried
@@ -146,7 +146,7 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
     import torch.nn.functional as F
     from transformers import AutoTokenizer
 
-    from precision_pipeline.gate import checkpoint_gate as cg
+    from precision_pipeline.gate import reference as gate_reference
     from precision_pipeline.gate.golden import encode_prompt, end_of_turn_id, load_golden
 
     gate_dir = Path(gate_dir)
@@ -161,7 +161,7 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
         raise UserError("gate", f"{gate_dir / 'metrics.json'} lacks {', '.join(missing)} (written by an older or "
                         "interrupted gate).", rebuild)
     key = (met.get("reference_cache") or {}).get("key") or ""
-    ref = cg.cached_reference(key, cache_root) if key else None
+    ref = gate_reference.cached_reference(key, cache_root) if key else None
     if ref is None:
         raise UserError("gate", f"the FP32 reference stored by the gate in {gate_dir} (key {key[:12] or '?'}) is not in "
                         "the reference cache.", "rebuild the profile (its gate stores the reference again).")
@@ -183,7 +183,7 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
     by_id = {g.id: g for g in load_golden(None)}
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
-        lm_w = cg.lm_head_weight(model_dir)
+        lm_w = gate_reference.lm_head_weight(model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(model_field, f"{model_dir}: cannot load its tokenizer and lm_head ({str(e)[:200]}).", model_fix)
     if ref.hidden and lm_w.shape[-1] != ref.hidden[0].shape[-1]:
@@ -243,7 +243,7 @@ def engine_context_logits(server, unit: str, input_ids: Sequence[int], end_id: i
 def run_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> ProbeResult:
     """Score engine unit ``unit`` on ``probe_set`` through ``server`` (module doc). Never raises for a
     bad engine: a wrong answer is a failed check; a server error propagates (RuntimeError)."""
-    from precision_pipeline.gate import checkpoint_gate as cg
+    from precision_pipeline.gate import metrics as gm
 
     t0 = time.perf_counter()
     kls, t1s, per = [], [], []
@@ -251,7 +251,7 @@ def run_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAUL
     try:
         for p in probe_set.prompts:
             cl = engine_context_logits(server, unit, p.input_ids, probe_set.end_id, client=c)
-            m = cg.token_metrics(p.ref_logits, cl[p.answer])
+            m = gm.token_metrics(p.ref_logits, cl[p.answer])
             kls.append(m.kl)
             t1s.append(m.top1.astype(np.float64))
             per.append({"id": p.id, "tokens": int(m.kl.size), "kl_mean": float(m.kl.mean()), "top1": float(m.top1.mean())})
@@ -260,12 +260,12 @@ def run_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAUL
     kl = np.concatenate(kls)
     top1 = np.concatenate(t1s)
     values = {"kl_p99": float(np.percentile(kl, 99)), "kl_mean": float(kl.mean()), "top1": float(top1.mean())}
-    ci = {"kl_p99": list(cg.bootstrap_ci(kls, lambda x: float(np.percentile(x, 99)), bootstrap, seed)),
-          "kl_mean": list(cg.bootstrap_ci(kls, np.mean, bootstrap, seed)),
-          "top1": list(cg.bootstrap_ci(t1s, np.mean, bootstrap, seed))}
+    ci = {"kl_p99": list(gm.bootstrap_ci(kls, lambda x: float(np.percentile(x, 99)), bootstrap, seed)),
+          "kl_mean": list(gm.bootstrap_ci(kls, np.mean, bootstrap, seed)),
+          "top1": list(gm.bootstrap_ci(t1s, np.mean, bootstrap, seed))}
     checks = {}
     for name in PROBE_METRICS:
-        thr_field, op = cg.CHECKS[name]
+        thr_field, op = gm.CHECKS[name]
         thr = getattr(probe_set.thresholds, thr_field)
         v = values[name]
         ok = None if thr is None else (v <= thr if op == "<=" else v >= thr)

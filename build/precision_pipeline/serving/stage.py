@@ -127,8 +127,9 @@ class DeployStage(Stage[DeployInputs, ManifestsArtifact]):
     def run(self, inputs: DeployInputs, workdir: Path) -> ManifestsArtifact:
         from precision_pipeline.serving import deploy
 
-        res = deploy.render_manifests(inputs.plan, inputs.plan.profile, inputs.repository.path, Path(inputs.out_dir),
-                                      inputs.repo_root, inputs.image, workdir=workdir)
+        manifest = deploy.ManifestInputs(inputs.plan, inputs.plan.profile, inputs.repository.path, inputs.repo_root,
+                                         image=inputs.image)
+        res = deploy.render_manifests(manifest, Path(inputs.out_dir), workdir=workdir)
         return ManifestsArtifact(files=tuple(res.files), gpus_per_replica=res.gpus_per_replica, replicas=res.replicas,
                                  launcher=res.launcher)
 

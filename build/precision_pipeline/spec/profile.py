@@ -17,7 +17,7 @@ Loading rules (``load_profile``):
   path relative to the extending profile's folder and must stay inside that folder tree or
   inside ``precision_profiles/`` (symlinks resolved; absolute paths and ``..`` escapes are
   refused), so a profile can never make the loader open an unrelated file.
-* YAML is read strictly: a key given twice in one mapping is refused with both line numbers
+* YAML is read strictly (spec/profile_yaml.py): a key given twice in one mapping is refused with both line numbers
   (PyYAML would keep the last one silently), anchors/aliases may expand to at most
   ``MAX_YAML_NODES`` nodes (a "billion laughs" file is refused before it is built), numbers and
   booleans are not converted into each other (``max_batch_size: true`` is refused), and
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -53,12 +52,11 @@ from precision_pipeline.core.errors import Problem, UserError, closest
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
+from precision_pipeline.spec.profile_yaml import read_yaml, safe_load, short
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-MAX_PROFILE_BYTES = 256 * 1024
 MAX_EXTENDS_DEPTH = 8
-MAX_YAML_NODES = 20_000  # a full profile has about 150 nodes; aliases may not expand beyond this
 
 
 def _scalar_kind(annotation: Any) -> Optional[type]:
@@ -91,23 +89,14 @@ class _Strict(BaseModel):
                 continue
             kind, v = _scalar_kind(f.annotation), data[name]
             if kind is bool and not isinstance(v, bool):
-                raise ValueError(f"{name}: must be true or false, got {_short(v)}")
+                raise ValueError(f"{name}: must be true or false, got {short(v)}")
             if kind in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise ValueError(f"{name}: must be a number, got {_short(v)}")
+                raise ValueError(f"{name}: must be a number, got {short(v)}")
             if kind is int and isinstance(v, float):
-                raise ValueError(f"{name}: must be a whole number, got {_short(v)}")
+                raise ValueError(f"{name}: must be a whole number, got {short(v)}")
             if kind is float and isinstance(v, float) and not math.isfinite(v):
-                raise ValueError(f"{name}: must be a finite number, got {_short(v)}")
+                raise ValueError(f"{name}: must be a finite number, got {short(v)}")
         return data
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 4, 4, 2
-
-
-def _short(value: Any) -> str:
-    """A bounded ``repr`` (never formats a whole input: a huge value costs nothing to describe)."""
-    return _REPR.repr(value)
 
 
 class Target(_Strict):
@@ -249,18 +238,18 @@ def _otlp_host_problem(host: str, bracketed: bool) -> Optional[str]:
             ipaddress.IPv6Address(host)
             return None
         except ValueError:
-            return f"[{_short(host)}] is not an IPv6 address"
+            return f"[{short(host)}] is not an IPv6 address"
     labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
     if labels and labels[-1].isdigit():
         try:
             ipaddress.IPv4Address(host)
             return None
         except ValueError:
-            return (f"the host {_short(host)} is neither an IPv4 address (four numbers 0..255) nor a DNS name "
+            return (f"the host {short(host)} is neither an IPv4 address (four numbers 0..255) nor a DNS name "
                     "(whose last label is never all digits)")
     bad = next((lb for lb in labels if not _DNS_LABEL.match(lb)), None)
     if bad is not None:
-        return (f"the host {_short(host)} is not a DNS name: label {_short(bad)} may hold only letters, digits and "
+        return (f"the host {short(host)} is not a DNS name: label {short(bad)} may hold only letters, digits and "
                 "inner '-' (no '%' escapes, '_' or empty labels)")
     return None
 
@@ -273,27 +262,27 @@ def otlp_endpoint_problem(v: Optional[str]) -> Optional[str]:
     if v is None:
         return None
     if not v or any(c.isspace() or not c.isprintable() for c in v):  # also zero-width and control characters
-        return f"{_short(v)} is not a URL (e.g. http://otel-collector.monitoring:4318)"
+        return f"{short(v)} is not a URL (e.g. http://otel-collector.monitoring:4318)"
     if len(v) > OTLP_ENDPOINT_MAX:
-        return f"{_short(v)} has {len(v):,} characters; at most {OTLP_ENDPOINT_MAX:,} (give the receiver's base URL)"
+        return f"{short(v)} has {len(v):,} characters; at most {OTLP_ENDPOINT_MAX:,} (give the receiver's base URL)"
     try:
         u = urlsplit(v)
         port = u.port  # ValueError for a port that is not a number in 0..65535
     except ValueError as e:
-        return f"{_short(v)} is not a URL ({str(e).lower()}; e.g. http://otel-collector.monitoring:4318)"
+        return f"{short(v)} is not a URL ({str(e).lower()}; e.g. http://otel-collector.monitoring:4318)"
     if u.scheme not in ("http", "https") or not u.hostname:
-        return f"{_short(v)} is not an http(s) URL with a host (OTLP/HTTP, e.g. http://otel-collector.monitoring:4318)"
+        return f"{short(v)} is not an http(s) URL with a host (OTLP/HTTP, e.g. http://otel-collector.monitoring:4318)"
     if port == 0:
-        return f"{_short(v)}: port 0 is not a usable port (1..65535; OTLP/HTTP listens on 4318)"
+        return f"{short(v)}: port 0 is not a usable port (1..65535; OTLP/HTTP listens on 4318)"
     if len(u.hostname) > 253 or any(len(label) > 63 for label in u.hostname.split(".")):
-        return f"{_short(v)}: the host name is longer than DNS allows (253 characters, 63 per label; RFC 1035 2.3.4)"
+        return f"{short(v)}: the host name is longer than DNS allows (253 characters, 63 per label; RFC 1035 2.3.4)"
     host_why = _otlp_host_problem(u.hostname, bracketed="[" in u.netloc)
     if host_why:
-        return f"{_short(v)}: {host_why}"
+        return f"{short(v)}: {host_why}"
     if u.query or u.fragment or u.username or u.password:
-        return f"{_short(v)} has a query, fragment or credentials (give the receiver's base URL)"
+        return f"{short(v)} has a query, fragment or credentials (give the receiver's base URL)"
     if u.path.rstrip("/").endswith(OTLP_TRACES_PATH):
-        return f"{_short(v)} ends with {OTLP_TRACES_PATH}, which is appended (give the receiver's base URL)"
+        return f"{short(v)} ends with {OTLP_TRACES_PATH}, which is appended (give the receiver's base URL)"
     return None
 
 
@@ -364,7 +353,7 @@ def _known_categories(v: dict[str, GateThresholds]) -> dict[str, GateThresholds]
     CATEGORIES = GOLDEN_CATEGORIES
     bad = [k for k in v if k not in CATEGORIES]
     if bad:
-        raise ValueError(f"{_short(bad[0])} is not a golden-set category. Fix: use one of: {', '.join(CATEGORIES)}.")
+        raise ValueError(f"{short(bad[0])} is not a golden-set category. Fix: use one of: {', '.join(CATEGORIES)}.")
     return v
 
 
@@ -432,7 +421,7 @@ class Gate(GateBar):
     def _fingerprint_keys(cls, v: dict[str, ModelBar]) -> dict[str, ModelBar]:
         for k in v:
             if not isinstance(k, str) or not FINGERPRINT_RE.match(k):
-                raise ValueError(f"key {_short(k)} is not a model fingerprint (64 lower-case hex digits); per-model bars "
+                raise ValueError(f"key {short(k)} is not a model fingerprint (64 lower-case hex digits); per-model bars "
                                  "are keyed by the model's content, not by a folder name. Fix: run `invoke check --model "
                                  "DIR` and use the 'model fingerprint' it prints as the key.")
         return v
@@ -508,150 +497,6 @@ def shipped_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
-class _ProfileLoader(yaml.SafeLoader):
-    """``SafeLoader`` that refuses duplicate keys and alias expansion beyond ``MAX_YAML_NODES``."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == _MERGE_TAG:  # ``<<: *base``: merged by SafeConstructor.flatten_mapping, own keys win
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.get(key)
-            except TypeError:  # unhashable key: PyYAML refuses it below
-                continue
-            line = key_node.start_mark.line + 1
-            if first is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {_short(key)} (first at line {first}, again at line {line}); "
-                    "YAML keeps only the last one, which silently drops the first", key_node.start_mark)
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-    def construct_yaml_int(self, node):
-        why = _yaml11_number_problem(self.construct_scalar(node), "int")
-        if why:
-            raise yaml.constructor.ConstructorError(None, None, why, node.start_mark)
-        return super().construct_yaml_int(node)
-
-    def construct_yaml_float(self, node):
-        why = _yaml11_number_problem(self.construct_scalar(node), "float")
-        if why:
-            raise yaml.constructor.ConstructorError(None, None, why, node.start_mark)
-        return super().construct_yaml_float(node)
-
-    def construct_yaml_bool(self, node):
-        t = self.construct_scalar(node)
-        if t.strip().lower() not in ("true", "false"):  # yes/no/on/off: YAML 1.1 booleans, text in YAML 1.2
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{_short(t)} is a YAML 1.1 boolean (PyYAML reads it as {str(super().construct_yaml_bool(node)).lower()}) "
-                "and text in YAML 1.2; write true or false", node.start_mark)
-        return super().construct_yaml_bool(node)
-
-    def construct_yaml_binary(self, node):
-        raise yaml.constructor.ConstructorError(
-            None, None, "!!binary (base64 bytes) is not a profile value; profiles hold text, numbers and booleans "
-            "(write the text itself, without the !!binary tag)", node.start_mark)
-
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)
-_ProfileLoader.add_constructor("tag:yaml.org,2002:float", _ProfileLoader.construct_yaml_float)
-_ProfileLoader.add_constructor("tag:yaml.org,2002:binary", _ProfileLoader.construct_yaml_binary)
-_ProfileLoader.add_constructor("tag:yaml.org,2002:bool", _ProfileLoader.construct_yaml_bool)
-
-
-def _yaml11_number_problem(text: str, kind: str) -> Optional[str]:
-    """Why ``text`` (a plain scalar PyYAML resolves as a YAML 1.1 number) would be read differently by YAML 1.2,
-    or None. PyYAML implements YAML 1.1 (resolver.py: ``0[0-7_]+`` is octal, ``[0-9]+(:[0-5]?[0-9])+`` is base 60,
-    ``_`` is ignored, ``0b...`` is binary), YAML 1.2's core schema has none of these (``064`` is 64, ``1:04`` a
-    string). Such a value is refused with what it would silently have become, instead of being guessed."""
-    t = text.strip()
-    body = t.lstrip("+-")
-    if ":" in body:
-        return (f"{_short(t)} is a base-60 number in YAML 1.1 (PyYAML reads it as "
-                f"{_short(_yaml11_value(t, kind))}) and text in YAML 1.2; write the plain number, or quote it if it is text")
-    if kind == "int" and re.fullmatch(r"0[0-9_]+", body):
-        return (f"{_short(t)} has a leading zero: YAML 1.1 (PyYAML) reads it as octal {_short(_yaml11_value(t, kind))}, "
-                f"YAML 1.2 as {int(body.replace('_', ''))}; write it without the leading zero "
-                f"({'-' if t.startswith('-') else ''}{int(body.replace('_', ''))})")
-    if kind == "int" and body.lower().startswith("0b"):
-        return f"{_short(t)} is a YAML 1.1 binary number (not YAML 1.2); write it in decimal"
-    if "_" in body:
-        return (f"{_short(t)}: YAML 1.1 (PyYAML) drops the '_' and reads {_short(_yaml11_value(t, kind))}, YAML 1.2 "
-                "reads text; write the number without '_'")
-    return None
-
-
-def _yaml11_value(text: str, kind: str) -> Any:
-    c = yaml.constructor.SafeConstructor()
-    node = yaml.ScalarNode(f"tag:yaml.org,2002:{kind}", text)
-    try:
-        return c.construct_yaml_int(node) if kind == "int" else c.construct_yaml_float(node)
-    except (ValueError, yaml.YAMLError):
-        return text
-
-
-def _expanded_nodes(node: yaml.Node, memo: dict[int, int]) -> int:
-    """Nodes the document has once every alias is expanded (linear time: shared nodes memoized)."""
-    n = memo.get(id(node))
-    if n is not None:
-        return n
-    memo[id(node)] = MAX_YAML_NODES + 1  # a node reached again while being counted: recursive alias
-    if isinstance(node, yaml.SequenceNode):
-        n = 1 + sum(_expanded_nodes(c, memo) for c in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        n = 1 + sum(_expanded_nodes(k, memo) + _expanded_nodes(v, memo) for k, v in node.value)
-    else:
-        n = 1
-    memo[id(node)] = n
-    return n
-
-
-def _safe_load(text: str) -> Any:
-    """Parse one YAML document strictly (see the module docstring). Raises ``yaml.YAMLError``."""
-    loader = _ProfileLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        size = _expanded_nodes(node, {})
-        if size > MAX_YAML_NODES:
-            raise yaml.YAMLError(f"anchors and aliases expand to more than {MAX_YAML_NODES:,} nodes "
-                                 "(an alias bomb, or a profile far larger than any real one)")
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def _read_yaml(path: Path, field: str) -> dict:
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise UserError(field, f"cannot read {path}: {e.strerror}.", "give an existing YAML file or a shipped profile name.")
-    if size > MAX_PROFILE_BYTES:
-        raise UserError(field, f"{path} is {size} bytes; profiles are at most {MAX_PROFILE_BYTES}.", "trim the file.")
-    try:
-        data = _safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(field, f"{path} is not UTF-8 text.", "save the profile as UTF-8 YAML.")
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(e, "problem", None) or str(e)
-        raise UserError(field, f"{path} is not valid YAML{where}: {what}.", "fix the YAML.")
-    except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's int limit)
-        raise UserError(field, f"{path} holds a value that cannot be read: {str(e)[:120]}.", "fix the value.")
-    except RecursionError:
-        raise UserError(field, f"{path} is nested too deeply.", "flatten the YAML.")
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise UserError(field, f"{path} holds a {type(data).__name__}, not a mapping of profile fields.",
-                        "start the file with keys such as 'target:' and 'quantization:'.")
-    return data
 
 
 def _is_file(p: Path) -> bool:
@@ -670,17 +515,17 @@ def resolve_profile_path(name_or_path: str, field: str = "--profile") -> Path:
         if not _is_file(p):
             if NAME_RE.match(Path(s).stem or "") and "/" in s and not p.exists():
                 pass
-            raise UserError(field, f"no profile file at {_short(s)}.",
+            raise UserError(field, f"no profile file at {short(s)}.",
                             f"use a shipped profile ({', '.join(shipped_profiles())}) or an existing .yaml path.")
         return p
     if not NAME_RE.match(s):
-        raise UserError(field, f"{_short(s)} is not a profile name (allowed: lower-case letters, digits, '.', '_', '-').",
+        raise UserError(field, f"{short(s)} is not a profile name (allowed: lower-case letters, digits, '.', '_', '-').",
                         f"use one of: {', '.join(shipped_profiles())}.")
     p = PROFILES_DIR / f"{s}.yaml"
     if not _is_file(p):
         hint = closest(s, shipped_profiles())
         fix = f"did you mean {hint!r}? " if hint else ""
-        raise UserError(field, f"no shipped profile named {_short(s)}.",
+        raise UserError(field, f"no shipped profile named {short(s)}.",
                         f"{fix}Shipped: {', '.join(shipped_profiles())}; or pass a path to a .yaml file.")
     return p
 
@@ -704,7 +549,7 @@ def load_raw(name_or_path: str, _chain: tuple[str, ...] = ()) -> dict:
         raise UserError("extends", f"profiles extend each other in a cycle: {names}.", "remove one 'extends:' so the chain ends.")
     if len(_chain) >= MAX_EXTENDS_DEPTH:
         raise UserError("extends", f"the extends chain is deeper than {MAX_EXTENDS_DEPTH}.", "shorten the chain.")
-    return _merged_chain(path, _read_yaml(path, "extends" if _chain else "--profile"), _chain + (key,), top=not _chain)
+    return _merged_chain(path, read_yaml(path, "extends" if _chain else "--profile"), _chain + (key,), top=not _chain)
 
 
 def _merged_chain(path: Path, data: dict, chain: tuple[str, ...], top: bool) -> dict:
@@ -746,20 +591,20 @@ def _extends_path(parent: str, child: Path) -> Path:
            "profile's folder.")
     if "/" in parent or "\\" in parent or parent.endswith((".yaml", ".yml")):
         if Path(parent).is_absolute() or parent.startswith("~"):
-            raise UserError("extends", f"{_short(parent)} is an absolute path; extends only reads profiles inside "
+            raise UserError("extends", f"{short(parent)} is an absolute path; extends only reads profiles inside "
                             f"{here} or the shipped precision_profiles/.", fix)
         try:
             ppath = (here / parent).resolve()
         except (OSError, ValueError, RuntimeError):
             ppath = None
         if ppath is None or not any(_inside(ppath, r) for r in roots):
-            raise UserError("extends", f"{_short(parent)} leaves {here}; extends only reads profiles inside that "
+            raise UserError("extends", f"{short(parent)} leaves {here}; extends only reads profiles inside that "
                             "folder tree or the shipped precision_profiles/.", fix)
         if not _is_file(ppath):
-            raise UserError("extends", f"no profile file at {_short(parent)} (relative to {here}).", fix)
+            raise UserError("extends", f"no profile file at {short(parent)} (relative to {here}).", fix)
         return ppath
     if not NAME_RE.match(parent):
-        raise UserError("extends", f"{_short(parent)} is not a profile name (lower-case letters, digits, '.', '_', '-').", fix)
+        raise UserError("extends", f"{short(parent)} is not a profile name (lower-case letters, digits, '.', '_', '-').", fix)
     beside = here / f"{parent}.yaml"
     if _is_file(beside) and beside.resolve() != child.resolve():  # a file never extends itself: NAME is then the shipped one
         return beside
@@ -807,7 +652,7 @@ def _problems_from_validation(e: ValidationError) -> list[Problem]:
                    else "remove it (see `invoke schema` for the profile's keys).")
             problems.append(Problem(field, "is not a known profile key.", fix))
         elif typ == "enum" or typ == "literal_error":
-            problems.append(Problem(field, f"{err.get('msg')}; got {_short(err.get('input'))}.".replace("Input should be", "must be"),
+            problems.append(Problem(field, f"{err.get('msg')}; got {short(err.get('input'))}.".replace("Input should be", "must be"),
                                     "use one of the listed values."))
         elif typ == "missing":
             problems.append(Problem(field, "is required.", "add it (see `invoke schema`)."))
@@ -822,7 +667,7 @@ def _problems_from_validation(e: ValidationError) -> list[Problem]:
                 field = _loc_str(loc + (name,))
                 problems.append(Problem(field, f"{msg}.", "write the value without quotes, as the schema's type."))
                 continue
-            problems.append(Problem(field, f"{msg} (got {_short(err.get('input'))}).", "see `invoke schema` for the allowed values."))
+            problems.append(Problem(field, f"{msg} (got {short(err.get('input'))}).", "see `invoke schema` for the allowed values."))
     return problems
 
 
@@ -872,19 +717,19 @@ def check_profile_target(path: Path, field: str = "--write", name_from_stem: boo
     whose result goes there (``invoke sensitivity --write-profile``)."""
     path = Path(path).expanduser().resolve()
     if path.suffix not in (".yaml", ".yml"):
-        raise UserError(field, f"{_short(str(path))} does not end in .yaml.", "name the file e.g. my-profile.yaml.")
+        raise UserError(field, f"{short(str(path))} does not end in .yaml.", "name the file e.g. my-profile.yaml.")
     if name_from_stem and not NAME_RE.match(path.stem):
-        raise UserError(field, f"{_short(path.name)}: the file name is the profile's name, and {_short(path.stem)} is not "
+        raise UserError(field, f"{short(path.name)}: the file name is the profile's name, and {short(path.stem)} is not "
                         "one (lower-case letters, digits, '.', '_', '-'; at most 64 characters).",
                         f"name the file e.g. {re.sub(r'[^a-z0-9._-]+', '-', path.stem.lower()).strip('-._')[:64] or 'my-profile'}.yaml.")
     if path.is_dir():
-        raise UserError(field, f"{_short(str(path))} is a folder.", "give a file path ending in .yaml.")
+        raise UserError(field, f"{short(str(path))} is a folder.", "give a file path ending in .yaml.")
     blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
     if blocker is not None:
-        raise UserError(field, f"{_short(str(blocker))} is a file, not a folder, so {_short(path.name)} cannot go under it.",
+        raise UserError(field, f"{short(str(blocker))} is a file, not a folder, so {short(path.name)} cannot go under it.",
                         "give a path whose folders are folders.")
     if path.exists() and is_shipped_profile(path):
-        raise UserError(field, f"{_short(str(path))} is a shipped profile (an existing file in {PROFILES_DIR}); "
+        raise UserError(field, f"{short(str(path))} is a shipped profile (an existing file in {PROFILES_DIR}); "
                         "shipped profiles are never replaced, whatever their first line says.",
                         "write to a file outside precision_profiles/ (e.g. profiles/my-profile.yaml, which may "
                         "'extends:' the shipped one); to regenerate a shipped profile on purpose, delete it first "
@@ -896,7 +741,7 @@ def check_profile_target(path: Path, field: str = "--write", name_from_stem: boo
         except OSError:
             ours = False
         if not ours:
-            raise UserError(field, f"{_short(str(path))} exists and was not written by invoke (a hand-written or shipped "
+            raise UserError(field, f"{short(str(path))} exists and was not written by invoke (a hand-written or shipped "
                             "profile); it is kept as it is.", "write to a new file name, or move that file away first.")
     return path
 
@@ -914,14 +759,14 @@ def save_profile(path: Path, text: str, field: str = "--write") -> Profile:
 
     path = check_profile_target(path, field)
     try:
-        data = _safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as e:  # pragma: no cover - our own writers emit valid YAML
         raise UserError(field, f"the profile text is not valid YAML: {e}.", "report this as a bug.")
     prof = validate_profile(_merged_chain(path, dict(data or {}), (str(path),), top=True), source=str(path))
     try:
         atomic_write_text(path, text)
     except OSError as e:
-        raise UserError(field, f"cannot write {_short(str(path))}: {e.strerror or e}; nothing was written.",
+        raise UserError(field, f"cannot write {short(str(path))}: {e.strerror or e}; nothing was written.",
                         "choose a folder you can write to.")
     return prof
 
