@@ -14,10 +14,9 @@ from precision_pipeline.quantize.ptq import (
     QuantizeResult,
     make_forward_loop,
     modelopt_config_for,
-    resolve_exclusions,
     run_quantize,
-    trtllm_name,
 )
+from precision_pipeline.spec.families import resolve_exclusions, trtllm_name
 
 
 def profile(base: str, **sections):
@@ -283,7 +282,8 @@ def test_bf16_export(bf16_checkpoint):
 
 @pytest.mark.slow
 def test_export_with_kept_layers_and_patterns(default_model_dir, tmp_path):
-    from precision_pipeline.checkpoint.reader import checkpoint_info, load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import checkpoint_info
+    from precision_pipeline.gate.model import load_checkpoint_model
     from precision_pipeline.checkpoint.reader import safetensors_header
 
     p = profile("fp8-h100", calibration={"num_samples": 3, "seq_len": 16},

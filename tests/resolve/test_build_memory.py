@@ -217,7 +217,8 @@ def test_no_device_no_plan_and_the_default_model_fits_here(default_model_dir):
 def test_gate_architectures_are_refused_at_resolve_with_the_list():
     from tests.resolve.test_plan import MIXTRAL
 
-    from precision_pipeline.spec.model_arch import GATE_ARCHITECTURES, arch_from_config
+    from precision_pipeline.spec.families import GATE_ARCHITECTURES
+    from precision_pipeline.spec.model_arch import arch_from_config
 
     pl = P.evaluate(prof("fp8-h100"), arch_from_config(MIXTRAL, name="mixtral"), for_build=True)
     pr = [x for x in pl.problems if x.rule == "model.gate_reads"][0]

@@ -11,7 +11,7 @@ what quantizing ONE cell costs while everything else stays FP32:
   (``mlp.fc`` + ``mlp.gate``: TensorRT-LLM fuses them, quantize.py excludes them together),
   ``mlp.proj``, and ``kv_cache`` (that layer's K/V fake-quant) when the checkpoint quantizes the KV
   cache; plus ``lm_head`` when the checkpoint quantizes it. A cell's quantized version is exactly
-  what the gate runs: ``checkpoint.QuantLinear`` from the checkpoint's dequantized ``LinearSpec``
+  what the gate runs: ``gate.model.QuantLinear`` from the checkpoint's dequantized ``LinearSpec``
   (weights + input fake-quant), the KV fake-quant of ``checkpoint._kvq_sdpa`` with that layer's
   k/v scales. Linears the checkpoint keeps unquantized are not cells (shown as "excl").
 * per-kind rows: one kind in every analysed layer at once; ``full``: every cell at once (what the
@@ -38,7 +38,7 @@ KL mean and P99 meet the profile's gate thresholds (``profile.gate.for_model_dir
 chosen cell that is not needed (reverse order). The result is expressed as ``exclude_modules``
 patterns quantize.py understands (``transformer.layers.3.attention.qkv``,
 ``transformer.layers.3.mlp.fc`` + ``.mlp.gate``, ``transformer.layers.3.*`` for a whole layer;
-checked with ``quantize.resolve_exclusions``) and verified by a real measurement with those
+checked with ``spec.families.resolve_exclusions``) and verified by a real measurement with those
 cells in FP32 (``verify``: predicted vs measured). When the measurement misses the thresholds
 (the additive prediction was optimistic), the targets are tightened by measured/predicted and the
 greedy runs again, at most ``MAX_REFINE`` more times (each round in ``suggestion.rounds``).
@@ -77,6 +77,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, hash_dir, hash_file, hash_obj
 from precision_pipeline.spec import formats as FMT
+from precision_pipeline.spec.families import LLAMA
 
 CODE_VERSION = 2  # 2: the measurement key hashes SensitivityOptions
 LINEAR_KINDS: dict[str, tuple[str, ...]] = {
@@ -88,9 +89,6 @@ LINEAR_KINDS: dict[str, tuple[str, ...]] = {
 KV_KIND = "kv_cache"
 HEAD_KIND = "lm_head"
 KINDS: tuple[str, ...] = tuple(LINEAR_KINDS) + (KV_KIND,)
-# TRT-LLM linear -> HF Llama module (relative to the decoder layer)
-_TRT_TO_HF = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
-              "mlp.proj": "mlp.down_proj"}
 DEFAULT_PACK_TOKENS = 512
 MAX_REFINE = 2  # extra suggest+verify rounds when the verified suggestion misses the thresholds
 HEATMAP_DPI = 100
@@ -163,7 +161,7 @@ class Evaluator:
     def __init__(self, model_dir: Path, ck: Any, encoded: Sequence[Any], pack_tokens: int = DEFAULT_PACK_TOKENS):
         from transformers import AutoModelForCausalLM
 
-        from precision_pipeline.checkpoint.reader import ATTN_IMPL, act_fake_quant, register_attention
+        from precision_pipeline.gate.model import ATTN_IMPL, act_fake_quant, register_attention
 
         self.ck = ck
         cfg = ck.config
@@ -299,7 +297,7 @@ class Evaluator:
         return all(self._spec(t).quantized for t in cell.trt_linears)
 
     def _replacements(self, cell: Cell) -> list[tuple[nn.Module, str, nn.Module]]:
-        from precision_pipeline.checkpoint.reader import LinearSpec, QuantLinear, act_fake_quant
+        from precision_pipeline.gate.model import QuantLinear, act_fake_quant, split_qkv
 
         def act_of(spec: Any) -> Optional[str]:  # per linear (MIXED_PRECISION layers differ)
             algo = getattr(spec, "quant_algo", None)
@@ -314,15 +312,11 @@ class Evaluator:
             spec = self._spec(trt)
             short = trt.split(".", 3)[3]
             if short == "attention.qkv":
-                nq, nkv = self.nq, self.nkv
-                for name, (a, b) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, nq + 2 * nkv))):
-                    rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in spec.act_scale_rows if s < b and e > a]
-                    sub = LinearSpec(weight=spec.weight[a:b], quantized=spec.quantized, act_scale=spec.act_scale,
-                                     act_scale_rows=rows, pre=spec.pre)
+                for name, sub in split_qkv(spec, self.nq, self.nkv):
                     out.append((layer.self_attn, name, QuantLinear(sub, act_of(spec) if sub.quantized else None,
                                                                    torch.float32)))
             else:
-                parent, attr = _TRT_TO_HF[short].split(".")
+                parent, attr = LLAMA.gemm_hf(short)[0].split(".")
                 mod = getattr(layer, parent)
                 old = getattr(mod, attr)
                 if tuple(old.weight.shape) != tuple(spec.weight.shape):
@@ -483,7 +477,7 @@ def exclude_patterns(cells: Iterable[str], n_kinds_per_layer: int = len(LINEAR_K
 
 def resolved_trt_names(hf_linear_names: list[str], patterns: list[str], n_layers: int) -> list[str]:
     """TensorRT-LLM names of the linears quantize.py would exclude for ``patterns``."""
-    from precision_pipeline.quantize.ptq import resolve_exclusions, trtllm_name
+    from precision_pipeline.spec.families import resolve_exclusions, trtllm_name
 
     hf, _ = resolve_exclusions(hf_linear_names, patterns, 0, 0, n_layers)
     return sorted({trtllm_name(n) for n in hf})

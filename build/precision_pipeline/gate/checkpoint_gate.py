@@ -11,7 +11,7 @@ What is measured is a ``gate.options.GateOptions`` (hashed); how it runs is a ``
 Candidate: anything that gives next-token logits (``as_candidate``):
 
 * an HF causal LM (``torch.nn.Module`` whose output has ``.logits``, e.g. what
-  ``precision_pipeline.checkpoint.reader.load_checkpoint_model`` returns): one forward pass per prompt
+  ``precision_pipeline.gate.model.load_checkpoint_model`` returns): one forward pass per prompt
   (``forward_with_prefix``) gives its teacher-forced logits and the KV cache of its generation prompt
   (a strict prefix), and the greedy answers are decoded from those caches in batches of prompts of
   similar length (``decode_greedy``; the same tokens as ``model.generate`` on a left-padded batch,
@@ -114,6 +114,7 @@ from precision_pipeline.core.progress import StageProgress
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, hash_obj, locked, read_json
 from precision_pipeline.gate.golden import EncodedPrompt, encode_golden, end_of_turn_id, golden_hash, load_golden, summarize
 from precision_pipeline.gate.options import DEFAULT_BOOTSTRAP, DEFAULT_HELDOUT_WINDOW, GateOptions, GateRuntime
+from precision_pipeline.spec.families import family_of_model_type
 from precision_pipeline.spec.profile import GateBar, GateThresholds
 
 CACHE_VERSION = 3  # 2: the key hashes GateOptions.reference_key_fields(); 3: greedy decoded from the teacher-forced KV cache
@@ -1291,7 +1292,8 @@ def _lm_head_weight(model_dir: Path) -> torch.Tensor:
     name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
     index = read_json(model_dir / "model.safetensors.index.json", None)
     shard = (index or {}).get("weight_map", {}).get(name) if index else "model.safetensors"
-    if shard and (model_dir / shard).is_file() and cfg.get("model_type") == "llama":
+    fam = family_of_model_type(str(cfg.get("model_type")))
+    if shard and (model_dir / shard).is_file() and fam is not None and fam.gate_reader is not None:
         from safetensors import safe_open
 
         with safe_open(str(model_dir / shard), framework="pt") as f:
@@ -1525,14 +1527,14 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
                     golden_limit: Optional[int] = None, candidate_name: Optional[str] = None,
                     extra: Optional[dict] = None) -> GateResult:
     """The pipeline's gate stage: dequantize the exported TRT-LLM checkpoint
-    (``precision_pipeline.checkpoint.reader.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
+    (``precision_pipeline.gate.model.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
 
     ``golden_limit`` is shorthand for ``GateOptions(prompts_per_category=golden_limit)`` (the pipeline's
     ``--golden-limit``); passing both ``options`` and ``golden_limit`` is a ``ValueError``.
     ``candidate_name`` defaults to ``checkpoint <folder name>``; ``extra`` is merged into metrics.json
     (the gate stage's ``record``).
     """
-    from precision_pipeline.checkpoint.reader import load_checkpoint_model
+    from precision_pipeline.gate.model import load_checkpoint_model
     from precision_pipeline.checkpoint.scales import scale_report
     from precision_pipeline.quantize.ptq import read_quantize_warnings
 

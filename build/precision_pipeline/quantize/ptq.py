@@ -77,16 +77,13 @@ from typing import Any, Callable, Iterator
 from precision_pipeline.quantize import search
 from precision_pipeline.quantize.finite import refuse_non_finite
 from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
-from precision_pipeline.spec.names import resolve_exclusions, trtllm_name
+from precision_pipeline.spec.families import LLAMA, Family, exported_family, resolve_exclusions
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.progress import StageProgress
 from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
 
-# HF model_type -> ModelOpt export decoder type (modelopt/torch/export/model_utils.py maps
-# MixtralForCausalLM to "llama" too; the MoE experts are exported by the same path)
-EXPORT_MODEL_TYPES = {"llama": "llama", "mixtral": "llama"}
 NVFP4_GROUP = NVFP4_BLOCK
 NO_QUANT = QuantAlgo.NO_QUANT.value
 # fused groups (TensorRT-LLM GEMMs): excluding one member excludes all
@@ -188,7 +185,7 @@ def kv_config_for(kv_algo: str) -> tuple[str | None, list[dict] | None]:
 
 def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
                         linear_names: list[str] | None = None,
-                        num_hidden_layers: int | None = None) -> tuple[str, dict | None]:
+                        num_hidden_layers: int | None = None, fam: Family = LLAMA) -> tuple[str, dict | None]:
     """The ModelOpt PTQ config (name, config dict) for ``profile``; ``(name, None)`` for NO_QUANT.
 
     The dict is a deep copy of the ModelOpt preset (``quant_cfg`` is a list of
@@ -196,7 +193,8 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
     the ``*weight_quantizer`` ``block_sizes[-1]``; the SmoothQuant ``alpha``; the KV-cache entries
     merged in; and one ``{"quantizer_name": "<hf linear>.weight_quantizer"/".input_quantizer",
     "enable": False}`` pair per excluded linear (resolved against ``linear_names``, or against a
-    meta-device model built from ``model_dir``'s config -- default: the default model).
+    meta-device model built from ``model_dir``'s config -- default: the default model; ``fam``: the
+    model's family, whose fused groups are excluded whole, ``spec.families``).
 
     Name: e.g. ``"FP8_DEFAULT_CFG+FP8_KV_CFG"`` or ``"INT4_AWQ_CFG(group_size=64)"``.
     Raises UserError for INT8 KV, a group_size that does not apply, or tp/group mismatches.
@@ -243,9 +241,9 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
             cfg = update_quant_cfg_with_kv_cache_quant(cfg, kv_cfg)
         name += f"+{kv_name}"
     if linear_names is None or num_hidden_layers is None:
-        linear_names, num_hidden_layers = _meta_model_names(model_dir)
+        linear_names, num_hidden_layers, fam = _meta_model_names(model_dir)
     excluded, _ = resolve_exclusions(linear_names, list(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
-                                     num_hidden_layers)
+                                     num_hidden_layers, fam)
     for n in excluded:
         cfg["quant_cfg"].append({"quantizer_name": f"{n}.weight_quantizer", "enable": False})
         cfg["quant_cfg"].append({"quantizer_name": f"{n}.input_quantizer", "enable": False})
@@ -261,7 +259,7 @@ def _assert_exported(algo: str) -> None:
                         f"use one of: {', '.join(ok)}.")
 
 
-def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int]:
+def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int, Family]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -272,7 +270,7 @@ def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int]:
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(hf_cfg)
-    return _linear_names(m), int(hf_cfg.num_hidden_layers)
+    return _linear_names(m), int(hf_cfg.num_hidden_layers), exported_family(hf_cfg.model_type, "", str(model_dir))
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,11 +397,7 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
         raise UserError("model", f"{model_dir} has no config.json (not a Hugging Face model folder).",
                         "pass the converted model folder (precision_pipeline.spec.default_model.ensure_default_model()).")
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
-    arch = (getattr(hf_cfg, "architectures", None) or [""])[0]
-    if getattr(hf_cfg, "model_type", "") not in EXPORT_MODEL_TYPES:
-        raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model ({arch}); "
-                        "this quantize stage exports Llama-architecture models (and Mixtral MoE) only.",
-                        "use a Llama-family model.")
+    fam = exported_family(getattr(hf_cfg, "model_type", ""), (getattr(hf_cfg, "architectures", None) or [""])[0], str(model_dir))
     refuse_by_rules(profile, model_dir)  # every user-input check lives in a resolve rule: nothing is re-checked here
     group = group_size_of(profile)
     calib = calib_set
@@ -416,8 +410,8 @@ def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True
     names = _linear_names(model)
     n_layers = int(hf_cfg.num_hidden_layers)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
-                                                q.keep_last_layers, n_layers)
-    cfg_name, cfg = modelopt_config_for(profile, model_dir, linear_names=names, num_hidden_layers=n_layers)
+                                                q.keep_last_layers, n_layers, fam)
+    cfg_name, cfg = modelopt_config_for(profile, model_dir, linear_names=names, num_hidden_layers=n_layers, fam=fam)
     t0 = time.perf_counter()
     if cfg is not None:
         import modelopt.torch.quantization as mtq
@@ -446,7 +440,8 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
     model = load_model(model_dir, device, dtype)
     names = _linear_names(model)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
-                                                q.keep_last_layers, int(hf_cfg.num_hidden_layers))
+                                                q.keep_last_layers, int(hf_cfg.num_hidden_layers),
+                                                exported_family(hf_cfg.model_type, "", str(model_dir)))
     disabled = list(excluded_hf)
     fmts = search.normalize_formats(q.auto_quantize_formats)
     t0 = time.perf_counter()
@@ -483,9 +478,10 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
     profile = qm.profile
-    excluded_trt = sorted({trtllm_name(n) for n in qm.excluded_hf})
     out_dir = Path(out_dir)
     hf_cfg = qm.model.config
+    fam = exported_family(getattr(hf_cfg, "model_type", ""), "", str(out_dir))
+    excluded_trt = sorted({fam.trtllm_name(n) for n in qm.excluded_hf})
     layout = moe_layout(profile, hf_cfg)
     reshard = layout is not None and layout[1] > 1
     moe_mapping: dict[str, Any] = {}
@@ -494,7 +490,7 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
         t1 = time.perf_counter()
         with torch.no_grad(), StageProgress("quantize", enabled=show_progress) as prog, \
                 prog.phase("export the TensorRT-LLM checkpoint"):
-            export_tensorrt_llm_checkpoint(qm.model, EXPORT_MODEL_TYPES.get(hf_cfg.model_type, "llama"), torch.bfloat16,
+            export_tensorrt_llm_checkpoint(qm.model, fam.export_decoder, torch.bfloat16,
                                            stage, inference_tensor_parallel=profile.parallel.tp_size)
         if reshard:
             # ModelOpt writes moe_tp_size = tp_size, moe_ep_size = 1: regroup the experts over the
@@ -711,5 +707,5 @@ def read_quantize_warnings(ckpt_dir: Path) -> dict[str, Any] | None:
     return d if isinstance(d, dict) and isinstance(d.get("warnings"), list) else None
 
 
-__all__ = ["QuantizeResult", "QUANTIZE_LOG", "QUANTIZE_WARNINGS", "read_quantize_warnings", "captured_warnings", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
-           "resolve_exclusions", "make_forward_loop", "moe_layout", "group_size_of", "refuse_by_rules"]
+__all__ = ["QuantizeResult", "QUANTIZE_LOG", "QUANTIZE_WARNINGS", "read_quantize_warnings", "captured_warnings", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for",
+           "make_forward_loop", "moe_layout", "group_size_of", "refuse_by_rules"]

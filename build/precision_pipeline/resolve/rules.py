@@ -21,11 +21,9 @@ Units: bytes unless a name says GiB; token counts are tokens.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,8 +31,8 @@ from precision_pipeline.spec import formats as F
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec.device import DeviceChoice
 from precision_pipeline.spec.hardware import GIB, GPUSpec, resolve_gpu
-from precision_pipeline.spec.model_arch import GATE_ARCHITECTURES, ModelArch
-from precision_pipeline.spec.names import llama_linear_names, resolve_exclusions
+from precision_pipeline.spec.families import COLUMN, EXPERT, GATE_ARCHITECTURES, family, kept_linears
+from precision_pipeline.spec.model_arch import ModelArch
 from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
 
 
@@ -321,70 +319,19 @@ def derive_effective(p: Profile, sm: int) -> tuple[dict, list[Override]]:
 # Memory math (bytes per GPU)
 
 
-_KIND_NAMES = {
-    "qkv": ("attention.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    "dense": ("attention.dense", ("self_attn.o_proj",)),
-    "fc": ("mlp.fc", ("mlp.up_proj", "block_sparse_moe.experts.w3")),
-    "gate": ("mlp.gate", ("mlp.gate_proj", "block_sparse_moe.experts.w1")),
-    "proj": ("mlp.proj", ("mlp.down_proj", "block_sparse_moe.experts.w2")),
-}
+def kept_in_high_precision(m: ModelArch, q) -> tuple[tuple[frozenset[str], ...], bool]:
+    """Per decoder layer: the HF linears (relative names, ``Family.layer_linears``) the export keeps in high
+    precision, and whether it keeps ``lm_head``: ``spec.families.kept_linears``, i.e. the export's own
+    matching (``resolve_exclusions``: patterns on HF, TensorRT-LLM and short names, keep_first/last layers,
+    fused groups kept whole), memoised."""
+    return kept_linears(m.architecture, tuple(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
+                        m.num_layers)
 
 
-def _excluded(patterns: list[str], names: list[str]) -> bool:
-    """Any of ``names`` matches any of the fnmatch ``patterns`` (the direct matcher; ``_excluded_kinds`` memoises it)."""
-    return any(fnmatch.fnmatchcase(n, pat) for pat in patterns for n in names)
-
-
-def _kind_names(i: int, kind: str) -> list[str]:
-    """Names ``exclude_modules`` patterns are matched against for linear ``kind`` of decoder layer ``i``:
-    TensorRT-LLM full and short name, HF (dense and MoE) full and short names."""
-    trt, hf = _KIND_NAMES[kind]
-    names = [f"transformer.layers.{i}.{trt}", trt.split(".")[-1]]
-    return names + [f"model.layers.{i}.{h}" for h in hf] + [h.split(".")[-1] for h in hf]
-
-
-@lru_cache(maxsize=256)
-def _excluded_kinds(patterns: tuple[str, ...], num_layers: int) -> tuple[frozenset[str], ...]:
-    """Per decoder layer 0..num_layers-1: the ``_KIND_NAMES`` kinds whose names ``patterns`` match
-    (``_excluded`` over ``_kind_names``). The names depend on the layer count alone, so this is
-    computed once per (pattern tuple, layer count) and not again for every candidate / tp / GPU."""
-    return tuple(frozenset(k for k in _KIND_NAMES if _excluded(patterns, _kind_names(i, k))) for i in range(num_layers))
-
-
-@lru_cache(maxsize=256)
-def _kept_kinds(patterns: tuple[str, ...], keep_first: int, keep_last: int, num_layers: int) -> tuple[frozenset[str], ...]:
-    """Per decoder layer: the kinds kept in high precision (``_layer_excluded``): every kind of a keep_first /
-    keep_last layer, else those ``patterns`` match. A layer's weight bytes depend on its index through this
-    set alone, so ``weight_bytes`` computes one layer per distinct set."""
-    matched = _excluded_kinds(patterns, num_layers)
-    every = frozenset(_KIND_NAMES)
-    return tuple(every if i < keep_first or i >= num_layers - keep_last else matched[i] for i in range(num_layers))
-
-
-@lru_cache(maxsize=256)
-def _lm_head_excluded(patterns: tuple[str, ...]) -> bool:
-    """``lm_head`` matches one of ``patterns`` (``_excluded``, memoised per pattern tuple)."""
-    return _excluded(list(patterns), ["lm_head"])
-
-
-def _layer_excluded(q, i: int, kind: str, num_layers: int) -> bool:
-    if i < q.keep_first_layers or i >= num_layers - q.keep_last_layers:
-        return True
-    if not q.exclude_modules:
-        return False
-    if 0 <= i < num_layers:
-        return kind in _excluded_kinds(tuple(q.exclude_modules), num_layers)[i]
-    return _excluded(q.exclude_modules, _kind_names(i, kind))
-
-
-@lru_cache(maxsize=256)
-def _decoder_linears_kept(patterns: tuple[str, ...], keep_first: int, keep_last: int, num_layers: int) -> tuple[int, int]:
-    """(decoder linears kept in high precision, decoder linears) of a ``num_layers``-layer Llama: the export's
-    own matching (``spec.names.resolve_exclusions`` over ``llama_linear_names`` less ``lm_head``), memoised per
-    (pattern tuple, keep_first, keep_last, layer count): the names depend on nothing else."""
-    decoder = [n for n in llama_linear_names(num_layers) if n != "lm_head"]
-    kept, _ = resolve_exclusions(decoder, list(patterns), keep_first, keep_last, num_layers)
-    return len(kept), len(decoder)
+def _decoder_linears_kept(m: ModelArch, q) -> tuple[int, int]:
+    """(decoder linears kept in high precision, decoder linears) of ``m`` under ``q`` (``kept_in_high_precision``)."""
+    per_layer, _ = kept_in_high_precision(m, q)
+    return sum(len(k) for k in per_layer), m.num_layers * len(family(m.architecture).layer_linears())
 
 
 def kv_heads_per_rank(m: ModelArch, tp: int) -> int:
@@ -437,26 +384,30 @@ def weight_bytes(m: ModelArch, p: Profile, mapping: dict) -> dict:
             return n_in * n_out * db
         return fmt.linear_bytes(n_in, n_out, q.group_size, db, q.auto_quantize_bits)
 
-    def layer_bytes(i: int) -> float:
-        b = lin(h, (heads_r + 2 * kvh_r) * hd, _layer_excluded(q, i, "qkv", m.num_layers))
-        b += lin(heads_r * hd, h, _layer_excluded(q, i, "dense", m.num_layers))
+    fam = family(m.architecture)
+    per_layer_kept, head_kept = kept_in_high_precision(m, q)
+
+    def layer_bytes(kept: frozenset[str]) -> float:
+        """One decoder layer whose HF linears ``kept`` stay in high precision (a fused group is kept whole)."""
+        gemm_kept = {lin.trt for lin in fam.linears if lin.hf in kept}
+        b = lin(h, (heads_r + 2 * kvh_r) * hd, "attention.qkv" in gemm_kept)
+        b += lin(heads_r * hd, h, "attention.dense" in gemm_kept)
         if m.attention_bias:
             b += (heads_r + 2 * kvh_r) * hd * db
         if m.is_moe:
             e_r = -(-m.num_experts // ep)
             mi = -(-m.moe_intermediate_size // mtp)
-            b += e_r * (lin(h, mi, _layer_excluded(q, i, "fc", m.num_layers))
-                        + lin(h, mi, _layer_excluded(q, i, "gate", m.num_layers))
-                        + lin(mi, h, _layer_excluded(q, i, "proj", m.num_layers)))
+            b += e_r * sum(lin(h, mi, x.hf.replace(EXPERT, "0") in kept) if x.parallel == COLUMN
+                           else lin(mi, h, x.hf.replace(EXPERT, "0") in kept) for x in fam.moe.experts)
             b += h * m.num_experts * 4  # router weight, F32, replicated (never quantized)
             if m.shared_expert_intermediate_size:
                 si = -(-m.shared_expert_intermediate_size // tp)
                 b += 2 * lin(h, si, False) + lin(si, h, False)
         else:
             it = -(-m.intermediate_size // tp)
-            b += lin(h, it, _layer_excluded(q, i, "fc", m.num_layers))
-            b += lin(h, it, _layer_excluded(q, i, "gate", m.num_layers))
-            b += lin(it, h, _layer_excluded(q, i, "proj", m.num_layers))
+            b += lin(h, it, "mlp.fc" in gemm_kept)
+            b += lin(h, it, "mlp.gate" in gemm_kept)
+            b += lin(it, h, "mlp.proj" in gemm_kept)
         b += 2 * h * db + kv_scale  # input/post layernorm + KV-cache scales
         return b
 
@@ -465,16 +416,14 @@ def weight_bytes(m: ModelArch, p: Profile, mapping: dict) -> dict:
     emb = m.vocab_size * h * db
     if p.parallel.use_parallel_embedding:
         emb = -(-m.vocab_size // tp) * h * db
-    lm_keep = _lm_head_excluded(tuple(q.exclude_modules)) or not fmt.is_quantized
-    lm_head = lin(h, -(-m.vocab_size // tp), lm_keep)
-    kept = _kept_kinds(tuple(q.exclude_modules), q.keep_first_layers, q.keep_last_layers, m.num_layers)
+    lm_head = lin(h, -(-m.vocab_size // tp), head_kept or not fmt.is_quantized)
     best = None
     for r, idx in enumerate(ranks):
         dec = 0.0
         for i in idx:
-            key = kept[i]  # layers kept alike weigh alike
+            key = per_layer_kept[i]  # layers kept alike weigh alike
             if key not in per_layer_cache:
-                per_layer_cache[key] = layer_bytes(i)
+                per_layer_cache[key] = layer_bytes(key)
             dec += per_layer_cache[key]
         e = emb if r == 0 else 0.0
         lmh = lm_head + h * db if r == len(ranks) - 1 else 0.0  # + final norm
@@ -774,9 +723,8 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
                           f"{m.num_layers} decoder layers of {m.name} in high precision: nothing would be quantized.",
                           f"keep fewer layers (together < {m.num_layers}), or use quant_algo NO_QUANT."))
     elif ctx.fmt.is_quantized and not m.is_moe and m.num_layers > 0 and q.exclude_modules:
-        # the same matching the export applies (spec/names.py): patterns on HF, TensorRT-LLM and short names
-        kept, n_decoder = _decoder_linears_kept(tuple(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
-                                                m.num_layers)
+        # the same matching the export applies (spec/families.py): patterns on HF, TensorRT-LLM and short names
+        kept, n_decoder = _decoder_linears_kept(m, q)
         if kept == n_decoder:
             out.append(refuse("quantization.exclude_modules",
                               f"the patterns {_short_list(q.exclude_modules)} keep every one of the {n_decoder} "
@@ -1541,9 +1489,9 @@ def _search_budget(ctx: Context) -> list[Finding]:
                    "set quant_algo: MIXED_PRECISION (with auto_quantize_formats), or remove auto_quantize_bits.")]
 
 
-@rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (spec/model_arch.py GATE_ARCHITECTURES; "
+@rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (spec/families.py GATE_ARCHITECTURES; "
       "builds and checks only)",
-      "build/precision_pipeline/checkpoint/reader.py (load_checkpoint_model: Llama checkpoints)", needs_gpu=False)
+      "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader, spec/families.py)", needs_gpu=False)
 def _gate_reads(ctx: Context) -> list[Finding]:
     if not ctx.for_build or ctx.model.architecture in GATE_ARCHITECTURES:
         return []
