@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import memory as MEM
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.families import LLAMA, kept_linears, resolve_exclusions
 from precision_pipeline.spec.model_arch import read_model_arch
@@ -55,9 +55,9 @@ def test_memoised_kept_linears_equal_the_export_matching(layer_counts):
 def test_decoder_linears_kept_count(default_model_dir):
     m = read_model_arch(default_model_dir)
     q = prof("fp8-h100", quantization__exclude_modules=["*up_proj"]).quantization
-    assert R._decoder_linears_kept(m, q) == (2 * 30, 7 * 30)  # up_proj and its fused partner gate_proj
+    assert MEM.decoder_linears_kept(m, q) == (2 * 30, 7 * 30)  # up_proj and its fused partner gate_proj
     q = prof("fp8-h100", quantization__exclude_modules=["*k_proj"], quantization__keep_first_layers=1).quantization
-    assert R._decoder_linears_kept(m, q) == (3 * 29 + 7, 7 * 30)  # q/k/v of every layer + all of layer 0
+    assert MEM.decoder_linears_kept(m, q) == (3 * 29 + 7, 7 * 30)  # q/k/v of every layer + all of layer 0
 
 
 # weight_bytes totals (bytes, tp 1) of the code before the plan used the export's matching (commit 5ee926e), and
@@ -86,7 +86,7 @@ def test_weight_bytes_pinned(default_model_dir):
     models = {"default": read_model_arch(default_model_dir), "70B": read_model_arch(M70_DIR)}
     for (mk, base, pats), want in WEIGHT_BYTES.items():
         p = load_profile(base) if pats is None else prof(base, quantization__exclude_modules=list(pats))
-        got = R.weight_bytes(models[mk], p, ONE)["total"]
+        got = MEM.weight_bytes(models[mk], p, ONE)["total"]
         assert got == want, (mk, base, pats, got)
 
 
@@ -126,7 +126,7 @@ def test_memory_plan_weight_bytes_equal_the_export(default_model_dir, kind):
     kept = _export_bf16_gemms(m, PATTERN_KINDS[kind])
     assert kept, kind
     extra = sum(n_in * n_out * 2 - fmt.linear_bytes(n_in, n_out) for n_in, n_out in (_gemm_shape(m, g) for g in kept))
-    got = R.weight_bytes(m, with_pats, ONE)["total"] - R.weight_bytes(m, base, ONE)["total"]
+    got = MEM.weight_bytes(m, with_pats, ONE)["total"] - MEM.weight_bytes(m, base, ONE)["total"]
     assert got == int(round(extra)), (kind, sorted(kept)[:4])
 
 
@@ -135,8 +135,8 @@ def test_up_proj_keeps_both_halves_of_the_fused_pair(default_model_dir):
     each BF16 (2 bytes/weight) instead of FP8 (1 byte/weight + 2 F32 scales): 60 x (884736 - 8) bytes more.
     Before the fix the plan counted one of the two (30 GEMMs)."""
     m = read_model_arch(default_model_dir)
-    base = R.weight_bytes(m, prof("fp8-h100", quantization__exclude_modules=[]), ONE)["total"]
-    up = R.weight_bytes(m, prof("fp8-h100", quantization__exclude_modules=["*up_proj"]), ONE)["total"]
+    base = MEM.weight_bytes(m, prof("fp8-h100", quantization__exclude_modules=[]), ONE)["total"]
+    up = MEM.weight_bytes(m, prof("fp8-h100", quantization__exclude_modules=["*up_proj"]), ONE)["total"]
     assert F.GEMM["FP8"].linear_bytes(576, 1536) == 576 * 1536 + 8
     assert up - base == 60 * (576 * 1536 - 8)
     assert {g.split(".", 3)[-1] for g in _export_bf16_gemms(m, ["*up_proj"])} == {"mlp.fc", "mlp.gate"}

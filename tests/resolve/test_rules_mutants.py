@@ -13,6 +13,9 @@ import pytest
 
 from precision_pipeline.resolve import plan as P
 from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import derive as DER
+from precision_pipeline.resolve import memory as MEM
+from precision_pipeline.resolve import reuse as REUSE
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.default_model import ensure_default_model
 from tests.conftest import prof
@@ -24,7 +27,7 @@ def arch():
 
 
 def _wb(arch, p, tp=1):
-    return R.weight_bytes(arch, p, R.derive_mapping(p.model_copy(update={"parallel": p.parallel.model_copy(update={"tp_size": tp})})))
+    return MEM.weight_bytes(arch, p, DER.derive_mapping(p.model_copy(update={"parallel": p.parallel.model_copy(update={"tp_size": tp})})))
 
 
 def test_excluding_a_linear_keeps_it_in_bf16(arch):
@@ -52,7 +55,7 @@ def test_activation_bytes_by_hand(arch):
     for tp in (1, 3):
         width = 2 * 576 + 960 / tp + 9 * 64 / tp + 2 * 1536 / tp
         want = 2 * 8192 * width * 2 + 64 * 49152 * 4
-        got = R.activation_bytes(arch, p, {"tp_size": tp}, lim)
+        got = MEM.activation_bytes(arch, p, {"tp_size": tp}, lim)
         assert got == int(want), tp
 
 
@@ -106,7 +109,7 @@ def test_memory_refusal_adds_up_its_parts(arch):
     (pr,) = [x for x in p.problems if x.rule == "memory.fit"]
     m = p.memory
     need = m.weight_bytes_per_gpu + m.activation_bytes_estimate + m.fallback_bytes + m.runtime_reserve_bytes
-    assert f"= {R.gib(need)} per GPU" in pr.reason
+    assert f"= {MEM.gib(need)} per GPU" in pr.reason
     assert "tp_size" not in pr.fix  # 9 heads: no tp in 2, 4, 8, 16 divides them
 
 
@@ -121,11 +124,11 @@ def test_reused_mixed_checkpoint_with_other_formats_is_refused(tmp_path):
     p = prof("mixed-fp8-int4-h100")
     (tmp_path / "quant_cfg.json").write_text(json.dumps({"quantized_layers": {
         "transformer.layers.0.mlp.fc": {"quant_algo": "NVFP4"}, "transformer.layers.0.mlp.gate": {"quant_algo": "FP8"}}}))
-    found = R._mixed_reuse_findings(p, tmp_path)
+    found = REUSE._mixed_reuse_findings(p, tmp_path)
     assert found and "NVFP4" in found[0].message
     (tmp_path / "quant_cfg.json").write_text(json.dumps({"quantized_layers": {
         "transformer.layers.0.mlp.fc": {"quant_algo": "FP8"}}}))
-    assert not [f for f in R._mixed_reuse_findings(p, tmp_path) if "NVFP4" in f.message]
+    assert not [f for f in REUSE._mixed_reuse_findings(p, tmp_path) if "NVFP4" in f.message]
 
 
 def test_moe_layer_bytes_by_hand(arch):
@@ -138,4 +141,4 @@ def test_moe_layer_bytes_by_hand(arch):
              + 576 * 4 * 4                                                          # router, F32
              + 2 * lb(576, 512, None, 2, None) + lb(512, 576, None, 2, None)        # shared expert
              + 2 * 576 * 2 + 3 * F.SCALE_F32)                                       # norms + KV scales
-    assert R.weight_bytes(moe, p, R.derive_mapping(p))["decoder"] == 30 * layer
+    assert MEM.weight_bytes(moe, p, DER.derive_mapping(p))["decoder"] == 30 * layer

@@ -71,7 +71,7 @@ from precision_pipeline.serving.probe import PROBE_LAST_RUN, PROBE_METRIC_NAMES
 
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.resolve.plan import ResolvedPlan
-from precision_pipeline.resolve.rules import lws_group  # the multi-node layout (also the rule layout.nodes)
+from precision_pipeline.resolve.derive import lws_group  # the multi-node layout (also the rule layout.nodes)
 TEMPLATES_DIR = REPO_ROOT / "k8s"
 OUT_SUBDIR = "k8s"
 
