@@ -243,17 +243,6 @@ def family_of_model_type(model_type: str) -> Optional[Family]:
     return next((f for f in FAMILIES.values() if f.model_type == model_type), None)
 
 
-def exported_family(model_type: str, architecture: str, where: str) -> Family:
-    """The entry of an HF model the quantize stage is to export; UserError (field ``model``) when the
-    registry has none with an ``export_decoder`` for ``model_type``."""
-    f = family_of_model_type(model_type)
-    if f is None or f.export_decoder is None:
-        ok = ", ".join(EXPORTED_ARCHITECTURES)
-        raise UserError("model", f"{where} is a {model_type or '?'} model ({architecture or '?'}); this quantize stage "
-                        f"exports {ok} only.", f"use a model of: {ok}.")
-    return f
-
-
 def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, tp: int = 1) -> tuple[int, int]:
     """(q rows, k rows = v rows) of one tensor-parallel rank's fused ``attention.qkv`` (rows ``[q; k; v]``).
 
@@ -347,4 +336,4 @@ def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, 
 
 __all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
            "GATE_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
-           "exported_family", "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
+           "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
