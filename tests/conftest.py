@@ -51,6 +51,20 @@ CHECKPOINT_SPECS: dict[str, tuple[str, dict]] = {
 }
 
 
+def quantize_job(profile, model_dir: Path | None = None):
+    """The quantize job (``quantize.job.QuantizeJob``) of ``profile`` for the model in ``model_dir`` (default: the
+    default model), made as a build makes it: the resolve rules' refusals as one UserError, else ``job_of(plan)``."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.quantize.job import job_of
+    from precision_pipeline.resolve.plan import evaluate
+    from precision_pipeline.spec.default_model import ensure_default_model
+
+    plan = evaluate(profile, Path(model_dir) if model_dir is not None else ensure_default_model())
+    if plan.problems:
+        raise UserError(list(plan.problems))
+    return job_of(plan)
+
+
 def checkpoint_profile(name: str):
     """The validated Profile a test checkpoint is built from."""
     from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
@@ -91,7 +105,7 @@ def build_test_checkpoint(name: str, model_dir: Path, root: Path) -> Path:
             # ModelOpt's warnings recorded into the checkpoint as run_quantize does (quantize_warnings.json)
             with captured_warnings(tmp / QUANTIZE_LOG, StageProgress("quantize", enabled=False),
                                    record_path=tmp / "ckpt" / QUANTIZE_WARNINGS):
-                qm = quantize_model(checkpoint_profile(name), model_dir, show_progress=False)
+                qm = quantize_model(quantize_job(checkpoint_profile(name), model_dir), model_dir, show_progress=False)
                 result = export_checkpoint(qm, tmp / "ckpt")
             if qm.config is not None:
                 import modelopt.torch.opt as mto
@@ -196,10 +210,9 @@ def mixed_export(tmp_path_factory, smollm_2layers):
 
     root = tmp_path_factory.mktemp("mixed")
     prof = validate_profile(deep_merge(load_raw("mixed-fp8-int4-h100"), MIXED_OVERRIDES))
-    prof3 = validate_profile(deep_merge(load_raw("mixed-fp8-int4-h100"), {**MIXED_OVERRIDES, "parallel": {"tp_size": 3}}))
-    qm = quantize_model(prof, smollm_2layers, show_progress=False)
+    qm = quantize_model(quantize_job(prof, smollm_2layers), smollm_2layers, show_progress=False)
     res = export_checkpoint(qm, root / "tp1")
-    export_checkpoint(dataclasses.replace(qm, profile=prof3), root / "tp3")
+    export_checkpoint(dataclasses.replace(qm, job=qm.job.model_copy(update={"tp_size": 3})), root / "tp3")
     return qm, root / "tp1", root / "tp3", res
 
 

@@ -321,3 +321,48 @@ def test_checks_on_a_bad_tree(tmp_path):
         "precision_pipeline.resolve.r", "precision_pipeline.quantize.q", "torch (line 1)"]
     assert torch_path(mods, "precision_pipeline.core.a") is None
     assert LAYERS[layer_of("precision_pipeline.resolve.r")] < LAYERS[layer_of("precision_pipeline.quantize.q")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Stages never re-resolve
+
+STAGE_PACKAGES = ("checkpoint", "quantize", "gate", "engine", "serving")
+RESOLVING = ("precision_pipeline.resolve.rules", "precision_pipeline.resolve.rules_fit",
+             "precision_pipeline.resolve.registry")
+PLAN_TYPES = {"ResolvedPlan", "Mapping", "Limits", "Effective", "MemoryPlan", "WeightBreakdown", "OverrideRecord",
+              "FallbackInfo", "FallbackMemory"}
+"""What a stage may import of ``resolve.plan``: the typed plan it is handed (its sections), never ``evaluate`` /
+``resolve`` / ``check_all`` (which re-run the rules)."""
+
+
+def _resolving_imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [f"line {node.lineno}: import {a.name}" for a in node.names
+                    if a.name in RESOLVING or a.name == "precision_pipeline.resolve.plan"]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [a.name for a in node.names]
+            if node.module in RESOLVING:
+                out.append(f"line {node.lineno}: from {node.module} import {', '.join(names)}")
+            elif node.module == "precision_pipeline.resolve.plan":
+                out += [f"line {node.lineno}: from {node.module} import {n}" for n in names if n not in PLAN_TYPES]
+            elif node.module == "precision_pipeline.resolve":
+                out += [f"line {node.lineno}: from precision_pipeline.resolve import {n}" for n in names
+                        if f"precision_pipeline.resolve.{n}" in RESOLVING or n == "plan"]
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODS if layer_of(m) in STAGE_PACKAGES))
+def test_stages_never_re_resolve(module):
+    """No module of a stage package imports the resolve rules (``resolve.rules``, ``rules_fit``, ``registry``) or
+    anything of ``resolve.plan`` but its types: a stage receives the resolved facts in its inputs."""
+    assert not _resolving_imports(MODS[module].path), _resolving_imports(MODS[module].path)
+
+
+def test_the_re_resolve_check_sees_a_stage_that_evaluates(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    from precision_pipeline.resolve.plan import evaluate, ResolvedPlan\n"
+                 "from precision_pipeline.resolve import rules as R\n")
+    assert sorted(_resolving_imports(p)) == ["line 2: from precision_pipeline.resolve.plan import evaluate",
+                                             "line 3: from precision_pipeline.resolve import rules"]

@@ -80,7 +80,8 @@ def test_packed_reference_matches_plain_forward(evaluator, default_model_dir, go
 
 
 def test_exact_fp32_weights_give_zero_kl(evaluator):
-    from precision_pipeline.checkpoint.reader import LinearSpec, QuantLinear
+    from precision_pipeline.checkpoint.reader import LinearSpec
+    from precision_pipeline.gate.model import QuantLinear
 
     ev = evaluator
     cell = Cell(29, "mlp.proj")
@@ -267,7 +268,7 @@ def test_prune_drops_unneeded_cells():
 
 
 def test_exclude_patterns_resolve():
-    from precision_pipeline.quantize.ptq import trtllm_name  # noqa: F401  (names below are what quantize.py resolves)
+    from precision_pipeline.spec.families import trtllm_name  # noqa: F401  (names below are what quantize.py resolves)
 
     hf = []
     for i in range(3):

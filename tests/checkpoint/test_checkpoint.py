@@ -26,7 +26,6 @@ import torch
 
 from precision_pipeline.checkpoint.reader import (
     LinearSpec,
-    QuantLinear,
     checkpoint_info,
     dequantize_checkpoint,
     dequantize_weight,
@@ -35,12 +34,12 @@ from precision_pipeline.checkpoint.reader import (
     fake_quant_int8,
     fake_quant_nvfp4,
     fp8_e4m3_to_float,
-    load_checkpoint_model,
     round_e2m1,
     unpack_int4_rows,
     unpack_nvfp4,
 )
 from precision_pipeline.core.errors import UserError
+from precision_pipeline.gate.model import QuantLinear, load_checkpoint_model
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -344,16 +343,16 @@ def _counting(monkeypatch, table: dict, key: str) -> list[int]:
 def test_kv_cache_fake_quantized_once_same_numbers(fp8_model, heldout_ids, monkeypatch):
     """Decoding from an appending DynamicCache fake-quantizes only the new positions (the stored ones
     already are), with logits bit-identical to fake-quantizing the whole cache on every step."""
-    from precision_pipeline.checkpoint import reader
+    from precision_pipeline.gate import model as gate_model
 
     ids, steps = heldout_ids[:, :20], 4
     b, heads, d, layers = ids.shape[0], 3, 64, len(fp8_model.model.layers)
-    seen = _counting(monkeypatch, reader.KV_FAKE_QUANT, "fp8")
+    seen = _counting(monkeypatch, gate_model.KV_FAKE_QUANT, "fp8")
     fast = _decode_logits(fp8_model, ids, steps)
     per_call = [b * heads * 20 * d] * (2 * layers) + [b * heads * 1 * d] * (2 * layers * steps)
     assert seen == per_call  # prefill: all 20 positions once; each step: its one new position
     seen.clear()
-    monkeypatch.setattr(reader, "_appending_storage", lambda module, key, value: None)
+    monkeypatch.setattr(gate_model, "_appending_storage", lambda module, key, value: None)
     slow = _decode_logits(fp8_model, ids, steps)
     assert seen[-1] == b * heads * (20 + steps) * d  # the whole cache, every step
     assert all(torch.equal(x, y) for x, y in zip(fast, slow))
@@ -564,7 +563,7 @@ def test_left_padded_batch_generation_matches_reference(bf16_checkpoint, default
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from precision_pipeline.checkpoint.reader import load_checkpoint_model
+    from precision_pipeline.gate.model import load_checkpoint_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     tok.padding_side = "left"

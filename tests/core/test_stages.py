@@ -347,12 +347,17 @@ def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch, 
     assert "--gather_context_logits" in calls()[-1]  # the gate-only build
 
 
-def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_path, monkeypatch):
-    """Issue 25 item 19: the same dataset at another path re-quantized (the key held the path)."""
+def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_path, monkeypatch, default_model_dir):
+    """Issue 25 item 19: the same dataset at another path re-quantized (the key held the path). The path is an
+    unkeyed field of the job (``QuantizeJob.calibration_path``); the file's content is keyed."""
     from types import SimpleNamespace
 
     from precision_pipeline.quantize.stage import QuantizeStage
+    from precision_pipeline.resolve.plan import evaluate
+    from precision_pipeline.spec.model_arch import read_model_arch
     from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+
+    arch = read_model_arch(default_model_dir)
 
     monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
     m = _model(tmp_path)
@@ -365,8 +370,8 @@ def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_
     def key(ds: str, **cal) -> str:
         prof = validate_profile(deep_merge(load_raw("fp8-h100"), {"calibration": {"dataset": ds, "num_samples": 2, **cal}}))
         st = QuantizeStage()
-        inputs = st.inputs(SimpleNamespace(profile=prof), SimpleNamespace(checkpoint=None, model_dir=m, device=None), {})
-        assert inputs.profile.calibration.dataset == ds  # the stage still reads the file where it is
+        inputs = st.inputs(evaluate(prof, arch), SimpleNamespace(checkpoint=None, model_dir=m, device=None), {})
+        assert inputs.job.calibration_to_read().dataset == (ds if ds == "builtin" else str(tmp_path / ds))  # read where it is
         return stage_mod.stage_key(st, inputs, {})
 
     k = key(str(tmp_path / "a" / "calib.jsonl"))

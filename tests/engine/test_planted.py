@@ -16,7 +16,7 @@ import pytest
 from precision_pipeline.engine.trtllm_build import build_args, run_engine
 from precision_pipeline.engine.toolchain import Toolchain
 from precision_pipeline.resolve import plan as P
-from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import memory as MEM
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.default_model import ensure_default_model
 from tests.engine.test_engine import _argmap  # one argv parser for the engine tests
@@ -125,5 +125,5 @@ def test_memory_plan_reserves_context_logits_exactly_when_the_argv_gathers_them(
     for p in (on, off):
         gathers = "--gather_context_logits" in build_args(p, CK, OUT)
         assert gathers is p.effective.gather_context_logits
-        ctx_rows = R.activation_bytes(m, p.profile, p.mapping.model_dump(), p.limits.model_dump(), gathers)
+        ctx_rows = MEM.activation_bytes(m, p.profile, p.mapping.model_dump(), p.limits.model_dump(), gathers)
         assert ctx_rows == p.memory.activation_bytes_estimate

@@ -86,7 +86,8 @@ def test_mixed_export_tensors_per_layer_format(mixed_export):
 
 
 def test_reader_uses_each_layers_format(mixed_export, smollm_2layers):
-    from precision_pipeline.checkpoint.reader import checkpoint_info, dequantize_checkpoint, load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import checkpoint_info, dequantize_checkpoint
+    from precision_pipeline.gate.model import load_checkpoint_model
 
     _, ck, _, _ = mixed_export
     layers = _layers(ck)
@@ -119,7 +120,7 @@ def test_reader_logits_track_modelopt_and_fp32(mixed_export, smollm_2layers):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from precision_pipeline.checkpoint.reader import load_checkpoint_model
+    from precision_pipeline.gate.model import load_checkpoint_model
 
     qm, ck, _, _ = mixed_export
     tok = AutoTokenizer.from_pretrained(str(smollm_2layers))

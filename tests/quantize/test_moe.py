@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import quantize_job
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -326,7 +328,7 @@ def test_quantize_stage_exports_mixtral_with_expert_parallelism(tmp_path, defaul
     over = {"calibration": {"num_samples": 4, "seq_len": 32}, "parallel": {"tp_size": 2, "moe_ep_size": 2},
             "deployment": {"gpus_per_replica": 2, "fallback": None, "warm_fallback": False}}
     prof = validate_profile(deep_merge(load_raw("fp8-h100"), over))
-    qm = quantize_model(prof, model_dir, show_progress=False)
+    qm = quantize_model(quantize_job(prof, model_dir), model_dir, show_progress=False)
     r = export_checkpoint(qm, tmp_path / "ep2")
     mapping = json.loads((tmp_path / "ep2" / "config.json").read_text())["mapping"]
     assert mapping["tp_size"] == 2 and mapping["moe_tp_size"] == 1 and mapping["moe_ep_size"] == 2
@@ -336,7 +338,7 @@ def test_quantize_stage_exports_mixtral_with_expert_parallelism(tmp_path, defaul
     assert not (tmp_path / "ep2" / "modelopt-export").exists() and not (tmp_path / "ep2" / "ep").exists()
     # the same quantized model exported with ModelOpt's own layout (moe_tp 2 x moe_ep 1)
     prof_tp = validate_profile(deep_merge(load_raw("fp8-h100"), {**over, "parallel": {"tp_size": 2}}))
-    r_tp = export_checkpoint(dataclasses.replace(qm, profile=prof_tp), tmp_path / "tp2")
+    r_tp = export_checkpoint(dataclasses.replace(qm, job=quantize_job(prof_tp, model_dir)), tmp_path / "tp2")
     assert r_tp.moe_mapping == {}
     a, b = reassemble_experts(tmp_path / "ep2"), reassemble_experts(tmp_path / "tp2")
     assert set(a) == set(b) and a

@@ -17,8 +17,16 @@ from precision_pipeline.spec.default_model import ensure_default_model
 from tests.conftest import prof
 
 
+def _plan(profile):
+    """The resolved plan (refusals or not: ``job_of`` reads its fields) for the default model."""
+    from precision_pipeline.resolve.plan import evaluate
+    from precision_pipeline.spec.model_arch import read_model_arch
+
+    return evaluate(profile, read_model_arch(ensure_default_model()))
+
+
 def _key(profile) -> str:
-    plan = SimpleNamespace(profile=profile)
+    plan = _plan(profile)
     req = SimpleNamespace(checkpoint=None, model_dir=ensure_default_model())
     inputs = QuantizeStage().inputs(plan, req, {})
     assert isinstance(inputs, QuantizeInputs)
@@ -63,7 +71,8 @@ def test_other_sections_keep_the_key(name):
 
 
 def test_canonical_form_holds_the_quantization_section():
+    from precision_pipeline.core.store import canonical
+
     p = prof(BASE, quantization__keep_first_layers=1)
-    inputs = QuantizeStage().inputs(SimpleNamespace(profile=p),
-                                    SimpleNamespace(checkpoint=None, model_dir=ensure_default_model()), {})
-    assert inputs.canonical()["quantization"].keep_first_layers == 1
+    inputs = QuantizeStage().inputs(_plan(p), SimpleNamespace(checkpoint=None, model_dir=ensure_default_model()), {})
+    assert canonical(inputs)["job"]["quantization"]["keep_first_layers"] == 1

@@ -14,10 +14,10 @@ from precision_pipeline.quantize.ptq import (
     QuantizeResult,
     make_forward_loop,
     modelopt_config_for,
-    resolve_exclusions,
     run_quantize,
-    trtllm_name,
 )
+from precision_pipeline.spec.families import resolve_exclusions, trtllm_name
+from tests.conftest import quantize_job
 
 
 def profile(base: str, **sections):
@@ -71,7 +71,7 @@ def test_resolve_exclusions_patterns_layers_and_fused_groups():
 
 
 def test_config_fp8_with_fp8_kv():
-    name, cfg = modelopt_config_for(profile("fp8-h100"), linear_names=LLAMA_NAMES, num_hidden_layers=4)
+    name, cfg = modelopt_config_for(quantize_job(profile("fp8-h100")), linear_names=LLAMA_NAMES, num_hidden_layers=4)
     assert name == "FP8_DEFAULT_CFG+FP8_KV_CFG"
     assert _entry(cfg, "*weight_quantizer")["cfg"] == {"num_bits": (4, 3), "axis": None}
     assert _entry(cfg, "*input_quantizer")["cfg"] == {"num_bits": (4, 3), "axis": None}
@@ -81,37 +81,38 @@ def test_config_fp8_with_fp8_kv():
 
 
 def test_config_awq_group_size_and_w4a8():
-    name, cfg = modelopt_config_for(profile("int4-awq-a100"), linear_names=LLAMA_NAMES, num_hidden_layers=4)
+    name, cfg = modelopt_config_for(quantize_job(profile("int4-awq-a100")), linear_names=LLAMA_NAMES, num_hidden_layers=4)
     assert name == "INT4_AWQ_CFG(group_size=64)"
     assert _entry(cfg, "*weight_quantizer")["cfg"]["block_sizes"][-1] == 64
     assert _entry(cfg, "*weight_quantizer")["cfg"]["num_bits"] == 4
     import modelopt.torch.quantization as mtq
 
     assert _entry(mtq.INT4_AWQ_CFG, "*weight_quantizer")["cfg"]["block_sizes"][-1] == 128  # preset untouched
-    p = profile("int4-awq-a100", quantization={"quant_algo": "W4A8_AWQ", "group_size": 32, "kv_cache_quant_algo": "FP8"})
-    name, cfg = modelopt_config_for(p, linear_names=LLAMA_NAMES, num_hidden_layers=4)
+    p = profile("int4-awq-a100", quantization={"quant_algo": "W4A8_AWQ", "group_size": 32, "kv_cache_quant_algo": "FP8"},
+                target={"gpu": "h100-sxm"})  # W4A8 AWQ runs on SM 89-90 (resolve rule format.gemm_sm)
+    name, cfg = modelopt_config_for(quantize_job(p), linear_names=LLAMA_NAMES, num_hidden_layers=4)
     assert name == "W4A8_AWQ_BETA_CFG(group_size=32)+FP8_KV_CFG"
     int4, fp8 = _entry(cfg, "*weight_quantizer")["cfg"]
     assert int4["block_sizes"][-1] == 32 and int4["num_bits"] == 4 and fp8["num_bits"] == (4, 3)
 
 
 def test_config_smoothquant_alpha_w8a16_nvfp4_noquant():
-    name, cfg = modelopt_config_for(profile("int8-sq-l4", quantization={"smoothquant_alpha": 0.8}),
+    name, cfg = modelopt_config_for(quantize_job(profile("int8-sq-l4", quantization={"smoothquant_alpha": 0.8})),
                                     linear_names=LLAMA_NAMES, num_hidden_layers=4)
     assert name == "INT8_SMOOTHQUANT_CFG(alpha=0.8)"
     assert cfg["algorithm"] == {"method": "smoothquant", "alpha": 0.8}
-    name, cfg = modelopt_config_for(profile("int8-sq-l4", quantization={"quant_algo": "W8A16"}),
+    name, cfg = modelopt_config_for(quantize_job(profile("int8-sq-l4", quantization={"quant_algo": "W8A16"})),
                                     linear_names=LLAMA_NAMES, num_hidden_layers=4)
     assert name == "INT8_WEIGHT_ONLY_CFG" and _entry(cfg, "*input_quantizer")["enable"] is False
-    name, cfg = modelopt_config_for(profile("nvfp4-b200"), linear_names=LLAMA_NAMES, num_hidden_layers=4)
+    name, cfg = modelopt_config_for(quantize_job(profile("nvfp4-b200")), linear_names=LLAMA_NAMES, num_hidden_layers=4)
     assert name == "NVFP4_DEFAULT_CFG+FP8_KV_CFG"
     assert _entry(cfg, "*weight_quantizer")["cfg"]["block_sizes"][-1] == 16
-    assert modelopt_config_for(profile("bf16-h100"), linear_names=LLAMA_NAMES, num_hidden_layers=4) == ("NONE", None)
+    assert modelopt_config_for(quantize_job(profile("bf16-h100")), linear_names=LLAMA_NAMES, num_hidden_layers=4) == ("NONE", None)
 
 
 def test_config_exclusion_entries():
     p = profile("fp8-h100", quantization={"keep_last_layers": 1, "exclude_modules": ["lm_head", "*down_proj"]})
-    _, cfg = modelopt_config_for(p, linear_names=LLAMA_NAMES, num_hidden_layers=4)
+    _, cfg = modelopt_config_for(quantize_job(p), linear_names=LLAMA_NAMES, num_hidden_layers=4)
     disabled = {e["quantizer_name"] for e in cfg["quant_cfg"] if e.get("enable") is False and e["quantizer_name"].startswith(("model.", "lm_head"))}
     assert "model.layers.3.self_attn.q_proj.weight_quantizer" in disabled
     assert "model.layers.3.self_attn.q_proj.input_quantizer" in disabled
@@ -125,15 +126,21 @@ def test_config_exclusion_entries():
     ({"quantization": {"quant_algo": "NO_QUANT"}}, "quantization.kv_cache_quant_algo", "NO_QUANT with a FP8 KV cache"),
 ])
 def test_config_refusals(sections, field, text):
+    """The config lookups' own guards (resolve refuses these profiles before a build makes a job: the job is made
+    by hand here)."""
+    from precision_pipeline.quantize.job import QuantizeJob
+
+    p = profile("fp8-h100", **sections)
+    job = QuantizeJob(architecture="LlamaForCausalLM", quantization=p.quantization, calibration=p.calibration)
     with pytest.raises(UserError) as e:
-        modelopt_config_for(profile("fp8-h100", **sections), linear_names=LLAMA_NAMES, num_hidden_layers=4)
+        modelopt_config_for(job, linear_names=LLAMA_NAMES, num_hidden_layers=4)
     assert e.value.problems[0].field == field
     assert text in e.value.message
 
 
 def test_config_from_model_dir(default_model_dir):
     """Without explicit names, exclusions resolve against a meta-device model of the HF config."""
-    name, cfg = modelopt_config_for(profile("fp8-h100", quantization={"keep_first_layers": 2}), default_model_dir)
+    name, cfg = modelopt_config_for(quantize_job(profile("fp8-h100", quantization={"keep_first_layers": 2})), default_model_dir)
     disabled = [e["quantizer_name"] for e in cfg["quant_cfg"] if e["quantizer_name"].startswith("model.layers.")]
     assert len(disabled) == 2 * 7 * 2
 
@@ -151,33 +158,30 @@ def test_config_from_model_dir(default_model_dir):
      "parallel.pp_size", "not exported by the quantize stage"),
 ])
 def test_layout_and_group_refusals_are_resolve_rules(default_model_dir, name, sections, rule, field, text):
-    """The quantize stage re-checks nothing itself: its entry points refuse with the resolve rules' problems."""
-    from precision_pipeline.quantize.ptq import refuse_by_rules
-
+    """The quantize stage re-checks nothing itself: it receives a job only from a plan the resolve rules passed."""
     with pytest.raises(UserError) as e:
-        refuse_by_rules(profile(name, **sections), default_model_dir)
+        quantize_job(profile(name, **sections), default_model_dir)
     mine = [p for p in e.value.problems if p.rule == rule]
     assert mine and mine[0].field == field and text in mine[0].reason + mine[0].fix, e.value.message
-    refuse_by_rules(profile("int4-awq-a100", parallel={"tp_size": 3}, deployment={"gpus_per_replica": 3}),
-                    default_model_dir)  # 576/3 = 192, 1536/3 = 512: whole groups of 64
+    job = quantize_job(profile("int4-awq-a100", parallel={"tp_size": 3}, deployment={"gpus_per_replica": 3}),
+                       default_model_dir)  # 576/3 = 192, 1536/3 = 512: whole groups of 64
+    assert (job.tp_size, job.group_size, job.moe_layout, job.architecture) == (3, 64, None, "LlamaForCausalLM")
 
 
-def test_run_quantize_refuses_before_loading(default_model_dir, tmp_path, monkeypatch):
-    import transformers
-
-    def boom(*a, **k):
-        raise AssertionError("model loaded before the input was checked")
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+def test_bad_inputs_are_refused_at_resolve_before_a_job_exists(default_model_dir, tmp_path):
+    """INT8 KV, a group size that does not divide, a short calibration file: refused by the resolve rules (what
+    ``job_of`` needs a passed plan for); the quantize stage never sees them."""
     with pytest.raises(UserError, match="INT8 KV"):
-        run_quantize(profile("fp8-h100", quantization={"kv_cache_quant_algo": "INT8"}), default_model_dir, tmp_path / "o")
+        quantize_job(profile("fp8-h100", quantization={"kv_cache_quant_algo": "INT8"}), default_model_dir)
     with pytest.raises(UserError, match="does not divide"):
-        run_quantize(profile("int4-awq-a100", quantization={"group_size": 128}), default_model_dir, tmp_path / "o")
+        quantize_job(profile("int4-awq-a100", quantization={"group_size": 128}), default_model_dir)
     bad = tmp_path / "c.jsonl"
     bad.write_text('{"text": "only one"}\n')
-    with pytest.raises(UserError, match="1 usable sample"):
-        run_quantize(profile("fp8-h100", calibration={"dataset": str(bad), "num_samples": 4}), default_model_dir, tmp_path / "o")
-    assert not (tmp_path / "o").exists()
+    p = profile("fp8-h100", calibration={"dataset": str(bad), "num_samples": 4})
+    from precision_pipeline.resolve.plan import evaluate
+
+    plan = evaluate(p, default_model_dir, for_build=True)
+    assert any("1 usable sample" in pr.reason for pr in plan.problems), [pr.reason for pr in plan.problems]
 
 
 def test_forward_loop_passes_and_batches():
@@ -283,12 +287,13 @@ def test_bf16_export(bf16_checkpoint):
 
 @pytest.mark.slow
 def test_export_with_kept_layers_and_patterns(default_model_dir, tmp_path):
-    from precision_pipeline.checkpoint.reader import checkpoint_info, load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import checkpoint_info
+    from precision_pipeline.gate.model import load_checkpoint_model
     from precision_pipeline.checkpoint.reader import safetensors_header
 
     p = profile("fp8-h100", calibration={"num_samples": 3, "seq_len": 16},
                 quantization={"keep_first_layers": 1, "keep_last_layers": 1, "exclude_modules": ["lm_head", "model.layers.5.mlp.down_proj"]})
-    r = run_quantize(p, default_model_dir, tmp_path / "ck", show_progress=False)
+    r = run_quantize(quantize_job(p), default_model_dir, tmp_path / "ck", show_progress=False)
     assert isinstance(r, QuantizeResult)
     from precision_pipeline.quantize.ptq import read_quantize_warnings  # run_quantize records ModelOpt's warnings
 
@@ -314,6 +319,37 @@ def test_export_with_kept_layers_and_patterns(default_model_dir, tmp_path):
     assert m.model.layers[0].self_attn.q_proj.act_format is None
     assert m.model.layers[1].self_attn.q_proj.act_format == "fp8"
     assert m.model.layers[5].mlp.down_proj.act_format is None
+
+
+@pytest.mark.slow
+def test_up_proj_export_keeps_the_fused_pair_and_matches_the_memory_plan(default_model_dir, fp8_checkpoint, tmp_path):
+    """A real FP8 export with ``exclude_modules: [lm_head, "*up_proj"]`` writes both GEMMs of every fused gate/up
+    pair (mlp.gate = up_proj and its partner mlp.fc = gate_proj) in BF16 without scales, and its tensors exceed the
+    FP8 test checkpoint's (lm_head only) by exactly what the memory plan adds: 60 x (576 x 1536 - 8) bytes."""
+    from precision_pipeline.checkpoint.reader import safetensors_header
+    from precision_pipeline.resolve.memory import weight_bytes
+    from precision_pipeline.spec.model_arch import read_model_arch
+    from tests.conftest import checkpoint_profile
+
+    p = profile("fp8-h100", calibration={"num_samples": 3, "seq_len": 16},
+                quantization={"exclude_modules": ["lm_head", "*up_proj"]})
+    r = run_quantize(quantize_job(p), default_model_dir, tmp_path / "ck", show_progress=False)
+    h = safetensors_header(tmp_path / "ck" / "rank0.safetensors")
+    for i in range(30):
+        for g in ("mlp.fc", "mlp.gate"):
+            assert h[f"transformer.layers.{i}.{g}.weight"]["dtype"] == "BF16"
+            assert f"transformer.layers.{i}.{g}.weights_scaling_factor" not in h
+            assert f"transformer.layers.{i}.{g}" in r.exclude_modules
+        assert h[f"transformer.layers.{i}.mlp.proj.weight"]["dtype"] == "F8_E4M3"
+
+    def tensor_bytes(hdr: dict) -> int:
+        return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in hdr.items() if k != "__metadata__")
+
+    grown = tensor_bytes(h) - tensor_bytes(safetensors_header(fp8_checkpoint / "rank0.safetensors"))
+    m = read_model_arch(default_model_dir)
+    one = {"tp_size": 1, "pp_size": 1, "moe_tp_size": 1, "moe_ep_size": 1}
+    planned = weight_bytes(m, p, one)["total"] - weight_bytes(m, checkpoint_profile("fp8"), one)["total"]
+    assert grown == planned == 60 * (576 * 1536 - 8)
 
 
 @pytest.mark.slow
@@ -358,5 +394,5 @@ def test_nan_weights_are_refused_before_modelopt_naming_the_tensor(default_model
     pr = e.value.problems[0]
     assert pr.field == "--model" and "model.layers.1.mlp.down_proj.weight (1 NaN, 1 infinite of 2,048)" in pr.reason
     with pytest.raises(UserError, match="non-finite weights: model.layers.1.mlp.down_proj.weight"):
-        quantize_model(profile("fp8-h100", calibration={"num_samples": 2, "seq_len": 16, "batch_size": 2}), m,
+        quantize_model(quantize_job(profile("fp8-h100", calibration={"num_samples": 2, "seq_len": 16, "batch_size": 2}), m), m,
                        show_progress=False)

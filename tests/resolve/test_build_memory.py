@@ -11,7 +11,7 @@ import pytest
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.resolve import plan as P
-from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import build_memory as BM
 from precision_pipeline.spec.device import GpuInfo, Machine, probe_machine, select_device
 from precision_pipeline.spec.hardware import GIB
 from precision_pipeline.spec.model_arch import read_model_arch
@@ -121,11 +121,11 @@ def test_the_plan_counts_bytes_per_parameter_as_documented():
 
 def test_gpus_needed_is_the_smallest_count_that_holds_it():
     per, block = 80 * GIB, 5 * GIB
-    assert R.gpus_needed(10 * GIB, per, block) == 1
-    k = R.gpus_needed(500 * GIB, per, block)
+    assert BM.gpus_needed(10 * GIB, per, block) == 1
+    k = BM.gpus_needed(500 * GIB, per, block)
     usable = lambda n: n * (per - (1 << 30)) - (n - 1) * block  # noqa: E731
     assert usable(k) >= 500 * GIB > usable(k - 1)
-    assert R.gpus_needed(500 * GIB, 4 * GIB, 5 * GIB) is None  # one layer alone does not fit a GPU
+    assert BM.gpus_needed(500 * GIB, 4 * GIB, 5 * GIB) is None  # one layer alone does not fit a GPU
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,7 +217,8 @@ def test_no_device_no_plan_and_the_default_model_fits_here(default_model_dir):
 def test_gate_architectures_are_refused_at_resolve_with_the_list():
     from tests.resolve.test_plan import MIXTRAL
 
-    from precision_pipeline.spec.model_arch import GATE_ARCHITECTURES, arch_from_config
+    from precision_pipeline.spec.families import GATE_ARCHITECTURES
+    from precision_pipeline.spec.model_arch import arch_from_config
 
     pl = P.evaluate(prof("fp8-h100"), arch_from_config(MIXTRAL, name="mixtral"), for_build=True)
     pr = [x for x in pl.problems if x.rule == "model.gate_reads"][0]

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.resolve import plan as P
-from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import derive as DER
+from precision_pipeline.resolve import memory as MEM
+from precision_pipeline.resolve import reuse as REUSE
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.hardware import CATALOG, GIB
 from precision_pipeline.spec.model_arch import arch_from_config
@@ -217,7 +219,7 @@ def test_case4_reused_checkpoint_mapping(m70, tmp_path):
         "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     assert P.resolve(p, m70, ck).ok
     # function form, no checkpoint
-    assert R.checkpoint_mapping_findings(p, None) == []
+    assert REUSE.checkpoint_mapping_findings(p, None) == []
 
 
 def test_case5_kv_reuse_without_paged_context_fmha(default_model_dir):
@@ -347,8 +349,8 @@ def test_unknown_gpu_still_checks_the_rest(default_model_dir):
 
 def test_llama70b_kv_bytes_per_token(m70):
     a = arch_from_config(LLAMA70B)
-    assert R.kv_bytes_per_token(a, prof("bf16-h100"), R.derive_mapping(prof("bf16-h100"))) == 327_680
-    assert R.kv_bytes_per_token(a, prof("fp8-h100"), R.derive_mapping(prof("fp8-h100"))) == 163_840
+    assert MEM.kv_bytes_per_token(a, prof("bf16-h100"), DER.derive_mapping(prof("bf16-h100"))) == 327_680
+    assert MEM.kv_bytes_per_token(a, prof("fp8-h100"), DER.derive_mapping(prof("fp8-h100"))) == 163_840
 
 
 def test_llama70b_fp8_fits_one_h100(m70):

@@ -13,6 +13,7 @@ import pytest
 from precision_pipeline.spec import formats as F
 from precision_pipeline.resolve import plan as P
 from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import reuse as REUSE
 from precision_pipeline.spec.hardware import CATALOG
 from precision_pipeline.spec.model_arch import arch_from_config
 from precision_pipeline.spec.profile import validate_profile
@@ -490,13 +491,13 @@ def test_fallback_on_other_sm_warns_and_is_checked_on_this_gpu():
 
 def test_checkpoint_mapping_function(tmp_path):
     (tmp_path / "config.json").write_text('{"mapping": {"tp_size": 1, "pp_size": 2}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}')
-    f = R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)
+    f = REUSE.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)
     assert len(f) == 1 and f[0].message.endswith("was exported with pp_size 2 (profile 1).")
     (tmp_path / "config.json").write_text('{"mapping": {"tp_size": 1, "pp_size": 1}, "quantization": {"quant_algo": "W4A16_AWQ"}}')
-    f = R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)
+    f = REUSE.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)
     assert len(f) == 1 and "holds quant_algo W4A16_AWQ / kv_cache_quant_algo NONE" in f[0].message
     (tmp_path / "config.json").write_text("{not json")
-    assert R.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)[0].field == "--checkpoint"
+    assert REUSE.checkpoint_mapping_findings(prof("fp8-h100"), tmp_path)[0].field == "--checkpoint"
 
 
 def test_unknown_rope_type_is_refused_at_resolve_with_the_supported_list():

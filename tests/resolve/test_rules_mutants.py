@@ -13,6 +13,9 @@ import pytest
 
 from precision_pipeline.resolve import plan as P
 from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import derive as DER
+from precision_pipeline.resolve import memory as MEM
+from precision_pipeline.resolve import reuse as REUSE
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.default_model import ensure_default_model
 from tests.conftest import prof
@@ -24,14 +27,15 @@ def arch():
 
 
 def _wb(arch, p, tp=1):
-    return R.weight_bytes(arch, p, R.derive_mapping(p.model_copy(update={"parallel": p.parallel.model_copy(update={"tp_size": tp})})))
+    return MEM.weight_bytes(arch, p, DER.derive_mapping(p.model_copy(update={"parallel": p.parallel.model_copy(update={"tp_size": tp})})))
 
 
 def test_excluding_a_linear_keeps_it_in_bf16(arch):
     base = _wb(arch, prof("fp8-h100", quantization__exclude_modules=["lm_head"]))["decoder"]
     fc = _wb(arch, prof("fp8-h100", quantization__exclude_modules=["lm_head", "*mlp.fc"]))["decoder"]
     fp8_fc = F.GEMM[F.QuantAlgo.FP8].linear_bytes(576, 1536, None, 2, None)
-    assert fc - base == 30 * (576 * 1536 * 2 - fp8_fc)
+    # mlp.fc (gate_proj) and mlp.gate (up_proj) are fused: the export keeps both, and so does the plan
+    assert fc - base == 2 * 30 * (576 * 1536 * 2 - fp8_fc)
     assert fp8_fc == 576 * 1536 + 2 * F.SCALE_F32
 
 
@@ -51,7 +55,7 @@ def test_activation_bytes_by_hand(arch):
     for tp in (1, 3):
         width = 2 * 576 + 960 / tp + 9 * 64 / tp + 2 * 1536 / tp
         want = 2 * 8192 * width * 2 + 64 * 49152 * 4
-        got = R.activation_bytes(arch, p, {"tp_size": tp}, lim)
+        got = MEM.activation_bytes(arch, p, {"tp_size": tp}, lim)
         assert got == int(want), tp
 
 
@@ -105,7 +109,7 @@ def test_memory_refusal_adds_up_its_parts(arch):
     (pr,) = [x for x in p.problems if x.rule == "memory.fit"]
     m = p.memory
     need = m.weight_bytes_per_gpu + m.activation_bytes_estimate + m.fallback_bytes + m.runtime_reserve_bytes
-    assert f"= {R.gib(need)} per GPU" in pr.reason
+    assert f"= {MEM.gib(need)} per GPU" in pr.reason
     assert "tp_size" not in pr.fix  # 9 heads: no tp in 2, 4, 8, 16 divides them
 
 
@@ -120,15 +124,15 @@ def test_reused_mixed_checkpoint_with_other_formats_is_refused(tmp_path):
     p = prof("mixed-fp8-int4-h100")
     (tmp_path / "quant_cfg.json").write_text(json.dumps({"quantized_layers": {
         "transformer.layers.0.mlp.fc": {"quant_algo": "NVFP4"}, "transformer.layers.0.mlp.gate": {"quant_algo": "FP8"}}}))
-    found = R._mixed_reuse_findings(p, tmp_path)
+    found = REUSE._mixed_reuse_findings(p, tmp_path)
     assert found and "NVFP4" in found[0].message
     (tmp_path / "quant_cfg.json").write_text(json.dumps({"quantized_layers": {
         "transformer.layers.0.mlp.fc": {"quant_algo": "FP8"}}}))
-    assert not [f for f in R._mixed_reuse_findings(p, tmp_path) if "NVFP4" in f.message]
+    assert not [f for f in REUSE._mixed_reuse_findings(p, tmp_path) if "NVFP4" in f.message]
 
 
 def test_moe_layer_bytes_by_hand(arch):
-    moe = arch.model_copy(update={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+    moe = arch.model_copy(update={"architecture": "MixtralForCausalLM", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
                                   "shared_expert_intermediate_size": 512})
     p = prof("fp8-h100", quantization__exclude_modules=["lm_head"])
     lb = F.GEMM[F.QuantAlgo.FP8].linear_bytes
@@ -137,4 +141,4 @@ def test_moe_layer_bytes_by_hand(arch):
              + 576 * 4 * 4                                                          # router, F32
              + 2 * lb(576, 512, None, 2, None) + lb(512, 576, None, 2, None)        # shared expert
              + 2 * 576 * 2 + 3 * F.SCALE_F32)                                       # norms + KV scales
-    assert R.weight_bytes(moe, p, R.derive_mapping(p))["decoder"] == 30 * layer
+    assert MEM.weight_bytes(moe, p, DER.derive_mapping(p))["decoder"] == 30 * layer

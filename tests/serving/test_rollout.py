@@ -185,7 +185,7 @@ def test_probe_agrees_with_the_gate(served, units, probe_set):
     for k in ("kl_p99", "top1"):
         lo, hi = pr.ci95[k]
         assert lo - 1e-6 <= g[k] <= hi + 1e-6, (k, g[k], pr.ci95[k])
-    # exact: the CPU reference backend loads the checkpoint with checkpoint.reader.load_checkpoint_model, as the gate does, so
+    # exact: the CPU reference backend loads the checkpoint with gate.model.load_checkpoint_model, as the gate does, so
     # the probe's numbers equal the gate's bit for bit (measured: kl_p99 0.2404607659578322 both)
     assert (pr.kl_p99, pr.kl_mean, pr.top1) == (g["kl_p99"], g["kl_mean"], g["top1"])
     assert 0.005 < pr.kl_mean < 0.2 and pr.top1 < 1.0  # FP8: a real, non-zero difference the probe sees

@@ -116,17 +116,18 @@ def test_registry_reproduces_the_old_tables():
                                       "int8_wo": "W8A16", "int8_sq": "W8A8_SQ_PER_CHANNEL", "nvfp4": "NVFP4"}
     # checkpoint/reader.py _STORED, _ACT_FORMAT, _NEEDS_ACT_SCALE, _PACKED_PER_BYTE, SINGLE_ALGOS
     from precision_pipeline.checkpoint import reader
+    from precision_pipeline.gate import model as gate_model
 
     assert {f.value: f.stored_dtype for f in G.values() if f.codec} == {
         "FP8": ("F8_E4M3",), "NVFP4": ("U8",), "W4A16_AWQ": ("I8",), "W4A8_AWQ": ("I8",),
         "W8A8_SQ_PER_CHANNEL": ("I8",), "W8A16": ("I8",), "NO_QUANT": ("BF16", "F16", "F32")}
     assert {f.value: f.act_fake_quant for f in G.values() if f.act_fake_quant} == {
         "FP8": "fp8", "W4A8_AWQ": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "NVFP4": "nvfp4"}
-    assert reader.act_fake_quant("W4A16_AWQ") is None and reader.act_fake_quant(None) is None
+    assert gate_model.act_fake_quant("W4A16_AWQ") is None and gate_model.act_fake_quant(None) is None
     assert {f.value for f in G.values() if f.needs_act_scale} == {"FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ"}
     assert {f.value: f.pack for f in G.values() if f.pack > 1 and f.codec} == {"W4A16_AWQ": 2, "W4A8_AWQ": 2, "NVFP4": 2}
     assert set(reader.SINGLE_ALGOS) == {"NO_QUANT", "FP8", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16"}
-    assert set(reader.KV_FAKE_QUANT) == {"fp8", "int8"}  # NVFP4 KV is refused by the CPU model
+    assert set(gate_model.KV_FAKE_QUANT) == {"fp8", "int8"}  # NVFP4 KV is refused by the CPU model
     # spec/formats.py's own derived tables and resolve/rules.py's branches
     assert F.SUGGEST_ORDER == ("FP8", "NVFP4", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ", "NO_QUANT")
     assert F.FP8_CONTEXT_FMHA_ALGOS == ("FP8", "W4A8_AWQ", "NVFP4")
@@ -220,7 +221,7 @@ def _private_imports(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("rel", ["spec/formats.py", "resolve/rules.py", "quantize/ptq.py", "quantize/search.py",
-                                 "spec/names.py", "checkpoint/reader.py", "checkpoint/codecs.py", "serving/pack.py"])
+                                 "spec/families.py", "checkpoint/reader.py", "checkpoint/codecs.py", "serving/pack.py"])
 def test_no_private_imports_across_modules(rel):
     assert _private_imports(PKG / rel) == []
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import derive as DER
 from precision_pipeline.spec import formats as F
 from tests.conftest import prof
 
@@ -50,7 +50,7 @@ def test_awq_default_group_sizes_the_scales():
 @pytest.mark.parametrize("sm, kept", [(89, True), (90, True), (88, False), (86, False)])
 def test_fp8_context_fmha_min_sm(sm, kept):
     p = prof("fp8-h100", context_phase__use_fp8_context_fmha=True, context_phase__use_paged_context_fmha=True)
-    eff, _ = R.derive_effective(p, sm)
+    eff, _ = DER.derive_effective(p, sm)
     assert eff["use_fp8_context_fmha"] is kept
 
 

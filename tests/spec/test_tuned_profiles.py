@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from precision_pipeline.spec.names import llama_linear_names, resolve_exclusions
+from precision_pipeline.spec.families import LLAMA, resolve_exclusions
 from precision_pipeline.spec.profile import load_profile, load_raw, shipped_profiles
 
 TUNED = {"nvfp4-b200-smollm2": ("nvfp4-b200", 44), "int4-awq-a100-smollm2": ("int4-awq-a100", 16),
@@ -35,7 +35,7 @@ def test_tuned_profile_only_adds_exclusions_that_name_real_modules(name, default
         d.pop("name"), d.pop("description"), d.pop("extends")
     assert dump == want  # nothing but the exclusions differs
     arch = read_model_arch(default_model_dir)
-    names = llama_linear_names(arch.num_layers)
+    names = LLAMA.linear_names(arch.num_layers)
     pats = tuned.quantization.exclude_modules
     excluded, unmatched = resolve_exclusions(names, pats, 0, 0, arch.num_layers)
     assert unmatched == [] and pats[0] == "lm_head"

@@ -132,7 +132,7 @@ def context_settings(profile, sm: int) -> dict:
     """The context-phase (and dependent runtime) overrides that make ``profile`` what trtllm-build
     would build on SM ``sm`` (``rules.derive_effective``): paged / FP8 context FMHA as the builder
     sets them; without paged context FMHA, KV-cache reuse and chunked context off (they need it)."""
-    from precision_pipeline.resolve.rules import derive_effective
+    from precision_pipeline.resolve.derive import derive_effective
 
     eff, _ = derive_effective(profile, sm)
     c = profile.context_phase

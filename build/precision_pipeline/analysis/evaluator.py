@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec import formats as FMT
+from precision_pipeline.spec.families import LLAMA
 
 LINEAR_KINDS: dict[str, tuple[str, ...]] = {
     "attention.qkv": ("attention.qkv",),
@@ -28,9 +29,6 @@ LINEAR_KINDS: dict[str, tuple[str, ...]] = {
 KV_KIND = "kv_cache"
 HEAD_KIND = "lm_head"
 KINDS: tuple[str, ...] = tuple(LINEAR_KINDS) + (KV_KIND,)
-# TRT-LLM linear -> HF Llama module (relative to the decoder layer)
-_TRT_TO_HF = {"attention.dense": "self_attn.o_proj", "mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj",
-              "mlp.proj": "mlp.down_proj"}
 DEFAULT_PACK_TOKENS = 512
 
 
@@ -93,7 +91,7 @@ class Evaluator:
     def __init__(self, model_dir: Path, ck: Any, encoded: Sequence[Any], pack_tokens: int = DEFAULT_PACK_TOKENS):
         from transformers import AutoModelForCausalLM
 
-        from precision_pipeline.checkpoint.reader import ATTN_IMPL, act_fake_quant, register_attention
+        from precision_pipeline.gate.model import ATTN_IMPL, act_fake_quant, register_attention
 
         self.ck = ck
         cfg = ck.config
@@ -229,7 +227,7 @@ class Evaluator:
         return all(self._spec(t).quantized for t in cell.trt_linears)
 
     def _replacements(self, cell: Cell) -> list[tuple[nn.Module, str, nn.Module]]:
-        from precision_pipeline.checkpoint.reader import LinearSpec, QuantLinear, act_fake_quant
+        from precision_pipeline.gate.model import QuantLinear, act_fake_quant, split_qkv
 
         def act_of(spec: Any) -> Optional[str]:  # per linear (MIXED_PRECISION layers differ)
             algo = getattr(spec, "quant_algo", None)
@@ -244,15 +242,11 @@ class Evaluator:
             spec = self._spec(trt)
             short = trt.split(".", 3)[3]
             if short == "attention.qkv":
-                nq, nkv = self.nq, self.nkv
-                for name, (a, b) in (("q_proj", (0, nq)), ("k_proj", (nq, nq + nkv)), ("v_proj", (nq + nkv, nq + 2 * nkv))):
-                    rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in spec.act_scale_rows if s < b and e > a]
-                    sub = LinearSpec(weight=spec.weight[a:b], quantized=spec.quantized, act_scale=spec.act_scale,
-                                     act_scale_rows=rows, pre=spec.pre)
+                for name, sub in split_qkv(spec, self.nq, self.nkv):
                     out.append((layer.self_attn, name, QuantLinear(sub, act_of(spec) if sub.quantized else None,
                                                                    torch.float32)))
             else:
-                parent, attr = _TRT_TO_HF[short].split(".")
+                parent, attr = LLAMA.gemm_hf(short)[0].split(".")
                 mod = getattr(layer, parent)
                 old = getattr(mod, attr)
                 if tuple(old.weight.shape) != tuple(spec.weight.shape):

@@ -11,7 +11,7 @@ what quantizing ONE cell costs while everything else stays FP32:
   (``mlp.fc`` + ``mlp.gate``: TensorRT-LLM fuses them, quantize.py excludes them together),
   ``mlp.proj``, and ``kv_cache`` (that layer's K/V fake-quant) when the checkpoint quantizes the KV
   cache; plus ``lm_head`` when the checkpoint quantizes it. A cell's quantized version is exactly
-  what the gate runs: ``checkpoint.QuantLinear`` from the checkpoint's dequantized ``LinearSpec``
+  what the gate runs: ``gate.model.QuantLinear`` from the checkpoint's dequantized ``LinearSpec``
   (weights + input fake-quant), the KV fake-quant of ``checkpoint._kvq_sdpa`` with that layer's
   k/v scales. Linears the checkpoint keeps unquantized are not cells (shown as "excl").
 * per-kind rows: one kind in every analysed layer at once; ``full``: every cell at once (what the
@@ -38,7 +38,7 @@ KL mean and P99 meet the profile's gate thresholds (``profile.gate.for_model_dir
 chosen cell that is not needed (reverse order). The result is expressed as ``exclude_modules``
 patterns quantize.py understands (``transformer.layers.3.attention.qkv``,
 ``transformer.layers.3.mlp.fc`` + ``.mlp.gate``, ``transformer.layers.3.*`` for a whole layer;
-checked with ``quantize.resolve_exclusions``) and verified by a real measurement with those
+checked with ``spec.families.resolve_exclusions``) and verified by a real measurement with those
 cells in FP32 (``verify``: predicted vs measured). When the measurement misses the thresholds
 (the additive prediction was optimistic), the targets are tightened by measured/predicted and the
 greedy runs again, at most ``MAX_REFINE`` more times (each round in ``suggestion.rounds``).
@@ -179,7 +179,7 @@ def exclude_patterns(cells: Iterable[str], n_kinds_per_layer: int = len(LINEAR_K
 
 def resolved_trt_names(hf_linear_names: list[str], patterns: list[str], n_layers: int) -> list[str]:
     """TensorRT-LLM names of the linears quantize.py would exclude for ``patterns``."""
-    from precision_pipeline.quantize.ptq import resolve_exclusions, trtllm_name
+    from precision_pipeline.spec.families import resolve_exclusions, trtllm_name
 
     hf, _ = resolve_exclusions(hf_linear_names, patterns, 0, 0, n_layers)
     return sorted({trtllm_name(n) for n in hf})

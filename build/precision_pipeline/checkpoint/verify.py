@@ -55,7 +55,7 @@ from precision_pipeline.checkpoint.reader import (KV_SCALE_NAMES, LINEAR_NAMES, 
                                                   rank_files, read_config, read_quant_cfg, safetensors_header)
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.model_arch import GATE_ARCHITECTURES
+from precision_pipeline.spec.families import GATE_ARCHITECTURES, qkv_rows_of_config
 
 FIELD = "checkpoint"
 FIX_EXPORT = "re-export the checkpoint (run the build without --checkpoint, or quantize again)."
@@ -82,17 +82,15 @@ def _norm(v: Any, none: str) -> str:
 
 
 def _dims(cfg: dict) -> dict[str, Any]:
-    """This rank's ``(out, in)`` of each linear of a Llama layer (reader ``_qkv_split``: q heads / tp,
+    """This rank's ``(out, in)`` of each linear of a Llama layer (``spec.families.qkv_rows``: q heads / tp,
     KV heads / tp but at least one), and the other tensor shapes."""
     m = cfg.get("mapping") or {}
     tp = int(m.get("tp_size", 1))
     h = int(cfg["hidden_size"])
     nh = int(cfg["num_attention_heads"])
-    nkv = int(cfg.get("num_key_value_heads") or nh)
-    hd = int(cfg.get("head_size") or h // nh)
     inter = int(cfg["intermediate_size"])
     vocab = int(cfg["vocab_size"])
-    q_rows, kv_rows = hd * nh // tp, hd * max(1, nkv // tp)
+    q_rows, kv_rows, hd = qkv_rows_of_config(cfg, tp)
     vocab_rank = -(-vocab // tp)
     emb = (vocab, h)
     if cfg.get("use_parallel_embedding") and tp > 1:

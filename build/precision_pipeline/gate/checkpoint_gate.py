@@ -11,7 +11,7 @@ What is measured is a ``gate.options.GateOptions`` (hashed); how it runs is a ``
 Candidate: anything that gives next-token logits (``as_candidate``):
 
 * an HF causal LM (``torch.nn.Module`` whose output has ``.logits``, e.g. what
-  ``precision_pipeline.checkpoint.reader.load_checkpoint_model`` returns): one forward pass per prompt
+  ``precision_pipeline.gate.model.load_checkpoint_model`` returns): one forward pass per prompt
   (``forward_with_prefix``) gives its teacher-forced logits and the KV cache of its generation prompt
   (a strict prefix), and the greedy answers are decoded from those caches in batches of prompts of
   similar length (``decode_greedy``; the same tokens as ``model.generate`` on a left-padded batch,
@@ -339,12 +339,12 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
                     options: GateOptions = GateOptions(), runtime: GateRuntime = GateRuntime(), *,
                     candidate_name: Optional[str] = None, extra: Optional[dict] = None) -> GateResult:
     """The pipeline's gate stage: dequantize the exported TRT-LLM checkpoint
-    (``precision_pipeline.checkpoint.reader.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
+    (``precision_pipeline.gate.model.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
 
     The pipeline's ``--golden-limit`` is ``options.prompts_per_category``. ``candidate_name`` defaults to ``checkpoint <folder name>``; ``extra`` is merged into metrics.json
     (the gate stage's ``record``).
     """
-    from precision_pipeline.checkpoint.reader import load_checkpoint_model
+    from precision_pipeline.gate.model import load_checkpoint_model
     from precision_pipeline.checkpoint.scales import scale_report
     from precision_pipeline.quantize.ptq import read_quantize_warnings
 

@@ -27,6 +27,7 @@ from precision_pipeline.gate.candidates import (TORCH_DTYPES, HFCandidate, batch
 from precision_pipeline.gate.golden import EncodedPrompt, golden_hash
 from precision_pipeline.gate.metrics import token_metrics
 from precision_pipeline.gate.options import DEFAULT_HELDOUT_WINDOW, GateOptions, GateRuntime
+from precision_pipeline.spec.families import family_of_model_type
 
 CACHE_VERSION = 3  # 2: the key hashes GateOptions.reference_key_fields(); 3: greedy decoded from the teacher-forced KV cache
 
@@ -299,7 +300,8 @@ def lm_head_weight(model_dir: Path) -> torch.Tensor:
     name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
     index = read_json(model_dir / "model.safetensors.index.json", None)
     shard = (index or {}).get("weight_map", {}).get(name) if index else "model.safetensors"
-    if shard and (model_dir / shard).is_file() and cfg.get("model_type") == "llama":
+    fam = family_of_model_type(str(cfg.get("model_type")))
+    if shard and (model_dir / shard).is_file() and fam is not None and fam.gate_reader is not None:
         from safetensors import safe_open
 
         with safe_open(str(model_dir / shard), framework="pt") as f:

@@ -1,11 +1,12 @@
 """Post-training quantization with NVIDIA ModelOpt 0.47 and export of a TensorRT-LLM checkpoint.
 
-``run_quantize(profile, model_dir, out_dir)`` loads the HF model, calibrates it with ModelOpt's
+``run_quantize(job, model_dir, out_dir)`` (``job``: the resolved facts, ``quantize.job.QuantizeJob``, made
+from the resolved plan by ``job_of``; nothing here re-checks them) loads the HF model, calibrates it with ModelOpt's
 PTQ (``modelopt.torch.quantization.quantize``) on the profile's calibration set
 (``precision_pipeline.quantize.calibration``), and writes a TensorRT-LLM checkpoint (``config.json`` +
 ``rank{i}.safetensors``, one per tensor-parallel rank) with
-``modelopt.torch.export.export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, dir,
-inference_tensor_parallel=tp_size)``.
+``modelopt.torch.export.export_tensorrt_llm_checkpoint(model, decoder, torch.bfloat16, dir,
+inference_tensor_parallel=tp_size)`` (``decoder``: the family's ``export_decoder``, ``spec.families``).
 
 Formats (``quantization.quant_algo`` -> ModelOpt config, ``modelopt/torch/quantization/config.py``;
 the facts are the registry's ``GemmFormat.modelopt_preset`` / ``modelopt_adjust`` / ``grouping``
@@ -77,16 +78,14 @@ from typing import Any, Callable, Iterator
 from precision_pipeline.quantize import search
 from precision_pipeline.quantize.finite import refuse_non_finite
 from precision_pipeline.quantize.calibration import CalibrationSet, build_calibration_set, load_tokenizer
-from precision_pipeline.spec.names import resolve_exclusions, trtllm_name
+from precision_pipeline.quantize.job import QuantizeJob
+from precision_pipeline.spec.families import family, resolve_exclusions
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.progress import StageProgress
-from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
-from precision_pipeline.spec.profile import KVCacheQuantAlgo, Profile, QuantAlgo
+from precision_pipeline.spec.formats import GEMM, KV, NO_MODELOPT_CONFIG, NVFP4_BLOCK
+from precision_pipeline.spec.profile import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
 
-# HF model_type -> ModelOpt export decoder type (modelopt/torch/export/model_utils.py maps
-# MixtralForCausalLM to "llama" too; the MoE experts are exported by the same path)
-EXPORT_MODEL_TYPES = {"llama": "llama", "mixtral": "llama"}
 NVFP4_GROUP = NVFP4_BLOCK
 NO_QUANT = QuantAlgo.NO_QUANT.value
 # fused groups (TensorRT-LLM GEMMs): excluding one member excludes all
@@ -137,37 +136,6 @@ def _linear_names(model: Any) -> list[str]:
 # Configs
 
 
-def group_size_of(profile: Profile) -> int | None:
-    """The group (block) size the export uses: NVFP4's fixed block, the AWQ group (profile or the
-    default), the search's AWQ candidate group (None: the search picks it), None otherwise.
-
-    Input checks (a group size that does not apply or does not divide the tp slices) are resolve
-    rule ``format.group_size``; this only reads the resolved profile.
-    """
-    q = profile.quantization
-    fmt = GEMM[q.quant_algo]
-    if fmt.grouping == "fixed_block":
-        return NVFP4_BLOCK
-    if fmt.grouping == "per_group":
-        return q.group_size or AWQ_DEFAULT_GROUP
-    if fmt.per_layer:
-        return q.group_size  # AWQ candidates: the search checks / picks it
-    return None
-
-
-def refuse_by_rules(profile: Profile, model_dir: Path) -> None:
-    """Raise UserError with the resolve rules' refusals of ``profile`` for the model in ``model_dir``.
-
-    The quantize stage's entry points call it before loading anything, so a caller that skipped
-    ``resolve`` gets the same named refusals as ``invoke check`` (one home per check).
-    """
-    from precision_pipeline.resolve.plan import evaluate
-
-    plan = evaluate(profile, Path(model_dir))
-    if plan.problems:
-        raise UserError(list(plan.problems))
-
-
 def kv_config_for(kv_algo: str) -> tuple[str | None, list[dict] | None]:
     """(name, quant_cfg list) of the ModelOpt KV-cache config for ``kv_cache_quant_algo``.
 
@@ -186,32 +154,32 @@ def kv_config_for(kv_algo: str) -> tuple[str | None, list[dict] | None]:
     return name, copy.deepcopy(getattr(mtq, name)["quant_cfg"])
 
 
-def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
+def modelopt_config_for(job: QuantizeJob, model_dir: Path | None = None,
                         linear_names: list[str] | None = None,
                         num_hidden_layers: int | None = None) -> tuple[str, dict | None]:
-    """The ModelOpt PTQ config (name, config dict) for ``profile``; ``(name, None)`` for NO_QUANT.
+    """The ModelOpt PTQ config (name, config dict) for ``job``; ``(name, None)`` for NO_QUANT.
 
     The dict is a deep copy of the ModelOpt preset (``quant_cfg`` is a list of
     ``{"quantizer_name", "cfg"/"enable"}`` entries in ModelOpt 0.47) with: the AWQ group size in
     the ``*weight_quantizer`` ``block_sizes[-1]``; the SmoothQuant ``alpha``; the KV-cache entries
     merged in; and one ``{"quantizer_name": "<hf linear>.weight_quantizer"/".input_quantizer",
     "enable": False}`` pair per excluded linear (resolved against ``linear_names``, or against a
-    meta-device model built from ``model_dir``'s config -- default: the default model).
+    meta-device model built from ``model_dir``'s config -- default: the default model; the family's fused
+    groups (``job.architecture``, ``spec.families``) are excluded whole).
 
     Name: e.g. ``"FP8_DEFAULT_CFG+FP8_KV_CFG"`` or ``"INT4_AWQ_CFG(group_size=64)"``.
-    Raises UserError for INT8 KV, a group_size that does not apply, or tp/group mismatches.
+    ``job`` is resolved (``quantize.job.job_of``): nothing here re-checks the profile.
     """
     import modelopt.torch.quantization as mtq
     from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
 
-    q = profile.quantization
+    q = job.quantization
     algo = q.quant_algo.value
     fmt = GEMM[q.quant_algo]
-    _assert_exported(algo)
     if fmt.per_layer:
         raise UserError("quantization.quant_algo", "MIXED_PRECISION has no single ModelOpt config: the per-layer "
                         "search (mtq.auto_quantize) picks one per layer.", "call quantize_model / run_quantize.")
-    group = group_size_of(profile)
+    group = job.group_size
     kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
     base_name = fmt.modelopt_preset
     if base_name is None:
@@ -245,20 +213,11 @@ def modelopt_config_for(profile: Profile, model_dir: Path | None = None,
     if linear_names is None or num_hidden_layers is None:
         linear_names, num_hidden_layers = _meta_model_names(model_dir)
     excluded, _ = resolve_exclusions(linear_names, list(q.exclude_modules), q.keep_first_layers, q.keep_last_layers,
-                                     num_hidden_layers)
+                                     num_hidden_layers, family(job.architecture))
     for n in excluded:
         cfg["quant_cfg"].append({"quantizer_name": f"{n}.weight_quantizer", "enable": False})
         cfg["quant_cfg"].append({"quantizer_name": f"{n}.input_quantizer", "enable": False})
     return name, cfg
-
-
-def _assert_exported(algo: str) -> None:
-    """UserError unless the quantize stage produces ``algo`` (``GemmFormat.exported``; the resolve
-    rule format.trtllm_buildable refuses the one format it does not, W4A16_NVFP4, before a build)."""
-    if not GEMM[algo].exported:
-        ok = [f.value for f in GEMM.values() if f.exported]
-        raise UserError("quantization.quant_algo", f"{algo} is not produced by this pipeline's quantize stage.",
-                        f"use one of: {', '.join(ok)}.")
 
 
 def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int]:
@@ -273,28 +232,6 @@ def _meta_model_names(model_dir: Path | None) -> tuple[list[str], int]:
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(hf_cfg)
     return _linear_names(m), int(hf_cfg.num_hidden_layers)
-
-
-# --------------------------------------------------------------------------------------------
-# Checks before the heavy work
-
-
-def moe_layout(profile: Profile, hf_config: Any) -> tuple[int, int] | None:
-    """``(moe_tp_size, moe_ep_size)`` for a MoE model (``precision_pipeline.quantize.moe_reshard.resolve_moe_layout``, TensorRT-LLM
-    ``Mapping`` defaults), None for a dense one. Raises UserError (``parallel.moe_ep_size`` /
-    ``parallel.moe_tp_size``) for a layout that does not split the experts; and for expert
-    parallelism asked of a dense model."""
-    from precision_pipeline.quantize.moe_reshard import resolve_moe_layout
-
-    par = profile.parallel
-    experts = int(getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0) or 0)
-    if experts < 2:
-        if (par.moe_ep_size or 1) > 1:
-            raise UserError("parallel.moe_ep_size", f"moe_ep_size {par.moe_ep_size} asks for expert parallelism, "
-                            "but the model has no experts.", "remove parallel.moe_ep_size / moe_tp_size.")
-        return None
-    return resolve_moe_layout(par.tp_size, par.moe_tp_size, par.moe_ep_size, experts,
-                              int(getattr(hf_config, "intermediate_size", 0) or 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,7 +292,7 @@ class QuantizedModel:
     """A ModelOpt-quantized (fake-quant) HF model plus what is needed to export it."""
 
     model: Any
-    profile: Profile
+    job: QuantizeJob
     config_name: str
     config: dict | None
     calibration: CalibrationSet | None
@@ -378,59 +315,46 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> 
     return model
 
 
-def quantize_model(profile: Profile, model_dir: Path, show_progress: bool = True,
+def quantize_model(job: QuantizeJob, model_dir: Path, show_progress: bool = True,
                    calib_set: CalibrationSet | None = None, device: str = "cpu",
                    dtype: str = "float32") -> QuantizedModel:
-    """Load the HF model of ``model_dir`` (``load_model``: FP32 on the CPU by default) and run ModelOpt PTQ as ``profile`` says.
+    """Load the HF model of ``model_dir`` (``load_model``: FP32 on the CPU by default) and run ModelOpt PTQ as ``job`` says.
 
-    Returns the fake-quant model (``mtq.quantize`` result; for NO_QUANT the plain model).
-    Raises UserError (before loading the model) for: a non-Llama model, INT8 KV, a group size that
-    does not apply or does not divide the layer widths, a tp_size that does not split the heads, a
-    bad calibration dataset.
+    Returns the fake-quant model (``mtq.quantize`` result; for NO_QUANT the plain model). ``job`` holds the
+    resolved facts (``quantize.job.job_of`` of a plan the resolve rules passed): nothing is re-checked here.
     """
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
-    q = profile.quantization
-    algo = q.quant_algo.value
+    q = job.quantization
     fmt = GEMM[q.quant_algo]
-    _assert_exported(algo)
-    if not (model_dir / "config.json").is_file():
-        raise UserError("model", f"{model_dir} has no config.json (not a Hugging Face model folder).",
-                        "pass the converted model folder (precision_pipeline.spec.default_model.ensure_default_model()).")
+    fam = family(job.architecture)
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
-    arch = (getattr(hf_cfg, "architectures", None) or [""])[0]
-    if getattr(hf_cfg, "model_type", "") not in EXPORT_MODEL_TYPES:
-        raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model ({arch}); "
-                        "this quantize stage exports Llama-architecture models (and Mixtral MoE) only.",
-                        "use a Llama-family model.")
-    refuse_by_rules(profile, model_dir)  # every user-input check lives in a resolve rule: nothing is re-checked here
-    group = group_size_of(profile)
     calib = calib_set
     if calib is None and fmt.is_quantized:
-        calib = build_calibration_set(profile.calibration, load_tokenizer(model_dir))
+        calib = build_calibration_set(job.calibration_to_read(), load_tokenizer(model_dir))
     if fmt.per_layer:
-        return _search_model(profile, model_dir, hf_cfg, calib, show_progress, device, dtype)
+        return _search_model(job, model_dir, hf_cfg, calib, show_progress, device, dtype)
 
     model = load_model(model_dir, device, dtype)
     names = _linear_names(model)
     n_layers = int(hf_cfg.num_hidden_layers)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
-                                                q.keep_last_layers, n_layers)
-    cfg_name, cfg = modelopt_config_for(profile, model_dir, linear_names=names, num_hidden_layers=n_layers)
+                                                q.keep_last_layers, n_layers, fam)
+    cfg_name, cfg = modelopt_config_for(job, model_dir, linear_names=names, num_hidden_layers=n_layers)
     t0 = time.perf_counter()
     if cfg is not None:
         import modelopt.torch.quantization as mtq
 
-        loop = make_forward_loop(calib, profile.calibration.batch_size, show_progress)
+        loop = make_forward_loop(calib, job.calibration.batch_size, show_progress)
         mtq.quantize(model, cfg, forward_loop=loop)
     calibrate_s = time.perf_counter() - t0
-    return QuantizedModel(model=model, profile=profile, config_name=cfg_name, config=cfg, calibration=calib,
+    return QuantizedModel(model=model, job=job, config_name=cfg_name, config=cfg, calibration=calib,
                           excluded_hf=excluded_hf if cfg is not None else [], unmatched=unmatched,
-                          calibrate_s=calibrate_s, group_size=group if fmt.grouping != "none" else None)
+                          calibrate_s=calibrate_s, group_size=job.group_size if fmt.grouping != "none" else None)
 
 
-def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: CalibrationSet,
+def _search_model(job: QuantizeJob, model_dir: Path, hf_cfg: Any, calib: CalibrationSet,
                   show_progress: bool, device: str = "cpu", dtype: str = "float32") -> QuantizedModel:
     """MIXED_PRECISION: ``mtq.auto_quantize`` (``precision_pipeline.quantize.search.run_search``), then the KV cache.
 
@@ -442,31 +366,31 @@ def _search_model(profile: Profile, model_dir: Path, hf_cfg: Any, calib: Calibra
     """
     import modelopt.torch.quantization as mtq
 
-    q = profile.quantization
+    q = job.quantization
     model = load_model(model_dir, device, dtype)
     names = _linear_names(model)
     excluded_hf, unmatched = resolve_exclusions(names, list(q.exclude_modules), q.keep_first_layers,
-                                                q.keep_last_layers, int(hf_cfg.num_hidden_layers))
+                                                q.keep_last_layers, int(hf_cfg.num_hidden_layers), family(job.architecture))
     disabled = list(excluded_hf)
     fmts = search.normalize_formats(q.auto_quantize_formats)
     t0 = time.perf_counter()
-    batches = calib.batches(profile.calibration.batch_size)
+    batches = calib.batches(job.calibration.batch_size)
     with StageProgress("quantize", enabled=show_progress) as prog:
         prog.say(f"per-layer search (mtq.auto_quantize, gradient scores) over {', '.join(fmts)} at "
                  f"{q.auto_quantize_bits} bits: {len(calib.samples)} samples, {len(batches)} batches")
         model, per_layer_hf, stats = search.run_search(model, batches, float(q.auto_quantize_bits), fmts,
-                                                       disabled_layers=disabled, group_size=q.group_size, progress=prog)
+                                                       disabled_layers=disabled, group_size=job.group_size, progress=prog)
     kv_name, kv_cfg = kv_config_for(q.kv_cache_quant_algo.value)
     if kv_cfg is not None:
         mtq.set_quantizer_by_cfg(model, kv_cfg)
-        loop = make_forward_loop(calib, profile.calibration.batch_size, show_progress)
+        loop = make_forward_loop(calib, job.calibration.batch_size, show_progress)
         with mtq.set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}, *kv_cfg]):
             mtq.calibrate(model, algorithm="max", forward_loop=loop)
     calibrate_s = time.perf_counter() - t0
     name = "auto_quantize(" + ", ".join(
         GEMM[f].modelopt_preset + (f"(group_size={stats.group_size})" if GEMM[f].grouping == "per_group" else "")
         for f in fmts) + f"; effective_bits={q.auto_quantize_bits})" + (f"+{kv_name}" if kv_name else "")
-    return QuantizedModel(model=model, profile=profile, config_name=name, config=None, calibration=calib,
+    return QuantizedModel(model=model, job=job, config_name=name, config=None, calibration=calib,
                           excluded_hf=excluded_hf, unmatched=unmatched, calibrate_s=calibrate_s,
                           group_size=stats.group_size, search={**stats.to_dict(), "per_layer_hf": per_layer_hf})
 
@@ -482,11 +406,11 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
     import torch
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    profile = qm.profile
-    excluded_trt = sorted({trtllm_name(n) for n in qm.excluded_hf})
+    job = qm.job
     out_dir = Path(out_dir)
-    hf_cfg = qm.model.config
-    layout = moe_layout(profile, hf_cfg)
+    fam = family(job.architecture)
+    excluded_trt = sorted({fam.trtllm_name(n) for n in qm.excluded_hf})
+    layout = job.moe_layout
     reshard = layout is not None and layout[1] > 1
     moe_mapping: dict[str, Any] = {}
     with atomic_dir(out_dir) as tmp:
@@ -494,8 +418,8 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
         t1 = time.perf_counter()
         with torch.no_grad(), StageProgress("quantize", enabled=show_progress) as prog, \
                 prog.phase("export the TensorRT-LLM checkpoint"):
-            export_tensorrt_llm_checkpoint(qm.model, EXPORT_MODEL_TYPES.get(hf_cfg.model_type, "llama"), torch.bfloat16,
-                                           stage, inference_tensor_parallel=profile.parallel.tp_size)
+            export_tensorrt_llm_checkpoint(qm.model, fam.export_decoder, torch.bfloat16,
+                                           stage, inference_tensor_parallel=job.tp_size)
         if reshard:
             # ModelOpt writes moe_tp_size = tp_size, moe_ep_size = 1: regroup the experts over the
             # EP ranks as TensorRT-LLM's Mapping expects (build/precision_pipeline/quantize/moe_reshard.py) and write that mapping
@@ -512,7 +436,7 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
         export_s = time.perf_counter() - t1
         cfg_path = tmp / "config.json"
         conf = json.loads(cfg_path.read_text())
-        conf["logits_dtype"] = profile.build.logits_dtype
+        conf["logits_dtype"] = job.logits_dtype
         quant = conf.get("quantization") or {}
         per_layer: dict[str, str] = {}
         if qm.search:
@@ -537,7 +461,7 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
         calibrate_s=round(qm.calibrate_s, 3),
         export_s=round(export_s, 3),
         checkpoint_bytes=nbytes,
-        tp_size=profile.parallel.tp_size,
+        tp_size=job.tp_size,
         out_dir=str(out_dir),
         unmatched_exclude_patterns=list(qm.unmatched),
         per_layer=per_layer,
@@ -546,23 +470,22 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
     )
 
 
-def run_quantize(profile: Profile, model_dir: Path, out_dir: Path, show_progress: bool = True,
+def run_quantize(job: QuantizeJob, model_dir: Path, out_dir: Path, show_progress: bool = True,
                  calib_set: CalibrationSet | None = None, device: str = "cpu", dtype: str = "float32") -> QuantizeResult:
-    """Quantize the HF model in ``model_dir`` as ``profile`` says; write the TRT-LLM checkpoint to ``out_dir``.
+    """Quantize the HF model in ``model_dir`` as ``job`` (the resolved facts) says; write the TRT-LLM checkpoint to ``out_dir``.
 
     ``device`` / ``dtype``: where and in what the model is calibrated (``load_model``; the build's
     ``spec.device.DeviceChoice``: FP32 on the CPU, the profile's dtype on CUDA).
 
     ``quantize_model`` then ``export_checkpoint``. ``out_dir`` is replaced atomically
     (``precision_pipeline.core.store.atomic_dir``): it holds ``config.json``, ``rank{0..tp_size-1}.safetensors`` and
-    ``calibration.json``. Raises UserError (exit 2) before loading the model for bad inputs (see
-    ``quantize_model``). Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
+    ``calibration.json``. Timings are wall seconds; ``checkpoint_bytes`` sums rank*.safetensors.
     """
     log_path = Path(out_dir).parent / QUANTIZE_LOG
     expected: dict[str, str] = {}
     with captured_warnings(log_path, StageProgress("quantize", enabled=show_progress),
                            record_path=Path(out_dir) / QUANTIZE_WARNINGS, expected=expected), labelled_prints("quantize"):
-        qm = quantize_model(profile, model_dir, show_progress=show_progress, calib_set=calib_set, device=device, dtype=dtype)
+        qm = quantize_model(job, model_dir, show_progress=show_progress, calib_set=calib_set, device=device, dtype=dtype)
         for name in qm.excluded_hf:  # SmoothQuant says so of every module it was told to leave alone
             expected[rf"\b{re.escape(name)} is not calibrated, skip smoothing"] = \
                 "kept in high precision (exclude_modules): there is nothing to smooth"
@@ -711,5 +634,5 @@ def read_quantize_warnings(ckpt_dir: Path) -> dict[str, Any] | None:
     return d if isinstance(d, dict) and isinstance(d.get("warnings"), list) else None
 
 
-__all__ = ["QuantizeResult", "QUANTIZE_LOG", "QUANTIZE_WARNINGS", "read_quantize_warnings", "captured_warnings", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for", "trtllm_name",
-           "resolve_exclusions", "make_forward_loop", "moe_layout", "group_size_of", "refuse_by_rules"]
+__all__ = ["QuantizeResult", "QUANTIZE_LOG", "QUANTIZE_WARNINGS", "read_quantize_warnings", "captured_warnings", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for",
+           "make_forward_loop", "QuantizeJob"]

@@ -57,7 +57,7 @@ from typing import Any, Iterable, Sequence
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_dir, atomic_write_json
-from precision_pipeline.spec.names import trtllm_name
+from precision_pipeline.spec.families import family_of_model_type, trtllm_name
 from precision_pipeline.spec.formats import (FIELD_SEARCH_BITS, FIELD_SEARCH_FORMATS, GEMM, SEARCH_BITS,
                                              SEARCH_CANDIDATES, check_search_bits, normalize_candidates)
 from precision_pipeline.spec.profile import QuantAlgo
@@ -341,7 +341,8 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
     if logits_dtype not in ("float32", "float16", "bfloat16"):
         raise UserError("build.logits_dtype", f"{logits_dtype!r} is not a logits dtype.", "use float32 or float16.")
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
-    if getattr(hf_cfg, "model_type", "") != "llama":
+    fam = family_of_model_type(getattr(hf_cfg, "model_type", ""))
+    if fam is None or fam.export_decoder is None or fam.moe is not None:  # spec/families.py: dense exported families
         raise UserError("model", f"{model_dir} is a {getattr(hf_cfg, 'model_type', '?')} model; the per-layer "
                         "search exports Llama-architecture models only.", "use a Llama-family model.")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -356,7 +357,7 @@ def auto_quantize_export(model_dir: Path, calib_token_batches: Any, effective_bi
     with atomic_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         with torch.no_grad():
-            export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp, inference_tensor_parallel=1)
+            export_tensorrt_llm_checkpoint(model, fam.export_decoder, torch.bfloat16, tmp, inference_tensor_parallel=1)
         export_s = time.perf_counter() - t0
         conf = json.loads((tmp / "config.json").read_text())
         conf["logits_dtype"] = logits_dtype

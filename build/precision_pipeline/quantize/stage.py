@@ -14,33 +14,24 @@ from typing import Any, Mapping, Optional, Union
 
 from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_fingerprint
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
+from precision_pipeline.quantize.job import QuantizeJob, job_of
 from precision_pipeline.spec.formats import GEMM
 from precision_pipeline.spec.profile import Profile
 
 
 class QuantizeInputs(Frozen):
-    """The model, and the profile the quantizer is called with. Keyed: only the sections it reads
-    (quantization, calibration, parallel, build.logits_dtype) and a calibration file's content; a user
-    dataset's path is not keyed (the same file moved or copied elsewhere does not re-quantize)."""
+    """Exactly what the quantize run reads: the model, the resolved job (``quantize.job.QuantizeJob``: family,
+    quantization and calibration sections, tp_size, MoE layout, group size, logits dtype), a calibration file's
+    content, and where and in what dtype it runs. Every field is keyed except those declared ``unkeyed`` with their
+    reason (a user dataset's path: its content is keyed here, so the same file moved or copied does not re-quantize)."""
 
     model: Fingerprint
-    profile: Profile
+    job: QuantizeJob
     calibration_data: Optional[Fingerprint] = None
     device: str = "cpu"
     """Where calibration and the search run (``spec.device.DeviceChoice.device``)."""
     compute_dtype: str = "float32"
     """Their dtype: FP32 on the CPU, the profile's ``quantization.dtype`` on CUDA."""
-
-    def canonical(self) -> dict[str, Any]:
-        p = self.profile
-        cal = p.calibration
-        if self.calibration_data is not None:  # a user file: its content is keyed (calibration_data), never its path
-            cal = cal.model_copy(update={"dataset": "file"})
-        out = {"model": self.model, "quantization": p.quantization, "calibration": cal,
-               "parallel": p.parallel, "logits_dtype": p.build.logits_dtype, "calibration_data": self.calibration_data}
-        if (self.device, self.compute_dtype) != ("cpu", "float32"):  # CPU keys stay what they were before devices
-            out["compute"] = {"device": self.device, "dtype": self.compute_dtype}
-        return out
 
 
 class ReuseInputs(Frozen):
@@ -121,7 +112,7 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
         if request.checkpoint is not None:
             return ReuseInputs(checkpoint=fingerprint(request.checkpoint))
         d = getattr(request, "device", None)
-        return QuantizeInputs(model=model_fingerprint(request.model_dir), profile=plan.profile,
+        return QuantizeInputs(model=model_fingerprint(request.model_dir), job=job_of(plan),
                               calibration_data=_calibration_file(plan.profile),
                               device=d.device if d is not None else "cpu",
                               compute_dtype=d.compute_dtype(plan.profile.quantization.dtype) if d is not None else "float32")
@@ -138,7 +129,7 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
         else:
             from precision_pipeline.quantize import ptq
 
-            calibration = ptq.run_quantize(inputs.profile, inputs.model.path, workdir, device=inputs.device,
+            calibration = ptq.run_quantize(inputs.job, inputs.model.path, workdir, device=inputs.device,
                                            dtype=inputs.compute_dtype).calibration
         cfg = json.loads((workdir / "config.json").read_text())
         qz = cfg.get("quantization", {}) or {}

@@ -1,6 +1,6 @@
 """Resolve stage: profile + model + GPU -> a checked plan (plan.json), in milliseconds, no GPU.
 
-``resolve(profile, model_dir, checkpoint_dir=None)`` runs every rule of ``build/precision_pipeline/resolve/rules.py``
+``resolve(profile, model_dir, checkpoint_dir=None)`` runs every rule of ``build/precision_pipeline/resolve/rules.py`` (and ``rules_fit.py``)
 and raises one ``UserError`` (exit 2) listing **all** refused problems, each with its rule
 name and source. When nothing is refused it returns a frozen, typed ``ResolvedPlan``; ``to_json()`` is what
 the build writes as ``artifacts/<profile>/plan.json``:
@@ -33,7 +33,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from precision_pipeline.spec import formats as F
 from precision_pipeline.resolve import estimate as E
-from precision_pipeline.resolve import rules as R
+from precision_pipeline.resolve import rules as R  # registers RULES (rules.py, then rules_fit.py)
+from precision_pipeline.resolve.build_memory import build_memory_plan
+from precision_pipeline.resolve.derive import derive_effective, derive_limits, derive_mapping
+from precision_pipeline.resolve.memory import memory_plan
+from precision_pipeline.resolve.registry import Context
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec.device import DeviceChoice
 from precision_pipeline.spec.hardware import GPUSpec, resolve_gpu
@@ -78,7 +82,7 @@ class OverrideRecord(_Section):
 
 
 class Effective(_Section):
-    """Per-phase engine settings after the builder's own overrides (see rules.derive_effective)."""
+    """Per-phase engine settings after the builder's own overrides (see derive.derive_effective)."""
 
     context_fmha: bool
     use_paged_context_fmha: bool
@@ -101,7 +105,7 @@ class Effective(_Section):
 
 
 class WeightBreakdown(_Section):
-    """Weight bytes on the heaviest GPU of one engine (rules.weight_bytes)."""
+    """Weight bytes on the heaviest GPU of one engine (memory.weight_bytes)."""
 
     total: int
     decoder: int
@@ -119,7 +123,7 @@ class FallbackMemory(_Section):
 
 
 class MemoryPlan(_Section):
-    """Per-GPU memory plan in bytes (rules.memory_plan; activations and reserve are estimates)."""
+    """Per-GPU memory plan in bytes (memory.memory_plan; activations and reserve are estimates)."""
 
     gpu_memory_bytes: int
     weight_bytes_per_gpu: int
@@ -180,7 +184,7 @@ class ResolvedPlan(BaseModel):
     estimate: Optional[dict] = None
     """Roofline estimate on the target GPU (``resolve.estimate.roofline``; None without a memory plan)."""
     build_memory: Optional[dict] = None
-    """What quantize and the gate need on the chosen device and in host memory (``rules.build_memory_plan``;
+    """What quantize and the gate need on the chosen device and in host memory (``build_memory.build_memory_plan``;
     None unless a build's device was given)."""
 
     @property
@@ -256,7 +260,7 @@ def _model(model: Union[Path, str, ModelArch]) -> ModelArch:
     return model if isinstance(model, ModelArch) else read_model_arch(Path(model))
 
 
-def _fallback_part(ctx: R.Context, model: ModelArch, given: Optional[Profile] = None) -> Optional[dict]:
+def _fallback_part(ctx: Context, model: ModelArch, given: Optional[Profile] = None) -> Optional[dict]:
     """Load deployment.fallback (or take ``given``, the fallback profile as it would be deployed), check it
     on this GPU, and (if warm) count its weights + activations."""
     d = ctx.profile.deployment
@@ -317,18 +321,18 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
         for pr in e.problems:
             problems.append(pr)
             checks.append({"rule": "gpu.known", "status": "refused", "message": pr.render(), "source": "build/precision_pipeline/spec/hardware.py"})
-    ctx = R.Context(profile=profile, model=m, gpu=gpu, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+    ctx = Context(profile=profile, model=m, gpu=gpu, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
                     for_build=for_build, device=device if for_build else None)
-    ctx.mapping = R.derive_mapping(profile)
-    ctx.limits, ctx.limit_notes = R.derive_limits(profile, m)
-    ctx.effective, ctx.overrides = R.derive_effective(profile, gpu.sm if gpu else 0)
+    ctx.mapping = derive_mapping(profile)
+    ctx.limits, ctx.limit_notes = derive_limits(profile, m)
+    ctx.effective, ctx.overrides = derive_effective(profile, gpu.sm if gpu else 0)
     # a GPU TensorRT-LLM does not support at all: only gpu.supported speaks for it
     usable_gpu = gpu is not None and gpu.sm >= F.MIN_TRTLLM_SM
     fallback = _fallback_part(ctx, m, fallback_profile) if _with_fallback and (gpu is None or usable_gpu) else None
     if usable_gpu:
-        ctx.memory = R.memory_plan(ctx)
+        ctx.memory = memory_plan(ctx)
     if ctx.device is not None:
-        ctx.build_memory = R.build_memory_plan(ctx)
+        ctx.build_memory = build_memory_plan(ctx)
     warnings: list[str] = []
     for r in R.RULES:
         if r.needs_gpu and gpu is None:

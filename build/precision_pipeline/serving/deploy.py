@@ -69,7 +69,7 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.store import atomic_dir, hash_file, read_json
 from precision_pipeline.resolve.plan import ResolvedPlan
-from precision_pipeline.resolve.rules import lws_group  # the multi-node layout (also the rule layout.nodes)
+from precision_pipeline.resolve.derive import lws_group  # the multi-node layout (also the rule layout.nodes)
 from precision_pipeline.serving import pack
 from precision_pipeline.serving.k8s import (DNS_LABEL, DNS_SUBDOMAIN, GPU_PRODUCT_LABEL, GPU_RESOURCE, GRPC_PORT,
                                             HTTP_PORT, K8S_VERSION, LABEL_PREFIX, LABEL_VALUE, METRICS_PORT, TMP_SIZE,

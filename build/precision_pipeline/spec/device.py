@@ -17,7 +17,7 @@ that does not fit one GPU is spread over them layer by layer (``device_map="auto
   pipeline and the tasks call it (``tests/test_layers.py`` ``SET_UP_ONLY``), never resolve.
 
 The memory the chosen device must hold is planned before anything is loaded
-(``resolve.rules.build_memory_plan``, rule ``memory.build_fit``).
+(``resolve.build_memory.build_memory_plan``, rule ``memory.build_fit``).
 Units: bytes.
 """
 

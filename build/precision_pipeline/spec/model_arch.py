@@ -3,10 +3,8 @@
 ``read_model_arch(model_dir)`` reads the few numbers the planner needs: layers, hidden size,
 attention/KV heads, head_dim, MLP width, vocabulary, position limit, rope scaling and MoE shape.
 
-Supported architectures (what the TensorRT-LLM 1.2 ``LLaMAForCausalLM`` / ``QWenForCausalLM``
-converters accept from ModelOpt exports): LlamaForCausalLM, MistralForCausalLM,
-MixtralForCausalLM (``num_local_experts``), Qwen2ForCausalLM, Qwen2MoeForCausalLM
-(``num_experts``, ``moe_intermediate_size``), Qwen3ForCausalLM, Qwen3MoeForCausalLM.
+Supported architectures: the model-family registry's (``spec/families.py`` ``FAMILIES``; MoE shape from
+``num_local_experts`` (Mixtral) or ``num_experts`` and ``moe_intermediate_size`` (Qwen MoE)).
 
 The rope scaling factor follows ``tensorrt_llm/builder.py`` ``_init_max_seq_len``: the
 ``factor`` of ``rope_scaling`` unless its type is ``su``, ``longrope`` or ``llama3`` (those
@@ -23,21 +21,8 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict
 
 from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.families import SUPPORTED_ARCHITECTURES, family
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
-GATE_ARCHITECTURES = ("LlamaForCausalLM",)
-"""The architectures the accuracy gate's checkpoint reader handles (``checkpoint/reader.py``
-``load_checkpoint_model`` builds an HF ``LlamaForCausalLM``; the exported checkpoint's
-``architecture`` must be one of these). Every other supported architecture is quantized and
-exported, but ``invoke build`` refuses it at resolve (rule ``model.gate_reads``), before quantizing."""
 # rope types whose factor does not extend max_position_embeddings (tensorrt_llm/builder.py)
 _ROPE_NO_FACTOR = ("su", "longrope", "llama3")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
@@ -137,9 +122,7 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
     if arch is None:
         raise UserError("--model", f"{path} has no 'architectures' list.",
                         f"set architectures to one of: {', '.join(SUPPORTED_ARCHITECTURES)}.")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UserError("--model", f"architecture {arch!r} is not supported by this pipeline.",
-                        f"use a model of: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+    fam = family(arch)  # UserError naming the supported architectures (spec/families.py)
     layers = _int(cfg, "num_hidden_layers", path)
     hidden = _int(cfg, "hidden_size", path)
     heads = _int(cfg, "num_attention_heads", path)
@@ -160,6 +143,10 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 0 <= num_experts <= 4096:
         raise UserError("--model", f"{path}: number of experts must be a non-negative integer, got {num_experts!r}.",
                         "fix the model's config.json.")
+    if num_experts and fam.moe is None:
+        raise UserError("--model", f"{path}: config.json gives {arch} {num_experts} experts, but that family has no "
+                        "experts (spec/families.py).", "fix config.json, or name the family's MoE architecture "
+                        "(e.g. MixtralForCausalLM).")
     inter = _int(cfg, "intermediate_size", path, required=not num_experts) or 0
     moe_inter = 0
     if num_experts:
@@ -192,7 +179,7 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), num_experts=num_experts,
         num_experts_per_tok=int(topk), moe_intermediate_size=moe_inter,
         shared_expert_intermediate_size=int(shared),
-        attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
+        attention_bias=bool(cfg.get("attention_bias", fam.attention_bias)),
         dtype=str(dtype),
     )
     qc = cfg.get("quantization_config")
@@ -217,5 +204,4 @@ def read_model_arch(model_dir: Path) -> ModelArch:
     return arch_from_config(cfg, name=model_dir.name, path=path)
 
 
-__all__ = ["ModelArch", "read_model_arch", "arch_from_config", "count_params", "SUPPORTED_ARCHITECTURES",
-           "GATE_ARCHITECTURES", "ROPE_TYPES"]
+__all__ = ["ModelArch", "read_model_arch", "arch_from_config", "count_params", "ROPE_TYPES"]

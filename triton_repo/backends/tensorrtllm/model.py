@@ -14,7 +14,7 @@ default (``tokenizer_dir``, ``xgrammar_tokenizer_info_path``, ``guided_decoding_
 Like the real backend it takes the engine location from the ``gpt_model_path`` parameter and ignores
 Triton version directories. From that directory it reads ``cpu_reference.json`` (written by
 build/precision_pipeline/serving/pack.py) naming the TRT-LLM checkpoint stored with the engine and the HF model folder, and loads
-weights with ``precision_pipeline.checkpoint.reader.load_checkpoint_model(checkpoint_dir, hf_model_dir)`` (weights
+weights with ``precision_pipeline.gate.model.load_checkpoint_model(checkpoint_dir, hf_model_dir)`` (weights
 dequantized from the checkpoint); when that function or the checkpoint is unavailable it loads the HF
 folder with transformers in FP32 and says so in the log.
 
@@ -60,7 +60,7 @@ def _log(msg):
 
 
 def load_model(engine_dir):
-    """(model, how) for the engine location: checkpoint via precision_pipeline.checkpoint.reader, else HF FP32."""
+    """(model, how) for the engine location: checkpoint via precision_pipeline.gate.model, else HF FP32."""
     import torch
 
     with open(os.path.join(engine_dir, "cpu_reference.json")) as f:
@@ -75,12 +75,12 @@ def load_model(engine_dir):
     why = f"no TRT-LLM checkpoint stored with the engine ({ck})"
     if ck and os.path.isfile(os.path.join(ck, "config.json")):
         try:
-            from precision_pipeline.checkpoint.reader import load_checkpoint_model  # the project's loader
+            from precision_pipeline.gate.model import load_checkpoint_model  # the project's loader
         except ImportError as e:
-            why = f"precision_pipeline.checkpoint.reader.load_checkpoint_model unavailable ({e})"
+            why = f"precision_pipeline.gate.model.load_checkpoint_model unavailable ({e})"
         else:
             model = load_checkpoint_model(ck, hf_dir)
-            return model.float().eval(), f"checkpoint {ck} (dequantized by precision_pipeline.checkpoint.reader.load_checkpoint_model)"
+            return model.float().eval(), f"checkpoint {ck} (dequantized by precision_pipeline.gate.model.load_checkpoint_model)"
     from transformers import AutoModelForCausalLM
 
     _log(f"{why}: loading the HF model {hf_dir} with transformers in FP32")

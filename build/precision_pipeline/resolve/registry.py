@@ -1,0 +1,132 @@
+"""The rule registry of resolve: ``Finding`` (a warn or refused result), ``Rule`` (a named check with its source),
+``RULES`` (in registration order = evaluation order), the ``rule`` decorator, ``refuse`` / ``warn``, ``Override``
+and ``Context`` (everything a rule may read). The rules themselves register from ``resolve/rules.py`` and
+``resolve/rules_fit.py``; ``resolve/plan.py`` runs them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from precision_pipeline.core.errors import Problem
+from precision_pipeline.spec import formats as F
+from precision_pipeline.spec.device import DeviceChoice
+from precision_pipeline.spec.hardware import GPUSpec
+from precision_pipeline.spec.model_arch import ModelArch
+from precision_pipeline.spec.profile import Profile
+
+
+# ---------------------------------------------------------------------------------------------
+# Findings and the registry
+
+
+@dataclass
+class Finding:
+    """One rule result that is not a plain pass."""
+
+    status: str  # "warn" | "refused"
+    field: str
+    message: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A named check. ``needs_gpu``: skipped when target.gpu did not resolve."""
+
+    name: str
+    summary: str
+    source: str
+    func: Callable[["Context"], list[Finding]]
+    needs_gpu: bool = True
+
+
+RULES: list[Rule] = []
+
+
+def rule(name: str, summary: str, source: str, needs_gpu: bool = True):
+    """Register ``func`` as a rule (order of registration = order of evaluation)."""
+
+    def deco(func):
+        RULES.append(Rule(name, summary, source, func, needs_gpu))
+        return func
+
+    return deco
+
+
+def refuse(field: str, message: str, fix: str = "") -> Finding:
+    return Finding("refused", field, message, fix)
+
+
+def warn(field: str, message: str, fix: str = "") -> Finding:
+    return Finding("warn", field, message, fix)
+
+
+@dataclass
+class Override:
+    """A setting trtllm-build would change on its own (asked -> effective, and why)."""
+
+    field: str
+    asked: Any
+    effective: Any
+    reason: str
+
+
+@dataclass
+class Context:
+    """Everything a rule may read. ``gpu`` is None when target.gpu is unknown."""
+
+    profile: Profile
+    model: ModelArch
+    gpu: Optional[GPUSpec]
+    checkpoint_dir: Optional[Path] = None
+    mapping: dict = field(default_factory=dict)
+    limits: dict = field(default_factory=dict)
+    limit_notes: list[Finding] = field(default_factory=list)
+    effective: dict = field(default_factory=dict)
+    overrides: list[Override] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    fallback: Optional[Profile] = None
+    fallback_problem: Optional[Problem] = None
+    fallback_memory: dict = field(default_factory=dict)
+    for_build: bool = False  # the whole build will run (quantize + gate): rules about what the gate reads apply
+    device: Optional[DeviceChoice] = None  # where quantize and the gate run (``invoke build --device``); None: not planned
+    build_memory: dict = field(default_factory=dict)  # build_memory_plan(ctx) when ``device`` is set
+
+    @property
+    def sm(self) -> int:
+        return self.gpu.sm if self.gpu else 0
+
+    @property
+    def quant(self) -> str:
+        return self.profile.quantization.quant_algo.value
+
+    @property
+    def kv(self) -> str:
+        return self.profile.quantization.kv_cache_quant_algo.value
+
+    @property
+    def fmt(self) -> F.GemmFormat:
+        """The registry entry of ``quantization.quant_algo``."""
+        return F.GEMM[self.profile.quantization.quant_algo]
+
+    @property
+    def kv_fmt(self) -> F.KvFormat:
+        """The registry entry of ``quantization.kv_cache_quant_algo``."""
+        return F.KV[self.profile.quantization.kv_cache_quant_algo]
+
+    @property
+    def gemm_format_ok(self) -> bool:
+        """The GEMM format runs on the target SM (context rules stay quiet when it does not:
+        format.gemm_sm already refuses, and the consequences would only repeat it)."""
+        e = self.fmt
+        if e.refusal or self.gpu is None:
+            return not e.refusal
+        if e.per_layer:
+            return True
+        return e.supports(self.gpu.sm)
+
+    def gpu_text(self) -> str:
+        g = self.gpu
+        return f"{g.id} ({g.name}) is SM {g.sm}" if g else "the GPU is unknown"

@@ -1,0 +1,339 @@
+"""The model-family registry: one entry per Hugging Face architecture (``config.json`` ``architectures[0]``).
+
+Beside the format registry (``spec/formats.py``): every fact about a model family that more than one stage
+reads lives here, and the stages look it up (torch-free):
+
+* ``architecture`` (HF class name), ``model_type`` (HF ``config.json``), ``trtllm_class`` (the TensorRT-LLM
+  1.2 model class that builds it), ``export_decoder`` (the ModelOpt decoder type the quantize stage exports
+  it as; None: the pipeline plans it but does not quantize it);
+* ``linears``: each decoder-layer linear, HF name <-> TensorRT-LLM name, with its tensor-parallel kind
+  (``column``: output rows split over tp; ``row``: input columns split over tp);
+* ``fused``: linears TensorRT-LLM runs as one GEMM (QKV) or fuses at build time (gate/up): excluding one
+  member of a group keeps the whole group in high precision;
+* ``norms`` (HF -> TensorRT-LLM), ``attention_bias``;
+* ``moe``: the router and the expert linears (None for a dense family);
+* ``routes`` and ``trtllm_versions``: the serving routes and TensorRT-LLM versions that build it;
+* ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
+  not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``);
+* ``sources``: where each fact comes from.
+
+Name facts (TensorRT-LLM 1.2):
+
+* ``tensorrt_llm/models/model_weights_loader.py:50-61`` (``tllm_to_externel_key_dict``): ``qkv`` ->
+  [q_proj, k_proj, v_proj], ``dense`` -> o_proj, ``gate`` -> up_proj, ``proj`` -> down_proj,
+  ``fc`` -> gate_proj, ``post_layernorm`` -> post_attention_layernorm, ``ln_f`` -> norm.
+* ``tensorrt_llm/models/llama/convert.py`` (``convert_hf_llama``): ``mlp.gate_proj`` -> ``mlp.fc``
+  (split dim 0, column), ``mlp.up_proj`` -> ``mlp.gate`` (dim 0, column), ``mlp.down_proj`` ->
+  ``mlp.proj`` (dim 1, row), ``o_proj`` -> ``attention.dense`` (dim 1, row), q/k/v split per rank and
+  concatenated ``[q; k; v]``; MoE: ``experts.w3`` and ``experts.w1`` concatenated ``[w3; w1]`` into
+  ``mlp.fc``, ``experts.w2`` -> ``mlp.proj``, ``block_sparse_moe.gate`` -> ``mlp.router`` (FP32).
+* ``tensorrt_llm/models/modeling_utils.py`` ``fuse_gate_mlp``: gate and fc are fused into one GEMM at
+  build time (FP8), so they must share a format.
+* ModelOpt 0.47 ``modelopt/torch/export/model_utils.py``: MixtralForCausalLM exports with decoder
+  type ``"llama"`` (the experts by the same path).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+from precision_pipeline.core.errors import UserError
+
+COLUMN, ROW = "column", "row"
+LAYER_PREFIX_HF = "model.layers"
+LAYER_PREFIX_TRT = "transformer.layers"
+LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+EXPERT = "{e}"
+"""Placeholder of the expert index in an MoE expert linear's HF name (``block_sparse_moe.experts.{e}.w1``)."""
+
+SRC_LOADER = "tensorrt_llm/models/model_weights_loader.py:50-61 (tllm_to_externel_key_dict)"
+SRC_CONVERT = "tensorrt_llm/models/llama/convert.py (convert_hf_llama: gate_proj -> mlp.fc, up_proj -> mlp.gate, [w3; w1] -> mlp.fc)"
+SRC_FUSE = "tensorrt_llm/models/modeling_utils.py (fuse_gate_mlp)"
+SRC_MODELOPT = "modelopt/torch/export/model_utils.py (MODEL_NAME_TO_TYPE: Mixtral -> llama)"
+SRC_HF = "transformers 4.57 models/<family>/modeling_<family>.py"
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One decoder-layer linear: HF name (relative to ``model.layers.N.``), TensorRT-LLM GEMM (relative to
+    ``transformer.layers.N.``) and its tensor-parallel kind (``column`` | ``row``)."""
+
+    hf: str
+    trt: str
+    parallel: str
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Router and expert linears of a MoE family (HF names relative to the layer, ``{e}`` = expert index)."""
+
+    router_hf: str
+    router_trt: str
+    experts: tuple[Linear, ...]
+    fused: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family (see the module doc for each field)."""
+
+    architecture: str
+    model_type: str
+    trtllm_class: str
+    export_decoder: Optional[str]
+    linears: tuple[Linear, ...]
+    fused: tuple[tuple[str, ...], ...]
+    norms: dict[str, str]
+    attention_bias: bool = False
+    moe: Optional[MoE] = None
+    routes: tuple[str, ...] = ("engine",)
+    trtllm_versions: tuple[str, ...] = ("1.2",)
+    gate_reader: Optional[str] = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+    # -- lookups
+
+    @property
+    def hf_to_trt(self) -> dict[str, str]:
+        """{HF linear (relative): TensorRT-LLM GEMM (relative)} of the dense linears."""
+        return {lin.hf: lin.trt for lin in self.linears}
+
+    @property
+    def gemms(self) -> tuple[str, ...]:
+        """TensorRT-LLM GEMM names of a dense decoder layer, in layer order (q/k/v are one ``attention.qkv``)."""
+        return tuple(dict.fromkeys(lin.trt for lin in self.linears))
+
+    def gemm_hf(self, trt: str) -> tuple[str, ...]:
+        """HF linears (relative) that make TensorRT-LLM GEMM ``trt`` (``attention.qkv``: q, k, v)."""
+        return tuple(lin.hf for lin in self.linears if lin.trt == trt)
+
+    def gemms_of(self, hf: tuple[str, ...]) -> tuple[str, ...]:
+        """TensorRT-LLM GEMMs (relative) of HF linears ``hf``, in layer order (``("mlp.gate_proj", "mlp.up_proj")``
+        -> ``("mlp.fc", "mlp.gate")``)."""
+        return tuple(dict.fromkeys(lin.trt for lin in self.linears if lin.hf in hf))
+
+    def parallel(self, trt: str) -> str:
+        """``column`` | ``row``: how TensorRT-LLM splits GEMM ``trt`` over tensor-parallel ranks."""
+        kinds = {lin.parallel for lin in self.linears if lin.trt == trt}
+        if len(kinds) != 1:
+            raise KeyError(f"{self.architecture} has no GEMM {trt!r}")
+        return kinds.pop()
+
+    def layer_linears(self) -> tuple[str, ...]:
+        """HF names (relative) of one decoder layer's quantizable linears: the dense ones, or for a MoE
+        family the attention ones and one representative expert's (index 0; a pattern naming one
+        expert index is not modelled per expert)."""
+        if self.moe is None:
+            return tuple(lin.hf for lin in self.linears)
+        attn = tuple(lin.hf for lin in self.linears if lin.hf.startswith("self_attn."))
+        return attn + tuple(x.hf.replace(EXPERT, "0") for x in self.moe.experts)
+
+    def linear_names(self, num_layers: int) -> list[str]:
+        """HF names of the model's quantizable linears: every decoder layer's (``layer_linears``), then ``lm_head``."""
+        return [f"{LAYER_PREFIX_HF}.{i}.{rest}" for i in range(num_layers) for rest in self.layer_linears()] + ["lm_head"]
+
+    def fused_partners(self, rel: str) -> tuple[str, ...]:
+        """The HF linears (relative) fused with ``rel`` into one TensorRT-LLM GEMM, ``rel`` included (just
+        ``rel`` when it is in no group). Expert groups keep ``rel``'s expert index."""
+        groups = self.fused + (self.moe.fused if self.moe else ())
+        for group in groups:
+            if rel in group:
+                return group
+            for t in group:
+                if EXPERT in t:
+                    rx = re.escape(t).replace(re.escape(EXPERT), r"(\d+)")
+                    m = re.fullmatch(rx, rel)
+                    if m:
+                        return tuple(g.replace(EXPERT, m.group(1)) for g in group)
+        return (rel,)
+
+    def trtllm_name(self, hf_name: str) -> str:
+        """TensorRT-LLM checkpoint module name of HF module ``hf_name`` (module-level ``trtllm_name``)."""
+        m = LAYER_RE.match(hf_name)
+        if m:
+            idx, rest = m.groups()
+            trt = self.hf_to_trt.get(rest)
+            if trt is not None:
+                return f"{LAYER_PREFIX_TRT}.{idx}.{trt}"
+        if hf_name == "model.embed_tokens":
+            return "transformer.vocab_embedding"
+        if hf_name == "model.norm":
+            return "transformer.ln_f"
+        return hf_name
+
+
+_ATTENTION = (
+    Linear("self_attn.q_proj", "attention.qkv", COLUMN),
+    Linear("self_attn.k_proj", "attention.qkv", COLUMN),
+    Linear("self_attn.v_proj", "attention.qkv", COLUMN),
+    Linear("self_attn.o_proj", "attention.dense", ROW),
+)
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_LLAMA_LINEARS = _ATTENTION + (
+    Linear("mlp.gate_proj", "mlp.fc", COLUMN),     # SiLU side; model_weights_loader.py:61 "fc": "gate_proj"
+    Linear("mlp.up_proj", "mlp.gate", COLUMN),     # model_weights_loader.py:59 "gate": "up_proj"
+    Linear("mlp.down_proj", "mlp.proj", ROW),      # model_weights_loader.py:60 "proj": "down_proj"
+)
+_LLAMA_FUSED = (_QKV, ("mlp.gate_proj", "mlp.up_proj"))
+_NORMS = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_layernorm"}
+_NAME_SOURCES = {"linears": f"{SRC_LOADER}; {SRC_CONVERT}", "fused": f"QKV: {SRC_CONVERT}; gate/up: {SRC_FUSE}",
+                 "norms": SRC_LOADER, "routes": "README (serving routes); shared/reference/trtllm-1.2-build-reference.md"}
+_MIXTRAL_MOE = MoE(
+    router_hf="block_sparse_moe.gate", router_trt="mlp.router",
+    experts=(Linear("block_sparse_moe.experts.{e}.w1", "mlp.fc", COLUMN),   # gate side: [w3; w1] in mlp.fc
+             Linear("block_sparse_moe.experts.{e}.w3", "mlp.fc", COLUMN),   # up side
+             Linear("block_sparse_moe.experts.{e}.w2", "mlp.proj", ROW)),
+    fused=(("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3"),))
+_QWEN_MOE = MoE(
+    router_hf="mlp.gate", router_trt="mlp.router",
+    experts=(Linear("mlp.experts.{e}.gate_proj", "mlp.fc", COLUMN),
+             Linear("mlp.experts.{e}.up_proj", "mlp.fc", COLUMN),
+             Linear("mlp.experts.{e}.down_proj", "mlp.proj", ROW)),
+    fused=(("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"),))
+
+
+def _planned(arch: str, model_type: str, trtllm_class: str, **kw) -> Family:
+    """A family the pipeline plans (``invoke check``) but does not quantize or gate."""
+    return Family(architecture=arch, model_type=model_type, trtllm_class=trtllm_class, export_decoder=None,
+                  linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS,
+                  sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py"}, **kw)
+
+
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+    Family(architecture="LlamaForCausalLM", model_type="llama", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
+           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="llama",
+           sources={**_NAME_SOURCES, "export": "ModelOpt 0.47 export_tensorrt_llm_checkpoint(model, 'llama', ...)",
+                    "gate": "gate/model.py load_checkpoint_model (an HF LlamaForCausalLM fed the dequantized checkpoint)"}),
+    _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM"),
+    Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
+           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
+           sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
+    _planned("Qwen2ForCausalLM", "qwen2", "QWenForCausalLM", attention_bias=True),
+    _planned("Qwen2MoeForCausalLM", "qwen2_moe", "QWenForCausalLM", attention_bias=True, moe=_QWEN_MOE),
+    _planned("Qwen3ForCausalLM", "qwen3", "QWenForCausalLM"),
+    _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE),
+)}
+"""Every architecture the pipeline accepts, by HF class name (``config.json`` ``architectures[0]``)."""
+
+LLAMA = FAMILIES["LlamaForCausalLM"]
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
+"""Architectures ``spec.model_arch`` reads (planned by resolve)."""
+EXPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for a, f in FAMILIES.items() if f.export_decoder)
+"""Architectures the quantize stage exports (``Family.export_decoder``)."""
+GATE_ARCHITECTURES: tuple[str, ...] = tuple(a for a, f in FAMILIES.items() if f.gate_reader)
+"""Architectures whose checkpoints the accuracy gate reads (``Family.gate_reader``); every other supported
+architecture is refused by ``invoke build`` at resolve (rule ``model.gate_reads``), before quantizing."""
+
+
+def family(architecture: str) -> Family:
+    """The registry entry of HF class ``architecture``; UserError (``--model``) naming the supported ones."""
+    f = FAMILIES.get(architecture)
+    if f is None:
+        raise UserError("--model", f"architecture {architecture!r} is not supported by this pipeline.",
+                        f"use a model of: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+    return f
+
+
+def family_of_model_type(model_type: str) -> Optional[Family]:
+    """The entry whose HF ``model_type`` is ``model_type`` (None when no entry has it)."""
+    return next((f for f in FAMILIES.values() if f.model_type == model_type), None)
+
+
+def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, tp: int = 1) -> tuple[int, int]:
+    """(q rows, k rows = v rows) of one tensor-parallel rank's fused ``attention.qkv`` (rows ``[q; k; v]``).
+
+    q: ``head_dim x num_heads / tp``; k and v: ``head_dim x max(1, num_kv_heads / tp)`` (ranks share a KV
+    head, each holding a copy, when ``num_kv_heads < tp``; TensorRT-LLM ``tensorrt_llm/models/llama/convert.py``
+    splits q, k and v separately and concatenates them per rank). The one QKV split of the pipeline: the
+    checkpoint verifier's shapes, the reader's rank merge and the gate's q/k/v split read it.
+    """
+    return head_dim * num_heads // tp, head_dim * max(1, num_kv_heads // tp)
+
+
+def qkv_rows_of_config(cfg: dict, tp: int = 1) -> tuple[int, int, int]:
+    """``qkv_rows`` from a TensorRT-LLM checkpoint ``config.json`` (``head_size`` or hidden / heads), plus head_dim."""
+    nh = int(cfg["num_attention_heads"])
+    hd = int(cfg.get("head_size") or int(cfg["hidden_size"]) // nh)
+    q, kv = qkv_rows(nh, int(cfg.get("num_key_value_heads") or nh), hd, tp)
+    return q, kv, hd
+
+
+def _matches(pattern: str, names: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def match_names(fam: Family, hf_name: str) -> tuple[str, str, str]:
+    """The names an ``exclude_modules`` pattern is matched against for HF linear ``hf_name``: its HF name,
+    its TensorRT-LLM name and its last name component."""
+    return hf_name, fam.trtllm_name(hf_name), hf_name.rsplit(".", 1)[-1]
+
+
+def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], keep_first: int, keep_last: int,
+                       num_layers: int, fam: Family = LLAMA) -> tuple[list[str], list[str]]:
+    """HF names of the linears to keep unquantized, and the patterns that matched nothing.
+
+    ``linear_names``: HF names of the model's linears. A pattern is matched (fnmatch) against each
+    linear's ``match_names``; ``keep_first`` / ``keep_last`` keep every linear of those decoder layers;
+    then every fused group (``Family.fused_partners``) of a kept linear is kept whole. Order: that of
+    ``linear_names``. The one matcher of the pipeline: the export and the memory plan both call it.
+    """
+    excluded: set[str] = set()
+    unmatched = []
+    for p in exclude_patterns:
+        hit = [n for n in linear_names if _matches(p, match_names(fam, n))]
+        if not hit:
+            unmatched.append(p)
+        excluded.update(hit)
+    keep = set(range(min(keep_first, num_layers))) | set(range(max(0, num_layers - keep_last), num_layers))
+    for n in linear_names:
+        m = LAYER_RE.match(n)
+        if m and int(m.group(1)) in keep:
+            excluded.add(n)
+    present = set(linear_names)
+    for n in list(excluded):
+        m = LAYER_RE.match(n)
+        if not m:
+            continue
+        prefix = n[: len(n) - len(m.group(2))]
+        excluded.update(prefix + g for g in fam.fused_partners(m.group(2)) if prefix + g in present)
+    order = {n: i for i, n in enumerate(linear_names)}
+    return sorted(excluded, key=lambda n: order[n]), unmatched
+
+
+def trtllm_name(hf_name: str, fam: Family = LLAMA) -> str:
+    """TensorRT-LLM checkpoint module name of an HF module name (``Family.trtllm_name``).
+
+    ``model.layers.3.self_attn.k_proj`` -> ``transformer.layers.3.attention.qkv``;
+    ``lm_head`` -> ``lm_head``; ``model.embed_tokens`` -> ``transformer.vocab_embedding``;
+    anything else (an MoE expert linear included) is returned unchanged.
+    """
+    return fam.trtllm_name(hf_name)
+
+
+@lru_cache(maxsize=256)
+def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, keep_last: int,
+                 num_layers: int) -> tuple[tuple[frozenset[str], ...], bool]:
+    """What the export keeps in high precision, per decoder layer 0..num_layers-1: the set of HF linears
+    (relative, from ``Family.layer_linears``), and whether ``lm_head`` is kept -- ``resolve_exclusions``
+    over ``Family.linear_names`` (the export's own matching), memoised per (family, patterns, keep_first,
+    keep_last, layers): the names depend on nothing else."""
+    fam = family(architecture)
+    excluded, _ = resolve_exclusions(fam.linear_names(num_layers), list(patterns), keep_first, keep_last, num_layers, fam)
+    per_layer: list[set[str]] = [set() for _ in range(num_layers)]
+    head = False
+    for n in excluded:
+        m = LAYER_RE.match(n)
+        if m:
+            per_layer[int(m.group(1))].add(m.group(2))
+        elif n == "lm_head":
+            head = True
+    return tuple(frozenset(s) for s in per_layer), head
+
+
+__all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
+           "GATE_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
+           "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
