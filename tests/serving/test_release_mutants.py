@@ -232,3 +232,59 @@ def test_abort_with_the_server_unloads_the_candidate(tmp_path, units, smoke_call
     assert ("unload", c) in [x[:2] for x in srv.calls] and c not in srv.ready
     assert (rec["candidate"], rec["stable"], rec["failed_check"]) == (c, a, "probe:kl_p99") and "candidate_kept" not in rec
     assert release.read_state(repo)["current"] == a
+
+
+def test_rollback_to_a_unit_that_is_no_release_says_why(tmp_path, units):  # noqa: F811
+    from precision_pipeline.core.errors import UserError
+
+    repo = new_repo(tmp_path, units, fallback=False)
+    c = release.install_unit(repo, units[2].out_dir)          # on disk, never promoted or rolled out
+    with pytest.raises(UserError, match=r"is not a release to roll back to: it was never a release \(a candidate left "
+                                        r"on disk\)") as ei:
+        release.rollback(repo, to=c)
+    assert ei.value.problems[0].field == "--to"
+    release.begin_rollout(repo, units[2].out_dir, steps=(5, 100))
+    release.set_rollout_percent(repo, 5)
+    release.abort_rollout(repo, failed_check="probe:top1")
+    with pytest.raises(UserError, match=r"its rollout was rolled back \(probe:top1 at 5 %\)"):
+        release.rollback(repo, to=c)
+
+
+class LiveConfigServer(RecordingServer):
+    """A RecordingServer whose ensemble config is the one it last LOADED (a real server's), not the file's."""
+
+    def __init__(self, repo, **kw):
+        super().__init__(repo, **kw)
+        self.live = {"ensemble": RecordingServer.model_config(self, "ensemble")}
+
+    def model_config(self, name):
+        return self.live.get(name) if name in self.live else super().model_config(name)
+
+    def load(self, name, config=None):
+        out = super().load(name, config)
+        if name == "ensemble":
+            self.live["ensemble"] = RecordingServer.model_config(self, "ensemble")
+        return out
+
+
+def live_unit(srv):
+    steps = srv.live["ensemble"]["ensemble_scheduling"]["step"]
+    [unit] = [st["model_name"] for st in steps if st["model_name"].startswith("tensorrt_llm_")]
+    return unit
+
+
+def test_abort_after_the_switch_reloads_the_ensemble_onto_the_stable_release(tmp_path, units, smoke_calls):  # noqa: F811
+    """A crash after the 100 % switch, before its commit: the live ensemble calls the candidate. The abort points
+    the config back, reloads the ensemble (``ensemble_reloaded``), then unloads the candidate."""
+    repo = new_repo(tmp_path, units)
+    a, c = units[0].engine_unit, units[2].engine_unit
+    srv = LiveConfigServer(repo, ready={a, "ensemble"})
+    release.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    release.point_ensemble(repo, c)
+    srv.load("ensemble")                                   # the switch reached the server
+    assert live_unit(srv) == c
+    rec = release.abort_rollout(repo, server=srv, failed_check="interrupted")
+    assert rec["ensemble_reloaded"] is True and "candidate_kept" not in rec
+    assert live_unit(srv) == a and c not in srv.ready
+    calls = [x[:2] for x in srv.calls]
+    assert calls.index(("load", "ensemble"), 3) < calls.index(("unload", c))  # reloaded before the candidate goes
