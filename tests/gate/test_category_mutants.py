@@ -89,6 +89,8 @@ def test_per_category_intervals(m):
     assert a["ci95"]["greedy_same"] == [0.0, 1.0]
     no_boot = assemble(GateBar(kl_mean_max=1.0), bootstrap=0)["per_category"]["facts"]
     assert "greedy_same" not in no_boot["ci95"] and no_boot["greedy_same"] == 0.5
+    one_boot = assemble(GateBar(kl_mean_max=1.0), bootstrap=1)["per_category"]["facts"]  # one resample is an interval
+    assert sorted(one_boot["ci95"]) == sorted(a["ci95"])
     no_greedy = assemble(GateBar(kl_mean_max=1.0), greedy_new_tokens=0)
     assert "greedy_same" not in no_greedy["per_category"]["facts"] and no_greedy["metrics"]["greedy_same"]["value"] is None
     assert no_greedy["greedy"] == []
