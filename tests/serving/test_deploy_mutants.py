@@ -192,3 +192,16 @@ def test_rendered_manifests_keep_the_templates_key_order(tmp_path):
     assert list(dep) == ["apiVersion", "kind", "metadata", "spec"]
     assert list(dep["spec"]) == ["replicas", "revisionHistoryLimit", "progressDeadlineSeconds", "selector", "strategy",
                                  "template"]
+
+
+def test_repo_root_parts_of_at_most_255_bytes():
+    deploy.check_repo_root("/" + "p" * 255 + "/b")
+    with pytest.raises(UserError, match="a part of it 256"):
+        deploy.check_repo_root("/" + "p" * 256 + "/b")
+
+
+def test_manifests_are_named_after_the_plans_profile(tmp_path):
+    prof = make_profile("fp8-h100")
+    res = deploy.render_manifests(make_plan(prof), prof.model_copy(update={"name": "another-name"}), make_repo(tmp_path / "b"),
+                                  tmp_path / "b", "/srv")
+    assert load_out(res)["triton-deployment.yaml"]["metadata"]["name"] == deploy.k8s_name("fp8-h100") == "triton-fp8-h100"
