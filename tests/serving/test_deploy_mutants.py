@@ -205,3 +205,11 @@ def test_manifests_are_named_after_the_plans_profile(tmp_path):
     res = deploy.render_manifests(make_plan(prof), prof.model_copy(update={"name": "another-name"}), make_repo(tmp_path / "b"),
                                   tmp_path / "b", "/srv")
     assert load_out(res)["triton-deployment.yaml"]["metadata"]["name"] == deploy.k8s_name("fp8-h100") == "triton-fp8-h100"
+
+
+def test_semantic_check_of_a_namespace_of_at_most_63():
+    """The API-server rule itself (a rendered manifest's namespace), apart from the --namespace input check."""
+    def ns(n):
+        return [p.field for p in deploy.semantic_problems({**_service("s"), "metadata": {"name": "s", "namespace": n}}, "svc")]
+
+    assert ns("n" * 63) == [] and ns("n" * 64) == ["svc: metadata.namespace"] and ns("N") == ["svc: metadata.namespace"]
