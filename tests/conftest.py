@@ -240,14 +240,30 @@ tokens nor the 32 greedy tokens, which the reference, the BF16 noise floor and t
 run (the gate's own numbers are tested in tests/gate/ on their own subsets)."""
 
 
-@pytest.fixture
-def small_gate(monkeypatch):
-    """run_build's gate stage measures ``SMALL_GATE`` (every phase still runs: reference, noise floor,
-    candidate, held-out perplexity, greedy), so a stage-flow test does not pay for the full held-out text."""
+def use_small_gate(mp: pytest.MonkeyPatch) -> dict:
+    """Make run_build's gate stage measure ``SMALL_GATE`` (patched with ``mp``; every phase still runs:
+    reference, noise floor, candidate, held-out perplexity, greedy). Returns ``SMALL_GATE``."""
     import functools
 
     from precision_pipeline.gate import stage as gate_stage
     from precision_pipeline.gate.options import GateOptions
 
-    monkeypatch.setattr(gate_stage, "GateOptions", functools.partial(GateOptions, **SMALL_GATE))
+    mp.setattr(gate_stage, "GateOptions", functools.partial(GateOptions, **SMALL_GATE))
     return SMALL_GATE
+
+
+SMALL_GATE_INVOKE = (
+    "import functools, sys; sys.path.insert(0, 'build'); "
+    "from precision_pipeline.gate import stage; from precision_pipeline.gate.options import GateOptions; "
+    f"stage.GateOptions = functools.partial(GateOptions, **{SMALL_GATE!r}); "
+    "from invoke.main import program; program.run(['invoke', *sys.argv[1:]])")
+"""``python -c SMALL_GATE_INVOKE TASK ARGS...`` (run in the repository root): ``invoke TASK ARGS...`` in a new
+process whose gate stage measures ``SMALL_GATE``, for a CLI test that reuses outputs built under ``use_small_gate``
+(the gate's options are part of its stage key)."""
+
+
+@pytest.fixture
+def small_gate(monkeypatch):
+    """run_build's gate stage measures ``SMALL_GATE`` (``use_small_gate``), so a stage-flow test does not pay
+    for the full held-out text."""
+    return use_small_gate(monkeypatch)

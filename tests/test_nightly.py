@@ -3,7 +3,10 @@ through --checkpoint so nothing is re-quantized): two profiles from scratch, a n
 profile edited, a planted regression against the baseline, a refused profile among good ones.
 
 One from-scratch nightly (``scratch``, module scope) is shared; the tests after it run on the same
-output root in file order, and each asserts only what its own run changed.
+output root in file order, and each asserts only what its own run changed. The gate stage measures the
+stage-flow tests' ``SMALL_GATE`` (tests/conftest.py: 128 held-out and 3 greedy tokens; its reference is
+theirs): these tests are about the nightly's verdicts, rebuilds and findings, and the planted fault's KL
+(answer positions only) is the same on any held-out length.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from precision_pipeline import nightly as nl
 ROOT = Path(__file__).resolve().parent.parent
 LOOSE = ("extends: fp8-h100\ngate:\n  kl_mean_max: 5.0\n  kl_p99_max: 50.0\n  top1_min: 0.1\n  ppl_delta_pct_max: 500.0\n"
          "  greedy_same_min: 0.0\n  overrides: {}\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_gate_module():
+    from tests.conftest import use_small_gate
+
+    with pytest.MonkeyPatch.context() as mp:
+        yield use_small_gate(mp)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +148,9 @@ def test_refused_profile_does_not_stop_the_others(scratch):
     out = scratch["opts"].out_root
     env = dict(os.environ, COLUMNS="200")
     env.pop("GITHUB_STEP_SUMMARY", None)
-    r = subprocess.run([sys.executable, "-m", "invoke", "nightly", "--profiles", f"{bad},{a}", "--out", str(out),
+    from tests.conftest import SMALL_GATE_INVOKE
+
+    r = subprocess.run([sys.executable, "-c", SMALL_GATE_INVOKE, "nightly", "--profiles", f"{bad},{a}", "--out", str(out),
                         "--golden-limit", "1", "--checkpoint", f"night-a={scratch['ckpt']}"],
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2, r.stdout + r.stderr

@@ -53,3 +53,15 @@ def test_no_groups_or_no_resamples_give_no_interval():
     lo, hi = G.bootstrap_ci(kl, np.mean, n_boot=1)
     assert lo == hi and math.isfinite(lo)
     assert all(math.isnan(x) for x in G.bootstrap_ci([], np.mean, n_boot=10))
+
+
+def test_bootstrap_ci_is_the_central_interval_of_the_resampled_statistic():
+    """``bootstrap_ci`` (greedy_same's interval): percentiles (1 - level) / 2 and 1 - (1 - level) / 2 of the statistic
+    over resampled groups (issue 26 survivor: the ``/ 2.0`` of the tail share)."""
+    kl, _ = _groups()
+    for level, lo_pct, hi_pct in ((0.95, 2.5, 97.5), (0.8, 10.0, 90.0)):
+        rng = np.random.default_rng(5)
+        vals = [np.concatenate([kl[i] for i in rng.integers(0, len(kl), size=len(kl))]).mean() for _ in range(200)]
+        want = (np.percentile(vals, lo_pct), np.percentile(vals, hi_pct))
+        got = G.bootstrap_ci(kl, np.mean, n_boot=200, seed=5, level=level)
+        assert np.allclose(got, want, rtol=1e-12, atol=1e-15), (level, got, want)

@@ -3,7 +3,10 @@ namespace lengths, port range, one object per template, the PDB's minAvailable."
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.serving import deploy, k8s
@@ -92,3 +95,121 @@ def test_pdb_min_available_zero_is_allowed_negative_is_not():
     assert not [p for p in k8s.semantic_problems(pdb(0), "pdb") if p.field.endswith("minAvailable")]
     assert [p.field for p in k8s.semantic_problems(pdb(-1), "pdb") if p.field.endswith("minAvailable")] == [
         "pdb: spec.minAvailable"]
+
+
+# ---- issue 26: the deploy mutants that survived a seeded run (seed 0, 20 sampled: 9 killed)
+
+
+def _labelled(labels, kind="Service"):
+    return {"apiVersion": "v1", "kind": kind, "metadata": {"name": "s", "labels": labels}, "spec": {}}
+
+
+def _label_fields(labels):
+    return [p.field for p in deploy.semantic_problems(_labelled(labels), "svc")]
+
+
+def test_label_keys_name_63_prefix_253():
+    """Kubernetes label keys: an optional DNS-subdomain prefix of <= 253 characters, a name of <= 63."""
+    assert _label_fields({"n" * 63: "v", ("p" * 253) + "/k": "v"}) == []
+    assert _label_fields({"n" * 64: "v"}) == [f"svc: metadata.labels.{'n' * 64}"]
+    assert _label_fields({("p" * 254) + "/k": "v"}) == [f"svc: metadata.labels.{'p' * 254}/k"]
+    assert _label_fields({"Bad_/k": "v", "-k": "v"}) == ["svc: metadata.labels.Bad_/k", "svc: metadata.labels.-k"]
+
+
+def test_label_values_at_most_63_of_the_label_alphabet():
+    assert _label_fields({"a": "v" * 63, "b": "", "c": "A.b-c_9"}) == []
+    assert _label_fields({"a": "v" * 64}) == ["svc: metadata.labels.a"]
+    assert _label_fields({"a": "-v"}) == ["svc: metadata.labels.a"]      # alphanumeric ends
+    assert _label_fields({"a": 5}) == ["svc: metadata.labels.a"]         # a number is not a label value
+    [p] = deploy.semantic_problems(_labelled({"a": "v" * 64}), "svc")
+    assert p.reason.startswith(f"value {'v' * 64!r} is not a valid label value")
+
+
+def test_a_service_name_is_a_dns_1035_label_other_names_dns_1123_subdomains():
+    """A Service name must start with a letter and has no dots (DNS-1035); a Deployment's may (DNS-1123 subdomain)."""
+    for name in ("1abc", "a.b"):
+        assert [p.field for p in deploy.semantic_problems(_service(name), "svc")] == ["svc: metadata.name"], name
+        assert not [p for p in deploy.semantic_problems(_deployment(name), "dep") if p.field.endswith("metadata.name")], name
+    [p] = deploy.semantic_problems(_service("1abc"), "svc")
+    assert p.reason == "'1abc' is not a DNS-1035 label."
+
+
+def test_probe_command_exact():
+    assert deploy.probe_command("triton-x", "llm", "/srv/b/", "tensorrt_llm_abababababab", "fp8-h100") == [
+        "./run.sh", "probe", "--url", "triton-x.llm.svc:8000", "--gate", "/srv/b/gate", "--prompts", "4",
+        "--every", "600", "--metrics-port", "8004", "--unit", "tensorrt_llm_abababababab", "--profile", "fp8-h100"]
+
+
+def test_stage_inputs_name_the_plans_profile():
+    prof = make_profile("fp8-h100")
+    renamed = prof.model_copy(update={"name": "another-name"})
+    assert deploy.stage_inputs(make_plan(prof), renamed, "/srv")["profile"] == "fp8-h100"
+
+
+def test_serving_set_of_a_repository_with_one_unit_and_no_records(tmp_path):
+    """No releases.json, no pack.json: the only engine unit, its hash and presence from its CPU-reference file."""
+    repo = make_repo(tmp_path / "b", engine_hash="cd" * 32)
+    (repo / "pack.json").unlink()
+    s = deploy.serving_set(repo)
+    assert (s.unit, s.engine_hash, s.engine_present) == ("tensorrt_llm_cdcdcdcdcdcd", "cd" * 32, False)
+    assert s.models == ["preprocessing", "postprocessing", "tensorrt_llm_cdcdcdcdcdcd", "ensemble", "tensorrt_llm_bls"]
+    assert s.units == ["tensorrt_llm_cdcdcdcdcdcd"] and s.source == f"{repo} (the only engine unit)"
+    (repo / "tensorrt_llm_cdcdcdcdcdcd" / "engine" / "cpu_reference.json").unlink()  # no record at all: the unit's name
+    s = deploy.serving_set(repo)
+    assert (s.engine_hash, s.engine_present) == ("cdcdcdcdcdcd", None)
+    (repo / "tensorrt_llm_000000000000").mkdir()
+    with pytest.raises(UserError, match="has no releases.json or pack.json and 2 engine units"):
+        deploy.serving_set(repo)
+
+
+def test_serving_set_takes_the_hash_from_the_cpu_reference_when_pack_json_has_none(tmp_path):
+    repo = make_repo(tmp_path / "b")
+    (repo / "pack.json").write_text(json.dumps({"engine_unit": "tensorrt_llm_abababababab"}))
+    s = deploy.serving_set(repo)
+    assert (s.engine_hash, s.engine_present) == ("ab" * 32, False)
+
+
+def test_an_lws_with_wrong_crd_fields_reports_those_before_its_pod_templates(tmp_path):
+    """The pod templates (strict PodTemplateSpec) are checked once the LeaderWorkerSet's own schema passes."""
+    from tests.serving.test_deploy_lws import render_multinode
+
+    lws = load_out(render_multinode(tmp_path))["triton-leaderworkerset.yaml"]
+    lws["spec"]["leaderWorkerTemplate"]["sizee"] = 2
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(UserError) as e:
+        deploy.validate_manifest(lws, "lws.yaml")
+    assert [p.field for p in e.value.problems] == ["lws.yaml: spec.leaderWorkerTemplate"]
+
+
+def test_rendered_manifests_keep_the_templates_key_order(tmp_path):
+    """Rendered YAML reads like its template (``yaml.safe_dump(sort_keys=False, default_flow_style=False)``): a
+    reviewer diffs one against the other."""
+    res = render(tmp_path)
+    text = (res.out_dir / "triton-deployment.yaml").read_text()
+    dep = yaml.safe_load(text)
+    body = [ln for ln in text.splitlines() if not ln.startswith("#")]
+    assert body[:3] == ["apiVersion: apps/v1", "kind: Deployment", "metadata:"]  # block style, not {flow: style}
+    assert list(dep) == ["apiVersion", "kind", "metadata", "spec"]
+    assert list(dep["spec"]) == ["replicas", "revisionHistoryLimit", "progressDeadlineSeconds", "selector", "strategy",
+                                 "template"]
+
+
+def test_repo_root_parts_of_at_most_255_bytes():
+    deploy.check_repo_root("/" + "p" * 255 + "/b")
+    with pytest.raises(UserError, match="a part of it 256"):
+        deploy.check_repo_root("/" + "p" * 256 + "/b")
+
+
+def test_manifests_are_named_after_the_plans_profile(tmp_path):
+    prof = make_profile("fp8-h100")
+    res = deploy.render_manifests(make_plan(prof), prof.model_copy(update={"name": "another-name"}), make_repo(tmp_path / "b"),
+                                  tmp_path / "b", "/srv")
+    assert load_out(res)["triton-deployment.yaml"]["metadata"]["name"] == deploy.k8s_name("fp8-h100") == "triton-fp8-h100"
+
+
+def test_semantic_check_of_a_namespace_of_at_most_63():
+    """The API-server rule itself (a rendered manifest's namespace), apart from the --namespace input check."""
+    def ns(n):
+        return [p.field for p in deploy.semantic_problems({**_service("s"), "metadata": {"name": "s", "namespace": n}}, "svc")]
+
+    assert ns("n" * 63) == [] and ns("n" * 64) == ["svc: metadata.namespace"] and ns("N") == ["svc: metadata.namespace"]

@@ -3,7 +3,7 @@ precision path and custom metrics on the server's own /metrics, `invoke probe` a
 
 One server for the module: stable release = the default model in FP32 (no checkpoint); a second
 unit (the FP8 + FP8-KV test checkpoint) serves as canary, then as fallback. The probe's prompts and
-reference come from the small gate run of test_rollout (its ``gate_dir`` fixture). The stable unit is
+reference come from the small gate run ``gate_dir`` (tests/serving/conftest.py, shared with test_rollout.py). The stable unit is
 packed with ``deployment.otlp_endpoint`` = a real OTLP/HTTP receiver on 127.0.0.1 (``OtlpReceiver``,
 decoding with opentelemetry-proto), so the server and its BLS trace every request to it.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.serving import pack, probe, release
-from tests.serving.test_rollout import REPO_ROOT, gate_dir, pack_unit, serve_repository  # noqa: F401  (gate_dir: a fixture)
+from tests.serving.test_rollout import REPO_ROOT, pack_unit, serve_repository
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 2
@@ -299,7 +299,7 @@ def test_one_span_per_request_with_the_packed_path_on_a_real_otlp_receiver(obs_s
         assert parent.trace_id == s.trace_id and res.get("service.name") == TRACE_SERVICE_NAME
 
 
-def test_invoke_probe_records_history(obs_served, gate_dir):  # noqa: F811
+def test_invoke_probe_records_history(obs_served, gate_dir):
     repo, srv = obs_served
     stable = release.read_state(repo)["current"]
     n0 = len(release.read_state(repo)["history"])
@@ -318,7 +318,7 @@ def test_invoke_probe_records_history(obs_served, gate_dir):  # noqa: F811
     assert f"KL P99 {pr['kl_p99']:.4f}" in p.stdout
 
 
-def test_probe_exporter_serves_the_result(obs_served, gate_dir):  # noqa: F811
+def test_probe_exporter_serves_the_result(obs_served, gate_dir):
     from precision_pipeline.serving.triton_server import free_port
 
     repo, srv = obs_served
@@ -350,7 +350,7 @@ PROMETHEUS = shutil.which("prometheus")
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (Debian package prometheus)")
-def test_real_prometheus_scrapes_server_and_probe_and_evaluates_rules(obs_served, gate_dir, tmp_path):  # noqa: F811
+def test_real_prometheus_scrapes_server_and_probe_and_evaluates_rules(obs_served, gate_dir, tmp_path):
     """A real Prometheus scrapes the real server's /metrics and the probe exporter; the rendered rules
     are evaluated there (the fallback alert pending/firing is not waited for: `for: 5m`)."""
     import time

@@ -188,3 +188,105 @@ def test_promoting_a_previous_release_again_keeps_one_record_per_unit(tmp_path, 
     st = release.read_state(repo)
     assert st["current"] == a
     assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(b, "fallback"), (c, "release"), (a, "release")]
+
+
+# ---- issue 26: survivors of a seeded run (seed 0, 20 sampled)
+
+
+def test_smoke_test_asks_for_8_tokens_by_default():
+    assert release.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[8]], np.int32)})), "u")["tokens"] == 8
+    with pytest.raises(RuntimeError, match=r"sequence_length 9 outside 1\.\.8"):
+        release.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[9]], np.int32)})), "u")
+
+
+def test_smoke_test_ms_is_milliseconds(monkeypatch):
+    clock = iter([10.0, 10.25])
+    monkeypatch.setattr(release.time, "perf_counter", lambda: next(clock))
+    assert release.smoke_test(ClientServer(FakeClient()), "u")["ms"] == 250.0
+
+
+def test_recover_of_a_folder_without_releases_json_fixes_nothing(tmp_path):
+    repo = tmp_path / "model_repository"
+    repo.mkdir()
+    assert release.recover(repo) == [] and release.read_state(repo) is None
+
+
+def test_begin_rollout_loads_and_smoke_tests_the_candidate_on_the_server(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    a, c = units[0].engine_unit, units[2].engine_unit
+    srv = RecordingServer(repo, ready={a, "ensemble"})
+    ro = release.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    assert [x[:2] for x in srv.calls] == [("load", c), ("smoke", c)] and smoke_calls[0] == [c]
+    assert set(ro["timings"]) == {"load_ms", "smoke"} and ro["timings"]["smoke"]["text"] == "4"
+    assert (ro["candidate"], ro["stable"], ro["steps"], ro["percent"]) == (c, a, [5, 100], 0)
+    # without a server nothing is loaded: the files only
+    repo2 = new_repo(tmp_path / "two", units)
+    assert release.begin_rollout(repo2, units[2].out_dir, steps=(5, 100))["timings"] == {}
+
+
+def test_abort_with_the_server_unloads_the_candidate(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    a, c = units[0].engine_unit, units[2].engine_unit
+    srv = RecordingServer(repo, ready={a, "ensemble"})
+    release.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    release.set_rollout_percent(repo, 5)
+    rec = release.abort_rollout(repo, server=srv, failed_check="probe:kl_p99")
+    assert ("unload", c) in [x[:2] for x in srv.calls] and c not in srv.ready
+    assert (rec["candidate"], rec["stable"], rec["failed_check"]) == (c, a, "probe:kl_p99") and "candidate_kept" not in rec
+    assert release.read_state(repo)["current"] == a
+
+
+def test_rollback_to_a_unit_that_is_no_release_says_why(tmp_path, units):  # noqa: F811
+    from precision_pipeline.core.errors import UserError
+
+    repo = new_repo(tmp_path, units, fallback=False)
+    c = release.install_unit(repo, units[2].out_dir)          # on disk, never promoted or rolled out
+    with pytest.raises(UserError, match=r"is not a release to roll back to: it was never a release \(a candidate left "
+                                        r"on disk\)") as ei:
+        release.rollback(repo, to=c)
+    assert ei.value.problems[0].field == "--to"
+    release.begin_rollout(repo, units[2].out_dir, steps=(5, 100))
+    release.set_rollout_percent(repo, 5)
+    release.abort_rollout(repo, failed_check="probe:top1")
+    with pytest.raises(UserError, match=r"its rollout was rolled back \(probe:top1 at 5 %\)"):
+        release.rollback(repo, to=c)
+
+
+class LiveConfigServer(RecordingServer):
+    """A RecordingServer whose ensemble config is the one it last LOADED (a real server's), not the file's."""
+
+    def __init__(self, repo, **kw):
+        super().__init__(repo, **kw)
+        self.live = {"ensemble": RecordingServer.model_config(self, "ensemble")}
+
+    def model_config(self, name):
+        return self.live.get(name) if name in self.live else super().model_config(name)
+
+    def load(self, name, config=None):
+        out = super().load(name, config)
+        if name == "ensemble":
+            self.live["ensemble"] = RecordingServer.model_config(self, "ensemble")
+        return out
+
+
+def live_unit(srv):
+    steps = srv.live["ensemble"]["ensemble_scheduling"]["step"]
+    [unit] = [st["model_name"] for st in steps if st["model_name"].startswith("tensorrt_llm_")]
+    return unit
+
+
+def test_abort_after_the_switch_reloads_the_ensemble_onto_the_stable_release(tmp_path, units, smoke_calls):  # noqa: F811
+    """A crash after the 100 % switch, before its commit: the live ensemble calls the candidate. The abort points
+    the config back, reloads the ensemble (``ensemble_reloaded``), then unloads the candidate."""
+    repo = new_repo(tmp_path, units)
+    a, c = units[0].engine_unit, units[2].engine_unit
+    srv = LiveConfigServer(repo, ready={a, "ensemble"})
+    release.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    release.point_ensemble(repo, c)
+    srv.load("ensemble")                                   # the switch reached the server
+    assert live_unit(srv) == c
+    rec = release.abort_rollout(repo, server=srv, failed_check="interrupted")
+    assert rec["ensemble_reloaded"] is True and "candidate_kept" not in rec
+    assert live_unit(srv) == a and c not in srv.ready
+    calls = [x[:2] for x in srv.calls]
+    assert calls.index(("load", "ensemble"), 3) < calls.index(("unload", c))  # reloaded before the candidate goes

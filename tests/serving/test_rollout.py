@@ -4,7 +4,10 @@ One server for the module. Stable release: the default model in FP32 (no checkpo
 the FP8 + FP8-KV test checkpoint (healthy, fp8-h100's thresholds for this model) and a copy of the
 BF16 test checkpoint with decoder layers 3 and 20 swapped (bad: it loads and answers, but wrongly).
 The probe set comes from a small gate run of the healthy checkpoint (one prompt per category, no
-held-out / greedy / floor).
+held-out / greedy / floor: ``gate_dir`` of tests/serving/conftest.py, shared with test_observability.py).
+The healthy candidate is loaded once: its rollout (``healthy_rollout``) records the probe it runs at the
+first step, which ``test_probe_agrees_with_the_gate`` compares with the gate. The bad candidate's rollout
+runs first, against the FP32 stable release.
 """
 
 from __future__ import annotations
@@ -61,21 +64,6 @@ def pack_unit(base: Path, name: str, ckpt: Path, model_dir: Path, mb: int = 32, 
     d = base / name
     return pack.pack_repository(with_limits(make_plan(prof), max_batch_size=mb), prof, model_dir, ckpt, d / "engine",
                                 False, d / "model_repository", str(d))
-
-
-@pytest.fixture(scope="module")
-def gate_dir(tmp_path_factory, fp8_checkpoint, default_model_dir):
-    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
-    from precision_pipeline.gate.options import GateOptions, GateRuntime
-
-    out = tmp_path_factory.mktemp("rollout-gate") / "gate"
-    thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir).thresholds().model_copy(
-        update={"ppl_delta_pct_max": None, "greedy_same_min": None})  # not measured in this small run
-    opts = GateOptions(prompts_per_category=1, heldout_tokens=0, greedy_new_tokens=0, noise_floor=False,
-                       bootstrap_resamples=50)
-    res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, out, opts, GateRuntime(progress=False, write_report=False))
-    assert res.passed, res.failures
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -170,27 +158,6 @@ def test_canary_share_discounts_ensemble():
     assert rollout.canary_share(a, b, "s", "c") == pytest.approx(100 * 10 / 100)
 
 
-def test_probe_agrees_with_the_gate(served, units, probe_set):
-    """The healthy unit through the server: exactly the gate's own numbers on the same prompts."""
-    repo, srv = served
-    unit = release.install_unit(repo, units["healthy"].out_dir)
-    srv.load(unit)
-    try:
-        pr = probe.run_probe(srv, unit, probe_set)
-    finally:
-        srv.unload(unit)
-    g = pr.gate_same_prompts
-    print(f"\n[probe] {pr.summary()}")
-    assert pr.passed and pr.tokens == g["tokens"] > 20 and pr.prompts == 3
-    for k in ("kl_p99", "top1"):
-        lo, hi = pr.ci95[k]
-        assert lo - 1e-6 <= g[k] <= hi + 1e-6, (k, g[k], pr.ci95[k])
-    # exact: the CPU reference backend loads the checkpoint with gate.model.load_checkpoint_model, as the gate does, so
-    # the probe's numbers equal the gate's bit for bit (measured: kl_p99 0.2404607659578322 both)
-    assert (pr.kl_p99, pr.kl_mean, pr.top1) == (g["kl_p99"], g["kl_mean"], g["top1"])
-    assert 0.005 < pr.kl_mean < 0.2 and pr.top1 < 1.0  # FP8: a real, non-zero difference the probe sees
-
-
 def test_bad_candidate_rolled_back_at_first_step(served, units, probe_set):
     repo, srv = served
     stable = release.read_state(repo)["current"]
@@ -211,12 +178,47 @@ def test_bad_candidate_rolled_back_at_first_step(served, units, probe_set):
     assert srv.loaded_models().get(res.candidate) != "READY"
 
 
-def test_healthy_candidate_reaches_100(served, units, probe_set):
+@pytest.fixture(scope="module")
+def healthy_rollout(served, units, probe_set):
+    """The healthy unit rolled out (steps 25, 100) under client load, once for the module; the probe the rollout
+    ran at 25 % is recorded (``probe_fn``: the real ``probe.run_probe``, kept)."""
     repo, srv = served
     stable = release.read_state(repo)["current"]
+    probes = []
+
+    def recording_probe(server, unit, pset):
+        pr = probe.run_probe(server, unit, pset)
+        probes.append((unit, pr))
+        return pr
+
     with Clients(srv, n=2) as cl:
-        res = rollout.rollout(repo, units["healthy"].out_dir, srv, probe_set, steps=(25, 100), hold_s=4.0)
+        res = rollout.rollout(repo, units["healthy"].out_dir, srv, probe_set, steps=(25, 100), hold_s=4.0,
+                              probe_fn=recording_probe)
         time.sleep(0.5)
+    return {"result": res, "clients": cl, "probes": probes, "stable": stable}
+
+
+def test_probe_agrees_with_the_gate(healthy_rollout, probe_set):
+    """The healthy unit through the server (the rollout's probe at 25 %): exactly the gate's own numbers on the same prompts."""
+    [(unit, pr)] = healthy_rollout["probes"]
+    assert unit == healthy_rollout["result"].candidate
+    g = pr.gate_same_prompts
+    print(f"\n[probe] {pr.summary()}")
+    assert pr.passed and pr.tokens == g["tokens"] > 20 and pr.prompts == 3
+    for k in ("kl_p99", "top1"):
+        lo, hi = pr.ci95[k]
+        assert lo - 1e-6 <= g[k] <= hi + 1e-6, (k, g[k], pr.ci95[k])
+    # exact: the CPU reference backend loads the checkpoint with gate.model.load_checkpoint_model, as the gate does, so
+    # the probe's numbers equal the gate's bit for bit (measured: kl_p99 0.2404607659578322 both); the client requests
+    # running beside it do not change them (the probe's context logits are one unpadded forward per prompt)
+    assert (pr.kl_p99, pr.kl_mean, pr.top1) == (g["kl_p99"], g["kl_mean"], g["top1"])
+    assert 0.005 < pr.kl_mean < 0.2 and pr.top1 < 1.0  # FP8: a real, non-zero difference the probe sees
+    assert healthy_rollout["result"].steps[0]["probe"] == pr.summary()  # what the rollout recorded is this probe
+
+
+def test_healthy_candidate_reaches_100(served, healthy_rollout):
+    repo, srv = served
+    res, cl, stable = healthy_rollout["result"], healthy_rollout["clients"], healthy_rollout["stable"]
     print(f"\n[rollout healthy] {[{k: s.get(k) for k in ('percent', 'share_measured')} for s in res.steps]} "
           f"requests={cl.requests} in {res.seconds:.1f} s")
     assert res.status == "promoted", (res.failed_check, res.numbers)
