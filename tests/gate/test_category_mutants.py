@@ -3,8 +3,8 @@ per-category code was not covered by mutation testing).
 
 Three prompts: ``a0`` and ``a1`` in category ``facts``, ``b0`` alone in ``code``; per-token KL, top-1, NLLs, greedy
 tokens and the BF16 floor's numbers chosen so that every expected value below is worked out by hand (or by
-numpy on the same few values). ``_assemble`` is the gate's aggregation step (the one that ``run_gate`` calls),
-imported where tests/gate/test_report.py imports it, so a move of it has one import to follow.
+numpy on the same few values). ``gate.assemble.assemble`` is the gate's aggregation step (the one that ``run_gate``
+calls).
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import math
 import numpy as np
 import pytest
 
-from precision_pipeline.gate.checkpoint_gate import (ReferenceData, TokenMetrics, judge_metrics, rejudge, verdict_failures,
-                                                     verdict_reasons)
+from precision_pipeline.gate.assemble import Measured, Settings
+from precision_pipeline.gate.assemble import assemble as assemble_metrics
+from precision_pipeline.gate.metrics import TokenMetrics
+from precision_pipeline.gate.reference import ReferenceData
+from precision_pipeline.gate.verdict import judge_metrics, rejudge, verdict_failures, verdict_reasons
 from precision_pipeline.gate.golden import EncodedPrompt
 from precision_pipeline.spec.profile import GateBar, GateThresholds
-from tests.gate.test_report import _assemble, _Tok
+from tests.gate.test_report import _Tok
 
 T, F = True, False
 # id: (category, answer KL, answer top-1, reference NLL, candidate NLL, prompt-segment KL, prompt top-1, candidate greedy)
@@ -50,9 +53,8 @@ def assemble(bar: GateThresholds, bootstrap: int = 200, floor: bool = True, gree
               "greedy": [g for *_, g in FLOOR.values()], "heldout_nll": np.full(10, 2.05)}
     ref = ReferenceData(hidden=[], ref_greedy=[REF_GREEDY] * 3, ref_heldout_nll=np.full(10, 2.0),
                         ref_answer_nll=[np.array(p[3]) for p in PROMPTS.values()], floor=fl, seconds={})
-    out, _ = _assemble(encoded=encoded, tok=_Tok(), per_prompt=per_prompt, ref=ref, cand_greedy=cand_greedy,
-                       cand_heldout=np.full(10, 2.1), thresholds=bar, bootstrap=bootstrap, seed=0,
-                       greedy_new_tokens=greedy_new_tokens, heldout_window=10, windows=[list(range(10))])
+    out, _ = assemble_metrics(Measured(encoded, per_prompt, ref, cand_greedy, np.full(10, 2.1), [list(range(10))]), _Tok(),
+                              bar, Settings(bootstrap=bootstrap, seed=0, greedy_new_tokens=greedy_new_tokens, heldout_window=10))
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import deploy, k8s
+from precision_pipeline.serving import deploy, k8s, monitoring
 from tests.serving.test_deploy import load_out, make_plan, make_profile, make_repo
 
 
@@ -105,7 +105,7 @@ def _labelled(labels, kind="Service"):
 
 
 def _label_fields(labels):
-    return [p.field for p in deploy.semantic_problems(_labelled(labels), "svc")]
+    return [p.field for p in k8s.semantic_problems(_labelled(labels), "svc")]
 
 
 def test_label_keys_name_63_prefix_253():
@@ -121,21 +121,21 @@ def test_label_values_at_most_63_of_the_label_alphabet():
     assert _label_fields({"a": "v" * 64}) == ["svc: metadata.labels.a"]
     assert _label_fields({"a": "-v"}) == ["svc: metadata.labels.a"]      # alphanumeric ends
     assert _label_fields({"a": 5}) == ["svc: metadata.labels.a"]         # a number is not a label value
-    [p] = deploy.semantic_problems(_labelled({"a": "v" * 64}), "svc")
+    [p] = k8s.semantic_problems(_labelled({"a": "v" * 64}), "svc")
     assert p.reason.startswith(f"value {'v' * 64!r} is not a valid label value")
 
 
 def test_a_service_name_is_a_dns_1035_label_other_names_dns_1123_subdomains():
     """A Service name must start with a letter and has no dots (DNS-1035); a Deployment's may (DNS-1123 subdomain)."""
     for name in ("1abc", "a.b"):
-        assert [p.field for p in deploy.semantic_problems(_service(name), "svc")] == ["svc: metadata.name"], name
-        assert not [p for p in deploy.semantic_problems(_deployment(name), "dep") if p.field.endswith("metadata.name")], name
-    [p] = deploy.semantic_problems(_service("1abc"), "svc")
+        assert [p.field for p in k8s.semantic_problems(_service(name), "svc")] == ["svc: metadata.name"], name
+        assert not [p for p in k8s.semantic_problems(_deployment(name), "dep") if p.field.endswith("metadata.name")], name
+    [p] = k8s.semantic_problems(_service("1abc"), "svc")
     assert p.reason == "'1abc' is not a DNS-1035 label."
 
 
 def test_probe_command_exact():
-    assert deploy.probe_command("triton-x", "llm", "/srv/b/", "tensorrt_llm_abababababab", "fp8-h100") == [
+    assert monitoring.probe_command("triton-x", "llm", "/srv/b/", "tensorrt_llm_abababababab", "fp8-h100") == [
         "./run.sh", "probe", "--url", "triton-x.llm.svc:8000", "--gate", "/srv/b/gate", "--prompts", "4",
         "--every", "600", "--metrics-port", "8004", "--unit", "tensorrt_llm_abababababab", "--profile", "fp8-h100"]
 
@@ -202,14 +202,14 @@ def test_repo_root_parts_of_at_most_255_bytes():
 
 def test_manifests_are_named_after_the_plans_profile(tmp_path):
     prof = make_profile("fp8-h100")
-    res = deploy.render_manifests(make_plan(prof), prof.model_copy(update={"name": "another-name"}), make_repo(tmp_path / "b"),
-                                  tmp_path / "b", "/srv")
+    res = deploy.render_manifests(deploy.ManifestInputs(make_plan(prof), prof.model_copy(update={"name": "another-name"}),
+                                                        make_repo(tmp_path / "b"), "/srv"), tmp_path / "b")
     assert load_out(res)["triton-deployment.yaml"]["metadata"]["name"] == deploy.k8s_name("fp8-h100") == "triton-fp8-h100"
 
 
 def test_semantic_check_of_a_namespace_of_at_most_63():
     """The API-server rule itself (a rendered manifest's namespace), apart from the --namespace input check."""
     def ns(n):
-        return [p.field for p in deploy.semantic_problems({**_service("s"), "metadata": {"name": "s", "namespace": n}}, "svc")]
+        return [p.field for p in k8s.semantic_problems({**_service("s"), "metadata": {"name": "s", "namespace": n}}, "svc")]
 
     assert ns("n" * 63) == [] and ns("n" * 64) == ["svc: metadata.namespace"] and ns("N") == ["svc: metadata.namespace"]
