@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release
+from precision_pipeline.serving import release, release_live, release_recover, release_state
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 from tests.serving.test_release_planted import RecordingServer, smoke_calls  # noqa: F401  (fixture)
 
@@ -57,12 +57,12 @@ class ClientServer:
 
 def test_smoke_test_result_and_calls():
     c = FakeClient()
-    r = release.smoke_test(ClientServer(c), "tensorrt_llm_abc", max_tokens=8)
+    r = release_live.smoke_test(ClientServer(c), "tensorrt_llm_abc", max_tokens=8)
     assert r["text"] == "4" and r["tokens"] == 2 and r["ms"] >= 0 and set(r) == {"text", "tokens", "ms"}
     assert [m for m, _ in c.calls] == ["preprocessing", "tensorrt_llm_abc", "postprocessing"]
     assert c.calls[1][1] == ["end_id", "input_ids", "input_lengths", "pad_id", "request_output_len"]
     assert c.closed
-    assert release.smoke_test(ClientServer(FakeClient(text="four")), "u", expect="four")["text"] == "four"
+    assert release_live.smoke_test(ClientServer(FakeClient(text="four")), "u", expect="four")["text"] == "four"
 
 
 @pytest.mark.parametrize("unit_out, text, match", [
@@ -78,21 +78,21 @@ def test_smoke_test_result_and_calls():
 def test_smoke_test_refuses_bad_outputs(unit_out, text, match):
     c = FakeClient(unit_out, text)
     with pytest.raises(RuntimeError, match=match):
-        release.smoke_test(ClientServer(c), "u", max_tokens=8)
+        release_live.smoke_test(ClientServer(c), "u", max_tokens=8)
     assert c.closed
 
 
 def test_smoke_test_accepts_the_bounds():
     for k in (1, 8):
-        r = release.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[k]], np.int32)})), "u", max_tokens=8)
+        r = release_live.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[k]], np.int32)})), "u", max_tokens=8)
         assert r["tokens"] == k
     with pytest.raises(RuntimeError, match="got '4', expected '5'"):
-        release.smoke_test(ClientServer(FakeClient()), "u", expect="5")
+        release_live.smoke_test(ClientServer(FakeClient()), "u", expect="5")
 
 
 def test_init_defaults_and_list_releases(tmp_path, units):  # noqa: F811
     repo = tmp_path / "serving" / "model_repository"
-    st = release.init_serving_repo(repo, units[0].out_dir, fallback_repo=units[1].out_dir)
+    st = release_recover.init_serving_repo(repo, units[0].out_dir, fallback_repo=units[1].out_dir)
     assert st["warm_fallback"] is False and st["keep_releases"] == 2
     a, b = units[0].engine_unit, units[1].engine_unit
     lr = release.list_releases(repo)
@@ -105,12 +105,12 @@ def test_init_defaults_and_list_releases(tmp_path, units):  # noqa: F811
 def test_serving_models_order_and_warm_fallback(tmp_path, units):  # noqa: F811
     repo = new_repo(tmp_path, units, warm=True)
     a, b = units[0].engine_unit, units[1].engine_unit
-    st = release.read_state(repo)
-    assert release.serving_models(repo, st) == ["preprocessing", "postprocessing", a, b, "ensemble", "tensorrt_llm_bls"]
-    assert release.serving_models(repo, dict(st, warm_fallback=False)) == [
+    st = release_state.read_state(repo)
+    assert release_state.serving_models(repo, st) == ["preprocessing", "postprocessing", a, b, "ensemble", "tensorrt_llm_bls"]
+    assert release_state.serving_models(repo, dict(st, warm_fallback=False)) == [
         "preprocessing", "postprocessing", a, "ensemble", "tensorrt_llm_bls"]
-    assert release.serving_models(repo, dict(st, current=b))[2:4] == [b, "ensemble"]       # fallback is current
-    assert release.serving_models(repo, dict(st, fallback="tensorrt_llm_000000000000"))[3] == "ensemble"  # not on disk
+    assert release_state.serving_models(repo, dict(st, current=b))[2:4] == [b, "ensemble"]       # fallback is current
+    assert release_state.serving_models(repo, dict(st, fallback="tensorrt_llm_000000000000"))[3] == "ensemble"  # not on disk
 
 
 def test_promote_smoke_tests_by_default_and_keeps_the_fallback_record(tmp_path, units, smoke_calls):  # noqa: F811
@@ -123,7 +123,7 @@ def test_promote_smoke_tests_by_default_and_keeps_the_fallback_record(tmp_path, 
     assert smoke_calls[0] == [c] and t["smoke"]["text"] == "4"
     assert 0 <= t["load_ms"] <= t["switched_ms"] <= t["total_ms"] <= elapsed_ms
     assert 20 <= t["load_ms"] and 20 <= t["ensemble_load_ms"] <= t["switched_ms"]  # each load sleeps 20 ms
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(a, "release"), (b, "fallback"), (c, "release")]
     assert ("unload", b) in [x[:2] for x in srv.calls] and ("unload", a) in [x[:2] for x in srv.calls]
 
@@ -156,7 +156,7 @@ def test_failed_smoke_unloads_the_new_unit(tmp_path, units, smoke_calls):  # noq
     with pytest.raises(UserError, match="loads but fails its smoke request"):
         release.promote(repo, units[2].out_dir, server=srv)
     assert ("unload", units[2].engine_unit) in [x[:2] for x in srv.calls]
-    assert release.read_state(repo)["current"] == units[0].engine_unit
+    assert release_state.read_state(repo)["current"] == units[0].engine_unit
 
 
 def test_set_fallback_replaces_the_fallback_record(tmp_path, units, smoke_calls):  # noqa: F811
@@ -164,11 +164,11 @@ def test_set_fallback_replaces_the_fallback_record(tmp_path, units, smoke_calls)
     c = units[2].engine_unit
     t = release.set_fallback(repo, units[2].out_dir, server=RecordingServer(repo), warm=True)
     assert t["unit"] == c and t["smoke"]["text"] == "4" and t["load_ms"] >= 0
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["fallback"] == c and st["warm_fallback"] is True and (repo / c).is_dir()
     assert [r["unit"] for r in st["releases"] if r["kind"] == "fallback"] == [c]
     t = release.set_fallback(repo, units[1].out_dir)
-    assert "smoke" not in t and release.read_state(repo)["warm_fallback"] is False
+    assert "smoke" not in t and release_state.read_state(repo)["warm_fallback"] is False
 
 
 def test_rollback_timings_are_milliseconds(tmp_path, units):  # noqa: F811
@@ -185,6 +185,6 @@ def test_promoting_a_previous_release_again_keeps_one_record_per_unit(tmp_path, 
     a, b, c = (u.engine_unit for u in units)
     release.promote(repo, units[2].out_dir)
     release.promote(repo, units[0].out_dir)  # a again
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == a
     assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(b, "fallback"), (c, "release"), (a, "release")]
