@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
-from precision_pipeline.serving import probe, release  # noqa: E402
+from precision_pipeline.serving import probe, release_recover, release_state  # noqa: E402
 from precision_pipeline.serving.rollout import COUNTERS, metrics_url, scrape  # noqa: E402
 from precision_pipeline.serving.triton_server import TritonServer, models_to_load  # noqa: E402
 from precision_pipeline.spec.default_model import ensure_default_model  # noqa: E402
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     print(f"probe set: {len(pset.prompts)} prompts, {pset.gate_numbers()['tokens']} answer tokens "
           f"({time.perf_counter() - t:.0f} s)", flush=True)
     repo = work / "serving" / "model_repository"
-    release.init_serving_repo(repo, make_unit(work, "stable", model_dir, 32), profile="bf16-h100")
-    unit = release.read_state(repo)["current"]
+    release_recover.init_serving_repo(repo, make_unit(work, "stable", model_dir, 32), profile="bf16-h100")
+    unit = release_state.read_state(repo)["current"]
     srv = TritonServer(repo, models_to_load(repo), log_file=work / "server.log")
     srv.start()
     print(f"server ready in {srv.start_s:.1f} s; log {srv.log_file}", flush=True)

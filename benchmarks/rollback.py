@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
-from precision_pipeline.serving import release  # noqa: E402
+from precision_pipeline.serving import release, release_recover, release_state, release_units  # noqa: E402
 from _load import ClientLoad, ask  # noqa: E402  (benchmarks/ is this script's folder, first on sys.path)
 from precision_pipeline.spec.default_model import ensure_default_model  # noqa: E402
 from precision_pipeline.serving.triton_server import TritonServer, free_port, models_to_load  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     model_dir = ensure_default_model()
     a, b, f = make_units(work, model_dir)
     repo = work / "serving" / "model_repository"
-    release.init_serving_repo(repo, a, profile="bf16-h100", fallback_repo=f, warm_fallback=True, keep_releases=2)
+    release_recover.init_serving_repo(repo, a, profile="bf16-h100", fallback_repo=f, warm_fallback=True, keep_releases=2)
     srv = TritonServer(repo, models_to_load(repo), log_file=work / "server.log",
                        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     srv.start()
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     units = [a, b]
     try:
         for k in range(args.cycles):
-            cur = release.read_state(repo)["current"]
-            nxt = next(u for u in units if release.resolve_unit_source(u).name != cur)
+            cur = release_state.read_state(repo)["current"]
+            nxt = next(u for u in units if release_units.resolve_unit_source(u).name != cur)
             tp = release.promote(repo, nxt, server=srv, promoted_by="bench", expect=None)
             promotes.append(tp["switched_ms"])
             tr = release.rollback(repo, fallback=True, server=srv, by="bench")

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "build"))
 
 from _load import ClientLoad, ask  # noqa: E402  (benchmarks/ is this script's folder, first on sys.path)
-from precision_pipeline.serving import pack, probe, release, rollout  # noqa: E402
+from precision_pipeline.serving import pack, probe, release_recover, rollout  # noqa: E402
 from precision_pipeline.serving.triton_server import TritonServer, free_port, models_to_load  # noqa: E402
 from precision_pipeline.spec.default_model import ensure_default_model  # noqa: E402
 from precision_pipeline.spec.profile import load_profile  # noqa: E402
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     pset = probe.load_probe_set(gate_dir, args.probe_prompts, thresholds=thr)
     print(f"probe set: {len(pset.prompts)} prompts, {pset.gate_numbers()['tokens']} answer tokens ({time.perf_counter() - t:.0f} s)")
     repo = work / "serving" / "model_repository"
-    release.init_serving_repo(repo, stable, profile="bf16-h100")
+    release_recover.init_serving_repo(repo, stable, profile="bf16-h100")
     srv = TritonServer(repo, models_to_load(repo), log_file=work / "server.log",
                        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     srv.start()

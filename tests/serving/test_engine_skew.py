@@ -13,7 +13,7 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.engine.preflight import plan_need_bytes
 from precision_pipeline.engine.toolchain import detect_toolchain
 from precision_pipeline.engine.trtllm_build import run_engine
-from precision_pipeline.serving import build_job, deploy, images, pack, release, skew
+from precision_pipeline.serving import build_job, deploy, images, pack, release, release_recover, release_state, skew
 from precision_pipeline.spec.profile import load_profile, shipped_profiles
 from tests.engine import doubles
 from tests.serving.test_pack import ckpt, make_plan, model_dir  # noqa: F401  (fixtures)
@@ -111,8 +111,8 @@ def test_each_skew_refused_at_promote_before_anything_changes(tmp_path, monkeypa
             check_promotable(loose, packed.parent, packed, **kw)
         assert rule in [p.rule for p in e.value.problems] and not serving.exists()
     check_promotable(loose, packed.parent, packed, image=GOOD_IMAGE, sm=90)
-    release.init_serving_repo(serving, packed)
-    state = json.loads(release.state_path(serving).read_text())
+    release_recover.init_serving_repo(serving, packed)
+    state = json.loads(release_state.state_path(serving).read_text())
     # a second build whose engine was then altered: acceptance refuses it, and so does install (unit_files)
     other = engine(tmp_path / "b", monkeypatch, key="d" * 64)
     res2, packed2 = do_pack(tmp_path, model_dir, ckpt, other, name="out2")
@@ -126,7 +126,7 @@ def test_each_skew_refused_at_promote_before_anything_changes(tmp_path, monkeypa
     with pytest.raises(UserError) as e:
         release.promote(serving, packed2)
     assert e.value.problems[0].field.endswith("rank0.engine")
-    assert json.loads(release.state_path(serving).read_text()) == state
+    assert json.loads(release_state.state_path(serving).read_text()) == state
 
 
 def test_release_makes_no_skew_check_of_its_own():

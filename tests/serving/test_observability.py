@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_pipeline.serving import pack, probe, release
+from precision_pipeline.serving import pack, probe, release, release_configs, release_state, release_units
 from tests.serving.test_rollout import REPO_ROOT, pack_unit, serve_repository
 
 pytestmark = pytest.mark.slow
@@ -158,24 +158,24 @@ def _samples(fams, family, **match):
 
 
 def _unit_path(unit_dir):
-    return json.loads((release.resolve_unit_source(unit_dir) / pack.PRECISION_PATH_FILE).read_text())
+    return json.loads((release_units.resolve_unit_source(unit_dir) / pack.PRECISION_PATH_FILE).read_text())
 
 
 def test_precision_path_per_request_and_server_metrics(obs_served, obs_units):
     from precision_pipeline.serving.rollout import metrics_url
 
     repo, srv = obs_served
-    stable = release.read_state(repo)["current"]
+    stable = release_state.read_state(repo)["current"]
     sp, cp = _unit_path(obs_units["stable"].out_dir), _unit_path(obs_units["fp8"].out_dir)
     assert sp["unit"] == stable and sp["gemm"] != cp["gemm"] and sp["kv"] != cp["kv"]
-    cand = release.install_unit(repo, obs_units["fp8"].out_dir)
+    cand = release_units.install_unit(repo, obs_units["fp8"].out_dir)
     srv.load(cand)
-    release.set_canary(repo, stable, cand, 50)
+    release_configs.set_canary(repo, stable, cand, 50)
     try:
         params = [_ask(srv) for _ in range(4)]
         fams = _families(metrics_url(srv))
     finally:
-        release.point_bls(repo, stable)
+        release_configs.point_bls(repo, stable)
     routes = [p["route"] for p in params]
     assert routes.count("canary") == 2 and routes.count("stable") == 2, routes
     for p in params:  # every response names the path that served it: the unit's own precision_path.json
@@ -236,21 +236,21 @@ def test_one_span_per_request_with_the_packed_path_on_a_real_otlp_receiver(obs_s
         setting = json.loads(r.read())
     assert (setting["trace_mode"], setting["url"], setting["trace_rate"], setting["bsp_schedule_delay"]) == (
         "opentelemetry", url, "1", str(TRITON_BSP_DELAY_MS))
-    stable = release.read_state(repo)["current"]
+    stable = release_state.read_state(repo)["current"]
     sp, cp = _unit_path(obs_units["stable"].out_dir), _unit_path(obs_units["fp8"].out_dir)
     assert sp["model"] == cp["model"] == Path(default_model_dir).name
-    cand = release.install_unit(repo, obs_units["fp8"].out_dir)
+    cand = release_units.install_unit(repo, obs_units["fp8"].out_dir)
     srv.load(cand)
     t0 = time.time_ns()
     tok0 = _families(metrics_url(srv))
-    release.set_canary(repo, stable, cand, 50)
+    release_configs.set_canary(repo, stable, cand, 50)
     try:
         answers = [_ask(srv) for _ in range(4)]
         with pytest.raises(Exception, match="stream=true is not supported"):
             _ask(srv, stream=True)
         tok1 = _families(metrics_url(srv))
     finally:
-        release.point_bls(repo, stable)
+        release_configs.point_bls(repo, stable)
     srv.unload("tensorrt_llm_bls")  # finalize: the BatchSpanProcessor flushes (obs_served: its schedule is 10 min)
     try:
         def ours(spans):
@@ -301,13 +301,13 @@ def test_one_span_per_request_with_the_packed_path_on_a_real_otlp_receiver(obs_s
 
 def test_invoke_probe_records_history(obs_served, gate_dir):
     repo, srv = obs_served
-    stable = release.read_state(repo)["current"]
-    n0 = len(release.read_state(repo)["history"])
+    stable = release_state.read_state(repo)["current"]
+    n0 = len(release_state.read_state(repo)["history"])
     p = subprocess.run([sys.executable, "-m", "invoke", "probe", "--url", srv.http_url, "--repo", str(repo),
                         "--gate", str(gate_dir), "--prompts", "2"], cwd=REPO_ROOT, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert len(st["history"]) == n0 + 1 and st["current"] == stable
     rec = st["history"][-1]
     assert rec["action"] == "probe" and rec["unit"] == stable and rec["from"] is None
@@ -322,7 +322,7 @@ def test_probe_exporter_serves_the_result(obs_served, gate_dir):
     from precision_pipeline.serving.triton_server import free_port
 
     repo, srv = obs_served
-    stable = release.read_state(repo)["current"]
+    stable = release_state.read_state(repo)["current"]
     pset = probe.load_probe_set(gate_dir, prompts=1)
     port = free_port()
     ex = probe.ProbeExporter(port, addr="127.0.0.1")
@@ -343,7 +343,7 @@ def test_probe_exporter_serves_the_result(obs_served, gate_dir):
     assert [x.value for x in _samples(fams, "precision_pipeline_probe_runs", result="pass", **lab)] == [1.0]
     assert [x.value for x in _samples(fams, "precision_pipeline_probe_runs", result="error", engine_unit="tensorrt_llm_000000000000")] == [1.0]
     assert len(_samples(fams, "precision_pipeline_probe_last_run_timestamp_seconds")) == 2
-    assert "error" in bad["probe"] and release.read_state(repo)["history"][-1]["probe"]["passed"] is False
+    assert "error" in bad["probe"] and release_state.read_state(repo)["history"][-1]["probe"]["passed"] is False
 
 
 PROMETHEUS = shutil.which("prometheus")
@@ -361,7 +361,7 @@ def test_real_prometheus_scrapes_server_and_probe_and_evaluates_rules(obs_served
     from precision_pipeline.serving.triton_server import free_port
 
     repo, srv = obs_served
-    stable = release.read_state(repo)["current"]
+    stable = release_state.read_state(repo)["current"]
     _ask(srv)
     pset = probe.load_probe_set(gate_dir, prompts=1)
     ex_port, prom_port = free_port(), free_port()

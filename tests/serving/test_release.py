@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_pipeline.serving import pack, release
+from precision_pipeline.serving import pack, release, release_configs, release_recover, release_state
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.profile import load_profile
 
@@ -37,7 +37,7 @@ def units(tmp_path_factory, default_model_dir):
 
 def new_repo(tmp_path, units, fallback=True, warm=False, keep=2) -> Path:
     repo = tmp_path / "serving" / "model_repository"
-    release.init_serving_repo(repo, units[0].out_dir, profile="bf16-h100", gate={"kl_mean": 0.001},
+    release_recover.init_serving_repo(repo, units[0].out_dir, profile="bf16-h100", gate={"kl_mean": 0.001},
                               fallback_repo=units[1].out_dir if fallback else None, warm_fallback=warm, keep_releases=keep)
     return repo
 
@@ -45,8 +45,8 @@ def new_repo(tmp_path, units, fallback=True, warm=False, keep=2) -> Path:
 def test_init_promote_rollback_files(tmp_path, units):
     a, b, c = (u.engine_unit for u in units)
     repo = new_repo(tmp_path, units)
-    st = release.read_state(repo)
-    assert st["current"] == a and st["fallback"] == b and release.state_path(repo) == repo.parent / "releases.json"
+    st = release_state.read_state(repo)
+    assert st["current"] == a and st["fallback"] == b and release_state.state_path(repo) == repo.parent / "releases.json"
     pack.check_repository(repo)
     # paths in the serving repository point into it
     cfg = pack.parse_model_config((repo / a / "config.pbtxt").read_text(), "x")
@@ -58,22 +58,22 @@ def test_init_promote_rollback_files(tmp_path, units):
     assert pack.config_params(src)["gpt_model_path"] == f"{units[0].out_dir}/{a}/engine"
 
     t = release.promote(repo, units[2].out_dir, profile="bf16-h100", gate={"kl_mean": 0.002}, promoted_by="test")
-    assert t["unit"] == c and release.current_of_configs(repo) == (c, c)
+    assert t["unit"] == c and release_configs.current_of_configs(repo) == (c, c)
     # Triton refuses an ensemble larger than a step: the ensemble follows the unit's max_batch_size (16)
     assert pack.parse_model_config((repo / "ensemble" / "config.pbtxt").read_text(), "x").max_batch_size == 16
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == c and st["releases"][-1]["gate"] == {"kl_mean": 0.002} and st["releases"][-1]["promoted_by"] == "test"
     with pytest.raises(UserError, match="already the current"):
         release.promote(repo, units[2].out_dir)
     release.rollback(repo)                     # previous release
-    assert release.current_of_configs(repo) == (a, a)
+    assert release_configs.current_of_configs(repo) == (a, a)
     release.rollback(repo, fallback=True)
-    assert release.current_of_configs(repo) == (b, b) and release.read_state(repo)["current"] == b
+    assert release_configs.current_of_configs(repo) == (b, b) and release_state.read_state(repo)["current"] == b
     release.rollback(repo, to=c[len(pack.UNIT_PREFIX):len(pack.UNIT_PREFIX) + 6])  # by hash prefix
-    assert release.read_state(repo)["current"] == c
+    assert release_state.read_state(repo)["current"] == c
     with pytest.raises(UserError, match="no single release"):
         release.rollback(repo, to="ffffffffffff")
-    assert [h["action"] for h in release.read_state(repo)["history"]] == ["init", "promote", "rollback", "rollback", "rollback"]
+    assert [h["action"] for h in release_state.read_state(repo)["history"]] == ["init", "promote", "rollback", "rollback", "rollback"]
 
 
 def test_retention_keeps_n_previous_and_fallback(tmp_path, units):
@@ -89,26 +89,26 @@ def test_retention_keeps_n_previous_and_fallback(tmp_path, units):
         release.rollback(repo, server=None)
 
 
-@pytest.mark.parametrize("step", release.STEPS)
+@pytest.mark.parametrize("step", release_state.STEPS)
 def test_crash_at_each_step_leaves_loadable_repo(tmp_path, units, step):
     a, c = units[0].engine_unit, units[2].engine_unit
     repo = new_repo(tmp_path, units)
     code = ("import sys; from pathlib import Path; from precision_pipeline.serving import release; "
             f"release.promote(Path({str(repo)!r}), Path({str(units[2].out_dir)!r}), promoted_by='crash-test')")
-    env = dict(os.environ, **{release.CRASH_ENV: step})
+    env = dict(os.environ, **{release_state.CRASH_ENV: step})
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT / "build", env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == release.CRASH_EXIT, p.stderr
-    committed = release.STEPS.index(step) >= release.STEPS.index("commit")
+    assert p.returncode == release_state.CRASH_EXIT, p.stderr
+    committed = release_state.STEPS.index(step) >= release_state.STEPS.index("commit")
     want = c if committed else a
-    assert release.read_state(repo)["current"] == want
-    release.recover(repo)
+    assert release_state.read_state(repo)["current"] == want
+    release_recover.recover(repo)
     pack.check_repository(repo)
-    assert release.current_of_configs(repo) == (want, want)
+    assert release_configs.current_of_configs(repo) == (want, want)
     assert not [q.name for q in repo.iterdir() if q.name.startswith(".")]
     # the repository is usable afterwards: the promote can be redone (or was done)
     if not committed:
         release.promote(repo, units[2].out_dir)
-    assert release.read_state(repo)["current"] == c
+    assert release_state.read_state(repo)["current"] == c
 
 
 # ---- live: one real server for this part
@@ -129,9 +129,9 @@ def test_live_crash_recovery_promote_and_warm_rollback(tmp_path, units):
     # crash a promote after both configs were rewritten on disk but before the commit
     code = ("from pathlib import Path; from precision_pipeline.serving import release; "
             f"release.promote(Path({str(repo)!r}), Path({str(units[2].out_dir)!r}))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT / "build", env=dict(os.environ, **{release.CRASH_ENV: "bls_config"}),
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT / "build", env=dict(os.environ, **{release_state.CRASH_ENV: "bls_config"}),
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode == release.CRASH_EXIT, p.stderr
+    assert p.returncode == release_state.CRASH_EXIT, p.stderr
     from precision_pipeline.serving.triton_server import free_port
 
     # serve() runs recover() (re-points ensemble/BLS at releases.json's current) and loads that release

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release, rollout
+from precision_pipeline.serving import release, release_configs, release_live, release_recover, release_state, rollout
 from precision_pipeline.serving.triton_server import SHM_PREFIX, TritonServer, free_port, models_to_load, text_request
 from tests.serving.test_release_safety import units4  # noqa: F401  (module fixture)
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, units4):  # noqa: F811
     repo = tmp_path_factory.mktemp("live-a") / "model_repository"
-    release.init_serving_repo(repo, units4[0].out_dir, profile="bf16-h100")
+    release_recover.init_serving_repo(repo, units4[0].out_dir, profile="bf16-h100")
     srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log")
     srv.start()
     print(f"\n[release-live] server ready in {srv.start_s:.1f} s")
@@ -48,7 +48,7 @@ def ask(srv, model="ensemble") -> str:
 
 
 def in_subprocess(code: str, crash_at: str | None = None, **kw) -> subprocess.Popen | subprocess.CompletedProcess:
-    env = dict(os.environ, **({release.CRASH_ENV: crash_at} if crash_at else {}))
+    env = dict(os.environ, **({release_state.CRASH_ENV: crash_at} if crash_at else {}))
     pre = "import sys, json; sys.path.insert(0, 'build'); from pathlib import Path; "
     return subprocess.run([sys.executable, "-c", pre + code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, **kw)
@@ -67,14 +67,14 @@ def attach_code(srv) -> str:
 
 def test_url_of_another_repository_is_refused_before_anything_changes(served, units4, tmp_path):  # noqa: F811
     repo_a, srv = served
-    release.verify_server(repo_a, srv)                # the server serves A: accepted
+    release_live.verify_server(repo_a, srv)                # the server serves A: accepted
     repo_b = tmp_path / "b" / "model_repository"      # B: the same unit names as A (the same build)
-    release.init_serving_repo(repo_b, units4[0].out_dir, profile="bf16-h100")
+    release_recover.init_serving_repo(repo_b, units4[0].out_dir, profile="bf16-h100")
     release.promote(repo_b, units4[1].out_dir)
-    before_b, before_srv = release.state_path(repo_b).read_text(), srv.loaded_models()
+    before_b, before_srv = release_state.state_path(repo_b).read_text(), srv.loaded_models()
     for call in (lambda: release.rollback(repo_b, server=srv),
                  lambda: release.promote(repo_b, units4[2].out_dir, server=srv),
-                 lambda: release.recover(repo_b, server=srv),
+                 lambda: release_recover.recover(repo_b, server=srv),
                  lambda: rollout.rollout(repo_b, units4[2].out_dir, srv, None, steps=(100,), hold_s=0)):
         with pytest.raises(UserError, match="does not serve") as ei:
             call()
@@ -82,9 +82,9 @@ def test_url_of_another_repository_is_refused_before_anything_changes(served, un
     r = subprocess.run([sys.executable, "-m", "invoke", "rollback", "--repo", str(repo_b), "--url", srv.http_url],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 2 and "--url:" in r.stdout and "Traceback" not in r.stdout + r.stderr
-    assert release.state_path(repo_b).read_text() == before_b and srv.loaded_models() == before_srv
+    assert release_state.state_path(repo_b).read_text() == before_b and srv.loaded_models() == before_srv
     assert ask(srv).strip()                           # A still serves
-    assert release._live_unit(srv) == units4[0].engine_unit
+    assert release_live.live_unit(srv) == units4[0].engine_unit
 
 
 def test_wrong_metrics_port_is_refused_before_loading(served, units4):  # noqa: F811
@@ -94,25 +94,25 @@ def test_wrong_metrics_port_is_refused_before_loading(served, units4):  # noqa: 
     with pytest.raises(UserError, match="no Triton metrics") as ei:
         rollout.rollout(repo, units4[3].out_dir, other, None, steps=(50, 100), hold_s=0)
     assert ei.value.problems[0].field == "--metrics-port"
-    assert "rollout" not in release.read_state(repo) and srv.loaded_models().get(units4[3].engine_unit) is None
+    assert "rollout" not in release_state.read_state(repo) and srv.loaded_models().get(units4[3].engine_unit) is None
 
 
 def test_abort_after_a_crash_at_the_100_percent_switch_serves_stable(served, units4):  # noqa: F811
     """Crash after the ensemble was reloaded on the candidate, before the commit; then `rollout --abort`."""
     repo, srv = served
     a, b = units4[0].engine_unit, units4[1].engine_unit
-    p = in_subprocess(attach_code(srv) + "from precision_pipeline.serving import release; "
-                      f"release.begin_rollout(Path({str(repo)!r}), Path({str(units4[1].out_dir)!r}), server=srv, steps=(100,)); "
-                      f"release.finish_rollout(Path({str(repo)!r}), server=srv)", crash_at="rollout_switch")
-    assert p.returncode == release.CRASH_EXIT, p.stderr
-    assert release._live_unit(srv) == b and release.read_state(repo)["current"] == a  # the live ensemble on B
+    p = in_subprocess(attach_code(srv) + "from precision_pipeline.serving import release_rollout; "
+                      f"release_rollout.begin_rollout(Path({str(repo)!r}), Path({str(units4[1].out_dir)!r}), server=srv, steps=(100,)); "
+                      f"release_rollout.finish_rollout(Path({str(repo)!r}), server=srv)", crash_at="rollout_switch")
+    assert p.returncode == release_state.CRASH_EXIT, p.stderr
+    assert release_live.live_unit(srv) == b and release_state.read_state(repo)["current"] == a  # the live ensemble on B
     rec = rollout.abort(repo, srv)
     assert rec["ensemble_reloaded"] is True and "candidate_kept" not in rec
-    assert release._live_unit(srv) == a and ask(srv).strip()            # the stable release serves
+    assert release_live.live_unit(srv) == a and ask(srv).strip()            # the stable release serves
     assert srv.loaded_models().get(b) != "READY" and srv.loaded_models().get(a) == "READY"
-    assert release.current_of_configs(repo) == (a, a)
+    assert release_configs.current_of_configs(repo) == (a, a)
     assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}
-    assert release.read_state(repo)["history"][-1]["action"] == "rollout_abort"
+    assert release_state.read_state(repo)["history"][-1]["action"] == "rollout_abort"
 
 
 def test_refused_rollback_after_a_crash_at_switch_still_reconciles_the_server(served, units4):  # noqa: F811
@@ -122,13 +122,13 @@ def test_refused_rollback_after_a_crash_at_switch_still_reconciles_the_server(se
     a, c = units4[0].engine_unit, units4[2].engine_unit
     p = in_subprocess(attach_code(srv) + "from precision_pipeline.serving import release; "
                       f"release.promote(Path({str(repo)!r}), Path({str(units4[2].out_dir)!r}), server=srv)", crash_at="switch")
-    assert p.returncode == release.CRASH_EXIT, p.stderr
-    assert release._live_unit(srv) == c and release.read_state(repo)["current"] == a
+    assert p.returncode == release_state.CRASH_EXIT, p.stderr
+    assert release_live.live_unit(srv) == c and release_state.read_state(repo)["current"] == a
     with pytest.raises(UserError, match="no previous release"):
         release.rollback(repo, server=srv)
-    assert release._live_unit(srv) == a and ask(srv).strip()
+    assert release_live.live_unit(srv) == a and ask(srv).strip()
     assert srv.loaded_models().get(c) != "READY"      # the uncommitted unit is not left loaded
-    assert release.current_of_configs(repo) == (a, a)
+    assert release_configs.current_of_configs(repo) == (a, a)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -158,7 +158,7 @@ def test_sigterm_and_sighup_abort_the_rollout(served, units4, sig):  # noqa: F81
             proc.kill()
     out = proc.stdout.read()
     assert proc.returncode != 0 and "KeyboardInterrupt" in out, out
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert "rollout" not in st and st["current"] == a
     last = st["history"][-1]
     assert last["action"] == "rollout_abort" and last["rollout"]["failed_check"] == "interrupted"
@@ -195,7 +195,7 @@ def test_server_dying_mid_step_rolls_back_and_leaves_no_shared_memory(served, un
     assert proc.returncode == 0 and "Traceback" not in out, out
     result = json.loads(out.split("RESULT", 1)[1])
     assert result == {"status": "rolled_back", "failed_check": "server"}
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert "rollout" not in st and st["current"] == a
     assert "server_error" in st["history"][-1]["rollout"]
     assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release
+from precision_pipeline.serving import release, release_configs, release_live, release_recover, release_rollout, release_state, release_units
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 from tests.serving.test_release_planted import RecordingServer, smoke_calls  # noqa: F401  (fixture)
 
@@ -57,12 +57,12 @@ class ClientServer:
 
 def test_smoke_test_result_and_calls():
     c = FakeClient()
-    r = release.smoke_test(ClientServer(c), "tensorrt_llm_abc", max_tokens=8)
+    r = release_live.smoke_test(ClientServer(c), "tensorrt_llm_abc", max_tokens=8)
     assert r["text"] == "4" and r["tokens"] == 2 and r["ms"] >= 0 and set(r) == {"text", "tokens", "ms"}
     assert [m for m, _ in c.calls] == ["preprocessing", "tensorrt_llm_abc", "postprocessing"]
     assert c.calls[1][1] == ["end_id", "input_ids", "input_lengths", "pad_id", "request_output_len"]
     assert c.closed
-    assert release.smoke_test(ClientServer(FakeClient(text="four")), "u", expect="four")["text"] == "four"
+    assert release_live.smoke_test(ClientServer(FakeClient(text="four")), "u", expect="four")["text"] == "four"
 
 
 @pytest.mark.parametrize("unit_out, text, match", [
@@ -78,21 +78,21 @@ def test_smoke_test_result_and_calls():
 def test_smoke_test_refuses_bad_outputs(unit_out, text, match):
     c = FakeClient(unit_out, text)
     with pytest.raises(RuntimeError, match=match):
-        release.smoke_test(ClientServer(c), "u", max_tokens=8)
+        release_live.smoke_test(ClientServer(c), "u", max_tokens=8)
     assert c.closed
 
 
 def test_smoke_test_accepts_the_bounds():
     for k in (1, 8):
-        r = release.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[k]], np.int32)})), "u", max_tokens=8)
+        r = release_live.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[k]], np.int32)})), "u", max_tokens=8)
         assert r["tokens"] == k
     with pytest.raises(RuntimeError, match="got '4', expected '5'"):
-        release.smoke_test(ClientServer(FakeClient()), "u", expect="5")
+        release_live.smoke_test(ClientServer(FakeClient()), "u", expect="5")
 
 
 def test_init_defaults_and_list_releases(tmp_path, units):  # noqa: F811
     repo = tmp_path / "serving" / "model_repository"
-    st = release.init_serving_repo(repo, units[0].out_dir, fallback_repo=units[1].out_dir)
+    st = release_recover.init_serving_repo(repo, units[0].out_dir, fallback_repo=units[1].out_dir)
     assert st["warm_fallback"] is False and st["keep_releases"] == 2
     a, b = units[0].engine_unit, units[1].engine_unit
     lr = release.list_releases(repo)
@@ -105,12 +105,12 @@ def test_init_defaults_and_list_releases(tmp_path, units):  # noqa: F811
 def test_serving_models_order_and_warm_fallback(tmp_path, units):  # noqa: F811
     repo = new_repo(tmp_path, units, warm=True)
     a, b = units[0].engine_unit, units[1].engine_unit
-    st = release.read_state(repo)
-    assert release.serving_models(repo, st) == ["preprocessing", "postprocessing", a, b, "ensemble", "tensorrt_llm_bls"]
-    assert release.serving_models(repo, dict(st, warm_fallback=False)) == [
+    st = release_state.read_state(repo)
+    assert release_state.serving_models(repo, st) == ["preprocessing", "postprocessing", a, b, "ensemble", "tensorrt_llm_bls"]
+    assert release_state.serving_models(repo, dict(st, warm_fallback=False)) == [
         "preprocessing", "postprocessing", a, "ensemble", "tensorrt_llm_bls"]
-    assert release.serving_models(repo, dict(st, current=b))[2:4] == [b, "ensemble"]       # fallback is current
-    assert release.serving_models(repo, dict(st, fallback="tensorrt_llm_000000000000"))[3] == "ensemble"  # not on disk
+    assert release_state.serving_models(repo, dict(st, current=b))[2:4] == [b, "ensemble"]       # fallback is current
+    assert release_state.serving_models(repo, dict(st, fallback="tensorrt_llm_000000000000"))[3] == "ensemble"  # not on disk
 
 
 def test_promote_smoke_tests_by_default_and_keeps_the_fallback_record(tmp_path, units, smoke_calls):  # noqa: F811
@@ -123,7 +123,7 @@ def test_promote_smoke_tests_by_default_and_keeps_the_fallback_record(tmp_path, 
     assert smoke_calls[0] == [c] and t["smoke"]["text"] == "4"
     assert 0 <= t["load_ms"] <= t["switched_ms"] <= t["total_ms"] <= elapsed_ms
     assert 20 <= t["load_ms"] and 20 <= t["ensemble_load_ms"] <= t["switched_ms"]  # each load sleeps 20 ms
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(a, "release"), (b, "fallback"), (c, "release")]
     assert ("unload", b) in [x[:2] for x in srv.calls] and ("unload", a) in [x[:2] for x in srv.calls]
 
@@ -156,7 +156,7 @@ def test_failed_smoke_unloads_the_new_unit(tmp_path, units, smoke_calls):  # noq
     with pytest.raises(UserError, match="loads but fails its smoke request"):
         release.promote(repo, units[2].out_dir, server=srv)
     assert ("unload", units[2].engine_unit) in [x[:2] for x in srv.calls]
-    assert release.read_state(repo)["current"] == units[0].engine_unit
+    assert release_state.read_state(repo)["current"] == units[0].engine_unit
 
 
 def test_set_fallback_replaces_the_fallback_record(tmp_path, units, smoke_calls):  # noqa: F811
@@ -164,11 +164,11 @@ def test_set_fallback_replaces_the_fallback_record(tmp_path, units, smoke_calls)
     c = units[2].engine_unit
     t = release.set_fallback(repo, units[2].out_dir, server=RecordingServer(repo), warm=True)
     assert t["unit"] == c and t["smoke"]["text"] == "4" and t["load_ms"] >= 0
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["fallback"] == c and st["warm_fallback"] is True and (repo / c).is_dir()
     assert [r["unit"] for r in st["releases"] if r["kind"] == "fallback"] == [c]
     t = release.set_fallback(repo, units[1].out_dir)
-    assert "smoke" not in t and release.read_state(repo)["warm_fallback"] is False
+    assert "smoke" not in t and release_state.read_state(repo)["warm_fallback"] is False
 
 
 def test_rollback_timings_are_milliseconds(tmp_path, units):  # noqa: F811
@@ -185,7 +185,7 @@ def test_promoting_a_previous_release_again_keeps_one_record_per_unit(tmp_path, 
     a, b, c = (u.engine_unit for u in units)
     release.promote(repo, units[2].out_dir)
     release.promote(repo, units[0].out_dir)  # a again
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == a
     assert [(r["unit"], r["kind"]) for r in st["releases"]] == [(b, "fallback"), (c, "release"), (a, "release")]
 
@@ -194,60 +194,60 @@ def test_promoting_a_previous_release_again_keeps_one_record_per_unit(tmp_path, 
 
 
 def test_smoke_test_asks_for_8_tokens_by_default():
-    assert release.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[8]], np.int32)})), "u")["tokens"] == 8
+    assert release_live.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[8]], np.int32)})), "u")["tokens"] == 8
     with pytest.raises(RuntimeError, match=r"sequence_length 9 outside 1\.\.8"):
-        release.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[9]], np.int32)})), "u")
+        release_live.smoke_test(ClientServer(FakeClient({"sequence_length": np.array([[9]], np.int32)})), "u")
 
 
 def test_smoke_test_ms_is_milliseconds(monkeypatch):
     clock = iter([10.0, 10.25])
     monkeypatch.setattr(release.time, "perf_counter", lambda: next(clock))
-    assert release.smoke_test(ClientServer(FakeClient()), "u")["ms"] == 250.0
+    assert release_live.smoke_test(ClientServer(FakeClient()), "u")["ms"] == 250.0
 
 
 def test_recover_of_a_folder_without_releases_json_fixes_nothing(tmp_path):
     repo = tmp_path / "model_repository"
     repo.mkdir()
-    assert release.recover(repo) == [] and release.read_state(repo) is None
+    assert release_recover.recover(repo) == [] and release_state.read_state(repo) is None
 
 
 def test_begin_rollout_loads_and_smoke_tests_the_candidate_on_the_server(tmp_path, units, smoke_calls):  # noqa: F811
     repo = new_repo(tmp_path, units)
     a, c = units[0].engine_unit, units[2].engine_unit
     srv = RecordingServer(repo, ready={a, "ensemble"})
-    ro = release.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    ro = release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
     assert [x[:2] for x in srv.calls] == [("load", c), ("smoke", c)] and smoke_calls[0] == [c]
     assert set(ro["timings"]) == {"load_ms", "smoke"} and ro["timings"]["smoke"]["text"] == "4"
     assert (ro["candidate"], ro["stable"], ro["steps"], ro["percent"]) == (c, a, [5, 100], 0)
     # without a server nothing is loaded: the files only
     repo2 = new_repo(tmp_path / "two", units)
-    assert release.begin_rollout(repo2, units[2].out_dir, steps=(5, 100))["timings"] == {}
+    assert release_rollout.begin_rollout(repo2, units[2].out_dir, steps=(5, 100))["timings"] == {}
 
 
 def test_abort_with_the_server_unloads_the_candidate(tmp_path, units, smoke_calls):  # noqa: F811
     repo = new_repo(tmp_path, units)
     a, c = units[0].engine_unit, units[2].engine_unit
     srv = RecordingServer(repo, ready={a, "ensemble"})
-    release.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
-    release.set_rollout_percent(repo, 5)
-    rec = release.abort_rollout(repo, server=srv, failed_check="probe:kl_p99")
+    release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    release_rollout.set_rollout_percent(repo, 5)
+    rec = release_rollout.abort_rollout(repo, server=srv, failed_check="probe:kl_p99")
     assert ("unload", c) in [x[:2] for x in srv.calls] and c not in srv.ready
     assert (rec["candidate"], rec["stable"], rec["failed_check"]) == (c, a, "probe:kl_p99") and "candidate_kept" not in rec
-    assert release.read_state(repo)["current"] == a
+    assert release_state.read_state(repo)["current"] == a
 
 
 def test_rollback_to_a_unit_that_is_no_release_says_why(tmp_path, units):  # noqa: F811
     from precision_pipeline.core.errors import UserError
 
     repo = new_repo(tmp_path, units, fallback=False)
-    c = release.install_unit(repo, units[2].out_dir)          # on disk, never promoted or rolled out
+    c = release_units.install_unit(repo, units[2].out_dir)          # on disk, never promoted or rolled out
     with pytest.raises(UserError, match=r"is not a release to roll back to: it was never a release \(a candidate left "
                                         r"on disk\)") as ei:
         release.rollback(repo, to=c)
     assert ei.value.problems[0].field == "--to"
-    release.begin_rollout(repo, units[2].out_dir, steps=(5, 100))
-    release.set_rollout_percent(repo, 5)
-    release.abort_rollout(repo, failed_check="probe:top1")
+    release_rollout.begin_rollout(repo, units[2].out_dir, steps=(5, 100))
+    release_rollout.set_rollout_percent(repo, 5)
+    release_rollout.abort_rollout(repo, failed_check="probe:top1")
     with pytest.raises(UserError, match=r"its rollout was rolled back \(probe:top1 at 5 %\)"):
         release.rollback(repo, to=c)
 
@@ -281,11 +281,11 @@ def test_abort_after_the_switch_reloads_the_ensemble_onto_the_stable_release(tmp
     repo = new_repo(tmp_path, units)
     a, c = units[0].engine_unit, units[2].engine_unit
     srv = LiveConfigServer(repo, ready={a, "ensemble"})
-    release.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
-    release.point_ensemble(repo, c)
+    release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    release_configs.point_ensemble(repo, c)
     srv.load("ensemble")                                   # the switch reached the server
     assert live_unit(srv) == c
-    rec = release.abort_rollout(repo, server=srv, failed_check="interrupted")
+    rec = release_rollout.abort_rollout(repo, server=srv, failed_check="interrupted")
     assert rec["ensemble_reloaded"] is True and "candidate_kept" not in rec
     assert live_unit(srv) == a and c not in srv.ready
     calls = [x[:2] for x in srv.calls]

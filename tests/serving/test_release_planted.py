@@ -16,7 +16,7 @@ import time
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release
+from precision_pipeline.serving import release, release_configs, release_live, release_state, release_switch
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 
 
@@ -27,7 +27,7 @@ class RecordingServer:
         self.repo, self.ready, self.fail_load, self.calls, self.load_s = repo, set(ready), fail_load, [], load_s
 
     def _snap(self, what, name):
-        self.calls.append((what, name, release.read_state(self.repo)["current"], release.current_of_configs(self.repo)))
+        self.calls.append((what, name, release_state.read_state(self.repo)["current"], release_configs.current_of_configs(self.repo)))
 
     http_url = "recording-server:0"
 
@@ -37,7 +37,7 @@ class RecordingServer:
         from google.protobuf import json_format
 
         p = self.repo / name / "config.pbtxt"
-        return json_format.MessageToDict(release.load_config(p), preserving_proto_field_name=True) if p.is_file() else None
+        return json_format.MessageToDict(release_configs.load_config(p), preserving_proto_field_name=True) if p.is_file() else None
 
     def loaded_models(self):
         return {n: "READY" for n in self.ready}
@@ -67,7 +67,7 @@ def smoke_calls(monkeypatch):
             raise RuntimeError(f"smoke test of {unit}: empty text")
         return {"text": "4", "tokens": 1, "ms": 1.0}
 
-    monkeypatch.setattr(release, "smoke_test", fake_smoke)
+    monkeypatch.setattr(release_live, "smoke_test", fake_smoke)
     return calls, fail
 
 
@@ -90,18 +90,18 @@ def test_cold_rollback_loads_and_smoke_tests_before_the_switch(tmp_path, units, 
     assert loads[:2] == [("load", a, c, (c, c)), ("smoke", a, c, (c, c))]
     # then the ensemble is reloaded on the switched config; releases.json is written after it
     assert ("load", "ensemble", c, (a, c)) in srv.calls
-    assert release.read_state(repo)["current"] == a and release.current_of_configs(repo) == (a, a)
+    assert release_state.read_state(repo)["current"] == a and release_configs.current_of_configs(repo) == (a, a)
 
 
 def test_failed_smoke_test_on_rollback_changes_nothing(tmp_path, units, smoke_calls):  # noqa: F811
     repo, (a, b, c) = _promoted(tmp_path, units)
-    before = release.read_state(repo)
+    before = release_state.read_state(repo)
     smoke_calls[1].append(True)
     srv = RecordingServer(repo, ready={c, "ensemble"})
     with pytest.raises(UserError, match="loads but fails its smoke request"):
         release.rollback(repo, fallback=True, server=srv)
     assert smoke_calls[0] == [b]
-    assert release.read_state(repo) == before and release.current_of_configs(repo) == (c, c)
+    assert release_state.read_state(repo) == before and release_configs.current_of_configs(repo) == (c, c)
     assert not [x for x in srv.calls if x[:2] == ("load", "ensemble")]
 
 
@@ -126,21 +126,21 @@ def test_failed_switch_leaves_releases_json_on_the_previous_release(tmp_path, un
         release.rollback(repo, server=srv)
     # the ensemble load saw the switched ensemble config but the old commit point
     assert ("load", "ensemble", c, (a, c)) in srv.calls
-    assert release.read_state(repo)["current"] == c
-    assert release.current_of_configs(repo) == (c, c)  # put back
+    assert release_state.read_state(repo)["current"] == c
+    assert release_configs.current_of_configs(repo) == (c, c)  # put back
 
 
 def test_rollback_commits_only_after_both_configs_switched(tmp_path, units, monkeypatch):  # noqa: F811
     repo, (a, b, c) = _promoted(tmp_path, units)
     seen = []
-    real = release.point_bls
+    real = release_configs.point_bls
 
     def spy(repo_dir, unit):
-        seen.append((unit, release.read_state(repo)["current"]))
+        seen.append((unit, release_state.read_state(repo)["current"]))
         return real(repo_dir, unit)
 
-    monkeypatch.setattr(release, "point_bls", spy)
+    monkeypatch.setattr(release_switch, "point_bls", spy)
     release.rollback(repo)  # no server: the repository alone
     # recover() may re-point the BLS at the current release first; the switch to a happens before the commit
     assert seen[-1] == (a, c) and [u for u, _ in seen].count(a) == 1
-    assert release.read_state(repo)["current"] == a and release.current_of_configs(repo) == (a, a)
+    assert release_state.read_state(repo)["current"] == a and release_configs.current_of_configs(repo) == (a, a)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import pack, release, rollout
+from precision_pipeline.serving import pack, release, release_configs, release_live, release_recover, release_rollout, release_state, rollout
 from precision_pipeline.spec.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,15 +53,15 @@ def units4(tmp_path_factory, default_model_dir):
 
 def serving_repo(tmp_path, first, keep=2) -> Path:
     repo = tmp_path / "serving" / "model_repository"
-    release.init_serving_repo(repo, first.out_dir, profile="bf16-h100", keep_releases=keep)
+    release_recover.init_serving_repo(repo, first.out_dir, profile="bf16-h100", keep_releases=keep)
     return repo
 
 
 def rejected_rollout(repo, unit_src, failed_check="probe:kl_p99", percent=5):
     """A rollout of ``unit_src`` that its checks rejected at ``percent`` % (no server: the files only)."""
-    release.begin_rollout(repo, unit_src.out_dir, steps=(percent, 100))
-    release.set_rollout_percent(repo, percent)
-    return release.abort_rollout(repo, failed_check=failed_check, by="test (automatic)")
+    release_rollout.begin_rollout(repo, unit_src.out_dir, steps=(percent, 100))
+    release_rollout.set_rollout_percent(repo, percent)
+    return release_rollout.abort_rollout(repo, failed_check=failed_check, by="test (automatic)")
 
 
 def on_disk(repo):
@@ -77,12 +77,12 @@ def test_aborted_candidate_never_pushes_out_a_release(tmp_path, units4):
     release.promote(repo, units4[1].out_dir)          # B current, A previous
     rejected_rollout(repo, units4[2], failed_check="manual abort")  # C aborted
     t = release.promote(repo, units4[3].out_dir)      # D current: keep B and A (2 previous); C goes
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert on_disk(repo) == sorted([a, b, d]) and t["removed"] == [c]
     assert sorted(r["unit"] for r in st["releases"]) == sorted([a, b, d])
-    assert release.current_order(st) == [d, b, a]
+    assert release_state.current_order(st) == [d, b, a]
     release.rollback(repo, to=a)                      # A's unit and record are still usable
-    assert release.read_state(repo)["current"] == a
+    assert release_state.read_state(repo)["current"] == a
 
 
 # ---- item 5: a rejected candidate is never a rollback target
@@ -92,7 +92,7 @@ def test_rejected_candidate_is_never_a_rollback_target(tmp_path, units4):
     a, b, c, _ = (u.engine_unit for u in units4)
     repo = serving_repo(tmp_path, units4[0])
     rejected_rollout(repo, units4[2])                 # C rejected by the probe at 5 %
-    assert release.rejected_units(release.read_state(repo)) == {c: "probe:kl_p99 at 5 %"}
+    assert release_state.rejected_units(release_state.read_state(repo)) == {c: "probe:kl_p99 at 5 %"}
     with pytest.raises(UserError, match="no previous release"):
         release.rollback(repo)                        # the only other unit on disk is the rejected one
     with pytest.raises(UserError, match=r"rolled back \(probe:kl_p99 at 5 %\)") as ei:
@@ -100,16 +100,16 @@ def test_rejected_candidate_is_never_a_rollback_target(tmp_path, units4):
     assert ei.value.problems[0].field == "--to"
     release.promote(repo, units4[1].out_dir)          # B current; the previous release is A, never C
     assert release.rollback(repo)["unit"] == a
-    assert release.read_state(repo)["current"] == a and c not in on_disk(repo)  # retention dropped C
+    assert release_state.read_state(repo)["current"] == a and c not in on_disk(repo)  # retention dropped C
 
 
 def test_a_candidate_rolled_out_later_is_a_release_again(tmp_path, units4):
     a, _, c, _ = (u.engine_unit for u in units4)
     repo = serving_repo(tmp_path, units4[0])
     rejected_rollout(repo, units4[2])
-    release.begin_rollout(repo, units4[2].out_dir, steps=(100,))
-    release.finish_rollout(repo)                      # C passed this time: current
-    assert release.rejected_units(release.read_state(repo)) == {}
+    release_rollout.begin_rollout(repo, units4[2].out_dir, steps=(100,))
+    release_rollout.finish_rollout(repo)                      # C passed this time: current
+    assert release_state.rejected_units(release_state.read_state(repo)) == {}
     assert release.rollback(repo)["unit"] == a and release.rollback(repo)["unit"] == c
 
 
@@ -120,13 +120,13 @@ def test_a_candidate_rolled_out_later_is_a_release_again(tmp_path, units4):
 def test_damaged_releases_json_is_refused_and_never_overwritten(tmp_path, units4, damage):
     repo = serving_repo(tmp_path, units4[0])
     release.promote(repo, units4[1].out_dir)          # a write: releases.json.prev exists
-    path = release.state_path(repo)
+    path = release_state.state_path(repo)
     text = path.read_text()
     bad = text[: len(text) // 2] if damage == "truncate" else "[1, 2]\n"
     path.write_text(bad)
-    calls = [lambda: release.read_state(repo), lambda: release.rollback(repo),
-             lambda: release.promote(repo, units4[2].out_dir), lambda: release.recover(repo),
-             lambda: release.begin_rollout(repo, units4[2].out_dir, steps=(100,))]
+    calls = [lambda: release_state.read_state(repo), lambda: release.rollback(repo),
+             lambda: release.promote(repo, units4[2].out_dir), lambda: release_recover.recover(repo),
+             lambda: release_rollout.begin_rollout(repo, units4[2].out_dir, steps=(100,))]
     for call in calls:
         with pytest.raises(UserError) as ei:
             call()
@@ -151,7 +151,7 @@ def test_recover_removes_leftovers_of_killed_writes(tmp_path, units4):
                repo / "ensemble" / ".config.pbtxt.q9w8.tmp"]
     for p in planted:  # what a kill -9 in the middle of atomic_write_bytes leaves (mkstemp names)
         p.write_text("{")
-    fixed = release.recover(repo)
+    fixed = release_recover.recover(repo)
     assert [p.name for p in planted if p.exists()] == []
     assert any("leftover temporary" in f for f in fixed)
     assert sorted(p.name for p in parent.iterdir()) == [".releases.lock", "model_repository", "releases.json"]
@@ -203,13 +203,13 @@ def test_a_copy_of_the_repository_is_refused_with_the_originals_server(tmp_path,
     copy = tmp_path / "copy" / "model_repository"
     shutil.copytree(repo_a.parent, copy.parent)
     srv = RecordingServer(repo_a, ready={"ensemble", "preprocessing", units4[1].engine_unit})
-    release.verify_server(repo_a, srv)  # the original: accepted
-    before = release.state_path(copy).read_text()
-    for call in (lambda: release.verify_server(copy, srv), lambda: release.rollback(copy, server=srv)):
+    release_live.verify_server(repo_a, srv)  # the original: accepted
+    before = release_state.state_path(copy).read_text()
+    for call in (lambda: release_live.verify_server(copy, srv), lambda: release.rollback(copy, server=srv)):
         with pytest.raises(UserError, match="is a copy or a move") as ei:
             call()
         assert ei.value.problems[0].field == "--repo"
-    assert srv.calls == [] and release.state_path(copy).read_text() == before
+    assert srv.calls == [] and release_state.state_path(copy).read_text() == before
 
 
 def test_a_rollback_target_that_does_not_load_is_refused_not_a_traceback(tmp_path, units4):
@@ -220,36 +220,36 @@ def test_a_rollback_target_that_does_not_load_is_refused_not_a_traceback(tmp_pat
     repo = serving_repo(tmp_path, units4[0])
     release.promote(repo, units4[1].out_dir)
     a, b = units4[0].engine_unit, units4[1].engine_unit
-    before = release.state_path(repo).read_text()
+    before = release_state.state_path(repo).read_text()
     srv = RecordingServer(repo, ready={"ensemble", "preprocessing", b}, fail_load=a)
     with pytest.raises(UserError, match="does not load") as ei:
         release.rollback(repo, to=a, server=srv)
-    assert ei.value.problems[0].field == "--to" and release.state_path(repo).read_text() == before
+    assert ei.value.problems[0].field == "--to" and release_state.state_path(repo).read_text() == before
     c = units4[2].engine_unit  # the same for promote and rollout of a unit the server refuses (exit 2, no switch)
     for call in (lambda: release.promote(repo, units4[2].out_dir, server=srv),
-                 lambda: release.begin_rollout(repo, units4[2].out_dir, server=srv, steps=(100,))):
+                 lambda: release_rollout.begin_rollout(repo, units4[2].out_dir, server=srv, steps=(100,))):
         srv.fail_load = c
         with pytest.raises(UserError, match="does not load") as ei:
             call()
-        assert ei.value.problems[0].field == "--out" and release.current_of_configs(repo) == (b, b)
-    assert release.read_state(repo)["current"] == b and "rollout" not in release.read_state(repo)
+        assert ei.value.problems[0].field == "--out" and release_configs.current_of_configs(repo) == (b, b)
+    assert release_state.read_state(repo)["current"] == b and "rollout" not in release_state.read_state(repo)
     assert [x[:2] for x in srv.calls if x[0] == "load"] == [("load", a), ("load", c), ("load", c)]
 
 
 def test_a_folder_that_is_no_serving_repository_is_never_offered_for_deletion(units4):
     """Hostile round: `promote --repo /` said 'fix: delete / (or move it away) and promote again'."""
     with pytest.raises(UserError) as ei:
-        release.init_serving_repo(Path("/"), units4[0].out_dir, profile="bf16-h100")
+        release_recover.init_serving_repo(Path("/"), units4[0].out_dir, profile="bf16-h100")
     p = ei.value.problems[0]
     assert "not a serving repository" in p.reason and "delete /" not in p.fix and "new directory as --repo" in p.fix
 
 
 def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
     repo = serving_repo(tmp_path, units4[0])
-    before = release.state_path(repo).read_text()
+    before = release_state.state_path(repo).read_text()
     with pytest.raises(UserError, match="not an engine unit") as ei:
-        release.record_probe(repo, "ensemble", {"passed": True, "ms": 1.0})
-    assert ei.value.problems[0].field == "--unit" and release.state_path(repo).read_text() == before
+        release_state.record_probe(repo, "ensemble", {"passed": True, "ms": 1.0})
+    assert ei.value.problems[0].field == "--unit" and release_state.state_path(repo).read_text() == before
     r = inv("probe", "--unit", "ensemble", "--gate", "/nonexistent/gate", "--repo", str(repo))
     assert r.returncode == 2 and "--unit:" in r.stdout and "Traceback" not in r.stdout + r.stderr
 
@@ -320,7 +320,7 @@ def test_probe_result_is_kept_when_releases_json_cannot_be_written(tmp_path, uni
             return summary
 
     monkeypatch.setattr(probe, "run_probe", lambda *a, **k: Res())
-    monkeypatch.setattr(release, "_lock", _read_only)
+    monkeypatch.setattr(release_state, "lock", _read_only)
     rec = probe.probe_and_record(None, unit, None, repo_dir=repo, profile="bf16-h100")
     path = probe.elsewhere_path(repo)
     assert rec["recorded_in"] == str(path) and "Read-only file system" in rec["not_recorded"]
@@ -334,13 +334,13 @@ def test_serve_of_a_read_only_repository(tmp_path, units4, monkeypatch, capsys):
 
     repo = serving_repo(tmp_path, units4[0])
     started = []
-    monkeypatch.setattr(release, "recover", _read_only)
+    monkeypatch.setattr(release_recover, "recover", _read_only)
     monkeypatch.setattr(ts.TritonServer, "start", lambda self: started.append(self.models) or setattr(self, "start_s", 0.0))
     monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
     srv = ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
-    assert started == [release.serving_models(repo, release.read_state(repo))]
+    assert started == [release_state.serving_models(repo, release_state.read_state(repo))]
     assert "read-only" in capsys.readouterr().out and srv.log_file == tmp_path / "cache" / "logs" / "tritonserver-1.log"
-    release.point_bls(repo, units4[1].engine_unit)    # an interrupted switch: needs a recovery it cannot write
+    release_configs.point_bls(repo, units4[1].engine_unit)    # an interrupted switch: needs a recovery it cannot write
     with pytest.raises(UserError, match="is read-only .* needs a recovery") as ei:
         ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
     assert "writable" in ei.value.problems[0].fix and len(started) == 1
@@ -487,14 +487,14 @@ def test_truncating_a_build_output_never_reaches_a_kept_release(tmp_path, units4
     os.truncate(tmp_path / "out" / "checkpoint" / "rank0.safetensors", 1000)
     assert kept.stat().st_size == 300_000 and kept.read_bytes() == before
     release.rollback(repo, to=unit)                  # the rollback target is intact
-    assert release.read_state(repo)["current"] == unit
+    assert release_state.read_state(repo)["current"] == unit
 
 
 def test_a_build_output_changed_after_its_pack_is_refused_at_install(tmp_path, units4):
     """Install copies each file of the unit and checks its size and sha256 against pack.json's unit_files."""
     res = _pack_with_checkpoint(tmp_path / "out")
     repo = serving_repo(tmp_path, units4[0])
-    before = release.state_path(repo).read_text()
+    before = release_state.state_path(repo).read_text()
     rank0 = tmp_path / "out" / "checkpoint" / "rank0.safetensors"
     os.truncate(rank0, 100_000)
     with pytest.raises(UserError) as ei:
@@ -502,13 +502,13 @@ def test_a_build_output_changed_after_its_pack_is_refused_at_install(tmp_path, u
     p = ei.value.problems[0]
     assert p.field == str(res.out_dir / res.engine_unit / "engine" / "checkpoint" / "rank0.safetensors")
     assert "is 100,000 bytes, but pack recorded 300,000 bytes" in p.reason and "invoke build" in p.fix
-    assert release.state_path(repo).read_text() == before and on_disk(repo) == [units4[0].engine_unit]
+    assert release_state.state_path(repo).read_text() == before and on_disk(repo) == [units4[0].engine_unit]
     assert not [q.name for q in repo.iterdir() if q.name.startswith(".")]
     with open(rank0, "r+b") as f:                    # same size, other bytes: the sha256 tells
         f.truncate(300_000)
     with pytest.raises(UserError, match="is 300,000 bytes with another sha256, but pack recorded 300,000 bytes"):
         release.promote(repo, res.out_dir)
-    assert release.state_path(repo).read_text() == before
+    assert release_state.state_path(repo).read_text() == before
 
 
 def test_a_change_to_what_pack_renders_gives_the_unit_another_name(tmp_path):
@@ -539,20 +539,20 @@ def test_a_stale_folder_of_the_units_name_is_replaced_or_refused_when_it_serves(
     release.promote(repo, b.out_dir)                 # a: kept previous release
     cfg = repo / a.engine_unit / "config.pbtxt"
     good = cfg.read_text()
-    release._set_params(cfg, {"kv_cache_free_gpu_mem_fraction": "0.5"})  # a stale render of the same name
+    release_configs.set_params(cfg, {"kv_cache_free_gpu_mem_fraction": "0.5"})  # a stale render of the same name
     release.promote(repo, a.out_dir)
-    assert release.read_state(repo)["current"] == a.engine_unit
-    assert pack.config_params(release.load_config(cfg))["kv_cache_free_gpu_mem_fraction"] == "0.9"
-    assert release.load_config(cfg).SerializeToString(deterministic=True) == \
+    assert release_state.read_state(repo)["current"] == a.engine_unit
+    assert pack.config_params(release_configs.load_config(cfg))["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    assert release_configs.load_config(cfg).SerializeToString(deterministic=True) == \
         pack.parse_model_config(good, "x").SerializeToString(deterministic=True)
     assert not [q.name for q in repo.iterdir() if q.name.startswith(".")]
     ref = repo / a.engine_unit / "engine" / pack.CPU_REFERENCE_FILE
     ref.write_text(ref.read_text() + " ")            # the current unit differs from the build: refused
-    before = release.state_path(repo).read_text()
+    before = release_state.state_path(repo).read_text()
     with pytest.raises(UserError, match="it is the unit that serves now") as ei:
         release.promote(repo, a.out_dir)
     assert "engine/cpu_reference.json is" in ei.value.problems[0].reason
-    assert release.state_path(repo).read_text() == before and ref.read_text().endswith(" ")
+    assert release_state.state_path(repo).read_text() == before and ref.read_text().endswith(" ")
 
 
 def test_rollback_fallback_without_one_names_the_commands_to_run(tmp_path, units4):
@@ -575,19 +575,19 @@ def test_a_unit_that_fails_its_smoke_request_is_refused_not_a_traceback(tmp_path
 
     repo = serving_repo(tmp_path, units4[0])
     a, b = units4[0].engine_unit, units4[1].engine_unit
-    before = release.state_path(repo).read_text()
+    before = release_state.state_path(repo).read_text()
     for err in (RuntimeError(f"smoke test of {b}: empty text"),
                 InferenceServerException(f"[400] in ensemble '{b}', decoding failed")):
         def failing(server, unit, **kw):
             raise err
-        monkeypatch.setattr(release, "smoke_test", failing)
+        monkeypatch.setattr(release_live, "smoke_test", failing)
         srv = RecordingServer(repo, ready={"ensemble", "preprocessing", a})
         for call, field in ((lambda: release.promote(repo, units4[1].out_dir, server=srv), "--out"),
-                            (lambda: release.begin_rollout(repo, units4[1].out_dir, server=srv, steps=(100,)), "--out")):
+                            (lambda: release_rollout.begin_rollout(repo, units4[1].out_dir, server=srv, steps=(100,)), "--out")):
             with pytest.raises(UserError) as ei:
                 call()
             p = ei.value.problems[0]
             assert p.field == field and f"{b} loads but fails its smoke request" in p.reason and f"({a} still serves)" in p.reason
             assert str(err)[:30] in p.reason
-            assert release.state_path(repo).read_text() == before and release.current_of_configs(repo) == (a, a)
+            assert release_state.state_path(repo).read_text() == before and release_configs.current_of_configs(repo) == (a, a)
             assert ("unload", b) in [x[:2] for x in srv.calls]

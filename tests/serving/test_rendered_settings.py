@@ -38,8 +38,8 @@ RUNTIME_NOT_RENDERED = {
 DEPLOYMENT = {"replicas", "workload", "canary_steps", "canary_pause_s", "gpus_per_replica", "gpus_per_node", "otlp_endpoint"}
 DEPLOYMENT_NOT_RENDERED = {
     "fallback": "read by `invoke promote` (the fallback's packed repository into releases.json), not a manifest",
-    "warm_fallback": "read by `invoke promote` (releases.json via release.init_serving_repo), not a manifest",
-    "keep_releases": "read by `invoke promote` (releases.json via release.init_serving_repo), not a manifest",
+    "warm_fallback": "read by `invoke promote` (releases.json via release_recover.init_serving_repo), not a manifest",
+    "keep_releases": "read by `invoke promote` (releases.json via release_recover.init_serving_repo), not a manifest",
 }
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_pipeline.serving import pack, probe, release, rollout
+from precision_pipeline.serving import pack, probe, release_configs, release_recover, release_state, rollout
 from precision_pipeline.serving.triton_server import text_request
 from precision_pipeline.spec.profile import load_profile
 
@@ -80,7 +80,7 @@ def serve_repository(tmp_path_factory, name: str, stable):
     from precision_pipeline.serving.triton_server import TritonServer, models_to_load, repository_traces_url
 
     repo = tmp_path_factory.mktemp(name) / "model_repository"
-    release.init_serving_repo(repo, stable.out_dir, profile="bf16-h100")
+    release_recover.init_serving_repo(repo, stable.out_dir, profile="bf16-h100")
     srv = TritonServer(repo, models_to_load(repo), log_file=repo.parent / "server.log",
                        trace_url=repository_traces_url(repo))  # as `invoke serve` does
     srv.start()
@@ -160,7 +160,7 @@ def test_canary_share_discounts_ensemble():
 
 def test_bad_candidate_rolled_back_at_first_step(served, units, probe_set):
     repo, srv = served
-    stable = release.read_state(repo)["current"]
+    stable = release_state.read_state(repo)["current"]
     with Clients(srv) as cl:
         time.sleep(0.5)
         res = rollout.rollout(repo, units["bad"].out_dir, srv, probe_set, steps=(5, 50, 100), hold_s=3.0)
@@ -168,7 +168,7 @@ def test_bad_candidate_rolled_back_at_first_step(served, units, probe_set):
     assert res.status == "rolled_back" and res.failed_step == 5 and res.failed_check.startswith("probe:")
     assert res.numbers["probe"]["kl_p99"] > probe_set.thresholds.kl_p99_max
     assert cl.failed == 0 and cl.requests > 10, cl.errors[:3]
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == stable and "rollout" not in st
     last = st["history"][-1]
     assert last["action"] == "rollout_abort" and last["rollout"]["step"] == 5
@@ -183,7 +183,7 @@ def healthy_rollout(served, units, probe_set):
     """The healthy unit rolled out (steps 25, 100) under client load, once for the module; the probe the rollout
     ran at 25 % is recorded (``probe_fn``: the real ``probe.run_probe``, kept)."""
     repo, srv = served
-    stable = release.read_state(repo)["current"]
+    stable = release_state.read_state(repo)["current"]
     probes = []
 
     def recording_probe(server, unit, pset):
@@ -228,30 +228,30 @@ def test_healthy_candidate_reaches_100(served, healthy_rollout):
     # the BLS's deterministic split: within one request per BLS instance of the step's share
     n = s25["candidate"]["success"] + s25["stable"]["success"]
     assert abs(s25["share_measured"] - 25) <= 100 * 2 / n + 0.5
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == res.candidate != stable and "rollout" not in st
     assert st["history"][-1]["action"] == "rollout"
-    assert release.current_of_configs(repo) == (res.candidate, res.candidate)
+    assert release_configs.current_of_configs(repo) == (res.candidate, res.candidate)
 
 
 def test_crash_mid_rollout_serves_stable(tmp_path, units):
     """A rollout killed right after writing a step's route.json: recover() routes everything to stable."""
     repo = tmp_path / "serving" / "model_repository"
-    release.init_serving_repo(repo, units["stable"].out_dir, profile="bf16-h100")
-    stable = release.read_state(repo)["current"]
+    release_recover.init_serving_repo(repo, units["stable"].out_dir, profile="bf16-h100")
+    stable = release_state.read_state(repo)["current"]
     code = ("import sys; sys.path.insert(0, 'build'); from pathlib import Path; "
-            "from precision_pipeline.serving import release; "
-            f"release.begin_rollout(Path({str(repo)!r}), Path({str(units['bad'].out_dir)!r}), steps=(5, 100)); "
-            f"release.set_rollout_percent(Path({str(repo)!r}), 5)")
-    env = {**os.environ, release.CRASH_ENV: "rollout_route"}
+            "from precision_pipeline.serving import release_rollout; "
+            f"release_rollout.begin_rollout(Path({str(repo)!r}), Path({str(units['bad'].out_dir)!r}), steps=(5, 100)); "
+            f"release_rollout.set_rollout_percent(Path({str(repo)!r}), 5)")
+    env = {**os.environ, release_state.CRASH_ENV: "rollout_route"}
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    assert p.returncode == release.CRASH_EXIT, p.stderr
+    assert p.returncode == release_state.CRASH_EXIT, p.stderr
     route = json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text())
     assert route["canary"]["percent"] == 5  # the crash left the canary share in place ...
-    fixed = release.recover(repo)
+    fixed = release_recover.recover(repo)
     assert any("interrupted rollout" in f for f in fixed)
-    st = release.read_state(repo)  # ... recover routes every request to the stable release again
+    st = release_state.read_state(repo)  # ... recover routes every request to the stable release again
     assert st["current"] == stable and "rollout" not in st
     assert st["history"][-1]["action"] == "rollout_abort" and st["history"][-1]["rollout"]["failed_check"] == "interrupted"
     assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": stable}
-    assert release.current_of_configs(repo) == (stable, stable)
+    assert release_configs.current_of_configs(repo) == (stable, stable)

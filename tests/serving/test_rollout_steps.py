@@ -13,7 +13,7 @@ import json
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release, rollout
+from precision_pipeline.serving import release_configs, release_state, rollout
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 from tests.serving.test_release_planted import RecordingServer, smoke_calls  # noqa: F401  (fixture)
 
@@ -213,7 +213,7 @@ class Script:
 def _repo(tmp_path, units, monkeypatch, cand=(10, 0, 10_000), windows=1):  # noqa: F811
     """A serving repository (stable: units[0]) and scripted metrics for it and candidate units[2]."""
     repo = new_repo(tmp_path, units)
-    stable = release.read_state(repo)["current"]
+    stable = release_state.read_state(repo)["current"]
     script = Script(stable, units[2].engine_unit, cand, windows)
     monkeypatch.setattr(rollout, "scrape", script)
     # the metrics-port check before loading scrapes once (tested in test_release_safety.py); it would shift the
@@ -234,10 +234,10 @@ def test_rollout_promotes_through_every_step(tmp_path, units, smoke_calls, monke
     assert [s["passed"] for s in res.steps[:2]] == [True, True] and res.steps[0]["share_measured"] == 20.0
     assert probed == [(srv, cand, "probe-set")] * 2 and smoke_calls[0] == [cand]
     assert script.calls == 4 and res.seconds > 0
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == cand and "rollout" not in st and st["history"][-1]["action"] == "rollout"
     assert st["history"][-1]["rollout"]["checks"]["steps"][0]["percent"] == 5
-    assert release.current_of_configs(repo) == (cand, cand)
+    assert release_configs.current_of_configs(repo) == (cand, cand)
 
 
 def test_rollout_with_a_probe_that_raises_rolls_back(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
@@ -249,13 +249,13 @@ def test_rollout_with_a_probe_that_raises_rolls_back(tmp_path, units, smoke_call
     assert (res.status, res.failed_step, res.failed_check) == ("rolled_back", 5, "probe:error")
     assert len(res.steps) == 1 and res.steps[0]["passed"] is False and "error" in res.numbers["probe"]
     assert res.decision_to_stable_ms is not None and res.decision_to_stable_ms >= 0
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == stable and "rollout" not in st
     last = st["history"][-1]
     assert last["action"] == "rollout_abort" and last["by"] == "test (automatic)"
     assert last["rollout"]["failed_check"] == "probe:error" and last["rollout"]["step"] == 5
     assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": stable}
-    assert release.current_of_configs(repo) == (stable, stable)
+    assert release_configs.current_of_configs(repo) == (stable, stable)
 
 
 def test_rollout_rolls_back_on_candidate_errors(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
@@ -263,7 +263,7 @@ def test_rollout_rolls_back_on_candidate_errors(tmp_path, units, smoke_calls, mo
     res = rollout.rollout(repo, units[2].out_dir, MetricsServer(repo), None, steps=(5, 100), hold_s=0.0,
                           probe_fn=probe_ok)
     assert (res.status, res.failed_step, res.failed_check) == ("rolled_back", 5, "errors")
-    assert res.numbers["candidate"]["failure"] == 1 and release.read_state(repo)["current"] == stable
+    assert res.numbers["candidate"]["failure"] == 1 and release_state.read_state(repo)["current"] == stable
 
 
 def test_rollout_stops_when_aborted_by_another_process(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
@@ -276,7 +276,7 @@ def test_rollout_stops_when_aborted_by_another_process(tmp_path, units, smoke_ca
     res = rollout.rollout(repo, units[2].out_dir, MetricsServer(repo), None, steps=(5, 50, 100), hold_s=0.0,
                           probe_fn=probe_then_abort)
     assert res.status == "aborted" and [s["percent"] for s in res.steps] == [5]
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == stable and st["history"][-1]["by"] == "other"
 
 
@@ -288,17 +288,17 @@ def test_rollout_error_rolls_back_and_reraises(tmp_path, units, smoke_calls, mon
 
     with pytest.raises(KeyError):
         rollout.rollout(repo, units[2].out_dir, MetricsServer(repo), None, steps=(5, 100), hold_s=0.0, probe_fn=probe_bug)
-    st = release.read_state(repo)
+    st = release_state.read_state(repo)
     assert st["current"] == stable and "rollout" not in st
     assert st["history"][-1]["rollout"]["failed_check"] == "error" and st["history"][-1]["by"] == "invoke rollout (error)"
 
 
 def test_rollout_refuses_bad_steps_before_touching_the_repository(tmp_path, units, monkeypatch):  # noqa: F811
     repo, _, _ = _repo(tmp_path, units, monkeypatch)
-    before = release.read_state(repo)
+    before = release_state.read_state(repo)
     with pytest.raises(UserError, match="--steps"):
         rollout.rollout(repo, units[2].out_dir, MetricsServer(repo), None, steps=(50, 20, 100))
-    assert release.read_state(repo) == before
+    assert release_state.read_state(repo) == before
 
 
 def test_parse_steps_text_and_sequences():

@@ -70,20 +70,41 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
     """Refuse (UserError, exit 2) a build that does not hold for the release (module doc); return the
     release's gate record and the warnings. ``image``: the serving image (the build's rendered
     Deployment); ``sm``: the deployment GPU's SM; ``action``: ``promote`` or ``rollout`` (messages)."""
-    from precision_pipeline.gate.verdict import judge_metrics, verdict_failures, verdict_reasons
-    from precision_pipeline.serving import pack, release, skew
+    from precision_pipeline.gate.verdict import verdict_failures
+    from precision_pipeline.serving import pack, release_units
 
     out_dir = Path(out_dir)
-    name = profile.name
-    rebuild = f"rebuild it: invoke build --profile {name} --out {out_dir}"
+    rebuild = f"rebuild it: invoke build --profile {profile.name} --out {out_dir}"
     problems: list[Problem] = []
     warnings: list[str] = []
+    unit = release_units.resolve_unit_source(packed_repo)
+    metrics = _read(out_dir / "gate" / "metrics.json")
+    record = metrics.get("record") or {}
+    problems += _output_problems(profile, out_dir, unit, metrics, rebuild)
+    verdict = _check_verdict(profile, out_dir, unit, metrics, rebuild, problems, warnings)
+    gpus = pack.unit_gpus(unit.parent, unit.name)
+    if gpus != profile.world_size:
+        problems.append(Problem("--profile", f"the packed unit {unit.name} runs on {gpus} GPU(s) but {profile.name} "
+                                f"serves tp x pp = {profile.world_size}.", rebuild, rule="accept.layout"))
+    image_info = _check_runtime(unit, gpus, record, image, sm, problems, warnings)
+    if problems:
+        raise UserError(problems)
+    gate = {k: v for k, v in ((metrics.get("metrics") or {}).items())}
+    numbers = {k: r.get("value") for k, r in gate.items() if isinstance(r, dict)}
+    return Acceptance(gate={**numbers, "passed": True, "failures": verdict_failures(verdict),
+                            "judged_against": verdict.get("judged_against"),
+                            "rejudged_at": action, "prompts": (metrics.get("tokens") or {}).get("prompts"),
+                            "record": record, "serving_image": image_info or None},
+                      warnings=warnings)
 
-    # -- what the output holds
-    unit = release.resolve_unit_source(packed_repo)
+
+def _output_problems(profile, out_dir: Path, unit: Path, metrics: dict, rebuild: str) -> list[Problem]:
+    """What the output holds (the packed unit, plan.json, the gated checkpoint) against the profile promoted."""
+    from precision_pipeline.serving import pack
+
+    name = profile.name
     path = _read(unit / pack.PRECISION_PATH_FILE)
     plan = _read(out_dir / "plan.json")
-    metrics = _read(out_dir / "gate" / "metrics.json")
     q = profile.quantization
     want = {"profile": name, "gemm": q.quant_algo.value, "kv": q.kv_cache_quant_algo.value}
     held: dict[str, dict[str, Any]] = {
@@ -94,6 +115,7 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
         held["the gated checkpoint (gate/metrics.json)"] = {  # absent: an unquantized checkpoint
             "gemm": ckq.get("quant_algo") or QuantAlgo.NO_QUANT.value,
             "kv": ckq.get("kv_cache_quant_algo") or KVCacheQuantAlgo.NONE.value}
+    problems = []
     for what, vals in held.items():
         bad = {k: v for k, v in vals.items() if str(v) != want[k]}
         if bad:
@@ -101,71 +123,86 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
             problems.append(Problem("--out", f"{what} in {out_dir} does not hold a build of {name}: {shown}; promoted, "
                                     f"it would be recorded as {name}.",
                                     f"promote the profile that output holds, or {rebuild}.", rule="accept.output"))
+    return problems
 
-    # -- the verdict, re-judged against the profile's current bar
+
+def _check_verdict(profile, out_dir: Path, unit: Path, metrics: dict, rebuild: str, problems: list[Problem],
+                   warnings: list[str]) -> dict[str, Any]:
+    """The verdict, re-judged against the profile's current bar, then the layout and the model it is about
+    (appended to ``problems`` / ``warnings``). Returns the verdict ({} when there is none to judge)."""
+    from precision_pipeline.gate.verdict import judge_metrics, verdict_reasons
+
+    name = profile.name
     record = metrics.get("record") or {}
-    verdict: dict[str, Any] = {}
     if not metrics or "metrics" not in metrics:
         problems.append(Problem("--out", f"{out_dir / 'gate' / 'metrics.json'} is missing or unreadable: no verdict to "
                                 "check.", rebuild, rule="accept.verdict"))
-    elif not record.get("model_fingerprint"):
+        return {}
+    if not record.get("model_fingerprint"):
         problems.append(Problem("--out", "the gate record has no model fingerprint, layout or runtime (a build from "
                                 "before gate records): the verdict cannot be checked against what the release "
                                 "serves.", rebuild, rule="accept.verdict"))
-    else:
-        bar = profile.gate.for_model(record["model_fingerprint"])
-        verdict = judge_metrics(metrics, bar)
-        was = {"passed": metrics.get("passed"), "judged_against": metrics.get("judged_against")}
-        changed = was["judged_against"] is not None and was["judged_against"] != verdict["judged_against"]
-        if not verdict["passed"]:
-            how = ("the profile's gate bar changed since the build; " if changed else "")
-            problems.append(Problem("gate", f"{how}the stored measurements fail the profile's current bar: "
-                                    f"{verdict_reasons(verdict)}.",
-                                    "loosen the bar only if that is meant, or fix the profile and rebuild.",
-                                    rule="accept.verdict"))
-        elif changed or not was["passed"]:
-            warnings.append("the gate bar changed since the build; the stored measurements were re-judged against "
-                            "the profile's current bar and pass it.")
-        if not verdict["promotable"]:
-            problems.append(Problem("gate", f"not promotable: {verdict['not_promotable']}.",
-                                    f"rebuild without --golden-limit (invoke build --profile {name}), or set "
-                                    "gate.min_prompts in the profile if fewer prompts are enough for this release.",
-                                    rule="accept.golden"))
-        # -- layout: what was gated vs what the profile serves vs what the unit runs on
-        gated = record.get("layout") or {}
-        serves = _layout_of(profile)
-        diff = {k: (gated.get(k), v) for k, v in serves.items() if gated.get(k) is not None and int(gated[k]) != v}
-        if diff:
-            problems.append(Problem("--profile", "the gate ran at " + ", ".join(f"{k} {a}" for k, (a, _) in diff.items())
-                                    + f" but {name} serves " + ", ".join(f"{k} {b}" for k, (_, b) in diff.items())
-                                    + ": the verdict is not about what the release would serve.", rebuild,
-                                    rule="accept.layout"))
-        # -- the model: the unit serves (CPU stand-in) or was built from the model the verdict is about
-        served = Path(str(_read(unit / "engine" / pack.CPU_REFERENCE_FILE).get("hf_model_dir") or ""))
-        if str(served) not in ("", ".") and (served / "config.json").is_file():
-            from precision_pipeline.core.fingerprint import model_fingerprint
+        return {}
+    bar = profile.gate.for_model(record["model_fingerprint"])
+    verdict = judge_metrics(metrics, bar)
+    was = {"passed": metrics.get("passed"), "judged_against": metrics.get("judged_against")}
+    changed = was["judged_against"] is not None and was["judged_against"] != verdict["judged_against"]
+    if not verdict["passed"]:
+        how = ("the profile's gate bar changed since the build; " if changed else "")
+        problems.append(Problem("gate", f"{how}the stored measurements fail the profile's current bar: "
+                                f"{verdict_reasons(verdict)}.",
+                                "loosen the bar only if that is meant, or fix the profile and rebuild.",
+                                rule="accept.verdict"))
+    elif changed or not was["passed"]:
+        warnings.append("the gate bar changed since the build; the stored measurements were re-judged against "
+                        "the profile's current bar and pass it.")
+    if not verdict["promotable"]:
+        problems.append(Problem("gate", f"not promotable: {verdict['not_promotable']}.",
+                                f"rebuild without --golden-limit (invoke build --profile {name}), or set "
+                                "gate.min_prompts in the profile if fewer prompts are enough for this release.",
+                                rule="accept.golden"))
+    problems += _layout_and_model_problems(profile, unit, record, rebuild)
+    return verdict
 
-            now = model_fingerprint(served).sha256
-            if now != record["model_fingerprint"]:
-                problems.append(Problem("--model", f"the gate judged the model with content fingerprint "
-                                        f"{record['model_fingerprint'][:12]}…, but {served} (what the unit serves) is now "
-                                        f"{now[:12]}…: the verdict is about another model (or the folder changed since "
-                                        "the build).", rebuild, rule="accept.model"))
-    gpus = pack.unit_gpus(unit.parent, unit.name)
-    if gpus != profile.world_size:
-        problems.append(Problem("--profile", f"the packed unit {unit.name} runs on {gpus} GPU(s) but {name} serves tp x pp "
-                                f"= {profile.world_size}.", rebuild, rule="accept.layout"))
 
-    # -- runtime: the serving image's versions (inside the image, else the catalog) vs the engine and the gate
-    from precision_pipeline.serving import images
+def _layout_and_model_problems(profile, unit: Path, record: dict, rebuild: str) -> list[Problem]:
+    """What was gated against what the profile serves (layout) and what the unit serves or was built from (model)."""
+    from precision_pipeline.serving import pack
+
+    problems = []
+    gated = record.get("layout") or {}
+    serves = _layout_of(profile)
+    diff = {k: (gated.get(k), v) for k, v in serves.items() if gated.get(k) is not None and int(gated[k]) != v}
+    if diff:
+        problems.append(Problem("--profile", "the gate ran at " + ", ".join(f"{k} {a}" for k, (a, _) in diff.items())
+                                + f" but {profile.name} serves " + ", ".join(f"{k} {b}" for k, (_, b) in diff.items())
+                                + ": the verdict is not about what the release would serve.", rebuild,
+                                rule="accept.layout"))
+    # the model: the unit serves (CPU stand-in) or was built from the model the verdict is about
+    served = Path(str(_read(unit / "engine" / pack.CPU_REFERENCE_FILE).get("hf_model_dir") or ""))
+    if str(served) not in ("", ".") and (served / "config.json").is_file():
+        from precision_pipeline.core.fingerprint import model_fingerprint
+
+        now = model_fingerprint(served).sha256
+        if now != record["model_fingerprint"]:
+            problems.append(Problem("--model", f"the gate judged the model with content fingerprint "
+                                    f"{record['model_fingerprint'][:12]}…, but {served} (what the unit serves) is now "
+                                    f"{now[:12]}…: the verdict is about another model (or the folder changed since "
+                                    "the build).", rebuild, rule="accept.model"))
+    return problems
+
+
+def _check_runtime(unit: Path, gpus: int, record: dict, image: Optional[str], sm: Optional[int],
+                   problems: list[Problem], warnings: list[str]) -> dict[str, Any]:
+    """The serving image's versions (inside the image, else the catalog) against the engine and the gate
+    (appended to ``problems`` / ``warnings``). Returns the image's versions ({} without ``image``)."""
+    from precision_pipeline.serving import images, pack, skew
 
     image_info: dict[str, Any] = {}
     catalog = images.CATALOG
     iv = None
     if image:
-        from precision_pipeline.serving.images import image_versions
-
-        iv = image_versions(image)
+        iv = images.image_versions(image)
         image_info = iv.model_dump(mode="json")
         warnings.append(f"serving image {image}: TensorRT-LLM {iv.tensorrt_llm or '?'}, TensorRT {iv.tensorrt or '?'}; "
                         f"{iv.why}.")
@@ -184,15 +221,7 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
     if iv is not None and gated_trtllm and iv.tensorrt_llm and gated_trtllm != iv.tensorrt_llm:
         warnings.append(f"the gate ran where TensorRT-LLM {gated_trtllm} was installed; {image} ships "
                         f"{iv.tensorrt_llm}.")
-    if problems:
-        raise UserError(problems)
-    gate = {k: v for k, v in ((metrics.get("metrics") or {}).items())}
-    numbers = {k: r.get("value") for k, r in gate.items() if isinstance(r, dict)}
-    return Acceptance(gate={**numbers, "passed": True, "failures": verdict_failures(verdict),
-                            "judged_against": verdict.get("judged_against"),
-                            "rejudged_at": action, "prompts": (metrics.get("tokens") or {}).get("prompts"),
-                            "record": record, "serving_image": image_info or None},
-                      warnings=warnings)
+    return image_info
 
 
 __all__ = ["Acceptance", "check_promotable"]

@@ -26,7 +26,7 @@ the templates in ``k8s/`` (repository root) and writes ``<out_dir>/k8s/*.yaml`` 
 
 What is loaded: Triton runs with ``--model-control-mode=explicit`` and one ``--load-model`` per
 model of the current release: ``releases.json`` next to the repository when it exists (current
-unit, plus the fallback unit when ``warm_fallback``; see build/precision_pipeline/serving/release.py ``serving_models``), else
+unit, plus the fallback unit when ``warm_fallback``; see build/precision_pipeline/serving/release_state.py ``serving_models``), else
 the repository's ``pack.json`` (its one engine unit). The engine unit ``tensorrt_llm_<h12>`` is
 loaded before ``ensemble`` and ``tensorrt_llm_bls``, which call it.
 
@@ -151,17 +151,17 @@ class ServingSet:
 
 def serving_set(model_repository: Path) -> ServingSet:
     """The models Triton must load: from releases.json when present, else from pack.json."""
-    from precision_pipeline.serving import release
+    from precision_pipeline.serving import release_state
 
     repo = Path(model_repository)
     if not repo.is_dir():
         raise UserError("model_repository", f"{repo} is not a directory.", "pack the build first (build/precision_pipeline/serving/pack.py).")
-    state = release.read_state(repo)
+    state = release_state.read_state(repo)
     if state and state.get("current"):
         unit = str(state["current"])
-        models = release.serving_models(repo, state)
+        models = release_state.serving_models(repo, state)
         rec = next((r for r in reversed(state.get("releases") or []) if r.get("unit") == unit), {})
-        ehash, present, source = rec.get("engine_hash"), rec.get("engine_present"), str(release.state_path(repo))
+        ehash, present, source = rec.get("engine_hash"), rec.get("engine_present"), str(release_state.state_path(repo))
     else:
         pj = read_json(repo / pack.PACK_FILE)
         if pj and pj.get("engine_unit"):

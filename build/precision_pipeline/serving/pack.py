@@ -209,25 +209,15 @@ def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: st
     (unknown GPU) or names a logits type Triton does not have.
     """
     notes: list[str] = []
-    limits, eff, mapping, memory = plan.limits, plan.effective, plan.mapping, plan.memory
+    limits, eff, mapping = plan.limits, plan.effective, plan.mapping
     rt = profile.runtime
-
+    _check_packable(plan, rt)
     max_batch = int(limits.max_batch_size)
     max_beam = int(limits.max_beam_width)
     world = int(mapping.world_size)
-    if memory is None:
-        raise UserError("plan.memory", "is missing: the plan was resolved without a known, supported GPU.",
-                        "resolve the plan (build/precision_pipeline/resolve/plan.py) on a catalog GPU before packing.")
-    kv_tokens = memory.kv_tokens_capacity
+    kv_tokens = plan.memory.kv_tokens_capacity
     logits_dt = eff.triton_logits_datatype
-    if logits_dt not in _DTYPE_TO_TRITON.values():
-        raise UserError("plan.effective.triton_logits_datatype", f"{logits_dt!r} is not a Triton logits type.",
-                        "use TYPE_FP32, TYPE_FP16 or TYPE_BF16.")
     decoupled = bool(rt.decoupled_mode)
-    if rt.streaming and not decoupled:
-        raise UserError("runtime.streaming", "needs runtime.decoupled_mode: true (tensorrtllm_backend streams only in decoupled mode).",
-                        "set runtime.decoupled_mode: true or runtime.streaming: false.")
-    end_id, pad_id, stop_words = token_ids(model_dir)
     has_template = _chat_template(model_dir) is not None
     tok_dir = serving_path(repo_root, repo_name, "preprocessing", "tokenizer")
     unit = unit or unit_name(engine_hash)
@@ -259,6 +249,40 @@ def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: st
         "cpu_reference": True,
         "cpu_reference_threads": 1,
     }
+    pre, post = _tokenizer_params(common, rt, model_dir, tok_dir, has_template)
+    ens = {**common, "tensorrt_llm_model_name": unit}
+    bls = {
+        **common,
+        "decoupled_mode": decoupled,
+        "bls_instance_count": int(rt.instance_count),
+        "logits_datatype": logits_dt,
+        "accumulate_tokens": False,
+        "tensorrt_llm_model_name": unit,
+        "otlp_traces_url": profile.deployment.otlp_traces_url or "",
+        "gen_ai_operation_name": "chat" if has_template else "text_completion",
+    }
+    return {"tensorrt_llm": trt, "preprocessing": pre, "postprocessing": post, "ensemble": ens,
+            "tensorrt_llm_bls": bls}, notes
+
+
+def _check_packable(plan: ResolvedPlan, rt) -> None:
+    """UserError unless ``plan`` has a memory plan and a Triton logits type and ``rt`` streams only when decoupled."""
+    if plan.memory is None:
+        raise UserError("plan.memory", "is missing: the plan was resolved without a known, supported GPU.",
+                        "resolve the plan (build/precision_pipeline/resolve/plan.py) on a catalog GPU before packing.")
+    logits_dt = plan.effective.triton_logits_datatype
+    if logits_dt not in _DTYPE_TO_TRITON.values():
+        raise UserError("plan.effective.triton_logits_datatype", f"{logits_dt!r} is not a Triton logits type.",
+                        "use TYPE_FP32, TYPE_FP16 or TYPE_BF16.")
+    if rt.streaming and not bool(rt.decoupled_mode):
+        raise UserError("runtime.streaming", "needs runtime.decoupled_mode: true (tensorrtllm_backend streams only in decoupled mode).",
+                        "set runtime.decoupled_mode: true or runtime.streaming: false.")
+
+
+def _tokenizer_params(common: dict[str, Any], rt, model_dir: Path, tok_dir: str,
+                      has_template: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The preprocessing and postprocessing models' parameters (the tokenizer's ids and stop words from ``model_dir``)."""
+    end_id, pad_id, stop_words = token_ids(model_dir)
     pre = {
         **common,
         "max_queue_delay_microseconds": int(rt.max_queue_delay_microseconds),
@@ -277,19 +301,7 @@ def compute_params(plan: ResolvedPlan, profile, model_dir: Path, engine_hash: st
         "tokenizer_dir": tok_dir,
         "skip_special_tokens": True,
     }
-    ens = {**common, "tensorrt_llm_model_name": unit}
-    bls = {
-        **common,
-        "decoupled_mode": decoupled,
-        "bls_instance_count": int(rt.instance_count),
-        "logits_datatype": logits_dt,
-        "accumulate_tokens": False,
-        "tensorrt_llm_model_name": unit,
-        "otlp_traces_url": profile.deployment.otlp_traces_url or "",
-        "gen_ai_operation_name": "chat" if has_template else "text_completion",
-    }
-    return {"tensorrt_llm": trt, "preprocessing": pre, "postprocessing": post, "ensemble": ens,
-            "tensorrt_llm_bls": bls}, notes
+    return pre, post
 
 
 def render_all(params: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -533,6 +545,29 @@ def copy_python_models(dst_repo: Path) -> None:
     (dst_repo / "ensemble" / "1").mkdir(parents=True, exist_ok=True)
 
 
+def _check_built_engine(engine_dir: Path, trt_params: dict[str, Any], plan: ResolvedPlan, image: str | None) -> list[str]:
+    """A built engine against the rendered parameters (``check_engine_dir``), its rank files and ``serving/skew.py``;
+    UserError when it does not hold. Returns skew's warnings."""
+    from precision_pipeline.serving import skew
+
+    check_engine_dir(engine_dir, trt_params, plan)
+    world = int(trt_params["gpu_device_ids"].count(",") + 1)
+    missing = [f"rank{i}.engine" for i in range(world) if not (engine_dir / f"rank{i}.engine").is_file()]
+    if missing:
+        raise UserError("engine", f"{engine_dir} lacks {', '.join(missing)}.", "rebuild the engine.")
+    return skew.check_engine(engine_dir, image=image, sm=plan.gpu.sm if plan.gpu else None, world_size=world,
+                             limits={"max_batch_size": plan.limits.max_batch_size, "max_seq_len": plan.limits.max_seq_len,
+                                     "max_beam_width": plan.limits.max_beam_width})
+
+
+def _copy_tokenizer(model_dir: Path, tok: Path) -> None:
+    """The model's tokenizer files (``TOKENIZER_FILES`` that exist) into ``tok`` (created)."""
+    tok.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, tok / name)
+
+
 def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir: Path, engine_dir: Path, engine_built: bool,
                     out_dir: Path, repo_root: str, *, workdir: Path | None = None, image: str | None = None) -> PackResult:
     """Render the model repository for this build into ``out_dir`` (atomic replace).
@@ -557,16 +592,7 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
     params, notes = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name, unit=UNIT_PLACEHOLDER)
     texts = render_all(params)
     if engine_built:
-        check_engine_dir(engine_dir, params["tensorrt_llm"], plan)
-        world = int(params["tensorrt_llm"]["gpu_device_ids"].count(",") + 1)
-        missing = [f"rank{i}.engine" for i in range(world) if not (engine_dir / f"rank{i}.engine").is_file()]
-        if missing:
-            raise UserError("engine", f"{engine_dir} lacks {', '.join(missing)}.", "rebuild the engine.")
-        from precision_pipeline.serving import skew
-
-        notes += skew.check_engine(engine_dir, image=image, sm=plan.gpu.sm if plan.gpu else None, world_size=world,
-                                   limits={"max_batch_size": plan.limits.max_batch_size, "max_seq_len": plan.limits.max_seq_len,
-                                           "max_beam_width": plan.limits.max_beam_width})
+        notes += _check_built_engine(engine_dir, params["tensorrt_llm"], plan, image)
     else:
         notes.append("engine absent: configs are rendered, gpt_model_path names where the engine must be placed; "
                      "only the CPU reference backend can serve this repository.")
@@ -587,11 +613,7 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
         copy_python_models(tmp)
         for m in FIXED_MODELS:
             (tmp / m / "config.pbtxt").write_text(texts[m])
-        tok = tmp / "preprocessing" / "tokenizer"
-        tok.mkdir(parents=True)
-        for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, tok / name)
+        _copy_tokenizer(model_dir, tmp / "preprocessing" / "tokenizer")
         res = PackResult(out_dir=out_dir, models=sorted([*FIXED_MODELS, unit]), engine_unit=unit, engine_hash=ehash,
                          engine_present=bool(engine_built),
                          params={k: {pk: templates.pbtxt_text(pv) for pk, pv in v.items()} for k, v in params.items()},

@@ -339,7 +339,7 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
     """One probe run of ``unit``: the result (``ProbeResult.summary()``, or ``{"error": ...}`` when the
     server failed: RuntimeError) is appended to ``repo_dir``'s releases.json history when given and
     set on ``exporter`` when given. Returns the releases.json record (or the bare summary)."""
-    from precision_pipeline.serving import release
+    from precision_pipeline.serving import release_state
 
     try:
         res: Optional[ProbeResult] = run_probe(server, unit, probe_set)
@@ -350,9 +350,9 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
         exporter.observe(profile, unit, res, summary.get("error"))
     if repo_dir is not None:
         try:
-            return release.record_probe(repo_dir, unit, summary, profile=profile, by=by)
+            return release_state.record_probe(repo_dir, unit, summary, profile=profile, by=by)
         except OSError as e:  # a read-only or full repository: the result is kept elsewhere, not lost
-            return record_elsewhere(repo_dir, release.probe_record(unit, summary, profile=profile, by=by), e)
+            return record_elsewhere(repo_dir, release_state.probe_record(unit, summary, profile=profile, by=by), e)
     return {"unit": unit, "profile": profile, "probe": summary}
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release
+from precision_pipeline.serving import release_live, release_rollout, release_state
 from precision_pipeline.spec.profile import canary_steps_problem
 
 DEFAULT_STEPS = (5, 20, 50, 100)
@@ -239,7 +239,7 @@ def abort(repo_dir: Path, server=None, *, failed_check: str = "manual abort", nu
     ``release.abort_rollout``: ``verify`` checks first that ``server`` serves ``repo_dir``)."""
     t_decision = time.perf_counter() if t_decision is None else t_decision
     drained = (lambda unit: wait_drained(server, unit, t_decision)) if server is not None else None
-    return release.abort_rollout(repo_dir, server=server, failed_check=failed_check, numbers=numbers, by=by,
+    return release_rollout.abort_rollout(repo_dir, server=server, failed_check=failed_check, numbers=numbers, by=by,
                                  drained=drained, verify=verify)
 
 
@@ -260,19 +260,19 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
     steps = parse_steps(list(steps))
     probe_fn = probe_fn or probe.run_probe
     t0 = time.perf_counter()
-    state = release.read_state(repo_dir)
+    state = release_state.read_state(repo_dir)
     if state and server is not None:
-        release.verify_server(repo_dir, server)
+        release_live.verify_server(repo_dir, server)
         check_metrics(server, state["current"])
     with terminate_as_interrupt():
-        ro = release.begin_rollout(repo_dir, engine_unit, server=server, profile=profile, gate=gate, steps=steps, by=by)
+        ro = release_rollout.begin_rollout(repo_dir, engine_unit, server=server, profile=profile, gate=gate, steps=steps, by=by)
         cand, stable = ro["candidate"], ro["stable"]
         res = RolloutResult("rolled_back", cand, stable)
         url = metrics_url(server)
         prev_numbers = None
 
         def ours() -> bool:  # False once `invoke rollout --abort` (another process) ended this rollout
-            st = release.rollout_state(repo_dir)
+            st = release_state.rollout_state(repo_dir)
             return bool(st) and st.get("candidate") == cand and st.get("pid") == ro.get("pid")
 
         def rolled_back(pct: int, failed: str, nums: dict) -> None:
@@ -288,7 +288,7 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
                     break
                 if pct == 100:
                     try:
-                        t = release.finish_rollout(repo_dir, server=server, checks={"steps": res.steps})
+                        t = release_rollout.finish_rollout(repo_dir, server=server, checks={"steps": res.steps})
                     except (OSError, RuntimeError) as e:  # the switch failed (configs put back) or the server died
                         rolled_back(pct, "server", {"percent": pct, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                         break
@@ -297,7 +297,7 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
                     if on_step:
                         on_step(res.steps[-1])
                     break
-                release.set_rollout_percent(repo_dir, pct, prev_numbers)
+                release_rollout.set_rollout_percent(repo_dir, pct, prev_numbers)
                 try:
                     a = scrape(url)
                     hold(url, hold_s)

@@ -483,12 +483,12 @@ def text_request(text: str, max_tokens: int, client_module: Any = None, **extra:
 def models_to_load(model_repository: Path) -> list[str]:
     """The models a server should load: the current release's (releases.json) or, for a packed
     repository without releases, every model directory (one engine unit)."""
-    from precision_pipeline.serving import release
+    from precision_pipeline.serving import release_state
 
     repo = Path(model_repository)
-    state = release.read_state(repo)
+    state = release_state.read_state(repo)
     if state and state.get("current"):
-        return release.serving_models(repo, state)
+        return release_state.serving_models(repo, state)
     names = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file())
     order = {"preprocessing": 0, "postprocessing": 1, "ensemble": 9, "tensorrt_llm_bls": 9}
     return sorted(names, key=lambda n: (order.get(n, 5), n))
@@ -508,16 +508,16 @@ def serve_log_path(http_port: int) -> Path:
 def _read_only_check(repo: Path, err: OSError) -> str:
     """serve() of a repository it cannot write (``err``): fine when the files already agree with
     releases.json (nothing to recover); UserError naming what would need fixing otherwise. Returns a note."""
-    from precision_pipeline.serving import release
+    from precision_pipeline.serving import release_configs, release_state
 
-    state = release.read_state(repo)
+    state = release_state.read_state(repo)
     if not state or not state.get("current"):
         return f"note: {repo.parent} is read-only ({err.strerror}); serving it as it is"
     cur = state["current"]
     problems = []
     if not (repo / cur / "config.pbtxt").is_file():
         problems.append(f"the current release {cur} is missing")
-    ens, bls = release.current_of_configs(repo)
+    ens, bls = release_configs.current_of_configs(repo)
     if (ens, bls) != (cur, cur):
         problems.append(f"ensemble/BLS name {ens}/{bls}, releases.json {cur} (an interrupted change)")
     if state.get("rollout"):
@@ -541,14 +541,14 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     import errno as _errno
 
     from precision_pipeline.core.errors import PipelineError
-    from precision_pipeline.serving import release
+    from precision_pipeline.serving import release_recover
 
     repo = Path(model_repository)
     if not repo.is_dir():
         raise UserError("model_repository", f"{repo} does not exist.", "run `invoke build --profile X` first.")
     note = None
     try:
-        release.recover(repo)
+        release_recover.recover(repo)
     except OSError as e:
         if e.errno not in (_errno.EROFS, _errno.EACCES, _errno.EPERM):
             raise

@@ -1,0 +1,214 @@
+"""A live server and a serving repository: load and smoke-test a unit directly (before the ensemble routes to it),
+refuse a server that serves another repository (``verify_server``), make the live server agree with
+releases.json (``reconcile_server``). See serving/release.py."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import read_json
+from precision_pipeline.serving import pack
+from precision_pipeline.serving.release_configs import load_config
+from precision_pipeline.serving.release_state import IDENTITY_PARAM, ROUTE_FILE, current_order, rejected_units
+
+
+SMOKE_PROMPT = "What is 2 + 2?"
+
+
+def load_unit(server, unit: str, field: str, serving: str, fix: str) -> None:
+    """``server.load(unit)``; a unit the server refuses to load (a damaged or outdated unit: the backend's
+    own message) is a UserError on ``field`` (exit 2) saying that ``serving`` still serves, not a traceback."""
+    try:
+        server.load(unit)
+    except RuntimeError as e:
+        unload_quietly(server, unit)
+        raise UserError(field, f"the server does not load {unit}, so nothing was switched ({serving} still serves): "
+                        f"{str(e)[:400]}", fix) from None
+
+
+def unload_quietly(server, unit: str) -> None:
+    """``server.unload(unit)``, whatever the server answers (a clean-up after a refusal)."""
+    with contextlib.suppress(Exception):
+        server.unload(unit)
+
+
+def smoke_unit(server, unit: str, field: str, serving: str, fix: str, *, expect: str | None = None) -> dict:
+    """``smoke_test``; a unit that loaded but fails its smoke request (a wrong or empty answer, or the server's
+    error for it) is a UserError on ``field`` (exit 2) naming the unit, the server's message and that ``serving``
+    still serves -- a refusal of that unit, not an internal error. The caller unloads it."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return smoke_test(server, unit, expect=expect)
+    except (RuntimeError, InferenceServerException) as e:
+        raise UserError(field, f"{unit} loads but fails its smoke request, so nothing was switched ({serving} still "
+                        f"serves): {str(e)[:400]}", fix) from None
+
+
+def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int = 8, expect: str | None = None) -> dict:
+    """Infer ``unit`` directly: preprocessing -> unit -> postprocessing, called one by one.
+
+    Fails (RuntimeError) on an error, a wrong tensor shape/dtype, an empty or over-long output, or a
+    text different from ``expect`` when given.
+    """
+    import numpy as np
+    import tritonclient.http as hc
+
+    t0 = time.perf_counter()
+    c = server.http_client()
+    try:
+        q = hc.InferInput("QUERY", [1, 1], "BYTES")
+        q.set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
+        n = hc.InferInput("REQUEST_OUTPUT_LEN", [1, 1], "INT32")
+        n.set_data_from_numpy(np.array([[max_tokens]], np.int32))
+        pre = c.infer("preprocessing", [q, n])
+        ids, lens = pre.as_numpy("INPUT_ID"), pre.as_numpy("REQUEST_INPUT_LEN")
+        ins = []
+        for name, arr in (("input_ids", ids), ("input_lengths", lens), ("request_output_len", np.array([[max_tokens]], np.int32)),
+                          ("end_id", pre.as_numpy("OUT_END_ID")), ("pad_id", pre.as_numpy("OUT_PAD_ID"))):
+            t = hc.InferInput(name, list(arr.shape), "INT32")
+            t.set_data_from_numpy(arr.astype(np.int32))
+            ins.append(t)
+        out = c.infer(unit, ins, outputs=[hc.InferRequestedOutput("output_ids"), hc.InferRequestedOutput("sequence_length")])
+        oids, slen = out.as_numpy("output_ids"), out.as_numpy("sequence_length")
+        if oids is None or oids.dtype != np.int32 or oids.ndim != 3 or slen is None or slen.dtype != np.int32:
+            raise RuntimeError(f"smoke test of {unit}: unexpected outputs {None if oids is None else (oids.dtype, oids.shape)}")
+        k = int(slen.reshape(-1)[0])
+        if not 0 < k <= max_tokens:
+            raise RuntimeError(f"smoke test of {unit}: sequence_length {k} outside 1..{max_tokens}")
+        tb = hc.InferInput("TOKENS_BATCH", list(oids.shape), "INT32")
+        tb.set_data_from_numpy(oids)
+        sl = hc.InferInput("SEQUENCE_LENGTH", list(slen.shape), "INT32")
+        sl.set_data_from_numpy(slen)
+        text = c.infer("postprocessing", [tb, sl]).as_numpy("OUTPUT").reshape(-1)[0].decode()
+    finally:
+        c.close()
+    if not text.strip():
+        raise RuntimeError(f"smoke test of {unit}: empty text")
+    if expect is not None and text != expect:
+        raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
+    return {"text": text, "tokens": k, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+# --------------------------------------------------------------------------------------------
+# Promote / rollback
+
+
+def loaded_models(server) -> dict[str, str]:
+    if server is None:
+        return {}
+    try:
+        return server.loaded_models()
+    except Exception:
+        return {}
+
+
+def live_unit(server) -> str | None:
+    """The engine unit the ensemble loaded on ``server`` calls (its config's unit step); None when no
+    ensemble is loaded there."""
+    cfg = server.model_config("ensemble")
+    if not cfg:
+        return None
+    steps = (cfg.get("ensemble_scheduling") or {}).get("step") or []
+    return next((st.get("model_name") for st in steps if pack.is_unit(st.get("model_name", ""))), None)
+
+
+def routed_units(repo_dir: Path, server) -> set[str]:
+    """Units requests can reach now: the live ensemble's unit and every unit route.json names (the BLS
+    reads it per request)."""
+    route = read_json(Path(repo_dir) / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}
+    units = {route.get("tensorrt_llm_model_name"), (route.get("canary") or {}).get("tensorrt_llm_model_name")}
+    if server is not None:
+        with contextlib.suppress(Exception):
+            units.add(live_unit(server))
+    return {u for u in units if u}
+
+
+def _inside_dir(p: Path, folder: Path) -> bool:
+    try:
+        p.resolve().relative_to(Path(folder).resolve())
+        return True
+    except (ValueError, OSError, RuntimeError):
+        return False
+
+
+def verify_server(repo_dir: Path, server) -> None:
+    """Refuse (UserError on ``--url``, exit 2) a ``server`` that does not serve ``repo_dir``, before
+    anything is changed: the parameters that identify the repository must be the same in the files
+    and in the configs the server loaded: the ensemble's ``IDENTITY_PARAM`` (repositories created
+    since it exists) and the preprocessing's ``tokenizer_dir`` (an absolute path into the repository).
+    At least one of the two models must be loaded there. A repository whose ``tokenizer_dir`` points
+    outside it (a copy or a move: its files still name the original) is refused (UserError on ``--repo``).
+    Nothing to check without a server."""
+    if server is None:
+        return
+    repo_dir = Path(repo_dir)
+    where = f"the server at {server.http_url}"
+    fix = (f"pass the --url of the server that serves {repo_dir} (`invoke serve --repo {repo_dir}` starts one), "
+           "or the --repo that this server serves.")
+    checked = 0
+    for model, key in (("ensemble", IDENTITY_PARAM), ("preprocessing", "tokenizer_dir")):
+        p = repo_dir / model / "config.pbtxt"
+        want = pack.config_params(load_config(p)).get(key) if p.is_file() else None
+        if not want:
+            continue
+        if key == "tokenizer_dir" and not _inside_dir(Path(want), repo_dir):
+            # a copied (or moved) repository: its files still name the original, so both identities
+            # would match the original's server, and edits here would switch and unload models there
+            raise UserError("--repo", f"{repo_dir} is a copy or a move of another serving repository: its preprocessing's "
+                            f"tokenizer_dir is {want!r}, outside it; the server at --url would load the original's "
+                            "configs, not these.", "run the command on the repository the server serves (the one "
+                            "tokenizer_dir points into), or create a new one here with `invoke promote --repo`.")
+        try:
+            live = server.model_config(model)
+        except OSError as e:
+            raise UserError("--url", f"{where} does not answer ({e}).", "start it with `invoke serve`, or pass its HOST:PORT.") from None
+        if live is None:
+            continue
+        got = ((live.get("parameters") or {}).get(key) or {}).get("string_value")
+        if got != want:
+            raise UserError("--url", f"{where} does not serve {repo_dir}: its {model} has {key} {got!r}, the repository's "
+                            f"is {want!r}; changing releases there would switch or unload another repository's models.", fix)
+        checked += 1
+    if not checked:
+        raise UserError("--url", f"{where} has neither the ensemble nor the preprocessing model of {repo_dir} loaded, so "
+                        "it cannot be told that it serves this repository.",
+                        f"restart it on this repository (`invoke serve --repo {repo_dir}`), or pass the right --url.")
+
+
+def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
+    """Make the live ``server`` serve what ``state`` records (after ``recover`` made the files agree):
+    the current unit loaded, the loaded ensemble's unit step on it (the ensemble reloaded from its
+    re-pointed config otherwise: a crash after a switch's reload but before its commit), and loaded
+    units that are no release (a crashed promote's uncommitted unit, a rejected candidate), no
+    in-progress rollout's candidate and not routed to (``routed_units``) unloaded (a warm previous
+    release stays). Returns what was done; [] without a server. Raises RuntimeError when the
+    reloaded ensemble still calls another unit."""
+    if server is None:
+        return []
+    fixed: list[str] = []
+    cur = state["current"]
+    live = live_unit(server)
+    if live is not None and live != cur:
+        if loaded_models(server).get(cur) != "READY":
+            server.load(cur)
+            fixed.append(f"{cur} loaded")
+        server.load("ensemble")
+        now = live_unit(server)
+        if now != cur:
+            raise RuntimeError(f"the live ensemble calls {now} after reloading it, releases.json says {cur}")
+        fixed.append(f"live ensemble moved from {live} back to {cur}")
+    rejected = rejected_units(state)
+    releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
+    keep = {cur} | routed_units(repo_dir, server) | {u for u in releases if u not in rejected}
+    if state.get("rollout"):
+        keep.add(state["rollout"].get("candidate"))
+    for name, st in loaded_models(server).items():
+        if pack.is_unit(name) and st == "READY" and name not in keep:
+            with contextlib.suppress(Exception):
+                server.unload(name)
+                fixed.append(f"{name} unloaded (no release; nothing routes to it)")
+    return fixed

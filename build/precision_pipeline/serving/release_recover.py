@@ -1,0 +1,169 @@
+"""Crash recovery of a serving repository (``recover``: the files, then a live server, agree with releases.json)
+and its first promote (``init_serving_repo``: the whole repository staged and swapped in with releases.json)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import clean_stale
+from precision_pipeline.serving import pack
+from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_params
+from precision_pipeline.serving.release_live import reconcile_server, verify_server
+from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, STATE_FILE, crash_point, lock,
+                                                      pid_alive, read_state, release_record, require_state, state_path,
+                                                      timestamp, write_state)
+from precision_pipeline.serving.release_units import copy_unit, resolve_unit_source, unit_record
+
+
+def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True, server=None) -> dict:
+    """Under the releases lock: refuse a ``server`` that does not serve ``repo_dir`` (``verify_server``),
+    finish an interrupted change (``recover``; then ``reconcile_server`` on the live server), then
+    ``releases.json``; UserError on its path with ``reason`` / ``fix`` when the repository has none."""
+    verify_server(repo_dir, server)
+    if recover:
+        recover_locked(repo_dir)
+    state = require_state(repo_dir, reason, fix)
+    if recover:
+        reconcile_server(repo_dir, server, state)
+    return state
+
+
+def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | None = None, profile: str = "",
+                      gate: dict | None = None, by: str = "init", fallback_repo: Path | None = None,
+                      warm_fallback: bool = False, keep_releases: int = 2) -> dict:
+    """Create a serving repository from a packed one (its unit becomes the current release).
+
+    ``fallback_repo``: a packed repository of the fallback profile whose unit is kept on disk
+    (and loaded when ``warm_fallback``).
+    """
+    repo_dir, packed_repo = Path(repo_dir), Path(packed_repo)
+    unit_src = resolve_unit_source(packed_repo)
+    with lock(repo_dir):
+        recover_first_promote(repo_dir)
+        if repo_dir.exists():
+            state = read_state(repo_dir)
+            if state and state.get("current") == unit_src.name and [h.get("action") for h in state.get("history", [])] == ["init"]:
+                return state  # an interrupted init of this same unit, now completed by the recovery above
+            if state is None:
+                raise UserError("repo_dir", f"{repo_dir} exists but has no {STATE_FILE} beside it, so it is not a serving "
+                                "repository this pipeline can use.",
+                                "pass a new directory as --repo (e.g. artifacts/serving/model_repository); never delete a "
+                                "folder you did not create with `invoke promote`.")
+            raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
+        return _init_locked(repo_dir, packed_repo, unit_src, serve_root=serve_root, profile=profile, gate=gate, by=by,
+                            fallback_repo=fallback_repo, warm_fallback=warm_fallback, keep_releases=keep_releases)
+
+
+def recover_first_promote(repo_dir: Path) -> list[str]:
+    """Finish an init (first promote) that a kill interrupted after its staged copy was complete."""
+    from precision_pipeline.core.store import recover_swaps
+
+    parent, name = Path(repo_dir).resolve().parent, Path(repo_dir).name
+    done = recover_swaps(parent, names=(name,))
+    clean_stale(parent, names=(name,))  # an init killed before its journal: its incomplete copy
+    return [f"first promote into {repo_dir} completed (interrupted before releases.json)"] if done else []
+
+
+def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_root, profile, gate, by, fallback_repo,
+                 warm_fallback, keep_releases) -> dict:
+    from precision_pipeline.core.store import atomic_dir
+
+    root = serve_root or str(repo_dir.resolve().parent)
+    commit: dict[Path, Any] = {}
+    # releases.json is a commit file of the repository's swap: written with it, or rolled forward with it
+    with atomic_dir(repo_dir, commit_files=commit, crash=lambda step: crash_point(f"init_{step}")) as tmp:
+        for m in pack.FIXED_MODELS:  # copies: the serving repository shares no inode with a build output
+            pack.copy_tree(packed_repo / m, tmp / m)
+        tok = pack.serving_path(root, repo_dir.name, "preprocessing", "tokenizer")
+        for m in ("preprocessing", "postprocessing"):
+            set_params(tmp / m / "config.pbtxt", {"tokenizer_dir": tok})
+        # install under the final name's parent: paths are computed for repo_dir, files staged in tmp
+        unit = _install_into(tmp, repo_dir.name, unit_src, root)
+        fb = None
+        if fallback_repo is not None:
+            fb = _install_into(tmp, repo_dir.name, resolve_unit_source(fallback_repo), root)
+        point_ensemble(tmp, unit)
+        point_bls(tmp, unit)
+        repo_id = os.urandom(8).hex()
+        set_params(tmp / "ensemble" / "config.pbtxt", {IDENTITY_PARAM: repo_id})
+        pack.check_repository(tmp)
+        state = {"version": 1, "current": unit, "fallback": fb, "warm_fallback": bool(warm_fallback and fb),
+                 "keep_releases": int(keep_releases), "repository_id": repo_id, "releases": [], "history": []}
+        state["releases"].append(release_record(tmp / unit, unit, profile, gate, by, "release"))
+        if fb:
+            state["releases"].append(release_record(tmp / fb, fb, "", None, by, "fallback"))
+        state["history"].append({"action": "init", "from": None, "to": unit, "time": timestamp(), "by": by, "ms": 0.0})
+        commit[state_path(repo_dir)] = state
+        crash_point("init_stage")
+    return state
+
+
+def _install_into(tmp_repo: Path, repo_name: str, unit_src: Path, root: str) -> str:
+    name = unit_src.name
+    if (tmp_repo / name).is_dir():
+        return name
+    copy_unit(unit_src, tmp_repo / name, unit_record(unit_src), pack.serving_path(root, repo_name, name, "engine"))
+    return name
+
+
+def recover(repo_dir: Path, server=None) -> list[str]:
+    """Make the repository agree with releases.json (after a crash). Returns what was fixed.
+
+    With a running ``server`` (verified to serve ``repo_dir`` first: ``verify_server``) the live server
+    is made to agree too (``reconcile_server``)."""
+    repo_dir = Path(repo_dir)
+    if not repo_dir.is_dir() and not repo_dir.resolve().parent.is_dir():
+        return []
+    with lock(repo_dir):
+        verify_server(repo_dir, server)
+        fixed = recover_locked(repo_dir)
+        state = read_state(repo_dir)
+        if state and state.get("current"):
+            fixed += reconcile_server(repo_dir, server, state)
+        return fixed
+
+
+def recover_locked(repo_dir: Path) -> list[str]:
+    fixed = recover_first_promote(repo_dir)
+    if not repo_dir.is_dir():
+        return fixed
+    stale = [p.name for p in repo_dir.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)]
+    if stale:
+        clean_stale(repo_dir)
+        fixed.append(f"removed staged leftovers: {', '.join(sorted(stale))}")
+    for m in ("ensemble", "tensorrt_llm_bls"):
+        for p in (repo_dir / m).glob(".*.tmp") if (repo_dir / m).is_dir() else []:  # config.pbtxt, route.json
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+    # writes of releases.json (and its .prev, the lock's sidecar) killed mid-way: every writer holds the lock we hold
+    parent = repo_dir.resolve().parent
+    left = [*parent.glob(f".{STATE_FILE}.*.tmp"), *parent.glob(f".{LOCK_FILE}.json.*.tmp")]
+    for p in left:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    if left:
+        fixed.append(f"removed {len(left)} leftover temporary file(s) of {STATE_FILE}")
+    state = read_state(repo_dir)
+    if not state or not state.get("current"):
+        return fixed
+    cur = state["current"]
+    if state.get("rollout") and not pid_alive(state["rollout"].get("pid")):
+        # a rollout whose process died (crash, kill -9): the stable release serves every request again
+        ro = state.pop("rollout")
+        state["history"] = (state.get("history", []) + [{
+            "action": "rollout_abort", "from": ro.get("candidate"), "to": cur, "time": timestamp(), "by": "recover",
+            "ms": 0.0, "rollout": {**ro, "failed_check": "interrupted", "numbers": {}}}])[-HISTORY_MAX:]
+        write_state(repo_dir, state)
+        fixed.append(f"interrupted rollout of {ro.get('candidate')} ended; {cur} serves all traffic")
+    if not (repo_dir / cur / "config.pbtxt").is_file():
+        raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir}.",
+                        "restore the unit directory or roll back to one that exists.")
+    if point_ensemble(repo_dir, cur):
+        fixed.append(f"ensemble re-pointed at {cur}")
+    if point_bls(repo_dir, cur):
+        fixed.append(f"tensorrt_llm_bls re-pointed at {cur}")
+    return fixed

@@ -1,0 +1,224 @@
+"""The release record of a serving repository: ``releases.json``, its atomic writes, its lock, crash hooks.
+
+See serving/release.py for the layout and the rules (commit point, ``releases.json.prev``, history ``MOVES``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import atomic_write_json, locked, read_json
+from precision_pipeline.serving import pack
+
+
+STATE_FILE = "releases.json"
+PREV_SUFFIX = ".prev"
+"""``releases.json.prev``: the state before the last write (a hard link to the replaced file)."""
+IDENTITY_PARAM = "serving_repository_id"
+"""Ensemble config parameter naming the serving repository (random, written at init): what a live
+server reports for it (``GET /v2/models/ensemble/config``) tells whether it serves this repository."""
+MOVES = ("init", "promote", "rollback", "rollout")
+"""History actions that make a unit the current release (``to``; ``from`` was current before)."""
+LOCK_FILE = ".releases.lock"
+CRASH_ENV = "PRECISION_RELEASE_CRASH_AT"
+CRASH_EXIT = 97
+STEPS = ("stage", "install", "load", "smoke", "ensemble_config", "switch", "bls_config", "commit", "gc")
+INIT_STEPS = ("init_stage", "init_journal", "init_swap", "init_commit")
+"""Crash points of the first promote (``init_serving_repo``): after the staged repository is complete,
+after the swap journal is written, between the renames, after releases.json is written. A crash at
+``init_stage`` leaves no repository (the old state); at any later step ``recover()`` (or the next
+promote/rollback/init) completes it (the new state)."""
+ROUTE_FILE = "route.json"  # tensorrt_llm_bls/route.json: the unit the running BLS calls (read per request)
+HISTORY_MAX = 200
+
+
+def crash_point(step: str) -> None:
+    if os.environ.get(CRASH_ENV) == step:
+        os._exit(CRASH_EXIT)
+
+
+def state_path(repo_dir: Path) -> Path:
+    return Path(repo_dir).resolve().parent / STATE_FILE
+
+
+def read_state(repo_dir: Path) -> dict | None:
+    """releases.json beside ``repo_dir`` (None when there is none). Raises UserError (exit 2) naming the
+    file and the fix when it is not a releases record (truncated, edited); nothing is written then."""
+    path = state_path(repo_dir)
+    try:
+        state = read_json(path)
+    except ValueError as e:  # invalid JSON or UTF-8
+        raise _damaged(path, f"cannot be parsed ({str(e)[:120]})") from None
+    if state is None:
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("current"), str) \
+            or not isinstance(state.get("history", []), list) or not isinstance(state.get("releases", []), list):
+        raise _damaged(path, "is not a releases record (an object with current, releases and history)")
+    return state
+
+
+def _damaged(path: Path, why: str) -> UserError:
+    prev = path.with_name(path.name + PREV_SUFFIX)
+    try:
+        ok = isinstance(read_json(prev), dict)
+    except (ValueError, OSError):
+        ok = False
+    fix = (f"{prev} holds the state before the last change: check it (`cat {prev}`) and restore it with "
+           f"`cp {prev} {path}` (a release that only the lost change recorded is then not kept), or restore "
+           f"{path} from a backup." if ok else f"restore {path} from a backup.")
+    return UserError(str(path), f"{why}: it is damaged (truncated or edited), so the current release is unknown; "
+                     "this command changed nothing and does not overwrite it.", fix)
+
+
+def write_state(repo_dir: Path, state: dict) -> None:
+    """Write releases.json atomically (the commit point), keeping the replaced file as releases.json.prev."""
+    path = state_path(repo_dir)
+    if path.is_file():
+        tmp = path.with_name(f".{path.name}{PREV_SUFFIX}.{os.getpid()}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        try:
+            os.link(path, tmp)
+        except OSError:  # a file system without hard links
+            shutil.copy2(path, tmp)
+        os.replace(tmp, path.with_name(path.name + PREV_SUFFIX))
+    atomic_write_json(path, state)
+
+
+def lock(repo_dir: Path):
+    return locked(Path(repo_dir).resolve().parent / LOCK_FILE)
+
+
+def require_state(repo_dir: Path, reason: str, fix: str) -> dict:
+    """releases.json beside ``repo_dir``; UserError on its path with ``reason`` / ``fix`` when there is none."""
+    state = read_state(repo_dir)
+    if not state:
+        raise UserError(str(state_path(repo_dir)), reason, fix)
+    return state
+
+
+def serving_models(repo_dir: Path, state: dict) -> list[str]:
+    """Models to load for ``state``: pre/post, current unit, warm fallback, then ensemble and BLS."""
+    units = [state["current"]]
+    fb = state.get("fallback")
+    if fb and state.get("warm_fallback") and fb not in units and (Path(repo_dir) / fb).is_dir():
+        units.append(fb)
+    return ["preprocessing", "postprocessing", *units, "ensemble", "tensorrt_llm_bls"]
+
+
+def pid_alive(pid) -> bool:
+    """Whether process ``pid`` runs on this machine (the rollout that recorded it is alive)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def serving_now(state: dict) -> set[str]:
+    """Units whose files a server may be reading now: the current release, a rollout's candidate and a warm
+    fallback (``install_unit`` never replaces them)."""
+    ro = state.get("rollout") or {}
+    fb = state.get("fallback") if state.get("warm_fallback") else None
+    return {u for u in (state.get("current"), ro.get("candidate"), fb) if u}
+
+
+def current_order(state: dict) -> list[str]:
+    """Units that were the current release, the most recently current first (history ``MOVES``)."""
+    order: list[str] = []
+    for h in reversed(state.get("history", [])):
+        if h.get("action") in MOVES:
+            for u in (h.get("to"), h.get("from")):
+                if u and u not in order:
+                    order.append(u)
+    return order
+
+
+def rejected_units(state: dict) -> dict[str, str]:
+    """{unit: failed check} of candidates whose last rollout was aborted (automatically: a failed check,
+    or by hand) and that were not made current after it: never a rollback target."""
+    out: dict[str, str] = {}
+    for h in state.get("history", []):
+        if h.get("action") in MOVES:
+            out.pop(h.get("to"), None)
+        elif h.get("action") == "rollout_abort" and h.get("from"):
+            ro = h.get("rollout") or {}
+            out[h["from"]] = f"{ro.get('failed_check') or 'aborted'} at {ro.get('percent', '?')} %"
+    return out
+
+
+def release_record(unit_dir: Path, unit: str, profile: str, gate: dict | None, by: str, kind: str) -> dict:
+    ref = read_json(unit_dir / "engine" / pack.CPU_REFERENCE_FILE, {}) or {}
+    return {"unit": unit, "engine_hash": ref.get("engine_hash", unit[len(pack.UNIT_PREFIX):]),
+            "profile": profile or ref.get("profile", ""), "gate": gate or {}, "time": timestamp(), "promoted_by": by,
+            "engine_present": bool(ref.get("engine_present", False)), "kind": kind}
+
+
+def make_current(repo_dir: Path, state: dict, unit: str, profile: str, gate: dict | None, by: str) -> None:
+    """``state``'s current release becomes ``unit`` with a fresh release record (a fallback record of it stays)."""
+    state["current"] = unit
+    state["releases"] = [r for r in state["releases"] if r["unit"] != unit or r["kind"] == "fallback"]
+    state["releases"].append(release_record(Path(repo_dir) / unit, unit, profile, gate, by, "release"))
+
+
+def rollout_state(repo_dir: Path) -> dict | None:
+    """releases.json's ``rollout`` (the rollout in progress) or None."""
+    return (read_state(repo_dir) or {}).get("rollout")
+
+
+PROBE_HISTORY_MAX = 50
+"""Probe records kept in ``history`` (the oldest probe records go first; never a release record)."""
+
+
+def check_probe_unit(unit: str) -> None:
+    """UserError (``--unit``, exit 2) unless ``unit`` is an engine unit (``tensorrt_llm_<h12>``): the probe
+    judges one engine, and the release history records engine units only (never ``ensemble``)."""
+    if not pack.is_unit(str(unit)):
+        raise UserError("--unit", f"{str(unit)[:80]!r} is not an engine unit (tensorrt_llm_<h12>); the probe judges one "
+                        "engine.", "pass --unit tensorrt_llm_<h12> (`invoke releases` lists them), or leave it out for "
+                        "the current release.")
+
+
+def probe_record(unit: str, summary: dict, *, profile: str = "", by: str = "invoke probe") -> dict:
+    """The history record of one probe run (``record_probe``)."""
+    return {"action": "probe", "from": None, "to": None, "unit": unit, "profile": profile, "time": timestamp(),
+            "by": by, "ms": round(float(summary.get("ms", 0.0)), 1), "probe": summary}
+
+
+def record_probe(repo_dir: Path, unit: str, summary: dict, *, profile: str = "", by: str = "invoke probe") -> dict:
+    """Append one accuracy-probe result (serving/probe.py ``ProbeResult.summary()``) to releases.json's
+    history as ``{"action": "probe", "from": None, "to": None, "unit", "profile", "time", "by", "ms",
+    "probe": summary}`` (``from``/``to`` stay empty: a probe moves no traffic, so rollback and retention
+    ignore it). At most ``PROBE_HISTORY_MAX`` probe records stay. Atomic write under the releases lock.
+    Raises UserError when ``repo_dir`` has no releases.json or ``unit`` is not an engine unit (e.g.
+    ``ensemble``). Returns the record."""
+    repo_dir = Path(repo_dir)
+    check_probe_unit(unit)
+    with lock(repo_dir):
+        state = require_state(repo_dir, "no releases.json: this is not a serving repository.",
+                              "create it with `invoke promote --profile P` first.")
+        rec = probe_record(unit, summary, profile=profile, by=by)
+        hist = state.get("history", []) + [rec]
+        n_probe = sum(1 for h in hist if h.get("action") == "probe")
+        drop = max(0, n_probe - PROBE_HISTORY_MAX)
+        kept = []
+        for h in hist:
+            if drop and h.get("action") == "probe":
+                drop -= 1
+                continue
+            kept.append(h)
+        state["history"] = kept[-HISTORY_MAX:]
+        write_state(repo_dir, state)
+    return rec

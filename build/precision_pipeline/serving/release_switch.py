@@ -1,0 +1,67 @@
+"""The switch of a release (ensemble and BLS re-pointed, the ensemble reloaded; put back on a failure) and
+retention (what stays loaded, what stays on disk: ``keep_releases``, the fallback, never a rejected candidate)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from precision_pipeline.serving import pack
+from precision_pipeline.serving.release_configs import point_bls, point_ensemble
+from precision_pipeline.serving.release_live import loaded_models
+from precision_pipeline.serving.release_state import crash_point, current_order, rejected_units
+from precision_pipeline.serving.release_units import remove_dir
+
+
+def switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> None:
+    """Point ensemble and BLS at ``unit`` and reload them; on a failure put both back as they were."""
+    try:
+        _switch_to(repo_dir, server, unit, timings)
+    except BaseException:
+        point_ensemble(repo_dir, previous)
+        point_bls(repo_dir, previous)
+        if server is not None:
+            with contextlib.suppress(Exception):
+                server.load("ensemble")
+        raise
+
+
+def _switch_to(repo_dir: Path, server, unit: str, timings: dict) -> None:
+    point_ensemble(repo_dir, unit)
+    crash_point("ensemble_config")
+    if server is not None:
+        t = time.perf_counter()
+        server.load("ensemble")
+        timings["ensemble_load_ms"] = (time.perf_counter() - t) * 1e3
+    crash_point("switch")
+    point_bls(repo_dir, unit)  # the running BLS follows route.json from its next request
+    crash_point("bls_config")
+
+
+def retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: str | None) -> list[str]:
+    """Unload units that need not stay loaded; delete units beyond keep_releases (fallback kept).
+    The releases counted are those that were current (``current_order``), rejected ones excluded: an
+    aborted rollout's candidate is never kept in place of a real release."""
+    keep_n = int(state.get("keep_releases", 2))
+    cur, fb = state["current"], state.get("fallback")
+    keep_disk = {cur} | ({fb} if fb else set())
+    rejected = rejected_units(state)
+    prev = [u for u in current_order(state) if u != cur and u != fb and u not in rejected]
+    keep_disk |= set(prev[:keep_n])
+    warm = {cur} | ({fb} if fb and state.get("warm_fallback") else set()) | ({previous} if warm_previous and previous else set())
+    removed = []
+    loaded = loaded_models(server)
+    for name, st in loaded.items():
+        if pack.is_unit(name) and st == "READY" and name not in warm:
+            with contextlib.suppress(Exception):
+                server.unload(name)
+    for p in sorted(Path(repo_dir).iterdir()):
+        if pack.is_unit(p.name) and p.name not in keep_disk:
+            if server is not None and loaded.get(p.name) == "READY":
+                with contextlib.suppress(Exception):
+                    server.unload(p.name)
+            remove_dir(p)
+            removed.append(p.name)
+    state["releases"] = [r for r in state["releases"] if (Path(repo_dir) / r["unit"]).is_dir()]
+    return removed

@@ -1,0 +1,158 @@
+"""Engine units in a serving repository: installed as verified copies of a build's unit (``install_unit``),
+never sharing an inode with a build output, so a kept release survives edits of the output it came from."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import hash_file, read_json
+from precision_pipeline.serving import pack
+from precision_pipeline.serving.release_configs import load_config, set_params
+from precision_pipeline.serving.release_state import crash_point
+
+
+def resolve_unit_source(engine_unit: Path) -> Path:
+    """A unit directory, or a packed repository holding exactly one unit."""
+    p = Path(engine_unit)
+    if pack.is_unit(p.name) and (p / "config.pbtxt").is_file():
+        return p
+    units = [q for q in p.iterdir() if pack.is_unit(q.name)] if p.is_dir() else []
+    if len(units) != 1:
+        raise UserError("engine_unit", f"{p} is neither an engine unit (tensorrt_llm_<h12>/) nor a packed repository with one unit.",
+                        "pass <build output>/model_repository or its tensorrt_llm_<h12> directory.")
+    return units[0]
+
+
+def unit_record(unit_src: Path) -> dict[str, list]:
+    """``unit_files`` of the pack that wrote ``unit_src`` (its repository's pack.json): {path in the unit:
+    [size in bytes, sha256]}. UserError (exit 2) when pack.json records none for this unit."""
+    pj_path = unit_src.parent / pack.PACK_FILE
+    try:
+        pj = read_json(pj_path, {}) or {}
+    except ValueError:
+        pj = {}
+    files = pj.get("unit_files") if isinstance(pj, dict) and pj.get("engine_unit") == unit_src.name else None
+    if not isinstance(files, dict) or "config.pbtxt" not in files \
+            or not all(isinstance(r, list) and len(r) == 2 for r in files.values()):
+        raise UserError("--out", f"{pj_path} records no per-file sizes and checksums of {unit_src.name} (packed before "
+                        "pack recorded them, or not the output of a pack), so its copy in the serving repository "
+                        "cannot be verified.", "rebuild the output (`invoke build --profile P --out OUT` packs it "
+                        "again), then promote it.")
+    return files
+
+
+def _mismatch(unit_src: Path, rel: str, row: list, size: int | None) -> UserError:
+    got = "missing" if size is None else (f"{size:,} bytes" if size != row[0] else f"{size:,} bytes with another sha256")
+    return UserError(str(unit_src / rel), f"is {got}, but pack recorded {row[0]:,} bytes (sha256 {str(row[1])[:12]}…): "
+                     "the build output changed after it was packed (truncated or edited in place); nothing was "
+                     "installed and the serving repository is unchanged.",
+                     "rebuild the output (`invoke build --profile P --out OUT`), then promote it again.")
+
+
+def copy_unit(unit_src: Path, dst: Path, files: dict[str, list], gpt_model_path: str) -> None:
+    """Copy the unit's recorded files into ``dst`` (``shutil.copyfile``: never a hard link, so a later edit
+    of the build output cannot reach the serving repository), verify each copy's size and sha256 against
+    ``files`` (UserError naming the file otherwise), then point its config's gpt_model_path at its place."""
+    for rel, row in sorted(files.items()):
+        src, q = unit_src / rel, dst / rel
+        if not src.is_file():
+            raise _mismatch(unit_src, rel, row, None)
+        q.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, q)
+        size = q.stat().st_size
+        if size != row[0] or hash_file(q) != row[1]:
+            raise _mismatch(unit_src, rel, row, size)
+    (dst / "1").mkdir(parents=True, exist_ok=True)
+    cfg = dst / "config.pbtxt"
+    set_params(cfg, {"gpt_model_path": gpt_model_path})
+    pack.parse_model_config(cfg.read_text(), str(cfg))
+
+
+def _installed_config(unit_src: Path, files: dict[str, list], gpt_model_path: str):
+    """The unit's config as it is installed (gpt_model_path set), from the build's verified config.pbtxt."""
+    src = unit_src / "config.pbtxt"
+    row = files["config.pbtxt"]
+    size = src.stat().st_size if src.is_file() else None
+    if size != row[0] or hash_file(src) != row[1]:
+        raise _mismatch(unit_src, "config.pbtxt", row, size)
+    cfg = pack.parse_model_config(src.read_text(), str(src))
+    cfg.parameters["gpt_model_path"].string_value = gpt_model_path
+    return cfg
+
+
+def unit_differs(dst: Path, unit_src: Path, files: dict[str, list], gpt_model_path: str) -> str | None:
+    """Why the installed unit ``dst`` is not the build's unit ``unit_src`` (``files``: its pack record), or None:
+    every recorded file with its size and sha256 (read in full), and the config as installed (parsed: the
+    install rewrote gpt_model_path)."""
+    for rel, row in sorted(files.items()):
+        if rel == "config.pbtxt":
+            continue
+        q = dst / rel
+        if not q.is_file():
+            return f"{rel} is missing"
+        size = q.stat().st_size
+        if size != row[0]:
+            return f"{rel} is {size:,} bytes, the build's is {row[0]:,}"
+        if hash_file(q) != row[1]:
+            return f"{rel} has another sha256 than the build's"
+    want = _installed_config(unit_src, files, gpt_model_path)
+    try:
+        got = load_config(dst / "config.pbtxt")
+    except (OSError, UserError):
+        return "its config.pbtxt is missing or does not parse"
+    if got.SerializeToString(deterministic=True) != want.SerializeToString(deterministic=True):
+        return "its config.pbtxt differs from the build's"
+    return None
+
+
+def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, *, protect: Iterable[str] = ()) -> str:
+    """Copy a unit into the serving repository atomically (verified against its pack record, ``copy_unit``);
+    point gpt_model_path at its new place. Returns the unit's name.
+
+    A folder of that name already there is kept only when it is the build's unit (``unit_differs``); otherwise
+    it is replaced (the copy is staged aside, then swapped in) -- unless its name is in ``protect`` (the unit
+    that serves now), which is a UserError (exit 2): files are never replaced under the server."""
+    repo_dir = Path(repo_dir)
+    unit_src = resolve_unit_source(unit_src)
+    name = unit_src.name
+    files = unit_record(unit_src)
+    dst = repo_dir / name
+    root = serve_root or str(repo_dir.resolve().parent)
+    gpt = pack.serving_path(root, repo_dir.name, name, "engine")
+    if dst.is_dir():
+        why = unit_differs(dst, unit_src, files, gpt)
+        if why is None:
+            return name
+        if name in set(protect):
+            raise UserError("--out", f"{dst} is not this build's unit of the same name ({why}), and it is the unit that "
+                            "serves now, so it is not replaced under the server; nothing was changed.",
+                            "make another release current first (`invoke rollback`), then promote this build again: "
+                            "the folder is then replaced by a verified copy.")
+    tmp = repo_dir / f".{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        copy_unit(unit_src, tmp, files, gpt)
+        crash_point("stage")
+        if dst.is_dir():  # a stale or damaged folder of this name that nothing serves: swapped for the copy
+            trash = repo_dir / f".{name}.old-{os.getpid()}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(dst, trash)
+            os.replace(tmp, dst)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return name
+
+
+def remove_dir(p: Path) -> None:
+    trash = p.parent / f".{p.name}.old-{os.getpid()}"
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(p, trash)
+    shutil.rmtree(trash, ignore_errors=True)
