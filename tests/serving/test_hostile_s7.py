@@ -1,0 +1,99 @@
+"""Findings of the session-7 hostile round (issue 25; log /work/helpers/s7/hostile.md), as failing tests.
+
+Each is ``xfail(strict=True)`` until fixed: remove the mark with the fix."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.serving import release
+from tests.serving.test_release import new_repo, units  # noqa: F401  (the module fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Server:
+    """A stand-in for an attached TritonServer: load/unload/loaded_models only (the rest is patched out)."""
+
+    http_url = "127.0.0.1:1"
+
+    def __init__(self, loaded):
+        self.state = dict.fromkeys(loaded, "READY")
+
+    def load(self, name):
+        self.state[name] = "READY"
+
+    def unload(self, name):
+        self.state[name] = "UNAVAILABLE"
+
+    def loaded_models(self):
+        return dict(self.state)
+
+
+@pytest.mark.xfail(strict=True, reason="hostile s7 #53/#54: rollback leaves a unit that failed its smoke test loaded, "
+                   "and the next rollback counts it warm and switches to it without a smoke test")
+def test_rollback_after_failed_smoke_does_not_switch_to_it_warm(tmp_path, units, monkeypatch):  # noqa: F811
+    a = units[0].engine_unit
+    repo = new_repo(tmp_path, units, fallback=False)
+    release.promote(repo, units[2].out_dir)  # current: units[2], previous: a
+    srv = _Server(["ensemble", "preprocessing", "postprocessing", units[2].engine_unit])
+    switched = []
+    monkeypatch.setattr(release, "verify_server", lambda *a, **k: None)
+    monkeypatch.setattr(release, "reconcile_server", lambda *a, **k: [])
+    monkeypatch.setattr(release, "_switch", lambda repo_dir, server, unit, *a, **k: switched.append(unit))
+
+    def bad_smoke(server, unit, **k):
+        raise RuntimeError(f"smoke test of {unit}: empty text")
+
+    monkeypatch.setattr(release, "smoke_test", bad_smoke)
+    with pytest.raises(UserError):
+        release.rollback(repo, to=a, server=srv)
+    assert srv.state.get(a) != "READY", "the unit that failed its smoke test stays loaded"
+    with pytest.raises(UserError):  # the same rollback again: it must fail its smoke test again
+        release.rollback(repo, to=a, server=srv)
+    assert switched == []
+
+
+class _NotTriton(http.server.BaseHTTPRequestHandler):
+    """Answers 200 text/plain on every path, as Triton's metrics port does."""
+
+    def do_GET(self):  # noqa: N802
+        body = b"# HELP nv_inference_count\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.mark.xfail(strict=True, reason="hostile s7 #70/#73: --url at an HTTP port that is not Triton's HTTP endpoint "
+                   "(e.g. the metrics port) is exit 1 with a JSONDecodeError traceback, not a refusal on --url")
+def test_url_at_metrics_port_is_refused_not_a_traceback(tmp_path):
+    repo = tmp_path / "serving" / "model_repository"
+    (repo / "ensemble").mkdir(parents=True)
+    (repo / "ensemble" / "config.pbtxt").write_text(
+        'name: "ensemble"\nplatform: "ensemble"\n'
+        f'parameters {{ key: "{release.IDENTITY_PARAM}" value {{ string_value: "0123456789abcdef" }} }}\n')
+    (repo.parent / release.STATE_FILE).write_text("{}")
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), _NotTriton)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "invoke", "rollback", "--repo", str(repo), "--url",
+                            f"127.0.0.1:{httpd.server_address[1]}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, COLUMNS="250"))
+    finally:
+        httpd.shutdown()
+    text = r.stdout + r.stderr
+    assert "Traceback" not in text, text
+    assert r.returncode == 2 and "--url:" in text, text
