@@ -351,6 +351,8 @@ def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_
     """Issue 25 item 19: the same dataset at another path re-quantized (the key held the path)."""
     from types import SimpleNamespace
 
+    from tests.conftest import request
+
     from precision_pipeline.quantize.stage import QuantizeStage
     from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
 
@@ -365,7 +367,7 @@ def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_
     def key(ds: str, **cal) -> str:
         prof = validate_profile(deep_merge(load_raw("fp8-h100"), {"calibration": {"dataset": ds, "num_samples": 2, **cal}}))
         st = QuantizeStage()
-        inputs = st.inputs(SimpleNamespace(profile=prof), SimpleNamespace(checkpoint=None, model_dir=m, device=None), {})
+        inputs = st.inputs(SimpleNamespace(profile=prof), request(prof, model_dir=m), {})
         assert inputs.profile.calibration.dataset == ds  # the stage still reads the file where it is
         return stage_mod.stage_key(st, inputs, {})
 

@@ -14,12 +14,12 @@ import pytest
 from precision_pipeline.core import stage as stage_mod
 from precision_pipeline.quantize.stage import QuantizeInputs, QuantizeStage
 from precision_pipeline.spec.default_model import ensure_default_model
-from tests.conftest import prof
+from tests.conftest import prof, request
 
 
 def _key(profile) -> str:
     plan = SimpleNamespace(profile=profile)
-    req = SimpleNamespace(checkpoint=None, model_dir=ensure_default_model())
+    req = request(profile, model_dir=ensure_default_model())
     inputs = QuantizeStage().inputs(plan, req, {})
     assert isinstance(inputs, QuantizeInputs)
     return stage_mod.stage_key(QuantizeStage(), inputs, {})
@@ -65,5 +65,5 @@ def test_other_sections_keep_the_key(name):
 def test_canonical_form_holds_the_quantization_section():
     p = prof(BASE, quantization__keep_first_layers=1)
     inputs = QuantizeStage().inputs(SimpleNamespace(profile=p),
-                                    SimpleNamespace(checkpoint=None, model_dir=ensure_default_model()), {})
+                                    request(p, model_dir=ensure_default_model()), {})
     assert inputs.canonical()["quantization"].keep_first_layers == 1

@@ -29,7 +29,8 @@ def canonical(obj: Any, where: str = "$") -> Any:
     """The strict canonical form of ``obj``: plain JSON values only, or ``TypeError``.
 
     Allowed: None, bool, int, finite float, str, list/tuple (-> list), dict with str keys,
-    enums (-> their value), pydantic models (-> their fields, by name; a model with a
+    enums (-> their value), pydantic models (-> their fields, by name, except those its ``unkeyed`` class
+    attribute declares, each with the reason it must not change a key; a model with a
     ``canonical()`` method, such as ``core.fingerprint.Fingerprint``, is replaced by what that
     returns). Anything else -- a Path outside a Fingerprint, a set, bytes, NaN or infinity, an
     arbitrary object -- raises ``TypeError`` naming the path of the value (``$.inputs.model``),
@@ -64,7 +65,9 @@ def canonical(obj: Any, where: str = "$") -> Any:
         custom = getattr(obj, "canonical", None)
         if callable(custom):
             return canonical(custom(), where)
-        return {name: canonical(getattr(obj, name), f"{where}.{name}") for name in type(obj).model_fields}
+        unkeyed = getattr(type(obj), "unkeyed", None) or {}
+        return {name: canonical(getattr(obj, name), f"{where}.{name}") for name in type(obj).model_fields
+                if name not in unkeyed}
     raise TypeError(f"{where}: {type(obj).__module__}.{type(obj).__qualname__} is not a canonical type "
                     "(None, bool, int, finite float, str, list, dict with str keys, enum, pydantic model, "
                     "Fingerprint for paths)")
