@@ -36,4 +36,4 @@ def test_the_readme_shows_each_routes_stage_graph():
     for name, route in ROUTES.items():
         assert f"Route `{name}`:" in text
         assert " ──► ".join(s.name for s in route.stages) in text
-    assert "| `route` | `engine` |" in text and "**Adding a route** touches 2 existing files" in text
+    assert "| `route` | `engine` |" in text and "**Adding a route** touches 2 existing code files" in text
