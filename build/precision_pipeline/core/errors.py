@@ -53,7 +53,7 @@ class UserError(PipelineError):
     exit_code = EXIT_INVALID
     written: tuple[str, ...] = ()
     """What the run had already written when this was raised (paths relative to its output, e.g.
-    ``plan.json``, ``checkpoint/``); empty: refused before any write (set by ``pipeline.run_build``)."""
+    ``plan.json``, ``checkpoint/``); empty: refused before any write (set by ``core.route.run_stages``)."""
     stage: str = ""
     """The stage that raised it, when a stage did."""
 
