@@ -31,6 +31,8 @@ from precision_pipeline.core.errors import PipelineError
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage, gate_failure
 from precision_pipeline.engine.stage import EngineInputs
 from precision_pipeline.gate.stage import GateInputs, GateStage
+from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.stage import BuildRequest
 
 OUTPUT = "engine_gate"
 GATE_ENGINE = "engine"
@@ -86,7 +88,7 @@ class EngineGateStage(Stage[EngineGateInputs, EngineGateArtifact]):
     artifact_type = EngineGateArtifact
     reuse_failed = True  # a failed verdict of unchanged inputs stands (exit 3 again, not re-measured)
 
-    def inputs(self, plan, request, upstream: Mapping[str, Done]) -> EngineGateInputs:
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> EngineGateInputs:
         from precision_pipeline.engine.stage import EngineStage
 
         e = upstream["engine"]

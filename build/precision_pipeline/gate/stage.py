@@ -26,6 +26,8 @@ from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_
 from precision_pipeline.core.errors import PipelineError
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage, gate_failure
 from precision_pipeline.gate.options import GateOptions
+from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.stage import BuildRequest
 from precision_pipeline.spec.profile import GateBar, GateThresholds
 
 
@@ -96,7 +98,7 @@ class GateStage(Stage[GateInputs, GateArtifact]):
     artifact_type = GateArtifact
     reuse_failed = True  # a failed verdict of unchanged inputs stands (exit 3 again, not re-measured)
 
-    def inputs(self, plan, request, upstream: Mapping[str, Done]) -> GateInputs:
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> GateInputs:
         q = upstream["quantize"]
         d = request.device
         compute = {} if d is None else {"device": d.device, "reference_dtype": d.reference_dtype,
