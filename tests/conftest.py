@@ -216,6 +216,18 @@ def mixed_export(tmp_path_factory, smollm_2layers):
     return qm, root / "tp1", root / "tp3", res
 
 
+def request(profile=None, out_dir: Path = Path("/nonexistent/out"), model_dir: Path | None = None, **kw):
+    """A typed ``BuildRequest`` for calling stage hooks directly (``profile``: a Profile, default fp8-h100;
+    ``model_dir``: default the default model's folder; other fields as keywords: strict, checkpoint, device...)."""
+    from precision_pipeline.resolve.stage import BuildRequest
+    from precision_pipeline.spec.default_model import default_model_dir as dm
+    from precision_pipeline.spec.profile import load_profile
+
+    return BuildRequest(profile=profile if profile is not None else load_profile("fp8-h100"), profile_source="test",
+                        model_dir=model_dir if model_dir is not None else dm(), out_dir=Path(out_dir),
+                        repo_root=str(out_dir), **kw)
+
+
 def prof(base: str = "bf16-h100", **dotted):
     """A shipped profile's merged YAML with overrides, validated: ``section={...}`` replaces a
     section, ``section__key=value`` sets one key (``build__max_seq_len=...``)."""

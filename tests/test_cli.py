@@ -27,7 +27,7 @@ def run_task(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 @pytest.fixture()
 def previous_output(tmp_path) -> Path:
     """An output directory holding a previous build (must be left untouched)."""
-    from precision_pipeline.pipeline import write_output_marker
+    from precision_pipeline.core.outputs import write_output_marker
 
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)

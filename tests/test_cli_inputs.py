@@ -230,7 +230,7 @@ def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path):
     """Hostile round #12: `gate.min_prompts: 1000` passed `check` although the golden set has 65 prompts (every
     build of the profile would then be unpromotable)."""
     from precision_pipeline.core.errors import UserError
-    from precision_pipeline.pipeline import load_build_profile
+    from precision_pipeline.gate.verdict import load_build_profile
 
     for n, ok in ((1000, False), (66, False), (65, True)):
         p = tmp_path / f"mp{n}.yaml"

@@ -49,7 +49,7 @@ def _tree(d: Path) -> dict[str, str]:
 @pytest.fixture()
 def previous_output(tmp_path) -> Path:
     """A previous build's output (marker written, as every build does first)."""
-    from precision_pipeline.pipeline import write_output_marker
+    from precision_pipeline.core.outputs import write_output_marker
 
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
@@ -188,7 +188,7 @@ def test_relative_dataset_is_read_beside_the_profile(tmp_path):
     (prof.parent / "data" / "calib.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
     r = run_task("check", "--profile", str(prof))
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
-    from precision_pipeline.pipeline import load_build_profile
+    from precision_pipeline.resolve.dataset import load_build_profile
 
     assert load_build_profile(str(prof)).calibration.dataset == str((prof.parent / "data" / "calib.jsonl").resolve())
 
@@ -299,8 +299,10 @@ def _fake_stages(monkeypatch, interrupt_in: str | None = None):
                 return Art()
         return Fake()
 
-    monkeypatch.setattr(pipeline, "STAGES", (pipeline.STAGES[0], make("quantize", "checkpoint"), make("gate", "gate"),
-                                             make("engine", "engine")))
+    from precision_pipeline.core.route import Route
+
+    monkeypatch.setitem(pipeline.ROUTES, "engine", Route("engine", (pipeline.ROUTES["engine"].stages[0], make("quantize", "checkpoint"),
+                                                                    make("gate", "gate"), make("engine", "engine"))))
 
 
 def test_ctrl_c_during_a_stage_leaves_the_previous_plan(monkeypatch, previous_output):

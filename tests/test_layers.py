@@ -25,7 +25,8 @@ rank  layer       what it is
 7     serving     templates, Triton repository, releases, manifests, local server
 8     analysis    per-layer sensitivity (uses the gate and the checkpoint reader)
 9     pipeline    the stage runner (pipeline.py)
-10    nightly     the nightly rebuild over many profiles (nightly.py: runs run_build per profile)
+10    nightly     the nightly rebuild over many profiles (nightly.py: runs run_prepared per profile)
+11    cli         what each ``invoke`` task calls and prints (cli/: build, serving, choose, sensitivity)
 ====  ==========  ====================================================================
 
 Parts that fail because of code the format-registry branch rewrites are ``xfail(strict=True)``
@@ -46,7 +47,8 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1] / "build"
 PACKAGE = "precision_pipeline"
 
 LAYERS: dict[str, int] = {"core": 0, "spec": 1, "resolve": 2, "checkpoint": 3, "quantize": 4, "gate": 5,
-                          "engine": 6, "serving": 7, "analysis": 8, "pipeline": 9, "nightly": 10}
+                          "engine": 6, "serving": 7, "analysis": 8, "pipeline": 9, "nightly": 10,
+                          "cli": 11}
 TORCH_FREE = ("core", "spec", "resolve")
 NEEDS_TORCH = ("torch", "transformers", "modelopt", "safetensors.torch")
 # functions of the torch-free layers allowed to import torch, and why; no torch-free module may import them
@@ -54,7 +56,7 @@ SET_UP_ONLY: dict[tuple[str, str], str] = {
     ("precision_pipeline.spec.default_model", "ensure_default_model"):
         "the one-time GGUF -> HF conversion of the default model (run.sh, quantize); resolve never runs it",
     ("precision_pipeline.spec.device", "probe_cuda"):
-        "asks torch.cuda which GPUs a build may use (pipeline.choose_device, once per build); resolve gets its result",
+        "asks torch.cuda which GPUs a build may use (spec.device.choose_device, once per build); resolve gets its result",
 }
 
 REGISTRY_BRANCH = "fixed by the format registry branch"

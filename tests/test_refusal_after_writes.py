@@ -46,7 +46,9 @@ def _refusing_gate(monkeypatch):
         def run(self, inputs, workdir):
             raise UserError("checkpoint", "transformer.layers.0.attention.qkv has 7 rows; expected 960.", "re-export it.")
 
-    monkeypatch.setattr(pipeline, "STAGES", (pipeline.STAGES[0], Quantize(), Gate()))
+    from precision_pipeline.core.route import Route
+
+    monkeypatch.setitem(pipeline.ROUTES, "engine", Route("engine", (pipeline.ROUTES["engine"].stages[0], Quantize(), Gate())))
 
 
 def test_stage_refusal_after_writes_names_what_was_written(monkeypatch, tmp_path, capsys):

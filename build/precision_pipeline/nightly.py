@@ -2,11 +2,11 @@
 
 ``run_nightly(NightlyOptions)`` is what ``invoke nightly`` calls:
 
-1. **Check first.** Every selected profile is loaded and resolved (``pipeline.build_request`` and the
-   resolve stage, the same checks as ``invoke build``) before any heavy work. A refused profile is a
-   row with verdict ``refused`` and its reason; the others go on.
-2. **Rebuild what changed.** Each accepted profile runs ``pipeline.run_build`` into
-   ``<out>/<profile>/``: the stage runner (``core/stage.py``) decides by content key what runs
+1. **Check first.** Every selected profile is loaded, resolved and preflighted (``pipeline.build_request``
+   and ``core.route.prepare`` over its route, the same checks as ``invoke build``) before any heavy work. A
+   refused profile is a row with verdict ``refused`` and its reason; the others go on.
+2. **Rebuild what changed.** Each accepted profile runs ``pipeline.run_prepared`` (the checked request, not
+   resolved again) into ``<out>/<profile>/``: the stage runner (``core/stage.py``) decides by content key what runs
    (a profile edit, a model change, new code or golden prompts). A failed gate whose key (and its
    checkpoint's key) is unchanged is read back from its record instead of being re-measured (the
    runner reuses failed gate verdicts: ``Stage.reuse_failed``). "Rebuilt" lists the stages that ran (``done``/``failed``);
@@ -44,8 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 from precision_pipeline.core.errors import (EXIT_ENGINE_BUILD_FAILED, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INVALID,
-                                            EXIT_REGRESSED, EXIT_STRICT_SKIP, EngineBuildFailed, GateFailed, StrictSkip,
-                                            UserError)
+                                            EXIT_REGRESSED, EXIT_STRICT_SKIP, GateFailed, UserError, exit_code_for)
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, read_json_safe
 from precision_pipeline.serving import deploy
@@ -56,6 +55,8 @@ SEVERITY = (EXIT_INTERNAL, EXIT_ENGINE_BUILD_FAILED, EXIT_REGRESSED, EXIT_GATE_F
 """Exit codes from most to least severe: the nightly exits with the first one any row has."""
 VERDICT_EXIT = {"error": EXIT_INTERNAL, "engine_failed": EXIT_ENGINE_BUILD_FAILED, "regressed": EXIT_REGRESSED, "failed": EXIT_GATE_FAILED, "refused": EXIT_INVALID,
                 "skipped": EXIT_STRICT_SKIP, "pass": 0}
+VERDICT_OF_EXIT = {code: v for v, code in VERDICT_EXIT.items() if v != "regressed"}
+"""A build's exit code (``core.errors.exit_code_for`` of what it raised) -> its row's verdict."""
 RESERVED_NAMES = (NIGHTLY_DIR, "serving", "mutation")
 """Folders of the output root that are not build outputs (a profile of such a name is refused)."""
 SHOWN_METRICS = ("kl_mean", "kl_p99", "top1", "ppl_delta_pct")
@@ -292,20 +293,22 @@ def _checkpoint_of(opts: NightlyOptions, name: str) -> Optional[str]:
 
 
 def _check(ref: str, opts: NightlyOptions):
-    """(request, plan) of profile ``ref``, checked as ``invoke build`` checks it. Raises UserError."""
-    from precision_pipeline.core.stage import execute
-    from precision_pipeline.pipeline import STAGES, build_request, load_build_profile
+    """(request, prepared) of profile ``ref``, checked as ``invoke build`` checks it (``core.route.prepare`` over its
+    route: resolve and every stage's preflight; ``prepared`` is (plan, done), what ``pipeline.run_prepared`` takes).
+    Raises UserError."""
+    from precision_pipeline.core.route import prepare
+    from precision_pipeline.pipeline import build_request, route_of
+    from precision_pipeline.gate.verdict import load_build_profile
 
     name = load_build_profile(ref).name
     if name in RESERVED_NAMES:
         raise UserError("--profiles", f"profile name {name!r} is a folder of the nightly output root.", "rename the profile.")
     out = Path(opts.out_root) / name
     req = build_request(ref, opts.model, str(out), opts.strict, None, opts.golden_limit, _checkpoint_of(opts, name))
-    plan = execute(STAGES[0], None, req, {}).artifact.plan
-    return req, plan
+    return req, prepare(route_of(req.profile).stages, req)
 
 
-def _build_row(ref: str, req, plan, opts: NightlyOptions, build: Callable, say: Callable[[str], None]) -> Row:
+def _build_row(ref: str, req, prepared, opts: NightlyOptions, build: Callable, say: Callable[[str], None]) -> Row:
     name = req.profile.name
     row = Row(profile=name, source=ref, out_dir=str(req.out_dir))
     records = []
@@ -317,21 +320,19 @@ def _build_row(ref: str, req, plan, opts: NightlyOptions, build: Callable, say: 
 
     t0 = time.perf_counter()
     try:
-        build(ref, model=opts.model, out=str(req.out_dir), strict=opts.strict, golden_limit=opts.golden_limit,
-              checkpoint=_checkpoint_of(opts, name), on_stage=on_stage)
-    except GateFailed as e:
-        row.verdict, row.reason = "failed", str(e)
-        if any(r.name in ("gate", "engine_gate") and r.status == "cached" for r in records):
+        build(req, prepared, on_stage=on_stage)
+    except Exception as e:  # one profile's failure or crash does not stop the others
+        code = exit_code_for(e)  # the one exception -> exit code mapping; the verdict follows from the code
+        row.verdict = VERDICT_OF_EXIT.get(code, "error")
+        if isinstance(e, UserError):
+            row.reason = "; ".join(f"{p.field}: {p.reason}" for p in e.problems)
+        elif row.verdict == "error":
+            traceback.print_exc()
+            row.reason = f"{type(e).__name__}: {e}"
+        else:
+            row.reason = str(e)
+        if isinstance(e, GateFailed) and any(r.name in ("gate", "engine_gate") and r.status == "cached" for r in records):
             say(f"[nightly] {name}: checkpoint and gate keys unchanged; its failed gate verdict is read back, not re-measured")
-    except StrictSkip as e:
-        row.verdict, row.reason = "skipped", str(e)
-    except EngineBuildFailed as e:
-        row.verdict, row.reason = "engine_failed", str(e)
-    except UserError as e:
-        row.verdict, row.reason = "refused", "; ".join(f"{p.field}: {p.reason}" for p in e.problems)
-    except Exception as e:  # one profile's crash does not stop the others
-        traceback.print_exc()
-        row.verdict, row.reason = "error", f"{type(e).__name__}: {e}"
     row.seconds = time.perf_counter() - t0
     for rec in records:
         row.stages[rec.name] = rec.status
@@ -344,9 +345,12 @@ def _build_row(ref: str, req, plan, opts: NightlyOptions, build: Callable, say: 
     if row.gate:
         row.gate_passed = all(v.get("passed") is not False for v in row.gate.values())
         row.failed_metrics = [k for k, v in row.gate.items() if v.get("passed") is False]
-    qrec = read_json_safe(out / ".stages" / "quantize.json")
-    if isinstance(qrec, dict) and row.stages.get("quantize") in ("done", "cached"):
-        row.checkpoint_bytes = (qrec.get("artifact") or {}).get("checkpoint_bytes")
+    from precision_pipeline.core.stage import read_record
+    from precision_pipeline.quantize.stage import QuantizeStage
+
+    q = read_record(out, QuantizeStage())  # the typed checkpoint artifact
+    if q is not None and row.stages.get("quantize") in ("done", "cached"):
+        row.checkpoint_bytes = q.artifact.checkpoint_bytes
         try:
             row.provenance = provenance(out)
         except Exception as e:  # reading one profile's provenance must not stop the nightly either
@@ -410,9 +414,10 @@ def _load_baselines(opts: NightlyOptions) -> tuple[Optional[dict], Optional[dict
 
 def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: Callable[[str], None] = _say) -> NightlySummary:
     """Check, rebuild, gate and compare every profile of ``opts``; write the summary. See the module docstring.
-    ``build``: the build function (default ``pipeline.run_build``). Raises UserError only for bad options."""
+    ``build(request, prepared, on_stage=)``: the build of a checked profile (default ``pipeline.run_prepared``).
+    Raises UserError only for bad options."""
     if build is None:
-        from precision_pipeline.pipeline import run_build as build
+        from precision_pipeline.pipeline import run_prepared as build
     if opts.promote and len(opts.profiles) != 1:
         raise UserError("--promote", f"{len(opts.profiles)} profiles are selected; a serving repository serves one profile.",
                         "run nightly --promote --profiles NAME for the profile to promote.")
@@ -422,16 +427,16 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
     accepted = []
     for ref in opts.profiles:  # 1. check every profile before any heavy work
         try:
-            req, plan = _check(ref, opts)
-            accepted.append((ref, req, plan))
+            req, prepared = _check(ref, opts)
+            accepted.append((ref, req, prepared))
             say(f"[nightly] {req.profile.name}: checks passed")
         except UserError as e:
             reason = "; ".join(f"{p.field}: {p.reason}" for p in e.problems)
             rows.append(Row(profile=Path(ref).stem if ref.endswith((".yaml", ".yml")) else ref, source=ref,
                             verdict="refused", reason=reason))
             say(f"[nightly] {ref}: refused: {reason}")
-    for ref, req, plan in accepted:  # 2.-3. rebuild, gate, compare
-        row = _build_row(ref, req, plan, opts, build, say)
+    for ref, req, prepared in accepted:  # 2.-3. rebuild, gate, compare
+        row = _build_row(ref, req, prepared, opts, build, say)
         base = find_baseline(row.profile, releases, previous)
         if base is not None and row.measured:
             row.baseline = base
@@ -464,18 +469,16 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
 
 
 def _promote(row: Row, opts: NightlyOptions) -> str:
-    from precision_pipeline.serving import release
-    from precision_pipeline.serving.acceptance import check_promotable
-    from precision_pipeline.spec.profile import load_profile
+    """``--promote``: the same promote as ``invoke promote`` (``serving.build_output.promote_build``: acceptance with
+    the serving image and SM, the first release with the profile's fallback build from this output root,
+    ``warm_fallback`` and ``keep_releases``). Returns the unit now current."""
+    from precision_pipeline.serving import build_output
 
     repo = Path(opts.serving_repo) if opts.serving_repo else Path(opts.out_root) / "serving" / "model_repository"
-    out = Path(row.out_dir)
-    gate = check_promotable(load_profile(row.source or row.profile), out, out / "model_repository").gate
-    if release.read_state(repo) is None:
-        state = release.init_serving_repo(repo, out / "model_repository", profile=row.profile, gate=gate, by="invoke nightly")
-        return str(state["current"])
-    return str(release.promote(repo, out / "model_repository", profile=row.profile, gate=gate,
-                               promoted_by="invoke nightly")["unit"])
+    b = build_output.open_build(row.source or row.profile, row.out_dir)
+    fb = b.profile.deployment.fallback
+    return build_output.promote_build(b, repo, by="invoke nightly",
+                                      fallback_out=Path(opts.out_root) / fb if fb else None).unit
 
 
 # --------------------------------------------------------------------------------------------

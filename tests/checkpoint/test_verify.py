@@ -156,9 +156,9 @@ def test_nonfinite_and_zero_scales_are_refused(fp8_checkpoint, tmp_path):
 def test_verify_stage_sits_between_quantize_and_gate_and_refuses(fp8_checkpoint, tmp_path):
     from precision_pipeline.checkpoint.stage import VerifyInputs, VerifyStage
     from precision_pipeline.core.fingerprint import Fingerprint
-    from precision_pipeline.pipeline import STAGES
+    from precision_pipeline.pipeline import ROUTES
 
-    names = [s.name for s in STAGES]
+    names = [s.name for s in ROUTES["engine"].stages]
     assert names.index("quantize") + 1 == names.index("verify") == names.index("gate") - 1
     ok = VerifyStage().run(VerifyInputs(checkpoint=Fingerprint(sha256="0" * 64, path=fp8_checkpoint), quant_algo="FP8",
                                         kv_cache_quant_algo="FP8"), None)

@@ -350,7 +350,8 @@ def test_unchanged_engine_is_not_rebuilt(tmp_path, fp8_checkpoint, monkeypatch, 
 def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_path, monkeypatch, default_model_dir):
     """Issue 25 item 19: the same dataset at another path re-quantized (the key held the path). The path is an
     unkeyed field of the job (``QuantizeJob.calibration_path``); the file's content is keyed."""
-    from types import SimpleNamespace
+
+    from tests.conftest import request
 
     from precision_pipeline.quantize.stage import QuantizeStage
     from precision_pipeline.resolve.plan import evaluate
@@ -370,7 +371,7 @@ def test_the_same_calibration_file_at_another_path_is_the_same_quantize_key(tmp_
     def key(ds: str, **cal) -> str:
         prof = validate_profile(deep_merge(load_raw("fp8-h100"), {"calibration": {"dataset": ds, "num_samples": 2, **cal}}))
         st = QuantizeStage()
-        inputs = st.inputs(evaluate(prof, arch), SimpleNamespace(checkpoint=None, model_dir=m, device=None), {})
+        inputs = st.inputs(evaluate(prof, arch), request(prof, model_dir=m), {})
         assert inputs.job.calibration_to_read().dataset == (ds if ds == "builtin" else str(tmp_path / ds))  # read where it is
         return stage_mod.stage_key(st, inputs, {})
 

@@ -220,7 +220,7 @@ def test_deleting_build_lock_lets_no_second_build_in(tmp_path):
     code = f"""
         import sys, time
         from pathlib import Path
-        from precision_pipeline.pipeline import output_lock
+        from precision_pipeline.core.outputs import output_lock
         with output_lock(Path({str(out)!r}), "build of first"):
             print("held", flush=True)
             time.sleep(30)
@@ -229,7 +229,7 @@ def test_deleting_build_lock_lets_no_second_build_in(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         (out / ".build.lock").unlink()  # the careless user
-        from precision_pipeline.pipeline import output_lock
+        from precision_pipeline.core.outputs import output_lock
 
         with pytest.raises(UserError) as e:
             with output_lock(out, "build of second", wait=False):
@@ -261,12 +261,12 @@ def test_a_truncated_manifest_is_a_sentence_and_the_next_build_rewrites_it(tmp_p
     assert man.previous == {} and "is damaged" in capsys.readouterr().err
     man.save()
     assert read_manifest(m)["profile"] == "p"
-    # through a task that reads it (promote): exit 2 and the sentence, no traceback
+    # a task on that output (promote reads the typed stage records, not manifest.json): exit 2, a sentence, no traceback
     m.write_text('{"profile": "fp8-h100", "stag')
     p = subprocess.run([sys.executable, "-m", "invoke", "promote", "--profile", "fp8-h100", "--out", str(tmp_path),
                         "--repo", str(tmp_path / "serving" / "model_repository")], cwd=BUILD.parent, capture_output=True,
                        text=True, timeout=120)
-    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr and "manifest.json:" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr and "holds no finished build" in p.stdout, p.stdout + p.stderr
 
 
 def test_a_full_disk_or_ulimit_during_a_checkpoint_copy_is_a_sentence_and_leaves_nothing(tmp_path):

@@ -127,9 +127,8 @@ def calls(paths: dict[str, Path]) -> list[list[str]]:
 def stage_runner(tmp_path: Path):
     """A ``StageRunner`` on ``tmp_path/out`` with stand-in quantize/gate upstream records (keys ``1..1``,
     ``2..2``; checkpoint folder ``tmp_path/ckpt``) and a request: ``(out, runner, upstream, request)``."""
-    from types import SimpleNamespace
-
     from precision_pipeline.core.stage import Done, Manifest, StageRecord, StageRunner
+    from tests.conftest import request
 
     out = tmp_path / "out"
     out.mkdir()
@@ -137,4 +136,4 @@ def stage_runner(tmp_path: Path):
                                             out_dir=str(out)))
     up = {n: Done(artifact=None, key=c * 64, dir=tmp_path / "ckpt", record=StageRecord(n, "done"))
           for n, c in (("quantize", "1"), ("gate", "2"))}
-    return out, runner, up, SimpleNamespace(out_dir=out, strict=False)
+    return out, runner, up, request(out_dir=out)

@@ -27,12 +27,13 @@ def cpu_build(tmp_path, default_model_dir):
     (out / "checkpoint").mkdir()
     plan = P.evaluate(load_profile("fp8-h100"), default_model_dir)
     recs = {"resolve": {"key": "0" * 64, "artifact": PlanArtifact(plan=plan).model_dump(mode="json")},
-            "quantize": {"key": "1" * 64, "artifact": {"status": "done"}},
-            "gate": {"key": "2" * 64, "artifact": {"status": "done", "passed": True}}}
+            "quantize": {"key": "1" * 64, "artifact": {"status": "done", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                                       "logits_dtype": None, "checkpoint_bytes": 0, "layers": {}}},
+            "gate": {"key": "2" * 64, "artifact": {"status": "done", "passed": True, "numbers": {}}}}
     for name, rec in recs.items():
         (out / RECORDS_DIR / f"{name}.json").write_text(json.dumps({"stage": name, **rec}))
     (out / "manifest.json").write_text(json.dumps({"profile": "fp8-h100", "model_dir": str(default_model_dir), "stages": {}}))
-    from precision_pipeline.pipeline import write_output_marker
+    from precision_pipeline.core.outputs import write_output_marker
 
     write_output_marker(out, "fp8-h100")
     return out
@@ -101,7 +102,7 @@ def test_engine_then_engine_gate_skipped_without_a_runner(tmp_path, monkeypatch,
     rows = json.loads((cpu_build / "manifest.json").read_text())["stages"]
     assert rows["engine"]["status"] == "done"
     assert rows["engine_gate"]["status"] == "skipped" and "no CUDA device visible" in rows["engine_gate"]["reason"]
-    with pytest.raises(StrictSkip, match="engine_gate skipped"):
+    with pytest.raises(StrictSkip, match=r"--strict: stage\(s\) skipped: engine_gate \(skipped: .*no CUDA device visible"):
         job.run_engine_job(cpu_build, strict=True)
 
 
@@ -142,3 +143,37 @@ def test_rendered_job_passes_the_model_and_golden_limit(tmp_path, default_model_
     doc = yaml.safe_load(build_job.render_job(plan, tmp_path / "o", model_dir=default_model_dir, golden_limit=2))
     assert doc["spec"]["template"]["spec"]["containers"][0]["args"] == [
         "--out", str((tmp_path / "o").resolve()), "--strict", "--model", str(default_model_dir.resolve()), "--golden-limit", "2"]
+
+
+def test_the_job_runs_the_engine_route_stages_through_the_build_loop(tmp_path, monkeypatch, cpu_build):
+    """Issue 24: the Job was a second driver (its own Done(artifact=None), SimpleNamespace request, GateFailed /
+    StrictSkip mapping). Now it runs the engine route's own stage objects through ``core.route``: their preflight
+    first (a refusal there writes nothing and starts no trtllm-build), then ``run_stages`` with typed upstream."""
+    from precision_pipeline.core import route
+    from precision_pipeline.engine.stage import EngineStage
+    from precision_pipeline.pipeline import ROUTES
+    from precision_pipeline.resolve.stage import BuildRequest
+
+    assert all(any(s is r for r in ROUTES["engine"].stages) for s in job.JOB_STAGES)
+    assert [s.name for s in job.JOB_STAGES] == ["engine", "engine_gate"]
+    paths = doubles.install(tmp_path, monkeypatch)
+    seen = []
+    real = route.run_stages
+
+    def spy(stages, plan, req, runner, done, subject, *a, **k):
+        seen.append(([s.name for s in stages], type(req), {n: type(d.artifact).__name__ for n, d in done.items()}))
+        return real(stages, plan, req, runner, done, subject, *a, **k)
+
+    monkeypatch.setattr(job, "run_stages", spy)
+    job.run_engine_job(cpu_build)
+    assert seen == [(["engine", "engine_gate"], BuildRequest, {"quantize": "CheckpointArtifact", "gate": "GateArtifact"})]
+
+    def refuse(self, plan, request):
+        raise UserError("engine.sm", "the node's GPUs are SM 89, the plan's SM 90.", "run on an H100 node.")
+
+    monkeypatch.setattr(EngineStage, "preflight", refuse)
+    (cpu_build / "engine").rename(tmp_path / "engine-before")
+    n = len(doubles.calls(paths))
+    with pytest.raises(UserError, match="SM 89"):
+        job.run_engine_job(cpu_build)
+    assert len(doubles.calls(paths)) == n and not (cpu_build / "engine").exists()

@@ -98,7 +98,7 @@ def test_gather_context_logits_reaches_trtllm_build_through_the_engine_stage(tmp
     """The real bug: build.gather_context_logits: true never reached the command line."""
     from precision_pipeline.core.stage import Done, StageRecord
     from precision_pipeline.engine.stage import EngineStage
-    from types import SimpleNamespace
+    from tests.conftest import request
 
     off = _plan("fp8-h100")
     on = _plan("fp8-h100", build__gather_context_logits=True)
@@ -106,7 +106,7 @@ def test_gather_context_logits_reaches_trtllm_build_through_the_engine_stage(tmp
     assert on.gather_context_logits is True
     q = Done(artifact=None, key="0" * 64, dir=tmp_path / "checkpoint", record=StageRecord("quantize", "done"))
     for plan, want in ((off, False), (on, True)):
-        inputs = EngineStage().inputs(plan, SimpleNamespace(out_dir=tmp_path / "out"), {"quantize": q})
+        inputs = EngineStage().inputs(plan, request(plan.profile, tmp_path / "out"), {"quantize": q})
         (tmp_path / f"w{want}").mkdir()
         res = run_engine(inputs, inputs.checkpoint.path, Path(inputs.engine_dir), inputs.sm,
                          Toolchain(False, None, []), workdir=tmp_path / f"w{want}")

@@ -7,14 +7,13 @@ stage's own ``inputs()`` (no quantization runs).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
 from precision_pipeline.core import stage as stage_mod
 from precision_pipeline.quantize.stage import QuantizeInputs, QuantizeStage
 from precision_pipeline.spec.default_model import ensure_default_model
-from tests.conftest import prof
+from tests.conftest import prof, request
 
 
 def _plan(profile):
@@ -27,7 +26,7 @@ def _plan(profile):
 
 def _key(profile) -> str:
     plan = _plan(profile)
-    req = SimpleNamespace(checkpoint=None, model_dir=ensure_default_model())
+    req = request(profile, model_dir=ensure_default_model())
     inputs = QuantizeStage().inputs(plan, req, {})
     assert isinstance(inputs, QuantizeInputs)
     return stage_mod.stage_key(QuantizeStage(), inputs, {})
@@ -74,5 +73,5 @@ def test_canonical_form_holds_the_quantization_section():
     from precision_pipeline.core.store import canonical
 
     p = prof(BASE, quantization__keep_first_layers=1)
-    inputs = QuantizeStage().inputs(_plan(p), SimpleNamespace(checkpoint=None, model_dir=ensure_default_model()), {})
+    inputs = QuantizeStage().inputs(_plan(p), request(p, model_dir=ensure_default_model()), {})
     assert canonical(inputs)["job"]["quantization"]["keep_first_layers"] == 1

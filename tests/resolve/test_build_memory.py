@@ -238,18 +238,17 @@ def test_free_host_memory_is_recorded_but_not_keyed():
 
 def test_device_cuda_without_a_gpu_says_what_is_missing(monkeypatch):
     """Issue 25 item 21: ``--device cuda`` on a machine without a GPU said "not asked (--device cpu)"."""
-    from precision_pipeline import pipeline
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.spec import device as dev
 
     monkeypatch.setattr(dev, "nvidia_driver_present", lambda: False)
     with pytest.raises(UserError) as e:
-        pipeline.choose_device("cuda")
+        dev.choose_device("cuda")
     pr = e.value.problems[0]
     assert pr.field == "--device" and "cuda was asked but no CUDA device is usable here: no NVIDIA driver" in pr.reason
     assert "not asked" not in pr.reason
     with pytest.raises(UserError, match="is not a reference dtype"):
-        pipeline.choose_device("cuda", reference_dtype="float8")
+        dev.choose_device("cuda", reference_dtype="float8")
     with pytest.raises(UserError, match="is not a device"):
-        pipeline.choose_device("gpu")
-    assert pipeline.choose_device("auto").device == "cpu"
+        dev.choose_device("gpu")
+    assert dev.choose_device("auto").device == "cpu"

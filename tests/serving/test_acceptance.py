@@ -63,14 +63,34 @@ def fake_build(out: Path, prof, fingerprint: str, *, layout: dict | None = None,
     from precision_pipeline.spec.default_model import ensure_default_model
 
     if packed is None:
-        pack.pack_repository(make_plan(prof), prof, ensure_default_model(), out / "no-checkpoint", out / "engine", False,
-                             out / "model_repository", str(out))
+        res = pack.pack_repository(make_plan(prof), prof, ensure_default_model(), out / "no-checkpoint", out / "engine",
+                                   False, out / "model_repository", str(out))
+        models, unit, engine_hash = tuple(res.models), res.engine_unit, res.engine_hash
+    else:
+        from precision_pipeline.serving.release_units import resolve_unit_source
+
+        info = json.loads((resolve_unit_source(packed) / pack.PACK_FILE).read_text())
+        models, unit, engine_hash = tuple(info["models"]), info["engine_unit"], info["engine_hash"]
     (out / "plan.json").write_text(json.dumps({"profile": prof.name}))
     numbers = {k: v["value"] for k, v in metrics["metrics"].items()}
+    passed = bool(metrics["passed"] or manifest_profile)
     (out / "manifest.json").write_text(json.dumps({
         "profile": manifest_profile or prof.name,
-        "stages": {"gate": {"status": "done" if metrics["passed"] or manifest_profile else "failed", "numbers": numbers},
+        "stages": {"gate": {"status": "done" if passed else "failed", "numbers": numbers},
                    "pack": {"status": "done"}}}))
+    # the typed stage records the readers go by (a killed build of manifest_profile wrote its resolve record first)
+    from precision_pipeline.core.stage import RECORDS_DIR, write_record
+    from precision_pipeline.gate.stage import GateArtifact
+    from precision_pipeline.resolve.stage import PlanArtifact
+    from precision_pipeline.serving.stage import RepositoryArtifact
+
+    planned = load_profile(manifest_profile) if manifest_profile else prof
+    for name, art in (("resolve", PlanArtifact(plan=make_plan(planned))),
+                      ("gate", GateArtifact(status="done" if passed else "failed", passed=passed, numbers=numbers,
+                                            record=metrics["record"])),
+                      ("pack", RepositoryArtifact(models=models, engine_present=packed is not None,
+                                                  engine_unit=unit, engine_hash=engine_hash))):
+        write_record(out / RECORDS_DIR / f"{name}.json", name, "0" * 64, art)
     return out
 
 
@@ -244,9 +264,13 @@ def test_cli_first_promote_shows_the_warnings(tmp_path, fp):
     """The first promote (it creates the serving repository) used to drop the skew warnings."""
     path = write_profile(tmp_path)
     out = fake_build(tmp_path / "out", load_profile(str(path)), fp)
-    (out / "k8s").mkdir()
-    (out / "k8s" / "triton-deployment.yaml").write_text(
-        "spec:\n  template:\n    spec:\n      containers:\n      - image: example.com/triton:custom\n")
+    from precision_pipeline.core.stage import RECORDS_DIR, write_record
+    from precision_pipeline.serving.stage import ManifestsArtifact
+
+    # the serving image comes from the deploy stage's typed artifact (not parsed out of the rendered YAML)
+    write_record(out / RECORDS_DIR / "deploy.json", "deploy", "0" * 64, ManifestsArtifact(
+        files=("triton-deployment.yaml",), gpus_per_replica=1, replicas=1, launcher="tritonserver",
+        image="example.com/triton:custom"))
     repo = tmp_path / "serving" / "model_repository"
     env = dict(os.environ, COLUMNS="300", PATH=f"{tmp_path / 'none'}:{os.path.dirname(sys.executable)}:/usr/bin:/bin")
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)

@@ -421,8 +421,18 @@ def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, cap
     class Srv:
         http_port = 8000
 
-    monkeypatch.setattr(tasks, "_built_repo", lambda profile, out=None: (load_profile("bf16-h100"), tmp_path, tmp_path, {}))
-    monkeypatch.setattr(tasks, "_probe_set", lambda *a: None)
+    from precision_pipeline.serving import build_output
+
+    class Built:  # what the typed build reader gives (serving/build_output.py has its own tests)
+        profile, out_dir, packed = load_profile("bf16-h100"), tmp_path, tmp_path
+
+        def serving_facts(self):
+            return {"image": None, "sm": 90}
+
+        def probe_set(self, prompts):
+            return None
+
+    monkeypatch.setattr(build_output, "open_build", lambda profile, out=None: Built())
     from precision_pipeline.serving import acceptance  # what the build holds is checked by its own tests (test_acceptance)
 
     monkeypatch.setattr(acceptance, "check_promotable", lambda *a, **k: acceptance.Acceptance(gate={}, warnings=[]))

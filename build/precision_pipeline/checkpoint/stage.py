@@ -12,6 +12,8 @@ from typing import Any, Mapping
 
 from precision_pipeline.core.fingerprint import Fingerprint
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
+from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.stage import BuildRequest
 
 
 class VerifyInputs(Frozen):
@@ -43,7 +45,7 @@ class VerifyStage(Stage[VerifyInputs, VerifyArtifact]):
     output = None
     artifact_type = VerifyArtifact
 
-    def inputs(self, plan, request, upstream: Mapping[str, Done]) -> VerifyInputs:
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> VerifyInputs:
         q = upstream["quantize"]
         quant = plan.profile.quantization
         return VerifyInputs(checkpoint=Fingerprint(sha256=q.key, path=q.dir), quant_algo=quant.quant_algo.value,

@@ -385,4 +385,23 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
             "scale_bytes": scale_bytes, "seconds": round(time.perf_counter() - t0, 4), "rules": sorted(RULES)}
 
 
-__all__ = ["verify_checkpoint", "RULES", "METADATA_FILES", "FIELD"]
+
+def check_checkpoint_dir(checkpoint: str) -> Path:
+    """``--checkpoint``: a folder with config.json and rank*.safetensors whose tensors are what it declares (each
+    tensor's byte range, the declared formats, then ``verify_checkpoint``), before anything is copied. Returns it
+    resolved; raises UserError naming ``--checkpoint``."""
+    from precision_pipeline.checkpoint.reader import check_declared_formats, safetensors_header
+    from precision_pipeline.core.errors import UserError
+
+    ck = Path(checkpoint).expanduser().resolve()
+    if not (ck / "config.json").is_file() or not list(ck.glob("rank*.safetensors")):
+        raise UserError("--checkpoint", f"{checkpoint} is not a TensorRT-LLM checkpoint (config.json + rank*.safetensors).",
+                        "give a checkpoint directory written by a previous build, or leave --checkpoint out to quantize.")
+    for f in sorted(ck.glob("rank*.safetensors")):
+        safetensors_header(f, field="--checkpoint")  # every tensor's byte range within the file, before any copy
+    check_declared_formats(ck)  # header-level: a broken checkpoint is refused before anything is written
+    verify_checkpoint(ck)  # layouts, scales, metadata (the verify stage repeats it against the plan after the copy)
+    return ck
+
+
+__all__ = ["verify_checkpoint", "RULES", "METADATA_FILES", "FIELD", "check_checkpoint_dir"]

@@ -9,6 +9,7 @@ against its baseline; 1 unexpected internal error (the only case that prints a t
 from __future__ import annotations
 
 import difflib
+import errno
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -52,7 +53,7 @@ class UserError(PipelineError):
     exit_code = EXIT_INVALID
     written: tuple[str, ...] = ()
     """What the run had already written when this was raised (paths relative to its output, e.g.
-    ``plan.json``, ``checkpoint/``); empty: refused before any write (set by ``pipeline.run_build``)."""
+    ``plan.json``, ``checkpoint/``); empty: refused before any write (set by ``core.route.run_stages``)."""
     stage: str = ""
     """The stage that raised it, when a stage did."""
 
@@ -86,6 +87,53 @@ class EngineBuildFailed(PipelineError):
     exit_code = EXIT_ENGINE_BUILD_FAILED
 
 
+EXIT_BROKEN_PIPE = 141
+"""A reader of the output left (``invoke releases | head``): 128 + SIGPIPE, said nothing."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C: 128 + SIGINT; writes are atomic, so previous artifacts are intact."""
+
+USER_OS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG,
+                            errno.EMFILE, errno.EFBIG})
+"""OSErrors that are the user's machine, not a bug (permissions, a full disk or quota, a file-size limit, a
+read-only filesystem, too many open files, a too long name): exit 2 with the file and the cause, no traceback."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of a run that ended with ``exc``: the one mapping every entry point uses (``tasks.py``'s
+    ``guarded``, ``python -m precision_pipeline.engine.job``, the nightly's row verdicts).
+
+    ``PipelineError``: its ``exit_code`` (2 refused, 3 gate failed, 4 skipped under --strict, 5 trtllm-build failed);
+    ``BrokenPipeError``: 141; an OSError in ``USER_OS_ERRNOS``: 2; ``KeyboardInterrupt``: 130; anything else:
+    1 (internal error, the only case with a traceback)."""
+    if isinstance(exc, PipelineError):
+        return exc.exit_code
+    if isinstance(exc, BrokenPipeError):
+        return EXIT_BROKEN_PIPE
+    if isinstance(exc, OSError) and exc.errno in USER_OS_ERRNOS:
+        return EXIT_INVALID
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_INTERNAL
+
+
+def os_error_text(exc: OSError) -> str:
+    """The one-paragraph message of an OSError in ``USER_OS_ERRNOS``: which file, why, and that nothing was lost."""
+    where = str(exc.filename2 or exc.filename or "")[:200] or "(a file the system did not name)"
+    fix = "raise the file-size limit (ulimit -f)" if exc.errno == errno.EFBIG else "free space or fix permissions"
+    return (f"cannot write {where}: {exc.strerror or str(exc)}. Writes are atomic, so the previous artifacts and the "
+            f"serving repository are intact; {fix} and run again.")
+
+
+def error_text(exc: BaseException) -> str:
+    """The plain one-paragraph text of an expected failure (``exit_code_for`` not 1): a UserError's problems, an
+    OSError's ``os_error_text``, else ``str(exc)``."""
+    if isinstance(exc, UserError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.errno in USER_OS_ERRNOS and not isinstance(exc, BrokenPipeError):
+        return os_error_text(exc)
+    return str(exc) or type(exc).__name__
+
+
 def closest(word: str, choices: Iterable[str]) -> str | None:
     """The closest known spelling of ``word`` among ``choices`` (difflib ratio >= 0.6), or None."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
@@ -96,4 +144,5 @@ __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_GATE_FAILED", "EXIT_STRICT_SKIP", "EXIT_ENGINE_BUILD_FAILED",
     "EXIT_REGRESSED", "EXIT_ENGINE_BUILD_FAILED",
     "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "EngineBuildFailed", "closest",
+    "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "USER_OS_ERRNOS", "exit_code_for", "os_error_text", "error_text",
 ]

@@ -1,10 +1,30 @@
-"""What makes a folder a build output: its marker file (one home; read by ``pipeline`` and ``engine.job``)."""
+"""What makes a folder a build output, and which folders a build may write into (one home; read by
+``pipeline``, ``engine.job`` and the tasks).
+
+Whose folder: a build writes only into a new or empty ``--out``, or into one holding the marker
+``.precision-build.json`` (``{"format": "precision-pipeline-build", "version": 1}``) that a build
+wrote. Any other non-empty folder is refused (exit 2), whatever files it holds (a
+``manifest.json`` or ``plan.json`` of a web project is not ours). An output of a pipeline version
+from before the marker (``manifest.json`` with ``stages`` and ``.stages/``) is refused too, with
+the fix to delete it or pick a new ``--out``: it cannot be told apart from a user's folder safely.
+
+The output is locked while a build writes it (``output_lock``: ``.build.lock`` inside it, plus an
+``flock`` on the output folder itself, so deleting ``.build.lock`` lets no second build in; a
+writable ``--out`` in a read-only parent works).
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import time
 from pathlib import Path
+from typing import Callable, Optional
 
-from precision_pipeline.core.store import read_json_safe
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.paths import REPO_ROOT
+from precision_pipeline.core.store import atomic_write_json, locked, read_json_safe
 
 OUTPUT_MARKER = ".precision-build.json"
 """The file that makes a folder a build output (written by the first build into it)."""
@@ -30,4 +50,117 @@ def read_output_marker(out: Path) -> dict | None:
     return m if isinstance(m, dict) and m.get("format") == OUTPUT_FORMAT else None
 
 
-__all__ = ["OUTPUT_MARKER", "OUTPUT_FORMAT", "OUTPUT_VERSION", "read_output_marker", "refuse_filesystem_root"]
+def write_output_marker(out: Path, profile: str = "") -> None:
+    """Mark ``out`` as a build output (``.precision-build.json``)."""
+    atomic_write_json(Path(out) / OUTPUT_MARKER, {"format": OUTPUT_FORMAT, "version": OUTPUT_VERSION,
+                                                  "created": time.time(), "profile": profile})
+
+
+def default_out_dir(profile_name: str) -> Path:
+    """``artifacts/<profile>`` under the repository: a build's output when ``--out`` is not given."""
+    return REPO_ROOT / "artifacts" / profile_name
+
+
+LOCK_FILE = ".build.lock"
+"""The build lock, inside the output; its sidecar ``.build.lock.json`` names the holder (core.store.locked)."""
+_OWN_FILES = (OUTPUT_MARKER, LOCK_FILE, LOCK_FILE + ".json")
+
+
+def _looks_like_old_output(out: Path, folders: tuple[str, ...]) -> bool:
+    m = read_json_safe(out / "manifest.json")
+    return isinstance(m, dict) and isinstance(m.get("stages"), dict) and "profile" in m and (
+        (out / ".stages").is_dir() or any((out / f).is_dir() for f in folders))
+
+
+def validate_out_dir(out: Path, folders: tuple[str, ...] = ()) -> Path:
+    """``--out``: new, empty, or a build output (its marker); ``folders``: the stage folders a build writes (an
+    unmarked output of an old pipeline holds them). Returns it resolved; raises UserError otherwise (nothing written)."""
+    out = Path(out).expanduser()
+    field = "--out"
+    try:
+        refuse_filesystem_root(out, field)
+        exists, is_dir = out.exists(), out.is_dir()
+    except (OSError, ValueError) as e:
+        raise UserError(field, f"{str(out)[:200]!r} cannot be used ({type(e).__name__}).", "give a directory path.")
+    if exists and not is_dir:
+        raise UserError(field, f"{out} exists and is not a directory.", "give a directory path.")
+    if not exists:
+        anc = out.parent
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
+            raise UserError(field, f"{out} does not exist and {anc} is not writable, so it cannot be created.",
+                            "create the folder (writable) first, or give a path in a writable place.")
+        return out.resolve()
+    try:
+        entries = [p.name for p in out.iterdir() if p.name not in _OWN_FILES]
+    except OSError as e:
+        raise UserError(field, f"{out} cannot be listed ({type(e).__name__}).", "give a readable, writable directory.")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(field, f"{out} is not writable.", "give a writable directory.")
+    marker = read_json_safe(out / OUTPUT_MARKER)
+    if isinstance(marker, dict) and marker.get("format") == OUTPUT_FORMAT:
+        v = marker.get("version")
+        if not isinstance(v, int) or isinstance(v, bool) or v > OUTPUT_VERSION:
+            raise UserError(field, f"{out} is a build output of format version {v!r}; this pipeline writes version "
+                            f"{OUTPUT_VERSION}.", "use the pipeline version that wrote it, or give a new --out.")
+        return out.resolve()
+    if not entries:
+        return out.resolve()
+    shown = ", ".join(sorted(entries)[:5]) + (f" (+{len(entries) - 5} more)" if len(entries) > 5 else "")
+    if _looks_like_old_output(out, folders):
+        raise UserError(field, f"{out} looks like the output of a build from before output folders were marked "
+                        f"({OUTPUT_MARKER} is missing), and this pipeline does not take over unmarked folders: "
+                        "it cannot tell them from a folder of yours.",
+                        f"delete it yourself (rm -r {out}) and build again, or give a new --out.")
+    raise UserError(field, f"{out} is not empty ({shown}) and is not a build output (no {OUTPUT_MARKER}); "
+                    "a build replaces its stage folders, so its files would be lost.",
+                    "give a new or empty directory, or a previous build's output folder.")
+
+
+SERVING_PATH_RE = re.compile(r"^[A-Za-z0-9/._+@:,=~-]+$")
+"""Characters a build output (and ``--repo-root``) may have in its path. The packed Triton repository names
+its files by this path (``gpt_model_path``, ``tokenizer_dir``, the Python models' folders), and Triton's
+Python backend starts each stub as ``execvp("bash", {"bash", "-c", " exec <stub> <model_path> ..."})`` with the
+paths joined by spaces, unquoted (triton-inference-server/python_backend ``src/stub_launcher.cc``,
+``StubLauncher::Launch``), so a space splits the model path and the stub never starts: ``serve`` waits for
+ever. Shell characters break the same command line; non-ASCII names are refused as well (a traceback before)."""
+
+
+def serving_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot hold a servable build (``SERVING_PATH_RE``), naming the first bad character; None if fine."""
+    if SERVING_PATH_RE.match(path):
+        return None
+    bad = next((c for c in path if not SERVING_PATH_RE.match(c)), " ")
+    what = ("a space" if bad == " " else "whitespace" if bad.isspace() else
+            f"the non-ASCII character {bad!r} (U+{ord(bad):04X})" if not bad.isascii() else f"the character {bad!r}")
+    return (f"{path[:200]!r} contains {what}. Triton's Python backend starts its stubs through a shell command "
+            "line with the model paths unquoted, so the served repository would never become ready")
+
+
+def check_serving_path(path: Path | str, field: str) -> None:
+    """UserError on ``field`` when ``path`` cannot hold a servable build (``serving_path_problem``)."""
+    why = serving_path_problem(str(path))
+    if why:
+        raise UserError(field, why + ".", "build into a path of ASCII letters, digits and / . _ - + @ : , = ~ "
+                        "(e.g. --out artifacts/my-build), or move the checkout to such a path.")
+
+
+def say(message: str) -> None:
+    """A progress line on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def output_lock(out_dir: Path, what: str, wait: bool = True, on_wait: Optional[Callable[[str], None]] = None):
+    """The build lock of output ``out_dir`` (a context manager): ``.build.lock`` (its sidecar names the holder)
+    plus an ``flock`` on ``out_dir`` itself (``core.store.locked(folder_lock=True)``), so deleting
+    ``.build.lock`` during a build lets no second build in. ``wait``: False refuses at once (UserError on
+    ``--out`` naming the holder)."""
+    return locked(Path(out_dir) / LOCK_FILE, timeout_s=None if wait else 0, what=what, field="--out",
+                  on_wait=on_wait or say, folder_lock=True,
+                  busy_fix="wait for that build to finish (leave out --no-wait to wait for it), or give another --out.")
+
+
+__all__ = ["OUTPUT_MARKER", "OUTPUT_FORMAT", "OUTPUT_VERSION", "read_output_marker", "refuse_filesystem_root", "write_output_marker",
+           "default_out_dir", "LOCK_FILE", "validate_out_dir", "SERVING_PATH_RE", "serving_path_problem",
+           "check_serving_path", "output_lock", "say"]

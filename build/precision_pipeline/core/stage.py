@@ -7,11 +7,18 @@ A stage (``Stage[I, O]``) declares:
 * ``code``: paths relative to the package (``"quantize"``, ``"gate/data/golden_prompts.jsonl"``)
   whose bytes go into its key (a folder counts its ``.py`` and ``.jsonl`` files),
 * ``needs``: the upstream stages whose artifacts its inputs read (their keys go into its key),
-* ``inputs(plan, request, upstream) -> I``: a frozen pydantic model holding exactly what
-  changes its output (the resolved plan is given to every stage; a stage copies what it reads
-  of it into ``I``, so a change of ``deployment.replicas`` does not re-quantize),
+* ``inputs(plan: ResolvedPlan, request: BuildRequest, upstream) -> I``: a frozen pydantic model
+  holding exactly what ``run`` reads (the resolved plan is given to every stage; a stage copies what
+  it reads of it into ``I``, so a change of ``deployment.replicas`` does not re-quantize). Every field
+  is keyed; a field that must not change the key is named in the model's ``unkeyed`` class attribute
+  with its reason (``Frozen.unkeyed``, honoured by ``core.store.canonical``),
+* ``preflight(plan, request)``: checks that need no write (a dataset's token lengths, the build
+  node's GPUs and flags); every stage's is called before the build's first write (``core.route.prepare``),
 * ``run(inputs, workdir) -> O``: the work; ``workdir`` is a fresh temporary folder that the
   runner renames onto ``<out>/<output>`` when ``run`` returns (None for stages without a folder).
+
+An artifact may block what follows (``Artifact.blocking``: a failed gate is ``GateFailed``, exit 3);
+the loop that runs a route's stages (``core/route.py``) raises it, and no driver branches on names.
 
 Only ``StageRunner`` computes keys::
 
@@ -43,14 +50,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Generic, Literal, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Literal, Mapping, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from precision_pipeline.core.errors import PipelineError
+from precision_pipeline.core.errors import GateFailed, PipelineError
 from precision_pipeline.core.fingerprint import inventory, inventory_problem
 from precision_pipeline.core.paths import PACKAGE_DIR
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, canonical_json, hash_dir, hash_file, read_json
+
+if TYPE_CHECKING:  # the stage hooks' types (resolve is a higher layer; annotations only)
+    from precision_pipeline.resolve.plan import ResolvedPlan
+    from precision_pipeline.resolve.stage import BuildRequest
 
 CODE_ROOT: Path = PACKAGE_DIR
 """Where ``Stage.code`` paths are resolved (tests point it at a copy of the package)."""
@@ -74,6 +85,10 @@ class Frozen(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    unkeyed: ClassVar[Mapping[str, str]] = {}
+    """{field: why it must not change a stage key}: the fields ``core.store.canonical`` leaves out. Every other
+    field is keyed (no ``canonical()`` overrides in stage inputs)."""
+
 
 class Artifact(Frozen):
     """A stage's typed result. ``status``: done | skipped | failed (``reason`` says why when not done)."""
@@ -88,6 +103,25 @@ class Artifact(Frozen):
     def present(self, out_dir: Path) -> bool:
         """Whether what the artifact describes is still on disk (checked before a cache hit)."""
         return True
+
+    def blocking(self, subject: str, folder: Optional[Path]) -> Optional[PipelineError]:
+        """The error that stops the stages after this one (``subject``: the profile's name; ``folder``: the stage's
+        output folder), or None. A failed gate returns ``GateFailed`` (exit 3)."""
+        return None
+
+    def plan_view(self) -> dict[str, Any]:
+        """What this artifact adds to ``plan.json`` (``ResolvedPlan.to_json``'s keyword arguments): {} by default."""
+        return {}
+
+    def manifest_facts(self) -> dict[str, Any]:
+        """Top-level facts of ``manifest.json`` this artifact decides (``engine_present``): {} by default."""
+        return {}
+
+
+def gate_failure(what: str, subject: str, failed: tuple[str, ...], folder: Optional[Path], note: str = "") -> GateFailed:
+    """The ``GateFailed`` of a failed verdict: ``<what> failed for <subject> (<metrics>)[; note]; see <folder>/report.md``."""
+    see = f"; see {Path(folder) / 'report.md'}" if folder is not None else ""
+    return GateFailed(f"{what} failed for {subject} ({', '.join(failed)})" + (f"; {note}" if note else "") + see)
 
 
 I = TypeVar("I", bound=BaseModel)
@@ -132,9 +166,17 @@ class Stage(Generic[I, O]):
     cacheable: ClassVar[bool] = True
     reuse_failed: ClassVar[bool] = False
     """A ``failed`` artifact with an unchanged key is reused (a verdict, e.g. a gate's), not re-run."""
+    provides_plan: ClassVar[bool] = False
+    """Its artifact's ``plan`` is the ``ResolvedPlan`` every later stage is given (resolve); it runs before the
+    first write (``core.route.prepare``), so it must write nothing (``output`` None)."""
 
-    def inputs(self, plan: Any, request: Any, upstream: Mapping[str, Done]) -> I:  # pragma: no cover - abstract
+    def inputs(self, plan: "ResolvedPlan", request: "BuildRequest",
+               upstream: Mapping[str, Done]) -> I:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def preflight(self, plan: "ResolvedPlan", request: "BuildRequest") -> None:
+        """Checks of this stage that write nothing and should refuse (UserError) before the build's first write."""
+        return None
 
     def run(self, inputs: I, workdir: Optional[Path]) -> O:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -199,7 +241,8 @@ class Manifest:
     stages: dict[str, dict] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     finished: Optional[float] = None
-    engine_present: Optional[bool] = None
+    facts: dict[str, Any] = field(default_factory=dict)
+    """Top-level facts the finished stages decide (``Artifact.manifest_facts``: ``engine_present``)."""
 
     @classmethod
     def open(cls, path: Path, **head: str) -> "Manifest":
@@ -220,16 +263,16 @@ class Manifest:
                                "out_dir": self.out_dir, "stages": self.stages, "started": self.started}
         if self.finished is not None:
             out["finished"] = self.finished
-            out["engine_present"] = self.engine_present
+            out.update(self.facts)
         return out
 
     def record(self, rec: StageRecord) -> None:
         self.stages[rec.name] = rec.to_json()
         self.save()
 
-    def finish(self, engine_present: bool) -> None:
+    def finish(self, **facts: Any) -> None:
         self.finished = time.time()
-        self.engine_present = engine_present
+        self.facts = dict(facts)
         self.save()
 
     def save(self) -> None:
@@ -246,9 +289,31 @@ class StageRunner:
         self.records: list[StageRecord] = []
         self.not_reused: dict[str, str] = {}
         """{stage: why its folder did not match its record} for stages whose key matched (they ran again)."""
+        self.folders: dict[str, str] = {}
+
+        self.also_written: list[str] = []
+        """Files the driver wrote into the output besides the stages' (``plan.json``), for ``written``."""
 
     def _record_path(self, stage: Stage) -> Path:
         return self.out_dir / RECORDS_DIR / f"{stage.name}.json"
+
+    def recorded(self, stage: Stage) -> Optional[Done]:
+        """``read_record`` of ``stage`` in this output."""
+        return read_record(self.out_dir, stage)
+
+    def commit(self, stage: Stage, d: Done) -> Done:
+        """Record a stage that ran before the output existed (``core.route.prepare``: resolve): its typed record
+        (``.stages/<name>.json``: what the engine build Job reads the plan from, although resolve is never reused)
+        and its manifest row."""
+        write_record(self._record_path(stage), stage.name, d.key, d.artifact)
+        return self.record(d)
+
+    def written(self) -> tuple[str, ...]:
+        """What this run has written so far, relative to the output: ``also_written`` (``plan.json``),
+        ``manifest.json``, the folder of each stage that ran (not cached) and the stage records."""
+        ran = {r.name for r in self.records if r.status != "cached"}
+        folders = [f + "/" for n, f in self.folders.items() if n in ran and (self.out_dir / f).exists()]
+        return tuple(self.also_written + ["manifest.json"] + folders + [RECORDS_DIR + "/"])
 
     def _cached(self, stage: Stage, key: str) -> Optional[Artifact]:
         if not stage.cacheable:
@@ -274,8 +339,10 @@ class StageRunner:
                 return None
         return art
 
-    def run(self, stage: Stage, plan: Any, request: Any, done: Mapping[str, Done]) -> Done:
+    def run(self, stage: Stage, plan: "ResolvedPlan", request: "BuildRequest", done: Mapping[str, Done]) -> Done:
         """Run (or reuse) ``stage``; record its row; return what later stages see."""
+        if stage.output:
+            self.folders[stage.name] = stage.output
         return self.record(execute(stage, plan, request, done, self.out_dir, self._cached))
 
     def record(self, d: Done) -> Done:
@@ -297,6 +364,25 @@ def _names_the_folder(out: Path):
         if not e.filename:
             e.filename = str(out)
         raise
+
+
+def read_record(out_dir: Path, stage: Stage) -> Optional[Done]:
+    """``stage``'s last result in build output ``out_dir`` as a typed ``Done`` (its record's key and artifact;
+    status ``cached``), or None when its record is missing, unreadable or not a valid ``stage.artifact_type``."""
+    try:
+        rec = json.loads((Path(out_dir) / RECORDS_DIR / f"{stage.name}.json").read_text())
+        art = stage.artifact_type.model_validate(rec["artifact"])
+        key = str(rec["key"])
+    except (OSError, ValueError, KeyError, TypeError, ValidationError):
+        return None
+    folder = Path(out_dir) / stage.output if stage.output else None
+    return Done(artifact=art, key=key, dir=folder, record=StageRecord(stage.name, "cached", key=key, numbers=art.summary()))
+
+
+def write_record(path: Path, name: str, key: str, artifact: Artifact, files: Optional[dict] = None) -> None:
+    """A stage's typed record ``{"stage", "key", "artifact"[, "files"]}`` at ``path`` (atomically)."""
+    atomic_write_json(path, {"stage": name, "key": key, "artifact": artifact.model_dump(mode="json"),
+                             **({"files": files} if files is not None else {})})
 
 
 def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out_dir: Optional[Path] = None,
@@ -329,10 +415,10 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
     else:
         art = checked(stage.run(inputs, None))
         if record_path is not None:
-            atomic_write_json(record_path, {"stage": stage.name, "key": key, "artifact": art.model_dump(mode="json")})
+            write_record(record_path, stage.name, key, art)
     rec = StageRecord(stage.name, art.status, time.perf_counter() - t0, reason=art.reason, key=key, numbers=art.summary())
     return Done(artifact=art, key=key, dir=out, record=rec)
 
 
 __all__ = ["Frozen", "Artifact", "Stage", "StageRunner", "StageRecord", "Done", "Manifest", "stage_key", "execute",
-           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR", "read_manifest"]
+           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR", "read_manifest", "write_record", "read_record", "gate_failure"]

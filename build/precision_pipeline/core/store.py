@@ -29,9 +29,11 @@ def canonical(obj: Any, where: str = "$") -> Any:
     """The strict canonical form of ``obj``: plain JSON values only, or ``TypeError``.
 
     Allowed: None, bool, int, finite float, str, list/tuple (-> list), dict with str keys,
-    enums (-> their value), pydantic models (-> their fields, by name, less the fields declared
-    ``unkeyed`` with their reason; a model with a ``canonical()`` method, such as
-    ``core.fingerprint.Fingerprint``, is replaced by what that returns). Anything else -- a Path outside a Fingerprint, a set, bytes, NaN or infinity, an
+    enums (-> their value), pydantic models (-> their fields, by name, less the fields declared unkeyed
+    with their reason: a field made with ``unkeyed(reason)``, or named in the model's ``unkeyed`` class
+    attribute (``core.stage.Frozen.unkeyed``); a model with a ``canonical()`` method, such as
+    ``core.fingerprint.Fingerprint``, is replaced by what that returns). Anything else -- a Path outside a
+    Fingerprint, a set, bytes, NaN or infinity, an
     arbitrary object -- raises ``TypeError`` naming the path of the value (``$.inputs.model``),
     so nothing is ever hashed by its ``str()``.
     """
@@ -64,8 +66,9 @@ def canonical(obj: Any, where: str = "$") -> Any:
         custom = getattr(obj, "canonical", None)
         if callable(custom):
             return canonical(custom(), where)
+        unkeyed_names = getattr(type(obj), "unkeyed", None) or {}  # Frozen.unkeyed: name -> reason
         return {name: canonical(getattr(obj, name), f"{where}.{name}") for name, f in type(obj).model_fields.items()
-                if not unkeyed_reason(f)}
+                if name not in unkeyed_names and not unkeyed_reason(f)}
     raise TypeError(f"{where}: {type(obj).__module__}.{type(obj).__qualname__} is not a canonical type "
                     "(None, bool, int, finite float, str, list, dict with str keys, enum, pydantic model, "
                     "Fingerprint for paths)")

@@ -24,12 +24,15 @@ the manifest next to the checkpoint gate.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from precision_pipeline.core.fingerprint import Fingerprint
-from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
+from precision_pipeline.core.errors import PipelineError
+from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage, gate_failure
 from precision_pipeline.engine.stage import EngineInputs
 from precision_pipeline.gate.stage import GateInputs, GateStage
+from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.stage import BuildRequest
 
 OUTPUT = "engine_gate"
 GATE_ENGINE = "engine"
@@ -46,11 +49,6 @@ class EngineGateInputs(Frozen):
     gate: GateInputs
     """The checkpoint gate's inputs: the same model, thresholds, golden prompts and options."""
 
-    def canonical(self) -> dict[str, Any]:
-        # engine_plan.strict is not keyed (EngineInputs.canonical drops it)
-        return {"engine": self.engine, "engine_built": self.engine_built, "engine_reason": self.engine_reason,
-                "engine_plan": self.engine_plan.canonical(), "gate": self.gate}
-
 
 class EngineGateArtifact(Artifact):
     """The engine gate's verdict (``passed`` None when skipped) and headline numbers."""
@@ -66,6 +64,12 @@ class EngineGateArtifact(Artifact):
 
     def present(self, out_dir: Path) -> bool:
         return (Path(out_dir) / OUTPUT / "metrics.json").is_file()
+
+    def blocking(self, subject: str, folder: Optional[Path]) -> Optional[PipelineError]:
+        """``GateFailed`` (exit 3) when the engine failed its gate: it is not packed."""
+        if self.status != "failed":
+            return None
+        return gate_failure("engine gate", subject, self.failed_metrics, folder, note="the engine is not packed")
 
 
 def _skipped(reason: str, workdir: Path) -> EngineGateArtifact:
@@ -84,7 +88,7 @@ class EngineGateStage(Stage[EngineGateInputs, EngineGateArtifact]):
     artifact_type = EngineGateArtifact
     reuse_failed = True  # a failed verdict of unchanged inputs stands (exit 3 again, not re-measured)
 
-    def inputs(self, plan, request, upstream: Mapping[str, Done]) -> EngineGateInputs:
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> EngineGateInputs:
         from precision_pipeline.engine.stage import EngineStage
 
         e = upstream["engine"]

@@ -1,11 +1,13 @@
-"""The engine stage alone, for the Kubernetes build Job: ``python3 -m precision_pipeline.engine.job --out OUT [--strict]``.
+"""The engine stages alone, for the Kubernetes build Job: ``python3 -m precision_pipeline.engine.job --out OUT [--strict]``.
 
 Reads the build output that ``invoke build`` wrote on the CPU side (``.stages/resolve.json``: the
-resolved plan; ``.stages/quantize.json`` and ``.stages/gate.json``: the checkpoint and its verdict),
-refuses (exit 2) unless the gate passed, and runs ``EngineStage`` and then ``EngineGateStage`` through
-the ``StageRunner`` (cached when unchanged; preflight, provenance, failure handling as in
-engine/trtllm_build.py; the engine gate as in engine/gate_stage.py). It never quantizes. Exit codes as
-everywhere: 0, 2 refused, 3 the engine gate failed, 4 skipped under ``--strict``, 5 trtllm-build failed.
+resolved plan; ``.stages/quantize.json`` and ``.stages/gate.json``: the checkpoint and its verdict,
+read as typed records), refuses (exit 2) unless the gate passed, and runs ``JOB_STAGES`` (the engine
+route's ``EngineStage`` then ``EngineGateStage``) through the same loop as ``invoke build``
+(``core.route``: preflight first, then the ``StageRunner``: cached when unchanged; provenance, failure
+handling as in engine/trtllm_build.py; the engine gate as in engine/gate_stage.py). It never
+quantizes. Exit codes as everywhere (``core.errors.exit_code_for``): 0, 2 refused, 3 the engine gate
+failed, 4 skipped under ``--strict``, 5 trtllm-build failed.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
-from precision_pipeline.core.errors import GateFailed, PipelineError, StrictSkip, UserError
-from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRecord, StageRunner, read_manifest
+from precision_pipeline.core.errors import EXIT_INTERNAL, UserError, error_text, exit_code_for
+from precision_pipeline.core.route import prepare, run_stages
+from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRunner, read_manifest
+from precision_pipeline.engine.gate_stage import EngineGateStage
+from precision_pipeline.engine.stage import EngineStage
+
+JOB_STAGES = (EngineStage(), EngineGateStage())
+"""What the build Job runs: the engine route's stages that need the build node (``pipeline.ROUTES``)."""
 
 
 def _record(out: Path, name: str, fix: str = "run `invoke build --profile P --out OUT` on the CPU side first "
@@ -62,22 +69,19 @@ def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "-
 
 def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = None,
                    golden_limit: Optional[int] = None) -> Done:
-    """Run the engine stage, then the engine gate, for build output ``out`` (see the module docstring).
+    """Run ``JOB_STAGES`` (the engine, then the engine gate) for build output ``out`` (see the module docstring).
 
     ``model_dir``: the reference model folder the engine gate scores against (default: the one the
     CPU build recorded in ``manifest.json``; it must be readable at that path in the pod).
     ``golden_limit``: as ``invoke build --golden-limit``. Returns the engine stage's ``Done``; raises
     ``GateFailed`` (exit 3) when the engine gate fails, ``StrictSkip`` (exit 4) under ``strict`` when
-    either stage was skipped, ``UserError`` (exit 2) for a missing model folder."""
-    from precision_pipeline.engine.gate_stage import EngineGateStage
-    from precision_pipeline.engine.stage import EngineStage
-    from precision_pipeline.resolve.stage import PlanArtifact
+    either stage was skipped, ``UserError`` (exit 2) for a missing model folder or unreadable records."""
+    from precision_pipeline.gate.stage import GateStage
+    from precision_pipeline.quantize.stage import QuantizeStage
+    from precision_pipeline.resolve.stage import BuildRequest, PlanArtifact
 
     out = check_gated_output(out)
     plan = PlanArtifact.model_validate(_record(out, "resolve")["artifact"]).plan
-    q, g = _record(out, "quantize"), _record(out, "gate")
-    up = {"quantize": Done(artifact=None, key=q["key"], dir=out / "checkpoint", record=StageRecord("quantize", "cached")),
-          "gate": Done(artifact=None, key=g["key"], dir=out / "gate", record=StageRecord("gate", "cached"))}
     old = read_manifest(out / "manifest.json")
     manifest = Manifest.open(out / "manifest.json", profile=plan.profile.name, profile_source=old.get("profile_source", ""),
                              model_dir=old.get("model_dir", ""), out_dir=str(out))
@@ -85,17 +89,19 @@ def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = 
     if model is None or not (model / "config.json").is_file():
         raise UserError("--model", f"the engine gate's reference model {model or '(none recorded)'} is not readable here.",
                         "mount the model folder the CPU build used at the same path in the pod, or pass --model DIR.")
-    req = SimpleNamespace(out_dir=out, strict=strict, model_dir=model, golden_limit=golden_limit, device=None)
     runner = StageRunner(out, manifest)
-    d = runner.run(EngineStage(), plan, req, up)
-    eg = runner.run(EngineGateStage(), plan, req, {**up, "engine": d})
-    if eg.record.status == "failed":
-        raise GateFailed(f"engine gate failed for {plan.profile.name} ({', '.join(eg.artifact.failed_metrics)}); "
-                         f"see {out / 'engine_gate' / 'report.md'}")
-    skipped = [r for r in (d.record, eg.record) if r.status == "skipped"]
-    if strict and skipped:
-        raise StrictSkip("--strict: " + "; ".join(f"{r.name} skipped ({r.reason})" for r in skipped))
-    return d
+    upstream = {}
+    for stage in (QuantizeStage(), GateStage()):
+        d = runner.recorded(stage)
+        if d is None:
+            raise UserError("--out", f"{out / RECORDS_DIR / (stage.name + '.json')} is not a valid {stage.name} record.",
+                            "run `invoke build` on the CPU side again (it rewrites the records), then the Job.")
+        upstream[stage.name] = d
+    req = BuildRequest(profile=plan.profile, profile_source=str(old.get("profile_source", "")), model_dir=model,
+                       out_dir=out, golden_limit=golden_limit, repo_root=str(out), strict=strict)
+    prepare(JOB_STAGES, req, plan)
+    done = run_stages(JOB_STAGES, plan, req, runner, upstream, plan.profile.name)
+    return done[JOB_STAGES[0].name]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -107,12 +113,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     try:
         d = run_engine_job(a.out, a.strict, a.model, a.golden_limit)
-    except UserError as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        return e.exit_code
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+    except BaseException as e:  # the one mapping (core.errors.exit_code_for); only an internal error has a traceback
+        code = exit_code_for(e)
+        if code == EXIT_INTERNAL or isinstance(e, SystemExit):
+            raise
+        print(f"error: {error_text(e)}", file=sys.stderr)
+        return code
     print(f"engine: {d.record.status}" + (f" ({d.record.reason})" if d.record.reason else ""))
     return 0
 

@@ -23,11 +23,12 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.fingerprint import Fingerprint
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
 from precision_pipeline.engine import toolchain as toolchain_mod
-from precision_pipeline.engine.preflight import plan_need_bytes
+from precision_pipeline.engine.preflight import plan_need_bytes, preflight
 from precision_pipeline.engine.provenance import read_provenance, verify_engine_dir
 from precision_pipeline.engine.toolchain import Toolchain
-from precision_pipeline.engine.trtllm_build import ARGS_FILE, run_engine
-from precision_pipeline.resolve.plan import Effective, Limits, Mapping as PlanMapping
+from precision_pipeline.engine.trtllm_build import ARGS_FILE, build_args, run_engine
+from precision_pipeline.resolve.plan import Effective, Limits, Mapping as PlanMapping, ResolvedPlan
+from precision_pipeline.resolve.stage import BuildRequest
 
 
 class EngineInputs(Frozen):
@@ -45,8 +46,8 @@ class EngineInputs(Frozen):
     toolchain: Toolchain
     strict: bool = False
 
-    def canonical(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in type(self).model_fields if k != "strict"}
+    unkeyed = {"strict": "--strict decides only whether an unknown trtllm-build flag is refused (preflight), not what "
+                         "is built: a refusal writes nothing, and the same argv builds the same engine either way"}
 
 
 class EngineArtifact(Artifact):
@@ -62,6 +63,9 @@ class EngineArtifact(Artifact):
 
     def present(self, out_dir: Path) -> bool:
         return Path(self.args_file).is_file()
+
+    def manifest_facts(self) -> dict[str, Any]:
+        return {"engine_present": bool(self.built)}
 
 
 def built_elsewhere(engine_dir: Path, checkpoint_key: str):
@@ -84,17 +88,24 @@ class EngineStage(Stage[EngineInputs, EngineArtifact]):
     output = "engine"
     artifact_type = EngineArtifact
 
-    def inputs(self, plan, request, upstream: Mapping[str, Done]) -> EngineInputs:
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> EngineInputs:
         q = upstream["quantize"]
         engine_dir = (Path(request.out_dir) / self.output).resolve()
         tc = toolchain_mod.detect_toolchain()
         if not tc.present():
             tc = built_elsewhere(engine_dir, q.key) or tc
-        gpu = getattr(plan, "gpu", None)
         return EngineInputs(checkpoint=Fingerprint(sha256=q.key, path=q.dir), engine_dir=str(engine_dir), sm=plan.gpu.sm,
-                            gpu_name=str(getattr(gpu, "name", "") or ""), need_bytes=plan_need_bytes(plan),
+                            gpu_name=str(plan.gpu.name or ""), need_bytes=plan_need_bytes(plan),
                             mapping=plan.mapping, limits=plan.limits, effective=plan.effective, toolchain=tc,
-                            strict=bool(getattr(request, "strict", False)))
+                            strict=request.strict)
+
+    def preflight(self, plan: ResolvedPlan, request: BuildRequest) -> None:
+        """On a build node (a toolchain is there), the engine preflight before quantize: refusals cost no GPU time
+        (``engine/preflight.py``; ``--strict`` refuses unknown flags)."""
+        tc = toolchain_mod.detect_toolchain()
+        if tc.present() and plan.gpu is not None:
+            preflight(tc, sm=plan.gpu.sm, gpu_name=plan.gpu.name, need_bytes=plan_need_bytes(plan),
+                      argv=build_args(plan, Path("checkpoint"), Path("engine")), strict=request.strict)
 
     def run(self, inputs: EngineInputs, workdir: Path) -> EngineArtifact:
         res = run_engine(inputs, inputs.checkpoint.path, Path(inputs.engine_dir), inputs.sm, inputs.toolchain, workdir=workdir,

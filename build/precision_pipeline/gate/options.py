@@ -115,5 +115,17 @@ class GateRuntime(BaseModel):
     """A sensitivity heatmap to embed in the reports; None looks for one next to the gate folder."""
 
 
+
+def check_golden_limit(golden_limit) -> None:
+    """``--golden-limit``: None or a whole number >= 1 (prompts per golden category). UserError if not."""
+    from precision_pipeline.core.errors import UserError
+
+    if golden_limit is None:
+        return
+    if isinstance(golden_limit, bool) or not isinstance(golden_limit, int) or golden_limit < 1:
+        raise UserError("--golden-limit", f"{str(golden_limit)[:40]!r} is not a whole number >= 1.",
+                        "pass e.g. --golden-limit 1, or leave it out for every golden prompt.")
+
+
 __all__ = ["GateOptions", "GateRuntime", "REFERENCE_INDEPENDENT", "COMPUTE_DEFAULTS", "DEFAULT_HELDOUT_TOKENS", "DEFAULT_HELDOUT_WINDOW",
-           "DEFAULT_GREEDY_NEW_TOKENS", "DEFAULT_GREEDY_BATCH", "DEFAULT_BOOTSTRAP"]
+           "DEFAULT_GREEDY_NEW_TOKENS", "DEFAULT_GREEDY_BATCH", "DEFAULT_BOOTSTRAP", "check_golden_limit"]

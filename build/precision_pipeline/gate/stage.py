@@ -18,13 +18,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from pydantic import field_validator
 
 from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_fingerprint
-from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
+from precision_pipeline.core.errors import PipelineError
+from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage, gate_failure
 from precision_pipeline.gate.options import GateOptions
+from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.stage import BuildRequest
 from precision_pipeline.spec.profile import GateBar, GateThresholds
 
 
@@ -74,6 +77,10 @@ class GateArtifact(Artifact):
     def present(self, out_dir: Path) -> bool:
         return (Path(out_dir) / "gate" / "metrics.json").is_file()
 
+    def blocking(self, subject: str, folder: Optional[Path]) -> Optional[PipelineError]:
+        """``GateFailed`` (exit 3) when the checkpoint did not pass: nothing is built from it."""
+        return None if self.passed else gate_failure("accuracy gate", subject, self.failed_metrics, folder)
+
 
 def golden_file() -> Path:
     """The golden set the gate reads (``gate.golden.GOLDEN_PATH``, looked up at call time)."""
@@ -91,9 +98,9 @@ class GateStage(Stage[GateInputs, GateArtifact]):
     artifact_type = GateArtifact
     reuse_failed = True  # a failed verdict of unchanged inputs stands (exit 3 again, not re-measured)
 
-    def inputs(self, plan, request, upstream: Mapping[str, Done]) -> GateInputs:
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> GateInputs:
         q = upstream["quantize"]
-        d = getattr(request, "device", None)
+        d = request.device
         compute = {} if d is None else {"device": d.device, "reference_dtype": d.reference_dtype,
                                         "candidate_dtype": d.compute_dtype(plan.profile.quantization.dtype)}
         model = model_fingerprint(request.model_dir)

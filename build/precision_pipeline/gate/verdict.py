@@ -110,8 +110,7 @@ def golden_set_size(golden_path: Optional[Path] = None) -> int:
 
 def check_min_prompts(profile) -> None:
     """Refuse (UserError on ``gate.min_prompts``, exit 2) a profile whose ``gate.min_prompts`` exceeds the golden
-    set (``golden_set_size``): no verdict could ever be promotable. Called by ``invoke check`` and ``build``
-    (``pipeline.load_build_profile``)."""
+    set (``golden_set_size``): no verdict could ever be promotable. Called by ``load_build_profile``."""
     need = profile.gate.min_prompts
     if need is None:
         return
@@ -123,6 +122,17 @@ def check_min_prompts(profile) -> None:
         raise UserError("gate.min_prompts", f"is {need:,} but the golden set has {len(golden)} prompts ("
                         + ", ".join(f"{c} {n}" for c, n in per.items()) + "), so no verdict could ever be promotable.",
                         f"set gate.min_prompts to at most {len(golden)}, or leave it out (the whole golden set).")
+
+
+def load_build_profile(profile_ref: str) -> Any:
+    """The profile ``build``, ``check`` and ``nightly`` run: ``resolve.dataset.load_build_profile`` (a relative
+    ``calibration.dataset`` made absolute against the profile's folder) plus ``check_min_prompts`` (a fact of the
+    golden set, so it is checked here, above resolve). Raises UserError."""
+    from precision_pipeline.resolve.dataset import load_build_profile as load_with_dataset
+
+    profile = load_with_dataset(profile_ref)
+    check_min_prompts(profile)
+    return profile
 
 
 def judge_metrics(m: dict, thresholds: GateThresholds) -> dict:
@@ -260,5 +270,5 @@ def rejudge(metrics: dict[str, Any], thresholds: GateThresholds) -> dict[str, An
     return out
 
 
-__all__ = ["GateResult", "CATEGORY_METRICS", "as_bar", "golden_set_size", "judge_metrics", "verdict_failures", "verdict_reasons",
+__all__ = ["GateResult", "CATEGORY_METRICS", "as_bar", "golden_set_size", "check_min_prompts", "load_build_profile", "judge_metrics", "verdict_failures", "verdict_reasons",
            "rejudge"]

@@ -64,6 +64,9 @@ class CheckpointArtifact(Artifact):
     def present(self, out_dir: Path) -> bool:
         return (Path(out_dir) / "checkpoint" / "config.json").is_file()
 
+    def plan_view(self) -> dict[str, Any]:
+        return {"layers": self.layers}
+
 
 def _calibration_file(profile: Profile) -> Optional[Fingerprint]:
     ds = profile.calibration.dataset
@@ -100,6 +103,23 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
                             "(the partial copy is removed and the previous checkpoint is intact).", f"{hint}, then run again.")
 
 
+def check_dataset_tokens(calibration, model_dir: Path, say=None) -> None:
+    """The calibration checks that need the tokenizer (texts longer than ``calibration.seq_len`` tokens, with
+    their token counts), on the lines a build reads; ``invoke build`` (the stage's preflight, before any write) and
+    ``invoke check`` run it. Nothing for ``builtin``. ``say``: progress lines while reading/tokenizing (default:
+    stderr). Raises UserError."""
+    from precision_pipeline.resolve.dataset import BUILTIN
+
+    if calibration.dataset == BUILTIN:
+        return
+    import sys
+
+    from precision_pipeline.quantize.calibration import build_calibration_set, load_tokenizer
+
+    build_calibration_set(calibration, load_tokenizer(model_dir),
+                          say=say or (lambda m: print(m, file=sys.stderr, flush=True)))
+
+
 class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact]):
     name = "quantize"
     version = 1
@@ -108,10 +128,15 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
     output = "checkpoint"
     artifact_type = CheckpointArtifact
 
+    def preflight(self, plan, request) -> None:
+        """A user dataset's token lengths (``check_dataset_tokens``), before the build writes anything."""
+        if request.checkpoint is None:
+            check_dataset_tokens(plan.profile.calibration, request.model_dir)
+
     def inputs(self, plan, request, upstream: Mapping[str, Done]) -> Union[QuantizeInputs, ReuseInputs]:
         if request.checkpoint is not None:
             return ReuseInputs(checkpoint=fingerprint(request.checkpoint))
-        d = getattr(request, "device", None)
+        d = request.device
         return QuantizeInputs(model=model_fingerprint(request.model_dir), job=job_of(plan),
                               calibration_data=_calibration_file(plan.profile),
                               device=d.device if d is not None else "cpu",
@@ -143,4 +168,4 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
             layers=layer_table(workdir, aq))
 
 
-__all__ = ["QuantizeInputs", "ReuseInputs", "CheckpointArtifact", "QuantizeStage"]
+__all__ = ["QuantizeInputs", "ReuseInputs", "CheckpointArtifact", "QuantizeStage", "check_dataset_tokens"]

@@ -240,6 +240,16 @@ def dataset_problems(ds: str, num_samples: int, seq_len: Optional[int] = None) -
     return problems
 
 
+
+def load_build_profile(profile_ref: str) -> Any:
+    """``spec.profile.load_profile`` plus what depends on where the profile file is: a relative
+    ``calibration.dataset`` becomes absolute against the profile file's folder (``invoke build``
+    and ``invoke check`` both load profiles through this)."""
+    from precision_pipeline.spec.profile import load_profile, resolve_profile_path
+
+    return with_dataset_resolved(load_profile(profile_ref), resolve_profile_path(profile_ref))
+
+
 __all__ = ["FIELD", "BUILTIN", "UserDataset", "scan_user_dataset", "count_problem", "dataset_problems",
            "with_dataset_resolved", "lines_msg", "MAX_USER_FILE_BYTES", "MAX_TOKEN_BYTES", "POOL_FACTOR", "sample_pool",
-           "max_text_bytes"]
+           "max_text_bytes", "load_build_profile"]

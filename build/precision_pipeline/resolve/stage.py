@@ -33,7 +33,9 @@ class BuildRequest(Frozen):
     checkpoint: Optional[Path] = None
     golden_limit: Optional[int] = None
     repo_root: str
-    image: str
+    image: str = ""
+    """The serving image (``--image``; ``pipeline.build_request`` fills the default); "": none asked (the engine
+    Job, which packs nothing)."""
     strict: bool = False
     device: Optional[DeviceChoice] = None
     """Where quantize and the gate run (``spec.device.select_device``); None: the CPU, unplanned (library callers)."""
@@ -73,6 +75,7 @@ class ResolveStage(Stage[ResolveInputs, PlanArtifact]):
     output = None
     artifact_type = PlanArtifact
     cacheable = False  # always re-checked: it is what refuses bad input
+    provides_plan = True  # runs before the first write (core.route.prepare); later stages are given its plan
 
     def inputs(self, plan: None, request: BuildRequest, upstream: Mapping[str, Done]) -> ResolveInputs:
         return ResolveInputs(profile=request.profile, model=model_fingerprint(request.model_dir),

@@ -1,25 +1,61 @@
-"""Pack (Triton model repository) and deploy (Kubernetes manifests) as stages."""
+"""Pack (Triton model repository) and deploy (Kubernetes manifests) as stages.
+
+Keys: pack keys ``PackView`` (what ``serving/pack.py`` reads of the plan and the profile: limits, effective
+settings, mapping, KV capacity, GPU, model, quantization, runtime, traces endpoint), so editing
+``deployment.replicas`` or a gate threshold does not re-pack; deploy keys the plan it renders (the profile
+as it applies to this model: gate bar, replicas, workload, ...) and the repository (the pack key)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from pydantic import ConfigDict
 
 from precision_pipeline.core.fingerprint import Fingerprint, fingerprint, model_fingerprint
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.stage import Artifact, Done, Frozen, Stage
-from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.plan import Effective, Limits, Mapping as PlanMapping, ResolvedPlan
+from precision_pipeline.resolve.stage import BuildRequest
+from precision_pipeline.spec.profile import Quantization, Runtime
+
+
+class PackView(Frozen):
+    """Every field of the plan and profile that ``serving.pack.pack_repository`` reads (``compute_params``,
+    ``precision_path``, ``engine_hash_of``, ``cross_check_plan``, ``skew.check_engine``), and nothing else."""
+
+    model_name: str
+    gpu_sm: Optional[int]
+    mapping: PlanMapping
+    limits: Limits
+    effective: Effective
+    kv_tokens_capacity: Optional[int]
+    """``plan.memory.kv_tokens_capacity`` (None: no memory plan, which pack refuses)."""
+    profile_name: str
+    quantization: Quantization
+    runtime: Runtime
+    otlp_endpoint: Optional[str]
+
+    @classmethod
+    def of(cls, plan: ResolvedPlan) -> "PackView":
+        p = plan.profile
+        return cls(model_name=plan.model.name, gpu_sm=plan.gpu.sm if plan.gpu else None, mapping=plan.mapping,
+                   limits=plan.limits, effective=plan.effective,
+                   kv_tokens_capacity=plan.memory.kv_tokens_capacity if plan.memory else None, profile_name=p.name,
+                   quantization=p.quantization, runtime=p.runtime, otlp_endpoint=p.deployment.otlp_endpoint)
 
 
 class PackInputs(Frozen):
-    """Keyed whole: the plan (its plan.json view), the model's tokenizer/config files, the checkpoint
-    and engine (their stage keys), where the repository is served from, and the templates."""
+    """Keyed: what pack reads of the plan (``view``), the model's tokenizer/config files, the checkpoint and
+    engine (their stage keys), where the repository is served from, the templates and the serving image."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
+    view: PackView
     plan: ResolvedPlan
+    unkeyed = {"plan": "carried only because serving.pack.pack_repository takes the whole plan; what it reads of "
+                       "it is keyed in `view` (tests/core/test_keys.py packs two plans that differ outside the view "
+                       "and finds the same repository)"}
     model: Fingerprint
     checkpoint: Fingerprint
     engine: Fingerprint
@@ -54,13 +90,13 @@ class PackStage(Stage[PackInputs, RepositoryArtifact]):
     output = "model_repository"
     artifact_type = RepositoryArtifact
 
-    def inputs(self, plan: ResolvedPlan, request, upstream: Mapping[str, Done]) -> PackInputs:
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> PackInputs:
         q, e = upstream["quantize"], upstream["engine"]
-        return PackInputs(plan=plan, model=model_fingerprint(request.model_dir),
+        return PackInputs(view=PackView.of(plan), plan=plan, model=model_fingerprint(request.model_dir),
                           checkpoint=Fingerprint(sha256=q.key, path=q.dir), engine=Fingerprint(sha256=e.key, path=e.dir),
                           engine_built=bool(e.artifact.built), repo_root=request.repo_root,
                           repo_dir=str(Path(request.out_dir) / self.output), templates=fingerprint(REPO_ROOT / "triton_repo"),
-                          image=str(getattr(request, "image", "") or ""))
+                          image=request.image)
 
     def run(self, inputs: PackInputs, workdir: Path) -> RepositoryArtifact:
         from precision_pipeline.serving import pack
@@ -73,8 +109,9 @@ class PackStage(Stage[PackInputs, RepositoryArtifact]):
 
 
 class DeployInputs(Frozen):
-    """The plan is carried for rendering; the key sees ``serving.deploy.stage_inputs`` (what the
-    manifests depend on) and the repository (the pack stage's key)."""
+    """What ``serving.deploy.render_manifests`` reads, all keyed: the plan with the profile as it applies to this
+    model (its gate bar: the canary analysis and alerts; the model name, replicas, workload, ...), the repository
+    (the pack stage's key and folder), the output folder, ``--repo-root`` and the image."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
@@ -83,10 +120,6 @@ class DeployInputs(Frozen):
     out_dir: str
     repo_root: str
     image: str
-    manifest_inputs: dict[str, Any]
-
-    def canonical(self) -> dict[str, Any]:
-        return {"manifest_inputs": self.manifest_inputs, "repository": self.repository}
 
 
 class ManifestsArtifact(Artifact):
@@ -96,6 +129,8 @@ class ManifestsArtifact(Artifact):
     gpus_per_replica: int
     replicas: int
     launcher: str
+    image: str = ""
+    """The serving image the Deployment runs (promote's and rollout's skew checks read it here)."""
 
     def summary(self) -> dict[str, Any]:
         return {"manifests": len(self.files), "gpus_per_replica": self.gpus_per_replica, "replicas": self.replicas,
@@ -107,22 +142,18 @@ class ManifestsArtifact(Artifact):
 
 class DeployStage(Stage[DeployInputs, ManifestsArtifact]):
     name = "deploy"
-    version = 1
+    version = 2  # 2: the artifact records the serving image
     code = ("serving", "resolve", "core")
     needs = ("pack",)
     output = "k8s"
     artifact_type = ManifestsArtifact
 
-    def inputs(self, plan: ResolvedPlan, request, upstream: Mapping[str, Done]) -> DeployInputs:
-        from precision_pipeline.serving import deploy
-
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> DeployInputs:
         p = upstream["pack"]
-        # the gate bar of *this* model (keyed by its content) is what the canary analysis and alerts use;
-        # the key does not change: the pack key already holds the model
+        # the gate bar of *this* model (keyed by its content) is what the canary analysis and alerts use
         applied = plan.model_copy(update={"profile": plan.profile.for_model(model_fingerprint(request.model_dir).sha256)})
         return DeployInputs(plan=applied, repository=Fingerprint(sha256=p.key, path=p.dir), out_dir=str(request.out_dir),
-                            repo_root=request.repo_root, image=request.image,
-                            manifest_inputs=deploy.stage_inputs(plan, plan.profile, request.repo_root, request.image))
+                            repo_root=request.repo_root, image=request.image)
 
     def run(self, inputs: DeployInputs, workdir: Path) -> ManifestsArtifact:
         from precision_pipeline.serving import deploy
@@ -131,7 +162,7 @@ class DeployStage(Stage[DeployInputs, ManifestsArtifact]):
                                          image=inputs.image)
         res = deploy.render_manifests(manifest, Path(inputs.out_dir), workdir=workdir)
         return ManifestsArtifact(files=tuple(res.files), gpus_per_replica=res.gpus_per_replica, replicas=res.replicas,
-                                 launcher=res.launcher)
+                                 launcher=res.launcher, image=inputs.image)
 
 
-__all__ = ["PackInputs", "RepositoryArtifact", "PackStage", "DeployInputs", "ManifestsArtifact", "DeployStage"]
+__all__ = ["PackView", "PackInputs", "RepositoryArtifact", "PackStage", "DeployInputs", "ManifestsArtifact", "DeployStage"]

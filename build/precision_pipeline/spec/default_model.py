@@ -77,3 +77,48 @@ def ensure_default_model() -> Path:
 
 if __name__ == "__main__":  # pragma: no cover - used by the set-up script
     print(ensure_default_model())
+
+
+def model_dir(model: str | None) -> Path:
+    """``--model`` of a build: None is the default model (converted once, ``ensure_default_model``); else a local
+    Hugging Face folder with config.json (a JSON object), ``*.safetensors`` weights and a tokenizer
+    (tokenizer.json or tokenizer.model). Returns it resolved; raises UserError naming ``--model``."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.store import read_json
+
+    if model is None:
+        return ensure_default_model()
+    p = Path(model).expanduser()
+    need = "give a local folder with config.json, *.safetensors and the tokenizer files."
+    if not (p / "config.json").is_file():
+        raise UserError("--model", f"{model} is not a Hugging Face model folder (no config.json).", need)
+    if not list(p.glob("*.safetensors")):
+        raise UserError("--model", f"{model} has no *.safetensors weights (only safetensors are loaded).", need)
+    if not ((p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file()):
+        raise UserError("--model", f"{model} has no tokenizer (tokenizer.json or tokenizer.model); calibration "
+                        "and the gate encode real text with it.", need)
+    try:
+        cfg = read_json(p / "config.json", {})
+    except ValueError as e:
+        cfg = f"not valid JSON ({e})"
+    if not isinstance(cfg, dict):
+        raise UserError("--model", f"{p / 'config.json'} is not a JSON object" + (f": {cfg}" if isinstance(cfg, str) else "") + ".",
+                        "give a Hugging Face model folder with a valid config.json.")
+    return p.resolve()
+
+
+def plan_model_dir(model: str | None) -> Path:
+    """``--model`` for planning only (check without a build, compare, recommend, profiles): a folder with a valid
+    config.json is enough (weights and tokenizer are needed only to build); None = the default model."""
+    from precision_pipeline.core.errors import UserError
+
+    if model is None:
+        return model_dir(None)
+    p = Path(model).expanduser()
+    if not (p / "config.json").is_file():
+        raise UserError("--model", f"{str(model)[:200]} has no config.json.",
+                        "give a Hugging Face model folder (config.json is enough to plan; weights are needed to build).")
+    from precision_pipeline.spec.model_arch import read_model_arch
+
+    read_model_arch(p)  # UserError for an unreadable config
+    return p.resolve()

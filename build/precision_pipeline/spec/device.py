@@ -201,5 +201,15 @@ def probe_machine(asked: str = "auto") -> Machine:
     return Machine(host_available_bytes=avail, host_total_bytes=total, gpus=gpus, no_cuda=why, torch_cuda=built)
 
 
+
+def choose_device(device: str = "auto", reference_dtype: str = "float32") -> DeviceChoice:
+    """``--device`` / ``--reference-dtype`` on this machine (probe, then ``select_device``).
+    UserError for an unknown value or ``cuda`` without a usable GPU."""
+    # a bad value is refused before torch is asked: checked against this machine's host side with the values that
+    # need no GPU (``cuda`` itself is judged on the real probe below, so its refusal names what is missing)
+    select_device("cpu" if str(device).strip().lower() == "cuda" else device, probe_machine("cpu"), reference_dtype)
+    return select_device(device, probe_machine(device), reference_dtype)
+
+
 __all__ = ["DEVICE_CHOICES", "REFERENCE_DTYPES", "CPU_COMPUTE_DTYPE", "GpuInfo", "Machine", "DeviceChoice",
-           "select_device", "probe_machine", "probe_cuda", "host_memory", "nvidia_driver_present"]
+           "select_device", "probe_machine", "probe_cuda", "host_memory", "nvidia_driver_present", "choose_device"]

@@ -455,6 +455,9 @@ class Profile(_Strict):
     name: str = Field("", description="Set from the file name when empty.")
     description: str = Field("", description="One line on what the profile is for.")
     extends: Optional[str] = Field(None, description="Parent profile name (merged under this one).")
+    route: Literal["engine"] = Field(
+        "engine", description="Serving route: which stages build and serve it (pipeline.ROUTES). engine: a TensorRT-LLM "
+        "engine built by trtllm-build, served by Triton's tensorrtllm backend.")
     target: Target
     quantization: Quantization = Field(default_factory=Quantization)
     calibration: Calibration = Field(default_factory=Calibration)

@@ -1,0 +1,137 @@
+"""The CLI's console, its one rendering of an error (the exit code is ``core.errors.exit_code_for``'s), the build
+table, and the flag parsers (each refusal a UserError naming the flag)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+LOG_WIDTH = 160
+"""Columns of a table printed into a log (not a terminal): rich's default of 80 cut every wide table
+(build, compare) into unreadable fragments; a terminal keeps its own width. ``COLUMNS`` overrides."""
+
+
+def console():
+    from rich.console import Console
+
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else LOG_WIDTH
+    return Console(stderr=False, highlight=False, width=width)
+
+
+def report(exc: BaseException) -> int:
+    """Print what ended a task (call it from the ``except`` block) and return its exit code
+    (``core.errors.exit_code_for``): a user error's problems (and what a stage had written before it refused),
+    an expected failure's sentence, a full disk's file and cause; a traceback only for an internal error (1)."""
+    from rich.markup import escape as esc  # user text and patterns such as [a-z0-9] are not markup
+
+    from precision_pipeline.core.errors import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, UserError,
+                                                error_text, exit_code_for)
+
+    code = exit_code_for(exc)
+    con = console()
+    if isinstance(exc, UserError):
+        if exc.written:  # refused by a stage after the build had written (core.route.run_stages sets it)
+            con.print(f"[bold red]error[/]: the {esc(exc.stage or 'build')} stage refused the input after this build "
+                      f"wrote {esc(', '.join(exc.written))} in the output; the previous artifacts of the later "
+                      "stages are unchanged.", soft_wrap=True)
+        else:
+            con.print("[bold red]error[/]: the input was refused; nothing was changed.")
+        for p in exc.problems:
+            con.print(f"  [bold]{esc(p.field)}[/]: {esc(p.reason)}" + (f"\n    fix: {esc(p.fix)}" if p.fix else "")
+                      + (f"\n    rule: {esc(p.rule)}" + (f" ({esc(p.source)})" if p.source else "") if p.rule else ""),
+                      soft_wrap=True)
+    elif code == EXIT_BROKEN_PIPE:  # `invoke releases | head`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    elif code == EXIT_INTERRUPTED:
+        con.print("interrupted; previous artifacts are intact.")
+    elif code == EXIT_INTERNAL:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        print("\ninternal error: this is a bug in the pipeline, not in your input. Please report it "
+              "with the traceback above and the command line.", file=sys.stderr)
+    else:
+        con.print(f"[bold red]error[/]: {esc(error_text(exc))}", soft_wrap=True)
+    return code
+
+
+def stage_line(rec) -> str:
+    """One finished stage as printed live: ``name: status (reason) in S s`` (rich markup)."""
+    return f"[bold]{rec.name}[/]: {rec.status}" + (f" ({rec.reason})" if rec.reason else "") + f" in {rec.seconds:.1f} s"
+
+
+def print_build(stages) -> None:
+    """The build table: stage, status (and why), seconds, key numbers."""
+    from rich.table import Table
+
+    table = Table(title="build")
+    for col in ("stage", "status", "time", "key numbers"):
+        table.add_column(col)
+    for s in stages:
+        colour = {"done": "green", "cached": "green", "skipped": "yellow", "failed": "red"}.get(s.status, "white")
+        status = s.status + (f" ({s.reason})" if s.reason else "")
+        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.numbers.items()
+                         if v is not None and not isinstance(v, (dict, list)) and k != "args")
+        table.add_row(s.name, f"[{colour}]{status}[/]", f"{s.seconds:.1f} s", nums)
+    console().print(table)
+
+
+def int_arg(flag: str, value, lo: int = 0, hi: int = 2**31 - 1):
+    """``value`` as an int within [lo, hi]; None stays None. Raises UserError naming ``flag``."""
+    from precision_pipeline.core.errors import UserError
+
+    if value is None or isinstance(value, bool):
+        return None if value is None else int(value)
+    s = str(value).strip()
+    if not s.lstrip("-").isdigit() or len(s) > 12 or not lo <= int(s) <= hi:
+        raise UserError(flag, f"{s[:40]!r} is not a whole number from {lo:,} to {hi:,}.", f"pass e.g. {flag} {max(lo, 1)}.")
+    return int(s)
+
+
+def float_arg(flag: str, value):
+    """``value`` as a finite number >= 0; None stays None. Raises UserError naming ``flag``."""
+    from precision_pipeline.core.errors import UserError
+
+    if value is None:
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise UserError(flag, f"{str(value)[:40]!r} is not a number.", f"pass e.g. {flag} 0.5.")
+    if not v == v or v < 0:
+        raise UserError(flag, f"{value!r} is not a number >= 0.", f"pass e.g. {flag} 0.5.")
+    return v
+
+
+def parse_layers(text):
+    """``"0-3,7"`` -> [0, 1, 2, 3, 7]; None/"" -> None. UserError on ``--layers`` otherwise."""
+    from precision_pipeline.core.errors import UserError
+
+    if not text:
+        return None
+    out = []
+    try:
+        for part in str(text).split(","):
+            a, _, b = part.strip().partition("-")
+            out.extend(range(int(a), int(b) + 1) if b else [int(a)])
+    except ValueError:
+        raise UserError("--layers", f"{text!r} is not a list of layers.", "write e.g. 0-3,7.")
+    return out
+
+
+def margin(value) -> float:
+    """``--margin``: a fraction in (0, 1] (default 1). UserError otherwise (NaN and text included)."""
+    from precision_pipeline.core.errors import UserError
+
+    if value is None:
+        return 1.0
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not 0 < v <= 1:  # also NaN and text: one range in every message
+        raise UserError("--margin", f"{value!r} is not in (0, 1].", "pass e.g. --margin 0.8 (aim at 80 % of the thresholds).")
+    return v
+
+
+__all__ = ["LOG_WIDTH", "console", "report", "stage_line", "print_build", "int_arg", "float_arg", "parse_layers", "margin"]

@@ -1,0 +1,211 @@
+"""``invoke serve``, ``promote``, ``rollback``, ``rollout``, ``probe``, ``releases``: a build's typed output
+(``serving.build_output``) in, one call, printed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from precision_pipeline.cli.console import console, int_arg
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.paths import REPO_ROOT
+
+
+def serving_repo(repo) -> Path:
+    """``--repo``: the serving repository (default ``artifacts/serving/model_repository``)."""
+    return Path(repo).expanduser().resolve() if repo else REPO_ROOT / "artifacts" / "serving" / "model_repository"
+
+
+def serve(profile=None, repo=None, http_port=None, grpc_port=None, metrics_port=None) -> None:
+    """A real Triton server (CPU reference backend) on 127.0.0.1 for a build's packed repository or ``repo``."""
+    from precision_pipeline.serving import build_output
+    from precision_pipeline.serving.triton_server import serve as serve_repo
+
+    path = build_output.open_build(profile).packed if profile and not repo else serving_repo(repo)
+    serve_repo(path, http_port=int_arg("--http-port", http_port, 1, 65535) or 8000,
+               grpc_port=int_arg("--grpc-port", grpc_port, 1, 65535) or 8001,
+               metrics_port=int_arg("--metrics-port", metrics_port, 1, 65535) or 8002)
+
+
+def promote(profile, repo=None, url=None, out=None) -> None:
+    """``serving.build_output.promote_build`` of the build, printed (warnings on every promote, the first too)."""
+    from precision_pipeline.serving import build_output
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    b = build_output.open_build(profile, out)
+    server = TritonServer.attach(url) if url else None
+    p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
+    con = console()
+    for w in p.warnings:
+        con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
+    for n in p.notes:
+        con.print(f"[yellow]note[/]: {n}", soft_wrap=True)
+    if p.created:
+        con.print(f"created {serving_repo(repo)}: current {p.unit}, fallback {p.fallback}")
+    else:
+        con.print(f"promoted {p.unit} in {p.total_ms:.0f} ms" + ("" if server else " (no server given: repository only)"))
+
+
+def rollback(repo=None, to=None, fallback=False, url=None) -> None:
+    from precision_pipeline.serving import release
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    if to is not None and not str(to).strip():
+        raise UserError("--to", "is empty (an unset shell variable?); rolling back to the previous release instead "
+                        "would be a guess.", "pass a unit name (or a prefix of its 12 hex digits), or leave --to out "
+                        "for the previous release.")
+    server = TritonServer.attach(url) if url else None
+    t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
+    console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
+
+
+def _attach(url: str, metrics_port):
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    server = TritonServer.attach(url)
+    server.metrics_port = metrics_port or server.http_port + 2
+    return server
+
+
+def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, abort=False, repo=None, out=None,
+            probe_prompts=4) -> int:
+    """``serving.rollout.rollout`` of the build with a live accuracy probe (or ``abort``); returns 3 when the
+    candidate was not promoted (rolled back or aborted), as ``invoke rollout`` exits."""
+    from precision_pipeline.core.errors import EXIT_GATE_FAILED
+    from precision_pipeline.serving import acceptance, build_output, release
+    from precision_pipeline.serving import rollout as ro
+
+    repo_dir, con, url = serving_repo(repo), console(), url or "127.0.0.1:8000"
+    metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535)  # before anything else is asked
+    if abort:
+        rec = ro.abort(repo_dir, _attach(url, metrics_port))
+        con.print(f"rollout of {rec['candidate']} aborted at {rec['percent']} %: {rec['stable']} serves all traffic "
+                  f"(decision to last candidate request {rec.get('decision_to_stable_ms', 0):.0f} ms)")
+        if rec.get("candidate_kept") or rec.get("server_error"):
+            con.print(f"[yellow]note[/]: {rec['candidate']} was not unloaded: "
+                      f"{rec.get('candidate_kept') or rec.get('server_error')}", soft_wrap=True)
+        return 0
+    if not profile:
+        raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
+    b = build_output.open_build(profile, out)
+    prof = b.profile
+    ok = acceptance.check_promotable(prof, b.out_dir, b.packed, action="rollout", **b.serving_facts())
+    for w in ok.warnings:
+        con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
+    step_list = ro.parse_steps(str(steps) if steps is not None else list(prof.deployment.canary_steps))
+    try:
+        hold_s = float(hold) if hold is not None else float(prof.deployment.canary_pause_s)
+    except ValueError:
+        hold_s = -1.0
+    if not 0 <= hold_s <= 86400:
+        raise UserError("--hold", f"{hold!r} is not a number of seconds in 0..86400.", "e.g. --hold 30")
+    if release.read_state(repo_dir) is None:
+        raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
+    server = _attach(url, metrics_port)
+    pset = b.probe_set(int_arg("--probe-prompts", probe_prompts, 1, 65))
+
+    def show(s):
+        pr = s.get("probe") or {}
+        con.print(f"  {s['percent']:>3} %: " + ("switched" if s["percent"] == 100 else
+                  f"candidate {s['candidate']['success']} ok / {s['candidate']['failure']} failed, share "
+                  f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {pr.get('kl_p99', float('nan')):.4f} top-1 "
+                  f"{pr.get('top1', float('nan')):.3f} -> {'pass' if s.get('passed') else 'FAIL'}"))
+
+    con.print(f"rolling out {prof.name} in steps {','.join(map(str, step_list))} ({hold_s:g} s each) on {url}")
+    res = ro.rollout(repo_dir, b.packed, server, pset, steps=step_list, hold_s=hold_s, profile=prof.name, gate=ok.gate,
+                     on_step=show)
+    if res.status == "promoted":
+        con.print(f"{res.candidate} is the current release ({res.seconds:.0f} s)")
+        return 0
+    if res.status == "aborted":
+        con.print(f"[red]rollout of {res.candidate} was aborted[/] (`invoke rollout --abort`); {res.stable} serves all traffic")
+    else:
+        con.print(f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "
+                  f"traffic ({res.decision_to_stable_ms} ms from the decision to the candidate's last request)")
+    return EXIT_GATE_FAILED  # not promoted
+
+
+def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, prompts=None, metrics_port=None,
+          runs=None, out=None, model=None) -> int:
+    """The accuracy probe of the live server (``serving.probe``), once or every N s; returns 3 when a single run
+    failed."""
+    import time as _time
+
+    from precision_pipeline.core.errors import EXIT_GATE_FAILED
+    from precision_pipeline.serving import build_output, release
+    from precision_pipeline.serving import probe as pr
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    con = console()
+    repo_dir = serving_repo(repo)
+    state = release.read_state(repo_dir) if repo_dir.is_dir() else None
+    n = int_arg("--prompts", prompts, 1, 65) or 4  # default None: invoke would int() a typed default itself
+    every_s = None if every is None else float(int_arg("--every", every, 1, 86400))
+    max_runs = int_arg("--runs", runs, 1) if runs is not None else None
+    port = int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
+    if unit:
+        release.check_probe_unit(unit)
+    rec_profile = ""
+    if state:
+        rec_profile = next((r.get("profile", "") for r in state.get("releases", []) if r.get("unit") == state["current"]), "")
+    packed = None
+    if gate:
+        pset = pr.load_probe_set(Path(gate).expanduser().resolve(), n, model_dir=Path(model).expanduser() if model else None)
+        prof_name = profile or rec_profile
+    else:
+        if not (profile or rec_profile):
+            raise UserError("--profile", "is required: no serving repository names the current release's profile.",
+                            "e.g. invoke probe --profile fp8-h100 (or --gate <build out>/gate)")
+        b = build_output.open_build(profile or rec_profile, out)
+        prof_name, packed, pset = b.profile.name, b.packed, b.probe_set(n)
+    if not unit:
+        if state and not profile:
+            unit = state["current"]
+        elif packed is not None:
+            unit = release.resolve_unit_source(packed).name
+        elif state:
+            unit = state["current"]
+        else:
+            raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12>.")
+    server = TritonServer.attach(url or "127.0.0.1:8000")
+    exporter = None
+    if every_s is not None:
+        exporter = pr.ProbeExporter(port)
+        con.print(f"probe metrics on http://0.0.0.0:{port}/metrics")
+    k, failed = 0, False
+    try:
+        while True:
+            rec = pr.probe_and_record(server, unit, pset, repo_dir=repo_dir if state else None, profile=prof_name,
+                                      exporter=exporter)
+            s = rec["probe"]
+            k += 1
+            failed = not s.get("passed", False)
+            if "error" in s:
+                con.print(f"[red]probe of {unit} failed[/]: {s['error']}")
+            else:
+                con.print(f"probe {unit} ({prof_name or '?'}): KL P99 {s['kl_p99']:.4f} (max {s['checks']['kl_p99']['threshold']}), "
+                          f"top-1 {s['top1']:.3f} (min {s['checks']['top1']['threshold']}), {s['tokens']} tokens, "
+                          f"{s['prompts']} prompts, {s['ms']:.0f} ms -> {'pass' if s['passed'] else 'FAIL'}"
+                          + ("" if state else " (not recorded: no releases.json)"))
+            if "not_recorded" in rec:
+                con.print(f"[yellow]note[/]: releases.json cannot be written ({rec['not_recorded']}); the result is "
+                          + (f"recorded in {rec['recorded_in']}" if rec["recorded_in"] else "only printed above"), soft_wrap=True)
+            if every_s is None or (max_runs is not None and k >= max_runs):
+                break
+            _time.sleep(pr.next_wait_s(every_s, s))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if exporter is not None:
+            exporter.close()
+    return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def releases(repo=None) -> None:
+    """releases.json of the serving repository and what is on disk, as JSON."""
+    from precision_pipeline.serving import release
+
+    print(json.dumps(release.list_releases(serving_repo(repo)), indent=2))  # list_releases refuses a non-repository
+
+
+__all__ = ["serving_repo", "serve", "promote", "rollback", "rollout", "probe", "releases"]

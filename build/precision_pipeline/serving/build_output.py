@@ -1,0 +1,153 @@
+"""A finished build's output folder, read through its typed stage records (``.stages/``, the authority; never
+``manifest.json`` or ``metrics.json`` as dicts), and the one promote of a build used by ``invoke promote`` and
+``invoke nightly --promote``.
+
+``open_build(profile, out)`` -> ``BuildOutput``: the profile, the resolved plan, the gate's verdict
+(``GateArtifact``: passed, numbers, the record of what it holds for), the packed repository
+(``RepositoryArtifact``), the rendered manifests (``ManifestsArtifact``: the serving image) and the
+checkpoint (``CheckpointArtifact``). Raises UserError (exit 2) when the folder holds no finished build of that
+profile, or (``require_passed``) one whose checkpoint failed its gate: a failed build is never promoted.
+
+``promote_build(build, repo_dir, by=...)``: acceptance (``serving/acceptance.py``, with the serving image and
+the GPU's SM for the skew checks), then the first release (``release.init_serving_repo`` with the profile's
+fallback build, ``warm_fallback`` and ``keep_releases``) or a promote (``release.promote``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.outputs import default_out_dir
+from precision_pipeline.core.stage import Stage, read_record
+from precision_pipeline.gate.stage import GateArtifact, GateStage
+from precision_pipeline.quantize.stage import CheckpointArtifact, QuantizeStage
+from precision_pipeline.resolve.plan import ResolvedPlan
+from precision_pipeline.resolve.stage import ResolveStage
+from precision_pipeline.serving.stage import DeployStage, ManifestsArtifact, PackStage, RepositoryArtifact
+
+
+@dataclass(frozen=True)
+class BuildOutput:
+    """What a finished build holds (module docstring); every field typed."""
+
+    out_dir: Path
+    profile: Any
+    """The profile as loaded by the caller (``spec.profile.Profile``)."""
+    plan: ResolvedPlan
+    gate: GateArtifact
+    repository: RepositoryArtifact
+    manifests: Optional[ManifestsArtifact] = None
+    checkpoint: Optional[CheckpointArtifact] = None
+
+    @property
+    def passed(self) -> bool:
+        """The checkpoint passed its accuracy gate."""
+        return self.gate.status == "done" and self.gate.passed
+
+    @property
+    def packed(self) -> Path:
+        """The packed Triton repository (``<out>/model_repository``)."""
+        return self.out_dir / PackStage.output
+
+    @property
+    def image(self) -> Optional[str]:
+        """The serving image the build's manifests run (``--image``), or None when its deploy record predates it."""
+        return (self.manifests.image or None) if self.manifests is not None else None
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """tp_size / pp_size / moe_ep_size the release will serve (the plan's mapping)."""
+        m = self.plan.mapping
+        return {"tp_size": m.tp_size, "pp_size": m.pp_size, "moe_ep_size": m.moe_ep_size or 1}
+
+    def serving_facts(self) -> dict[str, Any]:
+        """The skew checks' facts of the serving side: the image and the deployment GPU's SM."""
+        return {"image": self.image, "sm": self.plan.gpu.sm if self.plan.gpu else None}
+
+    def model_fingerprint(self) -> str:
+        """The gated model's content fingerprint (the gate's record), "" when the record has none."""
+        return str((self.gate.record or {}).get("model_fingerprint") or "")
+
+    def probe_set(self, prompts: int):
+        """The accuracy probe's prompts and reference from the build's gate folder, thresholds from the profile's
+        gate section for the gated model (``serving.probe.load_probe_set``)."""
+        from precision_pipeline.serving import probe
+
+        bar = self.profile.gate.for_model(self.model_fingerprint())
+        return probe.load_probe_set(self.out_dir / GateStage.output, prompts, thresholds=bar.thresholds())
+
+
+def _typed(out_dir: Path, stage: Stage):
+    d = read_record(out_dir, stage)
+    return d.artifact if d is not None and d.artifact.status in ("done", "failed") else None
+
+
+def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passed: bool = True) -> BuildOutput:
+    """The finished build of ``profile_ref`` in ``out`` (default ``artifacts/<profile>``). See the module docstring."""
+    from precision_pipeline.spec.profile import load_profile
+
+    prof = load_profile(profile_ref)
+    out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
+    resolved = _typed(out_dir, ResolveStage())
+    built = resolved.plan.profile.name if resolved is not None else None
+    if built not in (None, prof.name):
+        raise UserError("--profile", f"{out_dir} holds a build of {built!r}, not of {prof.name!r}; its release would be "
+                        "recorded under the wrong profile.", f"pass --profile {built}, or the output folder of {prof.name}'s build.")
+    gate, repo = _typed(out_dir, GateStage()), _typed(out_dir, PackStage())
+    if resolved is None or gate is None or repo is None or repo.status != "done":
+        raise UserError("--profile", f"{out_dir} holds no finished build of {prof.name}.",
+                        f"run `invoke build --profile {profile_ref}` first.")
+    b = BuildOutput(out_dir=out_dir, profile=prof, plan=resolved.plan, gate=gate, repository=repo,
+                    manifests=_typed(out_dir, DeployStage()), checkpoint=_typed(out_dir, QuantizeStage()))
+    if require_passed and not b.passed:
+        raise UserError("--profile", f"the build of {prof.name} did not pass its accuracy gate.",
+                        "fix the profile and rebuild; a failed build is never promoted.")
+    return b
+
+
+@dataclass
+class Promotion:
+    """What ``promote_build`` did: the unit now current, whether the serving repository was created (first
+    release: ``fallback`` is then the fallback unit), the warnings (acceptance's first), notes, and milliseconds."""
+
+    unit: str
+    created: bool
+    fallback: Optional[str] = None
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    total_ms: float = 0.0
+
+
+def promote_build(build: BuildOutput, repo_dir: Path, *, by: str, server=None,
+                  fallback_out: Optional[Path] = None) -> Promotion:
+    """Make ``build`` the current release of serving repository ``repo_dir`` (module docstring). ``server``: a
+    running Triton to load beside, smoke-test and switch (None: the repository only); ``fallback_out``: where the
+    profile's fallback build is (default ``artifacts/<fallback>``). Raises UserError for what acceptance refuses."""
+    from precision_pipeline.serving import acceptance, release
+
+    repo_dir = Path(repo_dir)
+    ok = acceptance.check_promotable(build.profile, build.out_dir, build.packed, **build.serving_facts())  # before any write
+    warnings = list(ok.warnings)
+    dep = build.profile.deployment
+    if release.read_state(repo_dir) is None:
+        fb_repo, notes = None, []
+        if dep.fallback:
+            try:
+                fb_repo = open_build(dep.fallback, fallback_out).packed
+            except Exception:
+                notes.append(f"fallback {dep.fallback} is not built; run `invoke build --profile {dep.fallback}` "
+                             "to keep it on disk.")
+        state = release.init_serving_repo(repo_dir, build.packed, profile=build.profile.name, gate=ok.gate, by=by,
+                                          fallback_repo=fb_repo, warm_fallback=dep.warm_fallback,
+                                          keep_releases=dep.keep_releases)
+        return Promotion(unit=str(state["current"]), created=True, fallback=state.get("fallback"), warnings=warnings,
+                         notes=notes)
+    t = release.promote(repo_dir, build.packed, server=server, profile=build.profile.name, gate=ok.gate,
+                        promoted_by=by)  # the one skew check of a release: check_promotable, above
+    return Promotion(unit=str(t["unit"]), created=False, warnings=warnings, total_ms=float(t.get("total_ms", 0) or 0))
+
+
+__all__ = ["BuildOutput", "open_build", "Promotion", "promote_build"]

@@ -1,0 +1,105 @@
+"""The typed reader of a build output (``serving/build_output.py``) and the one promote of a build that
+``invoke promote`` and ``invoke nightly --promote`` share (issue 24: nightly's copy passed no fallback repository,
+warm_fallback, keep_releases or skew facts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.outputs import write_output_marker
+from precision_pipeline.core.stage import RECORDS_DIR, write_record
+from precision_pipeline.serving import build_output
+from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
+
+
+def _fake_build(out: Path, profile, passed: bool = True, image: str = "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"):
+    """A build output as the stages leave it: the typed records of resolve, gate, pack and deploy."""
+    from precision_pipeline.gate.stage import GateArtifact
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.resolve.stage import PlanArtifact
+    from precision_pipeline.serving.stage import ManifestsArtifact, RepositoryArtifact
+    from precision_pipeline.spec.default_model import default_model_dir
+
+    (out / "model_repository").mkdir(parents=True)
+    write_output_marker(out, profile.name)
+    arts = {"resolve": PlanArtifact(plan=P.evaluate(profile, default_model_dir())),
+            "gate": GateArtifact(status="done" if passed else "failed", passed=passed, numbers={"kl_p99": 0.1},
+                                 record={"model_fingerprint": "a" * 64}),
+            "pack": RepositoryArtifact(models=("ensemble",), engine_present=False, engine_unit="u", engine_hash="0" * 64),
+            "deploy": ManifestsArtifact(files=("triton-deployment.yaml",), gpus_per_replica=1, replicas=1,
+                                        launcher="tritonserver", image=image)}
+    for name, art in arts.items():
+        write_record(out / RECORDS_DIR / f"{name}.json", name, "1" * 64, art)
+    return out
+
+
+def _profile(**sections):
+    return validate_profile(deep_merge(load_raw("fp8-h100"), {"name": "fp8-h100", **sections}))
+
+
+def test_the_reader_gives_typed_facts_and_refuses_what_is_not_a_finished_passed_build(tmp_path, monkeypatch):
+    prof = _profile()
+    monkeypatch.setattr("precision_pipeline.spec.profile.load_profile", lambda ref: prof)
+    out = _fake_build(tmp_path / "b", prof)
+    b = build_output.open_build("fp8-h100", out)
+    assert b.passed and b.packed == out.resolve() / "model_repository"
+    assert b.serving_facts() == {"image": "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3", "sm": 90}
+    assert b.layout == {"tp_size": 1, "pp_size": 1, "moe_ep_size": 1} and b.model_fingerprint() == "a" * 64
+    assert b.gate.numbers == {"kl_p99": 0.1}
+    failed = _fake_build(tmp_path / "f", prof, passed=False)
+    with pytest.raises(UserError, match="did not pass its accuracy gate"):
+        build_output.open_build("fp8-h100", failed)
+    assert build_output.open_build("fp8-h100", failed, require_passed=False).passed is False
+    (out / RECORDS_DIR / "pack.json").unlink()
+    with pytest.raises(UserError, match="holds no finished build of fp8-h100"):
+        build_output.open_build("fp8-h100", out)
+    other = _fake_build(tmp_path / "o", _profile(name="bf16-h100"))
+    with pytest.raises(UserError, match="holds a build of 'bf16-h100', not of 'fp8-h100'"):
+        build_output.open_build("fp8-h100", other)
+
+
+def test_the_first_release_gets_the_fallback_warmth_retention_and_skew_facts(tmp_path, monkeypatch):
+    from precision_pipeline.serving import acceptance, release
+
+    prof = _profile(deployment={"fallback": "bf16-h100", "warm_fallback": True, "keep_releases": 5})
+    fb = _profile(name="bf16-h100")
+    monkeypatch.setattr("precision_pipeline.spec.profile.load_profile", lambda ref: fb if "bf16" in str(ref) else prof)
+    b = build_output.open_build("fp8-h100", _fake_build(tmp_path / "fp8-h100", prof))
+    _fake_build(tmp_path / "bf16-h100", fb)
+    seen = {}
+    monkeypatch.setattr(acceptance, "check_promotable", lambda *a, **k: seen.setdefault("accept", k) and
+                        acceptance.Acceptance(gate={"kl_p99": 0.1}, warnings=["w"]))
+    monkeypatch.setattr(release, "read_state", lambda repo: None)
+
+    def init(repo, packed, **k):
+        seen["init"] = k
+        return {"current": "tensorrt_llm_000000000001", "fallback": "tensorrt_llm_000000000002"}
+    monkeypatch.setattr(release, "init_serving_repo", init)
+    p = build_output.promote_build(b, tmp_path / "serving", by="invoke promote", fallback_out=tmp_path / "bf16-h100")
+    assert p.created and p.unit == "tensorrt_llm_000000000001" and p.warnings == ["w"] and p.notes == []
+    assert seen["accept"] == {"image": b.image, "sm": 90}
+    k = seen["init"]
+    assert (k["fallback_repo"], k["warm_fallback"], k["keep_releases"], k["image"], k["sm"]) == (
+        (tmp_path / "bf16-h100").resolve() / "model_repository", True, 5, b.image, 90)
+    p = build_output.promote_build(b, tmp_path / "serving", by="x", fallback_out=tmp_path / "nowhere")
+    assert seen["init"]["fallback_repo"] is None and "fallback bf16-h100 is not built" in p.notes[0]
+
+
+def test_nightly_promotes_through_the_same_function(tmp_path, monkeypatch):
+    from precision_pipeline import nightly as nl
+
+    prof = _profile(deployment={"fallback": "bf16-h100"})
+    monkeypatch.setattr("precision_pipeline.spec.profile.load_profile", lambda ref: prof)
+    out = _fake_build(tmp_path / "fp8-h100", prof)
+    calls = []
+    monkeypatch.setattr(build_output, "promote_build",
+                        lambda b, repo, **k: calls.append((b.out_dir, repo, k)) or build_output.Promotion("u1", True))
+    opts = nl.NightlyOptions(profiles=["fp8-h100"], out_root=tmp_path)
+    assert nl._promote(nl.Row(profile="fp8-h100", source="fp8-h100", out_dir=str(out)), opts) == "u1"
+    assert calls == [(out.resolve(), tmp_path / "serving" / "model_repository",
+                      {"by": "invoke nightly", "fallback_out": tmp_path / "bf16-h100"})]
+    assert json.loads((out / RECORDS_DIR / "gate.json").read_text())["artifact"]["passed"] is True
