@@ -18,9 +18,6 @@ from precision_pipeline.core.store import canonical, hash_dir
 from precision_pipeline.spec.profile import deep_merge, load_raw, validate_profile
 from tests.conftest import request
 
-QUANTIZE_CANONICAL = "QuantizeInputs.canonical() keys five picked sections of the whole profile: helper fam's " \
-                     "branch replaces it with resolved facts (issue 24); strict, so the mark goes when it lands"
-
 
 def _alter(value, where: str):
     """A value whose canonical form differs from ``value``'s (a model: its first field that can differ)."""
@@ -101,8 +98,7 @@ def route_inputs(tmp_path_factory, default_model_dir):
 STAGE_NAMES = ("resolve", "quantize", "verify", "gate", "engine", "engine_gate", "pack", "deploy")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=QUANTIZE_CANONICAL)]
-                                               if n == "quantize" else []) for n in STAGE_NAMES])
+@pytest.mark.parametrize("name", STAGE_NAMES)
 def test_every_keyed_field_changes_the_key_and_no_unkeyed_one_does(route_inputs, name):
     stage, inputs = route_inputs[name]
     key = stage_key(stage, inputs, {})
