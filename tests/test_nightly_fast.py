@@ -336,7 +336,7 @@ def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path):
                            timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (args, r.stdout, r.stderr)
         assert ("has an empty entry" if "," in args[1] else "/ is the filesystem root") in r.stdout
-    from precision_pipeline.pipeline import _validate_out_dir
+    from precision_pipeline.core.outputs import validate_out_dir
 
     with pytest.raises(UserError, match="/ is the filesystem root"):  # the one rule, build's --out too
-        _validate_out_dir(Path("/"))
+        validate_out_dir(Path("/"))

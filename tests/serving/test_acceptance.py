@@ -67,9 +67,7 @@ def fake_build(out: Path, prof, fingerprint: str, *, layout: dict | None = None,
                                    False, out / "model_repository", str(out))
         models, unit, engine_hash = tuple(res.models), res.engine_unit, res.engine_hash
     else:
-        from precision_pipeline.serving.release_units import resolve_unit_source
-
-        info = json.loads((resolve_unit_source(packed) / pack.PACK_FILE).read_text())
+        info = json.loads((Path(packed) / pack.PACK_FILE).read_text())  # the packed repository's pack.json
         models, unit, engine_hash = tuple(info["models"]), info["engine_unit"], info["engine_hash"]
     (out / "plan.json").write_text(json.dumps({"profile": prof.name}))
     numbers = {k: v["value"] for k, v in metrics["metrics"].items()}

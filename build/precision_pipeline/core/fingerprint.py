@@ -177,9 +177,13 @@ def file_digests(root: Path, memo: bool = True, files: Optional[list[Path]] = No
             changed = True
         out[p.name if p == root else p.relative_to(root).as_posix()] = digest
     if memo_path is not None and changed:
-        with locked(memo_path.parent / f".{MEMO_FILE}.lock"):
-            merged = {**_load_memo(memo_path), **table}
-            atomic_write_text(memo_path, json.dumps({"version": MEMO_VERSION, "files": merged}, sort_keys=True) + "\n")
+        try:  # the memo is a cache: a full disk or a file-size limit (ulimit -f) while writing it costs a re-hash next
+            # time, never the build (the atomic write leaves the previous memo intact)
+            with locked(memo_path.parent / f".{MEMO_FILE}.lock"):
+                merged = {**_load_memo(memo_path), **table}
+                atomic_write_text(memo_path, json.dumps({"version": MEMO_VERSION, "files": merged}, sort_keys=True) + "\n")
+        except OSError:
+            pass
     return out
 
 
