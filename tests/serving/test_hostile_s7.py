@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release
+from precision_pipeline.serving import release, release_live, release_recover
 from tests.serving.test_release import new_repo, units  # noqa: F401  (the module fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,28 +38,27 @@ class _Server:
         return dict(self.state)
 
 
-@pytest.mark.xfail(strict=True, reason="hostile s7 #53/#54: rollback leaves a unit that failed its smoke test loaded, "
-                   "and the next rollback counts it warm and switches to it without a smoke test")
 def test_rollback_after_failed_smoke_does_not_switch_to_it_warm(tmp_path, units, monkeypatch):  # noqa: F811
     a = units[0].engine_unit
     repo = new_repo(tmp_path, units, fallback=False)
     release.promote(repo, units[2].out_dir)  # current: units[2], previous: a
     srv = _Server(["ensemble", "preprocessing", "postprocessing", units[2].engine_unit])
     switched = []
-    monkeypatch.setattr(release, "verify_server", lambda *a, **k: None)
-    monkeypatch.setattr(release, "reconcile_server", lambda *a, **k: [])
-    monkeypatch.setattr(release, "_switch", lambda repo_dir, server, unit, *a, **k: switched.append(unit))
+    monkeypatch.setattr(release_recover, "verify_server", lambda *a, **k: None)
+    monkeypatch.setattr(release_recover, "reconcile_server", lambda *a, **k: [])
+    monkeypatch.setattr(release, "switch", lambda repo_dir, server, unit, *a, **k: switched.append(unit))
 
     def bad_smoke(server, unit, **k):
         raise RuntimeError(f"smoke test of {unit}: empty text")
 
-    monkeypatch.setattr(release, "smoke_test", bad_smoke)
+    monkeypatch.setattr(release_live, "smoke_test", bad_smoke)
     with pytest.raises(UserError):
         release.rollback(repo, to=a, server=srv)
     assert srv.state.get(a) != "READY", "the unit that failed its smoke test stays loaded"
-    with pytest.raises(UserError):  # the same rollback again: it must fail its smoke test again
+    srv.load(a)  # warm, however it got loaded: a warm target is smoke-tested too
+    with pytest.raises(UserError, match="fails its smoke request"):  # the same rollback again: refused again
         release.rollback(repo, to=a, server=srv)
-    assert switched == []
+    assert switched == [] and srv.state.get(a) != "READY"
 
 
 class _NotTriton(http.server.BaseHTTPRequestHandler):

@@ -165,8 +165,9 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
 def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, server=None, by: str = "manual",
              smoke: bool = True) -> dict:
     """Switch back to an earlier release (``to``: unit name or a prefix of its 12 hex digits; default: the
-    previous release) or to the fallback. A loaded (warm) target costs only the config switch;
-    a cold one is loaded and smoke-tested first. Returns timings in ms (``warm``: whether it was loaded)."""
+    previous release) or to the fallback. A loaded (warm) target costs the smoke test and the config switch;
+    a cold one is loaded first. A target that fails its smoke test is unloaded (a warm fallback stays loaded)
+    and nothing is switched (UserError, exit 2). Returns timings in ms (``warm``: whether it was loaded)."""
     repo_dir = Path(repo_dir)
     if not repo_dir.is_dir():
         raise UserError("--repo", f"{repo_dir} does not exist, so there is nothing to roll back.",
@@ -215,14 +216,17 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
             raise UserError("rollback", f"{target} is not on disk.", "pick a kept release.")
         loaded = loaded_models(server)
         timings["warm"] = loaded.get(target) == "READY"
+        field, fix = "--fallback" if fallback else "--to", "roll back to another kept release (--to), or promote a fresh build."
         if server is not None and not timings["warm"]:
             t = time.perf_counter()
-            load_unit(server, target, "--fallback" if fallback else "--to", cur,
-                       "roll back to another kept release (--to), or promote a fresh build.")
+            load_unit(server, target, field, cur, fix)
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
-            if smoke:
-                timings["smoke"] = smoke_unit(server, target, "--fallback" if fallback else "--to", cur,
-                                               "roll back to another kept release (--to), or promote a fresh build.")
+        if server is not None and smoke:  # a warm target too: being loaded proves nothing (hostile s7 #54)
+            try:
+                timings["smoke"] = smoke_unit(server, target, field, cur, fix)
+            except Exception:
+                _unload_candidate(server, target, state)
+                raise
         switch(repo_dir, server, target, timings, cur)
         timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
         state["current"] = target
