@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release, release_live, release_recover
+from precision_pipeline.serving import release, release_live, release_recover, release_state
 from tests.serving.test_release import new_repo, units  # noqa: F401  (the module fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,23 +76,60 @@ class _NotTriton(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.xfail(strict=True, reason="hostile s7 #70/#73: --url at an HTTP port that is not Triton's HTTP endpoint "
-                   "(e.g. the metrics port) is exit 1 with a JSONDecodeError traceback, not a refusal on --url")
-def test_url_at_metrics_port_is_refused_not_a_traceback(tmp_path):
+def _fake_repo(tmp_path) -> Path:
     repo = tmp_path / "serving" / "model_repository"
     (repo / "ensemble").mkdir(parents=True)
     (repo / "ensemble" / "config.pbtxt").write_text(
         'name: "ensemble"\nplatform: "ensemble"\n'
-        f'parameters {{ key: "{release.IDENTITY_PARAM}" value {{ string_value: "0123456789abcdef" }} }}\n')
-    (repo.parent / release.STATE_FILE).write_text("{}")
+        f'parameters {{ key: "{release_state.IDENTITY_PARAM}" value {{ string_value: "0123456789abcdef" }} }}\n')
+    (repo.parent / "releases.json").write_text("{}")
+    return repo
+
+
+def _invoke(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, COLUMNS="250"))
+
+
+def test_url_at_metrics_port_is_refused_not_a_traceback(tmp_path):
+    """hostile s7 #70/#73: an HTTP port that is not Triton's HTTP endpoint (the metrics port answers text)."""
+    repo = _fake_repo(tmp_path)
     httpd = http.server.HTTPServer(("127.0.0.1", 0), _NotTriton)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        r = subprocess.run([sys.executable, "-m", "invoke", "rollback", "--repo", str(repo), "--url",
-                            f"127.0.0.1:{httpd.server_address[1]}"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120, env=dict(os.environ, COLUMNS="250"))
+        r = _invoke("rollback", "--repo", str(repo), "--url", f"127.0.0.1:{httpd.server_address[1]}")
     finally:
         httpd.shutdown()
     text = r.stdout + r.stderr
     assert "Traceback" not in text, text
-    assert r.returncode == 2 and "--url:" in text, text
+    assert r.returncode == 2 and "--url:" in text and "does not answer Triton's HTTP API (v2)" in text, text
+
+
+def test_url_at_grpc_port_is_refused_not_a_traceback(tmp_path):
+    """hostile s7 #74: a gRPC (HTTP/2) port answers an HTTP/1 request with HTTP/2 frames or a closed connection."""
+    from concurrent import futures
+
+    import grpc
+
+    repo = _fake_repo(tmp_path)
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    try:
+        r = _invoke("rollout", "--abort", "--repo", str(repo), "--url", f"127.0.0.1:{port}")
+    finally:
+        srv.stop(0)
+    text = r.stdout + r.stderr
+    assert "Traceback" not in text, text
+    assert r.returncode == 2 and "--url:" in text and "does not answer Triton's HTTP API (v2)" in text, text
+
+
+@pytest.mark.parametrize("url", ["", "  "])
+def test_empty_url_is_refused(url):
+    """hostile s7 #71: an empty --url (an unset $URL) is not "no server"."""
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    assert TritonServer.from_url(None) is None  # the option not given: repository only
+    with pytest.raises(UserError, match="--url") as e:
+        TritonServer.from_url(url)
+    assert "is empty" in str(e.value)
