@@ -133,3 +133,39 @@ def test_empty_url_is_refused(url):
     with pytest.raises(UserError, match="--url") as e:
         TritonServer.from_url(url)
     assert "is empty" in str(e.value)
+
+
+_SIGTERM_CHILD = r'''
+import sys
+from precision_pipeline.serving.triton_server import terminate_as_interrupt
+import tritonclient.http as hc
+with terminate_as_interrupt():
+    try:
+        c = hc.InferenceServerClient("127.0.0.1:%d", network_timeout=60)
+        print("ready", flush=True)
+        c.is_server_live()  # waits in gevent's hub: the listener never answers
+    except KeyboardInterrupt as e:
+        print("interrupted", e, flush=True)
+        sys.exit(130)
+'''
+
+
+def test_sigterm_while_tritonclient_waits_is_interrupted_without_a_traceback():
+    """hostile s7 #109: SIGTERM during a tritonclient.http request (a rollout's smoke test of the candidate)
+    raised in gevent's hub, which printed a traceback of the signal handler before the task said "interrupted"."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(8)  # accepts connections into its backlog, never answers
+        p = subprocess.Popen([sys.executable, "-c", _SIGTERM_CHILD % ls.getsockname()[1]], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT / "build")))
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # in the request
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    assert (p.returncode, out.strip()) == (130, "interrupted SIGTERM"), (out, err)
+    assert "Traceback" not in err, err
