@@ -169,3 +169,48 @@ def test_sigterm_while_tritonclient_waits_is_interrupted_without_a_traceback():
         out, err = p.communicate(timeout=60)
     assert (p.returncode, out.strip()) == (130, "interrupted SIGTERM"), (out, err)
     assert "Traceback" not in err, err
+
+
+def _largest_file(unit_dir: Path) -> Path:
+    return max((p for p in unit_dir.rglob("*") if p.is_file() and p.name != "config.pbtxt"), key=lambda p: p.stat().st_size)
+
+
+def test_rollback_refuses_a_kept_unit_whose_files_changed(tmp_path, units):  # noqa: F811
+    """hostile s7 #52: a kept release with bytes zeroed (size kept) was rolled back to and served."""
+    a, c = units[0].engine_unit, units[2].engine_unit
+    repo = new_repo(tmp_path, units)
+    release.promote(repo, units[2].out_dir)  # current c, previous a (its record written at init)
+    assert set(release.read_state(repo)["unit_files"]) == {a, units[1].engine_unit, c}
+    f = _largest_file(repo / a)
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.write(b"\0" * min(size, 65536))
+    before = (repo.parent / "releases.json").read_text()
+    with pytest.raises(UserError) as e:
+        release.rollback(repo)
+    msg = str(e.value)
+    assert f"{a}/{f.relative_to(repo / a)} has the recorded size ({size:,} bytes) but another sha256" in msg, msg
+    assert f"{c} still serves" in msg
+    assert (repo.parent / "releases.json").read_text() == before  # nothing switched
+    assert release.list_releases(repo)["configs"] == (c, c)
+
+
+def test_rollback_refuses_swapped_unit_folders(tmp_path, units):  # noqa: F811
+    """hostile s7 #86: two kept unit folders with swapped names: rollback made the other unit's files current."""
+    a, b, c = (u.engine_unit for u in units)
+    repo = new_repo(tmp_path, units)  # fallback b
+    release.promote(repo, units[2].out_dir)  # current c, previous a
+    os.rename(repo / a, repo / "swap")
+    os.rename(repo / b, repo / a)
+    os.rename(repo / "swap", repo / b)
+    for kw, field in (({"to": a}, "--to"), ({"fallback": True}, "--fallback")):
+        with pytest.raises(UserError) as e:
+            release.rollback(repo, **kw)
+        assert e.value.problems[0].field == field and "config.pbtxt" in str(e.value), str(e.value)
+    assert release.read_state(repo)["current"] == c and release.list_releases(repo)["configs"] == (c, c)
+    # folders put back: the same rollback is accepted (verified)
+    os.rename(repo / a, repo / "swap")
+    os.rename(repo / b, repo / a)
+    os.rename(repo / "swap", repo / b)
+    t = release.rollback(repo, to=a)
+    assert t["unit"] == a and t["verified"] is True

@@ -70,7 +70,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, check_probe_u
                                                       read_state, rejected_units, release_record, serving_now, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
-from precision_pipeline.serving.release_units import install_unit, resolve_unit_source
+from precision_pipeline.serving.release_units import install_unit, resolve_unit_source, verify_kept
 
 # re-exported for tasks.py and nightly.py until they import from the new homes (issue 24)
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "list_releases", "init_serving_repo", "read_state",
@@ -96,7 +96,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
                                  "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
                                  server=server)
         previous = state["current"]
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
         crash_point("install")
         if state.get("rollout"):
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
@@ -148,7 +148,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     timings: dict[str, Any] = {}
     with lock(repo_dir):
         state = state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
         if server is not None and warm:
             t = time.perf_counter()
             server.load(unit)
@@ -214,9 +214,12 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
             raise UserError("rollback", f"{target} is already current.", "choose another release.")
         if not (repo_dir / target).is_dir():
             raise UserError("rollback", f"{target} is not on disk.", "pick a kept release.")
+        field, fix = "--fallback" if fallback else "--to", "roll back to another kept release (--to), or promote a fresh build."
+        t = time.perf_counter()
+        timings["verified"] = verify_kept(repo_dir, target, state, field if (fallback or to) else "rollback", cur)
+        timings["verify_ms"] = (time.perf_counter() - t) * 1e3
         loaded = loaded_models(server)
         timings["warm"] = loaded.get(target) == "READY"
-        field, fix = "--fallback" if fallback else "--to", "roll back to another kept release (--to), or promote a fresh build."
         if server is not None and not timings["warm"]:
             t = time.perf_counter()
             load_unit(server, target, field, cur, fix)
