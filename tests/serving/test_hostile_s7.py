@@ -214,3 +214,23 @@ def test_rollback_refuses_swapped_unit_folders(tmp_path, units):  # noqa: F811
     os.rename(repo / "swap", repo / b)
     t = release.rollback(repo, to=a)
     assert t["unit"] == a and t["verified"] is True
+
+
+def test_rollback_without_previous_or_fallback_does_not_suggest_fallback(tmp_path, units):  # noqa: F811
+    """hostile s7 #90: the fix named --fallback for a repository that has none."""
+    repo = new_repo(tmp_path, units, fallback=False)
+    with pytest.raises(UserError) as e:
+        release.rollback(repo)
+    assert "no previous release" in str(e.value) and "--fallback" not in str(e.value) and "no fallback" in str(e.value)
+    repo2 = new_repo(tmp_path / "fb", units)
+    with pytest.raises(UserError, match=r"roll back to the fallback \(--fallback\)"):
+        release.rollback(repo2)
+
+
+def test_repo_that_is_a_file_is_named_a_file(tmp_path):
+    """hostile s7 #105: `releases --repo <releases.json>` said the file "does not exist"."""
+    f = tmp_path / "releases.json"
+    f.write_text("{}")
+    for call in (release.list_releases, release.rollback):
+        with pytest.raises(UserError, match="is a file, not a folder"):
+            call(f)

@@ -12,7 +12,8 @@ State: ``releases.json`` next to the serving model repository (``<repo>/../relea
     {"current": unit, "fallback": unit|null, "warm_fallback": bool, "keep_releases": N,
      "releases": [{"unit", "engine_hash", "profile", "gate", "time", "promoted_by", "engine_present",
                    "kind": "release"|"fallback"}, ...],      # oldest first
-     "history": [{"action", "from", "to", "time", "by", "ms"}, ...]}
+     "history": [{"action", "from", "to", "time", "by", "ms"}, ...],
+     "unit_files": {unit: {path: [size, sha256]}}}   # each unit as installed; rollback verifies its target
 
 On disk stay: the current unit, the previous ``keep_releases`` releases and the fallback unit (the
 prebuilt engine of the profile's ``deployment.fallback`` profile). Loaded stay: the current unit, and
@@ -170,7 +171,8 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
     and nothing is switched (UserError, exit 2). Returns timings in ms (``warm``: whether it was loaded)."""
     repo_dir = Path(repo_dir)
     if not repo_dir.is_dir():
-        raise UserError("--repo", f"{repo_dir} does not exist, so there is nothing to roll back.",
+        raise UserError("--repo", f"{repo_dir} {'is a file, not a folder' if repo_dir.exists() else 'does not exist'}, "
+                        "so there is nothing to roll back.",
                         "pass the serving repository that `invoke promote` created (default "
                         "artifacts/serving/model_repository).")
     t0 = time.perf_counter()
@@ -207,8 +209,11 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         else:
             prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
             if not prev:
+                fix = ("roll back to the fallback (--fallback)." if state.get("fallback") else
+                       "this repository has no fallback either: promote a build (`invoke promote --profile P`), or roll "
+                       "back to a kept unit by name (`invoke rollback --to UNIT`; `invoke releases` lists them).")
                 raise UserError("rollback", "there is no previous release on disk (an aborted rollout's candidate "
-                                "never counts).", "roll back to the fallback (--fallback).")
+                                "never counts).", fix)
             target = prev[0]
         if target == cur:
             raise UserError("rollback", f"{target} is already current.", "choose another release.")
@@ -250,7 +255,7 @@ def list_releases(repo_dir: Path) -> dict:
     repo_dir = Path(repo_dir)
     fix = "pass the serving repository that `invoke promote` created (default artifacts/serving/model_repository)."
     if not repo_dir.is_dir():
-        raise UserError("--repo", f"{repo_dir} does not exist.", fix)
+        raise UserError("--repo", f"{repo_dir} {'is a file, not a folder' if repo_dir.exists() else 'does not exist'}.", fix)
     state = read_state(repo_dir)
     if state is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository: there is no {state_path(repo_dir)} "
