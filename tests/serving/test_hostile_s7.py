@@ -1,6 +1,6 @@
-"""Findings of the session-7 hostile round (issue 25; log /work/helpers/s7/hostile.md), as failing tests.
+"""Findings of the session-7 hostile round (issue 25; log /work/helpers/s7/hostile-round-s7.md), as failing tests.
 
-Each is ``xfail(strict=True)`` until fixed: remove the mark with the fix."""
+They were ``xfail(strict=True)`` until fixed (branch s7-fix); now plain regression tests."""
 
 from __future__ import annotations
 
