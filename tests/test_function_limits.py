@@ -62,7 +62,7 @@ EXCEPTIONS: dict[str, tuple[int, int, str]] = {
     "build/precision_pipeline/serving/pack.py:pack_repository": (54, 10, "the pack stage's inputs one by one (plan, profile, model, checkpoint, engine, output, repo root, workdir, image); tests call it without a PackInputs"),
     "build/precision_pipeline/serving/release.py:promote": (56, 10, "a public call with the options of `invoke promote` and `nightly --promote` (server, profile, gate, promoted_by, smoke, expect, serve_root, warm_previous); a typed request when tasks.py takes one"),
     "build/precision_pipeline/serving/release_recover.py:init_serving_repo": (24, 9, "a public call with the first promote's options (serve_root, profile, gate, by, fallback_repo, warm_fallback, keep_releases); a typed request when tasks.py takes one"),
-    "build/precision_pipeline/serving/release_recover.py:_init_locked": (32, 10, "init_serving_repo's options, passed on under the releases lock"),
+    "build/precision_pipeline/serving/release_recover.py:_init_locked": (34, 10, "init_serving_repo's options, passed on under the releases lock"),
     "build/precision_pipeline/serving/release_rollout.py:begin_rollout": (36, 9, "a public call whose keyword options are `invoke rollout`'s (profile, gate, steps); a typed request when tasks.py takes one"),
     "build/precision_pipeline/serving/rollout.py:_evaluate": (23, 9, "one canary step's inputs; not split yet"),
     "build/precision_pipeline/serving/rollout.py:rollout": (80, 12, KEYWORD_API + " (`invoke rollout`)"),

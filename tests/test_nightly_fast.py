@@ -340,3 +340,22 @@ def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path):
 
     with pytest.raises(UserError, match="/ is the filesystem root"):  # the one rule, build's --out too
         validate_out_dir(Path("/"))
+
+
+def test_an_output_root_in_a_system_folder_is_refused():
+    """Hostile s7 #37: `nightly --out /etc` built into /etc/fp8-h100. The one rule (core/outputs.py
+    ``refuse_filesystem_root``) for nightly's output root, build's --out and the engine Job."""
+    from precision_pipeline.core.outputs import refuse_filesystem_root
+    from precision_pipeline.core.outputs import validate_out_dir
+
+    for p, why in (("/etc", "/etc is a system folder"), ("/etc/fp8-h100", "inside the system folder /etc"),
+                   ("/usr", "/usr is a system folder"), ("/proc/x", "inside the system folder /proc")):
+        with pytest.raises(UserError, match=why):
+            refuse_filesystem_root(Path(p), "--out", "an output root")
+        with pytest.raises(UserError, match=why):
+            validate_out_dir(Path(p))
+    assert refuse_filesystem_root(Path("/usr/local/x")) == Path("/usr/local/x")  # only /usr itself
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "invoke", "nightly", "--profiles", "nosuch-a", "--out", "/etc"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "/etc is a system folder" in r.stdout, (r.stdout, r.stderr)

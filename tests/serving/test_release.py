@@ -160,7 +160,9 @@ def test_live_crash_recovery_promote_and_warm_rollback(tmp_path, units):
         assert srv.loaded_models().get(a) != "READY"                 # previous release unloaded (kept on disk)
         t = release.rollback(repo, fallback=True, server=srv)
         print(f"[release] warm rollback: {json.dumps(t)}")
-        assert t["warm"] and "smoke" not in t and ask()[1] == b    # warm: only the switch
+        assert t["warm"] and "load_ms" not in t and ask()[1] == b  # warm: no load, but
+        _assert_smoke(t["smoke"])                                    # smoke-tested before the switch (hostile s7 #54)
+        assert t["verified"] is True                                 # and its files checked against their record
         t = release.rollback(repo, to=a, server=srv)
         print(f"[release] cold rollback: {json.dumps({k: v for k, v in t.items() if k != 'smoke'})}")
         assert not t["warm"] and ask()[1] == a

@@ -33,7 +33,7 @@ def promote(profile, repo=None, url=None, out=None) -> None:
     from precision_pipeline.serving.triton_server import TritonServer
 
     b = build_output.open_build(profile, out)
-    server = TritonServer.attach(url) if url else None
+    server = TritonServer.from_url(url)  # None only when --url is not given; '' is refused
     p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
     con = console()
     for w in p.warnings:
@@ -54,7 +54,7 @@ def rollback(repo=None, to=None, fallback=False, url=None) -> None:
         raise UserError("--to", "is empty (an unset shell variable?); rolling back to the previous release instead "
                         "would be a guess.", "pass a unit name (or a prefix of its 12 hex digits), or leave --to out "
                         "for the previous release.")
-    server = TritonServer.attach(url) if url else None
+    server = TritonServer.from_url(url)  # None only when --url is not given; '' is refused
     t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
     console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
 
@@ -75,7 +75,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     from precision_pipeline.serving import acceptance, build_output, release
     from precision_pipeline.serving import rollout as ro
 
-    repo_dir, con, url = serving_repo(repo), console(), url or "127.0.0.1:8000"
+    repo_dir, con, url = serving_repo(repo), console(), "127.0.0.1:8000" if url is None else url  # '' refused by attach
     metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535)  # before anything else is asked
     if abort:
         rec = ro.abort(repo_dir, _attach(url, metrics_port))
@@ -167,7 +167,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
             unit = state["current"]
         else:
             raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12>.")
-    server = TritonServer.attach(url or "127.0.0.1:8000")
+    server = TritonServer.attach("127.0.0.1:8000" if url is None else url)  # '' refused by attach
     exporter = None
     if every_s is not None:
         exporter = pr.ProbeExporter(port)

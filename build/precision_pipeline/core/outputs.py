@@ -32,15 +32,26 @@ OUTPUT_FORMAT = "precision-pipeline-build"
 OUTPUT_VERSION = 1
 
 
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr", "/var")
+"""Top-level folders of the operating system (Filesystem Hierarchy Standard): never an output folder themselves."""
+SYSTEM_TREES = ("/boot", "/dev", "/etc", "/proc", "/sys")
+"""System folders no output is ever written under (configuration, kernel and device trees)."""
+
+
 def refuse_filesystem_root(path: Path, field: str = "--out", what: str = "a build output") -> Path:
-    """``path`` resolved, unless it is a filesystem root (``/``): UserError (exit 2) on ``field`` then. A build
-    (``--out``), the engine build Job and the nightly's output root (``OUT/<profile>/``, ``OUT/nightly/``) never
-    write into the root of a file system."""
+    """``path`` resolved, unless it is a filesystem root (``/``), one of ``SYSTEM_DIRS`` or inside one of
+    ``SYSTEM_TREES`` (``/etc/x``): UserError (exit 2) on ``field`` then. A build (``--out``), the engine build
+    Job and the nightly's output root (``OUT/<profile>/``, ``OUT/nightly/``) never write there (a nightly
+    ``--out /etc`` built into /etc/fp8-h100: hostile s7 #37)."""
     from precision_pipeline.core.errors import UserError
 
     p = Path(path).expanduser().resolve()
     if p == Path(p.anchor):
         raise UserError(field, f"{p} is the filesystem root, not {what}.", f"give a folder for {what}, e.g. {field} artifacts.")
+    tree = next((d for d in SYSTEM_TREES if p.is_relative_to(d)), None)
+    if str(p) in SYSTEM_DIRS or tree:
+        where = f"inside the system folder {tree}" if tree and str(p) != tree else "a system folder"
+        raise UserError(field, f"{p} is {where}, not {what}.", f"give a folder for {what}, e.g. {field} artifacts.")
     return p
 
 

@@ -12,7 +12,8 @@ State: ``releases.json`` next to the serving model repository (``<repo>/../relea
     {"current": unit, "fallback": unit|null, "warm_fallback": bool, "keep_releases": N,
      "releases": [{"unit", "engine_hash", "profile", "gate", "time", "promoted_by", "engine_present",
                    "kind": "release"|"fallback"}, ...],      # oldest first
-     "history": [{"action", "from", "to", "time", "by", "ms"}, ...]}
+     "history": [{"action", "from", "to", "time", "by", "ms"}, ...],
+     "unit_files": {unit: {path: [size, sha256]}}}   # each unit as installed; rollback verifies its target
 
 On disk stay: the current unit, the previous ``keep_releases`` releases and the fallback unit (the
 prebuilt engine of the profile's ``deployment.fallback`` profile). Loaded stay: the current unit, and
@@ -70,7 +71,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, check_probe_u
                                                       read_state, rejected_units, release_record, serving_now, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
-from precision_pipeline.serving.release_units import install_unit, resolve_unit_source
+from precision_pipeline.serving.release_units import install_unit, resolve_unit_source, verify_kept
 
 # re-exported for tasks.py and nightly.py until they import from the new homes (issue 24)
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "list_releases", "init_serving_repo", "read_state",
@@ -96,7 +97,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
                                  "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
                                  server=server)
         previous = state["current"]
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
         crash_point("install")
         if state.get("rollout"):
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
@@ -148,7 +149,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     timings: dict[str, Any] = {}
     with lock(repo_dir):
         state = state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state))
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
         if server is not None and warm:
             t = time.perf_counter()
             server.load(unit)
@@ -162,14 +163,55 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     return timings
 
 
+def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool) -> str:
+    """The unit ``rollback`` switches to: the fallback, the kept release ``to`` names (a unit name or a prefix
+    of its 12 hex digits), or the previous release; UserError (exit 2) when there is none to take."""
+    cur = state["current"]
+    units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
+    rejected = rejected_units(state)
+    releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
+    if fallback:
+        target = state.get("fallback")
+        if not target:
+            raise UserError("--fallback", "this repository has no fallback release.",
+                            f"roll back to a kept release instead: `invoke rollback --repo {repo_dir}` (the previous "
+                            f"one) or `--to UNIT` (`invoke releases --repo {repo_dir}` lists them). A repository gets "
+                            "its fallback at its first promote, from the profile's deployment.fallback build "
+                            "(`invoke build --profile <that profile>` first).")
+    elif to:
+        t = to if to.startswith(pack.UNIT_PREFIX) else pack.UNIT_PREFIX + to[:12]
+        cands = [u for u in units if u.startswith(t)] if len(t) < len(pack.UNIT_PREFIX) + 12 else [t]
+        if len(cands) != 1 or cands[0] not in units:
+            raise UserError("--to", f"no single release on disk matches {to!r}.", f"on disk: {', '.join(sorted(units))}.")
+        target = cands[0]
+        if target in rejected or target not in releases:
+            why = (f"its rollout was rolled back ({rejected[target]})" if target in rejected
+                   else "it was never a release (a candidate left on disk)")
+            raise UserError("--to", f"{target} is not a release to roll back to: {why}.",
+                            "roll back to a kept release (`invoke releases`), or roll the candidate out again "
+                            "(`invoke rollout`), which checks it.")
+    else:
+        prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
+        if not prev:
+            fix = ("roll back to the fallback (--fallback)." if state.get("fallback") else
+                   "this repository has no fallback either: promote a build (`invoke promote --profile P`), or roll "
+                   "back to a kept unit by name (`invoke rollback --to UNIT`; `invoke releases` lists them).")
+            raise UserError("rollback", "there is no previous release on disk (an aborted rollout's candidate "
+                            "never counts).", fix)
+        target = prev[0]
+    return target
+
+
 def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, server=None, by: str = "manual",
              smoke: bool = True) -> dict:
     """Switch back to an earlier release (``to``: unit name or a prefix of its 12 hex digits; default: the
-    previous release) or to the fallback. A loaded (warm) target costs only the config switch;
-    a cold one is loaded and smoke-tested first. Returns timings in ms (``warm``: whether it was loaded)."""
+    previous release) or to the fallback. A loaded (warm) target costs the smoke test and the config switch;
+    a cold one is loaded first. A target that fails its smoke test is unloaded (a warm fallback stays loaded)
+    and nothing is switched (UserError, exit 2). Returns timings in ms (``warm``: whether it was loaded)."""
     repo_dir = Path(repo_dir)
     if not repo_dir.is_dir():
-        raise UserError("--repo", f"{repo_dir} does not exist, so there is nothing to roll back.",
+        raise UserError("--repo", f"{repo_dir} {'is a file, not a folder' if repo_dir.exists() else 'does not exist'}, "
+                        "so there is nothing to roll back.",
                         "pass the serving repository that `invoke promote` created (default "
                         "artifacts/serving/model_repository).")
     t0 = time.perf_counter()
@@ -180,49 +222,27 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         if state.get("rollout"):
             raise UserError("rollback", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "end it with `invoke rollout --abort` (all traffic back to the stable release).")
-        units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
-        rejected = rejected_units(state)
-        releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
-        if fallback:
-            target = state.get("fallback")
-            if not target:
-                raise UserError("--fallback", "this repository has no fallback release.",
-                                f"roll back to a kept release instead: `invoke rollback --repo {repo_dir}` (the previous "
-                                f"one) or `--to UNIT` (`invoke releases --repo {repo_dir}` lists them). A repository gets "
-                                "its fallback at its first promote, from the profile's deployment.fallback build "
-                                "(`invoke build --profile <that profile>` first).")
-        elif to:
-            t = to if to.startswith(pack.UNIT_PREFIX) else pack.UNIT_PREFIX + to[:12]
-            cands = [u for u in units if u.startswith(t)] if len(t) < len(pack.UNIT_PREFIX) + 12 else [t]
-            if len(cands) != 1 or cands[0] not in units:
-                raise UserError("--to", f"no single release on disk matches {to!r}.", f"on disk: {', '.join(sorted(units))}.")
-            target = cands[0]
-            if target in rejected or target not in releases:
-                why = (f"its rollout was rolled back ({rejected[target]})" if target in rejected
-                       else "it was never a release (a candidate left on disk)")
-                raise UserError("--to", f"{target} is not a release to roll back to: {why}.",
-                                "roll back to a kept release (`invoke releases`), or roll the candidate out again "
-                                "(`invoke rollout`), which checks it.")
-        else:
-            prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
-            if not prev:
-                raise UserError("rollback", "there is no previous release on disk (an aborted rollout's candidate "
-                                "never counts).", "roll back to the fallback (--fallback).")
-            target = prev[0]
+        target = _rollback_target(repo_dir, state, to, fallback)
         if target == cur:
             raise UserError("rollback", f"{target} is already current.", "choose another release.")
         if not (repo_dir / target).is_dir():
             raise UserError("rollback", f"{target} is not on disk.", "pick a kept release.")
+        field, fix = "--fallback" if fallback else "--to", "roll back to another kept release (--to), or promote a fresh build."
+        t = time.perf_counter()
+        timings["verified"] = verify_kept(repo_dir, target, state, field if (fallback or to) else "rollback", cur)
+        timings["verify_ms"] = (time.perf_counter() - t) * 1e3
         loaded = loaded_models(server)
         timings["warm"] = loaded.get(target) == "READY"
         if server is not None and not timings["warm"]:
             t = time.perf_counter()
-            load_unit(server, target, "--fallback" if fallback else "--to", cur,
-                       "roll back to another kept release (--to), or promote a fresh build.")
+            load_unit(server, target, field, cur, fix)
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
-            if smoke:
-                timings["smoke"] = smoke_unit(server, target, "--fallback" if fallback else "--to", cur,
-                                               "roll back to another kept release (--to), or promote a fresh build.")
+        if server is not None and smoke:  # a warm target too: being loaded proves nothing (hostile s7 #54)
+            try:
+                timings["smoke"] = smoke_unit(server, target, field, cur, fix)
+            except Exception:
+                _unload_candidate(server, target, state)
+                raise
         switch(repo_dir, server, target, timings, cur)
         timings["switched_ms"] = (time.perf_counter() - t0) * 1e3
         state["current"] = target
@@ -243,7 +263,7 @@ def list_releases(repo_dir: Path) -> dict:
     repo_dir = Path(repo_dir)
     fix = "pass the serving repository that `invoke promote` created (default artifacts/serving/model_repository)."
     if not repo_dir.is_dir():
-        raise UserError("--repo", f"{repo_dir} does not exist.", fix)
+        raise UserError("--repo", f"{repo_dir} {'is a file, not a folder' if repo_dir.exists() else 'does not exist'}.", fix)
     state = read_state(repo_dir)
     if state is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository: there is no {state_path(repo_dir)} "

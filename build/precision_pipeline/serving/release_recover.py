@@ -16,7 +16,7 @@ from precision_pipeline.serving.release_live import reconcile_server, verify_ser
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, STATE_FILE, crash_point, lock,
                                                       pid_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
-from precision_pipeline.serving.release_units import copy_unit, resolve_unit_source, unit_record
+from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, unit_record
 
 
 def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True, server=None) -> dict:
@@ -92,7 +92,9 @@ def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_roo
         set_params(tmp / "ensemble" / "config.pbtxt", {IDENTITY_PARAM: repo_id})
         pack.check_repository(tmp)
         state = {"version": 1, "current": unit, "fallback": fb, "warm_fallback": bool(warm_fallback and fb),
-                 "keep_releases": int(keep_releases), "repository_id": repo_id, "releases": [], "history": []}
+                 "keep_releases": int(keep_releases), "repository_id": repo_id, "releases": [], "history": [],
+                 "unit_files": {u: installed_record(tmp / u, unit_record(src)) for u, src in
+                                ((unit, unit_src), (fb, resolve_unit_source(fallback_repo) if fb else None)) if u}}
         state["releases"].append(release_record(tmp / unit, unit, profile, gate, by, "release"))
         if fb:
             state["releases"].append(release_record(tmp / fb, fb, "", None, by, "fallback"))

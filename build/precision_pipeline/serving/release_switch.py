@@ -64,4 +64,6 @@ def retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: s
             remove_dir(p)
             removed.append(p.name)
     state["releases"] = [r for r in state["releases"] if (Path(repo_dir) / r["unit"]).is_dir()]
+    if "unit_files" in state:
+        state["unit_files"] = {u: r for u, r in state["unit_files"].items() if (Path(repo_dir) / u).is_dir()}
     return removed

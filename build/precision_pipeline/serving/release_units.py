@@ -45,6 +45,46 @@ def unit_record(unit_src: Path) -> dict[str, list]:
     return files
 
 
+def file_differs(path: Path, row: list) -> str | None:
+    """Why the file ``path`` is not the one recorded as ``row`` = [size in bytes, sha256], or None: missing, another
+    size (checked first: no read), another sha256 (the whole file is read). The one per-file check of units:
+    installs (``copy_unit``, ``unit_differs``) and kept units before they become live (``verify_kept``)."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != row[0]:
+        return f"is {size:,} bytes, not the recorded {row[0]:,}"
+    if hash_file(path) != row[1]:
+        return f"has the recorded size ({size:,} bytes) but another sha256 (recorded {str(row[1])[:12]}…)"
+    return None
+
+
+def installed_record(dst: Path, files: dict[str, list]) -> dict[str, list]:
+    """The record of an installed unit ``dst``: the build's ``files`` (verified at the copy) with config.pbtxt's
+    row replaced by the installed config's (its gpt_model_path rewritten). Reads only config.pbtxt."""
+    cfg = dst / "config.pbtxt"
+    return {**files, "config.pbtxt": [cfg.stat().st_size, hash_file(cfg)]}
+
+
+def verify_kept(repo_dir: Path, unit: str, state: dict, field: str, serving: str) -> bool:
+    """Before a kept unit becomes live again (a rollback, the fallback): every file releases.json's ``unit_files``
+    recorded for ``unit`` at its install (``installed_record``) must have its size and sha256 (``file_differs``;
+    a full read of the unit). A damaged file, or another unit's files under this name (swapped folders), is a
+    UserError on ``field`` (exit 2) naming the unit and the file; ``serving`` still serves. Returns False (nothing
+    checked) for a unit installed before the record existed."""
+    files = (state.get("unit_files") or {}).get(unit)
+    if not isinstance(files, dict):
+        return False
+    for rel, row in sorted(files.items()):
+        why = file_differs(Path(repo_dir) / unit / rel, row)
+        if why:
+            raise UserError(field, f"{unit}/{rel} {why} at its install: the kept unit's files changed on disk (damaged, "
+                            f"edited, or another unit's folder under this name), so nothing was switched ({serving} "
+                            "still serves).", "roll back to another kept release (`invoke releases` lists them), or "
+                            "promote that unit's build again: a verified copy replaces the folder.")
+    return True
+
+
 def _mismatch(unit_src: Path, rel: str, row: list, size: int | None) -> UserError:
     got = "missing" if size is None else (f"{size:,} bytes" if size != row[0] else f"{size:,} bytes with another sha256")
     return UserError(str(unit_src / rel), f"is {got}, but pack recorded {row[0]:,} bytes (sha256 {str(row[1])[:12]}…): "
@@ -63,9 +103,8 @@ def copy_unit(unit_src: Path, dst: Path, files: dict[str, list], gpt_model_path:
             raise _mismatch(unit_src, rel, row, None)
         q.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, q)
-        size = q.stat().st_size
-        if size != row[0] or hash_file(q) != row[1]:
-            raise _mismatch(unit_src, rel, row, size)
+        if file_differs(q, row):
+            raise _mismatch(unit_src, rel, row, q.stat().st_size)
     (dst / "1").mkdir(parents=True, exist_ok=True)
     cfg = dst / "config.pbtxt"
     set_params(cfg, {"gpt_model_path": gpt_model_path})
@@ -91,14 +130,9 @@ def unit_differs(dst: Path, unit_src: Path, files: dict[str, list], gpt_model_pa
     for rel, row in sorted(files.items()):
         if rel == "config.pbtxt":
             continue
-        q = dst / rel
-        if not q.is_file():
-            return f"{rel} is missing"
-        size = q.stat().st_size
-        if size != row[0]:
-            return f"{rel} is {size:,} bytes, the build's is {row[0]:,}"
-        if hash_file(q) != row[1]:
-            return f"{rel} has another sha256 than the build's"
+        why = file_differs(dst / rel, row)
+        if why:
+            return f"{rel} {why}"
     want = _installed_config(unit_src, files, gpt_model_path)
     try:
         got = load_config(dst / "config.pbtxt")
@@ -109,9 +143,12 @@ def unit_differs(dst: Path, unit_src: Path, files: dict[str, list], gpt_model_pa
     return None
 
 
-def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, *, protect: Iterable[str] = ()) -> str:
+def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, *, protect: Iterable[str] = (),
+                 record: dict | None = None) -> str:
     """Copy a unit into the serving repository atomically (verified against its pack record, ``copy_unit``);
-    point gpt_model_path at its new place. Returns the unit's name.
+    point gpt_model_path at its new place. Returns the unit's name. ``record``: the releases state whose
+    ``unit_files`` gets the installed unit's record (``installed_record``; ``verify_kept`` checks it before the
+    unit becomes live again); the caller writes the state.
 
     A folder of that name already there is kept only when it is the build's unit (``unit_differs``); otherwise
     it is replaced (the copy is staged aside, then swapped in) -- unless its name is in ``protect`` (the unit
@@ -126,6 +163,8 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
     if dst.is_dir():
         why = unit_differs(dst, unit_src, files, gpt)
         if why is None:
+            if record is not None:
+                record.setdefault("unit_files", {})[name] = installed_record(dst, files)
             return name
         if name in set(protect):
             raise UserError("--out", f"{dst} is not this build's unit of the same name ({why}), and it is the unit that "
@@ -148,6 +187,8 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if record is not None:
+        record.setdefault("unit_files", {})[name] = installed_record(dst, files)
     return name
 
 

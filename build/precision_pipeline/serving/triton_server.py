@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import json
 import os
 import shutil
@@ -191,18 +192,45 @@ class TritonServer:
         """A handle on a server that is already running (``HOST:PORT`` of its HTTP endpoint).
 
         ``load``/``unload``/``loaded_models``/``http_client`` work on it; ``stop`` does nothing.
-        Raises UserError when nothing answers there.
+        Raises UserError (``--url``, exit 2) when ``http_url`` is empty or not HOST:PORT, when nothing answers
+        there, or when what answers is not Triton's HTTP/JSON API (v2): its metrics port (text), its gRPC port
+        (HTTP/2), another web server.
         """
-        host, _, port = http_url.rpartition(":")
+        if not (http_url or "").strip():
+            # an unset $URL must not silently mean "no server": the live server would keep serving the old unit
+            raise UserError("--url", "is empty.", "pass HOST:PORT of the server's HTTP endpoint (e.g. --url "
+                            "127.0.0.1:8000), or leave --url out to only rewrite the repository.")
+        host, _, port = http_url.strip().rpartition(":")
         if not port.isdigit():
             raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
         srv = cls(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
         srv.host = host or "127.0.0.1"
         # live, not ready: Triton reports not-ready while any model is still UNLOADING (after an abort)
-        if srv._get("/v2/health/live") != 200:
+        live = srv._get("/v2/health/live")
+        if live == 0:
             raise UserError("--url", f"no Triton server answers at http://{http_url}.",
                             "start one with `invoke serve`, or leave --url out to only rewrite the repository.")
+        if live != 200 or not srv._is_triton_http():
+            raise UserError("--url", f"the server at {http_url} does not answer Triton's HTTP API (v2) (its metrics or "
+                            "gRPC port, or another server?).", "pass the HTTP port (default 8000; `invoke serve` "
+                            "prints it).")
         return srv
+
+    @classmethod
+    def from_url(cls, url: str | None) -> "TritonServer | None":
+        """The server a command's ``--url`` names: None when the option was not given (``url`` None), else
+        ``attach(url)``, which refuses an empty or blank ``url`` (an unset ``$URL`` is not "no server")."""
+        return None if url is None else cls.attach(url)
+
+    def _is_triton_http(self) -> bool:
+        """Whether ``GET /v2`` answers the KServe v2 server-metadata JSON object ``{"name", "version",
+        "extensions"}`` (Triton docs/protocol, "Server Metadata"), as Triton's HTTP endpoint does."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2", timeout=5) as r:
+                meta = json.loads(r.read())
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
+        return isinstance(meta, dict) and isinstance(meta.get("version"), str) and isinstance(meta.get("extensions"), list)
 
     @property
     def http_url(self) -> str:
@@ -285,6 +313,8 @@ class TritonServer:
             return e.code
         except (urllib.error.URLError, OSError):
             return 0
+        except http.client.HTTPException:  # an answer that is not HTTP/1 (e.g. a gRPC port's HTTP/2 frames)
+            return -1
 
     def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -434,7 +464,13 @@ def clean_stale_shm(token: str = "", *, min_age_s: float = SHM_MIN_AGE_S, shm_di
 def terminate_as_interrupt():
     """Context manager: SIGTERM and SIGHUP raise KeyboardInterrupt (once) in the main thread, so a task
     stopped by ``timeout``, ``kill`` or a closed terminal cleans up as Ctrl-C does; later signals are
-    ignored until the block ends (the clean-up is not interrupted). Does nothing outside the main thread."""
+    ignored until the block ends (the clean-up is not interrupted). Does nothing outside the main thread.
+
+    A signal that arrives while tritonclient.http waits in gevent's hub (a smoke request, a probe) raises in the
+    hub's loop: gevent prints every error there with a traceback before it throws a ``SYSTEM_ERROR``
+    (KeyboardInterrupt) into the main greenlet (gevent/hub.py ``Hub.handle_error``). Inside the block
+    KeyboardInterrupt counts as one of the hub's ``NOT_ERROR`` (not printed; still thrown on), so the
+    interruption is reported once, by the task, without a traceback (hostile s7 #109)."""
     import threading
 
     @contextlib.contextmanager
@@ -450,12 +486,21 @@ def terminate_as_interrupt():
             fired.append(signum)
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
+        try:
+            from gevent.hub import Hub
+        except ImportError:  # no tritonclient.http installed: nothing waits in a hub
+            Hub = None  # noqa: N806
+        not_error = Hub.NOT_ERROR if Hub is not None else ()
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+        if Hub is not None:
+            Hub.NOT_ERROR = (*not_error, KeyboardInterrupt)
         try:
             yield
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            if Hub is not None:
+                Hub.NOT_ERROR = not_error
     return cm()
 
 
