@@ -145,7 +145,7 @@ def bench(c, name, args=""):
 @task(help={"k": "pytest -k expression", "fast": "skip tests marked slow"})
 def test(c, k=None, fast=False):
     """Run the test suite (what CI runs)."""
-    cmd = f"{sys.executable} -m pytest -q"
+    cmd = f"{sys.executable} -m pytest -q --durations=15"  # the 15 slowest in every log (README, Testing)
     if k:
         cmd += f" -k {k!r}"
     if fast:
