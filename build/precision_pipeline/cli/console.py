@@ -25,8 +25,8 @@ def report(exc: BaseException) -> int:
     an expected failure's sentence, a full disk's file and cause; a traceback only for an internal error (1)."""
     from rich.markup import escape as esc  # user text and patterns such as [a-z0-9] are not markup
 
-    from precision_pipeline.core.errors import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, UserError,
-                                                error_text, exit_code_for)
+    from precision_pipeline.core.errors import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError,
+                                                UserError, error_text, exit_code_for)
 
     code = exit_code_for(exc)
     con = console()
@@ -46,7 +46,8 @@ def report(exc: BaseException) -> int:
         os.dup2(devnull, sys.stdout.fileno())
     elif code == EXIT_INTERRUPTED:
         con.print("interrupted; previous artifacts are intact.")
-    elif code == EXIT_INTERNAL:
+    elif code == EXIT_INTERNAL and not isinstance(exc, PipelineError):  # an expected failure (e.g. the served
+        # tritonserver died: exit 1) is a sentence; only a bug prints a traceback
         traceback.print_exception(type(exc), exc, exc.__traceback__)
         print("\ninternal error: this is a bug in the pipeline, not in your input. Please report it "
               "with the traceback above and the command line.", file=sys.stderr)
