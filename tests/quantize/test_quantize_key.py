@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from precision_pipeline.core import stage as stage_mod
-from precision_pipeline.core.store import canonical, unkeyed_reason
+from precision_pipeline.core.store import canonical
 from precision_pipeline.quantize.job import QuantizeJob
 from precision_pipeline.quantize.stage import QuantizeInputs, QuantizeStage
 from precision_pipeline.resolve.plan import evaluate
@@ -39,9 +39,9 @@ def key_of(tmp_path, monkeypatch, default_model_dir):
 
 def test_no_canonical_override_and_the_unkeyed_field_has_its_reason():
     assert "canonical" not in QuantizeInputs.__dict__ and "canonical" not in QuantizeJob.__dict__
-    unkeyed = {n: unkeyed_reason(f) for n, f in QuantizeJob.model_fields.items() if unkeyed_reason(f)}
+    unkeyed = dict(QuantizeJob.unkeyed)
     assert list(unkeyed) == ["calibration_path"] and "content is keyed" in unkeyed["calibration_path"]
-    assert not any(unkeyed_reason(f) for f in QuantizeInputs.model_fields.values())
+    assert not dict(QuantizeInputs.unkeyed)
     job = QuantizeJob(architecture="LlamaForCausalLM", quantization=prof("fp8-h100").quantization,
                       calibration=prof("fp8-h100").calibration, calibration_path="/x/y.jsonl")
     assert set(canonical(job)) == set(QuantizeJob.model_fields) - {"calibration_path"}

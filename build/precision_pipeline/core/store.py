@@ -29,9 +29,8 @@ def canonical(obj: Any, where: str = "$") -> Any:
     """The strict canonical form of ``obj``: plain JSON values only, or ``TypeError``.
 
     Allowed: None, bool, int, finite float, str, list/tuple (-> list), dict with str keys,
-    enums (-> their value), pydantic models (-> their fields, by name, less the fields declared unkeyed
-    with their reason: a field made with ``unkeyed(reason)``, or named in the model's ``unkeyed`` class
-    attribute (``core.stage.Frozen.unkeyed``); a model with a ``canonical()`` method, such as
+    enums (-> their value), pydantic models (-> their fields, by name, less those named in the model's
+    ``unkeyed`` class attribute, each with the reason it must not change a key (``core.stage.Frozen.unkeyed``); a model with a ``canonical()`` method, such as
     ``core.fingerprint.Fingerprint``, is replaced by what that returns). Anything else -- a Path outside a
     Fingerprint, a set, bytes, NaN or infinity, an
     arbitrary object -- raises ``TypeError`` naming the path of the value (``$.inputs.model``),
@@ -67,31 +66,11 @@ def canonical(obj: Any, where: str = "$") -> Any:
         if callable(custom):
             return canonical(custom(), where)
         unkeyed_names = getattr(type(obj), "unkeyed", None) or {}  # Frozen.unkeyed: name -> reason
-        return {name: canonical(getattr(obj, name), f"{where}.{name}") for name, f in type(obj).model_fields.items()
-                if name not in unkeyed_names and not unkeyed_reason(f)}
+        return {name: canonical(getattr(obj, name), f"{where}.{name}") for name in type(obj).model_fields
+                if name not in unkeyed_names}
     raise TypeError(f"{where}: {type(obj).__module__}.{type(obj).__qualname__} is not a canonical type "
                     "(None, bool, int, finite float, str, list, dict with str keys, enum, pydantic model, "
                     "Fingerprint for paths)")
-
-
-UNKEYED = "unkeyed"
-"""``json_schema_extra`` key of a pydantic field that ``canonical`` leaves out; its value says why (``unkeyed``)."""
-
-
-def unkeyed(reason: str, **field_kw: Any) -> Any:
-    """A pydantic ``Field`` that a stage key does not cover: ``canonical`` leaves it out. ``reason`` (required,
-    non-empty) says why the value must not change the key (e.g. a file's path when its content is keyed)."""
-    from pydantic import Field
-
-    if not reason.strip():
-        raise ValueError("an unkeyed field needs its reason")
-    return Field(json_schema_extra={UNKEYED: reason}, **field_kw)
-
-
-def unkeyed_reason(field_info: Any) -> str:
-    """The reason a pydantic field is unkeyed (``unkeyed``), or "" when the key covers it."""
-    extra = getattr(field_info, "json_schema_extra", None)
-    return str(extra.get(UNKEYED, "")) if isinstance(extra, dict) else ""
 
 
 def canonical_json(obj: Any) -> str:

@@ -8,11 +8,10 @@ that reaches quantize has none refused, so quantize does not validate, resolve o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from precision_pipeline.core.store import unkeyed
 from precision_pipeline.quantize.search import GROUP_CHOICES
 from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, NVFP4_BLOCK
 from precision_pipeline.spec.profile import Calibration, Quantization
@@ -30,13 +29,14 @@ class QuantizeJob(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    unkeyed: ClassVar[Mapping[str, str]] = {
+        "calibration_path": "a user calibration file's path: its content is keyed (QuantizeInputs.calibration_data), "
+                            "so the same file moved or copied does not re-quantize"}
 
     architecture: str
     quantization: Quantization
     calibration: Calibration
-    calibration_path: Optional[str] = unkeyed(
-        "a user calibration file's path: its content is keyed (QuantizeInputs.calibration_data), so the same file "
-        "moved or copied does not re-quantize", default=None)
+    calibration_path: Optional[str] = None
     tp_size: int = 1
     moe_layout: Optional[tuple[int, int]] = None
     group_size: Optional[int] = None
