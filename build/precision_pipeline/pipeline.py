@@ -31,6 +31,7 @@ from precision_pipeline.core.route import Route, manifest_facts, prepare, run_st
 from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, Stage, StageRecord, StageRunner
 from precision_pipeline.core.store import atomic_write_json, clean_stale
 from precision_pipeline.engine.job import JOB_STAGES
+from precision_pipeline.engine.llm_api_config import LlmApiConfigStage
 from precision_pipeline.gate.stage import GateStage
 from precision_pipeline.quantize.stage import QuantizeStage
 from precision_pipeline.resolve.plan import ResolvedPlan
@@ -41,6 +42,11 @@ ROUTES: dict[str, Route] = {
     "engine": Route("engine", (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), *JOB_STAGES, PackStage(),
                                DeployStage()),
                     doc="TensorRT-LLM engine (trtllm-build) served by Triton's tensorrtllm backend"),
+    # Pack and deploy join this route when their LLM-API unit lands (issue 28, unit28): PackStage still needs the
+    # engine stage's artifact, so the route ends with the rendered runtime configuration until then.
+    "llm_api": Route("llm_api", (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), LlmApiConfigStage()),
+                     doc="the gated checkpoint served by TensorRT-LLM's LLM API (PyTorch backend): trtllm-serve --config "
+                         "or Triton's LLM-API model.yaml"),
 }
 """Serving route (the profile's ``route``) -> its stages in order. A new route is one entry here plus its new
 stages (README, Architecture). ``engine``'s ``engine`` and ``engine_gate`` are the build Job's (``engine/job.py``)."""

@@ -145,12 +145,12 @@ def test_profiles_for_gpu_a100_and_b200(default_model_dir):
     a100 = {n: ok for n, ok, _ in P.profiles_for_gpu("a100", default_model_dir)}
     assert a100 == {"bf16-h100": True, "fp8-h100": False, "fp8-h200": False, "int4-awq-a100": True,
                     "int4-awq-a100-smollm2": True, "int8-sq-l4": True, "int8-sq-l4-smollm2": True, "nvfp4-b200": False,
-                    "nvfp4-b200-smollm2": False, "mixed-fp8-int4-h100": False}
+                    "nvfp4-b200-smollm2": False, "mixed-fp8-int4-h100": False, "fp8-h100-llmapi": False}
     why = {n: w for n, _, w in P.profiles_for_gpu("a100", default_model_dir)}["mixed-fp8-int4-h100"]
     assert "candidate FP8" in why  # the per-layer search's FP8 candidate needs SM >= 89
     b200 = {n: (ok, why) for n, ok, why in P.profiles_for_gpu("b200", default_model_dir)}
     assert not b200["mixed-fp8-int4-h100"][0] and "candidate W4A16_AWQ" in b200["mixed-fp8-int4-h100"][1]
-    assert b200["nvfp4-b200"][0] and b200["fp8-h100"][0]
+    assert b200["nvfp4-b200"][0] and b200["fp8-h100"][0] and b200["fp8-h100-llmapi"][0]  # trtllm_version kept
     assert not b200["int4-awq-a100"][0] and "SM 100-119" in b200["int4-awq-a100"][1]
     assert not b200["int8-sq-l4"][0] and "SmoothQuant" in b200["int8-sq-l4"][1]
 

@@ -42,7 +42,7 @@ from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec.device import DeviceChoice
 from precision_pipeline.spec.hardware import GPUSpec, resolve_gpu
 from precision_pipeline.spec.model_arch import ModelArch, read_model_arch
-from precision_pipeline.spec.profile import Profile, Target, load_profile, shipped_profiles
+from precision_pipeline.spec.profile import Profile, load_profile, shipped_profiles
 
 
 class _Section(BaseModel):
@@ -173,6 +173,10 @@ class ResolvedPlan(BaseModel):
     profile: Profile
     model: ModelArch
     gpu: Optional[GPUSpec]
+    route: str = "engine"
+    """The serving route (``profile.route``; ``pipeline.ROUTES`` maps it to its stages)."""
+    trtllm_version: str = "1.2.1"
+    """The TensorRT-LLM line targeted (``profile.target.trtllm_version``)."""
     mapping: Mapping
     limits: Limits
     effective: Effective
@@ -202,6 +206,8 @@ class ResolvedPlan(BaseModel):
         out = {
             "profile": self.profile.name,
             "profile_resolved": self.profile.model_dump(mode="json"),
+            "route": self.route,
+            "trtllm_version": self.trtllm_version,
             "gpu": self.gpu.to_json() if self.gpu else {"id": None, "asked": self.profile.target.gpu},
             "model": self.model.model_dump(mode="json"),
             "mapping": self.mapping.model_dump(mode="json"),
@@ -274,7 +280,7 @@ def _fallback_part(ctx: Context, model: ModelArch, given: Optional[Profile] = No
     ctx.fallback = fb
     info: dict = {"profile": d.fallback, "target_gpu": fb.target.gpu, "warm": d.warm_fallback}
     if ctx.gpu is not None:
-        fb_here = fb.model_copy(update={"target": Target(gpu=ctx.gpu.id),
+        fb_here = fb.model_copy(update={"target": fb.target.model_copy(update={"gpu": ctx.gpu.id}),
                                         "deployment": fb.deployment.model_copy(update={"fallback": None, "warm_fallback": False})})
         sub = evaluate(fb_here, model, _with_fallback=False)
         info["ok"] = sub.ok
@@ -335,6 +341,8 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
         ctx.build_memory = build_memory_plan(ctx)
     warnings: list[str] = []
     for r in R.RULES:
+        if profile.route not in r.routes:
+            continue  # an engine-only rule (trtllm-build's behaviour) on the llm_api route
         if r.needs_gpu and gpu is None:
             continue
         if gpu is not None and not usable_gpu and r.needs_gpu and r.name != "gpu.supported":
@@ -350,7 +358,8 @@ def evaluate(profile: Profile, model: Union[Path, str, ModelArch], checkpoint_di
                 problems.append(pr)
             else:
                 warnings.append(pr.render())
-    return ResolvedPlan(profile=profile, model=m, gpu=gpu, mapping=Mapping(**ctx.mapping), limits=Limits(**ctx.limits),
+    return ResolvedPlan(profile=profile, model=m, gpu=gpu, route=profile.route,
+                        trtllm_version=profile.target.trtllm_version, mapping=Mapping(**ctx.mapping), limits=Limits(**ctx.limits),
                         effective=Effective(**ctx.effective), memory=_memory(ctx.memory),
                         checks=tuple(checks), problems=tuple(problems), warnings=tuple(warnings),
                         fallback=FallbackInfo(**fallback) if fallback else None,
@@ -398,7 +407,7 @@ def profiles_for_gpu(gpu: str, model_dir: Union[Path, str, ModelArch]) -> list[t
         except UserError as e:
             out.append((name, False, one_line(e.problems[0])))
             continue
-        p = p.model_copy(update={"target": Target(gpu=spec.id)})
+        p = p.model_copy(update={"target": p.target.model_copy(update={"gpu": spec.id})})
         plan = evaluate(p, m)
         if plan.ok:
             out.append((name, True, plan.summary()))

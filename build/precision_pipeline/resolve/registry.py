@@ -33,23 +33,25 @@ class Finding:
 
 @dataclass(frozen=True)
 class Rule:
-    """A named check. ``needs_gpu``: skipped when target.gpu did not resolve."""
+    """A named check. ``needs_gpu``: skipped when target.gpu did not resolve; ``routes``: the serving routes it applies
+    to (an engine-only rule models trtllm-build and is not run for an ``llm_api`` profile)."""
 
     name: str
     summary: str
     source: str
     func: Callable[["Context"], list[Finding]]
     needs_gpu: bool = True
+    routes: tuple[str, ...] = ("engine", "llm_api")
 
 
 RULES: list[Rule] = []
 
 
-def rule(name: str, summary: str, source: str, needs_gpu: bool = True):
-    """Register ``func`` as a rule (order of registration = order of evaluation)."""
+def rule(name: str, summary: str, source: str, needs_gpu: bool = True, routes: tuple[str, ...] = ("engine", "llm_api")):
+    """Register ``func`` as a rule (order of registration = order of evaluation); ``routes``: where it applies."""
 
     def deco(func):
-        RULES.append(Rule(name, summary, source, func, needs_gpu))
+        RULES.append(Rule(name, summary, source, func, needs_gpu, routes))
         return func
 
     return deco
@@ -99,6 +101,22 @@ class Context:
         return self.gpu.sm if self.gpu else 0
 
     @property
+    def route(self) -> str:
+        """The profile's serving route (``engine`` / ``llm_api``)."""
+        return self.profile.route
+
+    @property
+    def trtllm_version(self) -> str:
+        return self.profile.target.trtllm_version
+
+    def runs(self, fmt) -> bool:
+        """Whether the registry entry ``fmt`` (GEMM or KV) runs on the target SM on this route and TensorRT-LLM line
+        (``spec/capability.py``, the one table; for the engine route its rows are the registry's own SM ranges)."""
+        from precision_pipeline.spec.capability import supports
+
+        return supports(self.route, self.trtllm_version, fmt.kind, fmt.algo, self.sm)
+
+    @property
     def quant(self) -> str:
         return self.profile.quantization.quant_algo.value
 
@@ -125,7 +143,7 @@ class Context:
             return not e.refusal
         if e.per_layer:
             return True
-        return e.supports(self.gpu.sm)
+        return self.runs(e)
 
     def gpu_text(self) -> str:
         g = self.gpu

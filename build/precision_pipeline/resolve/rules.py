@@ -34,6 +34,10 @@ from precision_pipeline.resolve.derive import lws_group
 from precision_pipeline.resolve.memory import decoder_linears_kept
 from precision_pipeline.resolve.reuse import checkpoint_mapping_findings
 
+ENGINE_ONLY = ("engine",)
+"""``routes`` of the rules that model trtllm-build's own behaviour (plugin flags, builder overrides): on the llm_api
+route the runtime chooses these itself (``resolve/rules_llm_api.py`` records such settings as runtime-chosen)."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Rules: GPU
@@ -64,7 +68,39 @@ def _gpu_supported(ctx: Context) -> list[Finding]:
 # Rules: formats vs SM
 
 
+def _needs(ctx: Context, entry) -> str:
+    """What ``entry`` needs, in words, on the profile's route (engine: the registry's ``needs``)."""
+    if ctx.route == "engine":
+        return entry.needs
+    from precision_pipeline.spec.capability import row
+
+    r = row(ctx.route, ctx.trtllm_version, entry.kind, entry.algo)
+    where = f"on the {ctx.route} route (TensorRT-LLM {ctx.trtllm_version})"
+    if r is None or not r.sm:
+        return f"{(r.why if r and r.why else 'no path')} {where}"
+    return f"{where} it runs on {F.sm_text(r.sm)} only"
+
+
+def _llm_api_fix(ctx: Context, entry, field_word: str, alts: list[str]) -> str:
+    """The fix of a format refused on a non-engine route: what runs here on this route, and the engine route when
+    it takes the format on this SM (``spec/capability.py``)."""
+    from precision_pipeline.spec.capability import supports
+
+    here = (f"on SM {ctx.sm} the {ctx.route} route runs {field_word} {F.join_or(alts)}" if alts
+            else f"the {ctx.route} route runs no such format on SM {ctx.sm}")
+    engine = (f"; or keep {entry.value} with route: engine (trtllm-build, TensorRT-LLM 1.2.1)"
+              if supports("engine", "1.2.1", entry.kind, entry.algo, ctx.sm) else "")
+    return here + engine + "."
+
+
 def _format_fix(ctx: Context, entry: F.GemmFormat) -> str:
+    if ctx.route != "engine":
+        from precision_pipeline.spec.capability import supports
+
+        alts = [a for a in F.SUGGEST_ORDER if a != entry.value and supports(ctx.route, ctx.trtllm_version, "gemm", a, ctx.sm)]
+        text = _llm_api_fix(ctx, entry, "quant_algo", alts)
+        fp8 = F.GEMM[F.QuantAlgo.FP8]
+        return text + (f" (e.g. {fp8.value} on Hopper, SM 90)" if fp8.value not in alts else "")
     alts = F.supported_alternatives(ctx.sm, exclude=entry.algo)
     alt_txt = F.join_or([a.short for a in alts])
     gpus = [gid for gid in entry.gpu_ids() if gid != ctx.gpu.id]
@@ -104,12 +140,12 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
             ce = F.GEMM[cand]
             if ce.per_layer or not ce.is_quantized:
                 continue
-            if ce.refusal or not ce.supports(ctx.sm):
+            if ce.refusal or not ctx.runs(ce):
                 out.append(refuse("quantization.auto_quantize_formats",
-                                  f"candidate {cand.value}: {ce.needs}; {ctx.gpu_text()}.", _format_fix(ctx, ce)))
+                                  f"candidate {cand.value}: {_needs(ctx, ce)}; {ctx.gpu_text()}.", _format_fix(ctx, ce)))
         return out
-    if not e.supports(ctx.sm):
-        out.append(refuse("quantization.quant_algo", f"{e.value}: {e.needs}; {ctx.gpu_text()}.",
+    if not ctx.runs(e):
+        out.append(refuse("quantization.quant_algo", f"{e.value}: {_needs(ctx, e)}; {ctx.gpu_text()}.",
                           _format_fix(ctx, e)))
     elif e.untested(ctx.sm):
         out.append(warn("quantization.quant_algo",
@@ -202,7 +238,13 @@ def _calib_seq_len(ctx: Context) -> list[Finding]:
 @rule("format.kv_sm", "KV-cache format runs on the target SM", f"{F.SRC_QUANT_MD}; {F.SRC_BUILDER}")
 def _kv_sm(ctx: Context) -> list[Finding]:
     e = ctx.kv_fmt
-    if not e.supports(ctx.sm):
+    if not ctx.runs(e):
+        if ctx.route != "engine":
+            from precision_pipeline.spec.capability import runnable
+
+            ok = runnable(ctx.route, ctx.trtllm_version, "kv", ctx.sm)
+            return [refuse("quantization.kv_cache_quant_algo", f"{e.value}: {_needs(ctx, e)}; {ctx.gpu_text()}.",
+                           _llm_api_fix(ctx, e, "kv_cache_quant_algo", ok))]
         ok = [v.value for v in F.KV.runnable_on(ctx.sm)]
         return [refuse("quantization.kv_cache_quant_algo", f"{e.value}: {e.needs}; {ctx.gpu_text()}.",
                        f"use kv_cache_quant_algo {F.join_or(ok)} on SM {ctx.sm}.")]
@@ -404,7 +446,7 @@ def _seq_pos(ctx: Context) -> list[Finding]:
 
 
 @rule("limits.num_tokens_vs_input", "max_num_tokens < max_input_len needs chunked context (and paged context FMHA)",
-      f"{F.SRC_COMMON}; tensorrtllm_backend enable_chunked_context", needs_gpu=False)
+      f"{F.SRC_COMMON}; tensorrtllm_backend enable_chunked_context", needs_gpu=False, routes=ENGINE_ONLY)
 def _mnt_input(ctx: Context) -> list[Finding]:
     lim, eff = ctx.limits, ctx.effective
     if lim["max_num_tokens"] >= lim["max_input_len"]:
@@ -437,7 +479,7 @@ def _mnt_large(ctx: Context) -> list[Finding]:
 
 
 @rule("context.fp8_context_fmha", "use_fp8_context_fmha only with FP8/W4A8_AWQ/NVFP4 on SM >= 89 (and an FP8 KV cache when paged)",
-      F.SRC_BUILDER + " (FP8 context FMHA logic)")
+      F.SRC_BUILDER + " (FP8 context FMHA logic)", routes=ENGINE_ONLY)
 def _fp8_ctx(ctx: Context) -> list[Finding]:
     asked = ctx.profile.context_phase.use_fp8_context_fmha
     if not asked or ctx.effective["use_fp8_context_fmha"] or not ctx.gemm_format_ok:
@@ -454,7 +496,7 @@ def _fp8_ctx(ctx: Context) -> list[Finding]:
     return [refuse("context_phase.use_fp8_context_fmha", f"trtllm-build would turn it off: {o.reason}.", fix)]
 
 
-@rule("context.builder_overrides", "no asked-for feature is lost to a silent trtllm-build override", F.SRC_BUILDER)
+@rule("context.builder_overrides", "no asked-for feature is lost to a silent trtllm-build override", F.SRC_BUILDER, routes=ENGINE_ONLY)
 def _overrides(ctx: Context) -> list[Finding]:
     out = []
     if not ctx.gemm_format_ok:
@@ -498,7 +540,7 @@ def _paged_fix(ctx: Context, lost: list[str]) -> str:
 
 
 @rule("runtime.kv_cache_reuse", "KV-cache reuse needs paged context FMHA and a paged KV cache, and no INT8 KV cache",
-      f"{F.SRC_BUILDER}; {F.SRC_BACKEND} (enable_kv_cache_reuse)", needs_gpu=False)
+      f"{F.SRC_BUILDER}; {F.SRC_BACKEND} (enable_kv_cache_reuse)", needs_gpu=False, routes=ENGINE_ONLY)
 def _reuse(ctx: Context) -> list[Finding]:
     p = ctx.profile
     if not p.runtime.enable_kv_cache_reuse:
@@ -519,7 +561,7 @@ def _reuse(ctx: Context) -> list[Finding]:
 
 
 @rule("runtime.chunked_context", "chunked context needs paged context FMHA and a paged KV cache",
-      f"{F.SRC_BACKEND} (enable_chunked_context); {F.SRC_PLUGIN} (use_paged_context_fmha)", needs_gpu=False)
+      f"{F.SRC_BACKEND} (enable_chunked_context); {F.SRC_PLUGIN} (use_paged_context_fmha)", needs_gpu=False, routes=ENGINE_ONLY)
 def _chunked(ctx: Context) -> list[Finding]:
     p = ctx.profile
     if not p.context_phase.enable_chunked_context:
@@ -544,7 +586,7 @@ def _streaming(ctx: Context) -> list[Finding]:
 
 
 @rule("build.logits_dtype", "logits dtype is a trtllm-build choice; Triton output type recorded", f"{F.SRC_BUILD_CMD}; {F.SRC_BACKEND}",
-      needs_gpu=False)
+      needs_gpu=False, routes=ENGINE_ONLY)
 def _logits(ctx: Context) -> list[Finding]:
     d = ctx.profile.build.logits_dtype
     if d not in F.LOGITS_DTYPES_TRTLLM_BUILD:
@@ -556,7 +598,7 @@ def _logits(ctx: Context) -> list[Finding]:
     return []
 
 
-@rule("plugins.gemm_plugin", "an explicit --gemm_plugin matches the GEMM format", f"{F.SRC_PLUGIN}; {F.SRC_BUILDER}", needs_gpu=False)
+@rule("plugins.gemm_plugin", "an explicit --gemm_plugin matches the GEMM format", f"{F.SRC_PLUGIN}; {F.SRC_BUILDER}", needs_gpu=False, routes=ENGINE_ONLY)
 def _gemm_plugin(ctx: Context) -> list[Finding]:
     g = ctx.profile.generation_phase.gemm_plugin
     q, fmt = ctx.quant, ctx.fmt
@@ -574,6 +616,7 @@ def _gemm_plugin(ctx: Context) -> list[Finding]:
 
 # the rules after these (deployment and memory, what the build needs) register in this order
 from precision_pipeline.resolve import rules_fit  # noqa: E402,F401
+from precision_pipeline.resolve import rules_llm_api  # noqa: E402,F401  (route and TensorRT-LLM line, issue 28)
 
 
 def describe_rules() -> list[dict]:

@@ -52,6 +52,7 @@ from precision_pipeline.core.errors import Problem, UserError, closest
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
+from precision_pipeline.spec.llm_args import DEFAULT_TRTLLM_VERSION, KNOWN_VERSIONS_TEXT, trtllm_line
 from precision_pipeline.spec.profile_yaml import read_yaml, safe_load, short
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
@@ -103,6 +104,18 @@ class Target(_Strict):
     """Where the engine runs."""
 
     gpu: str = Field(description="GPU id or alias from the hardware catalog, e.g. h100-sxm, h200, a100-80gb, b200, l4.")
+    trtllm_version: str = Field(
+        DEFAULT_TRTLLM_VERSION, description="TensorRT-LLM line targeted: 1.2.x (1.2.1: Triton's trtllm-python-py3 images; "
+        "engine and llm_api routes) or 1.3.0rcN (trtllm-serve / Dynamo 1.6; llm_api route only).")
+
+    @field_validator("trtllm_version")
+    @classmethod
+    def _known_version(cls, v: str) -> str:
+        try:
+            trtllm_line(v)
+        except ValueError as e:
+            raise ValueError(f"{e}. Fix: use {KNOWN_VERSIONS_TEXT}.")
+        return v
 
 
 class Quantization(_Strict):
@@ -455,9 +468,11 @@ class Profile(_Strict):
     name: str = Field("", description="Set from the file name when empty.")
     description: str = Field("", description="One line on what the profile is for.")
     extends: Optional[str] = Field(None, description="Parent profile name (merged under this one).")
-    route: Literal["engine"] = Field(
+    route: Literal["engine", "llm_api"] = Field(
         "engine", description="Serving route: which stages build and serve it (pipeline.ROUTES). engine: a TensorRT-LLM "
-        "engine built by trtllm-build, served by Triton's tensorrtllm backend.")
+        "engine built by trtllm-build, served by Triton's tensorrtllm backend. llm_api: the checkpoint served by "
+        "TensorRT-LLM's LLM API (PyTorch backend) from rendered TorchLlmArgs (trtllm-serve --config, Triton's LLM-API "
+        "model.yaml).")
     target: Target
     quantization: Quantization = Field(default_factory=Quantization)
     calibration: Calibration = Field(default_factory=Calibration)
@@ -468,6 +483,10 @@ class Profile(_Strict):
     runtime: Runtime = Field(default_factory=Runtime)
     deployment: Deployment = Field(default_factory=Deployment)
     gate: Gate = Field(default_factory=Gate)
+    llm_api: dict[str, Any] = Field(
+        default_factory=dict, description="route llm_api only: extra TorchLlmArgs fields (tensorrt_llm/llmapi/llm_args.py) "
+        "passed through to the rendered YAML, e.g. cuda_graph_config; keys the profile renders from its own sections "
+        "(max_batch_size, kv_cache_config.free_gpu_memory_fraction, ...) are set there. Checked at resolve.")
 
     @field_validator("name")
     @classmethod
