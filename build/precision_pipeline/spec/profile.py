@@ -53,6 +53,7 @@ from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.profile_yaml import read_yaml, safe_load, short
+from precision_pipeline.spec.routing import Routing
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -468,6 +469,8 @@ class Profile(_Strict):
     runtime: Runtime = Field(default_factory=Runtime)
     deployment: Deployment = Field(default_factory=Deployment)
     gate: Gate = Field(default_factory=Gate)
+    routing: Optional[Routing] = Field(None, description="Per-request routing over the release's warm units "
+                                       "(spec/routing.py); none: every request goes to the primary.")
 
     @field_validator("name")
     @classmethod
