@@ -125,6 +125,27 @@ def profiles(c, gpu=None, model=None):
     cli.profiles(gpu, model)
 
 
+@task(positional=["action"], help={
+    "action": "explain: which warm unit would serve a request, and which routing rule decided (no server)",
+    "profile": "profile name or YAML path (with a routing section)",
+    "prompt": "the prompt text (its tokens are counted with the model's tokenizer)",
+    "prompt_file": "read the prompt from this UTF-8 file",
+    "prompt_tokens": "the prompt's length in tokens, instead of a prompt",
+    "tier": "the request's precision_tier parameter (e.g. strict)",
+    "max_tokens": "new tokens the request asks for",
+    "inflight": "signal: requests in flight at the BLS (steady)",
+    "kv_util": "signal: the primary's KV-cache utilization, 0..1 (steady)",
+    "model": "HF model folder for the tokenizer (default: the default model)",
+})
+@guarded
+def route(c, action, profile, prompt=None, prompt_file=None, prompt_tokens=None, tier=None, max_tokens=None,
+          inflight=None, kv_util=None, model=None):
+    """Per-request routing: `invoke route explain --profile P --prompt TEXT` (README, Per-request routing)."""
+    from precision_pipeline.cli import routing as cli
+
+    return cli.explain(action, profile, prompt, prompt_file, prompt_tokens, tier, max_tokens, inflight, kv_util, model)
+
+
 @task(help={"name": "benchmark name: a file benchmarks/NAME.py", "args": "extra arguments for the benchmark"})
 @guarded
 def bench(c, name, args=""):

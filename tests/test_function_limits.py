@@ -42,6 +42,7 @@ EXCEPTIONS: dict[str, tuple[int, int, str]] = {
     "build/precision_pipeline/cli/sensitivity.py:sensitivity": (63, 9, CLI_FLAGS + " (`invoke sensitivity`)"),
     "build/precision_pipeline/cli/serving.py:rollout": (56, 9, CLI_FLAGS + " (`invoke rollout`)"),
     "build/precision_pipeline/cli/serving.py:probe": (74, 11, CLI_FLAGS + " (`invoke probe`)"),
+    "build/precision_pipeline/cli/routing.py:explain": (40, 10, CLI_FLAGS + " (`invoke route explain`)"),
     "build/precision_pipeline/analysis/sensitivity.py:run_sensitivity": (28, 9, KEYWORD_API + " (`invoke sensitivity`)"),
     "build/precision_pipeline/checkpoint/reader.py:dequantize_checkpoint": (86, 1, NOT_SPLIT_YET),
     "build/precision_pipeline/gate/model.py:load_checkpoint_model": (98, 4, "builds the gate's torch model of a checkpoint (every linear, attention and KV fake-quant) in one pass; not split yet"),
@@ -72,6 +73,7 @@ EXCEPTIONS: dict[str, tuple[int, int, str]] = {
     "tasks.py:probe": (76, 12, INVOKE_TASK),
     "tasks.py:sensitivity": (63, 10, INVOKE_TASK),
     "tasks.py:nightly": (27, 12, INVOKE_TASK),
+    "tasks.py:route": (10, 11, INVOKE_TASK),
     "tasks.py:recommend": (55, 19, INVOKE_TASK),
     "tasks.py:compare": (40, 11, INVOKE_TASK),
 }

@@ -220,7 +220,7 @@ def test_cronjob_renders_valid_with_forbid_and_history_limits(tmp_path):
     pod = spec["jobTemplate"]["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["command"][:3] == ["./run.sh", "nightly", "--strict"]
-    assert c["command"][c["command"].index("--profiles") + 1] == "bf16-h100,fp8-h100,fp8-h200,mixed-fp8-int4-h100"
+    assert c["command"][c["command"].index("--profiles") + 1] == "bf16-h100,fp8-h100,fp8-h100-llmapi,fp8-h100-routed,fp8-h200,mixed-fp8-int4-h100"
     assert c["image"] == deploy.DEFAULT_IMAGE and c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == deploy.DEFAULT_PVC
     assert c["volumeMounts"][0]["mountPath"] == c["command"][c["command"].index("--out") + 1]

@@ -143,7 +143,7 @@ def test_profiles_for_gpu_h100(default_model_dir):
 
 def test_profiles_for_gpu_a100_and_b200(default_model_dir):
     a100 = {n: ok for n, ok, _ in P.profiles_for_gpu("a100", default_model_dir)}
-    assert a100 == {"bf16-h100": True, "fp8-h100": False, "fp8-h200": False, "int4-awq-a100": True,
+    assert a100 == {"bf16-h100": True, "fp8-h100": False, "fp8-h100-routed": False, "fp8-h200": False, "int4-awq-a100": True,
                     "int4-awq-a100-smollm2": True, "int8-sq-l4": True, "int8-sq-l4-smollm2": True, "nvfp4-b200": False,
                     "nvfp4-b200-smollm2": False, "mixed-fp8-int4-h100": False, "fp8-h100-llmapi": False}
     why = {n: w for n, _, w in P.profiles_for_gpu("a100", default_model_dir)}["mixed-fp8-int4-h100"]

@@ -60,6 +60,37 @@ def _fallback(ctx: Context) -> list[Finding]:
     return out
 
 
+@rule("routing", "every routing target is a warm unit of the release; long prompts on FP8 attention are flagged",
+      "build/precision_pipeline/spec/routing.py; the design brief (FP8 attention degrades on long contexts: BF16 for "
+      "long prompts)", needs_gpu=False)
+def _routing(ctx: Context) -> list[Finding]:
+    r, p = ctx.profile.routing, ctx.profile
+    if r is None:
+        return []
+    out = []
+    d = p.deployment
+    for i, rr in enumerate(r.rules):
+        if rr.target == "fallback" and not (d.fallback and d.warm_fallback):
+            why = "no deployment.fallback is named" if not d.fallback else "deployment.warm_fallback is false"
+            out.append(refuse(f"routing.rules.{i}.target", f"rule {rr.name!r} sends requests to the fallback, but {why}: "
+                              "only a loaded (warm) unit can serve a request.",
+                              "name a fallback profile and set deployment.warm_fallback: true (the memory plan then "
+                              "counts it), or target primary."))
+    kv = F.kv(p.quantization.kv_cache_quant_algo)
+    fp8_attention = p.context_phase.use_fp8_context_fmha or kv.is_quantized
+    long_to_fallback = any(rr.target == "fallback" and rr.prompt_tokens_over is not None
+                           and rr.prompt_tokens_over <= r.long_context_tokens for rr in r.rules)
+    mil = int(ctx.limits.get("max_input_len") or 0)
+    if fp8_attention and mil > r.long_context_tokens and not long_to_fallback:
+        out.append(warn("routing.rules", f"the primary attends in low precision (KV cache {kv.value}"
+                        f"{', FP8 context FMHA' if p.context_phase.use_fp8_context_fmha else ''}) on prompts up to "
+                        f"max_input_len {mil:,} tokens, and no rule sends prompts over "
+                        f"long_context_tokens {r.long_context_tokens:,} to the fallback.",
+                        f"add a rule `prompt_tokens_over: {r.long_context_tokens}` with target fallback before the "
+                        "default (FP8 attention loses accuracy on long contexts)."))
+    return out
+
+
 @rule("memory.fit", "weights + activations (+ warm fallback) fit and the KV cache holds at least one max_seq_len sequence",
       f"{F.SRC_KVCONFIG}; {F.SRC_CKPT}; build/precision_pipeline/spec/hardware.py (driver-reported memory)")
 def _memory(ctx: Context) -> list[Finding]:

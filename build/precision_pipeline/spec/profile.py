@@ -54,6 +54,7 @@ from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.llm_args import DEFAULT_TRTLLM_VERSION, KNOWN_VERSIONS_TEXT, trtllm_line
 from precision_pipeline.spec.profile_yaml import read_yaml, safe_load, short
+from precision_pipeline.spec.routing import Routing
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -487,6 +488,8 @@ class Profile(_Strict):
         default_factory=dict, description="route llm_api only: extra TorchLlmArgs fields (tensorrt_llm/llmapi/llm_args.py) "
         "passed through to the rendered YAML, e.g. cuda_graph_config; keys the profile renders from its own sections "
         "(max_batch_size, kv_cache_config.free_gpu_memory_fraction, ...) are set there. Checked at resolve.")
+    routing: Optional[Routing] = Field(None, description="Per-request routing over the release's warm units "
+                                       "(spec/routing.py); none: every request goes to the primary.")
 
     @field_validator("name")
     @classmethod
@@ -517,8 +520,6 @@ class Profile(_Strict):
 def shipped_profiles() -> list[str]:
     """Names of the profiles in ``precision_profiles/`` (sorted)."""
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
-
-
 
 
 def _is_file(p: Path) -> bool:

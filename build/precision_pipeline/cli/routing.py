@@ -1,0 +1,81 @@
+"""``invoke route explain``: which warm unit would serve a request under a profile's ``routing`` section, and which
+rule decided, without a server. The decision is the BLS's own file (``spec.routing.evaluator``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from precision_pipeline.cli.console import console, float_arg, int_arg
+from precision_pipeline.core.errors import UserError
+
+ACTIONS = ("explain",)
+
+
+def prompt_token_count(prompt: str, model_dir: Path) -> int:
+    """Tokens of ``prompt`` as the serving preprocessing counts them (the model's tokenizer, no special tokens
+    added: the BLS sees the prompt's input_lengths)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return len(tok(prompt, add_special_tokens=False)["input_ids"])
+
+
+def _prompt_tokens(prompt: Optional[str], prompt_file: Optional[str], prompt_tokens, model) -> tuple[int, str]:
+    given = [x for x in (prompt, prompt_file, prompt_tokens) if x is not None]
+    if len(given) != 1:
+        raise UserError("--prompt", "give exactly one of --prompt TEXT, --prompt-file PATH or --prompt-tokens N.",
+                        "e.g. invoke route explain --profile fp8-h100-routed --prompt 'Hello'.")
+    if prompt_tokens is not None:
+        return int_arg("--prompt-tokens", prompt_tokens, 1), "given"
+    if prompt_file is not None:
+        p = Path(prompt_file).expanduser()
+        try:
+            prompt = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError("--prompt-file", f"cannot read {str(prompt_file)[:200]}: {e.__class__.__name__}.",
+                            "give a readable UTF-8 text file.") from None
+    from precision_pipeline.spec.default_model import model_dir
+
+    md = model_dir(model)
+    return prompt_token_count(prompt, md), f"counted with the tokenizer of {md.name}"
+
+
+def explain(action: str, profile: str, prompt: Optional[str] = None, prompt_file: Optional[str] = None,
+            prompt_tokens=None, tier: Optional[str] = None, max_tokens=None, inflight=None, kv_util=None,
+            model: Optional[str] = None) -> int:
+    """Print the unit and rule for one request; exit 0. Signals (``--inflight``, ``--kv-util``) are taken as steady
+    (held longer than any rule's dwell); a signal not given is unknown (its rule keeps its initial state: off).
+    Raises UserError (exit 2) for a bad flag, a profile the resolve rules refuse, or one without routing."""
+    from precision_pipeline.gate.verdict import load_build_profile
+    from precision_pipeline.resolve import plan as plan_mod
+    from precision_pipeline.spec.default_model import plan_model_dir
+    from precision_pipeline.spec.routing import evaluator, routing_table
+
+    if action not in ACTIONS:
+        raise UserError("action", f"{str(action)[:40]!r} is not a route action.", f"use one of: {', '.join(ACTIONS)}.")
+    prof = load_build_profile(profile)
+    plan = plan_mod.resolve(prof, plan_model_dir(model), for_build=False)  # the routing rule too: refusals raise
+    r = plan.profile.routing
+    if r is None:
+        raise UserError("--profile", f"{prof.name} has no routing section: every request goes to its primary unit "
+                        "(a canary aside).", "use a profile with routing: (e.g. fp8-h100-routed) or add one "
+                        "(README, Per-request routing).")
+    n, how = _prompt_tokens(prompt, prompt_file, prompt_tokens, model)
+    signals = {k: v for k, v in (("inflight_requests", float_arg("--inflight", inflight)),
+                                 ("kv_cache_utilization", float_arg("--kv-util", kv_util))) if v is not None}
+    request = {"prompt_tokens": n, "max_tokens": int_arg("--max-tokens", max_tokens, 1), "tier": tier}
+    ev = evaluator()
+    d = ev.decide(routing_table(r), request, signals, ev.RoutingState(), now=0.0)
+    unit = prof.name if d.target == "primary" else prof.deployment.fallback
+    con = console()
+    con.print(f"[bold]{d.target}[/] ({unit}) by rule [bold]{d.rule}[/]: {d.reason}", soft_wrap=True)
+    con.print(f"  request: prompt_tokens {n} ({how}), max_tokens {request['max_tokens']}, tier {tier}; signals "
+              + (", ".join(f"{k} {v:g}" for k, v in signals.items()) or "none given (signal rules off)"), soft_wrap=True)
+    for rr in r.rules:
+        mark = "->" if rr.name == d.rule else "  "
+        con.print(f"  {mark} {rr.name}: {rr.conditions() or 'default'} => {rr.target}", soft_wrap=True)
+    return 0
+
+
+__all__ = ["explain", "prompt_token_count", "ACTIONS"]
