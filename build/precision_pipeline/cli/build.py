@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from precision_pipeline.cli.console import console, int_arg, print_build, stage_line
+from precision_pipeline.cli.console import console, int_arg, planning_note, print_build, stage_line
 
 
 def build(profile, *, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None,
@@ -71,11 +71,8 @@ def check(profile=None, all=False, model=None) -> int:
     from precision_pipeline.spec.default_model import plan_model_dir
 
     model_dir = plan_model_dir(model)
-    buildable = model is None or bool(list(Path(model_dir).glob("*.safetensors")))
     con = console()
-    if not buildable:
-        con.print(f"[yellow]note[/]: {model_dir} has config.json only: planned with the resolve rules, not checked for a "
-                  "build (weights and tokenizer are needed to build)", soft_wrap=True)
+    buildable = planning_note(con, model_dir)  # weights and tokenizer there: the build-only rules apply too
     if all:
         bad = 0
         for name, ok, line in plan_mod.check_all(model_dir, for_build=buildable):
@@ -96,10 +93,15 @@ def check(profile=None, all=False, model=None) -> int:
         for line in e["arithmetic"]:
             con.print(f"    {line}", soft_wrap=True)
         con.print(f"    tensor parallel: {e['tp_communication']}", soft_wrap=True)
-    fp = model_fingerprint(model_dir).sha256  # full read once, memoized (the build hashes it anyway)
-    bar = p.profile.gate.for_model(fp)
-    con.print(f"  model fingerprint (the key of gate.overrides): {fp}", soft_wrap=True)
-    whose = "gate.overrides for this model" if fp in p.profile.gate.overrides else "the profile's own"
+    if buildable:
+        fp = model_fingerprint(model_dir).sha256  # full read once, memoized (the build hashes it anyway)
+        con.print(f"  model fingerprint (the key of gate.overrides): {fp}", soft_wrap=True)
+    else:
+        fp = None  # a config.json alone has no fingerprint: it would not be the key the weights give
+        con.print("  model fingerprint (the key of gate.overrides): needs the weights", soft_wrap=True)
+    bar = p.profile.gate.for_model(fp or "")  # "" matches no override
+    whose = ("gate.overrides for this model" if fp in p.profile.gate.overrides else "the profile's own"
+             + ("" if fp else " (a gate.overrides entry is found by the fingerprint, once the weights are there)"))
     con.print(f"  gate bar: {whose}: "
               + ", ".join(f"{k} {v:g}" for k, v in bar.thresholds().model_dump().items() if v is not None)
               + (f"; category bars: {', '.join(sorted(bar.categories))}" if bar.categories else ""), soft_wrap=True)
@@ -118,9 +120,11 @@ def profiles(gpu=None, model=None) -> None:
             con.print(n)
         return
     from precision_pipeline.resolve import plan as plan_mod
-    from precision_pipeline.spec.default_model import model_dir
+    from precision_pipeline.spec.default_model import plan_model_dir
 
-    for name, ok, why in plan_mod.profiles_for_gpu(gpu, model_dir(model)):
+    path = plan_model_dir(model)
+    planning_note(con, path)
+    for name, ok, why in plan_mod.profiles_for_gpu(gpu, path):
         con.print(("[green]runs[/]     " if ok else "[red]cannot[/]   ") + f"{name}: {why}", soft_wrap=True)
 
 

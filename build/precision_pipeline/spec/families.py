@@ -97,6 +97,18 @@ class Family:
 
     # -- lookups
 
+    def build_gaps(self) -> tuple[tuple[str, str], ...]:
+        """(stage, what it lacks) for each build stage that cannot handle this family yet: ``quantize`` when no
+        export decoder is wired (``export_decoder`` None), ``gate`` when the gate has no checkpoint reader
+        (``gate_reader`` None). () for a family ``invoke build`` runs end to end. Planning needs none of them."""
+        gaps = []
+        if self.export_decoder is None:
+            gaps.append(("quantize", "its ModelOpt export (the quantize stage's decoder type) is not wired "
+                                     "(spec/families.py export_decoder)"))
+        if self.gate_reader is None:
+            gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"))
+        return tuple(gaps)
+
     @property
     def hf_to_trt(self) -> dict[str, str]:
         """{HF linear (relative): TensorRT-LLM GEMM (relative)} of the dense linears."""
@@ -196,11 +208,33 @@ _QWEN_MOE = MoE(
     fused=(("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"),))
 
 
-def _planned(arch: str, model_type: str, trtllm_class: str, **kw) -> Family:
-    """A family the pipeline plans (``invoke check``) but does not quantize or gate."""
+def _planned(arch: str, model_type: str, trtllm_class: str, sources: Optional[dict[str, str]] = None, **kw) -> Family:
+    """A family the pipeline plans (``invoke check``) but does not quantize or gate (``Family.build_gaps``)."""
     return Family(architecture=arch, model_type=model_type, trtllm_class=trtllm_class, export_decoder=None,
                   linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS,
-                  sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py"}, **kw)
+                  sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py", **(sources or {})}, **kw)
+
+
+# Qwen2 / Qwen2.5 (TensorRT-LLM at commit 04a2cac / 0428c18 / 047098b of the stored sources):
+# * engine route: tensorrt_llm/models/__init__.py MODEL_MAP "Qwen2ForCausalLM": QWenForCausalLM;
+#   tensorrt_llm/models/qwen/config.py QWenConfig.from_hugging_face: attn_bias = True for every qwen_type but
+#   qwen3/qwen3_moe ("Legacy Qwen models have attn bias"), mlp_bias False, rotary_base = rope_theta;
+#   tensorrt_llm/models/qwen/model.py QWenDecoderLayer: Attention(bias=config.attn_bias, dense_bias=False) (one
+#   fused qkv bias, none on the o_proj), GatedMLP like Llama; from_hugging_face maps the HF names with the
+#   unified ModelWeightsLoader (the Llama names above; custom_dict only for qwen1, qwen2_moe and tied lm_head).
+# * PyTorch backend (LLM API): tensorrt_llm/_torch/models/modeling_qwen.py @register_auto_model("Qwen2ForCausalLM"):
+#   QwenAttention(bias=True, dense_bias=False), GatedMLP(bias=mlp_bias or False), RMSNorm input/post-attention.
+# * HF: transformers models/qwen2/modeling_qwen2.py Qwen2Attention q/k/v_proj bias=True, o_proj bias=False.
+_QWEN2_SOURCES = {
+    "attention_bias": "tensorrt_llm/models/qwen/config.py (QWenConfig.from_hugging_face: attn_bias True for qwen2); "
+                      "tensorrt_llm/models/qwen/model.py (QWenDecoderLayer: Attention(bias=attn_bias, dense_bias=False)); "
+                      "transformers models/qwen2/modeling_qwen2.py (q/k/v_proj bias=True, o_proj bias=False)",
+    "routes": "engine: tensorrt_llm/models/__init__.py MODEL_MAP (Qwen2ForCausalLM -> QWenForCausalLM), "
+              "tensorrt_llm/models/qwen/; PyTorch backend (LLM API): tensorrt_llm/_torch/models/modeling_qwen.py "
+              "(@register_auto_model(\"Qwen2ForCausalLM\"))",
+    "linears": f"{SRC_LOADER} (QWenForCausalLM.from_hugging_face loads qwen2 with the unified ModelWeightsLoader, "
+               "no custom names)",
+}
 
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -212,7 +246,7 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
            sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
-    _planned("Qwen2ForCausalLM", "qwen2", "QWenForCausalLM", attention_bias=True),
+    _planned("Qwen2ForCausalLM", "qwen2", "QWenForCausalLM", attention_bias=True, sources=_QWEN2_SOURCES),
     _planned("Qwen2MoeForCausalLM", "qwen2_moe", "QWenForCausalLM", attention_bias=True, moe=_QWEN_MOE),
     _planned("Qwen3ForCausalLM", "qwen3", "QWenForCausalLM"),
     _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE),
