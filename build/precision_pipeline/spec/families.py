@@ -297,7 +297,15 @@ def qkv_rows_of_config(cfg: dict, tp: int = 1) -> tuple[int, int, int]:
 
 
 def _matches(pattern: str, names: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+    """``fnmatch.fnmatchcase`` of any of ``names`` (the pattern compiled once: ``_glob``)."""
+    match = _glob(pattern)
+    return any(match(n) for n in names)
+
+
+@lru_cache(maxsize=1024)
+def _glob(pattern: str):
+    """The compiled ``fnmatch.translate`` of ``pattern`` (what ``fnmatch.fnmatchcase`` matches with)."""
+    return re.compile(fnmatch.translate(pattern)).match
 
 
 def match_names(fam: Family, hf_name: str) -> tuple[str, str, str]:
@@ -317,8 +325,9 @@ def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], kee
     """
     excluded: set[str] = set()
     unmatched = []
+    candidates = [(n, match_names(fam, n)) for n in linear_names] if exclude_patterns else []
     for p in exclude_patterns:
-        hit = [n for n in linear_names if _matches(p, match_names(fam, n))]
+        hit = [n for n, names in candidates if _matches(p, names)]
         if not hit:
             unmatched.append(p)
         excluded.update(hit)
