@@ -119,3 +119,17 @@ def test_qwen2_is_planned_and_its_build_refused_naming_the_missing_stages():
     pr = [x for x in built.problems if x.rule == "model.gate_reads"][0]
     assert "Stages missing for Qwen2ForCausalLM: quantize: its ModelOpt export" in pr.reason
     assert "; gate: the accuracy gate has no reader of its checkpoints" in pr.reason
+
+
+def test_readme_family_table_lists_every_family_with_its_build_gaps():
+    """README "Model families": one row naming each registry architecture; a row of a family the build cannot
+    run end to end names each stage it lacks (Family.build_gaps), a buildable family's row names none."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Model families", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    for arch, fam in FAM.FAMILIES.items():
+        row = [r for r in rows if f"`{arch}`" in r.split("|")[1]]
+        assert len(row) == 1, arch
+        build = row[0].split("|")[3]
+        assert all(stage in build for stage, _ in fam.build_gaps()), (arch, build)
+        assert ("refused" in build) == bool(fam.build_gaps()), (arch, build)
