@@ -133,3 +133,30 @@ def test_readme_family_table_lists_every_family_with_its_build_gaps():
         build = row[0].split("|")[3]
         assert all(stage in build for stage, _ in fam.build_gaps()), (arch, build)
         assert ("refused" in build) == bool(fam.build_gaps()), (arch, build)
+
+
+MISTRAL_7B_V01 = {  # mistralai/Mistral-7B-v0.1 config.json
+    "architectures": ["MistralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "model_type": "mistral"}
+
+
+def test_mistral_is_planned_from_its_config_with_llama_terms_and_refused_at_build(tmp_path):
+    """Mistral: Llama's linears, no bias terms (7,241,732,096 parameters, published 7.24 B); every shipped profile
+    gets a verdict from config.json alone; a build names the stages it lacks."""
+    import json
+
+    d = tmp_path / "Mistral-7B-v0.1"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MISTRAL_7B_V01))
+    m = read_model_arch(d)
+    assert not m.attention_bias
+    assert m.num_params == 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+    assert m.num_params == 7_241_732_096
+    fam = FAM.FAMILIES["MistralForCausalLM"]
+    assert "modeling_llama.py" in fam.sources["routes"] and "max_attention_window_size" in fam.sources["sliding_window"]
+    rows = P.check_all(d, for_build=False)
+    assert [r[0] for r in rows] == list(shipped_profiles()) and dict((r[0], r[1]) for r in rows)["fp8-h100"]
+    pr = [x for x in P.evaluate(prof("fp8-h100"), m, for_build=True).problems if x.rule == "model.gate_reads"][0]
+    assert "Stages missing for MistralForCausalLM: quantize: " in pr.reason

@@ -236,13 +236,24 @@ _QWEN2_SOURCES = {
                "no custom names)",
 }
 
+# Mistral: Llama's layout and names, no biases; sliding_window (4096 in Mistral-7B v0.1, null from v0.2) is a
+# run-time setting on the engine route, not modelled by the planner (the KV cache is planned for max_seq_len: an
+# upper bound when a window is set).
+_MISTRAL_SOURCES = {
+    "routes": "engine: tensorrt_llm/models/__init__.py MODEL_MAP (MistralForCausalLM -> LLaMAForCausalLM); PyTorch "
+              "backend (LLM API): tensorrt_llm/_torch/models/modeling_llama.py (@register_auto_model(\"MistralForCausalLM\") "
+              "on LlamaModel, attention_bias False)",
+    "sliding_window": "tensorrtllm_backend docs/model_config.md:115 (max_attention_window_size: the tokens attended "
+                      "with sliding window attention; default max_sequence_length, i.e. all tokens)",
+}
+
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family(architecture="LlamaForCausalLM", model_type="llama", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="llama",
            sources={**_NAME_SOURCES, "export": "ModelOpt 0.47 export_tensorrt_llm_checkpoint(model, 'llama', ...)",
                     "gate": "gate/model.py load_checkpoint_model (an HF LlamaForCausalLM fed the dequantized checkpoint)"}),
-    _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM"),
+    _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM", sources=_MISTRAL_SOURCES),
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
            sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
