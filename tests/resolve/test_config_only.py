@@ -160,3 +160,19 @@ def test_mistral_is_planned_from_its_config_with_llama_terms_and_refused_at_buil
     assert [r[0] for r in rows] == list(shipped_profiles()) and dict((r[0], r[1]) for r in rows)["fp8-h100"]
     pr = [x for x in P.evaluate(prof("fp8-h100"), m, for_build=True).problems if x.rule == "model.gate_reads"][0]
     assert "Stages missing for MistralForCausalLM: quantize: " in pr.reason
+
+
+def test_check_all_imports_no_torch():
+    """`invoke check --all` plans without torch (gate.metrics and quantize.stage import it only when a single
+    profile is checked for a build); a fresh process, as the CLI runs it."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import contextlib, io, sys; from precision_pipeline.cli import build as B\n"
+            "with contextlib.redirect_stdout(io.StringIO()): rc = B.check(all=True, model=sys.argv[1])\n"
+            "print(rc, 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code, str(QWEN72)], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(root / "build")})
+    assert p.stdout.split() == ["2", "False"], p.stdout + p.stderr

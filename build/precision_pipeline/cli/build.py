@@ -65,9 +65,7 @@ def check(profile=None, all=False, model=None) -> int:
     """Resolve and check profiles (no heavy work), one line per profile; returns 2 when ``all`` and one is refused."""
     from precision_pipeline.core.errors import EXIT_INVALID, UserError
     from precision_pipeline.core.fingerprint import model_fingerprint
-    from precision_pipeline.quantize.stage import check_dataset_tokens
     from precision_pipeline.resolve import plan as plan_mod
-    from precision_pipeline.gate.verdict import load_build_profile
     from precision_pipeline.spec.default_model import plan_model_dir
 
     model_dir = plan_model_dir(model)
@@ -81,8 +79,11 @@ def check(profile=None, all=False, model=None) -> int:
         return EXIT_INVALID if bad else 0
     if not profile:
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
+    from precision_pipeline.gate.verdict import load_build_profile  # imports torch (gate.metrics): not for --all
     p = plan_mod.resolve(load_build_profile(profile), model_dir, for_build=buildable)  # the same rules as invoke build
     if buildable and not p.problems:
+        from precision_pipeline.quantize.stage import check_dataset_tokens  # imports torch: only when a build could run
+
         check_dataset_tokens(p.profile.calibration, model_dir)  # token counts of a user dataset, as the build checks
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
