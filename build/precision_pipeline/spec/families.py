@@ -14,7 +14,8 @@ reads lives here, and the stages look it up (torch-free):
 * ``moe``: the router and the expert linears (None for a dense family);
 * ``routes`` and ``trtllm_versions``: the serving routes and TensorRT-LLM versions that build it;
 * ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
-  not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``);
+  not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``, naming the stages
+  ``Family.build_gaps`` lists; planning from config.json needs none of them);
 * ``sources``: where each fact comes from.
 
 Name facts (TensorRT-LLM 1.2):
