@@ -81,6 +81,10 @@ def test_plan_commands_take_a_config_only_qwen2_72b_and_build_refuses_it(tmp_pat
     p = inv("profiles", "--gpu", "h200", "--model", str(model))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "runs     int4-awq-a100: W4A16_AWQ GEMMs, NONE KV on h200" in p.stdout
+    p = inv("compare", "--profiles", "int4-awq-a100,bf16-h100", "--model", str(model), "--out", str(tmp_path / "cmp"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "planned from config.json alone" in p.stdout and "needs the weights: gate numbers" in p.stdout
+    assert "cannot run bf16-h100" in p.stdout and (tmp_path / "cmp" / "compare.json").is_file()
     p = inv("build", "--profile", "int4-awq-a100", "--model", str(model), "--out", str(tmp_path / "out"))
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     assert "has no *.safetensors weights (only safetensors are loaded) and no tokenizer" in p.stdout
