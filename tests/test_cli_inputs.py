@@ -53,7 +53,42 @@ def test_check_plans_a_config_only_model(tmp_path):
     model = ROOT / "tests" / "data" / "models" / "Llama-3.1-8B"
     p = inv("check", "--profile", "fp8-h200", "--model", str(model))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "config.json only: planned" in p.stdout and "ok fp8-h200" in p.stdout
+    assert "planned from config.json alone" in p.stdout and "ok fp8-h200" in p.stdout
+
+
+def test_plan_commands_take_a_config_only_qwen2_72b_and_build_refuses_it(tmp_path):
+    """Issue 29: a folder holding only Qwen2.5-72B's config.json: check --all prints a verdict per shipped profile
+    and what needs the weights (no fingerprint of a config alone); profiles --gpu plans it; build exits 2 naming
+    every missing file."""
+    from precision_pipeline.spec.profile import shipped_profiles
+
+    model = tmp_path / "Qwen2.5-72B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text((ROOT / "tests" / "data" / "models" / "Qwen2.5-72B-Instruct" / "config.json").read_text())
+    p = inv("check", "--all", "--model", str(model))
+    assert p.returncode == 2, p.stdout + p.stderr  # some profiles do not fit a 72B: refused, each with its line
+    lines = p.stdout.splitlines()
+    for name in shipped_profiles():
+        assert sum(ln.startswith((f"ok      {name}: ", f"refused {name}: ")) for ln in lines) == 1, name
+    assert "ok      int4-awq-a100: W4A16_AWQ GEMMs" in p.stdout
+    assert "has no *.safetensors weights" in lines[0] and "planned from config.json alone" in lines[0]
+    assert "  needs the weights and tokenizer: model fingerprint: " in p.stdout
+    assert "invoke build cannot build Qwen2ForCausalLM yet, weights or not: stages missing: quantize: " in p.stdout
+    p = inv("check", "--profile", "int4-awq-a100", "--model", str(model))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "model fingerprint (the key of gate.overrides): needs the weights" in p.stdout
+    assert "gate bar: the profile's own (a gate.overrides entry is found by the fingerprint" in p.stdout
+    p = inv("profiles", "--gpu", "h200", "--model", str(model))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "runs     int4-awq-a100: W4A16_AWQ GEMMs, NONE KV on h200" in p.stdout
+    p = inv("compare", "--profiles", "int4-awq-a100,bf16-h100", "--model", str(model), "--out", str(tmp_path / "cmp"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "planned from config.json alone" in p.stdout and "needs the weights: gate numbers" in p.stdout
+    assert "cannot run bf16-h100" in p.stdout and (tmp_path / "cmp" / "compare.json").is_file()
+    p = inv("build", "--profile", "int4-awq-a100", "--model", str(model), "--out", str(tmp_path / "out"))
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
+    assert "has no *.safetensors weights (only safetensors are loaded) and no tokenizer" in p.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def test_markup_in_messages_is_printed_verbatim(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from precision_pipeline.cli.console import console, int_arg, print_build, stage_line
+from precision_pipeline.cli.console import console, int_arg, planning_note, print_build, stage_line
 
 
 def build(profile, *, model=None, out=None, strict=False, repo_root=None, golden_limit=None, checkpoint=None,
@@ -65,17 +65,12 @@ def check(profile=None, all=False, model=None) -> int:
     """Resolve and check profiles (no heavy work), one line per profile; returns 2 when ``all`` and one is refused."""
     from precision_pipeline.core.errors import EXIT_INVALID, UserError
     from precision_pipeline.core.fingerprint import model_fingerprint
-    from precision_pipeline.quantize.stage import check_dataset_tokens
     from precision_pipeline.resolve import plan as plan_mod
-    from precision_pipeline.gate.verdict import load_build_profile
     from precision_pipeline.spec.default_model import plan_model_dir
 
     model_dir = plan_model_dir(model)
-    buildable = model is None or bool(list(Path(model_dir).glob("*.safetensors")))
     con = console()
-    if not buildable:
-        con.print(f"[yellow]note[/]: {model_dir} has config.json only: planned with the resolve rules, not checked for a "
-                  "build (weights and tokenizer are needed to build)", soft_wrap=True)
+    buildable = planning_note(con, model_dir)  # weights and tokenizer there: the build-only rules apply too
     if all:
         bad = 0
         for name, ok, line in plan_mod.check_all(model_dir, for_build=buildable):
@@ -84,8 +79,11 @@ def check(profile=None, all=False, model=None) -> int:
         return EXIT_INVALID if bad else 0
     if not profile:
         raise UserError("--profile", "no profile given.", "pass --profile NAME or --all.")
+    from precision_pipeline.gate.verdict import load_build_profile  # imports torch (gate.metrics): not for --all
     p = plan_mod.resolve(load_build_profile(profile), model_dir, for_build=buildable)  # the same rules as invoke build
     if buildable and not p.problems:
+        from precision_pipeline.quantize.stage import check_dataset_tokens  # imports torch: only when a build could run
+
         check_dataset_tokens(p.profile.calibration, model_dir)  # token counts of a user dataset, as the build checks
     mem = p.memory
     con.print(f"[green]ok[/] {profile}: weights {mem.weight_gib_per_gpu:.3f} GiB/GPU, "
@@ -96,10 +94,15 @@ def check(profile=None, all=False, model=None) -> int:
         for line in e["arithmetic"]:
             con.print(f"    {line}", soft_wrap=True)
         con.print(f"    tensor parallel: {e['tp_communication']}", soft_wrap=True)
-    fp = model_fingerprint(model_dir).sha256  # full read once, memoized (the build hashes it anyway)
-    bar = p.profile.gate.for_model(fp)
-    con.print(f"  model fingerprint (the key of gate.overrides): {fp}", soft_wrap=True)
-    whose = "gate.overrides for this model" if fp in p.profile.gate.overrides else "the profile's own"
+    if buildable:
+        fp = model_fingerprint(model_dir).sha256  # full read once, memoized (the build hashes it anyway)
+        con.print(f"  model fingerprint (the key of gate.overrides): {fp}", soft_wrap=True)
+    else:
+        fp = None  # a config.json alone has no fingerprint: it would not be the key the weights give
+        con.print("  model fingerprint (the key of gate.overrides): needs the weights", soft_wrap=True)
+    bar = p.profile.gate.for_model(fp or "")  # "" matches no override
+    whose = ("gate.overrides for this model" if fp in p.profile.gate.overrides else "the profile's own"
+             + ("" if fp else " (a gate.overrides entry is found by the fingerprint, once the weights are there)"))
     con.print(f"  gate bar: {whose}: "
               + ", ".join(f"{k} {v:g}" for k, v in bar.thresholds().model_dump().items() if v is not None)
               + (f"; category bars: {', '.join(sorted(bar.categories))}" if bar.categories else ""), soft_wrap=True)
@@ -118,9 +121,11 @@ def profiles(gpu=None, model=None) -> None:
             con.print(n)
         return
     from precision_pipeline.resolve import plan as plan_mod
-    from precision_pipeline.spec.default_model import model_dir
+    from precision_pipeline.spec.default_model import plan_model_dir
 
-    for name, ok, why in plan_mod.profiles_for_gpu(gpu, model_dir(model)):
+    path = plan_model_dir(model)
+    planning_note(con, path)
+    for name, ok, why in plan_mod.profiles_for_gpu(gpu, path):
         con.print(("[green]runs[/]     " if ok else "[red]cannot[/]   ") + f"{name}: {why}", soft_wrap=True)
 
 

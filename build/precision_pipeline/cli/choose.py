@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from precision_pipeline.cli.console import console, float_arg, int_arg, stage_line
+from precision_pipeline.cli.console import console, float_arg, int_arg, planning_note, stage_line
 from precision_pipeline.core.errors import EXIT_INVALID
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.spec.default_model import plan_model_dir
@@ -58,7 +58,7 @@ def recommend(gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=N
     wl = _workload(input_len, output_len, concurrency, request_rate)
     n_top = int_arg("--top", top, 1, 64) or 2  # default None: invoke would int() a typed default itself
     rec = ch.recommend(gpu, plan_model_dir(model), REPO_ROOT / "artifacts", k, context=ctx, workload=wl)
-    con = console()
+    planning_note(con := console(), plan_model_dir(model))  # what a folder without weights cannot say
     if measure:
         builds = ch.measure_top(rec, n_top, REPO_ROOT / "artifacts" / "recommend", _gate_builder(
             con, model, int_arg("--golden-limit", golden_limit, 1, 1000)), command=f"--gpu {gpu} --measure")
@@ -130,7 +130,7 @@ def compare(profiles="all", model=None, gpu=None, out=None, build=False, golden_
                       "n/a" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s']:.3g} s",
                       "n/a" if r["tpot_s"] is None else f"{r['tpot_s'] * 1e3:.3g} ms",
                       "n/a" if r["kl_p99"] is None else f"{r['kl_p99']:.3g}", r["accuracy"], "*" if r["frontier"] else "")
-    con = console()
+    planning_note(con := console(), plan_model_dir(model))  # what a folder without weights cannot say
     con.print(t)
     for r in ch.table_rows(cands):
         if not r["runs"]:

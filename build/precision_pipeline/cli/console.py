@@ -135,4 +135,29 @@ def margin(value) -> float:
     return v
 
 
-__all__ = ["LOG_WIDTH", "console", "report", "stage_line", "print_build", "int_arg", "float_arg", "parse_layers", "margin"]
+
+
+def planning_note(con, model_dir) -> bool:
+    """Print what a folder without weights or tokenizer lacks and which numbers need them
+    (``spec.default_model.ModelFiles.planning_note``); returns whether the folder can be built."""
+    from rich.markup import escape
+
+    from precision_pipeline.spec.default_model import model_files
+
+    note = model_files(model_dir).planning_note()
+    if note:
+        from precision_pipeline.spec.families import family
+        from precision_pipeline.spec.model_arch import read_model_arch
+
+        arch = read_model_arch(model_dir).architecture
+        gaps = family(arch).build_gaps()
+        if gaps:  # what rule model.gate_reads would refuse once the weights are there
+            note.append(f"invoke build cannot build {arch} yet, weights or not: stages missing: "
+                        + "; ".join(f"{stage}: {why}" for stage, why in gaps))
+    for i, line in enumerate(note):
+        con.print(("[yellow]note[/]: " if i == 0 else "  ") + escape(line), soft_wrap=True)
+    return not note
+
+
+__all__ = ["LOG_WIDTH", "console", "report", "stage_line", "print_build", "int_arg", "float_arg", "parse_layers", "margin",
+           "planning_note"]

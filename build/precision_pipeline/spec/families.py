@@ -14,7 +14,8 @@ reads lives here, and the stages look it up (torch-free):
 * ``moe``: the router and the expert linears (None for a dense family);
 * ``routes`` and ``trtllm_versions``: the serving routes and TensorRT-LLM versions that build it;
 * ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
-  not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``);
+  not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``, naming the stages
+  ``Family.build_gaps`` lists; planning from config.json needs none of them);
 * ``sources``: where each fact comes from.
 
 Name facts (TensorRT-LLM 1.2):
@@ -96,6 +97,18 @@ class Family:
     sources: dict[str, str] = field(default_factory=dict)
 
     # -- lookups
+
+    def build_gaps(self) -> tuple[tuple[str, str], ...]:
+        """(stage, what it lacks) for each build stage that cannot handle this family yet: ``quantize`` when no
+        export decoder is wired (``export_decoder`` None), ``gate`` when the gate has no checkpoint reader
+        (``gate_reader`` None). () for a family ``invoke build`` runs end to end. Planning needs none of them."""
+        gaps = []
+        if self.export_decoder is None:
+            gaps.append(("quantize", "its ModelOpt export (the quantize stage's decoder type) is not wired "
+                                     "(spec/families.py export_decoder)"))
+        if self.gate_reader is None:
+            gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"))
+        return tuple(gaps)
 
     @property
     def hf_to_trt(self) -> dict[str, str]:
@@ -196,11 +209,44 @@ _QWEN_MOE = MoE(
     fused=(("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"),))
 
 
-def _planned(arch: str, model_type: str, trtllm_class: str, **kw) -> Family:
-    """A family the pipeline plans (``invoke check``) but does not quantize or gate."""
+def _planned(arch: str, model_type: str, trtllm_class: str, sources: Optional[dict[str, str]] = None, **kw) -> Family:
+    """A family the pipeline plans (``invoke check``) but does not quantize or gate (``Family.build_gaps``)."""
     return Family(architecture=arch, model_type=model_type, trtllm_class=trtllm_class, export_decoder=None,
                   linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS,
-                  sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py"}, **kw)
+                  sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py", **(sources or {})}, **kw)
+
+
+# Qwen2 / Qwen2.5 (TensorRT-LLM at commit 04a2cac / 0428c18 / 047098b of the stored sources):
+# * engine route: tensorrt_llm/models/__init__.py MODEL_MAP "Qwen2ForCausalLM": QWenForCausalLM;
+#   tensorrt_llm/models/qwen/config.py QWenConfig.from_hugging_face: attn_bias = True for every qwen_type but
+#   qwen3/qwen3_moe ("Legacy Qwen models have attn bias"), mlp_bias False, rotary_base = rope_theta;
+#   tensorrt_llm/models/qwen/model.py QWenDecoderLayer: Attention(bias=config.attn_bias, dense_bias=False) (one
+#   fused qkv bias, none on the o_proj), GatedMLP like Llama; from_hugging_face maps the HF names with the
+#   unified ModelWeightsLoader (the Llama names above; custom_dict only for qwen1, qwen2_moe and tied lm_head).
+# * PyTorch backend (LLM API): tensorrt_llm/_torch/models/modeling_qwen.py @register_auto_model("Qwen2ForCausalLM"):
+#   QwenAttention(bias=True, dense_bias=False), GatedMLP(bias=mlp_bias or False), RMSNorm input/post-attention.
+# * HF: transformers models/qwen2/modeling_qwen2.py Qwen2Attention q/k/v_proj bias=True, o_proj bias=False.
+_QWEN2_SOURCES = {
+    "attention_bias": "tensorrt_llm/models/qwen/config.py (QWenConfig.from_hugging_face: attn_bias True for qwen2); "
+                      "tensorrt_llm/models/qwen/model.py (QWenDecoderLayer: Attention(bias=attn_bias, dense_bias=False)); "
+                      "transformers models/qwen2/modeling_qwen2.py (q/k/v_proj bias=True, o_proj bias=False)",
+    "routes": "engine: tensorrt_llm/models/__init__.py MODEL_MAP (Qwen2ForCausalLM -> QWenForCausalLM), "
+              "tensorrt_llm/models/qwen/; PyTorch backend (LLM API): tensorrt_llm/_torch/models/modeling_qwen.py "
+              "(@register_auto_model(\"Qwen2ForCausalLM\"))",
+    "linears": f"{SRC_LOADER} (QWenForCausalLM.from_hugging_face loads qwen2 with the unified ModelWeightsLoader, "
+               "no custom names)",
+}
+
+# Mistral: Llama's layout and names, no biases; sliding_window (4096 in Mistral-7B v0.1, null from v0.2) is a
+# run-time setting on the engine route, not modelled by the planner (the KV cache is planned for max_seq_len: an
+# upper bound when a window is set).
+_MISTRAL_SOURCES = {
+    "routes": "engine: tensorrt_llm/models/__init__.py MODEL_MAP (MistralForCausalLM -> LLaMAForCausalLM); PyTorch "
+              "backend (LLM API): tensorrt_llm/_torch/models/modeling_llama.py (@register_auto_model(\"MistralForCausalLM\") "
+              "on LlamaModel, attention_bias False)",
+    "sliding_window": "tensorrtllm_backend docs/model_config.md:115 (max_attention_window_size: the tokens attended "
+                      "with sliding window attention; default max_sequence_length, i.e. all tokens)",
+}
 
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -208,11 +254,11 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="llama",
            sources={**_NAME_SOURCES, "export": "ModelOpt 0.47 export_tensorrt_llm_checkpoint(model, 'llama', ...)",
                     "gate": "gate/model.py load_checkpoint_model (an HF LlamaForCausalLM fed the dequantized checkpoint)"}),
-    _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM"),
+    _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM", sources=_MISTRAL_SOURCES),
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
            sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
-    _planned("Qwen2ForCausalLM", "qwen2", "QWenForCausalLM", attention_bias=True),
+    _planned("Qwen2ForCausalLM", "qwen2", "QWenForCausalLM", attention_bias=True, sources=_QWEN2_SOURCES),
     _planned("Qwen2MoeForCausalLM", "qwen2_moe", "QWenForCausalLM", attention_bias=True, moe=_QWEN_MOE),
     _planned("Qwen3ForCausalLM", "qwen3", "QWenForCausalLM"),
     _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE),
@@ -263,7 +309,15 @@ def qkv_rows_of_config(cfg: dict, tp: int = 1) -> tuple[int, int, int]:
 
 
 def _matches(pattern: str, names: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+    """``fnmatch.fnmatchcase`` of any of ``names`` (the pattern compiled once: ``_glob``)."""
+    match = _glob(pattern)
+    return any(match(n) for n in names)
+
+
+@lru_cache(maxsize=1024)
+def _glob(pattern: str):
+    """The compiled ``fnmatch.translate`` of ``pattern`` (what ``fnmatch.fnmatchcase`` matches with)."""
+    return re.compile(fnmatch.translate(pattern)).match
 
 
 def match_names(fam: Family, hf_name: str) -> tuple[str, str, str]:
@@ -283,8 +337,9 @@ def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], kee
     """
     excluded: set[str] = set()
     unmatched = []
+    candidates = [(n, match_names(fam, n)) for n in linear_names] if exclude_patterns else []
     for p in exclude_patterns:
-        hit = [n for n in linear_names if _matches(p, match_names(fam, n))]
+        hit = [n for n, names in candidates if _matches(p, names)]
         if not hit:
             unmatched.append(p)
         excluded.update(hit)
