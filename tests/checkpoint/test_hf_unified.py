@@ -306,6 +306,9 @@ def test_nvfp4_and_int4_awq_hf_exports_verify(smollm_2layers, tmp_path, profile,
     if algo == "NVFP4":
         assert (w["dtype"], w["shape"], s["dtype"], s["shape"]) == ("U8", [576, 768], "F8_E4M3", [576, 96])
         assert h["model.layers.1.mlp.down_proj.weight_scale_2"]["shape"] == [] and "model.layers.1.self_attn.k_proj.k_scale" in h
+    else:  # INT4 packed along the output dim as U8; the shared-input pre-quant scales folded into the norms
+        assert (w["dtype"], w["shape"], s["dtype"], s["shape"]) == ("U8", [288, 1536], "F32", [576, 24])
+        assert "model.layers.1.self_attn.o_proj.pre_quant_scale" in h and "model.layers.1.self_attn.q_proj.pre_quant_scale" not in h
     r = verify_checkpoint(d, {"quant_algo": algo, "kv_cache_quant_algo": p.quantization.kv_cache_quant_algo.value})
     assert r["linears"] == 14
     with pytest.raises(UserError, match="engine route"):

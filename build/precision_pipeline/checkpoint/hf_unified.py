@@ -56,6 +56,25 @@ are still verified (``hf_verify``); the gate's model uses this one. ModelOpt's T
 FIX = "re-export the checkpoint (quantize again with export_format hf_unified)."
 
 
+def hf_slots(fmt: FMT.GemmFormat, rel: str, slots: dict[str, codecs.Slot]) -> tuple[dict[str, codecs.Slot], set[str]]:
+    """The tensors one HF linear ``rel`` (``self_attn.q_proj``, ...) stores in ``fmt``: the codec's layout ``slots``
+    under the HF names (``HF_SUFFIX``) with what the HF export does differently (measured on ModelOpt 0.47 exports of
+    SmolLM2-135M): INT4 AWQ weights are stored U8 (the same ``[out/2, in]`` packing shape); the AWQ
+    ``pre_quant_scale`` of a linear that shares its input (q/k/v, gate/up: ``spec.families`` fused groups) is folded
+    into the preceding norm's weight and not stored (``unified_export_hf.py``
+    ``requantize_resmooth_fused_llm_layers`` -> ``_fuse_shared_input_modules(..., fuse_layernorms=True)``). Returns
+    ``({hf suffix: Slot}, optional suffixes)``."""
+    trt_to_hf = {v: k for k, v in HF_SUFFIX.items()}
+    out = {trt_to_hf.get(k, k): v for k, v in slots.items()}
+    optional: set[str] = set()
+    if fmt.codec == "int4_awq":
+        out["weight"] = codecs.Slot(("U8",), out["weight"].shape)
+        if any(rel in g for g in LLAMA.fused):
+            out.pop("pre_quant_scale", None)
+            optional.add("pre_quant_scale")
+    return out, optional
+
+
 def _json(path: Path) -> Any:
     try:
         return json.loads(Path(path).read_text())
@@ -237,6 +256,13 @@ def dequantize_hf_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
         raise UserError(FIELD, f"architecture {cfg['architecture']!r} is not read here ({', '.join(GATE_ARCHITECTURES)} only).",
                         "use a checkpoint of: " + ", ".join(GATE_ARCHITECTURES) + ".")
     qinfo = read_hf_quant(d)
+    unread = sorted(a for a in {qinfo["quant_algo"], *(e["quant_algo"] for e in qinfo["layers"].values())}
+                    if FMT.GEMM.get(a) is not None and FMT.GEMM[a].is_quantized and not FMT.GEMM[a].per_layer
+                    and FMT.GEMM[a].codec != "fp8")
+    if unread:
+        raise UserError(FIELD, f"{d} is a unified HF checkpoint in {', '.join(unread)}: the gate reads HF checkpoints in FP8 "
+                        "or unquantized only (how TensorRT-LLM's PyTorch backend fuses the other formats' q/k/v and "
+                        "gate/up is not modelled here).", "gate this format on the engine route (TensorRT-LLM checkpoint).")
     dtype = getattr(torch, str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "bfloat16"))
     st: dict[str, torch.Tensor] = {}
     for f in hf_files(d):
@@ -333,5 +359,5 @@ def hf_checkpoint_bytes(ckpt_dir: Path) -> int:
     return sum(f.stat().st_size for f in hf_files(ckpt_dir))
 
 
-__all__ = ["RUNTIME_FP8_KV_SCALE", "HF_SUFFIX", "KV_SCALE_OF", "QUANT_CFG", "parse_quant_config", "read_hf_quant", "hf_linear_format", "hf_files",
+__all__ = ["RUNTIME_FP8_KV_SCALE", "HF_SUFFIX", "hf_slots", "KV_SCALE_OF", "QUANT_CFG", "parse_quant_config", "read_hf_quant", "hf_linear_format", "hf_files",
            "hf_headers", "module_names", "trt_config", "dequantize_hf_checkpoint", "hf_layer_table", "hf_checkpoint_bytes"]

@@ -18,7 +18,9 @@ silently wrong:
 * ``hf.layout``: per linear the weight and scales its declared format stores (the codecs' layouts,
   ``codecs.Codec.layout``, under the HF names ``hf_unified.HF_SUFFIX``): FP8 weight F8_E4M3 with F32
   ``weight_scale`` and ``input_scale``; NVFP4 U8 packed with F8_E4M3 block ``weight_scale`` and F32
-  ``weight_scale_2``; an excluded linear stored in high precision with no scales.
+  ``weight_scale_2``; W4A16 AWQ U8 ``[out/2, in]`` with F32 group scales and ``pre_quant_scale`` only where
+  the export did not fold it into the norm (``hf_unified.hf_slots``); an excluded linear stored in high precision
+  with no scales.
 * ``hf.kv_scales``: a quantized KV cache has ``k_proj.k_scale`` and ``v_proj.v_scale`` (F32 scalar) in every layer;
   an unquantized one has none.
 * ``hf.scales_finite``: every scale value finite, per-tensor scales > 0, block scales >= 0.
@@ -37,7 +39,7 @@ from typing import Any, Mapping, Optional
 
 from precision_pipeline.checkpoint import codecs
 from precision_pipeline.checkpoint.hf_unified import (HF_SUFFIX, KV_SCALE_OF, QUANT_CFG, hf_headers, hf_linear_format,
-                                                      module_names, parse_quant_config, read_hf_quant)
+                                                      hf_slots, module_names, parse_quant_config, read_hf_quant)
 from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
@@ -214,8 +216,7 @@ def _layouts(linears: dict, q: dict, dims: dict, p: _Found) -> None:
         if codec is None:
             p.add(stem, "hf.layout", f"is declared {algo}, which no codec reads.")
             continue
-        trt_to_hf = {v: k for k, v in HF_SUFFIX.items()}
-        want = {trt_to_hf.get(k, k): slot for k, slot in codec.layout(fmt, *dims[rel], group).items()}
+        want, optional = hf_slots(fmt, rel, codec.layout(fmt, *dims[rel], group))
         w = leaves.get("weight")
         if w is None:
             p.add(f"{stem}.weight", "hf.layout", "is missing.")
@@ -231,7 +232,7 @@ def _layouts(linears: dict, q: dict, dims: dict, p: _Found) -> None:
             elif meta["dtype"] not in slot.dtypes or not slot.fits(meta["shape"]):
                 p.add(f"{stem}.{leaf}", "hf.layout", f"is {meta['dtype']} {meta['shape']}; {algo} stores {slot.text()} "
                       f"for [{dims[rel][0]}, {dims[rel][1]}]" + (f" (group_size {group})" if group else "") + ".")
-        for leaf in sorted(set(leaves) - set(want)):
+        for leaf in sorted(set(leaves) - set(want) - optional):
             p.add(f"{stem}.{leaf}", "hf.layout", f"is not part of {algo}'s layout"
                   + (" (the linear is excluded: stored in high precision, so it has no scales)" if not fmt.is_quantized else "")
                   + ".")
