@@ -6,7 +6,9 @@ PTQ (``modelopt.torch.quantization.quantize``) on the profile's calibration set
 (``precision_pipeline.quantize.calibration``), and writes a TensorRT-LLM checkpoint (``config.json`` +
 ``rank{i}.safetensors``, one per tensor-parallel rank) with
 ``modelopt.torch.export.export_tensorrt_llm_checkpoint(model, decoder, torch.bfloat16, dir,
-inference_tensor_parallel=tp_size)`` (``decoder``: the family's ``export_decoder``, ``spec.families``).
+inference_tensor_parallel=tp_size)`` (``decoder``: the family's ``export_decoder``, ``spec.families``), or, when the
+job's ``export_format`` is ``hf_unified`` (the llm_api route), ModelOpt's unified HF checkpoint
+(``export_hf_unified``: ``modelopt.torch.export.export_hf_checkpoint``; read by ``checkpoint.hf_unified``).
 
 Formats (``quantization.quant_algo`` -> ModelOpt config, ``modelopt/torch/quantization/config.py``;
 the facts are the registry's ``GemmFormat.modelopt_preset`` / ``modelopt_adjust`` / ``grouping``
