@@ -169,6 +169,39 @@ w8a16_checkpoint = _ckpt_fixture("w8a16")        # W8A16, 4 x 32
 w4a8_awq_checkpoint = _ckpt_fixture("w4a8_awq")  # W4A8_AWQ group 64 + FP8 KV, 4 x 32
 fp8_tp3_checkpoint = _ckpt_fixture("fp8_tp3")    # FP8 + FP8 KV, tp_size 3 (same calibration as fp8)
 
+def build_hf_export(name: str, model_dir: Path, root: Path) -> Path:
+    """The unified HF export (``QuantizeJob.export_format == "hf_unified"``) of test checkpoint ``name``, made from
+    the same calibrated quantizers (``restore_modelopt_model``: "max"-calibrated formats only) by
+    ``ptq.export_checkpoint``; cached next to it as ``<folder>/hf``. Returns that folder."""
+    import dataclasses
+    import json
+
+    from precision_pipeline.core.store import atomic_dir, locked
+    from precision_pipeline.quantize.ptq import QuantizedModel, export_checkpoint
+
+    ckpt = build_test_checkpoint(name, model_dir, root)
+    out = ckpt.parent / "hf"
+    with locked(Path(root) / f".{name}-hf.lock", timeout_s=3600):
+        if (ckpt.parent / "hf.done").is_file():
+            return out
+        job = quantize_job(checkpoint_profile(name), model_dir).model_copy(update={"export_format": "hf_unified"})
+        res = json.loads((ckpt.parent / "result.json").read_text())
+        qm = QuantizedModel(model=restore_modelopt_model(ckpt, model_dir), job=job, config_name=res["modelopt_config_name"],
+                            config={}, calibration=None, excluded_hf=[], unmatched=[], calibrate_s=0.0, group_size=job.group_size)
+        with atomic_dir(ckpt.parent / "hf-tmp") as tmp:
+            export_checkpoint(dataclasses.replace(qm), tmp / "hf")
+        (ckpt.parent / "hf-tmp" / "hf").rename(out)
+        (ckpt.parent / "hf-tmp").rmdir()
+        (ckpt.parent / "hf.done").write_text("ok\n")
+    return out
+
+
+@pytest.fixture(scope="session")
+def fp8_hf_checkpoint(default_model_dir, checkpoint_cache_root) -> Path:
+    """The fp8 test checkpoint's quantizers exported as ModelOpt's unified HF checkpoint (``build_hf_export``)."""
+    return build_hf_export("fp8", default_model_dir, checkpoint_cache_root)
+
+
 # OpenMP threads that spin while waiting make torch on a shared, oversubscribed CPU up to ~10x
 # slower (measured: a 20-token calibration forward took 20 s with the default policy and 0.4 s
 # with PASSIVE while other processes were busy). Must be set before torch initialises OpenMP.

@@ -80,3 +80,16 @@ def test_a_calibration_file_edit_changes_the_key_its_path_does_not(key_of, tmp_p
     assert key_of(prof("fp8-h100", calibration__dataset=str(b), calibration__num_samples=2)) == k
     a.write_text('{"text": "one"}\n{"text": "three"}\n')
     assert key_of(prof("fp8-h100", calibration__dataset=str(a), calibration__num_samples=2)) != k
+
+
+def test_the_export_format_is_keyed_and_the_route_sets_it(key_of, monkeypatch):
+    """Issue 28: ``QuantizeJob.export_format`` (the llm_api route's unified HF checkpoint) is keyed: the same profile
+    on the two routes makes two checkpoints; the engine route's job is what it was."""
+    from precision_pipeline.quantize import job as job_mod
+
+    k = key_of(prof("fp8-h100"))
+    real = job_mod.job_of
+    monkeypatch.setattr("precision_pipeline.quantize.stage.job_of",
+                        lambda plan: real(SimpleNamespace(profile=plan.profile, model=plan.model, mapping=plan.mapping,
+                                                          route="llm_api")))
+    assert key_of(prof("fp8-h100")) != k

@@ -97,6 +97,20 @@ def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.mul_(1 / k).to(x.dtype)
 
 
+def requantize_fp8_fused(weights: list[torch.Tensor], scales: list[torch.Tensor],
+                         dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The FP8 parts of one fused GEMM (q/k/v, gate/up) re-quantized to one per-tensor scale, as TensorRT-LLM's
+    PyTorch backend loads a HF checkpoint (``tensorrt_llm/_torch/modules/linear.py``
+    ``FP8QDQLinearMethod.load_weights_fused_qkv_linear`` / ``load_weights_fused_gate_up_linear``): the scale is the
+    max of the parts' ``weight_scale``; each part ``w_fp8.to(dtype) * s_i`` (in the model ``dtype``) is divided by
+    it and cast to FP8 E4M3. ``weights``: float8_e4m3fn ``[out_i, in]``; ``scales``: 0-d float32. Returns the
+    re-quantized float8 parts and the shared scale (0-d float32). Parts that already share the max scale come
+    back unchanged (``x * s / s`` is exact for their values)."""
+    smax = torch.stack([s.reshape(()) for s in scales]).max()
+    out = [((w.to(dtype) * s.reshape(())) / smax).to(torch.float8_e4m3fn) for w, s in zip(weights, scales)]
+    return out, smax
+
+
 def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per-tensor INT8 quantize-dequantize with scale ``s`` (= amax/127):
     ``clamp(round(x/s), -128, 127) * s`` (round half to even).
@@ -400,4 +414,4 @@ def dequantize(t: dict[str, torch.Tensor], prefix: str, fmt: GemmFormat, group_s
 
 __all__ = ["Slot", "SCALAR", "PLAIN_DTYPES", "Codec", "Plain", "Fp8E4M3", "Nvfp4", "Int4Awq", "Int8PerChannel", "CODECS", "FAKE_QUANT", "codec_for", "dequantize",
            "dequant_int4", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4", "unpack_int4_rows", "fake_quant_fp8",
-           "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "FP8_MAX", "INT8_MAX", "INT4_MAX", "NVFP4_SCALE_MAX", "CODE_MAX", "E2M1_VALUES", "QUANTIZED_DTYPES"]
+           "fake_quant_int8", "fake_quant_nvfp4", "requantize_fp8_fused", "round_e2m1", "FP8_MAX", "INT8_MAX", "INT4_MAX", "NVFP4_SCALE_MAX", "CODE_MAX", "E2M1_VALUES", "QUANTIZED_DTYPES"]

@@ -131,6 +131,21 @@ LINEAR_NAMES = tuple(_LINEARS)
 
 
 # --------------------------------------------------------------------------------------------
+# Layout
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+"""ModelOpt's unified HF export writes it at the checkpoint's root (``modelopt/torch/export/unified_export_hf.py``
+``_write_hf_export_config``); a TensorRT-LLM checkpoint has none."""
+
+
+def checkpoint_layout(ckpt_dir: Path) -> str:
+    """``"hf_unified"`` when ``ckpt_dir`` holds ``HF_QUANT_CONFIG`` (ModelOpt's unified HF checkpoint, read by
+    ``checkpoint.hf_unified``), else ``"trtllm_checkpoint"`` (config.json + rank*.safetensors, read here). Every
+    reader of a checkpoint folder dispatches on this."""
+    return "hf_unified" if (Path(ckpt_dir) / HF_QUANT_CONFIG).is_file() else "trtllm_checkpoint"
+
+
+# --------------------------------------------------------------------------------------------
 # Reading
 
 
@@ -696,7 +711,7 @@ def _check_layers(linears: dict[str, LinearSpec], qinfo: dict) -> None:
 
 
 __all__ = [
-    "checkpoint_info", "rank_files", "SCALE_SUFFIXES", "KV_SCALE_NAMES", "is_scale_tensor", "LINEAR_NAMES", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight",
+    "checkpoint_layout", "HF_QUANT_CONFIG", "checkpoint_info", "rank_files", "SCALE_SUFFIXES", "KV_SCALE_NAMES", "is_scale_tensor", "LINEAR_NAMES", "read_config", "read_quant_cfg", "linear_format", "layer_table", "check_declared_formats", "dequantize_checkpoint", "dequantize_weight",
     "LinearSpec", "DequantizedCheckpoint", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4",
     "unpack_int4_rows", "fake_quant_fp8", "fake_quant_int8", "fake_quant_nvfp4", "round_e2m1", "safetensors_header",
 ]

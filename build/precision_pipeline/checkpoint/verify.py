@@ -51,7 +51,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from precision_pipeline.checkpoint import codecs
-from precision_pipeline.checkpoint.reader import (KV_SCALE_NAMES, LINEAR_NAMES, SCALE_SUFFIXES, linear_format,
+from precision_pipeline.checkpoint.hf_verify import verify_hf_checkpoint
+from precision_pipeline.checkpoint.reader import (KV_SCALE_NAMES, LINEAR_NAMES, SCALE_SUFFIXES, checkpoint_layout, linear_format,
                                                   rank_files, read_config, read_quant_cfg, safetensors_header)
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
@@ -191,14 +192,14 @@ def _scale_values(st, name: str, dtype: str) -> tuple[int, int, int, float, floa
 
 
 def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-    """Verify checkpoint ``ckpt_dir`` (module doc). ``expect``: ``{"quant_algo", "kv_cache_quant_algo"}``
-    the plan assumes (None: not compared). Returns ``{"tensors", "scale_tensors", "scale_values",
-    "linears", "files", "scale_bytes" (bytes of scale data read), "seconds", "rules"}``; raises
-    ``UserError`` (exit 2) listing every problem found (field = tensor or file, rule, fix)."""
+    """Verify checkpoint ``ckpt_dir`` (module doc; a unified HF checkpoint by ``hf_verify``'s rules). ``expect``:
+    ``{"quant_algo", "kv_cache_quant_algo"}`` the plan assumes (None: not compared). Returns ``{"tensors",
+    "scale_tensors", "scale_values", "linears", "files", "scale_bytes" (bytes of scale data read), "seconds",
+    "rules"}``; raises ``UserError`` (exit 2) listing every problem found (field = tensor or file, rule, fix)."""
     from safetensors import safe_open
-
-    t0 = time.perf_counter()
-    ckpt = Path(ckpt_dir)
+    if checkpoint_layout(Path(ckpt_dir)) == "hf_unified":  # the LLM-API route's checkpoint (reader.checkpoint_layout)
+        return verify_hf_checkpoint(Path(ckpt_dir), expect)
+    t0, ckpt = time.perf_counter(), Path(ckpt_dir)
     cfg = read_config(ckpt)
     p = _Problems()
     algo, kv = _metadata(ckpt, cfg, expect, p)

@@ -345,6 +345,7 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     (the gate stage's ``record``).
     """
     from precision_pipeline.gate.model import load_checkpoint_model
+    from precision_pipeline.checkpoint.reader import checkpoint_layout
     from precision_pipeline.checkpoint.scales import scale_report
     from precision_pipeline.quantize.ptq import read_quantize_warnings
 
@@ -356,7 +357,8 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
                                       device=options.device)
     load_s = time.perf_counter() - t0
     extra = {**(extra or {}), "checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3),
-             "scales": scale_report(Path(ckpt_dir)), "quantize_warnings": read_quantize_warnings(Path(ckpt_dir))}
+             "scales": scale_report(Path(ckpt_dir)) if checkpoint_layout(Path(ckpt_dir)) == "trtllm_checkpoint" else None,
+             "quantize_warnings": read_quantize_warnings(Path(ckpt_dir))}
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}
     if cfg.get("quantization"):
         extra["checkpoint_quantization"] = cfg["quantization"]

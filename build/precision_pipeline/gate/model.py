@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from precision_pipeline.checkpoint.codecs import FAKE_QUANT, FIELD
-from precision_pipeline.checkpoint.reader import LinearSpec, dequantize_checkpoint
+from precision_pipeline.checkpoint.reader import (DequantizedCheckpoint, LinearSpec, checkpoint_layout,
+                                                  dequantize_checkpoint)
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec import formats as FMT
 from precision_pipeline.spec.families import family, qkv_rows
@@ -239,12 +240,24 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
+def read_dequantized(ckpt_dir: Path) -> DequantizedCheckpoint:
+    """The dequantized checkpoint in either layout (``checkpoint.reader.checkpoint_layout``): a TensorRT-LLM
+    checkpoint (``dequantize_checkpoint``) or ModelOpt's unified HF checkpoint
+    (``checkpoint.hf_unified.dequantize_hf_checkpoint``: fused FP8 groups re-quantized as TensorRT-LLM's PyTorch
+    backend loads them), in the reader's TensorRT-LLM names. Raises UserError as those do."""
+    if checkpoint_layout(ckpt_dir) == "hf_unified":
+        from precision_pipeline.checkpoint.hf_unified import dequantize_hf_checkpoint
+
+        return dequantize_hf_checkpoint(ckpt_dir)
+    return dequantize_checkpoint(ckpt_dir)
+
+
 def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32,
                           device: str = "cpu") -> nn.Module:
-    """An HF ``LlamaForCausalLM`` that computes what the TRT-LLM checkpoint says, on CPU
+    """An HF ``LlamaForCausalLM`` that computes what the checkpoint says, on CPU
     (``device="cuda"``: built on the host, then placed over the visible GPUs, ``place_on_cuda``).
 
-    Architecture from ``hf_model_dir``'s config (checked against the checkpoint's config.json);
+    Either layout (``read_dequantized``). Architecture from ``hf_model_dir``'s config (checked against the checkpoint's config.json);
     every weight from the checkpoint, dequantized to float32 (then ``dtype``). Quantized linears
     become ``QuantLinear`` (input fake-quant per the checkpoint's quant_algo); excluded ones plain
     weights; the KV cache is fake-quantized per kv_cache_quant_algo with the checkpoint's
@@ -255,7 +268,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    ck = dequantize_checkpoint(Path(ckpt_dir))  # refuses an architecture the gate does not read (GATE_ARCHITECTURES)
+    ck = read_dequantized(Path(ckpt_dir))  # refuses an architecture the gate does not read (GATE_ARCHITECTURES)
     cfg = ck.config
     fam = family(str(cfg.get("architecture")))
     hf_cfg = AutoConfig.from_pretrained(str(hf_model_dir))
@@ -354,5 +367,5 @@ def place_on_cuda(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["ATTN_IMPL", "split_qkv", "SharedInputQuant", "QuantLinear", "act_fake_quant", "KV_FAKE_QUANT", "register_attention",
+__all__ = ["read_dequantized", "ATTN_IMPL", "split_qkv", "SharedInputQuant", "QuantLinear", "act_fake_quant", "KV_FAKE_QUANT", "register_attention",
            "load_checkpoint_model", "place_on_cuda"]

@@ -6,7 +6,9 @@ PTQ (``modelopt.torch.quantization.quantize``) on the profile's calibration set
 (``precision_pipeline.quantize.calibration``), and writes a TensorRT-LLM checkpoint (``config.json`` +
 ``rank{i}.safetensors``, one per tensor-parallel rank) with
 ``modelopt.torch.export.export_tensorrt_llm_checkpoint(model, decoder, torch.bfloat16, dir,
-inference_tensor_parallel=tp_size)`` (``decoder``: the family's ``export_decoder``, ``spec.families``).
+inference_tensor_parallel=tp_size)`` (``decoder``: the family's ``export_decoder``, ``spec.families``), or, when the
+job's ``export_format`` is ``hf_unified`` (the llm_api route), ModelOpt's unified HF checkpoint
+(``export_hf_unified``: ``modelopt.torch.export.export_hf_checkpoint``; read by ``checkpoint.hf_unified``).
 
 Formats (``quantization.quant_algo`` -> ModelOpt config, ``modelopt/torch/quantization/config.py``;
 the facts are the registry's ``GemmFormat.modelopt_preset`` / ``modelopt_adjust`` / ``grouping``
@@ -396,7 +398,8 @@ def _search_model(job: QuantizeJob, model_dir: Path, hf_cfg: Any, calib: Calibra
 
 
 def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = True) -> QuantizeResult:
-    """Export ``qm`` as a TensorRT-LLM checkpoint into ``out_dir`` (replaced atomically).
+    """Export ``qm`` as a TensorRT-LLM checkpoint into ``out_dir`` (replaced atomically); with
+    ``job.export_format == "hf_unified"`` as ModelOpt's unified HF checkpoint instead (``export_hf_unified``).
 
     ``export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp,
     inference_tensor_parallel=tp_size)``, then config.json: ``logits_dtype`` = ``build.logits_dtype``;
@@ -407,6 +410,8 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
     job = qm.job
+    if job.export_format == "hf_unified":
+        return export_hf_unified(qm, out_dir, show_progress)
     out_dir = Path(out_dir)
     fam = family(job.architecture)
     excluded_trt = sorted({fam.trtllm_name(n) for n in qm.excluded_hf})
@@ -468,6 +473,75 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
         search={k: v for k, v in qm.search.items() if k != "per_layer_hf"},
         moe_mapping=moe_mapping,
     )
+
+
+HF_EXPORT_DTYPE = "bfloat16"
+"""The dtype of the unquantized tensors (embedding, norms, excluded linears) of an HF export and its config.json
+``dtype``, as the TensorRT-LLM export writes them (``torch.bfloat16``); scales stay F32."""
+
+
+def export_hf_unified(qm: QuantizedModel, out_dir: Path, show_progress: bool = True) -> QuantizeResult:
+    """Export ``qm`` as ModelOpt's unified HF checkpoint into ``out_dir`` (replaced atomically): the same calibrated
+    quantizers as ``export_checkpoint``, written by ``modelopt.torch.export.export_hf_checkpoint`` (config.json with
+    ``quantization_config``, model.safetensors, hf_quant_config.json; ``checkpoint.hf_unified`` reads it). Then:
+    unquantized F32 tensors are cast to ``HF_EXPORT_DTYPE`` and config.json's ``dtype`` says so (ModelOpt keeps
+    the calibration dtype, FP32 here); config.json's ``quantization_config.group_size`` is set to
+    hf_quant_config.json's (ModelOpt's flat inline form leaves it out, which TensorRT-LLM reports as a divergence);
+    every excluded HF linear that ModelOpt's ``exclude_modules`` patterns miss is
+    added to both ``hf_quant_config.json`` ``exclude_modules`` and config.json ``quantization_config.ignore``. Also
+    writes ``calibration.json``. ``export_hf_checkpoint`` replaces the model's weights by their quantized form:
+    ``qm.model`` is spent afterwards. Raises UserError for a format with no HF export
+    (``quantize.job.check_export_format``)."""
+    import fnmatch
+
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from precision_pipeline.checkpoint.hf_unified import HF_SUFFIX, KV_SCALE_OF, hf_files
+    from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG
+    from precision_pipeline.quantize.job import check_export_format
+
+    job = qm.job
+    check_export_format(job.quantization.quant_algo.value, job.export_format)
+    out_dir = Path(out_dir)
+    scale_leaves = set(HF_SUFFIX) | set(KV_SCALE_OF.values())
+    with atomic_dir(out_dir) as tmp:
+        t1 = time.perf_counter()
+        with torch.no_grad(), StageProgress("quantize", enabled=show_progress) as prog, \
+                prog.phase("export the unified HF checkpoint"):
+            export_hf_checkpoint(qm.model, dtype=getattr(torch, HF_EXPORT_DTYPE), export_dir=tmp)
+        for f in hf_files(tmp):
+            st = load_file(str(f))
+            cast = {k: (v.to(getattr(torch, HF_EXPORT_DTYPE)) if v.dtype == torch.float32
+                        and k.rsplit(".", 1)[-1] not in scale_leaves else v) for k, v in st.items()}
+            save_file(cast, str(f), metadata={"format": "pt"})
+        export_s = time.perf_counter() - t1
+        hfq = json.loads((tmp / HF_QUANT_CONFIG).read_text()) if (tmp / HF_QUANT_CONFIG).is_file() else None
+        conf = json.loads((tmp / "config.json").read_text())
+        conf["dtype"] = HF_EXPORT_DTYPE
+        quant = (hfq or {}).get("quantization") or {}
+        if hfq is not None and qm.config is not None:
+            written = list(quant.get("exclude_modules") or [])
+            missing = [n for n in qm.excluded_hf if not any(fnmatch.fnmatchcase(n, p) for p in written)]
+            quant["exclude_modules"] = sorted(set(written) | set(missing))
+            conf["quantization_config"]["ignore"] = list(quant["exclude_modules"])
+            if quant.get("group_size") is not None:  # ModelOpt's flat inline config omits it (NVFP4: config_groups only):
+                conf["quantization_config"]["group_size"] = quant["group_size"]  # the runtime would warn they differ
+            atomic_write_json(tmp / HF_QUANT_CONFIG, hfq)
+        atomic_write_json(tmp / "config.json", conf)
+        if qm.calibration is not None:
+            atomic_write_json(tmp / "calibration.json", qm.calibration.composition)
+        nbytes = sum(f.stat().st_size for f in hf_files(tmp))
+    return QuantizeResult(
+        quant_algo=quant.get("quant_algo") or NO_QUANT,
+        kv_cache_quant_algo=quant.get("kv_cache_quant_algo") or KVCacheQuantAlgo.NONE.value,
+        group_size=quant.get("group_size", qm.group_size), exclude_modules=list(quant.get("exclude_modules") or []),
+        modelopt_config_name=qm.config_name,
+        calibration=qm.calibration.composition if qm.calibration is not None else {},
+        calibrate_s=round(qm.calibrate_s, 3), export_s=round(export_s, 3), checkpoint_bytes=nbytes,
+        tp_size=job.tp_size, out_dir=str(out_dir), unmatched_exclude_patterns=list(qm.unmatched),
+        search={k: v for k, v in qm.search.items() if k != "per_layer_hf"})
 
 
 def run_quantize(job: QuantizeJob, model_dir: Path, out_dir: Path, show_progress: bool = True,
@@ -634,5 +708,5 @@ def read_quantize_warnings(ckpt_dir: Path) -> dict[str, Any] | None:
     return d if isinstance(d, dict) and isinstance(d.get("warnings"), list) else None
 
 
-__all__ = ["QuantizeResult", "QUANTIZE_LOG", "QUANTIZE_WARNINGS", "read_quantize_warnings", "captured_warnings", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "modelopt_config_for", "kv_config_for",
+__all__ = ["QuantizeResult", "QUANTIZE_LOG", "QUANTIZE_WARNINGS", "read_quantize_warnings", "captured_warnings", "QuantizedModel", "run_quantize", "quantize_model", "export_checkpoint", "export_hf_unified", "HF_EXPORT_DTYPE", "modelopt_config_for", "kv_config_for",
            "make_forward_loop", "QuantizeJob"]

@@ -41,7 +41,8 @@ class ReuseInputs(Frozen):
 
 
 class CheckpointArtifact(Artifact):
-    """The exported TensorRT-LLM checkpoint (``<out>/checkpoint``), as read back from its files."""
+    """The exported checkpoint (``<out>/checkpoint``: a TensorRT-LLM checkpoint, or on the llm_api route ModelOpt's
+    unified HF checkpoint, ``checkpoint.reader.checkpoint_layout``), as read back from its files."""
 
     quant_algo: Optional[str]
     kv_cache_quant_algo: Optional[str]
@@ -143,7 +144,7 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
                               compute_dtype=d.compute_dtype(plan.profile.quantization.dtype) if d is not None else "float32")
 
     def run(self, inputs: Union[QuantizeInputs, ReuseInputs], workdir: Path) -> CheckpointArtifact:
-        from precision_pipeline.checkpoint.reader import layer_table
+        from precision_pipeline.checkpoint.reader import checkpoint_layout, layer_table
         from precision_pipeline.core.store import read_json
 
         calibration = None
@@ -156,9 +157,19 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
 
             calibration = ptq.run_quantize(inputs.job, inputs.model.path, workdir, device=inputs.device,
                                            dtype=inputs.compute_dtype).calibration
+        aq = read_json(workdir / "autoquant.json", None)
+        if checkpoint_layout(workdir) == "hf_unified":
+            from precision_pipeline.checkpoint.hf_unified import hf_checkpoint_bytes, hf_layer_table, read_hf_quant
+
+            q = read_hf_quant(workdir)
+            return CheckpointArtifact(
+                reason=reason, quant_algo=q["quant_algo"], kv_cache_quant_algo=q["kv_cache_quant_algo"], logits_dtype=None,
+                checkpoint_bytes=hf_checkpoint_bytes(workdir),
+                calibration=json.loads(json.dumps(calibration, default=str)) if calibration is not None else None,
+                effective_bits=(aq or {}).get("effective_bits_achieved"), per_layer_counts=(aq or {}).get("counts"),
+                layers=hf_layer_table(workdir))
         cfg = json.loads((workdir / "config.json").read_text())
         qz = cfg.get("quantization", {}) or {}
-        aq = read_json(workdir / "autoquant.json", None)
         return CheckpointArtifact(
             reason=reason, quant_algo=qz.get("quant_algo"), kv_cache_quant_algo=qz.get("kv_cache_quant_algo"),
             logits_dtype=cfg.get("logits_dtype"),
