@@ -157,3 +157,33 @@ def test_stand_in_is_named_as_one_and_installs_as_model_py(tmp_path, hf_ckpt):
     assert "load_checkpoint_model" in text and "check_model_yaml" in text and "check_unit_config" in text
     p = U.install_stand_in(repo_dir / u.name)
     assert p == repo_dir / u.name / "1" / "model.py" and p.read_text() == text
+
+
+def test_bls_knows_the_llm_api_prefix():
+    import re
+
+    text = (pack.TEMPLATES_DIR / "tensorrt_llm_bls" / "1" / "model.py").read_text()
+    assert re.search(r'^LLM_API_PREFIX = "([a-z_]+)"', text, re.M).group(1) == U.PREFIX
+
+
+def test_pack_llm_api_repository(tmp_path, hf_ckpt, default_model_dir):
+    from precision_pipeline.serving import release_units
+    from precision_pipeline.spec.profile import load_profile
+    from tests.serving.test_pack import make_plan
+
+    prof = load_profile("fp8-h100")
+    plan = make_plan(prof)
+    out = tmp_path / "out" / "model_repository"
+    rec = U.pack_llm_api_repository(plan, prof, Path(default_model_dir), hf_ckpt, MODEL_YAML, out, "/srv/out",
+                                    version="1.2.1")
+    unit = rec["engine_unit"]
+    assert U.is_llm_api_unit(unit) and rec["route"] == "llm_api" and rec["trtllm_version"] == "1.2.1"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*U.REPO_MODELS, unit, "pack.json"])
+    cfgs = pack.check_repository(out)  # every config parses; the BLS names a model of the repository
+    assert pack.config_params(cfgs["tensorrt_llm_bls"])["tensorrt_llm_model_name"] == unit
+    assert rec["model_yaml"]["model"] == f"/srv/out/model_repository/{unit}/checkpoint"  # the final name, not the staging dir's
+    assert json.loads((out / unit / "precision_path.json").read_text()) == {
+        "model": plan.model.name, "profile": "fp8-h100", "gemm": "FP8", "kv": "FP8", "dtype": plan.profile.quantization.dtype,
+        "unit": unit, "serving_route": "llm_api"}
+    assert release_units.unit_record(out / unit) == rec["unit_files"]  # what a verified install reads
+    assert (out / "preprocessing" / "tokenizer" / "tokenizer.json").is_file()

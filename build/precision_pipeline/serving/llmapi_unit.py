@@ -129,12 +129,13 @@ def write_unit(unit_dir: Path, config_text: str, model_yaml: Mapping[str, Any], 
 
 
 def pack_llm_api_unit(repo_dir: Path, model_yaml: Mapping[str, Any], checkpoint_dir: Path, model_dir: Path,
-                      repo_root: str, path: Mapping[str, str], *, version: str) -> LlmApiUnit:
+                      repo_root: str, path: Mapping[str, str], *, version: str, repo_name: str | None = None) -> LlmApiUnit:
     """Write the LLM-API unit for ``checkpoint_dir`` into the repository being written at ``repo_dir``.
 
     ``model_yaml``: the rendered Triton model.yaml (its ``model`` is replaced by the serving-side path
     ``<repo_root>/<repo_dir name>/<unit>/checkpoint``); ``path``: the precision path (``unit`` and ``route`` are
-    filled in); ``version``: the TensorRT-LLM line the yaml is checked for. The unit is written under
+    filled in); ``version``: the TensorRT-LLM line the yaml is checked for; ``repo_name``: the repository's name in
+    the serving container (default ``repo_dir``'s, which differs while it is staged). The unit is written under
     ``PLACEHOLDER``, keyed, then renamed to ``llm_api_<h12>``. Raises UserError (exit 2) for a relative
     ``repo_root``, a missing checkpoint, or a config/model.yaml the real model refuses."""
     repo_dir, checkpoint_dir = Path(repo_dir), Path(checkpoint_dir)
@@ -146,7 +147,7 @@ def pack_llm_api_unit(repo_dir: Path, model_yaml: Mapping[str, Any], checkpoint_
                         "exports a unified HF checkpoint).")
 
     def render(name: str) -> tuple[str, dict, dict]:
-        yml = unit_model_yaml(model_yaml, pack.serving_path(repo_root, repo_dir.name, name, CHECKPOINT_DIR), version)
+        yml = unit_model_yaml(model_yaml, pack.serving_path(repo_root, repo_name or repo_dir.name, name, CHECKPOINT_DIR), version)
         return render_config(name), yml, {**path, "unit": name, "serving_route": ROUTE}
 
     staged = repo_dir / PLACEHOLDER
@@ -160,6 +161,56 @@ def pack_llm_api_unit(repo_dir: Path, model_yaml: Mapping[str, Any], checkpoint_
     (staged / pack.PRECISION_PATH_FILE).write_text(json.dumps(ppath, indent=2) + "\n")
     os.rename(staged, repo_dir / name)
     return LlmApiUnit(name=name, key=key, unit_files=pack.unit_digests(repo_dir / name), model_yaml=yml)
+
+
+def llm_api_precision_path(plan) -> dict[str, str]:
+    """The precision path of an LLM-API unit (``precision_path.json``; the BLS labels responses and metrics with it):
+    ``model``, ``profile``, ``gemm`` (quant_algo), ``kv`` (kv_cache_quant_algo), ``dtype``. No kernel settings: on this
+    route the runtime chooses them (reference llm-api-route.md "Kernels are the runtime's choice")."""
+    q = plan.profile.quantization
+    return {"model": plan.model.name, "profile": plan.profile.name, "gemm": q.quant_algo.value,
+            "kv": q.kv_cache_quant_algo.value, "dtype": q.dtype}
+
+
+REPO_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+"""The fixed models of an llm_api repository: the BLS (text in, dispatching to the LLM-API unit, or to an engine unit a
+release falls back to, which needs pre/postprocessing). No ensemble: it can only chain token tensors."""
+
+
+def pack_llm_api_repository(plan, profile, model_dir: Path, checkpoint_dir: Path, model_yaml: Mapping[str, Any],
+                            out_dir: Path, repo_root: str, *, version: str, workdir: Path | None = None) -> dict:
+    """The llm_api route's pack: ``out_dir`` (``model_repository/``, atomic replace; ``workdir``: written there for
+    the stage runner to rename) with ``REPO_MODELS`` rendered as for engine builds (``pack.compute_params`` /
+    ``render_all``; the BLS's ``tensorrt_llm_model_name`` = the LLM-API unit), the unit (``pack_llm_api_unit``) and
+    ``pack.json`` ({engine_unit: the unit's name (the key the release machinery reads), unit_key, unit_files,
+    route: llm_api, models, model_yaml, trtllm_version}). Returns pack.json's content. UserError as pack's."""
+    import contextlib
+
+    from precision_pipeline.core.store import atomic_dir, make_readable
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise UserError("model", f"{model_dir} has no tokenizer.json.", "use an HF model folder with a fast tokenizer.")
+    with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(out_dir)) as tmp:
+        u = pack_llm_api_unit(tmp, model_yaml, checkpoint_dir, model_dir, repo_root, llm_api_precision_path(plan),
+                              version=version, repo_name=out_dir.name)
+        params, _ = pack.compute_params(plan, profile, model_dir, u.key, repo_root, out_dir.name, unit=u.name)
+        texts = pack.render_all({m: params[m] for m in REPO_MODELS})
+        for m in REPO_MODELS:
+            (tmp / m / "1").mkdir(parents=True)
+            for src in (pack.TEMPLATES_DIR / m / "1").glob("*.py"):
+                shutil.copy2(src, tmp / m / "1" / src.name)
+            (tmp / m / "config.pbtxt").write_text(texts[m])
+        (tmp / "preprocessing" / "tokenizer").mkdir()
+        for name in pack.TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / "preprocessing" / "tokenizer" / name)
+        record = {"engine_unit": u.name, "unit_key": u.key, "unit_files": u.unit_files, "route": ROUTE,
+                  "models": sorted([*REPO_MODELS, u.name]), "model_yaml": u.model_yaml, "trtllm_version": version,
+                  "out_dir": str(out_dir)}
+        (tmp / pack.PACK_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        make_readable(tmp)
+    return record
 
 
 def install_stand_in(unit_dir: Path) -> Path:
