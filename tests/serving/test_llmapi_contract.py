@@ -174,7 +174,7 @@ def test_pack_llm_api_repository(tmp_path, hf_ckpt, default_model_dir):
     prof = load_profile("fp8-h100")
     plan = make_plan(prof)
     out = tmp_path / "out" / "model_repository"
-    rec = U.pack_llm_api_repository(plan, prof, Path(default_model_dir), hf_ckpt, MODEL_YAML, out, "/srv/out",
+    rec = U.pack_llm_api_repository(plan, Path(default_model_dir), hf_ckpt, MODEL_YAML, out, "/srv/out",
                                     version="1.2.1")
     unit = rec["engine_unit"]
     assert U.is_llm_api_unit(unit) and rec["route"] == "llm_api" and rec["trtllm_version"] == "1.2.1"

@@ -177,13 +177,14 @@ REPO_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 release falls back to, which needs pre/postprocessing). No ensemble: it can only chain token tensors."""
 
 
-def pack_llm_api_repository(plan, profile, model_dir: Path, checkpoint_dir: Path, model_yaml: Mapping[str, Any],
+def pack_llm_api_repository(plan, model_dir: Path, checkpoint_dir: Path, model_yaml: Mapping[str, Any],
                             out_dir: Path, repo_root: str, *, version: str, workdir: Path | None = None) -> dict:
     """The llm_api route's pack: ``out_dir`` (``model_repository/``, atomic replace; ``workdir``: written there for
     the stage runner to rename) with ``REPO_MODELS`` rendered as for engine builds (``pack.compute_params`` /
     ``render_all``; the BLS's ``tensorrt_llm_model_name`` = the LLM-API unit), the unit (``pack_llm_api_unit``) and
     ``pack.json`` ({engine_unit: the unit's name (the key the release machinery reads), unit_key, unit_files,
-    route: llm_api, models, model_yaml, trtllm_version}). Returns pack.json's content. UserError as pack's."""
+    route: llm_api, models, model_yaml, trtllm_version}). The profile is the plan's. Returns pack.json's content.
+    UserError as pack's."""
     import contextlib
 
     from precision_pipeline.core.store import atomic_dir, make_readable
@@ -194,7 +195,7 @@ def pack_llm_api_repository(plan, profile, model_dir: Path, checkpoint_dir: Path
     with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(out_dir)) as tmp:
         u = pack_llm_api_unit(tmp, model_yaml, checkpoint_dir, model_dir, repo_root, llm_api_precision_path(plan),
                               version=version, repo_name=out_dir.name)
-        params, _ = pack.compute_params(plan, profile, model_dir, u.key, repo_root, out_dir.name, unit=u.name)
+        params, _ = pack.compute_params(plan, plan.profile, model_dir, u.key, repo_root, out_dir.name, unit=u.name)
         texts = pack.render_all({m: params[m] for m in REPO_MODELS})
         for m in REPO_MODELS:
             (tmp / m / "1").mkdir(parents=True)
