@@ -187,3 +187,42 @@ def test_pack_llm_api_repository(tmp_path, hf_ckpt, default_model_dir):
         "unit": unit, "serving_route": "llm_api"}
     assert release_units.unit_record(out / unit) == rec["unit_files"]  # what a verified install reads
     assert (out / "preprocessing" / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_install_and_verify_treat_an_llm_api_unit_as_an_engine_unit(tmp_path, hf_ckpt, default_model_dir):
+    """release_units.install_unit: a verified copy; the one rewrite is 1/model.yaml's model (the served checkpoint);
+    the record verify_kept checks holds the installed model.yaml; a re-install of the same unit changes nothing;
+    a damaged kept file or a build edited after its pack is refused."""
+    from precision_pipeline.serving import release_units
+    from precision_pipeline.spec.profile import load_profile
+    from tests.serving.test_pack import make_plan
+
+    prof = load_profile("fp8-h100")
+    build = tmp_path / "build" / "model_repository"
+    rec = U.pack_llm_api_repository(make_plan(prof), Path(default_model_dir), hf_ckpt, MODEL_YAML, build, "/srv/b",
+                                    version="1.2.1")
+    serving = tmp_path / "serving" / "model_repository"
+    serving.mkdir(parents=True)
+    state: dict = {}
+    name = release_units.install_unit(serving, build, record=state)
+    assert name == rec["engine_unit"]
+    dst = serving / name
+    yml = yaml.safe_load((dst / "1" / "model.yaml").read_text())
+    assert yml == {**MODEL_YAML, "model": f"{tmp_path.resolve()}/serving/model_repository/{name}/checkpoint"}
+    files = state["unit_files"][name]
+    assert sorted(files) == sorted(rec["unit_files"])
+    assert files["1/model.yaml"] == [(dst / "1/model.yaml").stat().st_size, hash_file(dst / "1/model.yaml")]
+    assert files["1/model.yaml"] != rec["unit_files"]["1/model.yaml"]  # the rewritten file's row
+    assert {k: v for k, v in files.items() if k != "1/model.yaml"} == {
+        k: v for k, v in rec["unit_files"].items() if k != "1/model.yaml"}
+    inode = (dst / "checkpoint" / "model.safetensors").stat().st_ino
+    assert inode != (build / name / "checkpoint" / "model.safetensors").stat().st_ino  # a copy, never a link
+    assert release_units.install_unit(serving, build, record=state) == name  # the same unit: kept as it is
+    assert (dst / "checkpoint" / "model.safetensors").stat().st_ino == inode
+    assert release_units.verify_kept(serving, name, state, "rollback", "x") is True
+    (dst / "checkpoint" / "model.safetensors").write_bytes(b"\1" * 1000)
+    with pytest.raises(UserError, match="checkpoint/model.safetensors has the recorded size"):
+        release_units.verify_kept(serving, name, state, "rollback", "x")
+    (build / name / "1" / "model.yaml").write_text("model: x\n")  # the build edited after its pack
+    with pytest.raises(UserError, match="1/model.yaml: is 9 bytes, but pack recorded"):  # as for engine units
+        release_units.install_unit(tmp_path / "serving" / "model_repository", build, protect=())

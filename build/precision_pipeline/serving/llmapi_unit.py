@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
-from precision_pipeline.core.store import hash_obj
+from precision_pipeline.core.store import hash_file, hash_obj
 from precision_pipeline.serving import llmapi_contract as contract
 from precision_pipeline.serving import pack, templates
 
@@ -161,6 +161,25 @@ def pack_llm_api_unit(repo_dir: Path, model_yaml: Mapping[str, Any], checkpoint_
     (staged / pack.PRECISION_PATH_FILE).write_text(json.dumps(ppath, indent=2) + "\n")
     os.rename(staged, repo_dir / name)
     return LlmApiUnit(name=name, key=key, unit_files=pack.unit_digests(repo_dir / name), model_yaml=yml)
+
+
+MODEL_YAML_FILE = f"1/{contract.MODEL_YAML}"
+
+
+def installed_model_yaml(unit_src: Path, files: Mapping[str, list], model_path: str) -> str:
+    """The text of an LLM-API unit's ``1/model.yaml`` as installed in a serving repository: the build's (its size and
+    sha256 as ``files`` records, else UserError) with ``model`` = ``model_path`` (the unit's ``checkpoint/`` there).
+    The one rewrite an install makes to such a unit (an engine unit's is ``gpt_model_path``)."""
+    import yaml
+
+    src = Path(unit_src) / MODEL_YAML_FILE
+    row = files.get(MODEL_YAML_FILE)
+    if row is None or not src.is_file() or src.stat().st_size != row[0] or hash_file(src) != row[1]:
+        raise UserError(str(src), "is not the model.yaml pack recorded (missing, truncated or edited after the pack).",
+                        "rebuild the output (`invoke build --profile P --out OUT`), then promote it again.")
+    d = yaml.safe_load(src.read_text())
+    d["model"] = model_path
+    return dump_yaml(d)
 
 
 def llm_api_precision_path(plan) -> dict[str, str]:
