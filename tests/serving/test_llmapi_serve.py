@@ -100,6 +100,11 @@ def test_text_in_text_out_equals_the_checkpoints_greedy_output(server, units, re
     assert r.as_numpy("finish_reason").tolist() in ([b"length"], [b"stop"])
     r = _ask(server, unit, sampling_param_exclude_input_from_output=("BOOL", np.array([True])))
     assert r.as_numpy("text_output").tolist() == [reference.encode()]
+    # as the real model sends it (str of the value, BYTES, though config.pbtxt says TYPE_FP32; Triton 2.51 lets it pass)
+    r = _ask(server, unit, return_cumulative_logprob=("BOOL", np.array([True])))
+    (c,) = r.as_numpy("cumulative_logprob").tolist()
+    assert isinstance(c, bytes) and float(c.decode()) < 0
+    assert [o["datatype"] for o in r.get_response()["outputs"] if o["name"] == "cumulative_logprob"] == ["BYTES"]
     cfg = server.model_config(unit)
     assert cfg["max_batch_size"] == 0 and cfg["model_transaction_policy"]["decoupled"] is False  # from model.yaml
 

@@ -48,6 +48,9 @@ Facts (each one is asserted by tests/serving/test_llmapi_contract.py):
    ``get_sampling_params_from_request``: best_of, temperature, top_k, top_p, frequency_penalty,
    presence_penalty, max_tokens, seed, exclude_input_from_output, return_perf_metrics; ``stop`` a list).
    ``exclude_input_from_output`` defaults to False (HELPERS), so by default text_output holds the prompt too.
+   ``finish_reason`` / ``stop_reason`` / ``cumulative_logprob`` are sent as ``str()`` of the value in an object array
+   (MODEL_PY ``_create_response``), i.e. BYTES even where CONFIG declares TYPE_FP32 (Triton 2.51's python backend lets
+   the mismatch through: tests/serving/test_llmapi_serve.py).
 8. In NVIDIA's Triton TensorRT-LLM image the files live at ``/app/all_models/llmapi/tensorrt_llm/1/``
    (DOCKERFILE lines 172, 174); ``model.py`` imports ``helpers`` from its own folder (MODEL_PY
    ``from helpers import ...``), so both files must sit in the unit's ``1/``.

@@ -14,7 +14,9 @@ What it does like the real model (facts: build/precision_pipeline/serving/llmapi
 * requests: ``text_input`` (1-D, the prompt is element 0) -> ``text_output`` [1] STRING = prompt + generated text
   (``sampling_param_exclude_input_from_output`` false, the real default) or the generated text only;
   ``sampling_param_max_tokens`` (default 32: TensorRT-LLM ``SamplingParams.max_tokens``'s default, unverified);
-  ``return_finish_reason`` / ``return_cumulative_logprob`` add ``finish_reason`` / ``cumulative_logprob``;
+  ``return_finish_reason`` / ``return_cumulative_logprob`` add ``finish_reason`` / ``cumulative_logprob``, both as
+  the real model sends them: ``str()`` of the value in an object (BYTES) array (MODEL_PY ``_create_response``), though
+  config.pbtxt declares cumulative_logprob TYPE_FP32;
   ``streaming`` true on a non-decoupled model: the real model's error ("Streaming is only supported in decoupled
   mode.").
 
@@ -187,8 +189,8 @@ class TritonPythonModel:
         tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]
         if r["finish"]:
             tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=object)))
-        if r["cum"]:
-            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([cum], dtype=np.float32)))
+        if r["cum"]:  # as the real model sends it: str() of the value in an object array, whatever config.pbtxt says
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([str(cum).encode()], dtype=object)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def execute(self, requests):

@@ -327,7 +327,8 @@ class TritonPythonModel:
                 pb_utils.Tensor("sampling_param_exclude_input_from_output", np.array([True])),
                 pb_utils.Tensor("return_cumulative_logprob", np.array([True]))], ["text_output", "cumulative_logprob"], trace)
             out.append([np.asarray(r["text_output"], dtype=object).reshape(-1)[0]])
-            cum.append([float(np.asarray(r["cumulative_logprob"]).reshape(-1)[0])])
+            c = np.asarray(r["cumulative_logprob"]).reshape(-1)[0]  # the real model sends str(value) as BYTES
+            cum.append([float(c.decode() if isinstance(c, bytes) else c)])
         return [pb_utils.Tensor("text_output", np.array(out, dtype=object)),
                 pb_utils.Tensor("cum_log_probs", np.array(cum, dtype=np.float32))]
 
