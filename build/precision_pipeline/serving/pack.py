@@ -498,15 +498,15 @@ def precision_path(plan: ResolvedPlan, engine_hash: str, unit: str | None = None
     ``model`` (the served model's name), ``profile``, ``unit``, ``engine_hash``, ``gemm`` (checkpoint ``quant_algo``), ``kv`` (generation-phase
     ``kv_cache_quant_algo``), ``context_fmha`` (context-phase attention: ``fp8`` when
     ``use_fp8_context_fmha``, else the model dtype, ``off`` without ``context_fmha``; ``+paged`` with
-    ``use_paged_context_fmha``), ``logits_dtype`` (``--logits_dtype``), ``dtype`` (unquantized tensors).
-    Values are the plan's *effective* settings (after trtllm-build's own overrides, resolve/rules.py)."""
+    ``use_paged_context_fmha``), ``logits_dtype`` (``--logits_dtype``), ``dtype`` (unquantized tensors),
+    ``serving_route`` (``engine``; an LLM-API unit's says ``llm_api``, serving/llmapi_unit.py). Values are the plan's *effective* settings (after trtllm-build's own overrides, resolve/rules.py)."""
     q, e = plan.profile.quantization, plan.effective
     fmha = "off" if not e.context_fmha else ("fp8" if e.use_fp8_context_fmha else q.dtype)
     if e.context_fmha and e.use_paged_context_fmha:
         fmha += "+paged"
     return {"model": plan.model.name, "profile": plan.profile.name, "unit": unit or unit_name(engine_hash), "engine_hash": engine_hash,
             "gemm": q.quant_algo.value, "kv": q.kv_cache_quant_algo.value, "context_fmha": fmha,
-            "logits_dtype": e.logits_dtype, "dtype": q.dtype}
+            "logits_dtype": e.logits_dtype, "dtype": q.dtype, "serving_route": "engine"}
 
 
 def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,

@@ -10,17 +10,29 @@ from typing import Iterable
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import hash_file, read_json
-from precision_pipeline.serving import pack
+from precision_pipeline.serving import llmapi_unit, pack
 from precision_pipeline.serving.release_configs import load_config, set_params
 from precision_pipeline.serving.release_state import crash_point
 
 
+def is_any_unit(name: str) -> bool:
+    """An engine unit (``tensorrt_llm_<h12>``) or an LLM-API unit (``llm_api_<h12>``, serving/llmapi_unit.py)."""
+    return pack.is_unit(name) or llmapi_unit.is_llm_api_unit(name)
+
+
+def served_path(root: str, repo_dir: Path, name: str) -> str:
+    """Where a unit's payload is in the serving container: an engine unit's ``engine/`` (its config's
+    gpt_model_path), an LLM-API unit's ``checkpoint/`` (its 1/model.yaml ``model``)."""
+    sub = llmapi_unit.CHECKPOINT_DIR if llmapi_unit.is_llm_api_unit(name) else "engine"
+    return pack.serving_path(root, Path(repo_dir).name, name, sub)
+
+
 def resolve_unit_source(engine_unit: Path) -> Path:
-    """A unit directory, or a packed repository holding exactly one unit."""
+    """A unit directory (engine or LLM-API unit), or a packed repository holding exactly one unit."""
     p = Path(engine_unit)
-    if pack.is_unit(p.name) and (p / "config.pbtxt").is_file():
+    if is_any_unit(p.name) and (p / "config.pbtxt").is_file():
         return p
-    units = [q for q in p.iterdir() if pack.is_unit(q.name)] if p.is_dir() else []
+    units = [q for q in p.iterdir() if is_any_unit(q.name)] if p.is_dir() else []
     if len(units) != 1:
         raise UserError("engine_unit", f"{p} is neither an engine unit (tensorrt_llm_<h12>/) nor a packed repository with one unit.",
                         "pass <build output>/model_repository or its tensorrt_llm_<h12> directory.")
@@ -60,10 +72,11 @@ def file_differs(path: Path, row: list) -> str | None:
 
 
 def installed_record(dst: Path, files: dict[str, list]) -> dict[str, list]:
-    """The record of an installed unit ``dst``: the build's ``files`` (verified at the copy) with config.pbtxt's
-    row replaced by the installed config's (its gpt_model_path rewritten). Reads only config.pbtxt."""
-    cfg = dst / "config.pbtxt"
-    return {**files, "config.pbtxt": [cfg.stat().st_size, hash_file(cfg)]}
+    """The record of an installed unit ``dst``: the build's ``files`` (verified at the copy) with the rewritten file's
+    row replaced by the installed one's (config.pbtxt: gpt_model_path; an LLM-API unit's 1/model.yaml: model).
+    Reads only that file."""
+    rel = llmapi_unit.MODEL_YAML_FILE if llmapi_unit.is_llm_api_unit(Path(dst).name) else "config.pbtxt"
+    return {**files, rel: [(dst / rel).stat().st_size, hash_file(dst / rel)]}
 
 
 def verify_kept(repo_dir: Path, unit: str, state: dict, field: str, serving: str) -> bool:
@@ -107,7 +120,10 @@ def copy_unit(unit_src: Path, dst: Path, files: dict[str, list], gpt_model_path:
             raise _mismatch(unit_src, rel, row, q.stat().st_size)
     (dst / "1").mkdir(parents=True, exist_ok=True)
     cfg = dst / "config.pbtxt"
-    set_params(cfg, {"gpt_model_path": gpt_model_path})
+    if llmapi_unit.is_llm_api_unit(unit_src.name):  # gpt_model_path: the unit's served path (``served_path``)
+        (dst / llmapi_unit.MODEL_YAML_FILE).write_text(llmapi_unit.installed_model_yaml(unit_src, files, gpt_model_path))
+    else:
+        set_params(cfg, {"gpt_model_path": gpt_model_path})
     pack.parse_model_config(cfg.read_text(), str(cfg))
 
 
@@ -127,12 +143,18 @@ def unit_differs(dst: Path, unit_src: Path, files: dict[str, list], gpt_model_pa
     """Why the installed unit ``dst`` is not the build's unit ``unit_src`` (``files``: its pack record), or None:
     every recorded file with its size and sha256 (read in full), and the config as installed (parsed: the
     install rewrote gpt_model_path)."""
+    llm_api = llmapi_unit.is_llm_api_unit(unit_src.name)
+    rewritten = llmapi_unit.MODEL_YAML_FILE if llm_api else "config.pbtxt"
     for rel, row in sorted(files.items()):
-        if rel == "config.pbtxt":
+        if rel == rewritten:
             continue
         why = file_differs(dst / rel, row)
         if why:
             return f"{rel} {why}"
+    if llm_api:
+        want_yaml = llmapi_unit.installed_model_yaml(unit_src, files, gpt_model_path)
+        got = dst / llmapi_unit.MODEL_YAML_FILE
+        return None if got.is_file() and got.read_text() == want_yaml else "its 1/model.yaml differs from the build's"
     want = _installed_config(unit_src, files, gpt_model_path)
     try:
         got = load_config(dst / "config.pbtxt")
@@ -159,7 +181,7 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
     files = unit_record(unit_src)
     dst = repo_dir / name
     root = serve_root or str(repo_dir.resolve().parent)
-    gpt = pack.serving_path(root, repo_dir.name, name, "engine")
+    gpt = served_path(root, repo_dir, name)
     if dst.is_dir():
         why = unit_differs(dst, unit_src, files, gpt)
         if why is None:

@@ -321,6 +321,7 @@ class Deployment(_Strict):
     canary_pause_s: int = Field(300, ge=0, le=86400, description="Seconds each canary step holds before it widens.")
     gpus_per_node: Optional[int] = Field(None, ge=1, le=64, description="GPUs one node has; when tp_size x pp_size exceeds it, "
                                          "the engine runs as a multi-node LeaderWorkerSet.")
+    server: Literal["triton", "trtllm-serve"] = Field("triton", description="What serves the build: Triton (both routes) or trtllm-serve (llm_api route; serving/trtllm_serve.py).")
     otlp_endpoint: Optional[str] = Field(
         None, description="OTLP/HTTP receiver (an OpenTelemetry collector), e.g. http://otel-collector:4318: the BLS sends one "
         "span per request and Triton its own traces to <endpoint>/v1/traces. None: no traces.")

@@ -13,6 +13,18 @@ the stable unit. Non-streaming:
 one response per request (in decoupled mode it is sent through the response sender with the FINAL flag;
 ``stream`` = true is refused, this BLS does not stream).
 
+Two kinds of unit (issue 28): an **engine unit** (``tensorrt_llm_<h12>``, the engine route) gets token tensors
+(preprocessing -> unit -> postprocessing); an **LLM-API unit** (``llm_api_<h12>``, the llm_api route; TensorRT-LLM's
+Triton LLM-API model, build/precision_pipeline/serving/llmapi_contract.py) gets text: one call per row with
+``text_input`` [1] (the row's text, as given: that model applies no chat template), ``sampling_param_max_tokens``,
+``sampling_param_exclude_input_from_output`` true (as engine units exclude the prompt) and
+``return_cumulative_logprob`` true; its ``text_output`` and ``cumulative_logprob`` become this model's
+``text_output`` and ``cum_log_probs``. The LLM-API model returns no per-token log probs (no ``output_log_probs``
+in such a response) and no token counts (the tokens counter is not incremented for it). route.json may name
+either kind as stable or canary, so a release of one route falls back to / rolls out over a release of the other;
+the unit's ``precision_path.json`` carries ``serving_route`` (``engine`` when absent, ``llm_api``), and every
+response's ``precision_path`` says which unit and which route served it.
+
 Precision path (observability): each engine unit carries ``precision_path.json`` (written by
 serving/pack.py ``precision_path``: profile, unit, engine_hash, gemm, kv, context_fmha, logits_dtype,
 dtype). Every response carries that path of the unit that served it in the output
@@ -60,6 +72,7 @@ import triton_python_backend_utils as pb_utils
 
 METRIC_LABELS = ("profile", "engine_unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route")
 PATH_FILE = "precision_path.json"
+LLM_API_PREFIX = "llm_api_"  # = serving/llmapi_unit.py PREFIX (a test checks)
 SPAN_SCOPE = "precision_pipeline.tensorrt_llm_bls"
 SERVICE_NAME = "precision-pipeline"  # = serving/triton_server.py TRACE_SERVICE_NAME (Triton's own spans; a test checks)
 
@@ -172,6 +185,7 @@ class TritonPythonModel:
             except (OSError, ValueError, AttributeError):
                 p = {}
             p["unit"] = unit
+            p.setdefault("serving_route", "llm_api" if unit.startswith(LLM_API_PREFIX) else "engine")
             self.paths[unit] = p
         return p
 
@@ -271,6 +285,55 @@ class TritonPythonModel:
         trace = request.trace() if span is not None else None
         if span is not None:
             span.set_attribute(self.gen_ai.GEN_AI_REQUEST_MAX_TOKENS, int(np.asarray(opt("max_tokens")).reshape(-1)[0]))
+        unit = self._route()
+        self._gauges()
+        route = "canary" if unit == self.canary and unit != self.trt_name else (
+            "fallback" if unit == self.fallback else "stable")
+        labels = self._labels(unit, route)
+        served = {**self._path(unit), "route": route}  # one dict: the precision_path output and the span's attributes
+        if span is not None:
+            span.set_attributes(span_attributes(served, self.gen_ai))
+            if served.get("model"):
+                span.update_name(f"{self.operation} {served['model']}")  # GenAI span name: "{operation} {model}"
+        try:
+            if unit.startswith(LLM_API_PREFIX):
+                tensors, counts = self._llm_api(unit, opt, trace), None
+            else:
+                tensors, counts = self._engine(unit, opt, trace)
+        except Exception:
+            self._metric(self.f_fail, labels).increment(1)
+            raise
+        self._metric(self.f_req, labels).increment(1)
+        if counts is not None:
+            n_in, n_out = counts
+            self._metric(self.f_tok, {**labels, "kind": "input"}).increment(n_in)
+            self._metric(self.f_tok, {**labels, "kind": "output"}).increment(n_out)
+            if span is not None:
+                span.set_attributes({self.gen_ai.GEN_AI_USAGE_INPUT_TOKENS: n_in, self.gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS: n_out})
+        path = json.dumps(served, sort_keys=True).encode()
+        batch = int(np.asarray(tensors[0].as_numpy()).shape[0])
+        return pb_utils.InferenceResponse(output_tensors=[
+            *tensors, pb_utils.Tensor("precision_path", np.array([[path]] * batch, dtype=object))])
+
+    def _llm_api(self, unit, opt, trace):
+        """Text in / text out through an LLM-API unit, one call per row (that model takes one 1-D prompt)."""
+        texts = np.asarray(opt("text_input"), dtype=object).reshape(-1)
+        max_tokens = np.asarray(opt("max_tokens")).reshape(-1)
+        out, cum = [], []
+        for i, text in enumerate(texts):
+            r = self._call(unit, [
+                pb_utils.Tensor("text_input", np.array([text], dtype=object)),
+                pb_utils.Tensor("sampling_param_max_tokens", np.array([int(max_tokens[min(i, len(max_tokens) - 1)])], np.int32)),
+                pb_utils.Tensor("sampling_param_exclude_input_from_output", np.array([True])),
+                pb_utils.Tensor("return_cumulative_logprob", np.array([True]))], ["text_output", "cumulative_logprob"], trace)
+            out.append([np.asarray(r["text_output"], dtype=object).reshape(-1)[0]])
+            c = np.asarray(r["cumulative_logprob"]).reshape(-1)[0]  # the real model sends str(value) as BYTES
+            cum.append([float(c.decode() if isinstance(c, bytes) else c)])
+        return [pb_utils.Tensor("text_output", np.array(out, dtype=object)),
+                pb_utils.Tensor("cum_log_probs", np.array(cum, dtype=np.float32))]
+
+    def _engine(self, unit, opt, trace):
+        """preprocessing -> engine unit -> postprocessing: (output tensors, (prompt tokens, generated tokens))."""
         pre_in = [pb_utils.Tensor("QUERY", opt("text_input")),
                   pb_utils.Tensor("REQUEST_OUTPUT_LEN", opt("max_tokens").astype(np.int32))]
         for src, dst in (("bad_words", "BAD_WORDS_DICT"), ("stop_words", "STOP_WORDS_DICT"), ("end_id", "END_ID"), ("pad_id", "PAD_ID")):
@@ -290,37 +353,13 @@ class TritonPythonModel:
             v = opt(name)
             if v is not None:
                 trt_in.append(pb_utils.Tensor(name, v))
-        unit = self._route()
-        self._gauges()
-        route = "canary" if unit == self.canary and unit != self.trt_name else (
-            "fallback" if unit == self.fallback else "stable")
-        labels = self._labels(unit, route)
-        served = {**self._path(unit), "route": route}  # one dict: the precision_path output and the span's attributes
-        if span is not None:
-            span.set_attributes(span_attributes(served, self.gen_ai))
-            if served.get("model"):
-                span.update_name(f"{self.operation} {served['model']}")  # GenAI span name: "{operation} {model}"
-        try:
-            trt = self._call(unit, trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"], trace)
-            post = self._call("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", trt["output_ids"]),
-                                                 pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"], trace)
-        except Exception:
-            self._metric(self.f_fail, labels).increment(1)
-            raise
-        n_in, n_out = self._token_counts(pre["INPUT_ID"], pre["REQUEST_INPUT_LEN"], trt["output_ids"], trt["sequence_length"])
-        self._metric(self.f_req, labels).increment(1)
-        self._metric(self.f_tok, {**labels, "kind": "input"}).increment(n_in)
-        self._metric(self.f_tok, {**labels, "kind": "output"}).increment(n_out)
-        if span is not None:
-            span.set_attributes({self.gen_ai.GEN_AI_USAGE_INPUT_TOKENS: n_in, self.gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS: n_out})
-        path = json.dumps(served, sort_keys=True).encode()
-        batch = int(np.asarray(post["OUTPUT"]).shape[0])
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", post["OUTPUT"]),
-            pb_utils.Tensor("cum_log_probs", trt["cum_log_probs"]),
-            pb_utils.Tensor("output_log_probs", trt["output_log_probs"]),
-            pb_utils.Tensor("precision_path", np.array([[path]] * batch, dtype=object)),
-        ])
+        trt = self._call(unit, trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"], trace)
+        post = self._call("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", trt["output_ids"]),
+                                             pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"], trace)
+        counts = self._token_counts(pre["INPUT_ID"], pre["REQUEST_INPUT_LEN"], trt["output_ids"], trt["sequence_length"])
+        return [pb_utils.Tensor("text_output", post["OUTPUT"]),
+                pb_utils.Tensor("cum_log_probs", trt["cum_log_probs"]),
+                pb_utils.Tensor("output_log_probs", trt["output_log_probs"])], counts
 
     def execute(self, requests):
         responses = []

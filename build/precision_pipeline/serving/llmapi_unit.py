@@ -1,0 +1,252 @@
+"""The **LLM-API unit** of the versioned Triton repository: one Triton model per HF checkpoint served through
+TensorRT-LLM's LLM API (the llm_api route), beside the engine units (``tensorrt_llm_<h12>``, serving/pack.py).
+
+Layout (``llm_api_<h12>/``; the consumer's facts: serving/llmapi_contract.py)::
+
+    config.pbtxt          backend "python", text in / text out (triton_repo/all_models/llmapi/tensorrt_llm/config.pbtxt,
+                          name filled in); no max_batch_size / transaction policy (model.yaml owns them)
+    1/model.yaml          the LLM-API model's YAML: ``model`` = the serving-side path of ``checkpoint/``, ``backend:
+                          pytorch``, ``triton_config {max_batch_size: 0, decoupled}``, the LLM arguments
+    checkpoint/           the HF (unified) checkpoint: hard links of the build's ``checkpoint/``
+    cpu_reference.json    read only by the CPU stand-in: the HF model folder (tokenizer, architecture), the
+                          TensorRT-LLM line model.yaml was checked for, and the project root (for ``precision_pipeline.gate.model.load_checkpoint_model``)
+    precision_path.json   the precision path this unit serves (as engine units: the BLS labels responses with it)
+
+``1/model.py`` (and ``1/helpers.py``) are **not** part of the unit (not in ``unit_files``, not in the content key):
+they are the server's code, put there where the unit is served (``SERVING_SIDE_FILES``):
+
+* on NVIDIA's Triton TensorRT-LLM image (``trtllm-python-py3``, TensorRT-LLM 1.2.1): copied from the image's own
+  ``/app/all_models/llmapi/tensorrt_llm/1/`` (llmapi_contract.IMAGE_MODEL_DIR) by ``image_copy_command`` -- the
+  Deployment's init step -- so the model that serves is NVIDIA's, of the image's TensorRT-LLM version, and no
+  NVIDIA code is copied into this repository;
+* on this machine: ``install_stand_in`` copies the CPU stand-in ``triton_repo/backends/llmapi_cpu_reference/model.py``
+  (NOT TensorRT-LLM: greedy decoding of the real model dequantized from the checkpoint, refusing what the real
+  model refuses) as ``1/model.py``.
+
+The unit's name is ``llm_api_`` + 12 hex digits of its **content key**: sha256 over every file of the unit written
+under the placeholder name ``PLACEHOLDER`` (so model.yaml's ``model`` path, which contains the name, is keyed as the
+placeholder's). A serving repository gets verified copies, as for engine units.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
+from precision_pipeline.core.store import hash_file, hash_obj
+from precision_pipeline.serving import llmapi_contract as contract
+from precision_pipeline.serving import pack, templates
+
+PREFIX = "llm_api_"
+PLACEHOLDER = f"{PREFIX}000000000000"
+TEMPLATE = REPO_ROOT / "triton_repo" / "all_models" / "llmapi" / "tensorrt_llm" / "config.pbtxt"
+STAND_IN = REPO_ROOT / "triton_repo" / "backends" / "llmapi_cpu_reference" / "model.py"
+CHECKPOINT_DIR = "checkpoint"
+SERVING_SIDE_FILES = tuple(f"1/{n}" for n in contract.IMAGE_MODEL_FILES)
+"""Files of ``1/`` the serving side provides (never recorded in ``unit_files``)."""
+ROUTE = "llm_api"
+
+
+def unit_name(key: str) -> str:
+    """Triton model name of an LLM-API unit: ``llm_api_`` + the first 12 hex digits of its content key."""
+    return f"{PREFIX}{key[:12]}"
+
+
+def is_llm_api_unit(name: str) -> bool:
+    return name.startswith(PREFIX) and re.fullmatch(r"[0-9a-f]{12}", name[len(PREFIX):]) is not None
+
+
+@dataclass
+class LlmApiUnit:
+    """What ``pack_llm_api_unit`` wrote: the unit's name, content key, ``unit_files`` ({path: [size, sha256]})
+    and the model.yaml it holds (as written, with the serving-side ``model`` path)."""
+
+    name: str
+    key: str
+    unit_files: dict[str, list]
+    model_yaml: dict[str, Any]
+    route: str = ROUTE
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"unit": self.name, "unit_key": self.key, "unit_files": self.unit_files, "route": self.route,
+                "model_yaml": self.model_yaml, "notes": self.notes}
+
+
+def render_config(name: str) -> str:
+    """The unit's config.pbtxt text (the template with its name); parsed with the 2.51 schema and checked against
+    the LLM-API model's contract (``llmapi_contract.check_unit_config``): UserError (exit 2) otherwise."""
+    text = templates.render(TEMPLATE.read_text(), {"model_name": name}, f"{name}/config.pbtxt", templates.PBTXT)
+    cfg = pack.parse_model_config(text, f"{name}/config.pbtxt")
+    refused = contract.check_unit_config(cfg)
+    if refused:
+        raise UserError(f"{name}/config.pbtxt", "the LLM-API model would refuse it: " + "; ".join(refused),
+                        "fix triton_repo/all_models/llmapi/tensorrt_llm/config.pbtxt.")
+    return text
+
+
+def unit_model_yaml(model_yaml: Mapping[str, Any], model_path: str, version: str) -> dict[str, Any]:
+    """``model_yaml`` (the llm_api_config stage's ``llm_api/model.yaml``, parsed) with ``model`` set to
+    ``model_path`` (the checkpoint's serving-side path); UserError (field ``llm_api/model.yaml``, exit 2) naming
+    every key the real LLM-API model of TensorRT-LLM ``version`` would refuse (``llmapi_contract.check_model_yaml``)."""
+    d = copy.deepcopy(dict(model_yaml))
+    d["model"] = model_path
+    refused = contract.check_model_yaml(d, version)
+    if refused:
+        raise UserError("llm_api/model.yaml", "the Triton LLM-API model would refuse it: " + "; ".join(refused),
+                        "fix the profile's llm_api section (or the renderer) and build again.")
+    return d
+
+
+def dump_yaml(d: Mapping[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(dict(d), sort_keys=False, default_flow_style=False)
+
+
+def write_unit(unit_dir: Path, config_text: str, model_yaml: Mapping[str, Any], checkpoint_dir: Path,
+               model_dir: Path, path: Mapping[str, str], version: str) -> None:
+    """Write one LLM-API unit into ``unit_dir`` (created): config.pbtxt, 1/model.yaml, checkpoint/ (hard links),
+    cpu_reference.json, precision_path.json. No 1/model.py (``SERVING_SIDE_FILES``)."""
+    (unit_dir / "1").mkdir(parents=True)
+    (unit_dir / "config.pbtxt").write_text(config_text)
+    (unit_dir / "1" / contract.MODEL_YAML).write_text(dump_yaml(model_yaml))
+    pack.link_tree(checkpoint_dir, unit_dir / CHECKPOINT_DIR)
+    (unit_dir / pack.CPU_REFERENCE_FILE).write_text(json.dumps({
+        "note": "Read only by the CPU stand-in of the LLM-API model (triton_repo/backends/llmapi_cpu_reference); "
+                "TensorRT-LLM's LLM-API model reads 1/model.yaml.",
+        "checkpoint_dir": CHECKPOINT_DIR, "trtllm_version": version, "hf_model_dir": str(Path(model_dir).resolve()),
+        "project_root": str(SOURCE_ROOT)}, indent=2) + "\n")
+    (unit_dir / pack.PRECISION_PATH_FILE).write_text(json.dumps(dict(path), indent=2) + "\n")
+
+
+def pack_llm_api_unit(repo_dir: Path, model_yaml: Mapping[str, Any], checkpoint_dir: Path, model_dir: Path,
+                      repo_root: str, path: Mapping[str, str], *, version: str, repo_name: str | None = None) -> LlmApiUnit:
+    """Write the LLM-API unit for ``checkpoint_dir`` into the repository being written at ``repo_dir``.
+
+    ``model_yaml``: the rendered Triton model.yaml (its ``model`` is replaced by the serving-side path
+    ``<repo_root>/<repo_dir name>/<unit>/checkpoint``); ``path``: the precision path (``unit`` and ``route`` are
+    filled in); ``version``: the TensorRT-LLM line the yaml is checked for; ``repo_name``: the repository's name in
+    the serving container (default ``repo_dir``'s, which differs while it is staged). The unit is written under
+    ``PLACEHOLDER``, keyed, then renamed to ``llm_api_<h12>``. Raises UserError (exit 2) for a relative
+    ``repo_root``, a missing checkpoint, or a config/model.yaml the real model refuses."""
+    repo_dir, checkpoint_dir = Path(repo_dir), Path(checkpoint_dir)
+    if not str(repo_root).startswith("/"):
+        raise UserError("--repo-root", f"{repo_root!r} is not an absolute path.",
+                        "give the absolute path the output will have in the serving container.")
+    if not (checkpoint_dir / "config.json").is_file():
+        raise UserError("checkpoint", f"{checkpoint_dir} has no config.json.", "quantize again (the llm_api route "
+                        "exports a unified HF checkpoint).")
+
+    def render(name: str) -> tuple[str, dict, dict]:
+        yml = unit_model_yaml(model_yaml, pack.serving_path(repo_root, repo_name or repo_dir.name, name, CHECKPOINT_DIR), version)
+        return render_config(name), yml, {**path, "unit": name, "serving_route": ROUTE}
+
+    staged = repo_dir / PLACEHOLDER
+    text, yml, ppath = render(PLACEHOLDER)
+    write_unit(staged, text, yml, checkpoint_dir, model_dir, ppath, version)
+    key = hash_obj(pack.unit_digests(staged))
+    name = unit_name(key)
+    text, yml, ppath = render(name)
+    (staged / "config.pbtxt").write_text(text)
+    (staged / "1" / contract.MODEL_YAML).write_text(dump_yaml(yml))
+    (staged / pack.PRECISION_PATH_FILE).write_text(json.dumps(ppath, indent=2) + "\n")
+    os.rename(staged, repo_dir / name)
+    return LlmApiUnit(name=name, key=key, unit_files=pack.unit_digests(repo_dir / name), model_yaml=yml)
+
+
+MODEL_YAML_FILE = f"1/{contract.MODEL_YAML}"
+
+
+def installed_model_yaml(unit_src: Path, files: Mapping[str, list], model_path: str) -> str:
+    """The text of an LLM-API unit's ``1/model.yaml`` as installed in a serving repository: the build's (its size and
+    sha256 as ``files`` records, else UserError) with ``model`` = ``model_path`` (the unit's ``checkpoint/`` there).
+    The one rewrite an install makes to such a unit (an engine unit's is ``gpt_model_path``)."""
+    import yaml
+
+    src = Path(unit_src) / MODEL_YAML_FILE
+    row = files.get(MODEL_YAML_FILE)
+    if row is None or not src.is_file() or src.stat().st_size != row[0] or hash_file(src) != row[1]:
+        raise UserError(str(src), "is not the model.yaml pack recorded (missing, truncated or edited after the pack).",
+                        "rebuild the output (`invoke build --profile P --out OUT`), then promote it again.")
+    d = yaml.safe_load(src.read_text())
+    d["model"] = model_path
+    return dump_yaml(d)
+
+
+def llm_api_precision_path(plan) -> dict[str, str]:
+    """The precision path of an LLM-API unit (``precision_path.json``; the BLS labels responses and metrics with it):
+    ``model``, ``profile``, ``gemm`` (quant_algo), ``kv`` (kv_cache_quant_algo), ``dtype``. No kernel settings: on this
+    route the runtime chooses them (reference llm-api-route.md "Kernels are the runtime's choice")."""
+    q = plan.profile.quantization
+    return {"model": plan.model.name, "profile": plan.profile.name, "gemm": q.quant_algo.value,
+            "kv": q.kv_cache_quant_algo.value, "dtype": q.dtype}
+
+
+REPO_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+"""The fixed models of an llm_api repository: the BLS (text in, dispatching to the LLM-API unit, or to an engine unit a
+release falls back to, which needs pre/postprocessing). No ensemble: it can only chain token tensors."""
+
+
+def pack_llm_api_repository(plan, model_dir: Path, checkpoint_dir: Path, model_yaml: Mapping[str, Any],
+                            out_dir: Path, repo_root: str, *, version: str, workdir: Path | None = None) -> dict:
+    """The llm_api route's pack: ``out_dir`` (``model_repository/``, atomic replace; ``workdir``: written there for
+    the stage runner to rename) with ``REPO_MODELS`` rendered as for engine builds (``pack.compute_params`` /
+    ``render_all``; the BLS's ``tensorrt_llm_model_name`` = the LLM-API unit), the unit (``pack_llm_api_unit``) and
+    ``pack.json`` ({engine_unit: the unit's name (the key the release machinery reads), unit_key, unit_files,
+    route: llm_api, models, model_yaml, trtllm_version}). The profile is the plan's. Returns pack.json's content.
+    UserError as pack's."""
+    import contextlib
+
+    from precision_pipeline.core.store import atomic_dir, make_readable
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise UserError("model", f"{model_dir} has no tokenizer.json.", "use an HF model folder with a fast tokenizer.")
+    with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(out_dir)) as tmp:
+        u = pack_llm_api_unit(tmp, model_yaml, checkpoint_dir, model_dir, repo_root, llm_api_precision_path(plan),
+                              version=version, repo_name=out_dir.name)
+        params, _ = pack.compute_params(plan, plan.profile, model_dir, u.key, repo_root, out_dir.name, unit=u.name)
+        texts = pack.render_all({m: params[m] for m in REPO_MODELS})
+        for m in REPO_MODELS:
+            (tmp / m / "1").mkdir(parents=True)
+            for src in (pack.TEMPLATES_DIR / m / "1").glob("*.py"):
+                shutil.copy2(src, tmp / m / "1" / src.name)
+            (tmp / m / "config.pbtxt").write_text(texts[m])
+        (tmp / "preprocessing" / "tokenizer").mkdir()
+        for name in pack.TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / "preprocessing" / "tokenizer" / name)
+        record = {"engine_unit": u.name, "unit_key": u.key, "unit_files": u.unit_files, "route": ROUTE,
+                  "models": sorted([*REPO_MODELS, u.name]), "model_yaml": u.model_yaml, "trtllm_version": version,
+                  "out_dir": str(out_dir)}
+        (tmp / pack.PACK_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        make_readable(tmp)
+    return record
+
+
+def install_stand_in(unit_dir: Path) -> Path:
+    """Put the CPU stand-in (NOT TensorRT-LLM) at ``<unit_dir>/1/model.py`` so this machine's Triton serves the unit
+    (a copy; the file is the serving side's, not the unit's). Returns the path written."""
+    dst = Path(unit_dir) / "1" / "model.py"
+    shutil.copyfile(STAND_IN, dst)
+    return dst
+
+
+def image_copy_command(unit_dirs: list[str]) -> list[str]:
+    """The init step of a Deployment on NVIDIA's Triton TensorRT-LLM image: copy the image's LLM-API model files
+    (``llmapi_contract.IMAGE_MODEL_DIR``/{model.py,helpers.py}) into each unit's ``1/`` (serving-side paths).
+    An argv for ``sh -c``; fails (non-zero) when the image lacks them."""
+    src = contract.IMAGE_MODEL_DIR
+    parts = [f"test -f {src}/{n}" for n in contract.IMAGE_MODEL_FILES]
+    for u in unit_dirs:
+        parts += [f"cp {src}/{n} {u}/1/{n}" for n in contract.IMAGE_MODEL_FILES]
+    return ["sh", "-c", " && ".join(parts)]

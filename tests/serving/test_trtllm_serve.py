@@ -1,0 +1,95 @@
+"""deployment.server: trtllm-serve: the trtllm-serve Deployment, Service and PodMonitor (serving/trtllm_serve.py),
+hardened as the Triton Deployment and validated by the same strict Kubernetes checks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.serving import trtllm_serve as T
+from precision_pipeline.spec.profile import load_profile
+from tests.serving.test_pack import make_plan
+
+IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc29"
+ARGS = {"max_batch_size": 8, "kv_cache_config": {"dtype": "fp8"}, "return_perf_metrics": True}
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    prof = load_profile("fp8-h100")
+    prof = prof.model_copy(update={"deployment": prof.deployment.model_copy(update={"server": "trtllm-serve", "replicas": 2})})
+    return T.ServeInputs(plan=make_plan(prof), profile=prof, llm_args=ARGS, repo_root="/artifacts/fp8", image=IMAGE,
+                         namespace="llm")
+
+
+def _docs(tmp_path, i):
+    files = T.render_trtllm_serve(i, tmp_path)
+    return files, {f: yaml.safe_load((tmp_path / T.OUT_SUBDIR / f).read_text()) for f in files}
+
+
+def test_rendered_manifests(tmp_path, inputs):
+    files, d = _docs(tmp_path, inputs)
+    assert files == ["deployment.yaml", "monitoring/podmonitor.yaml", "service.yaml"]
+    dep = d["deployment.yaml"]
+    assert dep["metadata"]["name"] == "trtllm-serve-fp8-h100" and dep["metadata"]["namespace"] == "llm"
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == IMAGE and c["command"] == ["trtllm-serve"]
+    assert c["args"] == ["/artifacts/fp8/checkpoint", "--config", "/artifacts/fp8/llm_api/trtllm-serve.yaml",
+                         "--host", "0.0.0.0", "--port", "8000"]
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000)]
+    assert {k: c[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")} == {
+        k: {"path": "/health", "port": "http"} for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # hardened as k8s/triton-deployment.yaml
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert pod["automountServiceAccountToken"] is False
+    assert [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == [
+        {"claimName": "precision-artifacts", "readOnly": True}]
+    sel = dep["spec"]["selector"]["matchLabels"]
+    assert d["service.yaml"]["spec"]["selector"] == sel and d["service.yaml"]["spec"]["ports"][0]["port"] == 8000
+    pm = d["monitoring/podmonitor.yaml"]
+    assert pm["kind"] == "PodMonitor" and pm["spec"]["selector"]["matchLabels"] == sel
+    assert pm["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/prometheus/metrics", "interval": "30s"}]
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"llm_args": {k: v for k, v in ARGS.items() if k != "return_perf_metrics"}}, "llm_api/trtllm-serve.yaml: return_perf_metrics"),
+    ({"image": "bad image"}, "image"),
+    ({"repo_root": "relative"}, "--repo-root"),
+    ({"namespace": "Not_A_Label"}, "namespace"),
+])
+def test_refusals(tmp_path, inputs, change, field):
+    import dataclasses
+
+    with pytest.raises(UserError) as e:
+        T.render_trtllm_serve(dataclasses.replace(inputs, **change), tmp_path)
+    assert e.value.problems[0].field == field
+    assert not (tmp_path / T.OUT_SUBDIR).exists()
+
+
+def test_strict_schema_catches_a_broken_template(tmp_path, inputs, monkeypatch):
+    tdir = tmp_path / "templates"
+    shutil.copytree(T.TEMPLATES_DIR, tdir)
+    p = tdir / "deployment.yaml"
+    p.write_text(p.read_text().replace("readOnlyRootFilesystem: true", "readOnlyRootFilesystem: true\n            readOnlyRootFS: true"))
+    monkeypatch.setattr(T, "TEMPLATES_DIR", tdir)
+    with pytest.raises(UserError, match="readOnlyRootFS"):
+        T.render_trtllm_serve(inputs, tmp_path / "out")
+
+
+def test_profile_server_field():
+    prof = load_profile("fp8-h100")
+    assert prof.deployment.server == "triton"
+    from precision_pipeline.spec.profile import Deployment
+
+    assert Deployment(server="trtllm-serve").server == "trtllm-serve"
+    with pytest.raises(ValueError, match="triton"):
+        Deployment(server="vllm")
