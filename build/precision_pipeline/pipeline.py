@@ -36,15 +36,14 @@ from precision_pipeline.gate.stage import GateStage
 from precision_pipeline.quantize.stage import QuantizeStage
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.resolve.stage import BuildRequest, ResolveStage
-from precision_pipeline.serving.stage import DeployStage, PackStage
+from precision_pipeline.serving.stage import DeployStage, LlmApiDeployStage, LlmApiPackStage, PackStage
 
 ROUTES: dict[str, Route] = {
     "engine": Route("engine", (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), *JOB_STAGES, PackStage(),
                                DeployStage()),
                     doc="TensorRT-LLM engine (trtllm-build) served by Triton's tensorrtllm backend"),
-    # Pack and deploy join this route when their LLM-API unit lands (issue 28, unit28): PackStage still needs the
-    # engine stage's artifact, so the route ends with the rendered runtime configuration until then.
-    "llm_api": Route("llm_api", (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), LlmApiConfigStage()),
+    "llm_api": Route("llm_api", (ResolveStage(), QuantizeStage(), VerifyStage(), GateStage(), LlmApiConfigStage(),
+                                 LlmApiPackStage(), LlmApiDeployStage()),
                      doc="the gated checkpoint served by TensorRT-LLM's LLM API (PyTorch backend): trtllm-serve --config "
                          "or Triton's LLM-API model.yaml"),
 }

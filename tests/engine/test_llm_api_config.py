@@ -141,9 +141,10 @@ def test_the_field_list_matches_the_installed_tensorrt_llm():
     assert al.nested["kv_cache_config"] <= set(KvCacheConfig.model_fields)
 
 
-def test_pipeline_route_llm_api_ends_with_the_config_stage():
+def test_pipeline_route_llm_api_renders_then_packs_and_deploys():
     from precision_pipeline.pipeline import ROUTES, route_of
 
     assert route_of(load_profile("fp8-h100-llmapi")) is ROUTES["llm_api"]
-    assert [s.name for s in ROUTES["llm_api"].stages][-1] == "llm_api_config"
-    assert Path(ROUTES["llm_api"].stages[-1].output) == Path("llm_api")
+    assert [s.name for s in ROUTES["llm_api"].stages] == ["resolve", "quantize", "verify", "gate", "llm_api_config",
+                                                           "pack", "deploy"]
+    assert [s.output for s in ROUTES["llm_api"].stages][4:] == ["llm_api", "model_repository", "k8s"]

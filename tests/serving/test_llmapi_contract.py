@@ -79,7 +79,7 @@ def test_model_yaml_checks():
     got = C.check_model_yaml({**MODEL_YAML, "backend": "trt", "max_num_tokenz": 1, "model": ""})
     assert got == ["model: must be the checkpoint folder's path (a non-empty string)",
                    "backend: is 'trt'; the LLM-API model serves backend: pytorch (model.yaml)",
-                   "max_num_tokenz: is not an LLM argument this project knows (TorchLlmArgs forbids unknown keys)"]
+                   "model.yaml.max_num_tokenz: is not a TorchLlmArgs key on TensorRT-LLM 1.2 (tensorrt_llm/llmapi/llm_args.py)."]
     tc = {"max_batch_size": 0, "decoupled": True, "cancellation_check_period_ms": 0}
     assert C.check_model_yaml({**MODEL_YAML, "triton_config": tc}) == [
         "triton_config.cancellation_check_period_ms: is 0; must be a positive int"]

@@ -200,9 +200,10 @@ class ResolvedPlan(BaseModel):
         """``--gather_context_logits`` as the engine is built (``effective``; from build.gather_context_logits)."""
         return self.effective.gather_context_logits
 
-    def to_json(self, layers: Optional[dict] = None) -> dict:
+    def to_json(self, layers: Optional[dict] = None, llm_api: Optional[dict] = None) -> dict:
         """The plan.json mapping (JSON-serialisable). ``layers``: the checkpoint artifact's per-layer
-        table (``checkpoint.reader.layer_table``), shown after quantize."""
+        table (``checkpoint.reader.layer_table``), shown after quantize; ``llm_api``: the rendered LLM-API
+        configuration files (the ``llm_api_config`` stage's view), on that route."""
         out = {
             "profile": self.profile.name,
             "profile_resolved": self.profile.model_dump(mode="json"),
@@ -224,6 +225,8 @@ class ResolvedPlan(BaseModel):
             out["build_memory"] = self.build_memory
         if layers is not None:
             out["layers"] = layers
+        if llm_api is not None:
+            out["llm_api"] = llm_api
         return out
 
     def canonical(self) -> dict:

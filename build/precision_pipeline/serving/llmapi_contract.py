@@ -113,33 +113,21 @@ OUTPUTS: dict[str, tuple[str, tuple[int, ...]]] = {
 }
 REQUIRED_INPUTS = tuple(n for n, (_t, _d, opt) in INPUTS.items() if not opt)
 
-# The keys this project's narrow local check allows besides triton_config, until spec28's
-# ``engine/llm_api_config.check_llm_args(d, version)`` (the TorchLlmArgs field list) replaces
-# ``check_llm_args`` below. A subset of TorchLlmArgs fields (tensorrt_llm/llmapi/llm_args.py), the ones the
-# design's ``render_model_yaml`` writes (helpers/s8/llmapi-design.md) plus the ones MODEL_YAML shows.
-LOCAL_LLM_ARG_KEYS = frozenset({
-    "model", "backend", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "moe_expert_parallel_size",
-    "max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len", "max_beam_width", "kv_cache_config",
-    "enable_chunked_prefill", "cuda_graph_config", "dtype", "return_perf_metrics", "otlp_traces_endpoint",
-    "trust_remote_code", "skip_tokenizer_init", "attn_backend", "enable_attention_dp",
-})
-
 
 def check_llm_args(args: Mapping[str, Any], version: str) -> list[str]:
-    """Why ``LLM(**args)`` would refuse ``args`` (the model.yaml keys other than triton_config), as messages.
+    """Why ``LLM(**args)`` would refuse ``args`` (the model.yaml keys other than triton_config), as messages:
+    ``model`` must be a string, ``backend`` ``pytorch`` (MODEL_YAML), and every key a TorchLlmArgs field of
+    ``version``'s line (``spec.llm_args.llm_args_problems``: the pinned field list, one home; unknown keys with
+    "did you mean", legacy engine-route names with their replacement)."""
+    from precision_pipeline.spec.llm_args import llm_args_problems
 
-    NARROW LOCAL STAND-IN for spec28's ``precision_pipeline.engine.llm_api_config.check_llm_args(d, version)``
-    (which raises UserError from the pinned TorchLlmArgs field list): ``model`` must be a string, ``backend``
-    ``pytorch`` (MODEL_YAML), every key in ``LOCAL_LLM_ARG_KEYS``. ``version``: the TensorRT-LLM line (unused
-    by the narrow check). The merge swaps this body for a call to spec28's function."""
-    del version
     out = []
     if not isinstance(args.get("model"), str) or not args.get("model"):
         out.append("model: must be the checkpoint folder's path (a non-empty string)")
     if args.get("backend") != "pytorch":
         out.append(f"backend: is {args.get('backend')!r}; the LLM-API model serves backend: pytorch (model.yaml)")
-    for k in sorted(set(args) - LOCAL_LLM_ARG_KEYS):
-        out.append(f"{k}: is not an LLM argument this project knows (TorchLlmArgs forbids unknown keys)")
+    rest = {k: v for k, v in args.items() if k not in ("model", "backend")}
+    out += [f"{p.field}: {p.reason}" for p in llm_args_problems(rest, version, prefix="model.yaml")]
     return out
 
 

@@ -108,6 +108,61 @@ class PackStage(Stage[PackInputs, RepositoryArtifact]):
                                   engine_unit=res.engine_unit, engine_hash=res.engine_hash)
 
 
+class LlmApiPackInputs(Frozen):
+    """Keyed: what the llm_api route's pack reads (``serving/llmapi_unit.py`` ``pack_llm_api_repository``): the plan's
+    view, the model's tokenizer/config files, the checkpoint and the rendered LLM-API configuration (their stage keys),
+    where the repository is served from, the templates and the TensorRT-LLM line."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    view: PackView
+    plan: ResolvedPlan
+    unkeyed = {"plan": "carried only because pack_llm_api_repository takes the whole plan; what it reads of it is keyed "
+                       "in `view` and in the llm_api_config stage's key (the rendered model.yaml)"}
+    model: Fingerprint
+    checkpoint: Fingerprint
+    llm_api_config: Fingerprint
+    repo_root: str
+    repo_dir: str
+    templates: Fingerprint
+    trtllm_version: str
+
+
+class LlmApiPackStage(Stage[LlmApiPackInputs, RepositoryArtifact]):
+    """Pack on the ``llm_api`` route: the LLM-API unit ``llm_api_<h12>`` (the gated HF checkpoint + ``1/model.yaml``
+    from the ``llm_api_config`` stage) with the BLS and pre/postprocessing, in the same repository layout and
+    ``pack.json`` the release machinery reads for engine units. Same stage name as the engine route's pack, so
+    promote, rollout and deploy read either."""
+
+    name = "pack"
+    version = 1
+    code = ("serving", "resolve", "core")
+    needs = ("quantize", "llm_api_config")
+    output = "model_repository"
+    artifact_type = RepositoryArtifact
+
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> LlmApiPackInputs:
+        q, c = upstream["quantize"], upstream["llm_api_config"]
+        return LlmApiPackInputs(view=PackView.of(plan), plan=plan, model=model_fingerprint(request.model_dir),
+                                checkpoint=Fingerprint(sha256=q.key, path=q.dir),
+                                llm_api_config=Fingerprint(sha256=c.key, path=c.dir), repo_root=request.repo_root,
+                                repo_dir=str(Path(request.out_dir) / self.output),
+                                templates=fingerprint(REPO_ROOT / "triton_repo"), trtllm_version=plan.trtllm_version)
+
+    def run(self, inputs: LlmApiPackInputs, workdir: Path) -> RepositoryArtifact:
+        import yaml
+
+        from precision_pipeline.engine.llm_api_config import MODEL_YAML_FILE
+        from precision_pipeline.serving.llmapi_unit import pack_llm_api_repository
+
+        model_yaml = yaml.safe_load((Path(inputs.llm_api_config.path) / MODEL_YAML_FILE).read_text(encoding="utf-8"))
+        rec = pack_llm_api_repository(inputs.plan, Path(inputs.model.path), Path(inputs.checkpoint.path), model_yaml,
+                                      Path(inputs.repo_dir), inputs.repo_root, version=inputs.trtllm_version,
+                                      workdir=workdir)
+        return RepositoryArtifact(models=tuple(rec["models"]), engine_present=False, engine_unit=rec["engine_unit"],
+                                  engine_hash=rec["unit_key"])
+
+
 class DeployInputs(Frozen):
     """What ``serving.deploy.render_manifests`` reads, all keyed: the plan with the profile as it applies to this
     model (its gate bar: the canary analysis and alerts; the model name, replicas, workload, ...), the repository
@@ -165,4 +220,63 @@ class DeployStage(Stage[DeployInputs, ManifestsArtifact]):
                                  launcher=res.launcher, image=inputs.image)
 
 
-__all__ = ["PackView", "PackInputs", "RepositoryArtifact", "PackStage", "DeployInputs", "ManifestsArtifact", "DeployStage"]
+class LlmApiDeployInputs(Frozen):
+    """Keyed: the plan (the profile as it applies to this model), the rendered ``trtllm-serve --config`` YAML (the
+    ``llm_api_config`` stage's key and folder), the repository (pack's key), ``--repo-root`` and the image."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    plan: ResolvedPlan
+    llm_api_config: Fingerprint
+    repository: Fingerprint
+    repo_root: str
+    image: str
+
+
+class LlmApiDeployStage(Stage[LlmApiDeployInputs, ManifestsArtifact]):
+    """Deploy on the ``llm_api`` route: the hardened ``trtllm-serve`` Deployment, Service and PodMonitor
+    (``serving/trtllm_serve.py``; ``deployment.server: trtllm-serve``) serving the build output's checkpoint with its
+    rendered ``llm_api/trtllm-serve.yaml``. A Triton Deployment of an LLM-API unit needs the image's LLM-API
+    ``model.py`` copied into the unit at start (``llmapi_unit.image_copy_command``) on a writable volume: not rendered
+    yet, so ``deployment.server: triton`` on this route is refused before the first write."""
+
+    name = "deploy"
+    version = 1
+    code = ("serving", "resolve", "core")
+    needs = ("llm_api_config", "pack")
+    output = "k8s"
+    artifact_type = ManifestsArtifact
+
+    def preflight(self, plan: ResolvedPlan, request: BuildRequest) -> None:
+        from precision_pipeline.core.errors import UserError
+
+        if plan.profile.deployment.server != "trtllm-serve":
+            raise UserError("deployment.server", f"is {plan.profile.deployment.server!r} on route llm_api: the Triton "
+                            "Deployment of an LLM-API unit (the image's model.py copied into the unit at start) is not "
+                            "rendered yet.", "set deployment.server: trtllm-serve (the packed repository still serves "
+                            "locally with `invoke serve` and goes through promote/rollout), or use route: engine.")
+
+    def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> LlmApiDeployInputs:
+        c, p = upstream["llm_api_config"], upstream["pack"]
+        applied = plan.model_copy(update={"profile": plan.profile.for_model(model_fingerprint(request.model_dir).sha256)})
+        return LlmApiDeployInputs(plan=applied, llm_api_config=Fingerprint(sha256=c.key, path=c.dir),
+                                  repository=Fingerprint(sha256=p.key, path=p.dir), repo_root=request.repo_root,
+                                  image=request.image)
+
+    def run(self, inputs: LlmApiDeployInputs, workdir: Path) -> ManifestsArtifact:
+        import yaml
+
+        from precision_pipeline.engine.llm_api_config import TRTLLM_SERVE_FILE
+        from precision_pipeline.serving import trtllm_serve
+
+        llm_args = yaml.safe_load((Path(inputs.llm_api_config.path) / TRTLLM_SERVE_FILE).read_text(encoding="utf-8"))
+        si = trtllm_serve.ServeInputs(plan=inputs.plan, profile=inputs.plan.profile, llm_args=llm_args,
+                                      repo_root=inputs.repo_root, image=inputs.image)
+        files = trtllm_serve.render_trtllm_serve(si, Path(workdir), workdir=workdir)
+        return ManifestsArtifact(files=tuple(files), gpus_per_replica=int(inputs.plan.mapping.world_size),
+                                 replicas=inputs.plan.profile.deployment.replicas, launcher=trtllm_serve.SERVER,
+                                 image=inputs.image)
+
+
+__all__ = ["PackView", "PackInputs", "RepositoryArtifact", "PackStage", "LlmApiPackInputs", "LlmApiPackStage", "DeployInputs", "ManifestsArtifact", "DeployStage", "LlmApiDeployInputs",
+           "LlmApiDeployStage"]
