@@ -231,7 +231,7 @@ def test_a_full_disk_names_the_stage_folder_and_efbig_names_ulimit(tmp_path, cap
     assert "ulimit -f" in out.out and "Traceback" not in out.out + out.err
 
 
-def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path):
+def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path, invoke_here):
     """Hostile round #12: `gate.min_prompts: 1000` passed `check` although the golden set has 65 prompts (every
     build of the profile would then be unpromotable)."""
     from precision_pipeline.core.errors import UserError
@@ -248,8 +248,7 @@ def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path):
         pr = ei.value.problems[0]
         assert pr.field == "gate.min_prompts" and f"is {n:,} but the golden set has 65 prompts (facts 11," in pr.reason
         assert "at most 65" in pr.fix
-    r = subprocess.run([sys.executable, "-m", "invoke", "check", "--profile", str(tmp_path / "mp1000.yaml")],
-                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    r = invoke_here("check", "--profile", str(tmp_path / "mp1000.yaml"))
     assert r.returncode == 2 and "gate.min_prompts:" in r.stdout and "Traceback" not in r.stdout + r.stderr
 
 
