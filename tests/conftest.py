@@ -312,3 +312,30 @@ def small_gate(monkeypatch):
     """run_build's gate stage measures ``SMALL_GATE`` (``use_small_gate``), so a stage-flow test does not pay
     for the full held-out text."""
     return use_small_gate(monkeypatch)
+
+
+@pytest.fixture
+def invoke_here(capfd, monkeypatch):
+    """``invoke_here(TASK, *ARGS)``: ``invoke TASK ARGS...`` run by Invoke's own ``program`` in this process (same
+    argument parsing, tasks.py, ``guarded`` exit codes and printed text as the command line; no new Python, which
+    costs 3-12 s a call on 2 shared cores). Returns a ``subprocess.CompletedProcess`` (returncode, stdout, stderr)
+    as ``subprocess.run(..., capture_output=True, text=True)`` would. For refusals and other quick paths; a test
+    about the process itself (signals, a lock held by another process, exit of the interpreter) runs a subprocess."""
+    import subprocess
+
+    from invoke.main import program
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("COLUMNS", "250")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        try:
+            program.run(["invoke", *args], exit=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out = capfd.readouterr()
+        return subprocess.CompletedProcess(["invoke", *args], code, out.out, out.err)
+
+    return run

@@ -1,7 +1,9 @@
 """The tasks as a user runs them: exit codes and one-paragraph errors for bad input.
 
 Each bad input must end with exit code 2, name the field, give a fix, print no traceback,
-and leave the output directory exactly as it was.
+and leave the output directory exactly as it was. One case (``unknown-profile``) and ``--list`` run in a new
+process as a user runs them; the others through Invoke's own ``program`` in this process (fixture
+``invoke_here``: same parsing, tasks.py, exit codes and text, without a new Python per case).
 """
 
 from __future__ import annotations
@@ -117,9 +119,9 @@ def _broken_mixed_checkpoint(d: Path) -> str:
     return str(c)
 
 
-def _check_bad_build(args: list[str], expected: list[str], previous_output: Path) -> None:
+def _check_bad_build(args: list[str], expected: list[str], previous_output: Path, run=run_task) -> None:
     before = hash_dir(previous_output)
-    r = run_task("build", *args, "--out", str(previous_output))
+    r = run("build", *args, "--out", str(previous_output))
     text = r.stdout + r.stderr
     assert r.returncode == 2, text
     assert "Traceback" not in text
@@ -130,19 +132,21 @@ def _check_bad_build(args: list[str], expected: list[str], previous_output: Path
 
 
 @pytest.mark.parametrize("kind", sorted(MODEL_CASES))
-def test_bad_model_folder_exits_2_and_changes_nothing(kind, tmp_path, previous_output):
-    _check_bad_build(["--profile", "fp8-h100", "--model", _model_folder(tmp_path, kind)], MODEL_CASES[kind], previous_output)
+def test_bad_model_folder_exits_2_and_changes_nothing(kind, tmp_path, previous_output, invoke_here):
+    _check_bad_build(["--profile", "fp8-h100", "--model", _model_folder(tmp_path, kind)], MODEL_CASES[kind], previous_output,
+                     invoke_here)
 
 
-def test_broken_reused_checkpoint_exits_2_and_changes_nothing(tmp_path, previous_output):
+def test_broken_reused_checkpoint_exits_2_and_changes_nothing(tmp_path, previous_output, invoke_here):
     _check_bad_build(["--profile", "mixed-fp8-int4-h100", "--checkpoint", _broken_mixed_checkpoint(tmp_path)],
-                     ["quant_cfg.json is missing"], previous_output)
+                     ["quant_cfg.json is missing"], previous_output, invoke_here)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_input_exits_2_and_changes_nothing(case, tmp_path, previous_output):
+def test_bad_input_exits_2_and_changes_nothing(case, tmp_path, previous_output, invoke_here):
     make, expected = CASES[case]
-    _check_bad_build(["--profile", make(tmp_path)], expected, previous_output)
+    _check_bad_build(["--profile", make(tmp_path)], expected, previous_output,
+                     run_task if case == "unknown-profile" else invoke_here)
     assert sorted(p.name for p in previous_output.parent.iterdir()) == ["bad.yaml", "out"] or \
         sorted(p.name for p in previous_output.parent.iterdir()) == ["out"]
 

@@ -1,4 +1,8 @@
-"""Bad command-line values get an exit code and a sentence, never a traceback (issue 11 items 10, 13-15)."""
+"""Bad command-line values get an exit code and a sentence, never a traceback (issue 11 items 10, 13-15).
+
+Refusals run through Invoke's own ``program`` in this process (fixture ``invoke_here``: same parsing, tasks.py,
+exit codes and text); a new process (``inv``) where the process is the point (pipes, signals, ports) and for one
+case of each parametrized refusal, as a user runs it."""
 
 from __future__ import annotations
 
@@ -40,18 +44,18 @@ def inv(*args, **kw):
     (["recommend", "--gpu", "h100", "--model", "/nonexistent-dir/model"], "--model"),
     (["compare", "--profiles", "fp8-h100,precision_profiles/fp8-h100.yaml", "--out", "/nonexistent-dir/cmp"], "--profiles"),
 ])
-def test_bad_values_exit_2_with_a_sentence(args, flag):
-    p = inv(*args)
+def test_bad_values_exit_2_with_a_sentence(args, flag, invoke_here):
+    p = (inv if args[0] == "build" else invoke_here)(*args)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
     assert f"{flag}:" in p.stdout
 
 
-def test_check_plans_a_config_only_model(tmp_path):
+def test_check_plans_a_config_only_model(tmp_path, invoke_here):
     """Issue 30: a folder with only config.json is enough to plan (check, compare, recommend); check says the
     build-only rules were skipped."""
     model = ROOT / "tests" / "data" / "models" / "Llama-3.1-8B"
-    p = inv("check", "--profile", "fp8-h200", "--model", str(model))
+    p = invoke_here("check", "--profile", "fp8-h200", "--model", str(model))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "planned from config.json alone" in p.stdout and "ok fp8-h200" in p.stdout
 
@@ -91,11 +95,11 @@ def test_plan_commands_take_a_config_only_qwen2_72b_and_build_refuses_it(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def test_markup_in_messages_is_printed_verbatim(tmp_path):
+def test_markup_in_messages_is_printed_verbatim(tmp_path, invoke_here):
     """rich must not eat the name pattern's brackets nor user text such as [bold red]h100[/]."""
     prof = tmp_path / "p.yaml"
     prof.write_text("name: 'Bad Name'\ntarget:\n  gpu: '[bold red]h100[/]'\n")
-    p = inv("check", "--profile", str(prof))
+    p = invoke_here("check", "--profile", str(prof))
     assert p.returncode == 2
     assert "[a-z0-9][a-z0-9._-]*" in p.stdout
 
@@ -198,8 +202,8 @@ def test_unwritable_output_is_a_sentence_not_a_traceback(err, capsys):
 
 
 @pytest.mark.parametrize("margin", ["-1", "0", "1.5", "nan"])
-def test_margin_outside_0_1_names_the_range(margin):
-    p = inv("sensitivity", "--profile", "nvfp4-b200", "--margin", margin, "--out", "/nonexistent-dir/s")
+def test_margin_outside_0_1_names_the_range(margin, invoke_here):
+    p = (inv if margin == "nan" else invoke_here)("sensitivity", "--profile", "nvfp4-b200", "--margin", margin, "--out", "/nonexistent-dir/s")
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     assert "--margin:" in p.stdout and "is not in (0, 1]" in p.stdout
 
@@ -207,10 +211,11 @@ def test_margin_outside_0_1_names_the_range(margin):
 @pytest.mark.parametrize("target, says", [("t.txt", "does not end in .yaml"), ("f.yaml/t.yaml", "is a file, not a folder"),
                                           ("mine.yaml", "not written by invoke"),
                                           ("My Profile.yaml", "name the file e.g. my-profile.yaml")])
-def test_bad_write_profile_target_is_refused_before_measuring(tmp_path, target, says):
+def test_bad_write_profile_target_is_refused_before_measuring(tmp_path, target, says, invoke_here):
     (tmp_path / "f.yaml").write_text("x")
     (tmp_path / "mine.yaml").write_text("extends: fp8-h100\n")
-    p = inv("sensitivity", "--profile", "fp8-h100", "--out", str(tmp_path / "empty"), "--write-profile", str(tmp_path / target))
+    p = invoke_here("sensitivity", "--profile", "fp8-h100", "--out", str(tmp_path / "empty"), "--write-profile",
+                    str(tmp_path / target))
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
     assert "--write-profile:" in p.stdout and says in p.stdout  # not the missing checkpoint of --out: nothing was measured
     assert not (tmp_path / "empty").exists()
@@ -261,7 +266,7 @@ def test_a_full_disk_names_the_stage_folder_and_efbig_names_ulimit(tmp_path, cap
     assert "ulimit -f" in out.out and "Traceback" not in out.out + out.err
 
 
-def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path):
+def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path, invoke_here):
     """Hostile round #12: `gate.min_prompts: 1000` passed `check` although the golden set has 65 prompts (every
     build of the profile would then be unpromotable)."""
     from precision_pipeline.core.errors import UserError
@@ -278,18 +283,16 @@ def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path):
         pr = ei.value.problems[0]
         assert pr.field == "gate.min_prompts" and f"is {n:,} but the golden set has 65 prompts (facts 11," in pr.reason
         assert "at most 65" in pr.fix
-    r = subprocess.run([sys.executable, "-m", "invoke", "check", "--profile", str(tmp_path / "mp1000.yaml")],
-                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    r = invoke_here("check", "--profile", str(tmp_path / "mp1000.yaml"))
     assert r.returncode == 2 and "gate.min_prompts:" in r.stdout and "Traceback" not in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("args", [["build", "--help"], ["build", "-h"], ["promote", "--help"], ["recommend", "-h"]])
-def test_help_after_a_task_with_a_positional_argument_is_its_help(args):
+def test_help_after_a_task_with_a_positional_argument_is_its_help(args, invoke_here):
     """Hostile round: `invoke build --help` was refused as the profile name '--help' (Invoke gives a task's missing
     positional argument the next token, --help included); it prints the task's help, as `invoke --help build`."""
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "invoke", *args], cwd=root, capture_output=True, text=True, timeout=120)
-    want = subprocess.run([sys.executable, "-m", "invoke", "--help", args[0]], cwd=root, capture_output=True, text=True,
-                          timeout=120)
+    want = invoke_here("--help", args[0])  # what Invoke prints for `invoke --help TASK`
     assert r.returncode == 0 and r.stdout == want.stdout and "Usage:" in r.stdout, r.stdout + r.stderr
     assert "refused" not in r.stdout + r.stderr

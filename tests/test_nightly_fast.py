@@ -262,7 +262,7 @@ def _run_lines():
                     yield w.name, job_name, step["run"]
 
 
-def test_workflow_steps_call_only_commands_that_exist():
+def test_workflow_steps_call_only_commands_that_exist(invoke_here):
     import tasks
 
     task_names = {n for n in dir(tasks) if hasattr(getattr(tasks, n), "body")}
@@ -275,8 +275,7 @@ def test_workflow_steps_call_only_commands_that_exist():
             assert m.group(1) in task_names, f"{wf} {job}: no task {m.group(1)!r}"
     assert ("ci.yml", "test", "./run.sh test") in lines  # the README's test command
     # every flag given to the nightly task exists
-    help_text = subprocess.run([sys.executable, "-m", "invoke", "--help", "nightly"], capture_output=True, text=True,
-                               cwd=ROOT, timeout=120).stdout
+    help_text = invoke_here("--help", "nightly").stdout
     for wf, job, run in lines:
         for flag in re.findall(r"(--[a-z-]+)", run):
             assert flag in help_text, f"{wf} {job}: {flag} is not a flag of invoke nightly"
@@ -322,7 +321,7 @@ def test_scales_digest_reads_any_dtype_and_sees_one_changed_byte(tmp_path):
     assert nl._scales_digest(tmp_path) is None
 
 
-def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path):
+def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path, invoke_here):
     """Hostile round #138/#134: `--profiles fp8-h100,,bf16-h100` built both (the empty entry skipped, while
     rollout's `--steps 5,,100` is refused); `nightly --out /` built into /fp8-h100."""
     for spec in ("fp8-h100,,bf16-h100", "fp8-h100,", ",fp8-h100"):
@@ -332,8 +331,8 @@ def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path):
     root = Path(__file__).resolve().parents[1]
     # arguments that build nothing if the refusal broke (unknown names, an unknown GPU), never into /
     for args in (["--profiles", "nosuch-a,,nosuch-b", "--out", str(tmp_path)], ["--cronjob", "nosuch-gpu", "--out", "/"]):
-        r = subprocess.run([sys.executable, "-m", "invoke", "nightly", *args], cwd=root, capture_output=True, text=True,
-                           timeout=120)
+        r = (subprocess.run([sys.executable, "-m", "invoke", "nightly", *args], cwd=root, capture_output=True, text=True,
+                            timeout=120) if "," in args[1] else invoke_here("nightly", *args))  # the first in a new process
         assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (args, r.stdout, r.stderr)
         assert ("has an empty entry" if "," in args[1] else "/ is the filesystem root") in r.stdout
     from precision_pipeline.core.outputs import validate_out_dir
@@ -342,7 +341,7 @@ def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path):
         validate_out_dir(Path("/"))
 
 
-def test_an_output_root_in_a_system_folder_is_refused():
+def test_an_output_root_in_a_system_folder_is_refused(invoke_here):
     """Hostile s7 #37: `nightly --out /etc` built into /etc/fp8-h100. The one rule (core/outputs.py
     ``refuse_filesystem_root``) for nightly's output root, build's --out and the engine Job."""
     from precision_pipeline.core.outputs import refuse_filesystem_root
@@ -355,7 +354,5 @@ def test_an_output_root_in_a_system_folder_is_refused():
         with pytest.raises(UserError, match=why):
             validate_out_dir(Path(p))
     assert refuse_filesystem_root(Path("/usr/local/x")) == Path("/usr/local/x")  # only /usr itself
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "invoke", "nightly", "--profiles", "nosuch-a", "--out", "/etc"], cwd=root,
-                       capture_output=True, text=True, timeout=120)
+    r = invoke_here("nightly", "--profiles", "nosuch-a", "--out", "/etc")
     assert r.returncode == 2 and "/etc is a system folder" in r.stdout, (r.stdout, r.stderr)

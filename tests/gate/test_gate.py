@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from html.parser import HTMLParser
 
 import numpy as np
@@ -165,7 +166,13 @@ SUBSET = GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_toke
 
 @pytest.fixture(scope="session")
 def gate_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("gate-ref-cache")
+    """The gate's own reference cache (``<cache>/gate-ref``, keyed by model, tokens, options and library versions),
+    so the FP32 reference and BF16 floor of ``SUBSET`` are computed once per machine, not once per session (the
+    FP32 + BF16 floor pass was ~3/4 of ``self_gate``); ``PRECISION_TEST_CKPT_CACHE=0``: a fresh one per session.
+    The cold path (computed, written, then read) is asserted on the 2-layer model in test_gate_speed_paths.py."""
+    if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") == "0":
+        return tmp_path_factory.mktemp("gate-ref-cache")
+    return None
 
 
 def _runtime(cache) -> GateRuntime:
@@ -194,7 +201,8 @@ def test_model_against_itself(self_gate):
     assert m["greedy_same"]["value"] == 1.0
     assert m["ppl_delta_pct"]["value"] == pytest.approx(0.0, abs=1e-6)
     assert self_gate.passed and self_gate.failures == []
-    assert self_gate.metrics["reference_cache"]["hit"] is False
+    assert len(self_gate.metrics["reference_cache"]["key"]) == 64  # computed or read: the cold path is asserted in
+    # tests/gate/test_gate_speed_paths.py::test_gate_phases_print_lines_often_enough
     # BF16 noise floor: small but not zero
     assert 0.0 < m["kl_mean"]["noise_floor"] < 0.05
     assert 0.8 < m["top1"]["noise_floor"] <= 1.0

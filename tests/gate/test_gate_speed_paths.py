@@ -134,6 +134,7 @@ def test_gate_phases_print_lines_often_enough(tiny, smollm_2layers, tmp_path, mo
     res = cg.run_gate(model, smollm_2layers, GateThresholds(), tmp_path / "gate", opts,
                       GateRuntime(reference_cache=tmp_path / "ref", write_report=False))
     lines = [ln for _, ln in stamps]
+    assert res.metrics["reference_cache"]["hit"] is False  # computed and written to the cache ...
     assert res.metrics["metrics"]["kl_mean"]["value"] == pytest.approx(0.0, abs=1e-7)
     assert res.metrics["metrics"]["greedy_same"]["value"] == 1.0
     assert lines[0].startswith("[gate] ") and "torch thread" in lines[0]
@@ -156,9 +157,11 @@ def test_gate_phases_print_lines_often_enough(tiny, smollm_2layers, tmp_path, mo
     assert max(gaps) <= 15.0
     # second run: the reference comes from the cache and says so
     stamps.clear()
-    cg.run_gate(model, smollm_2layers, GateThresholds(), tmp_path / "gate2", opts,
-                GateRuntime(reference_cache=tmp_path / "ref", write_report=False, threads=1))
+    again = cg.run_gate(model, smollm_2layers, GateThresholds(), tmp_path / "gate2", opts,
+                        GateRuntime(reference_cache=tmp_path / "ref", write_report=False, threads=1))
     lines = [ln for _, ln in stamps]
+    assert again.metrics["reference_cache"] == {**res.metrics["reference_cache"], "hit": True}  # ... then read
+    assert again.metrics["metrics"] == res.metrics["metrics"]  # the same numbers from the cached reference
     assert lines[0] == "[gate] 1 torch threads (set by the caller)"
     assert any(ln.startswith("[gate] reference FP32 + BF16 floor from the cache") for ln in lines)
     assert not any(ln.startswith("[gate] reference FP32 + BF16 floor, teacher-forced") for ln in lines)

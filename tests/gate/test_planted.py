@@ -48,11 +48,19 @@ def marked_gate(default_model_dir, encoded, tmp_path_factory):
     """run_gate on two candidates: ``outside`` (non-answer rows negated) and ``answer`` (answer rows negated)."""
     ref = load_hf_model(default_model_dir, torch.float32)
     by_ids = {tuple(e.input_ids): e for e in encoded}
+    plain: dict[tuple, torch.Tensor] = {}  # the FP32 logits of each sequence, computed once for both candidates
+
+    @torch.inference_mode()
+    def ref_logits(ids) -> torch.Tensor:
+        key = tuple(ids[0].tolist())
+        if key not in plain:
+            plain[key] = ref(input_ids=ids, use_cache=False).logits
+        return plain[key].clone()
 
     def make(mode):
         @torch.inference_mode()
         def fn(ids):
-            logits = ref(input_ids=ids, use_cache=False).logits.clone()
+            logits = ref_logits(ids)
             e = by_ids.get(tuple(ids[0].tolist()))
             if e is not None:
                 mask = torch.zeros(logits.shape[1], dtype=torch.bool)

@@ -191,11 +191,32 @@ def healthy_rollout(served, units, probe_set):
         probes.append((unit, pr))
         return pr
 
-    with Clients(srv, n=2) as cl:
+    real_hold = rollout.hold
+
+    def hold_until_the_candidate_served(url, hold_s, poll_s=rollout.HOLD_POLL_S):
+        """The real hold, then on until the candidate served CANDIDATE_REQUESTS requests in this window (a
+        loaded machine may route none to it in 4 s): the window's contents, not its length, are under test.
+        A route that never reaches the candidate still fails, after WINDOW_LIMIT_S."""
+        cand = release_state.rollout_state(repo)["candidate"]
+        key = ("nv_inference_request_success", cand)
+        start = rollout.scrape(url).get(key, 0.0)  # the rollout's window starts just before this
+        real_hold(url, hold_s, poll_s)
+        end = time.monotonic() + WINDOW_LIMIT_S
+        while rollout.scrape(url).get(key, 0.0) - start < CANDIDATE_REQUESTS and time.monotonic() < end:
+            time.sleep(0.2)
+
+    with Clients(srv, n=2) as cl, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout, "hold", hold_until_the_candidate_served)
         res = rollout.rollout(repo, units["healthy"].out_dir, srv, probe_set, steps=(25, 100), hold_s=4.0,
                               probe_fn=recording_probe)
         time.sleep(0.5)
     return {"result": res, "clients": cl, "probes": probes, "stable": stable}
+
+
+CANDIDATE_REQUESTS = 2
+"""Candidate requests the healthy rollout's 25 % window waits for (``healthy_rollout``)."""
+WINDOW_LIMIT_S = 120.0
+"""How long past ``hold_s`` that window waits for them before the rollout evaluates it anyway."""
 
 
 def test_probe_agrees_with_the_gate(healthy_rollout, probe_set):
@@ -224,7 +245,7 @@ def test_healthy_candidate_reaches_100(served, healthy_rollout):
     assert res.status == "promoted", (res.failed_check, res.numbers)
     assert cl.failed == 0 and cl.requests > 10, cl.errors[:3]
     s25 = res.steps[0]
-    assert s25["candidate"]["success"] > 0 and s25["candidate"]["failure"] == 0
+    assert s25["candidate"]["success"] >= CANDIDATE_REQUESTS and s25["candidate"]["failure"] == 0
     # the BLS's deterministic split: within one request per BLS instance of the step's share
     n = s25["candidate"]["success"] + s25["stable"]["success"]
     assert abs(s25["share_measured"] - 25) <= 100 * 2 / n + 0.5
