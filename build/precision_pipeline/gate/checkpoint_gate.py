@@ -345,7 +345,7 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     (the gate stage's ``record``).
     """
     from precision_pipeline.gate.model import load_checkpoint_model
-    from precision_pipeline.checkpoint.reader import checkpoint_layout
+    from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG, checkpoint_layout
     from precision_pipeline.checkpoint.scales import scale_report
     from precision_pipeline.quantize.ptq import read_quantize_warnings
 
@@ -360,6 +360,8 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
              "scales": scale_report(Path(ckpt_dir)) if checkpoint_layout(Path(ckpt_dir)) == "trtllm_checkpoint" else None,
              "quantize_warnings": read_quantize_warnings(Path(ckpt_dir))}
     cfg = read_json(Path(ckpt_dir) / "config.json", {}) or {}
+    if checkpoint_layout(Path(ckpt_dir)) == "hf_unified":  # the formats the LLM API serves: hf_quant_config.json's
+        cfg = read_json(Path(ckpt_dir) / HF_QUANT_CONFIG, {}) or {}
     if cfg.get("quantization"):
         extra["checkpoint_quantization"] = cfg["quantization"]
     return run_gate(model, Path(model_dir), thresholds, Path(gate_dir), options, runtime,

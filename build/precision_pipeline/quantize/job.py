@@ -23,12 +23,13 @@ EXPORT_FORMAT_OF_ROUTE = {"engine": "trtllm_checkpoint", "llm_api": "hf_unified"
 (``LLM(...)``, ``trtllm-serve``) reads a HF folder (``tensorrt_llm/_torch/model_config.py``
 ``ModelConfig.from_pretrained``)."""
 NO_HF_UNIFIED_EXPORT = {
-    "W8A8_SQ_PER_CHANNEL": ("ModelOpt's unified HF export has no INT8 SmoothQuant format (ModelOpt PR #345), and "
-                            "TensorRT-LLM's PyTorch backend has no INT8 SmoothQuant GEMM.",
+    "W8A8_SQ_PER_CHANNEL": ("the LLM API (TensorRT-LLM's PyTorch backend) has no INT8 SmoothQuant path "
+                            "(docs/source/features/quantization.md; ModelOpt PR #345). ModelOpt 0.47's "
+                            "export_hf_checkpoint does write one (measured), but nothing on this route loads it.",
                             "use quant_algo FP8 (Hopper, Ada, Blackwell) or W4A16_AWQ (Ampere) on the llm_api route, "
                             "or the engine route for W8A8_SQ_PER_CHANNEL."),
 }
-"""quant_algo -> (reason, fix) for formats ModelOpt 0.47 cannot write as a unified HF checkpoint."""
+"""quant_algo -> (reason, fix) for formats the llm_api route's unified HF checkpoint cannot carry to the runtime."""
 
 
 def check_export_format(quant_algo: str, export_format: str) -> None:
