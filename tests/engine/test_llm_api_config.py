@@ -3,7 +3,6 @@ the targeted line, every rendered setting follows its profile field, and the sta
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import yaml

@@ -38,14 +38,14 @@ from precision_pipeline.checkpoint.reader import (HF_QUANT_CONFIG, DequantizedCh
                                                   safetensors_header)
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import GATE_ARCHITECTURES, LLAMA
+from precision_pipeline.spec.families import GATE_ARCHITECTURES, KV_PROJECTIONS, LLAMA
 
 NO_QUANT = FMT.QuantAlgo.NO_QUANT.value
 QUANT_CFG = "quant_cfg.json"
 HF_SUFFIX = {"weight_scale": "weights_scaling_factor", "weight_scale_2": "weights_scaling_factor_2",
              "input_scale": "activation_scaling_factor", "pre_quant_scale": "prequant_scaling_factor"}
 """HF unified suffix -> the TensorRT-LLM checkpoint's name of the same tensor (the codecs' layouts use the latter)."""
-KV_SCALE_OF = {"self_attn.k_proj": "k_scale", "self_attn.v_proj": "v_scale"}
+KV_SCALE_OF = dict(zip(KV_PROJECTIONS, ("k_scale", "v_scale")))
 """Where the export stores the KV-cache scales (``<layer>.<linear>.<name>``; ModelOpt 0.47 ``postprocess_state_dict``)."""
 RUNTIME_FP8_KV_SCALE = 1.0
 """The k/v scale TensorRT-LLM's PyTorch backend quantizes an FP8 KV cache with when it loads a HF checkpoint: the
@@ -90,7 +90,7 @@ def _kv_of_scheme(scheme: Any) -> Optional[str]:
     ``{"type": "float", "num_bits": 8}`` is FP8, anything else None). A string is what ModelOpt writes for other
     KV formats (``convert_hf_config.py``); it is kept so a NVFP4 KV cache is compared, not dropped."""
     if isinstance(scheme, dict):
-        return "FP8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
+        return FMT.QuantAlgo.FP8.value if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
     return scheme if isinstance(scheme, str) else None
 
 
@@ -121,7 +121,7 @@ def read_hf_quant(ckpt_dir: Path) -> dict:
     "layers": {HF module: {"quant_algo", "group_size"}}}``."""
     d = Path(ckpt_dir)
     q = parse_quant_config(_json(d / HF_QUANT_CONFIG), HF_QUANT_CONFIG)
-    if q["quant_algo"] == "MIXED_PRECISION" and (d / QUANT_CFG).is_file():
+    if q["quant_algo"] == FMT.QuantAlgo.MIXED_PRECISION.value and (d / QUANT_CFG).is_file():
         extra = _json(d / QUANT_CFG)
         if not isinstance(extra, dict):
             raise UserError(QUANT_CFG, f"is {type(extra).__name__}, not an object.", FIX)
@@ -348,7 +348,7 @@ def hf_layer_table(ckpt_dir: Path) -> dict:
         agg["bytes"] += nbytes
         bits += nbytes * 8
         params += n
-    return {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": q["kv_cache_quant_algo"] or "NONE",
+    return {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": q["kv_cache_quant_algo"] or FMT.KVCacheQuantAlgo.NONE.value,
             "source": f"unified HF checkpoint ({HF_QUANT_CONFIG}, *.safetensors headers)", "architecture":
             (cfg.get("architectures") or [None])[0], "linears": rows, "by_format": dict(sorted(by_fmt.items())),
             "effective_bits": round(bits / params, 4) if params else None}

@@ -43,7 +43,7 @@ from precision_pipeline.checkpoint.hf_unified import (HF_SUFFIX, KV_SCALE_OF, QU
 from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import GATE_ARCHITECTURES, LLAMA
+from precision_pipeline.spec.families import GATE_ARCHITECTURES, LLAMA, hf_linear_shapes
 
 FIX = "re-export the checkpoint (quantize again with export_format hf_unified)."
 HF_RULES = {
@@ -122,7 +122,7 @@ def _metadata(d: Path, cfg: dict, expect: Optional[Mapping[str, Any]], p: _Found
         for pr in e.problems:
             p.add(pr.field, "hf.metadata", pr.reason, pr.fix)
         return None
-    for key, mine in (("quant_algo", q["quant_algo"]), ("kv_cache_quant_algo", q["kv_cache_quant_algo"] or "NONE")):
+    for key, mine in (("quant_algo", q["quant_algo"]), ("kv_cache_quant_algo", q["kv_cache_quant_algo"] or FMT.KVCacheQuantAlgo.NONE.value)):
         want = (expect or {}).get(key)
         want = getattr(want, "value", want)
         if want is not None and want != mine:
@@ -160,20 +160,14 @@ def _names(headers: dict, cfg: dict, q: dict, p: _Found) -> None:
 
 
 def _dims(cfg: dict) -> dict[str, tuple[int, int]]:
-    """``(out, in)`` of each HF linear of a Llama layer (relative name) and of ``lm_head``."""
-    h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    nkv, inter = int(cfg.get("num_key_value_heads") or nh), int(cfg["intermediate_size"])
-    hd = int(cfg.get("head_dim") or h // nh)
-    dims = {"self_attn.q_proj": (nh * hd, h), "self_attn.k_proj": (nkv * hd, h), "self_attn.v_proj": (nkv * hd, h),
-            "self_attn.o_proj": (h, nh * hd), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-            "mlp.down_proj": (h, inter), "lm_head": (int(cfg["vocab_size"]), h)}
-    return dims
+    """``(out, in)`` of each HF linear of a Llama layer (relative name) and of ``lm_head`` (``families.hf_linear_shapes``)."""
+    return hf_linear_shapes(cfg)
 
 
 def _classify(headers: dict, cfg: dict, q: dict, dims: dict, arch: str, p: _Found) -> tuple[dict, list]:
     """Each tensor by its role (``hf.known_tensors``, norms' dtype, ``hf.kv_scales``): returns ({linear: {leaf:
     header}}, [scale tensor names])."""
-    kvf = FMT.kv(q["kv_cache_quant_algo"] or "NONE")
+    kvf = FMT.kv(q["kv_cache_quant_algo"] or FMT.KVCacheQuantAlgo.NONE.value)
     linears: dict[str, dict[str, dict]] = {}  # module -> {leaf: header}
     scales: list[str] = []
     for name, (f, meta) in headers.items():

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict
 
 from precision_pipeline.quantize.search import GROUP_CHOICES
+from precision_pipeline.spec.algos import QuantAlgo
 from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, NVFP4_BLOCK
 from precision_pipeline.spec.profile import Calibration, Quantization
 
@@ -23,7 +24,7 @@ EXPORT_FORMAT_OF_ROUTE = {"engine": "trtllm_checkpoint", "llm_api": "hf_unified"
 (``LLM(...)``, ``trtllm-serve``) reads a HF folder (``tensorrt_llm/_torch/model_config.py``
 ``ModelConfig.from_pretrained``)."""
 NO_HF_UNIFIED_EXPORT = {
-    "W8A8_SQ_PER_CHANNEL": ("the LLM API (TensorRT-LLM's PyTorch backend) has no INT8 SmoothQuant path "
+    QuantAlgo.W8A8_SQ_PER_CHANNEL.value: ("the LLM API (TensorRT-LLM's PyTorch backend) has no INT8 SmoothQuant path "
                             "(docs/source/features/quantization.md; ModelOpt PR #345). ModelOpt 0.47's "
                             "export_hf_checkpoint does write one (measured), but nothing on this route loads it.",
                             "use quant_algo FP8 (Hopper, Ada, Blackwell) or W4A16_AWQ (Ampere) on the llm_api route, "

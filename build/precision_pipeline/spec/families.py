@@ -289,6 +289,23 @@ def family_of_model_type(model_type: str) -> Optional[Family]:
     return next((f for f in FAMILIES.values() if f.model_type == model_type), None)
 
 
+KV_PROJECTIONS = _QKV[1:]
+"""The HF linears that produce K and V (relative names): where a unified HF export stores the KV-cache scales."""
+
+
+def hf_linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """``(out, in)`` of each HF linear of a Llama-layout decoder layer (relative name) and of ``lm_head``, from
+    ``config.json`` (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+    vocab_size). Raises KeyError/ValueError for a config without them."""
+    h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    nkv, inter = int(cfg.get("num_key_value_heads") or nh), int(cfg["intermediate_size"])
+    hd = int(cfg.get("head_dim") or h // nh)
+    q, k, v = _QKV
+    return {q: (nh * hd, h), k: (nkv * hd, h), v: (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
+            "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
+            "lm_head": (int(cfg["vocab_size"]), h)}
+
+
 def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, tp: int = 1) -> tuple[int, int]:
     """(q rows, k rows = v rows) of one tensor-parallel rank's fused ``attention.qkv`` (rows ``[q; k; v]``).
 
