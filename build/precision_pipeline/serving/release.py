@@ -42,9 +42,11 @@ the loaded ensemble's engine step on it (reloaded from the re-pointed config oth
 unit left loaded that nothing records or routes to. No unit that the live ensemble or route.json
 still routes to is ever unloaded.
 
-History: only ``MOVES`` change the current release; a ``rollout_abort`` (a candidate that was
-never current) and a ``probe`` move nothing, so retention and rollback ignore them, and a candidate
-whose rollout was aborted (``rejected``) is never a rollback target nor kept by retention.
+History: only ``MOVES`` change the current release; a ``rollout_abort`` and a ``probe`` move nothing.
+A candidate rolled back by a failed check (a verdict) is never a rollback target nor kept by retention,
+an earlier release too, until a later move makes it current; a rollout ended without a verdict (a hand
+abort, an interrupt, a crash) changes nothing about a unit that was a release, and its candidate, if it never
+was one, never counts (``release_state.rejected_units``: the one rule).
 
 Damaged ``releases.json`` (truncated, edited): every command refuses with the file and the fix
 (exit 2) and writes nothing; each write keeps the state before it as ``releases.json.prev``.
@@ -193,11 +195,11 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
     else:
         prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
         if not prev:
-            fix = ("roll back to the fallback (--fallback)." if state.get("fallback") else
+            fix = ("roll back to the fallback (--fallback)." if state.get("fallback") not in (None, cur) else
                    "this repository has no fallback either: promote a build (`invoke promote --profile P`), or roll "
                    "back to a kept unit by name (`invoke rollback --to UNIT`; `invoke releases` lists them).")
-            raise UserError("rollback", "there is no previous release on disk (an aborted rollout's candidate "
-                            "never counts).", fix)
+            raise UserError("rollback", "there is no previous release on disk (a unit rolled back by a failed check, "
+                            "or a candidate that was never current, never counts).", fix)
         target = prev[0]
     return target
 

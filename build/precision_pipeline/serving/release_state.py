@@ -146,16 +146,31 @@ def current_order(state: dict) -> list[str]:
     return order
 
 
+NOT_A_VERDICT = ("manual abort", "interrupted", "error")
+"""``failed_check`` values of a ``rollout_abort`` that judge nothing about the candidate: ``invoke rollout --abort``
+(a hand abort), a signal or a rollout process that died (``interrupted``: serving/rollout.py, ``recover``) and an
+unexpected exception of the rollout process (``error``). Every other value is a failed check (``errors``,
+``traffic``, ``latency``, ``probe:*``, ``server``: serving/rollout.py ``_evaluate`` and its automatic rollback),
+a verdict on the unit."""
+
+
 def rejected_units(state: dict) -> dict[str, str]:
-    """{unit: failed check} of candidates whose last rollout was aborted (automatically: a failed check,
-    or by hand) and that were not made current after it: never a rollback target."""
+    """{unit: why} of units that are no release to roll back to or to keep (the one rule, hostile s8 #61/#62/#72):
+    a candidate whose rollout a failed check rolled back (a verdict, ``NOT_A_VERDICT`` aside) and that was not made
+    current after it -- an earlier release too -- and a candidate whose rollout ended without a verdict (a hand
+    abort, an interrupt, a crash) that was never a release. A release (a unit that a ``MOVES`` entry made current)
+    whose later rollout only ended without a verdict stays a release."""
     out: dict[str, str] = {}
+    was_release: set[str] = set()
     for h in state.get("history", []):
         if h.get("action") in MOVES:
             out.pop(h.get("to"), None)
+            was_release.update(u for u in (h.get("to"), h.get("from")) if u)
         elif h.get("action") == "rollout_abort" and h.get("from"):
             ro = h.get("rollout") or {}
-            out[h["from"]] = f"{ro.get('failed_check') or 'aborted'} at {ro.get('percent', '?')} %"
+            why = ro.get("failed_check") or "aborted"
+            if why not in NOT_A_VERDICT or h["from"] not in was_release:
+                out[h["from"]] = f"{why} at {ro.get('percent', '?')} %"
     return out
 
 

@@ -1,0 +1,85 @@
+"""releases.json as a typed record, what counts as a release, and the fallback's acceptance (issue 25, hostile
+round s8), on files only (no server).
+
+- A damaged releases.json (a field of the wrong type, a unit name that is no unit) is refused with exit 2 naming
+  the field, before anything is changed (s8 #41-#44).
+- Only a failed check is a verdict on a unit: an interrupt, a hand abort or a crash of a rollout of an earlier
+  release keeps it a release for rollback and retention (s8 #61, #62, #72).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.serving import release, release_recover, release_rollout, release_state
+from tests.serving import test_release_safety as safety
+from tests.serving.test_release_safety import on_disk, rejected_rollout, serving_repo
+
+units4 = safety.units4  # the module's four packed units (fixture)
+
+
+# ---- what counts as a release (s8 #61, #62, #72)
+
+
+@pytest.mark.parametrize("how", ["interrupted", "manual abort", "error", "crash"])
+def test_a_release_whose_later_rollout_was_not_judged_stays_a_release(tmp_path, units4, how):
+    """A (init), B promoted, a rollout of A (a real earlier release) ended by Ctrl-C / `--abort` / an error /
+    a crash (recovered): A is still the previous release (rollback --to A and plain rollback take it) and the
+    next promote's retention keeps it (keep_releases 2: B and A)."""
+    a, b, c, _ = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0], keep=2)
+    release.promote(repo, units4[1].out_dir)                     # B current, A previous
+    if how == "crash":
+        release_rollout.begin_rollout(repo, units4[0].out_dir, steps=(50, 100))
+        st = release_state.read_state(repo)
+        st["rollout"]["pid"] = 2 ** 22 + 12345                    # the rollout's process died (kill -9)
+        release_state.write_state(repo, st)
+        release_recover.recover(repo)
+    else:
+        rejected_rollout(repo, units4[0], failed_check=how, percent=50)
+    st = release_state.read_state(repo)
+    assert st["history"][-1]["action"] == "rollout_abort" and release_state.rejected_units(st) == {}
+    t = release.promote(repo, units4[2].out_dir)                 # C current: keep B and A
+    assert t["removed"] == [] and on_disk(repo) == sorted([a, b, c])
+    assert release.rollback(repo)["unit"] == b                   # the previous release
+    assert release.rollback(repo, to=a[len("tensorrt_llm_"):][:6])["unit"] == a
+
+
+def test_a_release_rejected_by_a_later_failed_check_is_no_rollback_target(tmp_path, units4):
+    """A failed check is a verdict: a rollout of A (an earlier release) rejected by the probe makes A no rollback
+    target and no kept release, until a later rollout of it passes."""
+    a, b, c, _ = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0], keep=2)
+    release.promote(repo, units4[1].out_dir)
+    rejected_rollout(repo, units4[0], failed_check="probe:kl_p99", percent=5)
+    assert release_state.rejected_units(release_state.read_state(repo)) == {a: "probe:kl_p99 at 5 %"}
+    with pytest.raises(UserError, match=r"rolled back \(probe:kl_p99 at 5 %\)"):
+        release.rollback(repo, to=a)
+    with pytest.raises(UserError, match="no previous release"):
+        release.rollback(repo)
+    t = release.promote(repo, units4[2].out_dir)
+    assert t["removed"] == [a] and on_disk(repo) == sorted([b, c])
+
+
+def test_a_hand_aborted_candidate_that_was_never_a_release_still_never_counts(tmp_path, units4):
+    a, _, c, _ = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0])
+    rejected_rollout(repo, units4[2], failed_check="interrupted", percent=50)
+    with pytest.raises(UserError, match="no previous release"):
+        release.rollback(repo)
+    with pytest.raises(UserError, match="not a release to roll back to") as ei:
+        release.rollback(repo, to=c)
+    assert "interrupted at 50 %" in ei.value.problems[0].reason
+
+
+def test_no_previous_release_never_offers_the_fallback_that_is_current(tmp_path, units4):
+    """s8 #72: the fix offered was `--fallback` although the fallback was the current release."""
+    a, b, _, _ = (u.engine_unit for u in units4)
+    repo = tmp_path / "serving" / "model_repository"
+    release_recover.init_serving_repo(repo, units4[0].out_dir, profile="bf16-h100", fallback_repo=units4[1].out_dir)
+    assert release.rollback(repo, fallback=True)["unit"] == b     # the fallback current, A previous
+    rejected_rollout(repo, units4[0], failed_check="probe:kl_p99", percent=5)
+    with pytest.raises(UserError, match="no previous release") as ei:
+        release.rollback(repo)
+    assert "--fallback" not in ei.value.problems[0].fix and "promote a build" in ei.value.problems[0].fix
