@@ -9,6 +9,9 @@ round s8), on files only (no server).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from precision_pipeline.core.errors import UserError
@@ -17,6 +20,7 @@ from tests.serving import test_release_safety as safety
 from tests.serving.test_release_safety import on_disk, rejected_rollout, serving_repo
 
 units4 = safety.units4  # the module's four packed units (fixture)
+ROOT_REPO = Path("/nonexistent/serving/model_repository")
 
 
 # ---- what counts as a release (s8 #61, #62, #72)
@@ -83,3 +87,79 @@ def test_no_previous_release_never_offers_the_fallback_that_is_current(tmp_path,
     with pytest.raises(UserError, match="no previous release") as ei:
         release.rollback(repo)
     assert "--fallback" not in ei.value.problems[0].fix and "promote a build" in ei.value.problems[0].fix
+
+
+# ---- releases.json is read through one typed record (s8 #41-#44)
+
+
+def _edit(state: dict, damage: str) -> tuple[dict, str]:
+    """``state`` damaged as a hand edit would; returns it and the field the refusal must name."""
+    if damage == "current-fixed-model":          # s8 #41: the ensemble would call preprocessing twice
+        state["current"] = "preprocessing"
+        return state, "field current"
+    if damage == "release-a-string":             # s8 #42
+        state["releases"].append("tensorrt_llm_0123456789ab")
+        return state, f"field releases[{len(state['releases']) - 1}]"
+    if damage == "rollout-a-string":             # s8 #43
+        state["rollout"] = "yes"
+        return state, "field rollout"
+    if damage == "history-from-a-list":          # s8 #44
+        state["history"].append({"action": "promote", "from": [1], "to": 5, "time": "", "by": "x", "ms": 0})
+        return state, f"field history[{len(state['history']) - 1}].from"
+    if damage == "fallback-ensemble":
+        state["fallback"] = "ensemble"
+        return state, "field fallback"
+    if damage == "keep-text":
+        state["keep_releases"] = "2"
+        return state, "field keep_releases"
+    if damage == "unit-files-row":
+        unit = next(iter(state["unit_files"]))
+        state["unit_files"][unit]["config.pbtxt"] = ["12", "abc"]
+        return state, f"field unit_files.{unit}"
+    raise AssertionError(damage)
+
+
+DAMAGES = ["current-fixed-model", "release-a-string", "rollout-a-string", "history-from-a-list", "fallback-ensemble",
+           "keep-text", "unit-files-row"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_hand_edited_releases_json_is_refused_naming_the_field_before_anything_changes(tmp_path, units4, damage):
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)          # releases.json.prev exists
+    path = release_state.state_path(repo)
+    state, field = _edit(json.loads(path.read_text()), damage)
+    path.write_text(json.dumps(state))
+    text = path.read_text()
+    configs = {p: p.read_text() for p in (repo / "ensemble" / "config.pbtxt", repo / "tensorrt_llm_bls" / "config.pbtxt",
+                                          repo / "tensorrt_llm_bls" / "route.json") if p.is_file()}
+    calls = [lambda: release.rollback(repo), lambda: release.rollback(repo, fallback=True),
+             lambda: release.promote(repo, units4[2].out_dir), lambda: release_recover.recover(repo),
+             lambda: release_rollout.begin_rollout(repo, units4[2].out_dir, steps=(100,)), lambda: release.list_releases(repo)]
+    for call in calls:
+        with pytest.raises(UserError) as ei:
+            call()
+        p = ei.value.problems[0]
+        assert p.field == str(path) and p.reason.startswith(field) and "damaged" in p.reason, p.reason
+        assert f"cp {path}.prev {path}" in p.fix
+    assert path.read_text() == text and on_disk(repo) == sorted(u.engine_unit for u in units4[:2])
+    assert {p: p.read_text() for p in configs} == configs   # nothing re-pointed
+
+
+def test_a_damaged_field_exits_2_without_a_traceback(tmp_path, units4):
+    repo = serving_repo(tmp_path, units4[0])
+    path = release_state.state_path(repo)
+    state, _ = _edit(json.loads(path.read_text()), "release-a-string")
+    path.write_text(json.dumps(state))
+    r = safety.inv("rollback", "--repo", str(repo))
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr and "field releases[1]" in r.stdout
+
+
+def test_both_kinds_of_unit_names_are_release_units():
+    """The one unit name pattern: engine units and the LLM-API units of issue 28; nothing else."""
+    ok = {"current": "llm_api_0123456789ab", "fallback": "tensorrt_llm_ba9876543210",
+          "releases": [{"unit": "llm_api_0123456789ab", "kind": "release", "route": "llm_api"}], "history": []}
+    assert release_state.check_state(release_state.state_path(ROOT_REPO), ok) is ok   # extra fields are kept
+    for bad in ("tensorrt_llm_0123456789AB", "llm_api_0123", "tensorrt_llm_bls", "ensemble", "llm_api_0123456789ab/.."):
+        with pytest.raises(UserError, match="a unit name is tensorrt_llm_ or llm_api_"):
+            release_state.check_state(release_state.state_path(ROOT_REPO), {**ok, "current": bad})

@@ -48,8 +48,9 @@ an earlier release too, until a later move makes it current; a rollout ended wit
 abort, an interrupt, a crash) changes nothing about a unit that was a release, and its candidate, if it never
 was one, never counts (``release_state.rejected_units``: the one rule).
 
-Damaged ``releases.json`` (truncated, edited): every command refuses with the file and the fix
-(exit 2) and writes nothing; each write keeps the state before it as ``releases.json.prev``.
+Damaged ``releases.json`` (truncated, edited, a field of the wrong type or a unit field that is no unit name:
+``release_state.ReleasesFile``, the one typed record every read goes through): every command refuses with the
+file, the field and the fix (exit 2) and writes nothing; each write keeps the state before it as ``releases.json.prev``.
 
 Modules: ``release_state`` (releases.json, its atomic writes and lock, crash hooks, history queries, probe
 records), ``release_configs`` (ensemble/BLS/route.json rewrites), ``release_units`` (verified unit installs),
@@ -158,7 +159,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             timings["smoke"] = release_live.smoke_test(server, unit)
         state["fallback"], state["warm_fallback"] = unit, bool(warm)
-        state["releases"] = [r for r in state["releases"] if r["kind"] != "fallback"]
+        state["releases"] = [r for r in state["releases"] if r.get("kind") != "fallback"]
         state["releases"].append(release_record(repo_dir / unit, unit, "", None, by, "fallback"))
         write_state(repo_dir, state)
     timings["unit"] = unit
