@@ -163,3 +163,30 @@ def test_both_kinds_of_unit_names_are_release_units():
     for bad in ("tensorrt_llm_0123456789AB", "llm_api_0123", "tensorrt_llm_bls", "ensemble", "llm_api_0123456789ab/.."):
         with pytest.raises(UserError, match="a unit name is tensorrt_llm_ or llm_api_"):
             release_state.check_state(release_state.state_path(ROOT_REPO), {**ok, "current": bad})
+
+
+# ---- a refused command never ends a live rollout's canary (s8 #76, #78, #87)
+
+
+def test_a_refused_command_leaves_a_live_rollouts_canary_in_route_json(tmp_path, units4):
+    """The rollout's process is alive (this one): recovery at the start of promote/rollback/recover must not rewrite
+    route.json without the canary (the step would measure a candidate that gets no request and pass)."""
+    a, _, c, _ = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0])
+    release_rollout.begin_rollout(repo, units4[2].out_dir, steps=(50, 100))
+    release_rollout.set_rollout_percent(repo, 50)
+    route = repo / "tensorrt_llm_bls" / "route.json"
+    canary = {"tensorrt_llm_model_name": a, "canary": {"tensorrt_llm_model_name": c, "percent": 50}}
+    assert json.loads(route.read_text()) == canary
+    for call in (lambda: release.rollback(repo), lambda: release.promote(repo, units4[1].out_dir)):
+        with pytest.raises(UserError, match="in progress"):
+            call()
+        assert json.loads(route.read_text()) == canary
+    assert units4[1].engine_unit not in on_disk(repo)               # s8 #74: the refused promote installed nothing
+    release_recover.recover(repo)
+    assert json.loads(route.read_text()) == canary
+    route.write_text(json.dumps({"tensorrt_llm_model_name": a}))     # a lost canary is put back as recorded
+    release_recover.recover(repo)
+    assert json.loads(route.read_text()) == canary
+    release_rollout.abort_rollout(repo, failed_check="manual abort")
+    assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": a}

@@ -100,11 +100,11 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
                                  "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
                                  server=server)
         previous = state["current"]
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
-        crash_point("install")
-        if state.get("rollout"):
+        if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
+        crash_point("install")
         if unit == previous:
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
         if server is not None:

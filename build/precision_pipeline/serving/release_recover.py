@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.core.store import clean_stale
+from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
-from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_params
+from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_canary, set_params
 from precision_pipeline.serving.release_live import reconcile_server, verify_server
-from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, STATE_FILE, crash_point, lock,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, ROUTE_FILE, STATE_FILE, crash_point, lock,
                                                       pid_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, unit_record
@@ -166,6 +166,14 @@ def recover_locked(repo_dir: Path) -> list[str]:
                         "restore the unit directory or roll back to one that exists.")
     if point_ensemble(repo_dir, cur):
         fixed.append(f"ensemble re-pointed at {cur}")
-    if point_bls(repo_dir, cur):
+    ro = state.get("rollout")
+    if ro and ro.get("percent"):  # a live rollout's step: its canary stays (hostile s8 #76: a refused command ended it)
+        route = repo_dir / "tensorrt_llm_bls" / ROUTE_FILE
+        want = {"tensorrt_llm_model_name": cur, "canary": {"tensorrt_llm_model_name": ro["candidate"],
+                                                            "percent": int(ro["percent"])}}
+        if (read_json(route, {}) or {}) != want:
+            set_canary(repo_dir, cur, ro["candidate"], int(ro["percent"]))
+            fixed.append(f"the rollout's canary ({ro['percent']} % to {ro['candidate']}) put back in route.json")
+    elif point_bls(repo_dir, cur):
         fixed.append(f"tensorrt_llm_bls re-pointed at {cur}")
     return fixed
