@@ -190,3 +190,31 @@ def test_a_refused_command_leaves_a_live_rollouts_canary_in_route_json(tmp_path,
     assert json.loads(route.read_text()) == canary
     release_rollout.abort_rollout(repo, failed_check="manual abort")
     assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": a}
+
+
+# ---- a Ctrl-C during the candidate's load or smoke test unloads it (s8 #59)
+
+
+@pytest.mark.parametrize("where", ["load", "smoke"])
+def test_an_interrupt_during_the_candidates_load_or_smoke_unloads_it(tmp_path, units4, monkeypatch, where):
+    from precision_pipeline.serving import release_live
+    from tests.serving.test_release_planted import RecordingServer
+
+    repo = serving_repo(tmp_path, units4[0])
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    before = release_state.state_path(repo).read_text()
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+    if where == "smoke":
+        monkeypatch.setattr(release_live, "smoke_test", interrupted)
+    for call in (lambda s: release_rollout.begin_rollout(repo, units4[1].out_dir, server=s, steps=(50, 100)),
+                 lambda s: release.promote(repo, units4[1].out_dir, server=s)):
+        srv = RecordingServer(repo, ready={"ensemble", "preprocessing", a})
+        if where == "load":
+            real = srv.load
+            monkeypatch.setattr(srv, "load", lambda m: real(m) if m != b else (real(m), interrupted()))
+        with pytest.raises(KeyboardInterrupt):
+            call(srv)
+        assert ("unload", b) in [x[:2] for x in srv.calls]
+        assert release_state.state_path(repo).read_text() == before

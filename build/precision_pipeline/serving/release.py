@@ -107,18 +107,18 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         crash_point("install")
         if unit == previous:
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
-        if server is not None:
-            t = time.perf_counter()
-            load_unit(server, unit, "--out", previous, "rebuild the output (`invoke build`), then promote it again.")
-            timings["load_ms"] = (time.perf_counter() - t) * 1e3
-        crash_point("load")
-        if server is not None and smoke:
-            try:
+        try:  # a refusal, Ctrl-C or SIGTERM before the switch: the candidate is unloaded (hostile s8 #59)
+            if server is not None:
+                t = time.perf_counter()
+                load_unit(server, unit, "--out", previous, "rebuild the output (`invoke build`), then promote it again.")
+                timings["load_ms"] = (time.perf_counter() - t) * 1e3
+            crash_point("load")
+            if server is not None and smoke:
                 timings["smoke"] = smoke_unit(server, unit, "--out", previous,
                                                "rebuild the output (`invoke build`), then promote it again.", expect=expect)
-            except Exception:
-                _unload_candidate(server, unit, state)
-                raise
+        except BaseException:
+            _unload_candidate(server, unit, state)
+            raise
         crash_point("smoke")
         try:
             switch(repo_dir, server, unit, timings, previous)
