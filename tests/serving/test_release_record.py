@@ -218,3 +218,72 @@ def test_an_interrupt_during_the_candidates_load_or_smoke_unloads_it(tmp_path, u
             call(srv)
         assert ("unload", b) in [x[:2] for x in srv.calls]
         assert release_state.state_path(repo).read_text() == before
+
+
+def test_a_first_promote_into_a_path_triton_cannot_serve_is_refused(tmp_path, units4):
+    """s8 #117: build refuses such an --out, but the first promote created a serving repository under a space /
+    non-ASCII path (rc 0) that `serve` could never bring up (the Python stubs' command line splits it)."""
+    for name in ("h-repo sp", "h-repo-ü"):
+        repo = tmp_path / name / "model_repository"
+        with pytest.raises(UserError) as ei:
+            release_recover.init_serving_repo(repo, units4[0].out_dir, profile="bf16-h100")
+        assert ei.value.problems[0].field == "--repo" and "never become ready" in ei.value.problems[0].reason
+        assert not (tmp_path / name).exists()
+
+
+def test_rollback_to_and_fallback_together_is_refused(tmp_path, units4):
+    """s8 #111: --fallback silently won over --to."""
+    repo = tmp_path / "serving" / "model_repository"
+    release_recover.init_serving_repo(repo, units4[0].out_dir, profile="bf16-h100", fallback_repo=units4[1].out_dir)
+    release.promote(repo, units4[2].out_dir)
+    before = release_state.state_path(repo).read_text()
+    with pytest.raises(UserError) as ei:
+        release.rollback(repo, to=units4[0].engine_unit, fallback=True)
+    assert ei.value.problems[0].field == "--to" and "--fallback" in ei.value.problems[0].reason
+    assert release_state.state_path(repo).read_text() == before
+
+
+def test_a_garbled_route_json_is_rewritten_from_the_record(tmp_path, units4):
+    """s8 #109: route.json holding invalid JSON made every command exit 1 (JSONDecodeError). It is derived from
+    releases.json: recovery rewrites it; the listing shows it as unreadable."""
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    route = repo / "tensorrt_llm_bls" / "route.json"
+    route.write_text("garbage{")
+    assert release.list_releases(repo)["configs"] == (b, f"{b}|route.json:(unreadable)")
+    assert release.rollback(repo)["unit"] == a
+    assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": a}
+
+
+def test_a_missing_ensemble_or_bls_config_is_refused_naming_it(tmp_path, units4):
+    """s8 #108: a serving repository whose ensemble/ folder was deleted: rollback exited 1 (FileNotFoundError)."""
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    before = release_state.state_path(repo).read_text()
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        cfg = repo / model / "config.pbtxt"
+        text = cfg.read_text()
+        cfg.unlink()
+        with pytest.raises(UserError) as ei:
+            release.rollback(repo)
+        p = ei.value.problems[0]
+        assert p.field == str(cfg) and "missing" in p.reason and "invoke promote" in p.fix
+        assert release_state.state_path(repo).read_text() == before
+        cfg.write_text(text)
+
+
+def test_a_probe_is_recorded_only_in_the_repository_its_server_serves(tmp_path, units4, monkeypatch):
+    """s8 #101: `probe --repo G --url <server of A>` recorded A's measurement in G's history."""
+    from precision_pipeline.serving import probe
+    from tests.serving.test_release_planted import RecordingServer
+
+    repo_a = serving_repo(tmp_path / "a", units4[0])
+    repo_g = serving_repo(tmp_path / "g", units4[0])
+    srv = RecordingServer(repo_a, ready={"ensemble", "preprocessing", units4[0].engine_unit})
+    monkeypatch.setattr(probe, "run_probe", lambda *a: (_ for _ in ()).throw(AssertionError("probed")))
+    before = release_state.state_path(repo_g).read_text()
+    with pytest.raises(UserError) as ei:
+        probe.probe_and_record(srv, units4[0].engine_unit, None, repo_dir=repo_g, profile="bf16-h100")
+    assert ei.value.problems[0].field == "--url" and "does not serve" in ei.value.problems[0].reason
+    assert release_state.state_path(repo_g).read_text() == before

@@ -170,6 +170,9 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
     """The unit ``rollback`` switches to: the fallback, the kept release ``to`` names (a unit name or a prefix
     of its 12 hex digits), or the previous release; UserError (exit 2) when there is none to take."""
     cur = state["current"]
+    if fallback and to:
+        raise UserError("--to", f"and --fallback name two targets ({to!r} and the fallback); taking one would be a guess.",
+                        "pass one of them.")
     units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
     rejected = rejected_units(state)
     releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
