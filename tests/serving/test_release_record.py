@@ -287,3 +287,30 @@ def test_a_probe_is_recorded_only_in_the_repository_its_server_serves(tmp_path, 
         probe.probe_and_record(srv, units4[0].engine_unit, None, repo_dir=repo_g, profile="bf16-h100")
     assert ei.value.problems[0].field == "--url" and "does not serve" in ei.value.problems[0].reason
     assert release_state.state_path(repo_g).read_text() == before
+
+
+def test_reconcile_keeps_the_warm_fallback_loaded_after_its_aborted_rollout(tmp_path, units4):
+    """s8 #127: a hand-aborted rollout of the warm fallback's unit (never current: not a release) made the next
+    command's reconcile unload the warm fallback, so `rollback --fallback` became a cold load."""
+    from tests.serving.test_release_planted import RecordingServer
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = tmp_path / "serving" / "model_repository"
+    release_recover.init_serving_repo(repo, units4[0].out_dir, profile="bf16-h100", fallback_repo=units4[1].out_dir,
+                                      warm_fallback=True)
+    rejected_rollout(repo, units4[1], failed_check="manual abort", percent=50)
+    srv = RecordingServer(repo, ready={"ensemble", "preprocessing", a, b})
+    release_recover.recover(repo, server=srv)
+    assert ("unload", b) not in [x[:2] for x in srv.calls] and b in srv.ready
+
+
+def test_a_releases_json_that_is_a_folder_is_refused(tmp_path, units4):
+    """s8 #128/#129: IsADirectoryError, exit 1."""
+    repo = tmp_path / "serving" / "model_repository"
+    repo.mkdir(parents=True)
+    release_state.state_path(repo).mkdir()
+    for call in (lambda: release_state.read_state(repo), lambda: release.list_releases(repo),
+                 lambda: release_recover.init_serving_repo(repo, units4[0].out_dir)):
+        with pytest.raises(UserError) as ei:
+            call()
+        assert ei.value.problems[0].field == str(release_state.state_path(repo)) and "cannot be read" in str(ei.value)

@@ -170,6 +170,8 @@ def read_state(repo_dir: Path) -> dict | None:
         state = read_json(path)
     except ValueError as e:  # invalid JSON or UTF-8
         raise _damaged(path, f"cannot be parsed ({str(e)[:120]})") from None
+    except OSError as e:  # a folder, unreadable (hostile s8 #128: IsADirectoryError, exit 1)
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     if state is None:
         return None
     return check_state(path, state)
