@@ -365,3 +365,11 @@ def test_written_70b_profile_names_its_fallback_as_deployed(tmp_path):
     assert plan.ok and plan.fallback.ok and plan.memory.fallback_bytes == 0
     # named as the shipped bf16-h100 (tp 1) instead, the same profile is refused: its fallback cannot run
     assert not evaluate(p.model_copy(update={"deployment": p.deployment.model_copy(update={"fallback": "bf16-h100"})}), m70).ok
+    # hostile s8 #84/#85: a --write to a shipped profile is refused before the -fallback sibling is written
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.spec.profile import PROFILES_DIR
+
+    before = sorted(p.name for p in PROFILES_DIR.iterdir())
+    with pytest.raises(UserError, match="shipped profile"):
+        C.write_profile(c, PROFILES_DIR / "int8-sq-l4-smollm2.yaml")
+    assert sorted(p.name for p in PROFILES_DIR.iterdir()) == before

@@ -80,7 +80,8 @@ def test_the_first_release_gets_the_fallback_warmth_retention_and_skew_facts(tmp
         return {"current": "tensorrt_llm_000000000001", "fallback": "tensorrt_llm_000000000002"}
     monkeypatch.setattr(release, "init_serving_repo", init)
     p = build_output.promote_build(b, tmp_path / "serving", by="invoke promote", fallback_out=tmp_path / "bf16-h100")
-    assert p.created and p.unit == "tensorrt_llm_000000000001" and p.warnings == ["w"] and p.notes == []
+    assert p.created and p.unit == "tensorrt_llm_000000000001" and p.notes == []
+    assert p.warnings == ["w", "fallback bf16-h100: w"]  # the fallback's acceptance too (hostile s8 #48)
     assert seen["accept"] == {"image": b.image, "sm": 90}
     k = seen["init"]
     assert (k["fallback_repo"], k["warm_fallback"], k["keep_releases"]) == (
@@ -104,3 +105,47 @@ def test_nightly_promotes_through_the_same_function(tmp_path, monkeypatch):
     assert calls == [(out.resolve(), tmp_path / "serving" / "model_repository",
                       {"by": "invoke nightly", "fallback_out": tmp_path / "bf16-h100"})]
     assert json.loads((out / RECORDS_DIR / "gate.json").read_text())["artifact"]["passed"] is True
+
+
+def test_the_fallback_goes_through_the_same_acceptance_or_the_first_promote_is_refused(tmp_path, monkeypatch):
+    """Hostile s8 #47-#49: the first promote installed the profile's deployment.fallback build with no acceptance
+    (a failed gate, a --golden-limit build that `promote --profile bf16-h100` itself refuses), and any error
+    opening it was reported as "not built". Now: check_promotable judges the fallback build as it judges a
+    promoted one; a refusal, a failed gate or another profile's build there refuses the promote (exit 2, nothing
+    created) with the real reason; only a fallback that is not built at all is a note."""
+    from precision_pipeline.core.errors import Problem
+    from precision_pipeline.serving import acceptance, release
+
+    prof = _profile(deployment={"fallback": "bf16-h100"})
+    fb = _profile(name="bf16-h100")
+    monkeypatch.setattr("precision_pipeline.spec.profile.load_profile", lambda ref: fb if "bf16" in str(ref) else prof)
+    b = build_output.open_build("fp8-h100", _fake_build(tmp_path / "fp8-h100", prof))
+    judged = []
+
+    def check(profile, out_dir, packed, **k):
+        judged.append(profile.name)
+        if profile.name == "bf16-h100" and (Path(out_dir) / "golden-limit").exists():
+            raise UserError([Problem("gate", "not promotable: the verdict covers 6 golden prompt(s)", "rebuild it.",
+                                     rule="accept.golden")])
+        return acceptance.Acceptance(gate={"kl_p99": 0.1}, warnings=[f"w {profile.name}"])
+    monkeypatch.setattr(acceptance, "check_promotable", check)
+    monkeypatch.setattr(release, "read_state", lambda repo: None)
+    inits = []
+    monkeypatch.setattr(release, "init_serving_repo", lambda repo, packed, **k: inits.append(k) or
+                        {"current": "tensorrt_llm_000000000001", "fallback": "tensorrt_llm_000000000002"})
+    good = _fake_build(tmp_path / "bf16-h100", fb)
+    p = build_output.promote_build(b, tmp_path / "serving", by="x", fallback_out=good)
+    assert judged == ["fp8-h100", "bf16-h100"] and inits[-1]["fallback_repo"] == good.resolve() / "model_repository"
+    assert p.warnings == ["w fp8-h100", "fallback bf16-h100: w bf16-h100"]
+
+    (good / "golden-limit").touch()                                 # acceptance refuses the fallback build
+    failed = _fake_build(tmp_path / "bf16-failed", fb, passed=False)  # its gate failed
+    other = _fake_build(tmp_path / "bf16-other", prof)                # another profile's build at its place
+    for out, why in ((good, "not promotable: the verdict covers 6 golden prompt(s)"),
+                     (failed, "did not pass its accuracy gate"), (other, "holds a build of 'fp8-h100'")):
+        n = len(inits)
+        with pytest.raises(UserError) as ei:
+            build_output.promote_build(b, tmp_path / "serving", by="x", fallback_out=out)
+        p0 = ei.value.problems[0]
+        assert p0.field == "deployment.fallback" and why in p0.reason and "bf16-h100" in p0.reason, p0.reason
+        assert "fallback: null" in p0.fix and len(inits) == n       # nothing created

@@ -272,3 +272,14 @@ def test_scalar_strictness_unwraps_optional_only():
 
     assert _scalar_kind(Optional[int]) is int and _scalar_kind(Optional[bool]) is bool and _scalar_kind(float) is float
     assert _scalar_kind(list[int]) is None and _scalar_kind(tuple[int, ...]) is None and _scalar_kind(Optional[str]) is None
+
+
+@pytest.mark.parametrize("snippet, field, fix", [
+    ("deployment:\n  keep_releases: 1e2\n", "deployment.keep_releases", "write 100 (YAML 1.1, which PyYAML reads, takes"),
+    ("gate:\n  kl_mean_max: 5e-2\n", "gate.kl_mean_max", "write 0.05 (YAML 1.1"),
+    ("deployment:\n  keep_releases: '3'\n", "deployment.keep_releases", "write the value without quotes"),
+])
+def test_a_number_pyyaml_reads_as_text_is_refused_with_the_plain_number(tmp_path, snippet, field, fix):
+    """Hostile s8 #22: ``keep_releases: 1e2`` (not quoted; PyYAML reads 1e2 as text) was told to drop the quotes."""
+    e = refusal(write(tmp_path, "n.yaml", BASE + snippet))
+    assert [p.field for p in e.problems] == [field] and e.problems[0].fix.startswith(fix), e.problems[0].fix

@@ -67,7 +67,8 @@ from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.hardware import resolve_gpu
 from precision_pipeline.spec.model_arch import ModelArch, read_model_arch
-from precision_pipeline.spec.profile import deep_merge, load_profile, load_raw, save_profile, shipped_profiles, validate_profile
+from precision_pipeline.spec.profile import (check_profile_target, deep_merge, load_profile, load_raw, save_profile, shipped_profiles,
+                                             validate_profile)
 
 TP_SIZES = (1, 2, 4, 8)
 DEFAULT_MAX_GPUS = 8
@@ -517,14 +518,20 @@ def write_profile(c: Candidate, path: Path, command: str = "") -> Path:
     UserError and nothing written if not). Returns the resolved path. When the fallback is deployed at
     another tp or GPU than its named profile (``fallback_yaml``), that is written first as
     ``<stem>-fallback.yaml`` beside it and named (absolute path) in ``deployment.fallback``."""
-    path = Path(path).expanduser().resolve()
+    path = check_profile_target(path)  # before the sibling: a refused --write writes nothing (hostile s8 #84)
     fb_text = fallback_yaml(c, command)
-    ref = None
+    ref = fb_path = None
     if fb_text is not None:
         fb_path = path.with_name(f"{path.stem}-fallback{path.suffix or '.yaml'}")
+        fb_new = not fb_path.exists()
         save_profile(fb_path, fb_text)
         ref = str(fb_path)
-    save_profile(path, profile_yaml(c, command, ref))
+    try:
+        save_profile(path, profile_yaml(c, command, ref))
+    except BaseException:
+        if fb_path is not None and fb_new:
+            fb_path.unlink(missing_ok=True)
+        raise
     return path
 
 

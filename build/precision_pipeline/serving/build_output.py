@@ -10,7 +10,8 @@ profile, or (``require_passed``) one whose checkpoint failed its gate: a failed 
 
 ``promote_build(build, repo_dir, by=...)``: acceptance (``serving/acceptance.py``, with the serving image and
 the GPU's SM for the skew checks), then the first release (``release.init_serving_repo`` with the profile's
-fallback build, ``warm_fallback`` and ``keep_releases``) or a promote (``release.promote``).
+fallback build, accepted the same way (``_accepted_fallback``), ``warm_fallback`` and ``keep_releases``) or a
+promote (``release.promote``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.outputs import default_out_dir
 from precision_pipeline.core.stage import Stage, read_record
 from precision_pipeline.gate.stage import GateArtifact, GateStage
@@ -80,6 +81,11 @@ class BuildOutput:
         return probe.load_probe_set(self.out_dir / GateStage.output, prompts, thresholds=bar.thresholds())
 
 
+class NotBuilt(UserError):
+    """``open_build``: the folder holds no finished build of the profile (nothing built there, or a build that did
+    not finish); every other refusal of ``open_build`` (another profile's build, a failed gate) is a plain UserError."""
+
+
 def _typed(out_dir: Path, stage: Stage):
     d = read_record(out_dir, stage)
     return d.artifact if d is not None and d.artifact.status in ("done", "failed") else None
@@ -98,8 +104,8 @@ def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passe
                         "recorded under the wrong profile.", f"pass --profile {built}, or the output folder of {prof.name}'s build.")
     gate, repo = _typed(out_dir, GateStage()), _typed(out_dir, PackStage())
     if resolved is None or gate is None or repo is None or repo.status != "done":
-        raise UserError("--profile", f"{out_dir} holds no finished build of {prof.name}.",
-                        f"run `invoke build --profile {profile_ref}` first.")
+        raise NotBuilt("--profile", f"{out_dir} holds no finished build of {prof.name}.",
+                       f"run `invoke build --profile {profile_ref}` first.")
     b = BuildOutput(out_dir=out_dir, profile=prof, plan=resolved.plan, gate=gate, repository=repo,
                     manifests=_typed(out_dir, DeployStage()), checkpoint=_typed(out_dir, QuantizeStage()))
     if require_passed and not b.passed:
@@ -133,13 +139,8 @@ def promote_build(build: BuildOutput, repo_dir: Path, *, by: str, server=None,
     warnings = list(ok.warnings)
     dep = build.profile.deployment
     if release.read_state(repo_dir) is None:
-        fb_repo, notes = None, []
-        if dep.fallback:
-            try:
-                fb_repo = open_build(dep.fallback, fallback_out).packed
-            except Exception:
-                notes.append(f"fallback {dep.fallback} is not built; run `invoke build --profile {dep.fallback}` "
-                             "to keep it on disk.")
+        notes: list[str] = []
+        fb_repo = _accepted_fallback(dep.fallback, fallback_out, warnings, notes) if dep.fallback else None
         state = release.init_serving_repo(repo_dir, build.packed, profile=build.profile.name, gate=ok.gate, by=by,
                                           fallback_repo=fb_repo, warm_fallback=dep.warm_fallback,
                                           keep_releases=dep.keep_releases)
@@ -150,4 +151,35 @@ def promote_build(build: BuildOutput, repo_dir: Path, *, by: str, server=None,
     return Promotion(unit=str(t["unit"]), created=False, warnings=warnings, total_ms=float(t.get("total_ms", 0) or 0))
 
 
-__all__ = ["BuildOutput", "open_build", "Promotion", "promote_build"]
+def _accepted_fallback(name: str, fallback_out: Optional[Path], warnings: list[str], notes: list[str]) -> Optional[Path]:
+    """The packed repository of the fallback build ``name`` (at ``fallback_out``, default ``artifacts/<name>``)
+    once it passed the acceptance a promoted build passes (``acceptance.check_promotable``; its warnings are
+    appended, prefixed); None with a note when it is not built at all (``NotBuilt``). A fallback becomes current by
+    ``rollback --fallback`` without any other check of its build, so one that is refused (acceptance, a failed
+    gate, another profile's build at its place, an unreadable output) refuses the first promote (UserError on
+    ``deployment.fallback``, exit 2, nothing created) with the real reason; promoting without a fallback is said
+    in the profile (``deployment: {fallback: null, warm_fallback: false}``)."""
+    from precision_pipeline.serving import acceptance
+
+    try:
+        fb = open_build(name, fallback_out)
+        ok = acceptance.check_promotable(fb.profile, fb.out_dir, fb.packed, **fb.serving_facts())
+    except NotBuilt:
+        notes.append(f"fallback {name} is not built; run `invoke build --profile {name}` to keep it on disk.")
+        return None
+    except UserError as e:
+        problems = e.problems
+    except (OSError, ValueError) as e:  # an output it cannot read: the reason, never "not built"
+        problems = [Problem("--out", f"its output cannot be read ({type(e).__name__}: {str(e)[:200]})", "rebuild it.")]
+    else:
+        warnings += [f"fallback {name}: {w}" for w in ok.warnings]
+        return fb.packed
+    without = (f"(the fallback's output: `invoke build --profile {name}` rebuilds it at its place). Or promote without "
+               "a fallback: a profile that extends this one with `deployment: {fallback: null, warm_fallback: false}` "
+               "(rollback --fallback is then refused).")
+    raise UserError([Problem("deployment.fallback", f"the fallback build {name} is not accepted as the fallback (it "
+                             f"becomes current by `rollback --fallback` without another check): {p.field}: {p.reason}",
+                             f"{p.fix.rstrip('.')} {without}".strip(), rule=p.rule) for p in problems])
+
+
+__all__ = ["BuildOutput", "NotBuilt", "open_build", "Promotion", "promote_build"]

@@ -338,9 +338,12 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
                      exporter: Optional[ProbeExporter] = None, by: str = "invoke probe") -> dict:
     """One probe run of ``unit``: the result (``ProbeResult.summary()``, or ``{"error": ...}`` when the
     server failed: RuntimeError) is appended to ``repo_dir``'s releases.json history when given and
-    set on ``exporter`` when given. Returns the releases.json record (or the bare summary)."""
-    from precision_pipeline.serving import release_state
+    set on ``exporter`` when given. Returns the releases.json record (or the bare summary). Raises UserError
+    (exit 2, nothing probed) when ``server`` does not serve ``repo_dir`` (``release_live.verify_server``)."""
+    from precision_pipeline.serving import release_live, release_state
 
+    if repo_dir is not None:  # recorded there: the server must serve it (hostile s8 #101: another's was recorded)
+        release_live.verify_server(repo_dir, server)
     try:
         res: Optional[ProbeResult] = run_probe(server, unit, probe_set)
         summary = res.summary()

@@ -42,12 +42,15 @@ the loaded ensemble's engine step on it (reloaded from the re-pointed config oth
 unit left loaded that nothing records or routes to. No unit that the live ensemble or route.json
 still routes to is ever unloaded.
 
-History: only ``MOVES`` change the current release; a ``rollout_abort`` (a candidate that was
-never current) and a ``probe`` move nothing, so retention and rollback ignore them, and a candidate
-whose rollout was aborted (``rejected``) is never a rollback target nor kept by retention.
+History: only ``MOVES`` change the current release; a ``rollout_abort`` and a ``probe`` move nothing.
+A candidate rolled back by a failed check (a verdict) is never a rollback target nor kept by retention,
+an earlier release too, until a later move makes it current; a rollout ended without a verdict (a hand
+abort, an interrupt, a crash) changes nothing about a unit that was a release, and its candidate, if it never
+was one, never counts (``release_state.rejected_units``: the one rule).
 
-Damaged ``releases.json`` (truncated, edited): every command refuses with the file and the fix
-(exit 2) and writes nothing; each write keeps the state before it as ``releases.json.prev``.
+Damaged ``releases.json`` (truncated, edited, a field of the wrong type or a unit field that is no unit name:
+``release_state.ReleasesFile``, the one typed record every read goes through): every command refuses with the
+file, the field and the fix (exit 2) and writes nothing; each write keeps the state before it as ``releases.json.prev``.
 
 Modules: ``release_state`` (releases.json, its atomic writes and lock, crash hooks, history queries, probe
 records), ``release_configs`` (ensemble/BLS/route.json rewrites), ``release_units`` (verified unit installs),
@@ -97,25 +100,25 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
                                  "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
                                  server=server)
         previous = state["current"]
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
-        crash_point("install")
-        if state.get("rollout"):
+        if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
+        crash_point("install")
         if unit == previous:
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
-        if server is not None:
-            t = time.perf_counter()
-            load_unit(server, unit, "--out", previous, "rebuild the output (`invoke build`), then promote it again.")
-            timings["load_ms"] = (time.perf_counter() - t) * 1e3
-        crash_point("load")
-        if server is not None and smoke:
-            try:
+        try:  # a refusal, Ctrl-C or SIGTERM before the switch: the candidate is unloaded (hostile s8 #59)
+            if server is not None:
+                t = time.perf_counter()
+                load_unit(server, unit, "--out", previous, "rebuild the output (`invoke build`), then promote it again.")
+                timings["load_ms"] = (time.perf_counter() - t) * 1e3
+            crash_point("load")
+            if server is not None and smoke:
                 timings["smoke"] = smoke_unit(server, unit, "--out", previous,
                                                "rebuild the output (`invoke build`), then promote it again.", expect=expect)
-            except Exception:
-                _unload_candidate(server, unit, state)
-                raise
+        except BaseException:
+            _unload_candidate(server, unit, state)
+            raise
         crash_point("smoke")
         try:
             switch(repo_dir, server, unit, timings, previous)
@@ -156,7 +159,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
             timings["smoke"] = release_live.smoke_test(server, unit)
         state["fallback"], state["warm_fallback"] = unit, bool(warm)
-        state["releases"] = [r for r in state["releases"] if r["kind"] != "fallback"]
+        state["releases"] = [r for r in state["releases"] if r.get("kind") != "fallback"]
         state["releases"].append(release_record(repo_dir / unit, unit, "", None, by, "fallback"))
         write_state(repo_dir, state)
     timings["unit"] = unit
@@ -167,6 +170,9 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
     """The unit ``rollback`` switches to: the fallback, the kept release ``to`` names (a unit name or a prefix
     of its 12 hex digits), or the previous release; UserError (exit 2) when there is none to take."""
     cur = state["current"]
+    if fallback and to:
+        raise UserError("--to", f"and --fallback name two targets ({to!r} and the fallback); taking one would be a guess.",
+                        "pass one of them.")
     units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
     rejected = rejected_units(state)
     releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
@@ -193,11 +199,11 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
     else:
         prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
         if not prev:
-            fix = ("roll back to the fallback (--fallback)." if state.get("fallback") else
+            fix = ("roll back to the fallback (--fallback)." if state.get("fallback") not in (None, cur) else
                    "this repository has no fallback either: promote a build (`invoke promote --profile P`), or roll "
                    "back to a kept unit by name (`invoke rollback --to UNIT`; `invoke releases` lists them).")
-            raise UserError("rollback", "there is no previous release on disk (an aborted rollout's candidate "
-                            "never counts).", fix)
+            raise UserError("rollback", "there is no previous release on disk (a unit rolled back by a failed check, "
+                            "or a candidate that was never current, never counts).", fix)
         target = prev[0]
     return target
 

@@ -206,6 +206,8 @@ def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
     keep = {cur} | routed_units(repo_dir, server) | {u for u in releases if u not in rejected}
     if state.get("rollout"):
         keep.add(state["rollout"].get("candidate"))
+    if state.get("fallback") and state.get("warm_fallback"):  # loaded by design (hostile s8 #127), rejected or not
+        keep.add(state["fallback"])
     for name, st in loaded_models(server).items():
         if pack.is_unit(name) and st == "READY" and name not in keep:
             with contextlib.suppress(Exception):

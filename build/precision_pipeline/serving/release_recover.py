@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.core.store import clean_stale
+from precision_pipeline.core.outputs import serving_path_problem
+from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
-from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_params
+from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_canary, set_params
 from precision_pipeline.serving.release_live import reconcile_server, verify_server
-from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, STATE_FILE, crash_point, lock,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, ROUTE_FILE, STATE_FILE, crash_point, lock,
                                                       pid_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, unit_record
@@ -35,12 +36,9 @@ def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = Tr
 def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | None = None, profile: str = "",
                       gate: dict | None = None, by: str = "init", fallback_repo: Path | None = None,
                       warm_fallback: bool = False, keep_releases: int = 2) -> dict:
-    """Create a serving repository from a packed one (its unit becomes the current release).
-
-    ``fallback_repo``: a packed repository of the fallback profile whose unit is kept on disk
-    (and loaded when ``warm_fallback``).
-    """
-    repo_dir, packed_repo = Path(repo_dir), Path(packed_repo)
+    """Create a serving repository from a packed one (its unit becomes the current release). ``fallback_repo``: a
+    packed repository of the fallback profile whose unit is kept on disk (and loaded when ``warm_fallback``)."""
+    repo_dir, packed_repo = _servable(Path(repo_dir)), Path(packed_repo)
     unit_src = resolve_unit_source(packed_repo)
     with lock(repo_dir):
         recover_first_promote(repo_dir)
@@ -56,6 +54,16 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
             raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
         return _init_locked(repo_dir, packed_repo, unit_src, serve_root=serve_root, profile=profile, gate=gate, by=by,
                             fallback_repo=fallback_repo, warm_fallback=warm_fallback, keep_releases=keep_releases)
+
+
+def _servable(repo_dir: Path) -> Path:
+    """``repo_dir`` when Triton can serve a repository there; else UserError on ``--repo`` (exit 2): the rule build
+    applies to ``--out`` (core/outputs.py ``serving_path_problem``; hostile s8 #117: `serve` never brought one up)."""
+    why = serving_path_problem(str(repo_dir.resolve()))
+    if why:
+        raise UserError("--repo", why + "; nothing was created.", "pass a --repo path of ASCII letters, digits and "
+                        "/ . _ - + @ : , = ~ (e.g. artifacts/serving/model_repository).")
+    return repo_dir
 
 
 def recover_first_promote(repo_dir: Path) -> list[str]:
@@ -153,6 +161,11 @@ def recover_locked(repo_dir: Path) -> list[str]:
     if not state or not state.get("current"):
         return fixed
     cur = state["current"]
+    for m in ("ensemble", "tensorrt_llm_bls"):  # hostile s8 #108: a deleted config was a FileNotFoundError (exit 1)
+        if not (repo_dir / m / "config.pbtxt").is_file():
+            raise UserError(str(repo_dir / m / "config.pbtxt"), "is missing (deleted or moved): the serving repository "
+                            "cannot serve, and this command changed nothing.", f"restore {repo_dir / m} from a backup, or "
+                            "create a new serving repository (`invoke promote --profile P --repo NEW_DIR`).")
     if state.get("rollout") and not pid_alive(state["rollout"].get("pid")):
         # a rollout whose process died (crash, kill -9): the stable release serves every request again
         ro = state.pop("rollout")
@@ -164,8 +177,21 @@ def recover_locked(repo_dir: Path) -> list[str]:
     if not (repo_dir / cur / "config.pbtxt").is_file():
         raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir}.",
                         "restore the unit directory or roll back to one that exists.")
+    route = repo_dir / "tensorrt_llm_bls" / ROUTE_FILE
+    try:
+        read_json(route, {})
+    except ValueError:  # hostile s8 #109: hand-edited; derived from releases.json, so rewritten below
+        route.unlink()
+        fixed.append(f"{route} was unreadable: rewritten from {STATE_FILE}")
     if point_ensemble(repo_dir, cur):
         fixed.append(f"ensemble re-pointed at {cur}")
-    if point_bls(repo_dir, cur):
+    ro = state.get("rollout")
+    if ro and ro.get("percent"):  # a live rollout's step: its canary stays (hostile s8 #76: a refused command ended it)
+        want = {"tensorrt_llm_model_name": cur, "canary": {"tensorrt_llm_model_name": ro["candidate"],
+                                                            "percent": int(ro["percent"])}}
+        if (read_json(route, {}) or {}) != want:
+            set_canary(repo_dir, cur, ro["candidate"], int(ro["percent"]))
+            fixed.append(f"the rollout's canary ({ro['percent']} % to {ro['candidate']}) put back in route.json")
+    elif point_bls(repo_dir, cur):
         fixed.append(f"tensorrt_llm_bls re-pointed at {cur}")
     return fixed

@@ -28,8 +28,7 @@ after an abort's route.json. At each, ``recover()`` leaves the stable release se
 
 
 def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = "", gate: dict | None = None,
-                  steps: Iterable[int] = (), by: str = "rollout", smoke: bool = True,
-                  serve_root: str | None = None) -> dict:
+                  steps: Iterable[int] = (), by: str = "rollout", smoke: bool = True, serve_root: str | None = None) -> dict:
     """Install and load the candidate unit beside the current (stable) one and smoke-test it; record
     ``rollout`` = {candidate, profile, gate, steps, step, percent: 0, started, by} in releases.json.
     No request is routed to it yet (``set_rollout_percent``). Returns the rollout record (+ timings).
@@ -46,16 +45,17 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
         if unit == state["current"]:
             raise UserError("--profile", f"{unit} is already the current release.", "nothing to roll out.")
         if server is not None:
-            t = time.perf_counter()
-            load_unit(server, unit, "--out", state["current"], "rebuild the output (`invoke build`), then roll it out again.")
-            timings["load_ms"] = (time.perf_counter() - t) * 1e3
-            if smoke:
-                try:
+            try:  # a refusal, Ctrl-C or SIGTERM before the rollout is recorded: the candidate is unloaded (s8 #59)
+                t = time.perf_counter()
+                load_unit(server, unit, "--out", state["current"], "rebuild the output (`invoke build`), then roll it out again.")
+                timings["load_ms"] = (time.perf_counter() - t) * 1e3
+                if smoke:
                     timings["smoke"] = smoke_unit(server, unit, "--out", state["current"],
                                                    "rebuild the output (`invoke build`), then roll it out again.")
-                except Exception:
+            except BaseException:
+                if not (unit == state.get("fallback") and state.get("warm_fallback")):  # a warm fallback stays loaded
                     unload_quietly(server, unit)
-                    raise
+                raise
         crash_point("rollout_load")
         state["rollout"] = {"candidate": unit, "stable": state["current"], "profile": profile, "gate": gate or {},
                             "steps": [int(x) for x in steps], "step": None, "percent": 0, "started": timestamp(), "by": by,

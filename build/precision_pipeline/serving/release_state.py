@@ -9,6 +9,9 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, locked, read_json
@@ -36,6 +39,119 @@ ROUTE_FILE = "route.json"  # tensorrt_llm_bls/route.json: the unit the running B
 HISTORY_MAX = 200
 
 
+UNIT_NAME_PATTERN = r"(?:tensorrt_llm|llm_api)_[0-9a-f]{12}"
+"""The name of a unit a release serves (the one pattern releases.json's unit fields must match): an engine unit
+``tensorrt_llm_<h12>`` (serving/pack.py ``unit_name``: ``UNIT_PREFIX`` + 12 hex digits of its content key) or an
+LLM-API unit ``llm_api_<h12>`` (serving/llmapi_unit.py, issue 28: the same 12 hex digits of its content key).
+Never a fixed model (``preprocessing``, ``ensemble``, ...): pointed at one, the ensemble would call it twice."""
+Unit = Annotated[str, StringConstraints(pattern=f"^{UNIT_NAME_PATTERN}$")]
+ACTIONS = (*MOVES, "rollout_abort", "probe")
+"""History actions: ``MOVES``, a rollout rolled back (``rollout_abort``) and a probe result (``probe``)."""
+
+
+FileRow = Annotated[tuple[Annotated[int, Field(ge=0)], Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]],
+                   BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)]
+"""A row of ``unit_files``: [size in bytes, sha256 hex] (serving/release_units.py ``installed_record``)."""
+
+
+class _Record(BaseModel):
+    # strict types for every field the release code reads; fields it does not read (extras) are kept as written
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+class ReleaseEntry(_Record):
+    """One row of ``releases``: a release (``kind`` release) or the fallback's record."""
+
+    unit: Unit
+    kind: Literal["release", "fallback"] = "release"
+    profile: str = ""
+    gate: dict[str, Any] = {}
+    engine_hash: str = ""
+    time: str = ""
+    promoted_by: str = ""
+    engine_present: bool = False
+
+
+class RolloutEnded(_Record):
+    """A history entry's ``rollout``: a finished rollout's steps, or an aborted one's step and failed check."""
+
+    candidate: Optional[Unit] = None
+    stable: Optional[Unit] = None
+    percent: Optional[int] = None
+    step: Optional[int] = None
+    failed_check: Optional[str] = None
+    steps: Optional[list[int]] = None
+
+
+class HistoryEntry(_Record):
+    """One row of ``history`` (``from``/``to``: the unit current before / after; both empty for a probe)."""
+
+    action: Literal[ACTIONS]  # type: ignore[valid-type]
+    from_: Optional[Unit] = Field(None, alias="from")
+    to: Optional[Unit] = None
+    unit: Optional[Unit] = None
+    time: str = ""
+    by: str = ""
+    ms: float = 0.0
+    rollout: Optional[RolloutEnded] = None
+
+
+class RolloutInProgress(_Record):
+    """``rollout``: the rollout in progress (serving/release_rollout.py ``begin_rollout``)."""
+
+    candidate: Unit
+    stable: Unit
+    percent: int = Field(0, ge=0, le=100)
+    step: Optional[int] = None
+    steps: list[int] = []
+    pid: Optional[int] = None
+    checks: list[dict[str, Any]] = []
+    profile: str = ""
+    gate: dict[str, Any] = {}
+    started: str = ""
+    by: str = ""
+
+
+class ReleasesFile(_Record):
+    """releases.json (the layout: serving/release.py). ``read_state`` validates every read against it."""
+
+    version: int = 1
+    current: Unit
+    fallback: Optional[Unit] = None
+    warm_fallback: bool = False
+    keep_releases: int = Field(2, ge=0, le=100)
+    repository_id: Optional[str] = None
+    releases: list[ReleaseEntry] = []
+    history: list[HistoryEntry] = []
+    rollout: Optional[RolloutInProgress] = None
+    unit_files: dict[Unit, dict[str, FileRow]] = {}
+
+
+def _field_of(err: dict) -> str:
+    out = ""
+    for part in err.get("loc", ()):
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(the whole file)"
+
+
+def check_state(path: Path, state: Any) -> dict:
+    """``state`` (releases.json as parsed) if it is a releases record (``ReleasesFile``); else the UserError of a
+    damaged file (``_damaged``) naming the first wrong field, what it holds and what it must hold."""
+    if not isinstance(state, dict):
+        raise _damaged(path, "is not a releases record (an object with current, releases and history)")
+    try:
+        ReleasesFile.model_validate(state)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        err = errs[0]
+        more = f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""
+        got = repr(err.get("input"))[:80]
+        hint = (" -- a unit name is tensorrt_llm_ or llm_api_ and 12 hex digits"
+                if (err.get("ctx") or {}).get("pattern") == f"^{UNIT_NAME_PATTERN}$" else "")
+        raise _damaged(path, f"field {_field_of(err)}: {err.get('msg')} (got {got}){hint}{more}") from None
+    return state
+
+
 def crash_point(step: str) -> None:
     if os.environ.get(CRASH_ENV) == step:
         os._exit(CRASH_EXIT)
@@ -46,19 +162,19 @@ def state_path(repo_dir: Path) -> Path:
 
 
 def read_state(repo_dir: Path) -> dict | None:
-    """releases.json beside ``repo_dir`` (None when there is none). Raises UserError (exit 2) naming the
-    file and the fix when it is not a releases record (truncated, edited); nothing is written then."""
+    """releases.json beside ``repo_dir`` (None when there is none), validated (``ReleasesFile``: every field the
+    release code reads has its type, every unit field a unit name). Raises UserError (exit 2) naming the file,
+    the field and the fix when it is not a releases record (truncated, edited); nothing is written then."""
     path = state_path(repo_dir)
     try:
         state = read_json(path)
     except ValueError as e:  # invalid JSON or UTF-8
         raise _damaged(path, f"cannot be parsed ({str(e)[:120]})") from None
+    except OSError as e:  # a folder, unreadable (hostile s8 #128: IsADirectoryError, exit 1)
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     if state is None:
         return None
-    if not isinstance(state, dict) or not isinstance(state.get("current"), str) \
-            or not isinstance(state.get("history", []), list) or not isinstance(state.get("releases", []), list):
-        raise _damaged(path, "is not a releases record (an object with current, releases and history)")
-    return state
+    return check_state(path, state)
 
 
 def _damaged(path: Path, why: str) -> UserError:
@@ -146,16 +262,31 @@ def current_order(state: dict) -> list[str]:
     return order
 
 
+NOT_A_VERDICT = ("manual abort", "interrupted", "error")
+"""``failed_check`` values of a ``rollout_abort`` that judge nothing about the candidate: ``invoke rollout --abort``
+(a hand abort), a signal or a rollout process that died (``interrupted``: serving/rollout.py, ``recover``) and an
+unexpected exception of the rollout process (``error``). Every other value is a failed check (``errors``,
+``traffic``, ``latency``, ``probe:*``, ``server``: serving/rollout.py ``_evaluate`` and its automatic rollback),
+a verdict on the unit."""
+
+
 def rejected_units(state: dict) -> dict[str, str]:
-    """{unit: failed check} of candidates whose last rollout was aborted (automatically: a failed check,
-    or by hand) and that were not made current after it: never a rollback target."""
+    """{unit: why} of units that are no release to roll back to or to keep (the one rule, hostile s8 #61/#62/#72):
+    a candidate whose rollout a failed check rolled back (a verdict, ``NOT_A_VERDICT`` aside) and that was not made
+    current after it -- an earlier release too -- and a candidate whose rollout ended without a verdict (a hand
+    abort, an interrupt, a crash) that was never a release. A release (a unit that a ``MOVES`` entry made current)
+    whose later rollout only ended without a verdict stays a release."""
     out: dict[str, str] = {}
+    was_release: set[str] = set()
     for h in state.get("history", []):
         if h.get("action") in MOVES:
             out.pop(h.get("to"), None)
+            was_release.update(u for u in (h.get("to"), h.get("from")) if u)
         elif h.get("action") == "rollout_abort" and h.get("from"):
             ro = h.get("rollout") or {}
-            out[h["from"]] = f"{ro.get('failed_check') or 'aborted'} at {ro.get('percent', '?')} %"
+            why = ro.get("failed_check") or "aborted"
+            if why not in NOT_A_VERDICT or h["from"] not in was_release:
+                out[h["from"]] = f"{why} at {ro.get('percent', '?')} %"
     return out
 
 
@@ -169,7 +300,7 @@ def release_record(unit_dir: Path, unit: str, profile: str, gate: dict | None, b
 def make_current(repo_dir: Path, state: dict, unit: str, profile: str, gate: dict | None, by: str) -> None:
     """``state``'s current release becomes ``unit`` with a fresh release record (a fallback record of it stays)."""
     state["current"] = unit
-    state["releases"] = [r for r in state["releases"] if r["unit"] != unit or r["kind"] == "fallback"]
+    state["releases"] = [r for r in state["releases"] if r["unit"] != unit or r.get("kind") == "fallback"]
     state["releases"].append(release_record(Path(repo_dir) / unit, unit, profile, gate, by, "release"))
 
 

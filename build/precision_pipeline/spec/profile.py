@@ -53,7 +53,7 @@ from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.llm_args import DEFAULT_TRTLLM_VERSION, KNOWN_VERSIONS_TEXT, trtllm_line
-from precision_pipeline.spec.profile_yaml import read_yaml, safe_load, short
+from precision_pipeline.spec.profile_yaml import number_as_text, read_yaml, safe_load, short
 from precision_pipeline.spec.routing import Routing
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
@@ -93,7 +93,7 @@ class _Strict(BaseModel):
             if kind is bool and not isinstance(v, bool):
                 raise ValueError(f"{name}: must be true or false, got {short(v)}")
             if kind in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise ValueError(f"{name}: must be a number, got {short(v)}")
+                raise ValueError(f"{name}: must be a number, got {short(v)}{number_as_text(v)}")
             if kind is int and isinstance(v, float):
                 raise ValueError(f"{name}: must be a whole number, got {short(v)}")
             if kind is float and isinstance(v, float) and not math.isfinite(v):
@@ -688,8 +688,9 @@ def _problems_from_validation(e: ValidationError) -> list[Problem]:
                 continue
             if typ == "value_error" and ": must be " in msg:  # from _Strict._strict_scalars: "name: must be ..."
                 name, _, msg = msg.partition(": ")
+                msg, _, fix = msg.partition(" | fix: ")
                 field = _loc_str(loc + (name,))
-                problems.append(Problem(field, f"{msg}.", "write the value without quotes, as the schema's type."))
+                problems.append(Problem(field, f"{msg}.", fix or "write the value without quotes, as the schema's type."))
                 continue
             problems.append(Problem(field, f"{msg} (got {short(err.get('input'))}).", "see `invoke schema` for the allowed values."))
     return problems

@@ -5,6 +5,7 @@ doc lists the rules)."""
 
 from __future__ import annotations
 
+import math
 import re
 import reprlib
 from pathlib import Path
@@ -174,4 +175,22 @@ def read_yaml(path: Path, field: str) -> dict:
     return data
 
 
-__all__ = ["MAX_PROFILE_BYTES", "MAX_YAML_NODES", "short", "safe_load", "read_yaml"]
+def number_as_text(v: Any) -> str:
+    """`` | fix: write N (...)`` when ``v`` is text that is a number but PyYAML (YAML 1.1) reads as text even
+    unquoted (``1e2``, ``5e-2``: YAML 1.1 floats need a dot and a signed exponent); "" otherwise (then it was
+    quoted, and the fix is to drop the quotes)."""
+    if not isinstance(v, str) or len(v) > 40:
+        return ""
+    try:
+        f = float(v)
+        bare = yaml.safe_load(v)
+    except (ValueError, yaml.YAMLError):
+        return ""
+    if not math.isfinite(f) or not isinstance(bare, str):
+        return ""
+    plain = str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+    return (f" | fix: write {plain} (YAML 1.1, which PyYAML reads, takes {v} as text: its exponent form needs a dot "
+            "and a signed exponent, 1.0e+2).")
+
+
+__all__ = ["MAX_PROFILE_BYTES", "MAX_YAML_NODES", "short", "safe_load", "read_yaml", "number_as_text"]
