@@ -40,6 +40,8 @@ DEPLOYMENT_NOT_RENDERED = {
     "fallback": "read by `invoke promote` (the fallback's packed repository into releases.json), not a manifest",
     "warm_fallback": "read by `invoke promote` (releases.json via release_recover.init_serving_repo), not a manifest",
     "keep_releases": "read by `invoke promote` (releases.json via release_recover.init_serving_repo), not a manifest",
+    "server": "chooses which manifests deploy renders (trtllm-serve on route llm_api: serving/stage.py LlmApiDeployStage, "
+              "tests/serving/test_trtllm_serve.py), not a value inside them",
 }
 
 

@@ -53,7 +53,7 @@ from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.llm_args import DEFAULT_TRTLLM_VERSION, KNOWN_VERSIONS_TEXT, trtllm_line
-from precision_pipeline.spec.profile_yaml import number_as_text, read_yaml, safe_load, short
+from precision_pipeline.spec.profile_yaml import deep_merge, number_as_text, read_yaml, safe_load, short
 from precision_pipeline.spec.routing import Routing
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
@@ -552,16 +552,6 @@ def resolve_profile_path(name_or_path: str, field: str = "--profile") -> Path:
         raise UserError(field, f"no shipped profile named {short(s)}.",
                         f"{fix}Shipped: {', '.join(shipped_profiles())}; or pass a path to a .yaml file.")
     return p
-
-
-def deep_merge(base: Any, over: Any) -> Any:
-    """Merge ``over`` onto ``base``: mappings key by key (recursively); lists and scalars replace."""
-    if isinstance(base, dict) and isinstance(over, dict):
-        out = dict(base)
-        for k, v in over.items():
-            out[k] = deep_merge(base[k], v) if k in base else v
-        return out
-    return over
 
 
 def load_raw(name_or_path: str, _chain: tuple[str, ...] = ()) -> dict:

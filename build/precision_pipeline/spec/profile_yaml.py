@@ -193,4 +193,13 @@ def number_as_text(v: Any) -> str:
             "and a signed exponent, 1.0e+2).")
 
 
-__all__ = ["MAX_PROFILE_BYTES", "MAX_YAML_NODES", "short", "safe_load", "read_yaml", "number_as_text"]
+def deep_merge(base: Any, over: Any) -> Any:
+    """Merge ``over`` onto ``base``: mappings key by key (recursively); lists and scalars replace."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = deep_merge(base[k], v) if k in base else v
+        return out
+    return over
+
+__all__ = ["deep_merge", "MAX_PROFILE_BYTES", "MAX_YAML_NODES", "short", "safe_load", "read_yaml", "number_as_text"]
