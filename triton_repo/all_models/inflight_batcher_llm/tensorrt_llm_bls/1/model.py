@@ -285,6 +285,7 @@ class TritonPythonModel:
         trace = request.trace() if span is not None else None
         if span is not None:
             span.set_attribute(self.gen_ai.GEN_AI_REQUEST_MAX_TOKENS, int(np.asarray(opt("max_tokens")).reshape(-1)[0]))
+        pre, trt_in = self._preprocess(opt, trace)  # before the choice (``_preprocess``); an LLM-API unit ignores it
         unit = self._route()
         self._gauges()
         route = "canary" if unit == self.canary and unit != self.trt_name else (
@@ -299,7 +300,7 @@ class TritonPythonModel:
             if unit.startswith(LLM_API_PREFIX):
                 tensors, counts = self._llm_api(unit, opt, trace), None
             else:
-                tensors, counts = self._engine(unit, opt, trace)
+                tensors, counts = self._engine(unit, pre, trt_in, trace)
         except Exception:
             self._metric(self.f_fail, labels).increment(1)
             raise
@@ -332,8 +333,10 @@ class TritonPythonModel:
         return [pb_utils.Tensor("text_output", np.array(out, dtype=object)),
                 pb_utils.Tensor("cum_log_probs", np.array(cum, dtype=np.float32))]
 
-    def _engine(self, unit, opt, trace):
-        """preprocessing -> engine unit -> postprocessing: (output tensors, (prompt tokens, generated tokens))."""
+    def _preprocess(self, opt, trace):
+        """preprocessing's outputs and the engine unit's input tensors. Run *before* the unit is chosen: the choice
+        (route.json) must be as close to the unit's call as possible, since a release switch unloads the previous
+        unit right after route.json changes (a request that chose it before preprocessing would find it gone)."""
         pre_in = [pb_utils.Tensor("QUERY", opt("text_input")),
                   pb_utils.Tensor("REQUEST_OUTPUT_LEN", opt("max_tokens").astype(np.int32))]
         for src, dst in (("bad_words", "BAD_WORDS_DICT"), ("stop_words", "STOP_WORDS_DICT"), ("end_id", "END_ID"), ("pad_id", "PAD_ID")):
@@ -353,6 +356,10 @@ class TritonPythonModel:
             v = opt(name)
             if v is not None:
                 trt_in.append(pb_utils.Tensor(name, v))
+        return pre, trt_in
+
+    def _engine(self, unit, pre, trt_in, trace):
+        """engine unit -> postprocessing (after ``_preprocess``): (output tensors, (prompt tokens, generated tokens))."""
         trt = self._call(unit, trt_in, ["output_ids", "sequence_length", "cum_log_probs", "output_log_probs"], trace)
         post = self._call("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", trt["output_ids"]),
                                              pb_utils.Tensor("SEQUENCE_LENGTH", trt["sequence_length"])], ["OUTPUT"], trace)
