@@ -34,7 +34,7 @@ import torch
 
 from precision_pipeline.checkpoint import codecs
 from precision_pipeline.checkpoint.codecs import FIELD
-from precision_pipeline.checkpoint.reader import (HF_QUANT_CONFIG, DequantizedCheckpoint, LinearSpec,
+from precision_pipeline.checkpoint.reader import (HF_QUANT_CONFIG, DequantizedCheckpoint, LinearSpec, format_rows,
                                                   safetensors_header)
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec import formats as FMT
@@ -335,19 +335,8 @@ def hf_layer_table(ckpt_dir: Path) -> dict:
             for dim in meta["shape"]:
                 n *= int(dim)
             s[0] += n
-    rows, by_fmt, bits, params = [], {}, 0, 0
-    for stem, (n, nbytes) in sizes.items():
-        algo, group = hf_linear_format(q, stem)
-        fmt = FMT.GEMM.get(algo)
-        n *= fmt.pack if fmt else 1
-        rows.append({"name": stem, "quant_algo": algo, "group_size": group if fmt and fmt.grouping != "none" else None,
-                     "params": n, "bytes": nbytes, "bits_per_weight": round(nbytes * 8 / n, 4)})
-        agg = by_fmt.setdefault(algo, {"linears": 0, "params": 0, "bytes": 0})
-        agg["linears"] += 1
-        agg["params"] += n
-        agg["bytes"] += nbytes
-        bits += nbytes * 8
-        params += n
+    rows, by_fmt, bits, params = format_rows((stem, *hf_linear_format(q, stem), n, nbytes)
+                                             for stem, (n, nbytes) in sizes.items())
     return {"quant_algo": q["quant_algo"], "kv_cache_quant_algo": q["kv_cache_quant_algo"] or FMT.KVCacheQuantAlgo.NONE.value,
             "source": f"unified HF checkpoint ({HF_QUANT_CONFIG}, *.safetensors headers)", "architecture":
             (cfg.get("architectures") or [None])[0], "linears": rows, "by_format": dict(sorted(by_fmt.items())),

@@ -380,6 +380,25 @@ def checkpoint_info(ckpt_dir: Path) -> dict:
     }
 
 
+def format_rows(linears) -> tuple[list[dict], dict[str, dict], int, int]:
+    """The per-linear rows and per-format totals of a layer table (``layer_table``; ``hf_unified.hf_layer_table``):
+    ``linears`` yields (name, quant_algo, group_size, stored weight elements, bytes); a 4-bit format stores 2 weights
+    per element (``GemmFormat.pack``). Returns (rows, by_format, total bits, total params)."""
+    rows, by_fmt, tot_bits, tot_params = [], {}, 0, 0
+    for stem, algo, group, stored, nbytes in linears:
+        fmt = FMT.GEMM.get(algo)
+        params = stored * (fmt.pack if fmt else 1)
+        rows.append({"name": stem, "quant_algo": algo, "group_size": group if fmt and fmt.grouping != "none" else None,
+                     "params": params, "bytes": nbytes, "bits_per_weight": round(nbytes * 8 / params, 4)})
+        agg = by_fmt.setdefault(algo, {"linears": 0, "params": 0, "bytes": 0})
+        agg["linears"] += 1
+        agg["params"] += params
+        agg["bytes"] += nbytes
+        tot_bits += nbytes * 8
+        tot_params += params
+    return rows, by_fmt, tot_bits, tot_params
+
+
 def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
     """The checkpoint, GEMM by GEMM, from config.json/quant_cfg.json and the safetensors headers
     (no tensor data read): what the plan shows as ``layers``.
@@ -423,21 +442,8 @@ def layer_table(ckpt_dir: Path, search: dict | None = None) -> dict:
             return (0, int(parts[2]), order.index(parts[3]))
         return (1, 0, 0)
 
-    rows, by_fmt = [], {}
-    tot_bits = tot_params = 0
-    for stem in sorted(names, key=key):
-        algo, group = linear_format(qinfo, stem)
-        fmt = FMT.GEMM.get(algo)
-        params = sizes[stem][0] * (fmt.pack if fmt else 1)  # 4-bit formats: 2 weights per stored byte
-        nbytes = sizes[stem][1]
-        rows.append({"name": stem, "quant_algo": algo, "group_size": group if fmt and fmt.grouping != "none" else None,
-                     "params": params, "bytes": nbytes, "bits_per_weight": round(nbytes * 8 / params, 4)})
-        agg = by_fmt.setdefault(algo, {"linears": 0, "params": 0, "bytes": 0})
-        agg["linears"] += 1
-        agg["params"] += params
-        agg["bytes"] += nbytes
-        tot_bits += nbytes * 8
-        tot_params += params
+    rows, by_fmt, tot_bits, tot_params = format_rows(
+        (stem, *linear_format(qinfo, stem), *sizes[stem]) for stem in sorted(names, key=key))
     out = {"quant_algo": qinfo["quant_algo"], "kv_cache_quant_algo": qinfo["kv_cache_quant_algo"] or KV_NONE,
            "source": "exported checkpoint (config.json" + (", quant_cfg.json" if qinfo["layers"] else "") +
                      ", rank*.safetensors headers)",
