@@ -177,10 +177,14 @@ def test_upgrade_canary_reports_per_profile_and_says_when_the_export_is_removed(
     gate = {"kl_mean": {"value": 0.05, "ci95": [0.04, 0.06], "passed": True, "op": "<="}}
     (nd / "summary.json").write_text(json.dumps({"profiles": [
         {"profile": "a", "verdict": "pass", "gate": gate, "checkpoint_bytes": 10, "provenance": {}},
-        {"profile": "b", "verdict": "pass", "gate": gate, "checkpoint_bytes": 10, "provenance": {}}]}))
-    canary = [{"profile": "a", "verdict": "pass", "gate": {"kl_mean": {"value": 0.09, "ci95": [0.08, 0.1], "passed": True, "op": "<="}},
+        {"profile": "b", "verdict": "pass", "gate": gate, "checkpoint_bytes": 10, "provenance": {}},
+        {"profile": "c", "route": "llm_api", "verdict": "pass", "gate": gate, "checkpoint_bytes": 10, "provenance": {}}]}))
+    canary = [{"profile": "a", "route": "engine", "verdict": "pass",
+               "gate": {"kl_mean": {"value": 0.09, "ci95": [0.08, 0.1], "passed": True, "op": "<="}},
                "checkpoint_bytes": 10, "provenance": {}},
-              {"profile": "b", "verdict": "error", "reason": "AttributeError: export_tensorrt_llm_checkpoint", "gate": {}}]
+              {"profile": "b", "route": "engine", "verdict": "error", "reason": "AttributeError: export_tensorrt_llm_checkpoint",
+               "gate": {}},
+              {"profile": "c", "route": "llm_api", "verdict": "pass", "gate": gate, "checkpoint_bytes": 10, "provenance": {}}]
     fake = FakeInstaller({"nvidia-modelopt": "0.49.0", "transformers": "5.1.0"}, canary)
     before = sorted(p.name for p in (ROOT / ".venv").iterdir()) if (ROOT / ".venv").exists() else []
     rep = nl.run_upgrade(nl.NightlyOptions(profiles=["a", "b"], out_root=tmp_path / "out", golden_limit=1), installer=fake,
@@ -189,10 +193,12 @@ def test_upgrade_canary_reports_per_profile_and_says_when_the_export_is_removed(
     assert fake.calls[2][1][:5] == ["nightly", "--out", str(tmp_path / "work" / "artifacts"), "--profiles", "a,b"]
     by = {r["profile"]: r for r in rep["profiles"]}
     assert by["a"]["verdict"] == "changes" and by["a"]["changes"][0]["what"] == "kl_mean"
-    assert by["b"]["verdict"] == "breaks"
-    assert "REMOVES" in rep["notice"] and rep["exit_code"] == 6
+    assert by["b"]["verdict"] == "breaks" and by["b"]["route"] == "engine"
+    assert by["c"]["verdict"] == "unchanged" and by["c"]["route"] == "llm_api"  # the route the removal does not touch
+    assert "REMOVES" in rep["notice"] and "llm_api route" in rep["notice"] and rep["exit_code"] == 6
     md = (nd / "upgrade.md").read_text()
-    assert "**ModelOpt 0.49.0 REMOVES export_tensorrt_llm_checkpoint" in md and "| b | breaks |" in md
+    assert "**ModelOpt 0.49.0 REMOVES export_tensorrt_llm_checkpoint" in md and "| b | engine | breaks |" in md
+    assert "| c | llm_api | unchanged | - |" in md
     assert json.loads((nd / "upgrade.json").read_text())["versions"]["nvidia-modelopt"] == "0.49.0"
     after = sorted(p.name for p in (ROOT / ".venv").iterdir()) if (ROOT / ".venv").exists() else []
     assert before == after  # the pinned venv is not touched
@@ -279,6 +285,19 @@ def test_workflow_steps_call_only_commands_that_exist(invoke_here):
     for wf, job, run in lines:
         for flag in re.findall(r"(--[a-z-]+)", run):
             assert flag in help_text, f"{wf} {job}: {flag} is not a flag of invoke nightly"
+
+
+def test_upgrade_canary_job_runs_one_profile_of_each_serving_route():
+    """Issue 28: the night the engine route's export disappears is a red night -- the canary builds a profile of every
+    serving route with the newest ModelOpt."""
+    from precision_pipeline.pipeline import ROUTES
+    from precision_pipeline.spec.profile import load_profile
+
+    doc = yaml.safe_load((ROOT / ".github" / "workflows" / "nightly.yml").read_text())
+    runs = [st["run"] for st in doc["jobs"]["upgrade"]["steps"] if "run" in st]
+    assert len(runs) == 1 and "--upgrade" in runs[0]
+    names = re.search(r"--profiles (\S+)", runs[0]).group(1).split(",")
+    assert sorted(load_profile(n).route for n in names) == sorted(ROUTES)
 
 
 def test_gpu_matrix_covers_every_profile_once_by_its_sm():

@@ -137,6 +137,7 @@ class Row:
 
     profile: str
     source: str
+    route: str = ""  # the serving route (Profile.route: engine | llm_api); the upgrade canary reports by it
     verdict: str = "pass"
     reason: str = ""
     out_dir: str = ""
@@ -310,7 +311,7 @@ def _check(ref: str, opts: NightlyOptions):
 
 def _build_row(ref: str, req, prepared, opts: NightlyOptions, build: Callable, say: Callable[[str], None]) -> Row:
     name = req.profile.name
-    row = Row(profile=name, source=ref, out_dir=str(req.out_dir))
+    row = Row(profile=name, source=ref, route=req.profile.route, out_dir=str(req.out_dir))
     records = []
 
     def on_stage(rec) -> None:
@@ -612,10 +613,12 @@ def export_notice(modelopt_version: Optional[str]) -> Optional[str]:
         return None
     if _ge(modelopt_version, EXPORT_REMOVED):
         return (f"ModelOpt {modelopt_version} REMOVES export_tensorrt_llm_checkpoint, the TensorRT-LLM checkpoint export "
-                f"our quantize stage and engine path use: upgrading breaks every build ({EXPORT_SOURCE}).")
+                f"the engine route's quantize stage uses: upgrading breaks every engine-route build; the llm_api route "
+                f"exports with export_hf_checkpoint and is what to move to ({EXPORT_SOURCE}).")
     if _ge(modelopt_version, EXPORT_DEPRECATED):
         return (f"ModelOpt {modelopt_version} DEPRECATES export_tensorrt_llm_checkpoint, the TensorRT-LLM checkpoint export "
-                f"our engine path uses; 0.49 removes it ({EXPORT_SOURCE}).")
+                f"the engine route uses; 0.49 removes it; the llm_api route (export_hf_checkpoint) is not affected "
+                f"({EXPORT_SOURCE}).")
     return None
 
 
@@ -623,7 +626,7 @@ def upgrade_report(versions: dict[str, str], pinned: dict[str, str], canary: Opt
                    canary_exit: int) -> dict:
     """What the upgrade changes, per profile: the canary's summary.json rows against the pinned nightly's
     (``baseline``: a summary.json; rows compared with ``compare``). Returns {"versions", "pinned", "notice",
-    "profiles": [{"profile", "verdict", "changes"}], "exit_code"}."""
+    "profiles": [{"profile", "route", "verdict", "reason", "changes"}], "exit_code"}."""
     rows = []
     prev = {r["profile"]: r for r in (baseline or {}).get("profiles", []) if isinstance(r, dict)}
     for r in (canary or {}).get("profiles", []):
@@ -636,9 +639,10 @@ def upgrade_report(versions: dict[str, str], pinned: dict[str, str], canary: Opt
                                     "checkpoint_bytes": p.get("checkpoint_bytes"), "provenance": p.get("provenance")})
         breaks = r.get("verdict") in ("error", "refused") or (r.get("verdict") == "failed" and (p or {}).get("verdict") == "pass")
         verdict = "breaks" if breaks else ("changes" if changes else "unchanged")
-        rows.append({"profile": r["profile"], "verdict": verdict, "reason": r.get("reason", ""), "changes": changes})
+        rows.append({"profile": r["profile"], "route": r.get("route") or "?", "verdict": verdict,
+                     "reason": r.get("reason", ""), "changes": changes})
     if canary is None:
-        rows.append({"profile": "(all)", "verdict": "breaks", "reason": f"the canary nightly wrote no summary (exit {canary_exit})",
+        rows.append({"profile": "(all)", "route": "-", "verdict": "breaks", "reason": f"the canary nightly wrote no summary (exit {canary_exit})",
                      "changes": []})
     code = EXIT_REGRESSED if any(r["verdict"] != "unchanged" for r in rows) else 0
     return {"versions": versions, "pinned": pinned, "notice": export_notice(versions.get("nvidia-modelopt")),
@@ -650,10 +654,10 @@ def render_upgrade_markdown(rep: dict) -> str:
              "Newest: " + ", ".join(f"{k} {v} (pinned {rep['pinned'].get(k, '?')})" for k, v in rep["versions"].items()) + ".", ""]
     if rep["notice"]:
         lines += [f"**{rep['notice']}**", ""]
-    lines += ["| profile | with the upgrade | what changes |", "|---|---|---|"]
+    lines += ["| profile | serving route | with the upgrade | what changes |", "|---|---|---|---|"]
     for r in rep["profiles"]:
         what = "; ".join(c["detail"] for c in r["changes"]) or r["reason"] or "-"
-        lines.append(f"| {r['profile']} | {r['verdict']} | {what} |")
+        lines.append(f"| {r['profile']} | {r.get('route', '?')} | {r['verdict']} | {what} |")
     return "\n".join(lines) + "\n"
 
 
