@@ -106,6 +106,7 @@ def test_the_rendered_init_script_builds_the_overlay(tmp_path, default_model_dir
         assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in repo.iterdir())
         assert os.readlink(dst / "tensorrt_llm_bls") == str(repo / "tensorrt_llm_bls")
         assert os.readlink(dst / "pack.json") == str(repo / "pack.json")
+        assert os.readlink(dst.parent / "releases.json") == str(repo.parent / "releases.json")  # the BLS's fallback
         u = dst / unit
         assert not u.is_symlink() and os.readlink(u / "checkpoint") == str(repo / unit / "checkpoint")
         assert os.readlink(u / "1" / "model.yaml") == str(repo / unit / "1" / "model.yaml")

@@ -255,6 +255,7 @@ if [ -z "$code" ]; then
   echo "llm-api-overlay: this image has no model.py + helpers.py of TensorRT-LLM's LLM-API model in: $*" >&2; exit 1
 fi
 rm -rf "$dst"; mkdir -p "$dst"
+ln -sfn "${src%/*}/releases.json" "${dst%/*}/releases.json"
 for p in "$src"/*; do
   [ -e "$p" ] || continue
   n="${p##*/}"
@@ -277,7 +278,9 @@ done
 """
 """The init step of a Triton Deployment serving LLM-API units (``sh -c OVERLAY_SCRIPT llm-api-overlay SRC DST DIR...``):
 the repository volume ``SRC`` is read-only (the hardened pod), so it builds ``DST`` on a writable emptyDir: a symlink
-per entry of ``SRC`` (models, releases.json, route.json: later edits of those files on the volume show through), and
+per entry of ``SRC`` (models, pack.json; a model folder's later files, e.g. the BLS's route.json, show through), a
+symlink ``DST/../releases.json`` to ``SRC/../releases.json`` (where the BLS reads the release's fallback: the parent of
+its repository; it may not exist yet), and
 for each ``llm_api_*`` unit a folder of symlinks to its files plus copies of ``model.py`` and ``helpers.py`` from the
 first ``DIR`` holding both (the image's LLM-API model: ``llmapi_contract.IMAGE_MODEL_DIRS``; none: exit 1, the pod
 does not start, and the log names the folders tried). A unit installed on the volume after the pod started is not
