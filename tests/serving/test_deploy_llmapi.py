@@ -79,6 +79,10 @@ def test_triton_deployment_of_an_llm_api_unit(tmp_path, default_model_dir):
     assert vols["serving-repository"] == {"name": "serving-repository", "emptyDir": {"sizeLimit": "64Mi"}}
     assert vols["artifacts"]["persistentVolumeClaim"] == {"claimName": "llm-artifacts", "readOnly": True}
     assert init["resources"] == {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}}
+    # model.yaml's otlp_traces_endpoint is an OTLP/HTTP URL; TensorRT-LLM's exporter defaults to gRPC (tracing.py)
+    assert {e["name"]: e["value"] for e in main["env"]} == {"HOME": "/tmp", "TMPDIR": "/tmp",
+                                                            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+    assert {e["name"]: e["value"] for e in init["env"]} == {"HOME": "/tmp", "TMPDIR": "/tmp"}
     assert any("llm-api-model-code" in n for n in res.notes)
 
 
@@ -154,14 +158,18 @@ def test_the_stage_renders_triton_or_trtllm_serve_and_refuses_triton_on_1_3(tmp_
                                   SimpleNamespace())
 
 
-def test_checkov_passes_the_llm_api_triton_deployment(tmp_path, default_model_dir):
-    from tests.serving.test_k8s_policy import CHECKOV_VERSION, checkov_bin, run_checkov
+def render_llm_api_deployments(tmp_path: Path, default_model_dir) -> dict[str, str]:
+    """File name -> text of both llm_api Deployments' manifests (Triton with the init container, tp 2, 2 replicas; and
+    trtllm-serve), for tests/serving/test_k8s_policy.py's one checkov scan."""
+    from precision_pipeline.serving import trtllm_serve as T
 
-    exe = checkov_bin()
-    if exe is None:
-        pytest.skip(f"checkov {CHECKOV_VERSION} is not installed (tests/serving/test_k8s_policy.py)")
     repo, _ = _repo(tmp_path, default_model_dir, tp=2)
-    res = deploy.render_manifests(_inputs(repo, tp=2, replicas=2), tmp_path / "b")
-    failed, passed, err = run_checkov(exe, res.out_dir)
-    assert failed == [] and passed > 80, err
+    i = _inputs(repo, tp=2, replicas=2)
+    res = deploy.render_manifests(i, tmp_path / "b")
     assert yaml.safe_load((res.out_dir / "triton-deployment.yaml").read_text())["spec"]["template"]["spec"]["initContainers"]
+    out = {f"llmapi-triton-{f}": (res.out_dir / f).read_text() for f in res.files}
+    serve = T.ServeInputs(plan=i.plan, profile=i.profile, llm_args={"return_perf_metrics": True}, repo_root=ROOT,
+                          image="nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc29", namespace="llm-serving")
+    for rel in T.render_trtllm_serve(serve, tmp_path / "serve"):
+        out[f"trtllm-serve-{rel.replace('/', '-')}"] = (tmp_path / "serve" / T.OUT_SUBDIR / rel).read_text()
+    return out

@@ -51,6 +51,10 @@ def test_rendered_manifests(tmp_path, inputs):
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
     assert pod["automountServiceAccountToken"] is False
+    # otlp_traces_endpoint is rendered as an OTLP/HTTP URL; TensorRT-LLM's exporter speaks gRPC unless told
+    # (tensorrt_llm/llmapi/tracing.py get_span_exporter: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, default "grpc")
+    assert {e["name"]: e["value"] for e in c["env"]} == {"HOME": "/tmp", "TMPDIR": "/tmp", "HF_HUB_OFFLINE": "1",
+                                                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     assert [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == [
         {"claimName": "precision-artifacts", "readOnly": True}]
     sel = dep["spec"]["selector"]["matchLabels"]

@@ -300,6 +300,11 @@ def overlay_command(src_repo: str, dst_repo: str = OVERLAY_REPOSITORY,
 OVERLAY_VOLUME = "serving-repository"
 OVERLAY_SIZE = "64Mi"
 """The overlay's emptyDir: symlinks, two copied .py files per unit and their bytecode, far below this."""
+OTLP_PROTOCOL_ENV = {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"}
+"""model.yaml's ``otlp_traces_endpoint`` is an OTLP/HTTP URL (``<deployment.otlp_endpoint>/v1/traces``), but TensorRT-LLM
+sends spans over gRPC unless this variable says otherwise (``tensorrt_llm/llmapi/tracing.py`` ``get_span_exporter``:
+``os.environ.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, "grpc")``, NVIDIA/TensorRT-LLM @ 0fb7f758). The trtllm-serve
+Deployment sets the same (``k8s/trtllm-serve/deployment.yaml``)."""
 INIT_CONTAINER = "llm-api-model-code"
 INIT_CPU, INIT_MEMORY = "500m", "256Mi"
 """The init step's requests (= memory limit): ``sh``, ``ln`` and ``cp`` of two small files per unit."""
@@ -357,7 +362,7 @@ def add_overlay(pod: dict, src_repo: str) -> None:
     an init container (the main container's image, securityContext, env and read-only artifacts mount; argv
     ``overlay_command(src_repo)``), the ``OVERLAY_VOLUME`` emptyDir, mounted writable there and read-only at
     ``OVERLAY_MOUNT`` in the main container (whose ``--model-repository`` the caller points at
-    ``OVERLAY_REPOSITORY``)."""
+    ``OVERLAY_REPOSITORY``), and ``OTLP_PROTOCOL_ENV`` in the main container."""
     spec = pod["spec"]
     main = spec["containers"][0]
     artifacts = [m for m in main["volumeMounts"] if m["name"] == "artifacts"]
@@ -368,4 +373,5 @@ def add_overlay(pod: dict, src_repo: str) -> None:
         "resources": {"requests": {"cpu": INIT_CPU, "memory": INIT_MEMORY}, "limits": {"memory": INIT_MEMORY}},
         "volumeMounts": [*copy.deepcopy(artifacts), {"name": OVERLAY_VOLUME, "mountPath": OVERLAY_MOUNT}]}]
     main["volumeMounts"].append({"name": OVERLAY_VOLUME, "mountPath": OVERLAY_MOUNT, "readOnly": True})
+    main.setdefault("env", []).append(dict(OTLP_PROTOCOL_ENV))
     spec["volumes"].append({"name": OVERLAY_VOLUME, "emptyDir": {"sizeLimit": OVERLAY_SIZE}})
