@@ -143,19 +143,31 @@ def test_refusals(tmp_path, default_model_dir, case, field, why):
     assert not (tmp_path / "b" / "k8s").exists()
 
 
-def test_the_stage_renders_triton_or_trtllm_serve_and_refuses_triton_on_1_3(tmp_path):
+def test_the_stage_renders_triton_or_trtllm_serve_and_refuses_triton_on_1_3(tmp_path, default_model_dir):
     from types import SimpleNamespace
 
-    from precision_pipeline.serving.stage import LlmApiDeployStage
+    from precision_pipeline.core.fingerprint import Fingerprint
+    from precision_pipeline.serving.stage import LlmApiDeployInputs, LlmApiDeployStage
 
     prof = make_profile("p", route="llm_api", target={"gpu": "h100-sxm", "trtllm_version": "1.3.0rc29"},
                         deployment={"server": "triton"})
-    plan = make_plan(prof)
     with pytest.raises(UserError) as e:
-        LlmApiDeployStage().preflight(plan, SimpleNamespace())
+        LlmApiDeployStage().preflight(make_plan(prof), SimpleNamespace())
     assert e.value.problems[0].field == "deployment.server" and "#8805" in e.value.problems[0].reason
     LlmApiDeployStage().preflight(make_plan(make_profile("p", route="llm_api", deployment={"server": "trtllm-serve"})),
                                   SimpleNamespace())
+    # deployment.server: triton on 1.2.1: the stage renders the Triton Deployment of the packed repository
+    repo, unit = _repo(tmp_path, default_model_dir)
+    plan = make_plan(make_profile("p", route="llm_api", deployment={"server": "triton"}))
+    fp = Fingerprint(sha256="ab" * 32, path=repo)
+    work = tmp_path / "work"
+    work.mkdir()
+    art = LlmApiDeployStage().run(LlmApiDeployInputs(plan=plan, llm_api_config=fp, repository=fp, repo_root=ROOT,
+                                                     image=IMAGE), work)
+    assert art.launcher == "tritonserver" and "triton-deployment.yaml" in art.files and art.image == IMAGE
+    pod = yaml.safe_load((work / "triton-deployment.yaml").read_text())["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["name"] == U.INIT_CONTAINER
+    assert f"--load-model={unit}" in pod["containers"][0]["args"]
 
 
 def render_llm_api_deployments(tmp_path: Path, default_model_dir) -> dict[str, str]:
