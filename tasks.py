@@ -75,7 +75,8 @@ def guarded(fn):
     "strict": "exit 4 when any stage is skipped (GPU nodes, nightly CI)",
     "repo_root": "where the output directory is mounted in the serving container (gpt_model_path)",
     "golden_limit": "evaluate only the first N golden prompts per category (quick runs)",
-    "checkpoint": "reuse this TensorRT-LLM checkpoint instead of quantizing (its mapping must match)",
+    "checkpoint": "reuse this checkpoint instead of quantizing: a TensorRT-LLM checkpoint (route engine; its mapping "
+                  "must match) or a unified HF checkpoint (route llm_api)",
     "image": "Triton + TensorRT-LLM container image for the Kubernetes manifests",
     "no_wait": "when another build is writing the same --out, stop at once (exit 2) instead of waiting for it",
     "device": "where calibration, the per-layer search and the gate run: auto (CUDA when torch sees a GPU, else CPU), cpu, cuda",

@@ -33,6 +33,7 @@ from precision_pipeline.core.store import atomic_write_json, clean_stale
 from precision_pipeline.engine.job import JOB_STAGES
 from precision_pipeline.engine.llm_api_config import LlmApiConfigStage
 from precision_pipeline.gate.stage import GateStage
+from precision_pipeline.quantize.job import EXPORT_FORMAT_OF_ROUTE as LAYOUT_OF_ROUTE  # the checkpoint each route loads
 from precision_pipeline.quantize.stage import QuantizeStage
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.resolve.stage import BuildRequest, ResolveStage
@@ -89,7 +90,7 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
     check_serving_path(out_dir.absolute(), "--out")  # before any filesystem call on it (non-ASCII names included)
     out_dir = validate_out_dir(out_dir, stage_folders())
     check_serving_path(out_dir, "--out")  # the resolved path (a symlink may lead elsewhere)
-    ck = check_checkpoint_dir(checkpoint) if checkpoint is not None else None
+    ck = check_checkpoint_dir(checkpoint, LAYOUT_OF_ROUTE[profile.route], profile.route) if checkpoint is not None else None
     check_golden_limit(golden_limit)
     if repo_root is not None:
         check_repo_root(repo_root)

@@ -69,9 +69,10 @@ def test_pod_is_hardened(tmp_path):
     assert c["resources"]["requests"]["cpu"] == "8" and c["resources"]["requests"]["memory"] == "48Gi"
 
 
-def test_checkov_kubernetes_checks_pass(tmp_path):
+def test_checkov_kubernetes_checks_pass(tmp_path, default_model_dir):
     """The Deployment build (tp 2, 2 replicas) and, in the same scan, an argo-rollout build with a gate run: its
-    canary Service and the probe Deployment that targets it (checkov has no checks of Argo's kinds)."""
+    canary Service and the probe Deployment that targets it (checkov has no checks of Argo's kinds), and both
+    Deployments of the llm_api route (Triton with the LLM-API init container; trtllm-serve)."""
     exe = checkov_bin()
     if exe is None:
         pytest.skip(f"checkov {CHECKOV_VERSION} is not installed: python3 -m venv .cache/checkov-{CHECKOV_VERSION} && "
@@ -85,9 +86,13 @@ def test_checkov_kubernetes_checks_pass(tmp_path):
         shutil.copy(res.out_dir / f, scan / f)
     for f in argo.files:
         shutil.copy(argo.out_dir / f, scan / f"argo-{f}")
+    from tests.serving.test_deploy_llmapi import render_llm_api_deployments
+
+    for name, text in render_llm_api_deployments(tmp_path / "llmapi", default_model_dir).items():
+        (scan / name).write_text(text)
     failed, passed, err = run_checkov(exe, scan)
-    print(f"\n[checkov {CHECKOV_VERSION}, Deployment + argo-rollout] passed {passed}, failed {failed}")
-    assert failed == [] and passed > 100, err
+    print(f"\n[checkov {CHECKOV_VERSION}, Deployment + argo-rollout + llm_api Triton/trtllm-serve] passed {passed}, failed {failed}")
+    assert failed == [] and passed > 250, err
 
 
 WORKER_SKIPPED = {

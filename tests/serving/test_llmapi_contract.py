@@ -85,13 +85,13 @@ def test_model_yaml_checks():
         "triton_config.cancellation_check_period_ms: is 0; must be a positive int"]
 
 
-def test_image_copy_command_names_the_image_files():
-    argv = U.image_copy_command(["/srv/repo/llm_api_0123456789ab"])
-    assert argv[:2] == ["sh", "-c"]
-    assert argv[2] == ("test -f /app/all_models/llmapi/tensorrt_llm/1/model.py && "
-                       "test -f /app/all_models/llmapi/tensorrt_llm/1/helpers.py && "
-                       "cp /app/all_models/llmapi/tensorrt_llm/1/model.py /srv/repo/llm_api_0123456789ab/1/model.py && "
-                       "cp /app/all_models/llmapi/tensorrt_llm/1/helpers.py /srv/repo/llm_api_0123456789ab/1/helpers.py")
+def test_overlay_command_names_the_image_folders():
+    """The init step's argv: sh -c OVERLAY_SCRIPT, the read-only repository, the overlay, then the image's candidate
+    LLM-API model folders (fact 8: tensorrtllm_backend's Dockerfile, TensorRT-LLM's tritonrelease stage)."""
+    argv = U.overlay_command("/srv/out/model_repository")
+    assert argv == ["/bin/sh", "-c", U.OVERLAY_SCRIPT, "llm-api-overlay", "/srv/out/model_repository",
+                    "/serving/model_repository", "/app/all_models/llmapi/tensorrt_llm/1",
+                    "/app/tensorrt_llm/triton_backend/all_models/llmapi/tensorrt_llm/1"]
     assert U.SERVING_SIDE_FILES == ("1/model.py", "1/helpers.py")
 
 

@@ -38,7 +38,6 @@ def units(tmp_path_factory, fp8_checkpoint, default_model_dir):
     repo = res.out_dir
     u = U.pack_llm_api_unit(repo, MODEL_YAML, Path(fp8_checkpoint), Path(default_model_dir), str(out.resolve()),
                             {"profile": "fp8-test"}, version="1.2.1")
-    U.install_stand_in(repo / u.name)
     bad = "llm_api_badbadbadbad"
     shutil.copytree(repo / u.name, repo / bad)
     cfg = (repo / bad / "config.pbtxt").read_text().replace(u.name, bad)
@@ -51,8 +50,20 @@ def units(tmp_path_factory, fp8_checkpoint, default_model_dir):
 
 @pytest.fixture(scope="module")
 def server(units):
+    """Triton on the overlay the Triton Deployment's init container builds (``llmapi_unit.OVERLAY_SCRIPT``, run by dash
+    over the repository), with the CPU stand-in in the place of the image's LLM-API model.py: Triton 2.51
+    serves symlinked model folders, and route.json written into the repository later reaches the BLS."""
+    import subprocess
+
     repo, unit, _, engine = units
-    srv = TritonServer(repo, ["preprocessing", "postprocessing", engine, "tensorrt_llm_bls", unit],
+    image = repo.parent / "image-llmapi"
+    image.mkdir()
+    shutil.copyfile(U.STAND_IN, image / "model.py")
+    (image / "helpers.py").write_text("# the image's helpers.py (the stand-in imports none)\n")
+    overlay = repo.parent / "serving" / "model_repository"
+    subprocess.run([shutil.which("dash") or "/bin/sh", "-c", U.OVERLAY_SCRIPT, "x", str(repo), str(overlay), str(image)],
+                   check=True, capture_output=True)
+    srv = TritonServer(overlay, ["preprocessing", "postprocessing", engine, "tensorrt_llm_bls", unit],
                        log_file=repo.parent / "server.log")
     srv.start()
     yield srv

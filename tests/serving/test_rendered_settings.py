@@ -40,8 +40,10 @@ DEPLOYMENT_NOT_RENDERED = {
     "fallback": "read by `invoke promote` (the fallback's packed repository into releases.json), not a manifest",
     "warm_fallback": "read by `invoke promote` (releases.json via release_recover.init_serving_repo), not a manifest",
     "keep_releases": "read by `invoke promote` (releases.json via release_recover.init_serving_repo), not a manifest",
-    "server": "chooses which manifests deploy renders (trtllm-serve on route llm_api: serving/stage.py LlmApiDeployStage, "
-              "tests/serving/test_trtllm_serve.py), not a value inside them",
+    "server": "chooses which manifests deploy renders on route llm_api (serving/stage.py LlmApiDeployStage): trtllm-serve "
+              "(tests/serving/test_trtllm_serve.py) or the Triton Deployment with the LLM-API overlay "
+              "(tests/serving/test_deploy_llmapi.py, rendered with non-default replicas, tp, namespace, PVC), not a "
+              "value inside them",
 }
 
 

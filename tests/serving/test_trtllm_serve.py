@@ -51,6 +51,10 @@ def test_rendered_manifests(tmp_path, inputs):
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
     assert pod["automountServiceAccountToken"] is False
+    # otlp_traces_endpoint is rendered as an OTLP/HTTP URL; TensorRT-LLM's exporter speaks gRPC unless told
+    # (tensorrt_llm/llmapi/tracing.py get_span_exporter: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, default "grpc")
+    assert {e["name"]: e["value"] for e in c["env"]} == {"HOME": "/tmp", "TMPDIR": "/tmp", "HF_HUB_OFFLINE": "1",
+                                                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     assert [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == [
         {"claimName": "precision-artifacts", "readOnly": True}]
     sel = dep["spec"]["selector"]["matchLabels"]
@@ -93,3 +97,24 @@ def test_profile_server_field():
     assert Deployment(server="trtllm-serve").server == "trtllm-serve"
     with pytest.raises(ValueError, match="triton"):
         Deployment(server="vllm")
+
+
+def test_traces_endpoint_must_be_the_profiles(tmp_path, inputs):
+    """otlp_traces_endpoint (a TorchLlmArgs field) in the config is the profile's deployment.otlp_endpoint traces URL:
+    rendered by the llm_api_config stage, checked here against the profile the manifests are rendered for."""
+    import dataclasses
+
+    from precision_pipeline.spec.llm_args import args_list
+
+    assert {"otlp_traces_endpoint", "return_perf_metrics"} <= args_list("1.2.1").fields <= args_list("1.3.0rc29").fields
+    prof = inputs.profile.model_copy(update={"deployment": inputs.profile.deployment.model_copy(
+        update={"otlp_endpoint": "http://otel.obs:4318"})})
+    traced = dataclasses.replace(inputs, profile=prof)
+    with pytest.raises(UserError) as e:
+        T.render_trtllm_serve(traced, tmp_path)
+    assert e.value.problems[0].field == "llm_api/trtllm-serve.yaml: otlp_traces_endpoint"
+    assert "http://otel.obs:4318/v1/traces" in e.value.problems[0].reason
+    ok = dataclasses.replace(traced, llm_args={**ARGS, "otlp_traces_endpoint": "http://otel.obs:4318/v1/traces"})
+    assert T.render_trtllm_serve(ok, tmp_path / "ok") == ["deployment.yaml", "monitoring/podmonitor.yaml", "service.yaml"]
+    with pytest.raises(UserError, match="otlp_traces_endpoint"):  # a traced config for an untraced profile
+        T.render_trtllm_serve(dataclasses.replace(inputs, llm_args=ok.llm_args), tmp_path / "no")

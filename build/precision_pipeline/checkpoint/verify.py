@@ -387,17 +387,42 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
 
 
 
-def check_checkpoint_dir(checkpoint: str) -> Path:
-    """``--checkpoint``: a folder with config.json and rank*.safetensors whose tensors are what it declares (each
-    tensor's byte range, the declared formats, then ``verify_checkpoint``), before anything is copied. Returns it
-    resolved; raises UserError naming ``--checkpoint``."""
-    from precision_pipeline.checkpoint.reader import check_declared_formats, safetensors_header
+LAYOUT_NAMES = {"trtllm_checkpoint": "a TensorRT-LLM checkpoint (config.json + rank*.safetensors)",
+                "hf_unified": "a unified HF checkpoint (ModelOpt export_hf_checkpoint: config.json, *.safetensors, "
+                              "hf_quant_config.json)"}
+LAYOUT_READER = {"trtllm_checkpoint": "trtllm-build reads TensorRT-LLM checkpoints only",
+                 "hf_unified": "LLM(...) loads HF checkpoints with ModelOpt's hf_quant_config.json (tensorrt_llm/_torch/"
+                               "model_config.py ModelConfig.from_pretrained), not TensorRT-LLM's rank files"}
+
+
+def check_checkpoint_dir(checkpoint: str, layout: str | None = None, route: str = "") -> Path:
+    """``--checkpoint``: a checkpoint folder of either layout (``reader.checkpoint_layout``) whose tensors are what it
+    declares (each safetensors file's byte ranges, then ``verify_checkpoint``: the ``verify.*`` rules, or the ``hf.*``
+    rules for a unified HF checkpoint), before anything is copied. ``layout``: the one the profile's serving
+    ``route`` loads (``quantize.job.EXPORT_FORMAT_OF_ROUTE``; None: either): the other is refused first, naming both.
+    Returns the folder resolved; raises UserError naming ``--checkpoint`` (or the rule's tensor/file)."""
+    from precision_pipeline.checkpoint.reader import check_declared_formats, checkpoint_layout, safetensors_header
     from precision_pipeline.core.errors import UserError
 
     ck = Path(checkpoint).expanduser().resolve()
-    if not (ck / "config.json").is_file() or not list(ck.glob("rank*.safetensors")):
-        raise UserError("--checkpoint", f"{checkpoint} is not a TensorRT-LLM checkpoint (config.json + rank*.safetensors).",
-                        "give a checkpoint directory written by a previous build, or leave --checkpoint out to quantize.")
+    found = checkpoint_layout(ck) if (ck / "config.json").is_file() else None
+    if found is not None and layout is not None and found != layout:
+        other = "engine" if layout == "trtllm_checkpoint" else "llm_api"
+        raise UserError("--checkpoint", f"{checkpoint} is {LAYOUT_NAMES[found]}, but the profile's route {route or other} "
+                        f"serves {LAYOUT_NAMES[layout]}: {LAYOUT_READER[layout]}.",
+                        f"give the checkpoint/ folder of a previous route-{route or other} build, use a profile with the "
+                        "route this checkpoint was exported for, or leave --checkpoint out to quantize.")
+    if found == "hf_unified":
+        from precision_pipeline.checkpoint.hf_unified import hf_files
+
+        for f in hf_files(ck):
+            safetensors_header(f, field="--checkpoint")  # every tensor's byte range within the file, before any copy
+        verify_checkpoint(ck)  # the hf.* rules (the verify stage repeats them against the plan after the copy)
+        return ck
+    if found is None or not list(ck.glob("rank*.safetensors")):
+        raise UserError("--checkpoint", f"{checkpoint} is not {LAYOUT_NAMES['trtllm_checkpoint']} or "
+                        f"{LAYOUT_NAMES['hf_unified']}.", "give a checkpoint directory written by a previous build, or "
+                        "leave --checkpoint out to quantize.")
     for f in sorted(ck.glob("rank*.safetensors")):
         safetensors_header(f, field="--checkpoint")  # every tensor's byte range within the file, before any copy
     check_declared_formats(ck)  # header-level: a broken checkpoint is refused before anything is written

@@ -13,16 +13,22 @@ from precision_pipeline.resolve.derive import derive_mapping
 from precision_pipeline.resolve.registry import Finding, refuse
 
 
+HF_QUANT_CONFIG = "hf_quant_config.json"
+"""A unified HF checkpoint holds it (``checkpoint.reader.checkpoint_layout``, the one layout rule; checkpoint/ is a
+layer above resolve, so the file name is repeated here)."""
+
+
 def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> list[Finding]:
-    """Compare a reused TRT-LLM checkpoint's config.json ``mapping`` (and quantization) with the profile.
+    """Compare a reused checkpoint's quantization (and, for a TRT-LLM checkpoint, its config.json ``mapping``) with
+    the profile. A unified HF checkpoint's quantization is its ``hf_quant_config.json`` ``quantization``; it is not
+    split per rank, so it has no mapping to compare.
 
     ``checkpoint_dir`` None or without config.json -> nothing to compare.
     """
-    if checkpoint_dir is None:
+    if checkpoint_dir is None or not (Path(checkpoint_dir) / "config.json").is_file():
         return []
-    path = Path(checkpoint_dir) / "config.json"
-    if not path.is_file():
-        return []
+    hf = (Path(checkpoint_dir) / HF_QUANT_CONFIG).is_file()
+    path = Path(checkpoint_dir) / (HF_QUANT_CONFIG if hf else "config.json")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -30,14 +36,14 @@ def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> l
     if not isinstance(cfg, dict):
         return [refuse("--checkpoint", f"{path} does not hold a JSON object.", "leave out --checkpoint so that the build quantizes.")]
     want = derive_mapping(p)
-    got = cfg.get("mapping") or {}
+    got = {} if hf else (cfg.get("mapping") or {})
     if not isinstance(got, dict):
         got = {}
     out = []
     diffs = []
     for k in ("tp_size", "pp_size"):
         g = got.get(k, 1)
-        if g != want[k]:
+        if g != want[k] and not hf:
             diffs.append(f"{k} {g} (profile {want[k]})")
     for k in ("moe_tp_size", "moe_ep_size"):
         if k in got and got[k] != want[k]:

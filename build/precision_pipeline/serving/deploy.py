@@ -71,6 +71,7 @@ from precision_pipeline.core.store import atomic_dir, hash_file, read_json
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.resolve.derive import lws_group  # the multi-node layout (also the rule layout.nodes)
 from precision_pipeline.serving import pack
+from precision_pipeline.serving.llmapi_unit import is_llm_api_unit
 from precision_pipeline.serving.k8s import (DNS_LABEL, DNS_SUBDOMAIN, GPU_PRODUCT_LABEL, GPU_RESOURCE, GRPC_PORT,
                                             HTTP_PORT, K8S_VERSION, LABEL_PREFIX, LABEL_VALUE, METRICS_PORT, TMP_SIZE,
                                             gpu_product_label, k8s_name, label_value, parse_manifest, render_template,
@@ -147,6 +148,8 @@ class ServingSet:
     models: list[str]
     units: list[str]
     source: str
+    llm_api_units: list[str] = field(default_factory=list)
+    """LLM-API units (``llm_api_<h12>``, serving/llmapi_unit.py) among ``models``; ``units`` are the engine units."""
 
 
 def serving_set(model_repository: Path) -> ServingSet:
@@ -165,20 +168,22 @@ def serving_set(model_repository: Path) -> ServingSet:
     else:
         pj = read_json(repo / pack.PACK_FILE)
         if pj and pj.get("engine_unit"):
-            unit, ehash, present, source = pj["engine_unit"], pj.get("engine_hash"), pj.get("engine_present"), str(repo / pack.PACK_FILE)
+            unit, ehash, present, source = (pj["engine_unit"], pj.get("engine_hash") or pj.get("unit_key"),
+                                            pj.get("engine_present"), str(repo / pack.PACK_FILE))
         else:
             found = sorted(d.name for d in repo.iterdir() if d.is_dir() and pack.is_unit(d.name))
             if len(found) != 1:
                 raise UserError("model_repository", f"{repo} has no releases.json or pack.json and {len(found)} engine units.",
                                 "pack the build (build/precision_pipeline/serving/pack.py) or init the serving repository (build/precision_pipeline/serving/release.py).")
             unit, ehash, present, source = found[0], None, None, f"{repo} (the only engine unit)"
-        models = ["preprocessing", "postprocessing", unit, "ensemble", "tensorrt_llm_bls"]
-    if not pack.is_unit(unit):
-        raise UserError(source, f"names {unit!r} as the current engine unit, which is not tensorrt_llm_<12 hex>.",
+        # an LLM-API repository has no ensemble (llmapi_unit.REPO_MODELS)
+        models = ["preprocessing", "postprocessing", unit, *([] if is_llm_api_unit(unit) else ["ensemble"]), "tensorrt_llm_bls"]
+    if not (pack.is_unit(unit) or is_llm_api_unit(unit)):
+        raise UserError(source, f"names {unit!r} as the current unit, which is not tensorrt_llm_<12 hex> or llm_api_<12 hex>.",
                         "re-pack or repair the release state (build/precision_pipeline/serving/release.py recover).")
     if not ehash:
         ref = read_json(repo / unit / "engine" / pack.CPU_REFERENCE_FILE) or {}
-        ehash = ref.get("engine_hash") or unit[len(pack.UNIT_PREFIX):]
+        ehash = ref.get("engine_hash") or unit.rsplit("_", 1)[-1]
         if present is None:
             present = ref.get("engine_present")
     missing = [m for m in models if not (repo / m / "config.pbtxt").is_file()]
@@ -186,7 +191,8 @@ def serving_set(model_repository: Path) -> ServingSet:
         raise UserError("model_repository", f"{repo} lacks {', '.join(missing)} (needed by {Path(source).name}).",
                         "re-pack the build or run build/precision_pipeline/serving/release.py recover.")
     units = [m for m in models if pack.is_unit(m)]
-    return ServingSet(unit=unit, engine_hash=str(ehash), engine_present=present, models=models, units=units, source=source)
+    return ServingSet(unit=unit, engine_hash=str(ehash), engine_present=present, models=models, units=units, source=source,
+                      llm_api_units=[m for m in models if is_llm_api_unit(m)])
 
 
 def _rel_source(source: str, model_repository: Path) -> str:
@@ -468,6 +474,12 @@ def _check_units(i: ManifestInputs, ss: ServingSet, lay: Layout) -> list[str]:
 
             notes += skew.check_engine(eng, image=i.image, sm=lay.gpu.sm, world_size=world, where=f"{u}/engine",
                                        limits=pack.unit_limits(model_repository, u))
+    if ss.llm_api_units:
+        from precision_pipeline.serving import images, llmapi_unit
+
+        row = images.lookup(i.image)
+        notes += llmapi_unit.triton_deployment_notes(model_repository, ss.llm_api_units, world, ss.units, lay.group,
+                                                     row.tensorrt_llm if row else None, i.image)
     if ss.engine_present is False:
         notes.append(f"engine absent in {ss.unit}: the real tensorrtllm backend will fail to load it; build the engine on a GPU node and re-pack.")
     ev = _engine_version(model_repository, ss.unit)
@@ -484,6 +496,10 @@ def _launch(i: ManifestInputs, ss: ServingSet, lay: Layout, notes: list[str]) ->
     world = lay.world
     repo_path = pack.serving_path(i.repo_root, Path(i.model_repository).name)
     trace_url = repository_traces_url(Path(i.model_repository))  # what the BLS was packed with (deployment.otlp_endpoint)
+    if ss.llm_api_units:  # one tritonserver on the overlay; the LLM API starts its own tp x pp workers
+        from precision_pipeline.serving.llmapi_unit import OVERLAY_REPOSITORY
+
+        world, repo_path = 1, OVERLAY_REPOSITORY
     command, args, launcher = triton_command(world, repo_path, ss.models, ss.units, trace_url)
     if trace_url:
         notes.append(f"traces: Triton (--trace-config mode=opentelemetry) and the BLS send spans to {trace_url}; the BLS "
@@ -505,7 +521,7 @@ def _deployment_params(i: ManifestInputs, ss: ServingSet, lay: Layout, launch: t
     command, args, launcher = launch
     profile_name = i.profile_name
     name = k8s_name(profile_name)
-    h12 = ss.unit[len(pack.UNIT_PREFIX):]
+    h12 = ss.unit.rsplit("_", 1)[-1]
     selector = {"app.kubernetes.io/name": "triton", "app.kubernetes.io/instance": name}
     labels = {
         **selector,
@@ -603,6 +619,10 @@ def _render_workload(i: ManifestInputs, params: dict[str, Optional[dict]], facts
             continue
         text = render_template((templates_dir / tname).read_text(), p, where)
         doc = parse_manifest(text, where)
+        if out == "triton-deployment.yaml" and facts["serving"].llm_api_units:
+            from precision_pipeline.serving.llmapi_unit import add_overlay
+
+            add_overlay(doc["spec"]["template"], pack.serving_path(i.repo_root, Path(i.model_repository).name))
         validate_manifest(doc, where, i.k8s_version)
         header = (f"# Rendered by build/precision_pipeline/serving/deploy.py from k8s/{tname}: profile {i.profile_name}, "
                   f"engine unit {facts['serving'].unit}.\n# Validated against Kubernetes {i.k8s_version} (strict). Re-render; do not edit.\n")

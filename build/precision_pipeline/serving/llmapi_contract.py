@@ -51,9 +51,24 @@ Facts (each one is asserted by tests/serving/test_llmapi_contract.py):
    ``finish_reason`` / ``stop_reason`` / ``cumulative_logprob`` are sent as ``str()`` of the value in an object array
    (MODEL_PY ``_create_response``), i.e. BYTES even where CONFIG declares TYPE_FP32 (Triton 2.51's python backend lets
    the mismatch through: tests/serving/test_llmapi_serve.py).
-8. In NVIDIA's Triton TensorRT-LLM image the files live at ``/app/all_models/llmapi/tensorrt_llm/1/``
-   (DOCKERFILE lines 172, 174); ``model.py`` imports ``helpers`` from its own folder (MODEL_PY
-   ``from helpers import ...``), so both files must sit in the unit's ``1/``.
+8. Where an image holds the files (``IMAGE_MODEL_DIRS``, tried in order): ``/app/all_models/llmapi/tensorrt_llm/1/``
+   in an image built by tensorrtllm_backend's Dockerfile (DOCKERFILE lines 172, 174; its ``TENSORRTLLM_REPO_TAG`` is
+   ``release/1.2.1``), ``/app/tensorrt_llm/triton_backend/all_models/llmapi/tensorrt_llm/1/`` in one built by
+   TensorRT-LLM's own ``tritonrelease`` stage (MULTI). Which of the two NGC's ``tritonserver:<yy.mm>-trtllm-python-py3``
+   tags hold was NOT confirmed from a source: NVIDIA's deployment guide for that image (GUIDE) clones the TensorRT-LLM
+   tag of the image's ``tensorrt_llm.__version__`` to get the folder instead. So the Deployment's init step looks in
+   each candidate and fails the pod, naming them, when none has both files. ``model.py`` imports ``helpers`` from its
+   own folder (MODEL_PY ``from helpers import ...``), so both files must sit in the unit's ``1/``.
+9. ``triton_config`` reaches Triton only through ``auto_complete_config`` (fact 2): a server started with
+   ``--disable-auto-complete-config`` (tensorrtllm_backend's ``launch_triton_server.py`` passes it, and so does the
+   Triton Deployment here, ``serving/deploy.py triton_command``) never applies ``decoupled: true``; the model then
+   streams while Triton treats it as non-decoupled and the request hangs (GUIDE, "Streaming responses").
+
+* ``MULTI``     = NVIDIA/TensorRT-LLM docker/Dockerfile.multi @ 00f74add6b0d51b1e7b34d5bdd48a9ed39b868f3, stage
+  ``FROM release AS tritonrelease``: ``WORKDIR /app/tensorrt_llm`` + ``COPY ./triton_backend/all_models
+  ./triton_backend/all_models``
+* ``GUIDE``     = "Deploying an LLM with Triton and TRT-LLM" (NVIDIA, 2024-2026; search-index file id 58716727673, its
+  repository path not resolved), sections "2. Get the model repository" and "Streaming responses"
 """
 
 from __future__ import annotations
@@ -62,7 +77,9 @@ from typing import Any, Mapping
 
 BACKEND = "python"  # CONFIG: backend: "python"
 MODEL_DIR_NAME = "tensorrt_llm"  # CONFIG: name: "tensorrt_llm" (a unit renames it; the model reads no name)
-IMAGE_MODEL_DIR = "/app/all_models/llmapi/tensorrt_llm/1"  # DOCKERFILE 172 + 174
+IMAGE_MODEL_DIRS = ("/app/all_models/llmapi/tensorrt_llm/1",  # DOCKERFILE 172 + 174
+                    "/app/tensorrt_llm/triton_backend/all_models/llmapi/tensorrt_llm/1")  # MULTI tritonrelease
+IMAGE_MODEL_DIR = IMAGE_MODEL_DIRS[0]
 IMAGE_MODEL_FILES = ("model.py", "helpers.py")  # MODEL_PY: `from helpers import (...)`
 MODEL_YAML = "model.yaml"  # MODEL_PY get_model_config default filename
 LLM_CONFIG_ENV = "LLM_CONFIG_PATH"  # MODEL_PY: os.environ.get('LLM_CONFIG_PATH', 'model.yaml')

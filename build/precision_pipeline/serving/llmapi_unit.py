@@ -16,9 +16,9 @@ Layout (``llm_api_<h12>/``; the consumer's facts: serving/llmapi_contract.py)::
 they are the server's code, put there where the unit is served (``SERVING_SIDE_FILES``):
 
 * on NVIDIA's Triton TensorRT-LLM image (``trtllm-python-py3``, TensorRT-LLM 1.2.1): copied from the image's own
-  ``/app/all_models/llmapi/tensorrt_llm/1/`` (llmapi_contract.IMAGE_MODEL_DIR) by ``image_copy_command`` -- the
-  Deployment's init step -- so the model that serves is NVIDIA's, of the image's TensorRT-LLM version, and no
-  NVIDIA code is copied into this repository;
+  LLM-API model folder (llmapi_contract.IMAGE_MODEL_DIRS) by ``overlay_command`` -- the Deployment's init step, into
+  a writable overlay of the read-only repository -- so the model that serves is NVIDIA's, of the image's TensorRT-LLM
+  version, and no NVIDIA code is copied into this repository;
 * on this machine: ``install_stand_in`` copies the CPU stand-in ``triton_repo/backends/llmapi_cpu_reference/model.py``
   (NOT TensorRT-LLM: greedy decoding of the real model dequantized from the checkpoint, refusing what the real
   model refuses) as ``1/model.py``.
@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.paths import REPO_ROOT, SOURCE_ROOT
-from precision_pipeline.core.store import hash_file, hash_obj
+from precision_pipeline.core.store import hash_file, hash_obj, read_json
 from precision_pipeline.serving import llmapi_contract as contract
 from precision_pipeline.serving import pack, templates
 
@@ -241,12 +241,137 @@ def install_stand_in(unit_dir: Path) -> Path:
     return dst
 
 
-def image_copy_command(unit_dirs: list[str]) -> list[str]:
-    """The init step of a Deployment on NVIDIA's Triton TensorRT-LLM image: copy the image's LLM-API model files
-    (``llmapi_contract.IMAGE_MODEL_DIR``/{model.py,helpers.py}) into each unit's ``1/`` (serving-side paths).
-    An argv for ``sh -c``; fails (non-zero) when the image lacks them."""
-    src = contract.IMAGE_MODEL_DIR
-    parts = [f"test -f {src}/{n}" for n in contract.IMAGE_MODEL_FILES]
-    for u in unit_dirs:
-        parts += [f"cp {src}/{n} {u}/1/{n}" for n in contract.IMAGE_MODEL_FILES]
-    return ["sh", "-c", " && ".join(parts)]
+OVERLAY_MOUNT = "/serving"
+"""Where the Triton Deployment of an LLM-API release mounts its writable emptyDir (``deploy.py``)."""
+OVERLAY_REPOSITORY = f"{OVERLAY_MOUNT}/model_repository"
+"""The repository Triton serves there: the overlay ``OVERLAY_SCRIPT`` builds over the read-only one."""
+OVERLAY_SCRIPT = """set -eu
+src="$1"; dst="$2"; shift 2
+code=""
+for d in "$@"; do
+  if [ -f "$d/model.py" ] && [ -f "$d/helpers.py" ]; then code="$d"; break; fi
+done
+if [ -z "$code" ]; then
+  echo "llm-api-overlay: this image has no model.py + helpers.py of TensorRT-LLM's LLM-API model in: $*" >&2; exit 1
+fi
+rm -rf "$dst"; mkdir -p "$dst"
+ln -sfn "${src%/*}/releases.json" "${dst%/*}/releases.json"
+for p in "$src"/*; do
+  [ -e "$p" ] || continue
+  n="${p##*/}"
+  case "$n" in
+    llm_api_*)
+      mkdir -p "$dst/$n/1"
+      for f in "$p"/*; do
+        [ -e "$f" ] || continue
+        if [ "${f##*/}" != 1 ]; then ln -s "$f" "$dst/$n/${f##*/}"; fi
+      done
+      for f in "$p"/1/*; do
+        [ -e "$f" ] || continue
+        case "${f##*/}" in model.py|helpers.py|__pycache__) ;; *) ln -s "$f" "$dst/$n/1/${f##*/}" ;; esac
+      done
+      cp "$code/model.py" "$code/helpers.py" "$dst/$n/1/"
+      echo "llm-api-overlay: $n/1/{model.py,helpers.py} from $code" ;;
+    *) ln -s "$p" "$dst/$n" ;;
+  esac
+done
+"""
+"""The init step of a Triton Deployment serving LLM-API units (``sh -c OVERLAY_SCRIPT llm-api-overlay SRC DST DIR...``):
+the repository volume ``SRC`` is read-only (the hardened pod), so it builds ``DST`` on a writable emptyDir: a symlink
+per entry of ``SRC`` (models, pack.json; a model folder's later files, e.g. the BLS's route.json, show through), a
+symlink ``DST/../releases.json`` to ``SRC/../releases.json`` (where the BLS reads the release's fallback: the parent of
+its repository; it may not exist yet), and
+for each ``llm_api_*`` unit a folder of symlinks to its files plus copies of ``model.py`` and ``helpers.py`` from the
+first ``DIR`` holding both (the image's LLM-API model: ``llmapi_contract.IMAGE_MODEL_DIRS``; none: exit 1, the pod
+does not start, and the log names the folders tried). A unit installed on the volume after the pod started is not
+in ``DST``: a new release renders a new pod template (its unit label), whose init step sees it."""
+
+
+def overlay_command(src_repo: str, dst_repo: str = OVERLAY_REPOSITORY,
+                    code_dirs: tuple[str, ...] = contract.IMAGE_MODEL_DIRS) -> list[str]:
+    """The init container's argv: ``OVERLAY_SCRIPT`` over the repository ``src_repo`` (its serving-side path) into
+    ``dst_repo``, taking the LLM-API model files from the first of ``code_dirs`` that has them."""
+    return ["/bin/sh", "-c", OVERLAY_SCRIPT, "llm-api-overlay", src_repo, dst_repo, *code_dirs]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Triton Deployment of LLM-API units (serving/deploy.py renders it; these are the LLM-API parts)
+
+OVERLAY_VOLUME = "serving-repository"
+OVERLAY_SIZE = "64Mi"
+"""The overlay's emptyDir: symlinks, two copied .py files per unit and their bytecode, far below this."""
+OTLP_PROTOCOL_ENV = {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"}
+"""model.yaml's ``otlp_traces_endpoint`` is an OTLP/HTTP URL (``<deployment.otlp_endpoint>/v1/traces``), but TensorRT-LLM
+sends spans over gRPC unless this variable says otherwise (``tensorrt_llm/llmapi/tracing.py`` ``get_span_exporter``:
+``os.environ.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, "grpc")``, NVIDIA/TensorRT-LLM @ 0fb7f758). The trtllm-serve
+Deployment sets the same (``k8s/trtllm-serve/deployment.yaml``)."""
+INIT_CONTAINER = "llm-api-model-code"
+INIT_CPU, INIT_MEMORY = "500m", "256Mi"
+"""The init step's requests (= memory limit): ``sh``, ``ln`` and ``cp`` of two small files per unit."""
+
+
+def triton_deployment_notes(repo_dir: Path, units: list[str], world: int, engine_units: list[str], group: int,
+                            image_trtllm: str | None, image: str) -> list[str]:
+    """Refuse (UserError, exit 2) what a Triton Deployment cannot serve of the LLM-API ``units`` in ``repo_dir``; returns
+    notes. ``world``: GPUs per replica (tp x pp of the plan); ``engine_units``: engine units loaded beside them;
+    ``group``: pods per replica (> 1: a LeaderWorkerSet); ``image_trtllm``: the image's TensorRT-LLM version (None:
+    unknown). Refused: a multi-pod group or engine units of world > 1 next to an LLM-API unit (the LLM API starts its
+    own tp x pp workers inside the one tritonserver process, the engine ranks need mpirun), a unit whose model.yaml
+    asks for another tp x pp, ``triton_config.decoupled: true`` (llmapi_contract fact 9), a unit packed for another
+    TensorRT-LLM line than the image's."""
+    import yaml
+
+    if group > 1:
+        raise UserError("deployment.gpus_per_node", f"splits a replica over {group} pods, but TensorRT-LLM's LLM-API model "
+                        "starts its tp x pp workers inside the one tritonserver of its pod.",
+                        "remove deployment.gpus_per_node (or raise it to tp_size x pp_size), or use route: engine.")
+    if world > 1 and engine_units:
+        raise UserError("deployment.warm_fallback", f"loads engine unit(s) {', '.join(engine_units)} beside the LLM-API "
+                        f"unit(s) on {world} GPUs: engine ranks need mpirun, the LLM API runs its own workers.",
+                        "set deployment.warm_fallback: false, or serve one route per Deployment.")
+    notes = [f"LLM-API unit(s) {', '.join(units)}: the init container {INIT_CONTAINER} builds {OVERLAY_REPOSITORY} (a "
+             "writable overlay of the read-only repository) with the image's LLM-API model.py/helpers.py; tritonserver "
+             "serves the overlay."]
+    for u in units:
+        path = Path(repo_dir) / u / MODEL_YAML_FILE
+        d = yaml.safe_load(path.read_text()) if path.is_file() else None
+        if not isinstance(d, dict):
+            raise UserError(str(path), "is missing or not a mapping.", "re-pack the build output.")
+        tp, pp = int(d.get("tensor_parallel_size", 1) or 1), int(d.get("pipeline_parallel_size", 1) or 1)
+        if tp * pp != world:
+            raise UserError(str(path), f"asks for tp {tp} x pp {pp} = {tp * pp} GPU(s), the plan for {world}.",
+                            "deploy with the plan the unit was built from.")
+        if (d.get(contract.TRITON_CONFIG_KEY) or {}).get("decoupled") is True:
+            raise UserError("runtime.decoupled_mode", f"is true for {u}, but the Triton Deployment starts tritonserver with "
+                            "--disable-auto-complete-config, so model.yaml's triton_config.decoupled never reaches Triton and "
+                            "streamed requests hang (serving/llmapi_contract.py fact 9).",
+                            "set runtime.decoupled_mode: false, or deployment.server: trtllm-serve.")
+        ref = read_json(Path(repo_dir) / u / pack.CPU_REFERENCE_FILE) or {}
+        want = str(ref.get("trtllm_version") or "")
+        if image_trtllm and want and want.split(".")[:2] != image_trtllm.split(".")[:2]:
+            raise UserError("image", f"{image} ships TensorRT-LLM {image_trtllm}, but {u}'s model.yaml was checked for "
+                            f"{want}.", "pass the trtllm-python-py3 image of that line (serving/images.py), or rebuild "
+                            "with target.trtllm_version of the image's line.")
+        if not image_trtllm:
+            notes.append(f"{image}: its TensorRT-LLM version is unknown here; {u} was checked for {want or '?'}.")
+    return notes
+
+
+def add_overlay(pod: dict, src_repo: str) -> None:
+    """Turn the hardened Triton pod template ``pod`` (``{"metadata", "spec"}``, mutated) into one serving LLM-API units:
+    an init container (the main container's image, securityContext, env and read-only artifacts mount; argv
+    ``overlay_command(src_repo)``), the ``OVERLAY_VOLUME`` emptyDir, mounted writable there and read-only at
+    ``OVERLAY_MOUNT`` in the main container (whose ``--model-repository`` the caller points at
+    ``OVERLAY_REPOSITORY``), and ``OTLP_PROTOCOL_ENV`` in the main container."""
+    spec = pod["spec"]
+    main = spec["containers"][0]
+    artifacts = [m for m in main["volumeMounts"] if m["name"] == "artifacts"]
+    spec["initContainers"] = [{
+        "name": INIT_CONTAINER, "image": main["image"], "imagePullPolicy": main.get("imagePullPolicy", "IfNotPresent"),
+        "command": overlay_command(src_repo), "securityContext": copy.deepcopy(main["securityContext"]),
+        "env": copy.deepcopy(main.get("env", [])),
+        "resources": {"requests": {"cpu": INIT_CPU, "memory": INIT_MEMORY}, "limits": {"memory": INIT_MEMORY}},
+        "volumeMounts": [*copy.deepcopy(artifacts), {"name": OVERLAY_VOLUME, "mountPath": OVERLAY_MOUNT}]}]
+    main["volumeMounts"].append({"name": OVERLAY_VOLUME, "mountPath": OVERLAY_MOUNT, "readOnly": True})
+    main.setdefault("env", []).append(dict(OTLP_PROTOCOL_ENV))
+    spec["volumes"].append({"name": OVERLAY_VOLUME, "emptyDir": {"sizeLimit": OVERLAY_SIZE}})

@@ -234,27 +234,28 @@ class LlmApiDeployInputs(Frozen):
 
 
 class LlmApiDeployStage(Stage[LlmApiDeployInputs, ManifestsArtifact]):
-    """Deploy on the ``llm_api`` route: the hardened ``trtllm-serve`` Deployment, Service and PodMonitor
-    (``serving/trtllm_serve.py``; ``deployment.server: trtllm-serve``) serving the build output's checkpoint with its
-    rendered ``llm_api/trtllm-serve.yaml``. A Triton Deployment of an LLM-API unit needs the image's LLM-API
-    ``model.py`` copied into the unit at start (``llmapi_unit.image_copy_command``) on a writable volume: not rendered
-    yet, so ``deployment.server: triton`` on this route is refused before the first write."""
+    """Deploy on the ``llm_api`` route, by ``deployment.server``: ``trtllm-serve`` renders the hardened trtllm-serve
+    Deployment, Service and PodMonitor (``serving/trtllm_serve.py``) serving the build output's checkpoint with its
+    rendered ``llm_api/trtllm-serve.yaml``; ``triton`` renders the Triton Deployment of the packed repository
+    (``serving/deploy.py``, as the engine route's deploy) whose init container copies the image's LLM-API ``model.py``
+    into a writable overlay of the read-only repository (``llmapi_unit.add_overlay``)."""
 
     name = "deploy"
-    version = 1
+    version = 2  # 2: deployment.server triton renders the Triton Deployment
     code = ("serving", "resolve", "core")
     needs = ("llm_api_config", "pack")
     output = "k8s"
     artifact_type = ManifestsArtifact
 
     def preflight(self, plan: ResolvedPlan, request: BuildRequest) -> None:
+        """Before the first write: ``deployment.server: triton`` with a TensorRT-LLM line no Triton image ships (1.3)."""
         from precision_pipeline.core.errors import UserError
+        from precision_pipeline.spec.llm_args import trtllm_line
 
-        if plan.profile.deployment.server != "trtllm-serve":
-            raise UserError("deployment.server", f"is {plan.profile.deployment.server!r} on route llm_api: the Triton "
-                            "Deployment of an LLM-API unit (the image's model.py copied into the unit at start) is not "
-                            "rendered yet.", "set deployment.server: trtllm-serve (the packed repository still serves "
-                            "locally with `invoke serve` and goes through promote/rollout), or use route: engine.")
+        if plan.profile.deployment.server == "triton" and trtllm_line(plan.trtllm_version) != "1.2":
+            raise UserError("deployment.server", f"is 'triton' with target.trtllm_version {plan.trtllm_version}: no Triton "
+                            "image carries TensorRT-LLM 1.3 (Triton's trtllm-python-py3 images ship 1.2.1; server issue "
+                            "#8805).", "set deployment.server: trtllm-serve, or target.trtllm_version: 1.2.1.")
 
     def inputs(self, plan: ResolvedPlan, request: BuildRequest, upstream: Mapping[str, Done]) -> LlmApiDeployInputs:
         c, p = upstream["llm_api_config"], upstream["pack"]
@@ -267,8 +268,14 @@ class LlmApiDeployStage(Stage[LlmApiDeployInputs, ManifestsArtifact]):
         import yaml
 
         from precision_pipeline.engine.llm_api_config import TRTLLM_SERVE_FILE
-        from precision_pipeline.serving import trtllm_serve
+        from precision_pipeline.serving import deploy, trtllm_serve
 
+        if inputs.plan.profile.deployment.server == "triton":
+            manifest = deploy.ManifestInputs(inputs.plan, inputs.plan.profile, inputs.repository.path, inputs.repo_root,
+                                             image=inputs.image)
+            res = deploy.render_manifests(manifest, Path(workdir).parent, workdir=workdir)
+            return ManifestsArtifact(files=tuple(res.files), gpus_per_replica=res.gpus_per_replica, replicas=res.replicas,
+                                     launcher=res.launcher, image=inputs.image)
         llm_args = yaml.safe_load((Path(inputs.llm_api_config.path) / TRTLLM_SERVE_FILE).read_text(encoding="utf-8"))
         si = trtllm_serve.ServeInputs(plan=inputs.plan, profile=inputs.plan.profile, llm_args=llm_args,
                                       repo_root=inputs.repo_root, image=inputs.image)

@@ -74,7 +74,8 @@ def serve_command(repo_root: str) -> tuple[list[str], list[str]]:
 
 def check_serve_inputs(i: ServeInputs) -> None:
     """UserError (exit 2) for an input the manifests cannot serve: repo_root, image, namespace, PVC (as for Triton),
-    a config without ``return_perf_metrics: true`` (nothing to scrape), a plan without a known GPU."""
+    a config without ``return_perf_metrics: true`` (nothing to scrape), a config whose ``otlp_traces_endpoint`` is not
+    the profile's ``deployment.otlp_endpoint`` traces URL (None: no key), a plan without a known GPU."""
     deploy.check_repo_root(i.repo_root)
     deploy.check_image(i.image, "image")
     if not isinstance(i.namespace, str) or not DNS_LABEL.match(i.namespace) or len(i.namespace) > 63:
@@ -84,6 +85,12 @@ def check_serve_inputs(i: ServeInputs) -> None:
                         f"is {i.llm_args.get('return_perf_metrics')!r}; trtllm-serve serves {METRICS_PATH} only with "
                         "return_perf_metrics: true, and the PodMonitor scrapes it.",
                         "render the config with return_perf_metrics: true (the llm_api_config stage).")
+    want = i.profile.deployment.otlp_traces_url  # TorchLlmArgs.otlp_traces_endpoint (spec/llm_args.py _BASE_FIELDS)
+    if i.llm_args.get("otlp_traces_endpoint") != want:
+        raise UserError("llm_api/trtllm-serve.yaml: otlp_traces_endpoint",
+                        f"is {i.llm_args.get('otlp_traces_endpoint')!r}, but deployment.otlp_endpoint sends spans to "
+                        f"{want!r}: trtllm-serve would trace elsewhere, or not at all.",
+                        "render the config again from this profile (the llm_api_config stage).")
     if i.plan.gpu is None or not i.plan.gpu.name:
         raise UserError("target.gpu", "plan.json has no known GPU.", "resolve the profile on a catalog GPU first.")
 
