@@ -1,0 +1,72 @@
+"""Issue 29, the MoE families and gpt-oss in the family registry (spec/families.py): routes, lines and formats each
+is served with (rule model.family_serves), the router kept out of quantization (router_patterns, router_problems),
+planning gpt-oss from its config.json alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from precision_pipeline.resolve.plan import evaluate
+from precision_pipeline.spec import families as FAM
+from tests.resolve.test_route_llm_api import _prof
+
+GPT_OSS_TINY = {  # gpt-oss's config.json keys (openai/gpt-oss-20b) with tiny sizes
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "attention_bias": True,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "mxfp4"}}
+
+
+def test_moe_entries():
+    q, g = FAM.QWEN3_MOE, FAM.GPT_OSS
+    assert FAM.FAMILIES["Qwen3MoeForCausalLM"] is q and FAM.FAMILIES["GptOssForCausalLM"] is g
+    assert q.moe.router_hf == "mlp.gate" and q.moe.shared_experts == () and q.routes == ("engine", "llm_api")
+    assert q.moe.router_patterns == ("*mlp.gate",)
+    assert g.routes == ("llm_api",) and g.moe.packed_experts and g.moe.expert_format == "MXFP4" and g.attention_bias
+    assert g.moe.router_patterns == ("*mlp.router",)
+    assert FAM.FAMILIES["MixtralForCausalLM"].moe.router_patterns == ("*block_sparse_moe.gate",)
+    assert all(f.sources.get("routes") for f in (q, g))
+    assert g.build_gaps() and "GptOssForCausalLM" not in FAM.GATE_ARCHITECTURES  # planned, not built
+
+
+def test_family_problems_name_where_it_is_served():
+    g = FAM.GPT_OSS
+    assert FAM.family_problems(g, "llm_api", "1.3", "W4A16_MXFP4") == []
+    ((field, reason, fix),) = FAM.family_problems(g, "engine", "1.2", "NO_QUANT")
+    assert field == "route" and "not served on the engine route" in reason and fix == "use route: llm_api."
+    ((field, reason, fix),) = FAM.family_problems(g, "llm_api", "1.2", "FP8")
+    assert field == "quantization.quant_algo" and "MXFP4 experts as shipped" in reason
+    assert fix == "use one of: NO_QUANT, W4A16_MXFP4, W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8."
+    assert FAM.family_problems(FAM.QWEN3_MOE, "engine", "1.2", "FP8") == []
+
+
+@pytest.mark.parametrize("names,bad", [
+    ({"model.layers.0.mlp.gate.weight": "BF16", "model.layers.0.mlp.experts.0.up_proj.weight": "F8_E4M3"}, []),
+    ({"transformer.layers.1.mlp.router.weight": "F32"}, []),
+    ({"model.layers.3.mlp.gate.weight": "F8_E4M3"}, ["model.layers.3.mlp.gate.weight"]),
+    ({"model.layers.0.mlp.gate.weight": "BF16", "model.layers.0.mlp.gate.weight_scale": "F32"},
+     ["model.layers.0.mlp.gate.weight_scale"]),
+    ({"transformer.layers.0.mlp.router.weight": "U8", "transformer.layers.0.mlp.router.weights_scaling_factor": "U8"},
+     ["transformer.layers.0.mlp.router.weight", "transformer.layers.0.mlp.router.weights_scaling_factor"]),
+])
+def test_a_quantized_router_is_found(names, bad):
+    assert [n for n, _ in FAM.router_problems(FAM.QWEN3_MOE, names)] == bad
+    assert FAM.router_problems(FAM.LLAMA, names) == []  # a dense family has no router
+
+
+def test_gpt_oss_is_planned_from_config_and_refused_off_its_route(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_TINY))
+    prof = _prof(quantization__quant_algo="W4A16_MXFP4", quantization__kv_cache_quant_algo="NONE",
+                 quantization__exclude_modules=["lm_head", *FAM.GPT_OSS.moe.router_patterns])
+    plan = evaluate(prof, tmp_path)
+    # a pre-quantized HF folder is no quantize input; the fallback profile (engine route) cannot serve gpt-oss
+    assert [p.rule for p in plan.problems] == ["model.unquantized", "deployment.fallback"]
+    assert "bf16-h100" in plan.problems[1].reason
+    engine = evaluate(_prof("fp8-h100", quantization__kv_cache_quant_algo="NONE"), tmp_path)
+    found = {(p.rule, p.field): p for p in engine.problems}
+    assert found[("model.family_serves", "route")].fix == "use route: llm_api."
+    assert found[("model.family_serves", "quantization.quant_algo")].reason.startswith(
+        "GptOssForCausalLM is served with NO_QUANT, W4A16_MXFP4, W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8 only")
