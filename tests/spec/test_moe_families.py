@@ -70,3 +70,37 @@ def test_gpt_oss_is_planned_from_config_and_refused_off_its_route(tmp_path):
     assert found[("model.family_serves", "route")].fix == "use route: llm_api."
     assert found[("model.family_serves", "quantization.quant_algo")].reason.startswith(
         "GptOssForCausalLM is served with NO_QUANT, W4A16_MXFP4, W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8 only")
+
+
+def _trt_moe_checkpoint(d, router_dtype):
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {"architecture": "MixtralForCausalLM", "dtype": "bfloat16", "num_hidden_layers": 1, "hidden_size": 64,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+           "moe": {"num_experts": 4, "top_k": 2}, "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+           "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    tensors = {"transformer.layers.0.mlp.router.weight": torch.zeros(4, 64).to(router_dtype)}
+    if router_dtype == torch.float8_e4m3fn:
+        tensors["transformer.layers.0.mlp.router.weights_scaling_factor"] = torch.ones(1)
+    save_file(tensors, str(d / "rank0.safetensors"))
+
+
+def test_verify_refuses_a_quantized_router_in_a_tensorrt_llm_checkpoint(tmp_path):
+    """Rule verify.router runs before the MoE layout refusal: the quantized router is named, tensor by tensor."""
+    import torch
+
+    from precision_pipeline.checkpoint.verify import verify_checkpoint
+    from precision_pipeline.core.errors import UserError
+
+    _trt_moe_checkpoint(tmp_path, torch.float8_e4m3fn)
+    with pytest.raises(UserError) as e:
+        verify_checkpoint(tmp_path)
+    assert {(p.field, p.rule) for p in e.value.problems} == {
+        ("transformer.layers.0.mlp.router.weight (rank0.safetensors)", "verify.router"),
+        ("transformer.layers.0.mlp.router.weights_scaling_factor (rank0.safetensors)", "verify.router")}
+    _trt_moe_checkpoint(tmp_path, torch.float32)  # an F32 router passes this rule; the MoE layout is refused next
+    with pytest.raises(UserError) as e:
+        verify_checkpoint(tmp_path)
+    assert [p.rule for p in e.value.problems] == ["verify.known_tensors"]

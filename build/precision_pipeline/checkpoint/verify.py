@@ -192,11 +192,12 @@ def _scale_values(st, name: str, dtype: str) -> tuple[int, int, int, float, floa
     return int(v.size), nan, neg, float(fin.min()) if fin.size else math.nan, float(fin.max()) if fin.size else math.nan
 
 
-def _router_stored_plain(ckpt: Path, cfg: dict, arch: Any) -> None:
-    """Rule verify.router: UserError naming every quantized router tensor of a MoE family's checkpoint."""
+def _router_stored_plain(ckpt: Path, cfg: dict, arch: Any) -> Any:
+    """Rule verify.router: UserError naming every quantized router tensor of a MoE family's checkpoint; returns
+    ``arch``."""
     fam = FAMILIES.get(arch)
     if fam is None or fam.moe is None:
-        return
+        return arch
     p = _Problems()
     for f in rank_files(ckpt, cfg):
         h = safetensors_header(f)
@@ -204,6 +205,7 @@ def _router_stored_plain(ckpt: Path, cfg: dict, arch: Any) -> None:
             p.add(f"{name} ({f.name})", "verify.router", f"{why}.", "keep the router out of quantization "
                   f"(exclude_modules {list(fam.moe.router_patterns)}, ModelOpt's default) and export again.")
     p.raise_if_any()
+    return arch
 
 
 def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
@@ -220,8 +222,7 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
     algo, kv = _metadata(ckpt, cfg, expect, p)
     p.raise_if_any()  # the rest reads the formats these name
     qinfo = read_quant_cfg(ckpt, cfg)
-    arch = cfg.get("architecture")
-    _router_stored_plain(ckpt, cfg, arch)
+    arch = _router_stored_plain(ckpt, cfg, cfg.get("architecture"))
     if arch not in GATE_ARCHITECTURES or cfg.get("moe"):
         raise UserError("config.json: architecture", f"{arch!r} checkpoints are not verified here (the layout is "
                         f"known for {', '.join(GATE_ARCHITECTURES)} without MoE).",
