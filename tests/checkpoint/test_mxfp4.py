@@ -77,6 +77,16 @@ def test_modelopt_mxfp4_quantizer_output_round_trips_exactly():
     for algo in MX_ALGOS:
         assert torch.equal(K.dequantize(t, "x.", GEMM[algo], None), theirs)
         assert GEMM[algo].fixed_block == MX_BLOCK and K.codec_for(GEMM[algo]).name == "mxfp4"
+    # the registry's ModelOpt presets exist in the installed ModelOpt (0.47) with MX weight quantizers:
+    # E2M1 (num_bits (2, 1)) or E4M3 (MXFP8) elements, blocks of 32, E8M0 scales (scale_bits (8, 0))
+    import modelopt.torch.quantization as mtq
+
+    for algo in (QuantAlgo.W4A8_MXFP4_FP8, QuantAlgo.MXFP8):
+        cfg = getattr(mtq, GEMM[algo].modelopt_preset)
+        (wq,) = [e["cfg"] for e in cfg["quant_cfg"] if e.get("quantizer_name") == "*weight_quantizer"]
+        assert tuple(wq["num_bits"]) == ((2, 1) if algo != QuantAlgo.MXFP8 else (4, 3))
+        assert wq["block_sizes"][-1] == MX_BLOCK and tuple(wq["block_sizes"]["scale_bits"]) == (8, 0)
+    assert hasattr(mtq, "MXFP4_DEFAULT_CFG") and hasattr(mtq, "MXFP4_MLP_WEIGHT_ONLY_CFG")  # no TensorRT-LLM name
 
 
 def test_gpt_oss_block_layout_matches_transformers():
