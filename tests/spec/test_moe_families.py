@@ -28,8 +28,18 @@ def test_moe_entries():
     assert g.routes == ("llm_api",) and g.moe.packed_experts and g.moe.expert_format == "MXFP4" and g.attention_bias
     assert g.moe.router_patterns == ("*mlp.router",)
     assert FAM.FAMILIES["MixtralForCausalLM"].moe.router_patterns == ("*block_sparse_moe.gate",)
+    q2 = FAM.FAMILIES["Qwen2MoeForCausalLM"]  # the one family with a shared expert: its gate is kept like the router
+    assert q2.moe.shared_experts[-1] == "mlp.shared_expert_gate" and q3_shared_free(q)
+    assert q2.moe.router_patterns == ("*mlp.gate", "*mlp.shared_expert_gate")
+    assert [n for n, _ in FAM.router_problems(q2, {"model.layers.0.mlp.shared_expert_gate.weight": "F8_E4M3",
+                                                   "model.layers.0.mlp.shared_expert.up_proj.weight": "F8_E4M3"})] == [
+        "model.layers.0.mlp.shared_expert_gate.weight"]
     assert all(f.sources.get("routes") for f in (q, g))
     assert g.build_gaps() and "GptOssForCausalLM" not in FAM.GATE_ARCHITECTURES  # planned, not built
+
+
+def q3_shared_free(fam) -> bool:
+    return fam.moe.shared_experts == ()
 
 
 def test_family_problems_name_where_it_is_served():

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -323,7 +323,13 @@ GPT_OSS = Family(architecture="GptOssForCausalLM", model_type="gpt_oss", trtllm_
                  export_decoder=None, linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, attention_bias=True,
                  moe=_GPT_OSS_MOE, routes=("llm_api",), trtllm_versions=("1.2", "1.3"),
                  sources={**_NAME_SOURCES, **_GPT_OSS_SOURCES})
-FAMILIES.update({f.architecture: f for f in (QWEN3_MOE, GPT_OSS)})  # QWEN3_MOE replaces the planned-only entry above
+# Qwen2-MoE's shared expert (always active, intermediate shared_expert_intermediate_size) and its sigmoid gate
+# mlp.shared_expert_gate (transformers models/qwen2_moe/modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock); ModelOpt's
+# presets disable '*mlp.shared_expert_gate.*' like the router (modelopt/torch/quantization/config.py).
+_QWEN2_MOE_SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+                     "mlp.shared_expert_gate")
+QWEN2_MOE = replace(FAMILIES["Qwen2MoeForCausalLM"], moe=replace(_QWEN_MOE, shared_experts=_QWEN2_MOE_SHARED))
+FAMILIES.update({f.architecture: f for f in (QWEN2_MOE, QWEN3_MOE, GPT_OSS)})  # they replace the entries above
 
 _MX_EXPERTS = tuple(a.value for a in (QuantAlgo.NO_QUANT, QuantAlgo.W4A16_MXFP4, QuantAlgo.W4A8_MXFP4_FP8,
                                        QuantAlgo.W4A8_MXFP4_MXFP8))
@@ -513,7 +519,7 @@ def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, 
     return tuple(frozenset(s) for s in per_layer), head
 
 
-__all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
+__all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
            "router_problems", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
            "GATE_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
            "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
