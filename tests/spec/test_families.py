@@ -38,7 +38,7 @@ def test_llama_names_are_tensorrt_llms():
 def test_which_families_do_what():
     assert FAM.SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
                                            "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-                                           "Qwen3MoeForCausalLM")
+                                           "Qwen3MoeForCausalLM", "GptOssForCausalLM")
     assert FAM.EXPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MixtralForCausalLM")
     assert FAM.GATE_ARCHITECTURES == ("LlamaForCausalLM",)
     assert {a: f.export_decoder for a, f in FAM.FAMILIES.items() if f.export_decoder} == {

@@ -67,7 +67,7 @@ def test_gemm_entry_facts_filled(fmt):
         assert fmt.weight_bits > 0 and fmt.modelopt_preset and fmt.modelopt_format or not fmt.exported
         assert fmt.scales.kind != "none"
         assert fmt.pack == (2 if fmt.weight_bits == 4 else 1)
-        assert (fmt.grouping != "none") == (fmt.scales.kind in ("per_group", "per_block"))
+        assert (fmt.grouping != "none") == (fmt.scales.kind in ("per_group", "per_block", "per_mx_block"))
     else:
         assert fmt.weight_bits is None and fmt.scales.kind == "none" and fmt.modelopt_preset is None
     assert fmt.codec in CODECS or (fmt.codec is None and not fmt.exported)
@@ -113,20 +113,25 @@ def test_registry_reproduces_the_old_tables():
                                 "NVFP4_DEFAULT_CFG": "NVFP4"}
     assert [f.value for f in G.values() if f.search_cuda_only] == ["NVFP4"]
     assert search.MODELOPT_FORMAT == {None: "NO_QUANT", "fp8": "FP8", "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ",
-                                      "int8_wo": "W8A16", "int8_sq": "W8A8_SQ_PER_CHANNEL", "nvfp4": "NVFP4"}
+                                      "int8_wo": "W8A16", "int8_sq": "W8A8_SQ_PER_CHANNEL", "nvfp4": "NVFP4",
+                                      "w4a8_mxfp4_fp8": "W4A8_MXFP4_FP8", "mxfp8": "MXFP8"}
     # checkpoint/reader.py _STORED, _ACT_FORMAT, _NEEDS_ACT_SCALE, _PACKED_PER_BYTE, SINGLE_ALGOS
     from precision_pipeline.checkpoint import reader
     from precision_pipeline.gate import model as gate_model
 
     assert {f.value: f.stored_dtype for f in G.values() if f.codec} == {
         "FP8": ("F8_E4M3",), "NVFP4": ("U8",), "W4A16_AWQ": ("I8",), "W4A8_AWQ": ("I8",),
-        "W8A8_SQ_PER_CHANNEL": ("I8",), "W8A16": ("I8",), "NO_QUANT": ("BF16", "F16", "F32")}
+        "W8A8_SQ_PER_CHANNEL": ("I8",), "W8A16": ("I8",), "NO_QUANT": ("BF16", "F16", "F32"),
+        "W4A16_MXFP4": ("U8",), "W4A8_MXFP4_FP8": ("U8",), "W4A8_MXFP4_MXFP8": ("U8",)}  # issue 29: the MXFP4 codec
     assert {f.value: f.act_fake_quant for f in G.values() if f.act_fake_quant} == {
-        "FP8": "fp8", "W4A8_AWQ": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "NVFP4": "nvfp4"}
+        "FP8": "fp8", "W4A8_AWQ": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "NVFP4": "nvfp4", "W4A8_MXFP4_FP8": "fp8"}
     assert gate_model.act_fake_quant("W4A16_AWQ") is None and gate_model.act_fake_quant(None) is None
-    assert {f.value for f in G.values() if f.needs_act_scale} == {"FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ"}
-    assert {f.value: f.pack for f in G.values() if f.pack > 1 and f.codec} == {"W4A16_AWQ": 2, "W4A8_AWQ": 2, "NVFP4": 2}
-    assert set(reader.SINGLE_ALGOS) == {"NO_QUANT", "FP8", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16"}
+    assert {f.value for f in G.values() if f.needs_act_scale} == {"FP8", "NVFP4", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ",
+                                                                  "W4A8_MXFP4_FP8"}
+    assert {f.value: f.pack for f in G.values() if f.pack > 1 and f.codec} == {
+        "W4A16_AWQ": 2, "W4A8_AWQ": 2, "NVFP4": 2, "W4A16_MXFP4": 2, "W4A8_MXFP4_FP8": 2, "W4A8_MXFP4_MXFP8": 2}
+    assert set(reader.SINGLE_ALGOS) == {"NO_QUANT", "FP8", "NVFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A16",
+                                        "W4A16_MXFP4", "W4A8_MXFP4_FP8", "W4A8_MXFP4_MXFP8"}
     assert set(gate_model.KV_FAKE_QUANT) == {"fp8", "int8"}  # NVFP4 KV is refused by the CPU model
     # spec/formats.py's own derived tables and resolve/rules.py's branches
     assert F.SUGGEST_ORDER == ("FP8", "NVFP4", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ", "NO_QUANT")

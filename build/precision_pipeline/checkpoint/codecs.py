@@ -20,6 +20,14 @@ Bit layouts (what ModelOpt 0.47 writes; sources per class):
   re-quantization with ``weights_scaling_factor_2``.
 * ``Int8PerChannel`` (SmoothQuant / W8A16): ``weight`` I8 ``[out, in]``, ``weights_scaling_factor``
   F32 ``[out]``; ``w = q * s[:, None]``; activations / KV: per-tensor INT8 fake-quant.
+* ``Mxfp4`` (OCP MX: E2M1 elements, one E8M0 power-of-two scale per ``MX_BLOCK`` = 32 along the input dim):
+  ``weight`` U8 ``[out, in/2]``, element ``2j`` in the LOW nibble (as NVFP4); ``weights_scaling_factor`` U8
+  ``[out, in/32]``, the biased exponent ``e`` of the block's scale ``2**(e - 127)``; ``w = e2m1 * 2**(e - 127)``
+  (``modelopt/torch/quantization/qtensor/mxfp4_tensor.py`` ``MXFP4QTensor.quantize``/``dequantize``;
+  ``modelopt/torch/export/quant_utils.py`` ``get_weight_scaling_factor`` reshapes the scales to ``[out, in/32]``).
+  gpt-oss's own checkpoint stores the same codes per expert as ``*_blocks`` U8 ``[E, out, in/32, 16]`` and
+  ``*_scales`` U8 ``[E, out, in/32]`` (transformers ``integrations/mxfp4.py`` ``convert_moe_packed_tensors``):
+  ``dequant_mx_blocks``. E8M0 code 255 is NaN (OCP MX v1.0) and refused.
 * ``Plain``: BF16/F16/F32 cast to float32.
 """
 
@@ -31,7 +39,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, NVFP4_BLOCK, GemmFormat
+from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, MX_BLOCK, NVFP4_BLOCK, GemmFormat
 
 FIELD = "checkpoint"
 FP8_MAX = 448.0
@@ -39,6 +47,8 @@ INT8_MAX = 127.0  # INT8 quantizer's maxbound (modelopt/torch/export/quant_utils
 INT4_MAX = 7.0    # INT4 (AWQ) quantizer's maxbound (same function): a group scale is group amax / 7
 NVFP4_SCALE_MAX = 6.0 * FP8_MAX  # an NVFP4 global scale is amax / (E2M1 max 6 x E4M3 max 448)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E8M0_BIAS = 127  # an E8M0 scale byte e means 2**(e - 127) (OCP MX v1.0; MXFP4QTensor: e8m0_scale + 127)
+E8M0_NAN = 255   # the one E8M0 code that is not a power of two (NaN)
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 
@@ -67,6 +77,40 @@ def unpack_nvfp4(packed: torch.Tensor) -> torch.Tensor:
     hi = (p >> 4) & 0x0F
     out = torch.stack([lo, hi], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
     return e2m1_to_float(out)
+
+
+def e8m0_exponents(scales: torch.Tensor, what: str) -> torch.Tensor:
+    """int32 exponents ``e - 127`` of E8M0 scale bytes (uint8, any shape); UserError naming ``what`` when a byte is
+    255 (NaN in OCP MX v1.0: no power of two)."""
+    e = scales.view(torch.uint8).to(torch.int32)
+    if bool((e == E8M0_NAN).any()):
+        raise UserError(FIELD, f"{what} holds E8M0 code 255 (NaN in the OCP MX format): {int((e == E8M0_NAN).sum())} "
+                        "block scale(s) are not a power of two.", "re-export the checkpoint.")
+    return e - E8M0_BIAS
+
+
+def dequant_mx(packed: torch.Tensor, scales: torch.Tensor, what: str) -> torch.Tensor:
+    """MXFP4 codes ``[..., n/2]`` (uint8, low nibble = even element) and E8M0 scales ``[..., n/MX_BLOCK]`` (uint8)
+    -> float32 ``[..., n]``: ``e2m1 * 2**(e - 127)`` per block of ``MX_BLOCK``, exact (``torch.ldexp``; a product past
+    float32's range is inf). UserError when the scales do not tile the codes or hold code 255."""
+    vals = unpack_nvfp4(packed)
+    n = vals.shape[-1]
+    if tuple(scales.shape[:-1]) != tuple(vals.shape[:-1]) or scales.shape[-1] * MX_BLOCK != n:
+        raise UserError(FIELD, f"{what}: MXFP4 scales {tuple(scales.shape)} do not tile {tuple(vals.shape)} codes in "
+                        f"blocks of {MX_BLOCK}.", "re-export the checkpoint.")
+    exp = e8m0_exponents(scales, what)
+    blocks = vals.reshape(*vals.shape[:-1], n // MX_BLOCK, MX_BLOCK)
+    return torch.ldexp(blocks, exp.unsqueeze(-1)).reshape(vals.shape)
+
+
+def dequant_mx_blocks(blocks: torch.Tensor, scales: torch.Tensor, what: str) -> torch.Tensor:
+    """gpt-oss's layout: ``blocks`` uint8 ``[..., out, in/32, 16]``, ``scales`` uint8 ``[..., out, in/32]`` ->
+    float32 ``[..., out, in]`` (the same codes as ``dequant_mx``, grouped per block on disk)."""
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] * 2 != MX_BLOCK:
+        raise UserError(FIELD, f"{what}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not "
+                        f"match (expected [..., n/{MX_BLOCK}, {MX_BLOCK // 2}] and [..., n/{MX_BLOCK}]).",
+                        "re-export the checkpoint.")
+    return dequant_mx(blocks.flatten(-2), scales, what)
 
 
 def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -318,6 +362,30 @@ class Nvfp4(Codec):
                 "weights_scaling_factor_2": Slot(("F32",), SCALAR)}
 
 
+class Mxfp4(Codec):
+    """MXFP4 (W4A16_MXFP4, W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8): packed E2M1 nibbles and one E8M0 scale byte per
+    ``MX_BLOCK`` inputs (``dequant_mx``). The FP8 activation scale of W4A8_MXFP4_FP8 follows the registry
+    (``Codec.layout``); W4A8_MXFP4_MXFP8's activations are quantized per block at run time (no stored scale)."""
+
+    name = "mxfp4"
+    weight_dtype = torch.uint8
+
+    def dequantize(self, t, prefix, group_size):
+        return dequant_mx(t[prefix + "weight"], _need_raw(t, prefix, "weights_scaling_factor"), prefix + "weight")
+
+    def _own(self, fmt, n_out, n_in, group):
+        return {"weight": Slot(("U8",), (n_out, n_in // fmt.pack)),
+                "weights_scaling_factor": Slot(("U8",), (n_out, n_in // MX_BLOCK))}
+
+
+def _need_raw(t: dict[str, torch.Tensor], prefix: str, name: str) -> torch.Tensor:
+    """``t[prefix + name]`` as stored (E8M0 bytes stay uint8); UserError when missing."""
+    if prefix + name not in t:
+        raise UserError(FIELD, f"{prefix}weight is {t[prefix + 'weight'].dtype} but {prefix}{name} is missing.",
+                        "re-export the checkpoint.")
+    return t[prefix + name]
+
+
 def _int4_packed(weight: dict, scale: dict) -> bool:
     """Header shapes say INT4 packed rows with per-group scales: ``[out, in/g]`` for ``[out/2, in]``."""
     return len(scale["shape"]) == 2 and scale["shape"][0] == 2 * weight["shape"][0]
@@ -378,7 +446,7 @@ class Int8PerChannel(Codec):
         return None
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (Plain(), Fp8E4M3(), Nvfp4(), Int4Awq(), Int8PerChannel())}
+CODECS: dict[str, Codec] = {c.name: c for c in (Plain(), Fp8E4M3(), Nvfp4(), Int4Awq(), Int8PerChannel(), Mxfp4())}
 # GemmFormat.act_fake_quant / KvFormat.fake_quant kind -> quantize-dequantize function (x, scale)
 FAKE_QUANT: dict[str, Callable[..., torch.Tensor]] = {"fp8": fake_quant_fp8, "int8": fake_quant_int8,
                                                       "nvfp4": fake_quant_nvfp4}
@@ -412,6 +480,7 @@ def dequantize(t: dict[str, torch.Tensor], prefix: str, fmt: GemmFormat, group_s
     return codec.dequantize(t, prefix, group_size)
 
 
-__all__ = ["Slot", "SCALAR", "PLAIN_DTYPES", "Codec", "Plain", "Fp8E4M3", "Nvfp4", "Int4Awq", "Int8PerChannel", "CODECS", "FAKE_QUANT", "codec_for", "dequantize",
+__all__ = ["Slot", "SCALAR", "PLAIN_DTYPES", "Codec", "Plain", "Fp8E4M3", "Nvfp4", "Int4Awq", "Int8PerChannel", "Mxfp4",
+           "dequant_mx", "dequant_mx_blocks", "e8m0_exponents", "E8M0_BIAS", "E8M0_NAN", "CODECS", "FAKE_QUANT", "codec_for", "dequantize",
            "dequant_int4", "fp8_e4m3_to_float", "e2m1_to_float", "unpack_nvfp4", "unpack_int4_rows", "fake_quant_fp8",
            "fake_quant_int8", "fake_quant_nvfp4", "requantize_fp8_fused", "round_e2m1", "FP8_MAX", "INT8_MAX", "INT4_MAX", "NVFP4_SCALE_MAX", "CODE_MAX", "E2M1_VALUES", "QUANTIZED_DTYPES"]

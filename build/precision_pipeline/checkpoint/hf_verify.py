@@ -43,7 +43,7 @@ from precision_pipeline.checkpoint.hf_unified import (HF_SUFFIX, KV_SCALE_OF, QU
 from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import GATE_ARCHITECTURES, LLAMA, hf_linear_shapes
+from precision_pipeline.spec.families import FAMILIES, GATE_ARCHITECTURES, LLAMA, hf_linear_shapes, router_problems
 
 FIX = "re-export the checkpoint (quantize again with export_format hf_unified)."
 HF_RULES = {
@@ -54,6 +54,8 @@ HF_RULES = {
     "hf.kv_scales": "a quantized KV cache has k_scale / v_scale in every layer; an unquantized one has none",
     "hf.scales_finite": "every scale value finite; per-tensor scales > 0",
     "hf.fused_scales": "q/k/v and gate/up (fused in the runtime) have one format and equal input scales",
+    "hf.router": "a MoE router (and shared-expert gate) is stored unquantized, without scales (spec/families.py "
+                 "router_problems)",
 }
 MAX_SHOWN = 12
 _ROLES = {"input_layernorm.weight", "post_attention_layernorm.weight"}
@@ -294,6 +296,12 @@ def verify_hf_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = N
     p.raise_if_any()
     assert q is not None
     arch = (cfg.get("architectures") or [None])[0]
+    fam = FAMILIES.get(arch)
+    if fam is not None and fam.moe is not None:  # before the layout refusal below: a quantized router is named
+        for name, why in router_problems(fam, {n: meta["dtype"] for n, (_, meta) in hf_headers(d).items()}):
+            p.add(name, "hf.router", f"{why}.", "keep the router out of quantization (exclude_modules "
+                  f"{list(fam.moe.router_patterns)}, ModelOpt's default) and export again.")
+        p.raise_if_any()
     if arch not in GATE_ARCHITECTURES:
         raise UserError("config.json: architectures", f"{arch!r} checkpoints are not verified here (the layout is known "
                         f"for {', '.join(GATE_ARCHITECTURES)}).", "build a model of the verified architectures.",

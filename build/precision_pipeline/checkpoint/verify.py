@@ -56,7 +56,7 @@ from precision_pipeline.checkpoint.reader import (KV_SCALE_NAMES, LINEAR_NAMES, 
                                                   rank_files, read_config, read_quant_cfg, safetensors_header)
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import GATE_ARCHITECTURES, qkv_rows_of_config
+from precision_pipeline.spec.families import FAMILIES, GATE_ARCHITECTURES, qkv_rows_of_config, router_problems
 
 FIELD = "checkpoint"
 FIX_EXPORT = "re-export the checkpoint (run the build without --checkpoint, or quantize again)."
@@ -71,6 +71,7 @@ RULES = {
     "verify.coverage": "every layer is on tp_size ranks with its norms and (quantized KV) cache scales",
     "verify.scales_finite": "every scale value finite; per-tensor scales > 0",
     "verify.fused_scales": "GEMMs fused at build time (gate/up for FP8, QKV over ranks) carry equal per-tensor scales",
+    "verify.router": "a MoE router (mlp.router) is stored unquantized, without scales (spec/families.py router_problems)",
 }
 MAX_SHOWN = 12  # problems listed in one refusal (the count of the rest is given)
 _LAYER = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
@@ -191,6 +192,22 @@ def _scale_values(st, name: str, dtype: str) -> tuple[int, int, int, float, floa
     return int(v.size), nan, neg, float(fin.min()) if fin.size else math.nan, float(fin.max()) if fin.size else math.nan
 
 
+def _router_stored_plain(ckpt: Path, cfg: dict, arch: Any) -> Any:
+    """Rule verify.router: UserError naming every quantized router tensor of a MoE family's checkpoint; returns
+    ``arch``."""
+    fam = FAMILIES.get(arch)
+    if fam is None or fam.moe is None:
+        return arch
+    p = _Problems()
+    for f in rank_files(ckpt, cfg):
+        h = safetensors_header(f)
+        for name, why in router_problems(fam, {n: m["dtype"] for n, m in h.items() if n != "__metadata__"}):
+            p.add(f"{name} ({f.name})", "verify.router", f"{why}.", "keep the router out of quantization "
+                  f"(exclude_modules {list(fam.moe.router_patterns)}, ModelOpt's default) and export again.")
+    p.raise_if_any()
+    return arch
+
+
 def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Verify checkpoint ``ckpt_dir`` (module doc; a unified HF checkpoint by ``hf_verify``'s rules). ``expect``:
     ``{"quant_algo", "kv_cache_quant_algo"}`` the plan assumes (None: not compared). Returns ``{"tensors",
@@ -205,7 +222,7 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
     algo, kv = _metadata(ckpt, cfg, expect, p)
     p.raise_if_any()  # the rest reads the formats these name
     qinfo = read_quant_cfg(ckpt, cfg)
-    arch = cfg.get("architecture")
+    arch = _router_stored_plain(ckpt, cfg, cfg.get("architecture"))
     if arch not in GATE_ARCHITECTURES or cfg.get("moe"):
         raise UserError("config.json: architecture", f"{arch!r} checkpoints are not verified here (the layout is "
                         f"known for {', '.join(GATE_ARCHITECTURES)} without MoE).",

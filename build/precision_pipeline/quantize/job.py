@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from precision_pipeline.quantize.search import GROUP_CHOICES
 from precision_pipeline.spec.algos import QuantAlgo
-from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM, NVFP4_BLOCK
+from precision_pipeline.spec.formats import AWQ_DEFAULT_GROUP, GEMM
 from precision_pipeline.spec.profile import Calibration, Quantization
 
 
@@ -85,8 +85,8 @@ def group_size_for(q: Quantization, input_widths: tuple[int, ...]) -> Optional[i
     every ``input_widths`` (hidden, attention output, MLP width); None for formats without groups. The resolve rule
     ``format.group_size`` has refused a size that does not apply or divide."""
     fmt = GEMM[q.quant_algo]
-    if fmt.grouping == "fixed_block":
-        return NVFP4_BLOCK
+    if fmt.fixed_block:
+        return fmt.fixed_block
     if fmt.grouping == "per_group":
         return q.group_size or AWQ_DEFAULT_GROUP
     if fmt.per_layer and any(GEMM[c].grouping == "per_group" for c in q.auto_quantize_formats):

@@ -134,13 +134,25 @@ class Context:
         """The registry entry of ``quantization.kv_cache_quant_algo``."""
         return F.KV[self.profile.quantization.kv_cache_quant_algo]
 
+    def refusal_of(self, fmt: F.GemmFormat) -> str:
+        """Why ``fmt`` runs on no GPU on this route and TensorRT-LLM line ('' when some SM runs it;
+        ``spec/capability.py`` ``refusal_on_route``)."""
+        from precision_pipeline.spec.capability import refusal_on_route
+
+        return refusal_on_route(self.route, self.trtllm_version, fmt)
+
+    @property
+    def fmt_refusal(self) -> str:
+        """``refusal_of`` the profile's GEMM format."""
+        return self.refusal_of(self.fmt)
+
     @property
     def gemm_format_ok(self) -> bool:
         """The GEMM format runs on the target SM (context rules stay quiet when it does not:
         format.gemm_sm already refuses, and the consequences would only repeat it)."""
         e = self.fmt
-        if e.refusal or self.gpu is None:
-            return not e.refusal
+        if self.fmt_refusal or self.gpu is None:
+            return not self.fmt_refusal
         if e.per_layer:
             return True
         return self.runs(e)

@@ -97,10 +97,14 @@ def _format_fix(ctx: Context, entry: F.GemmFormat) -> str:
     if ctx.route != "engine":
         from precision_pipeline.spec.capability import supports
 
+        from precision_pipeline.spec.capability import where_supported
+
         alts = [a for a in F.SUGGEST_ORDER if a != entry.value and supports(ctx.route, ctx.trtllm_version, "gemm", a, ctx.sm)]
         text = _llm_api_fix(ctx, entry, "quant_algo", alts)
         fp8 = F.GEMM[F.QuantAlgo.FP8]
-        return text + (f" (e.g. {fp8.value} on Hopper, SM 90)" if fp8.value not in alts else "")
+        text += f" (e.g. {fp8.value} on Hopper, SM 90)" if fp8.value not in alts else ""
+        where = where_supported("gemm", entry.algo)
+        return text + (f" {entry.value} itself runs on {where}." if where else "")
     alts = F.supported_alternatives(ctx.sm, exclude=entry.algo)
     alt_txt = F.join_or([a.short for a in alts])
     gpus = [gid for gid in entry.gpu_ids() if gid != ctx.gpu.id]
@@ -117,15 +121,21 @@ def _format_fix(ctx: Context, entry: F.GemmFormat) -> str:
 @rule("format.trtllm_buildable", "quant_algo is a TensorRT-LLM 1.2 QuantAlgo", F.SRC_MODE, needs_gpu=False)
 def _buildable(ctx: Context) -> list[Finding]:
     e = ctx.fmt
-    if e.refusal:
-        return [refuse("quantization.quant_algo", e.refusal, "use NVFP4 (W4A4, Blackwell) or W4A16_AWQ (INT4 weight-only) instead.")]
+    why = ctx.fmt_refusal
+    if why:
+        from precision_pipeline.spec.capability import where_supported
+
+        where = where_supported("gemm", e.algo)
+        fix = (f"{e.value} runs on {where}: set that route/target; otherwise " if where else "") + \
+            "use NVFP4 (W4A4, Blackwell) or W4A16_AWQ (INT4 weight-only) instead."
+        return [refuse("quantization.quant_algo", why, fix)]
     return []
 
 
 @rule("format.gemm_sm", "GEMM format runs on the target SM", f"{F.SRC_QUANT_MD}; {F.SRC_BUILDER}")
 def _gemm_sm(ctx: Context) -> list[Finding]:
     e = ctx.fmt
-    if e.refusal:
+    if ctx.fmt_refusal:
         return []  # format.trtllm_buildable reports it
     out = []
     if e.per_layer:
@@ -140,7 +150,7 @@ def _gemm_sm(ctx: Context) -> list[Finding]:
             ce = F.GEMM[cand]
             if ce.per_layer or not ce.is_quantized:
                 continue
-            if ce.refusal or not ctx.runs(ce):
+            if ctx.refusal_of(ce) or not ctx.runs(ce):
                 out.append(refuse("quantization.auto_quantize_formats",
                                   f"candidate {cand.value}: {_needs(ctx, ce)}; {ctx.gpu_text()}.", _format_fix(ctx, ce)))
         return out
@@ -182,6 +192,8 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
                         "remove auto_quantize_formats, or set quant_algo: MIXED_PRECISION."))
     if ctx.kv_fmt.not_exported:
         out.append(refuse("quantization.kv_cache_quant_algo", *ctx.kv_fmt.not_exported))
+    if ctx.fmt.not_exported and ctx.for_build and ctx.checkpoint_dir is None and not ctx.fmt_refusal:
+        out.append(refuse("quantization.quant_algo", f"{ctx.quant}: {ctx.fmt.not_exported[0]}", ctx.fmt.not_exported[1]))
     if ctx.fmt.is_quantized and q.keep_first_layers + q.keep_last_layers >= m.num_layers > 0:
         out.append(refuse("quantization.keep_first_layers",
                           f"keep_first_layers {q.keep_first_layers} + keep_last_layers {q.keep_last_layers} keep all "
@@ -266,11 +278,11 @@ def _group_size(ctx: Context) -> list[Finding]:
         if q.group_size is None:  # the search picks the largest of 128/64/32/16 that divides (autoquant.py)
             return []
         g, what = q.group_size, "group_size (AWQ search candidate)"
-    elif fmt.grouping == "fixed_block":
-        g, what = F.NVFP4_BLOCK, "the NVFP4 block (16)"
-        if q.group_size not in (None, F.NVFP4_BLOCK):
-            out.append(refuse("quantization.group_size", f"{algo} uses a fixed block of {F.NVFP4_BLOCK} elements; "
-                              f"got {q.group_size}.", f"remove quantization.group_size (or set it to {F.NVFP4_BLOCK})."))
+    elif fmt.fixed_block:
+        g, what = fmt.fixed_block, f"the {fmt.short} block ({fmt.fixed_block})"
+        if q.group_size not in (None, g):
+            out.append(refuse("quantization.group_size", f"{algo} uses a fixed block of {g} elements; "
+                              f"got {q.group_size}.", f"remove quantization.group_size (or set it to {g})."))
     else:
         if q.group_size is not None:
             out.append(refuse("quantization.group_size", f"{algo} has no per-group scales; group_size {q.group_size} "

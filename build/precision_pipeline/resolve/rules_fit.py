@@ -282,6 +282,21 @@ def _search_budget(ctx: Context) -> list[Finding]:
                    "set quant_algo: MIXED_PRECISION (with auto_quantize_formats), or remove auto_quantize_bits.")]
 
 
+@rule("model.family_serves", "TensorRT-LLM serves the model's family on the profile's route, line and format "
+      "(spec/families.py routes, trtllm_versions, FAMILY_FORMATS)", "spec/families.py (each family's sources)",
+      needs_gpu=False)
+def _family_serves(ctx: Context) -> list[Finding]:
+    from precision_pipeline.spec.families import family_problems
+    from precision_pipeline.spec.llm_args import trtllm_line
+
+    try:
+        line = trtllm_line(ctx.trtllm_version)
+    except ValueError:
+        return []  # route.trtllm_version refuses it
+    found = family_problems(family(ctx.model.architecture), ctx.route, line, ctx.quant)
+    return [refuse(f, reason, fix) for f, reason, fix in found]
+
+
 @rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (spec/families.py GATE_ARCHITECTURES; "
       "builds and checks only)",
       "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader, spec/families.py)", needs_gpu=False)

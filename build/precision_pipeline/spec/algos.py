@@ -25,6 +25,12 @@ class QuantAlgo(str, Enum):
     W8A16 = "W8A16"
     W4A16_NVFP4 = "W4A16_NVFP4"  # ModelOpt exports it; TensorRT-LLM 1.2 cannot build it (refused by a rule)
     MIXED_PRECISION = "MIXED_PRECISION"
+    # MXFP4 weights (E2M1, E8M0 scale per 32), mode.py QuantAlgo lines 44-46 (NVIDIA/TensorRT-LLM 1.2-era, the
+    # enum of shared/reference/trtllm-1.2-build-reference.md section 4); MXFP8 is not in that enum (added later).
+    W4A16_MXFP4 = "W4A16_MXFP4"
+    W4A8_MXFP4_FP8 = "W4A8_MXFP4_FP8"
+    W4A8_MXFP4_MXFP8 = "W4A8_MXFP4_MXFP8"
+    MXFP8 = "MXFP8"
 
 
 class KVCacheQuantAlgo(str, Enum):

@@ -13,6 +13,10 @@ a route = rows here.
 |---|---|
 | Blackwell SM 100/103 | NVFP4, MXFP4, FP8 per-tensor, FP8 block, FP8 KV |
 | Blackwell SM 120 | NVFP4, MXFP4, FP8 per-tensor, FP8 KV |
+
+MXFP4 per QuantAlgo (MoE experts; ``F.SRC_MX_MOE``): W4A16_MXFP4 SM 90 (Hopper, gpt-oss's path there),
+W4A8_MXFP4_FP8 SM 100/103, W4A8_MXFP4_MXFP8 SM 100/103/120/121; MXFP8 SM 100/103 on the 1.3 line only (not a 1.2
+QuantAlgo). The engine route builds none of them (``F.SRC_MX_ENGINE``).
 | Hopper SM 90 | FP8 (tensor, block, row), FP8 KV, W4A8/W4A16 AWQ and GPTQ |
 | Ada SM 89 | FP8, FP8 KV, W4A8/W4A16 AWQ and GPTQ |
 | Ampere SM 80-87 | FP8 KV, W4A16 AWQ/GPTQ |
@@ -84,6 +88,11 @@ _LLM_API_ROWS = (
     Row("llm_api", _L, "gemm", _Q.W8A16.value, (), SRC_NO_INT8, why="INT8 weight-only has no path on the PyTorch backend"),
     Row("llm_api", _L, "gemm", _Q.W4A16_NVFP4.value, (), SRC_PYTORCH_MATRIX,
         why="W4A16_NVFP4 is not in the PyTorch backend's matrix"),
+    # MX formats (MoE experts; the CUTLASS MoE backend's table, spec/formats.py SRC_MX_MOE). MXFP8 is not a 1.2 name.
+    Row("llm_api", _L, "gemm", _Q.W4A16_MXFP4.value, ((90, 90),), F.SRC_MX_MOE),
+    Row("llm_api", _L, "gemm", _Q.W4A8_MXFP4_FP8.value, ((100, 100), (103, 103)), F.SRC_MX_MOE),
+    Row("llm_api", _L, "gemm", _Q.W4A8_MXFP4_MXFP8.value, _BLACKWELL_FP4, F.SRC_MX_MOE),
+    Row("llm_api", ("1.3",), "gemm", _Q.MXFP8.value, ((100, 100), (103, 103)), F.SRC_MX_MOE),
     Row("llm_api", _L, "gemm", _Q.MIXED_PRECISION.value, ((80, ANY),),
         SRC_PYTORCH_MATRIX + "; each candidate format must run (quant_cfg.json per layer)"),
     Row("llm_api", _L, "kv", _K.NONE.value, ((80, ANY),), SRC_PYTORCH_MATRIX),
@@ -127,6 +136,30 @@ def runnable(route: str, version: str, kind: str, sm: int) -> list[str]:
     return [r.algo for r in TABLE if r.route == route and r.kind == kind and supports(route, version, kind, r.algo, sm)]
 
 
+def where_supported(kind: str, algo) -> str:
+    """Where ``algo`` runs, in words, from every row with SM ranges: e.g. 'route llm_api (TensorRT-LLM 1.2, 1.3) on
+    SM 90'; '' when no row has any."""
+    value = getattr(algo, "value", algo)
+    parts = [f"route {r.route} (TensorRT-LLM {', '.join(r.lines)}) on {F.sm_text(r.sm)}"
+             for r in TABLE if r.kind == kind and r.algo == value and r.sm]
+    return F.join_or(parts)
+
+
+def refusal_on_route(route: str, version: str, fmt) -> str:
+    """Why GEMM format ``fmt`` (a ``GemmFormat``), which trtllm-build cannot build at all (``fmt.refusal``), is refused
+    on ``route`` / ``version`` whatever the GPU; '' when the route runs it on some SM, or when ``fmt`` is an engine format
+    (the SM rule ``format.gemm_sm`` then names the alternatives). The engine route: the registry's ``refusal``; another
+    route: its row's ``why`` when the row runs nowhere, or that the route's line has no row for it."""
+    if route == "engine" or not fmt.refusal:
+        return fmt.refusal
+    r = row(route, version, "gemm", fmt.algo)
+    if r is not None and r.sm:
+        return ""
+    if r is not None:
+        return r.why or fmt.refusal or f"{fmt.value} runs on no SM on the {route} route"
+    return f"{fmt.value} is not taken by the {route} route with TensorRT-LLM {version} ({fmt.needs})"
+
+
 def route_runs_line(route: str, version: str) -> bool:
     """Whether ``route`` runs on ``version``'s TensorRT-LLM line (``ROUTE_LINES``)."""
     try:
@@ -136,4 +169,5 @@ def route_runs_line(route: str, version: str) -> bool:
 
 
 __all__ = ["ROUTES", "ROUTE_LINES", "ROUTE_NEEDS", "Row", "TABLE", "row", "supports", "runnable", "route_runs_line",
+           "where_supported", "refusal_on_route",
            "SRC_PYTORCH_MATRIX", "SRC_ROUTE_LINES"]

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Optional
 
 from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec.algos import QuantAlgo
 
 COLUMN, ROW = "column", "row"
 LAYER_PREFIX_HF = "model.layers"
@@ -76,6 +77,21 @@ class MoE:
     router_trt: str
     experts: tuple[Linear, ...]
     fused: tuple[tuple[str, ...], ...] = ()
+    shared_experts: tuple[str, ...] = ()
+    """HF linears (relative) of the always-active shared expert(s) and their gate (Qwen2-MoE); () when none."""
+    packed_experts: bool = False
+    """The HF model stores every expert of a projection in one 3-D parameter (gpt-oss ``mlp.experts.gate_up_proj``
+    ``[E, hidden, 2 x inter]``, gate/up rows interleaved), not one Linear per expert (``{e}`` names)."""
+    expert_format: str = ""
+    """The format the family's own checkpoint stores its experts in ('' = the model dtype; gpt-oss: MXFP4,
+    ``*_blocks``/``*_scales``, decoded by ``checkpoint/codecs.py`` ``dequant_mx_blocks``)."""
+
+    @property
+    def router_patterns(self) -> tuple[str, ...]:
+        """``exclude_modules`` patterns keeping the router (and a shared-expert gate) out of quantization: the router
+        stays in the model dtype (TensorRT-LLM loads it as F32, ``mlp.router``) and a quantized one is refused by
+        ``router_problems``."""
+        return (f"*{self.router_hf}",) + tuple(f"*{s}" for s in self.shared_experts if s.endswith("_gate"))
 
 
 @dataclass(frozen=True)
@@ -92,7 +108,7 @@ class Family:
     attention_bias: bool = False
     moe: Optional[MoE] = None
     routes: tuple[str, ...] = ("engine",)
-    trtllm_versions: tuple[str, ...] = ("1.2",)
+    trtllm_versions: tuple[str, ...] = ("1.2", "1.3")
     gate_reader: Optional[str] = None
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -251,7 +267,7 @@ _MISTRAL_SOURCES = {
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family(architecture="LlamaForCausalLM", model_type="llama", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
-           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="llama",
+           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="llama", routes=("engine", "llm_api"),
            sources={**_NAME_SOURCES, "export": "ModelOpt 0.47 export_tensorrt_llm_checkpoint(model, 'llama', ...)",
                     "gate": "gate/model.py load_checkpoint_model (an HF LlamaForCausalLM fed the dequantized checkpoint)"}),
     _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM", sources=_MISTRAL_SOURCES),
@@ -264,6 +280,103 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE),
 )}
 """Every architecture the pipeline accepts, by HF class name (``config.json`` ``architectures[0]``)."""
+
+# --- MoE families and gpt-oss (issue 29, helper mxfp4) --------------------------------------------------------------
+# Qwen3-MoE: per-expert gate/up/down Linears under mlp.experts.{e}, a router mlp.gate (no bias), no shared expert
+# (transformers models/qwen3_moe/modeling_qwen3_moe.py Qwen3MoeSparseMoeBlock; Qwen2-MoE's shared_expert and
+# shared_expert_gate are gone). Engine: tensorrt_llm/models/qwen/config.py handles qwen_type qwen3_moe (attn_bias False);
+# PyTorch backend: tensorrt_llm/_torch/models/modeling_qwen3_moe.py, checkpoints/hf/qwen3_moe_weight_mapper.py.
+# The router stays BF16: ModelOpt 0.47's presets disable '*mlp.gate.*' (modelopt/torch/quantization/config.py,
+# e.g. FP8_DEFAULT_CFG, MXFP4_DEFAULT_CFG), and TensorRT-LLM loads mlp.router in F32 (SRC_CONVERT).
+_QWEN3_MOE_SOURCES = {
+    "moe": "transformers models/qwen3_moe/modeling_qwen3_moe.py (Qwen3MoeSparseMoeBlock: gate = router, experts.{e}."
+           "gate_proj/up_proj/down_proj, no shared expert); modelopt/torch/quantization/config.py ('*mlp.gate.*' disabled)",
+    "routes": "engine: tensorrt_llm/models/qwen/config.py (qwen_type qwen3_moe); PyTorch backend: "
+              "tensorrt_llm/_torch/models/modeling_qwen3_moe.py, checkpoints/hf/qwen3_moe_weight_mapper.py",
+}
+QWEN3_MOE = _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE, routes=("engine", "llm_api"),
+                     trtllm_versions=("1.2", "1.3"), sources=_QWEN3_MOE_SOURCES)
+
+# gpt-oss: MoE with MXFP4 experts as shipped (*_blocks / *_scales, quant_method mxfp4), attention sinks (one learned
+# logit per head, self_attn.sinks), biases on q/k/v/o, the router and the experts, and sliding-window attention on
+# every other layer (config layer_types: sliding_attention / full_attention, sliding_window 128)
+# (transformers models/gpt_oss/modeling_gpt_oss.py; integrations/mxfp4.py). TensorRT-LLM runs it on the PyTorch
+# backend only (tensorrt_llm/_torch/models/modeling_gpt_oss.py, checkpoints/hf/gpt_oss_weight_mapper.py; an HF
+# mxfp4 checkpoint loads as W4A16_MXFP4 on Hopper, W4A8_MXFP4_MXFP8 on Blackwell: spec/formats.py SRC_MX_MOE);
+# tensorrt_llm/models/gpt_oss/ (an engine model) exists in forks only (spec/formats.py SRC_MX_ENGINE).
+_GPT_OSS_MOE = MoE(
+    router_hf="mlp.router", router_trt="mlp.router",
+    # gate_up_proj holds gate (even rows) and up (odd rows) of every expert: listed twice, once per half
+    experts=(Linear("mlp.experts.gate_up_proj", "mlp.fc", COLUMN), Linear("mlp.experts.gate_up_proj", "mlp.fc", COLUMN),
+             Linear("mlp.experts.down_proj", "mlp.proj", ROW)),
+    packed_experts=True, expert_format="MXFP4")
+_GPT_OSS_SOURCES = {
+    "moe": "transformers models/gpt_oss/modeling_gpt_oss.py (GptOssMLP: router Linear with bias, GptOssExperts "
+           "gate_up_proj [E, hidden, 2 x inter] interleaved, down_proj [E, inter, hidden]); integrations/mxfp4.py "
+           "(convert_moe_packed_tensors: *_blocks [E, out, in/32, 16], *_scales [E, out, in/32], exponent - 127)",
+    "attention": "transformers models/gpt_oss/modeling_gpt_oss.py (self_attn.sinks; layer_types alternate "
+                 "sliding_attention / full_attention; q/k/v/o_proj bias=True)",
+    "routes": "PyTorch backend only: tensorrt_llm/_torch/models/modeling_gpt_oss.py, checkpoints/hf/"
+              "gpt_oss_weight_mapper.py; tensorrt_llm/_torch/model_config.py get_mxfp4_quant_algo",
+}
+GPT_OSS = Family(architecture="GptOssForCausalLM", model_type="gpt_oss", trtllm_class="GptOssForCausalLM (PyTorch backend)",
+                 export_decoder=None, linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, attention_bias=True,
+                 moe=_GPT_OSS_MOE, routes=("llm_api",), trtllm_versions=("1.2", "1.3"),
+                 sources={**_NAME_SOURCES, **_GPT_OSS_SOURCES})
+# Qwen2-MoE's shared expert (always active, intermediate shared_expert_intermediate_size) and its sigmoid gate
+# mlp.shared_expert_gate (transformers models/qwen2_moe/modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock); ModelOpt's
+# presets disable '*mlp.shared_expert_gate.*' like the router (modelopt/torch/quantization/config.py).
+_QWEN2_MOE_SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+                     "mlp.shared_expert_gate")
+QWEN2_MOE = replace(FAMILIES["Qwen2MoeForCausalLM"], moe=replace(_QWEN_MOE, shared_experts=_QWEN2_MOE_SHARED))
+FAMILIES.update({f.architecture: f for f in (QWEN2_MOE, QWEN3_MOE, GPT_OSS)})  # they replace the entries above
+
+_MX_EXPERTS = tuple(a.value for a in (QuantAlgo.NO_QUANT, QuantAlgo.W4A16_MXFP4, QuantAlgo.W4A8_MXFP4_FP8,
+                                       QuantAlgo.W4A8_MXFP4_MXFP8))
+FAMILY_FORMATS: dict[str, tuple[str, ...]] = {GPT_OSS.architecture: _MX_EXPERTS}
+"""quant_algo values a family is served with, where it is narrower than the format registry: gpt-oss ships MXFP4
+experts (TensorRT-LLM's MXFP4 QuantAlgos, SRC_MX_MOE) or their BF16 dequantization (NO_QUANT)."""
+
+
+def family_problems(fam: Family, route: str, line: str, quant_algo: str) -> list[tuple[str, str, str]]:
+    """(field, reason, fix) for each way ``route`` / TensorRT-LLM ``line`` / ``quant_algo`` is not served for ``fam``
+    (``Family.routes``, ``Family.trtllm_versions``, ``FAMILY_FORMATS``); [] when all are."""
+    out = []
+    if route not in fam.routes:
+        out.append(("route", f"{fam.architecture} is not served on the {route} route ({fam.sources.get('routes', '')}).",
+                    f"use route: {' or '.join(fam.routes)}."))
+    if line not in fam.trtllm_versions:
+        out.append(("target.trtllm_version", f"{fam.architecture} is not served by TensorRT-LLM {line}.",
+                    f"use a TensorRT-LLM {' or '.join(fam.trtllm_versions)} version."))
+    allowed = FAMILY_FORMATS.get(fam.architecture)
+    if allowed and quant_algo not in allowed:
+        out.append(("quantization.quant_algo", f"{fam.architecture} is served with {', '.join(allowed)} only "
+                    f"({fam.moe.expert_format if fam.moe else ''} experts as shipped); got {quant_algo}.",
+                    f"use one of: {', '.join(allowed)}."))
+    return out
+
+
+def router_problems(fam: Family, stored: dict[str, str]) -> list[tuple[str, str]]:
+    """(tensor, reason) for each router (or shared-expert gate) tensor stored quantized: ``stored`` maps tensor names
+    to safetensors dtypes (a header); a router weight must be a plain float dtype with no scale tensor beside it
+    (``MoE.router_patterns``; TensorRT-LLM loads the router as F32). [] for a dense family."""
+    if fam.moe is None:
+        return []
+    routers = {fam.moe.router_hf, fam.moe.router_trt} | {s for s in fam.moe.shared_experts if s.endswith("_gate")}
+    out = []
+    for name, dtype in stored.items():
+        m = LAYER_RE.match(name.replace("transformer.layers.", "layers.", 1))
+        if not m:
+            continue
+        stem, _, leaf = m.group(2).rpartition(".")
+        if stem not in routers:
+            continue
+        if leaf == "weight" and dtype not in ("BF16", "F16", "F32"):
+            out.append((name, f"router weight stored as {dtype}; the router must stay unquantized (BF16/F32)"))
+        elif leaf not in ("weight", "bias"):
+            out.append((name, f"a scale tensor of the router ({leaf}): the router was quantized"))
+    return out
+
 
 LLAMA = FAMILIES["LlamaForCausalLM"]
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
@@ -406,6 +519,7 @@ def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, 
     return tuple(frozenset(s) for s in per_layer), head
 
 
-__all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
+__all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
+           "router_problems", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
            "GATE_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
            "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]

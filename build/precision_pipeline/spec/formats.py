@@ -67,6 +67,7 @@ ANY = 10_000  # upper bound meaning "and every later SM"
 MIN_TRTLLM_SM = 80
 SCALE_F32 = 4  # bytes of one F32 scale
 NVFP4_BLOCK = 16  # NVFP4: one FP8 block scale per 16 elements along the input dim
+MX_BLOCK = 32  # MXFP4 / MXFP8 (OCP MX): one E8M0 (power-of-two) scale byte per 32 elements along the input dim
 AWQ_DEFAULT_GROUP = 128  # INT4_AWQ_CFG / W4A8_AWQ_BETA_CFG block_sizes[-1]
 NO_MODELOPT_CONFIG = "NONE"  # the config name the quantize stage records when no ModelOpt PTQ runs
 SmRanges = tuple[tuple[int, int], ...]  # inclusive (lo, hi) SM ranges; hi = ANY: every later SM
@@ -100,12 +101,12 @@ class ScaleLayout:
 
     ``kind``: ``none`` / ``per_tensor`` / ``per_channel`` (one F32 per output channel) /
     ``per_group`` (one F32 per output channel and group of input channels) / ``per_block``
-    (one FP8 byte per ``NVFP4_BLOCK`` inputs). ``scalars``: extra F32 scalars (weight, activation,
+    (one FP8 byte per ``NVFP4_BLOCK`` inputs) / ``per_mx_block`` (one E8M0 byte per ``MX_BLOCK`` inputs). ``scalars``: extra F32 scalars (weight, activation,
     global scales). ``prequant``: a model-dtype pre-quant scale per input channel (AWQ,
     SmoothQuant). Source: SRC_CKPT.
     """
 
-    kind: Literal["none", "per_tensor", "per_channel", "per_group", "per_block"]
+    kind: Literal["none", "per_tensor", "per_channel", "per_group", "per_block", "per_mx_block"]
     scalars: int = 0
     prequant: bool = False
 
@@ -114,6 +115,8 @@ class ScaleLayout:
         b: float = 0
         if self.kind == "per_block":
             b += n_in * n_out / NVFP4_BLOCK
+        elif self.kind == "per_mx_block":
+            b += n_in * n_out / MX_BLOCK
         elif self.kind == "per_group":
             b += SCALE_F32 * n_out * -(-n_in // (group or AWQ_DEFAULT_GROUP))
         elif self.kind == "per_channel":
@@ -154,13 +157,15 @@ class GemmFormat(_BuildsOn):
     * ``weight_bits``: payload bits per weight, scales excluded (None: the model dtype -- NO_QUANT --
       or per layer -- ``per_layer``); ``scales``: ``ScaleLayout``; ``grouping``: ``per_group``
       (AWQ: ``quantization.group_size``, default ``AWQ_DEFAULT_GROUP``), ``fixed_block``
-      (NVFP4: ``NVFP4_BLOCK``), ``none``; ``pack``: weights per stored element (4-bit formats: 2).
+      (NVFP4: ``NVFP4_BLOCK``), ``mx_block`` (MXFP4/MXFP8: ``MX_BLOCK``), ``none``; ``pack``: weights per stored
+      element (4-bit formats: 2).
     * ``modelopt_preset``: ModelOpt config name (None: exported without PTQ, or per layer);
       ``modelopt_adjust``: how the quantize stage adjusts the preset (``int4_block``: INT4
       ``*weight_quantizer`` ``block_sizes[-1] = group_size``; ``smoothquant``: ``algorithm =
       {"method": "smoothquant", "alpha": smoothquant_alpha}``); ``modelopt_format``: ModelOpt
       export's per-module format string (``get_quantization_format``); ``exported``: the quantize
-      stage produces it.
+      stage produces it; ``not_exported``: (reason, fix) when it does not although TensorRT-LLM runs the format
+      somewhere (resolve refuses a build without ``--checkpoint``, rule ``quantize.modelopt_inputs``).
     * ``stored_dtype``: safetensors dtype(s) of the exported weight tensor; ``codec``: name of the
       codec class that dequantizes it (``checkpoint/codecs.py`` ``CODECS``); ``act_fake_quant``:
       the activation fake-quant the checkpoint implies (also: an ``activation_scaling_factor``
@@ -193,7 +198,7 @@ class GemmFormat(_BuildsOn):
     modelopt_format: Optional[str] = None
     exported: bool = True
     act_fake_quant: Optional[ActFakeQuant] = None
-    grouping: Literal["none", "per_group", "fixed_block"] = "none"
+    grouping: Literal["none", "per_group", "fixed_block", "mx_block"] = "none"
     pack: int = 1
     search_bits: Optional[int] = None
     search_cuda_only: bool = False
@@ -208,6 +213,7 @@ class GemmFormat(_BuildsOn):
     plugin_off_warning: str = ""
     suggest_rank: Optional[int] = None
     fix_gpus_first: bool = False
+    not_exported: Optional[tuple[str, str]] = None
 
     kind = "gemm"
 
@@ -221,6 +227,11 @@ class GemmFormat(_BuildsOn):
     def is_quantized(self) -> bool:
         """False for the unquantized format (model-dtype GEMMs)."""
         return self.weight_bits is not None or self.per_layer
+
+    @property
+    def fixed_block(self) -> Optional[int]:
+        """Elements per scale of a fixed-block format (NVFP4: ``NVFP4_BLOCK``; MX formats: ``MX_BLOCK``), else None."""
+        return {"fixed_block": NVFP4_BLOCK, "mx_block": MX_BLOCK}.get(self.grouping)
 
     @property
     def needs_act_scale(self) -> bool:
@@ -327,6 +338,26 @@ class FormatTable(Mapping, Generic[E, T]):
         return [e for e in self._by.values() if e.supports(sm)]  # type: ignore[attr-defined]
 
 
+SRC_MODE_MX = ("tensorrt_llm/quantization/mode.py:44-46 (QuantAlgo W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8, W4A16_MXFP4; "
+               "QUANT_ALGO_LIST = every name but INT8, line 50)")
+SRC_MX_ENGINE = ("NVIDIA/TensorRT-LLM has no MXFP4 engine model: tensorrt_llm/models/gpt_oss/convert.py (the only MXFP4 "
+                 "weight conversion for trtllm-build in the stored sources) exists in forks only (Isekai-Creation, "
+                 "gkswns0531, radna0), and tensorrt_llm/quantization/layers.py has FP4 linears for NVFP4 only")
+SRC_MX_MOE = ("tensorrt_llm/_torch/modules/fused_moe/fused_moe_cutlass.py CutlassFusedMoE._QUANT_SUPPORT_TABLE "
+              "(W4A16_MXFP4: SM 90; W4A8_MXFP4_FP8: SM 100/103; W4A8_MXFP4_MXFP8: SM 100/103/120/121; MXFP8: SM 100/103, "
+              "'the fused kernel is M3.2'); tensorrt_llm/_torch/model_config.py ModelConfig.get_mxfp4_quant_algo (an HF "
+              "quant_method mxfp4 checkpoint loads as W4A16_MXFP4 below SM 100, W4A8_MXFP4_MXFP8 from SM 100, "
+              "W4A8_MXFP4_FP8 with the TRITON MoE backend)")
+SRC_MXFP4_TENSOR = ("modelopt/torch/quantization/qtensor/mxfp4_tensor.py MXFP4QTensor (ModelOpt 0.47: E2M1 codes, low "
+                    "nibble = even element; E8M0 scale = ceil(log2(amax/6)) + 127 per 32)")
+_MX_ENGINE_REFUSAL = ("{} is a TensorRT-LLM QuantAlgo of the PyTorch backend only: trtllm-build 1.2 has no MXFP4 "
+                      "layers (no MXFP4 engine model upstream), so the engine route cannot build it on any GPU.")
+_MX_NOT_EXPORTED = ("the quantize stage does not produce MX formats: ModelOpt 0.47's MX fake-quant needs its CUDA "
+                    "extension ('Skipping extension modelopt_cuda_ext_mx because CUDA is not available'), and no "
+                    "ModelOpt 0.47 config writes W4A16_MXFP4 or W4A8_MXFP4_MXFP8 (MXFP4_DEFAULT_CFG and "
+                    "MXFP4_MLP_WEIGHT_ONLY_CFG export the format string 'mxfp4', not a TensorRT-LLM name).",
+                    "give an MXFP4 checkpoint with --checkpoint (e.g. gpt-oss's own, quant_method mxfp4), or use "
+                    "NVFP4 on Blackwell / W4A16_AWQ on Hopper.")
 _INT_SM100 = "is refused by trtllm-build on SM 100-119 ('INT8/INT4 quantization is not supported on SM>=100')"
 _NO_SCALES = ScaleLayout("none")
 
@@ -384,6 +415,36 @@ GEMM: FormatTable[QuantAlgo, GemmFormat] = FormatTable(QuantAlgo, [
                modelopt_preset="W4A16_NVFP4_CFG", exported=False, grouping="fixed_block", pack=2,
                refusal="W4A16_NVFP4 is written by ModelOpt (W4A16_NVFP4_CFG) but is not in TensorRT-LLM 1.2's "
                        "QUANT_ALGO_LIST, so trtllm-build cannot build it on any GPU."),
+    # MX formats: TensorRT-LLM runs them on the PyTorch backend only (the llm_api route's rows in spec/capability.py);
+    # builds_on () = no trtllm-build 1.2 engine (SRC_MX_ENGINE). None is exported by the quantize stage (_MX_NOT_EXPORTED).
+    GemmFormat(QuantAlgo.W4A16_MXFP4, "w4a16-mxfp4", "MXFP4 weights (E2M1, E8M0 scale per 32), BF16 activations", (),
+               "W4A16_MXFP4 runs on the llm_api route only (PyTorch backend MoE, SM 90)",
+               f"{SRC_MODE_MX}; {SRC_MX_ENGINE}; {SRC_MX_MOE}; {SRC_MXFP4_TENSOR}",
+               # modelopt_format None: ModelOpt's 'mxfp4' string also covers MXFP4 activations (no TensorRT-LLM name)
+               weight_bits=4, scales=ScaleLayout("per_mx_block"), stored_dtype=("U8",), codec="mxfp4",
+               exported=False, grouping="mx_block", pack=2,
+               refusal=_MX_ENGINE_REFUSAL.format("W4A16_MXFP4"), not_exported=_MX_NOT_EXPORTED),
+    GemmFormat(QuantAlgo.W4A8_MXFP4_FP8, "w4a8-mxfp4-fp8", "MXFP4 weights, FP8 per-tensor activations", (),
+               "W4A8_MXFP4_FP8 runs on the llm_api route only (PyTorch backend MoE, SM 100 or 103)",
+               f"{SRC_MODE_MX}; {SRC_MX_ENGINE}; {SRC_MX_MOE}; {SRC_MXFP4_TENSOR}",
+               weight_bits=4, scales=ScaleLayout("per_mx_block", scalars=1), stored_dtype=("U8",), codec="mxfp4",
+               modelopt_preset="W4A8_MXFP4_FP8_CFG", modelopt_format="w4a8_mxfp4_fp8", exported=False,
+               act_fake_quant="fp8", grouping="mx_block", pack=2,
+               refusal=_MX_ENGINE_REFUSAL.format("W4A8_MXFP4_FP8"), not_exported=_MX_NOT_EXPORTED),
+    GemmFormat(QuantAlgo.W4A8_MXFP4_MXFP8, "w4a8-mxfp4-mxfp8", "MXFP4 weights, MXFP8 activations", (),
+               "W4A8_MXFP4_MXFP8 runs on the llm_api route only (PyTorch backend MoE, SM 100, 103, 120 or 121)",
+               f"{SRC_MODE_MX}; {SRC_MX_ENGINE}; {SRC_MX_MOE}; {SRC_MXFP4_TENSOR}",
+               weight_bits=4, scales=ScaleLayout("per_mx_block"), stored_dtype=("U8",), codec="mxfp4",
+               exported=False, grouping="mx_block", pack=2,
+               refusal=_MX_ENGINE_REFUSAL.format("W4A8_MXFP4_MXFP8"), not_exported=_MX_NOT_EXPORTED),
+    GemmFormat(QuantAlgo.MXFP8, "mxfp8", "MXFP8 (FP8 E4M3, E8M0 scale per 32) weights and activations", (),
+               "MXFP8 runs on the llm_api route with TensorRT-LLM 1.3 only (PyTorch backend MoE, SM 100 or 103)",
+               f"{SRC_MX_MOE}; {SRC_MODELOPT_CFG} (MXFP8_DEFAULT_CFG); shared/reference/trtllm-1.2-build-reference.md "
+               "section 4 (not in the 1.2 QuantAlgo enum)",
+               weight_bits=8, scales=ScaleLayout("per_mx_block"), stored_dtype=("F8_E4M3",), codec=None,
+               modelopt_preset="MXFP8_DEFAULT_CFG", modelopt_format="mxfp8", exported=False, grouping="mx_block",
+               refusal="MXFP8 is not a TensorRT-LLM 1.2 QuantAlgo (tensorrt_llm/quantization/mode.py), so "
+                       "trtllm-build cannot build it on any GPU.", not_exported=_MX_NOT_EXPORTED),
     GemmFormat(QuantAlgo.MIXED_PRECISION, "mixed", "per-layer formats (mtq.auto_quantize)", ((80, ANY),),
                "each candidate format must run on the GPU", f"{SRC_MODE}; {SRC_SEARCH}",
                weight_bits=None, scales=_NO_SCALES, stored_dtype=(), codec=None, per_layer=True, fused_mlp=True),
@@ -448,9 +509,16 @@ def linear_weight_bytes(algo: Any, n_in: int, n_out: int, group_size: Optional[i
 # per channel with SmoothQuant (W8A8_SQ_PER_CHANNEL) or INT8 weight-only (W8A16) (SRC_MODE).
 _INT8_PER_TENSOR = ("per-tensor INT8 (ModelOpt INT8_DEFAULT_CFG) is not a quant_algo TensorRT-LLM 1.2 builds.",
                     "use W8A8_SQ_PER_CHANNEL (SmoothQuant, INT8 activations) or W8A16 (INT8 weight-only).")
+# ModelOpt's MXFP4_DEFAULT_CFG quantizes weights AND activations to MXFP4 and exports the format string 'mxfp4'
+# (modelopt/torch/export/quant_utils.py: no TensorRT-LLM name for it); TensorRT-LLM's MXFP4 QuantAlgos keep
+# activations in BF16, FP8 or MXFP8 (SRC_MODE_MX).
+_MXFP4_W4A4 = ("MXFP4 weights and activations (ModelOpt MXFP4_DEFAULT_CFG, exported as 'mxfp4') is not a TensorRT-LLM "
+               "QuantAlgo.", "use W4A16_MXFP4 (SM 90), W4A8_MXFP4_MXFP8 (SM 100-121) or W4A8_MXFP4_FP8 (SM 100/103), "
+                             "all on route: llm_api.")
 NOT_TRTLLM_NAMES: dict[str, tuple[str, str]] = {
     "INT8": _INT8_PER_TENSOR, "INT8_DEFAULT": _INT8_PER_TENSOR, "INT8_DEFAULT_CFG": _INT8_PER_TENSOR,
     "W8A8": _INT8_PER_TENSOR, "W8A8_SQ_PER_TENSOR": _INT8_PER_TENSOR, "INT8_SQ": _INT8_PER_TENSOR,
+    "MXFP4": _MXFP4_W4A4, "MXFP4_DEFAULT_CFG": _MXFP4_W4A4, "W4A4_MXFP4": _MXFP4_W4A4,
 }
 
 

@@ -1,0 +1,122 @@
+"""Issue 29, tiny random-initialised MoE models built from each family's config (no download): structure and
+refusals, not quality. Random weights and random tokens are acceptable ONLY here (layout tests).
+
+* Qwen3-MoE: ModelOpt 0.47 quantizes and exports it (unified HF, FP8) on CPU with the router kept BF16 and excluded;
+  verification finds the router unquantized, and refuses the same checkpoint with the router planted quantized.
+* gpt-oss: experts stored as MXFP4 in gpt-oss's own layout (``*_blocks`` / ``*_scales``, made by ModelOpt's
+  ``MXFP4QTensor``), decoded on CPU by the codec and compared with the unquantized model by the gate's metrics."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.spec import families as FAM
+
+pytestmark = pytest.mark.slow  # ModelOpt + transformers imports and a calibration pass: ~10-60 s on a loaded machine
+
+
+def _tokens(vocab: int, n: int = 4, seq: int = 16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(29)
+    return [torch.randint(0, vocab, (1, seq), generator=g) for _ in range(n)]
+
+
+def test_tiny_qwen3_moe_exports_with_the_router_bf16_and_verification_refuses_a_quantized_one(tmp_path):
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from precision_pipeline.checkpoint.hf_unified import hf_headers
+    from precision_pipeline.checkpoint.hf_verify import verify_hf_checkpoint
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=256, max_position_embeddings=128, decoder_sparse_step=1,
+                         mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    batches = _tokens(256)
+
+    def loop(m):
+        with torch.no_grad():
+            for b in batches:
+                m(b)
+
+    mtq.quantize(model, copy.deepcopy(mtq.FP8_DEFAULT_CFG), loop)
+    out = tmp_path / "qwen3moe_fp8"
+    export_hf_checkpoint(model, export_dir=out)
+    sd = load_file(str(next(out.glob("*.safetensors"))))
+    routers = sorted(n for n in sd if n.endswith("mlp.gate.weight"))
+    assert routers == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+    assert {sd[n].dtype for n in routers} != {torch.float8_e4m3fn}  # the router kept in the model dtype
+    assert not [n for n in sd if ".mlp.gate." in n and not n.endswith("gate.weight")]  # no router scales
+    assert sd["model.layers.0.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn  # experts quantized
+    hf_q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert hf_q["quant_algo"] == "FP8" and any("mlp.gate" in p for p in hf_q["exclude_modules"])
+    header = {n: meta["dtype"] for n, (_, meta) in hf_headers(out).items()}
+    assert header["model.layers.0.mlp.gate.weight"] in ("BF16", "F32") and FAM.router_problems(FAM.QWEN3_MOE, header) == []
+    # the verifier: the router passes; the rest of a MoE layout is not verified yet (named, exit 2)
+    with pytest.raises(UserError) as e:
+        verify_hf_checkpoint(out)
+    assert e.value.problems[0].rule == "hf.known_tensors"
+    # planted: the router stored FP8 with a scale beside it
+    f = next(out.glob("*.safetensors"))
+    sd["model.layers.1.mlp.gate.weight"] = sd["model.layers.1.mlp.gate.weight"].float().to(torch.float8_e4m3fn)
+    sd["model.layers.1.mlp.gate.weight_scale"] = torch.tensor(1.0)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(UserError) as e:
+        verify_hf_checkpoint(out)
+    found = {(p.field, p.rule) for p in e.value.problems}
+    assert found == {("model.layers.1.mlp.gate.weight", "hf.router"), ("model.layers.1.mlp.gate.weight_scale", "hf.router")}
+    assert "*mlp.gate" in e.value.problems[0].fix
+
+
+def _mxfp4_blocks(w_out_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss's stored layout of ``[E, out, in]`` weights: (blocks [E, out, in/32, 16], scales [E, out, in/32]), made
+    by ModelOpt's MXFP4 quantizer, and ModelOpt's own dequantization."""
+    from modelopt.torch.quantization.qtensor import MXFP4QTensor
+
+    e, o, i = w_out_in.shape
+    q, s = MXFP4QTensor.quantize(w_out_in, 32)
+    theirs = q.dequantize(dtype=torch.float32, scale=s, block_sizes={-1: 32})
+    return q._quantized_data.reshape(e, o, i // 32, 16), s.reshape(e, o, i // 32), theirs
+
+
+def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from precision_pipeline.checkpoint.codecs import dequant_mx_blocks
+    from precision_pipeline.gate.metrics import kl_summary, token_metrics
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                       sliding_window=8, max_position_embeddings=128)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]  # alternating sliding window
+    ref = GptOssForCausalLM(cfg).eval()
+    cand = copy.deepcopy(ref)
+    n_codes = 0
+    for layer in cand.model.layers:
+        assert layer.self_attn.sinks.shape == (4,)  # attention sinks: one logit per head
+        ex = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(ex, name)  # [E, in, out]
+            blocks, scales, theirs = _mxfp4_blocks(p.data.transpose(1, 2).contiguous())
+            w = dequant_mx_blocks(blocks, scales, f"mlp.experts.{name}")  # [E, out, in]
+            assert torch.equal(w, theirs)
+            p.data = w.transpose(1, 2).contiguous()
+            n_codes += blocks.numel() * 2
+    assert n_codes == 2 * 4 * (64 * 128 + 64 * 64)  # every expert weight went through MXFP4
+    toks = torch.cat(_tokens(256, n=2, seq=24), dim=1)
+    with torch.no_grad():
+        lr, lc = ref(toks).logits[0], cand(toks).logits[0]
+    tm = token_metrics(lr, lc)
+    s = kl_summary(tm.kl)
+    assert 0 < s["kl_mean"] < 1.0 and tm.top1.mean() > 0.5, (s, tm.top1.mean())
+    print(f"tiny gpt-oss MXFP4 experts vs FP32: KL mean {s['kl_mean']:.4g}, P99 {s['kl_p99']:.4g}, "
+          f"top-1 {tm.top1.mean():.3f}")

@@ -1,0 +1,116 @@
+"""Issue 29, the MoE families and gpt-oss in the family registry (spec/families.py): routes, lines and formats each
+is served with (rule model.family_serves), the router kept out of quantization (router_patterns, router_problems),
+planning gpt-oss from its config.json alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from precision_pipeline.resolve.plan import evaluate
+from precision_pipeline.spec import families as FAM
+from tests.resolve.test_route_llm_api import _prof
+
+GPT_OSS_TINY = {  # gpt-oss's config.json keys (openai/gpt-oss-20b) with tiny sizes
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "attention_bias": True,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "mxfp4"}}
+
+
+def test_moe_entries():
+    q, g = FAM.QWEN3_MOE, FAM.GPT_OSS
+    assert FAM.FAMILIES["Qwen3MoeForCausalLM"] is q and FAM.FAMILIES["GptOssForCausalLM"] is g
+    assert q.moe.router_hf == "mlp.gate" and q.moe.shared_experts == () and q.routes == ("engine", "llm_api")
+    assert q.moe.router_patterns == ("*mlp.gate",)
+    assert g.routes == ("llm_api",) and g.moe.packed_experts and g.moe.expert_format == "MXFP4" and g.attention_bias
+    assert g.moe.router_patterns == ("*mlp.router",)
+    assert FAM.FAMILIES["MixtralForCausalLM"].moe.router_patterns == ("*block_sparse_moe.gate",)
+    q2 = FAM.FAMILIES["Qwen2MoeForCausalLM"]  # the one family with a shared expert: its gate is kept like the router
+    assert q2.moe.shared_experts[-1] == "mlp.shared_expert_gate" and q3_shared_free(q)
+    assert q2.moe.router_patterns == ("*mlp.gate", "*mlp.shared_expert_gate")
+    assert [n for n, _ in FAM.router_problems(q2, {"model.layers.0.mlp.shared_expert_gate.weight": "F8_E4M3",
+                                                   "model.layers.0.mlp.shared_expert.up_proj.weight": "F8_E4M3"})] == [
+        "model.layers.0.mlp.shared_expert_gate.weight"]
+    assert all(f.sources.get("routes") for f in (q, g))
+    assert g.build_gaps() and "GptOssForCausalLM" not in FAM.GATE_ARCHITECTURES  # planned, not built
+
+
+def q3_shared_free(fam) -> bool:
+    return fam.moe.shared_experts == ()
+
+
+def test_family_problems_name_where_it_is_served():
+    g = FAM.GPT_OSS
+    assert FAM.family_problems(g, "llm_api", "1.3", "W4A16_MXFP4") == []
+    ((field, reason, fix),) = FAM.family_problems(g, "engine", "1.2", "NO_QUANT")
+    assert field == "route" and "not served on the engine route" in reason and fix == "use route: llm_api."
+    ((field, reason, fix),) = FAM.family_problems(g, "llm_api", "1.2", "FP8")
+    assert field == "quantization.quant_algo" and "MXFP4 experts as shipped" in reason
+    assert fix == "use one of: NO_QUANT, W4A16_MXFP4, W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8."
+    assert FAM.family_problems(FAM.QWEN3_MOE, "engine", "1.2", "FP8") == []
+
+
+@pytest.mark.parametrize("names,bad", [
+    ({"model.layers.0.mlp.gate.weight": "BF16", "model.layers.0.mlp.experts.0.up_proj.weight": "F8_E4M3"}, []),
+    ({"transformer.layers.1.mlp.router.weight": "F32"}, []),
+    ({"model.layers.3.mlp.gate.weight": "F8_E4M3"}, ["model.layers.3.mlp.gate.weight"]),
+    ({"model.layers.0.mlp.gate.weight": "BF16", "model.layers.0.mlp.gate.weight_scale": "F32"},
+     ["model.layers.0.mlp.gate.weight_scale"]),
+    ({"transformer.layers.0.mlp.router.weight": "U8", "transformer.layers.0.mlp.router.weights_scaling_factor": "U8"},
+     ["transformer.layers.0.mlp.router.weight", "transformer.layers.0.mlp.router.weights_scaling_factor"]),
+])
+def test_a_quantized_router_is_found(names, bad):
+    assert [n for n, _ in FAM.router_problems(FAM.QWEN3_MOE, names)] == bad
+    assert FAM.router_problems(FAM.LLAMA, names) == []  # a dense family has no router
+
+
+def test_gpt_oss_is_planned_from_config_and_refused_off_its_route(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_TINY))
+    prof = _prof(quantization__quant_algo="W4A16_MXFP4", quantization__kv_cache_quant_algo="NONE",
+                 quantization__exclude_modules=["lm_head", *FAM.GPT_OSS.moe.router_patterns])
+    plan = evaluate(prof, tmp_path)
+    # a pre-quantized HF folder is no quantize input; the fallback profile (engine route) cannot serve gpt-oss
+    assert [p.rule for p in plan.problems] == ["model.unquantized", "deployment.fallback"]
+    assert "bf16-h100" in plan.problems[1].reason
+    engine = evaluate(_prof("fp8-h100", quantization__kv_cache_quant_algo="NONE"), tmp_path)
+    found = {(p.rule, p.field): p for p in engine.problems}
+    assert found[("model.family_serves", "route")].fix == "use route: llm_api."
+    assert found[("model.family_serves", "quantization.quant_algo")].reason.startswith(
+        "GptOssForCausalLM is served with NO_QUANT, W4A16_MXFP4, W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8 only")
+
+
+def _trt_moe_checkpoint(d, router_dtype):
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {"architecture": "MixtralForCausalLM", "dtype": "bfloat16", "num_hidden_layers": 1, "hidden_size": 64,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+           "moe": {"num_experts": 4, "top_k": 2}, "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+           "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    tensors = {"transformer.layers.0.mlp.router.weight": torch.zeros(4, 64).to(router_dtype)}
+    if router_dtype == torch.float8_e4m3fn:
+        tensors["transformer.layers.0.mlp.router.weights_scaling_factor"] = torch.ones(1)
+    save_file(tensors, str(d / "rank0.safetensors"))
+
+
+def test_verify_refuses_a_quantized_router_in_a_tensorrt_llm_checkpoint(tmp_path):
+    """Rule verify.router runs before the MoE layout refusal: the quantized router is named, tensor by tensor."""
+    import torch
+
+    from precision_pipeline.checkpoint.verify import verify_checkpoint
+    from precision_pipeline.core.errors import UserError
+
+    _trt_moe_checkpoint(tmp_path, torch.float8_e4m3fn)
+    with pytest.raises(UserError) as e:
+        verify_checkpoint(tmp_path)
+    assert {(p.field, p.rule) for p in e.value.problems} == {
+        ("transformer.layers.0.mlp.router.weight (rank0.safetensors)", "verify.router"),
+        ("transformer.layers.0.mlp.router.weights_scaling_factor (rank0.safetensors)", "verify.router")}
+    _trt_moe_checkpoint(tmp_path, torch.float32)  # an F32 router passes this rule; the MoE layout is refused next
+    with pytest.raises(UserError) as e:
+        verify_checkpoint(tmp_path)
+    assert [p.rule for p in e.value.problems] == ["verify.known_tensors"]
