@@ -96,3 +96,12 @@ def test_promote_and_rollback_without_url_refuse_while_a_server_serves_the_repos
     fake_server.kill()
     fake_server.wait()
     assert servers_of(repo) == []
+
+
+def test_url_port_out_of_range_is_said():
+    """s8 note #35: --url 127.0.0.1:99999 was reported as "no Triton server answers"."""
+    for port in ("99999", "0"):
+        with pytest.raises(UserError) as e:
+            TritonServer.attach(f"127.0.0.1:{port}")
+        assert e.value.problems[0].field == "--url"
+        assert e.value.problems[0].reason == f"port {int(port)} is out of range (1..65535)."

@@ -216,6 +216,9 @@ class TritonServer:
         host, _, port = http_url.strip().rpartition(":")
         if not port.isdigit():
             raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
+        if not 1 <= int(port) <= 65535:  # hostile s8 #35: was "no Triton server answers"
+            raise UserError("--url", f"port {int(port)} is out of range (1..65535).",
+                            "pass the HTTP port of the server (default 8000; `invoke serve` prints it).")
         srv = cls(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
         srv.host = host or "127.0.0.1"
         # live, not ready: Triton reports not-ready while any model is still UNLOADING (after an abort)
