@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,32 @@ def test_url_port_out_of_range_is_said():
             TritonServer.attach(f"127.0.0.1:{port}")
         assert e.value.problems[0].field == "--url"
         assert e.value.problems[0].reason == f"port {int(port)} is out of range (1..65535)."
+
+
+SIGTERM_TASK = """
+import os, signal, sys, time
+sys.path.insert(0, 'build')
+from invoke.main import program
+from precision_pipeline.serving import build_output, release
+
+def stopped(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+build_output.open_build = lambda *a, **k: object()
+build_output.promote_build = stopped
+release.rollback = stopped
+program.run(['invoke', *sys.argv[1:]])
+"""
+
+
+@pytest.mark.parametrize("task", ["promote", "rollback"])
+def test_sigterm_during_promote_or_rollback_ends_it_as_ctrl_c(tmp_path, task):
+    """s8 note #103: SIGTERM 12 s into a promote ended it with exit 143 and no word; now as Ctrl-C: KeyboardInterrupt
+    through the release code (a loaded candidate is unloaded: release.promote's except), said, exit 130."""
+    args = ["--profile", "bf16-h100"] if task == "promote" else []
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", SIGTERM_TASK, task, *args, "--repo", str(tmp_path / "r" / "model_repository")],
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130 and "interrupted; previous artifacts are intact." in r.stdout, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 25 and "Traceback" not in r.stderr

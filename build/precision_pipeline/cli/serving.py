@@ -46,10 +46,12 @@ def server_of(url, repo_dir: Path):
 def promote(profile, repo=None, url=None, out=None) -> None:
     """``serving.build_output.promote_build`` of the build, printed (warnings on every promote, the first too)."""
     from precision_pipeline.serving import build_output
+    from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     b = build_output.open_build(profile, out)
     server = server_of(url, serving_repo(repo))
-    p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
+    with terminate_as_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: a loaded candidate is unloaded, said (hostile s8 #103)
+        p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
     con = console()
     for w in p.warnings:
         con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
@@ -63,13 +65,15 @@ def promote(profile, repo=None, url=None, out=None) -> None:
 
 def rollback(repo=None, to=None, fallback=False, url=None) -> None:
     from precision_pipeline.serving import release
+    from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     if to is not None and not str(to).strip():
         raise UserError("--to", "is empty (an unset shell variable?); rolling back to the previous release instead "
                         "would be a guess.", "pass a unit name (or a prefix of its 12 hex digits), or leave --to out "
                         "for the previous release.")
     server = server_of(url, serving_repo(repo))
-    t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
+    with terminate_as_interrupt():  # as in promote: a cold target being loaded is unloaded
+        t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
     console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
 
 
