@@ -71,6 +71,22 @@ def test_the_profile_llm_api_section_is_checked_at_resolve():
     assert ("llm_api", "llm_api.args") in _problems(plan)  # engine route: the section would be ignored
 
 
+def test_llm_api_keys_that_serve_something_ungated_are_refused():
+    """Hostile s9 F1: ``llm_api: {backend: tensorrt}`` replaced model.yaml's ``backend: pytorch``; model, tokenizer,
+    env_overrides (LD_PRELOAD) and the like passed ``invoke check`` too."""
+    from precision_pipeline.spec.llm_args import NOT_GATED
+
+    extra = {"backend": "tensorrt", "model": "/etc/passwd", "tokenizer": "/etc", "env_overrides": {"LD_PRELOAD": "/x.so"},
+             "dtype": "float16", "trust_remote_code": True, "cuda_graph_config": {"enable_padding": True}}
+    found = {f: p for (f, r), p in _problems(evaluate(_prof(llm_api=extra), MODEL)).items() if r == "llm_api.args"}
+    assert set(found) == {f"llm_api.{k}" for k in extra if k != "cuda_graph_config"}
+    pr = found["llm_api.backend"]
+    assert pr.reason == ("would serve something other than what the gate measured: route llm_api serves on the PyTorch "
+                         "backend (model.yaml's backend: pytorch); another backend is another route.")
+    assert pr.fix.startswith("remove it; to serve another model or checkpoint, build a profile for it")
+    assert {"model", "backend", "tokenizer", "env_overrides", "revision", "load_format", "lora_config"} <= set(NOT_GATED)
+
+
 @pytest.mark.parametrize("name,field,alt", [
     ("int8-sq-l4", "quantization.quant_algo", "FP8"),
     ("fp8-h100", "quantization.kv_cache_quant_algo", "FP8"),

@@ -253,6 +253,25 @@ RENDERED_FROM: dict[str, str] = {
 ``llm_api:`` section may not set these (one home per setting), except ``kv_cache_config.dtype`` equal to the checkpoint's
 KV format (rule ``llm_api.kv_dtype``)."""
 
+_WEIGHTS = "the served weights are the gated checkpoint's, as the gate loaded them"
+_TOKENIZER = "the served tokenizer is the gated checkpoint's own"
+NOT_GATED: dict[str, str] = {
+    "model": "the pipeline serves the gated checkpoint (model.yaml's model, trtllm-serve's argument)",
+    "backend": "route llm_api serves on the PyTorch backend (model.yaml's backend: pytorch); another backend is "
+               "another route",
+    "tokenizer": _TOKENIZER, "custom_tokenizer": _TOKENIZER, "skip_tokenizer_init": _TOKENIZER,
+    "tokenizer_revision": _TOKENIZER, "revision": _WEIGHTS, "load_format": _WEIGHTS, "checkpoint_format": _WEIGHTS,
+    "checkpoint_loader": _WEIGHTS, "model_kwargs": _WEIGHTS + " (config.json as written)",
+    "dtype": _WEIGHTS + " (its dtype)",
+    "trust_remote_code": "code from the model folder would run in the server; the gate ran the pipeline's own reader",
+    "enable_lora": "LoRA adapters change the served model; the gate measured the checkpoint without them",
+    "lora_config": "LoRA adapters change the served model; the gate measured the checkpoint without them",
+    "env_overrides": "the server process's environment (LD_PRELOAD, library paths, kernel switches) is the image's",
+}
+"""TorchLlmArgs keys a profile's ``llm_api:`` section may not set because they would serve something other than what the
+gate measured (another model, backend, tokenizer, weights, dtype or code; hostile s9 F1): key -> why. Refused by rule
+``llm_api.args`` (``resolve/rules_llm_api.py``) before anything is rendered."""
+
 ENGINE_ONLY_SETTINGS: dict[str, tuple[str, str]] = {
     "context_phase.context_fmha": ("runtime", LEGACY["context_fmha"].why),
     "context_phase.use_paged_context_fmha": ("runtime", LEGACY["use_paged_context_fmha"].why),
@@ -270,4 +289,4 @@ runtime-chosen (a warning in plan.json naming the setting; it is not applied), n
 value other than the default cannot be honoured (there is no such setting), so the profile is refused. Every other
 profile field is rendered (``RENDERED_FROM``) or is not a runtime setting (quantize, gate, deployment)."""
 
-__all__ += ["RENDERED_FROM", "ENGINE_ONLY_SETTINGS"]
+__all__ += ["RENDERED_FROM", "NOT_GATED", "ENGINE_ONLY_SETTINGS"]
