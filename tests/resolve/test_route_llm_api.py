@@ -87,6 +87,14 @@ def test_llm_api_keys_that_serve_something_ungated_are_refused():
     assert {"model", "backend", "tokenizer", "env_overrides", "revision", "load_format", "lora_config"} <= set(NOT_GATED)
 
 
+def test_trtllm_serve_on_the_engine_route_is_refused():
+    """Hostile s9 F4: ``deployment.server: trtllm-serve`` on route engine passed check; the build rendered Triton."""
+    pr = _problems(evaluate(_prof("fp8-h100", deployment__server="trtllm-serve"), MODEL))[
+        ("deployment.server", "deployment.server")]
+    assert pr.reason.startswith("trtllm-serve serves the llm_api route only") and "route: llm_api" in pr.fix
+    assert ("deployment.server", "deployment.server") not in _problems(evaluate(_prof(), MODEL))  # llm_api: served
+
+
 @pytest.mark.parametrize("name,field,alt", [
     ("int8-sq-l4", "quantization.quant_algo", "FP8"),
     ("fp8-h100", "quantization.kv_cache_quant_algo", "FP8"),
