@@ -59,6 +59,9 @@ def test_check_llm_args_did_you_mean_and_legacy_replacements():
     (pr,) = llm_args_problems({"kv_cache_config": {"dtype": "int8"}}, "1.2.1")
     assert "no INT8 KV cache" in pr.reason
     assert llm_args_problems({"cuda_graph_config": {"enable_padding": True}, "max_input_len": 8}, "1.2.1") == []
+    (pr,) = llm_args_problems({"cuda_graph_config": {"enable_paddin": True}}, "1.2.1")  # hostile s9 F3
+    assert pr.field == "llm_api.cuda_graph_config.enable_paddin" and pr.fix == "did you mean 'enable_padding'?"
+    assert llm_args_problems({"cuda_graph_config": {"batch_sizes": [1, 8], "max_batch_size": 8}}, "1.3.0rc29") == []
 
 
 def test_the_profile_llm_api_section_is_checked_at_resolve():
