@@ -59,10 +59,11 @@ def test_repository_settings_the_profile_changed_are_said(tmp_path, units):  # n
 
 @pytest.fixture()
 def fake_server(tmp_path):
-    """A process whose command line is a tritonserver's serving ``tmp_path/serving/model_repository`` (relative to
-    its working directory, as a hand-started one may be) on HTTP port 18555."""
+    """A process whose command line is a tritonserver's serving ``tmp_path/serving/model_repository`` (through a
+    symbolic link, relative to its working directory, as a hand-started one may name it) on HTTP port 18555."""
+    (tmp_path / "link").symlink_to("serving")
     cmd = ["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
-           "--model-repository=serving/model_repository --http-port=18555 --grpc-port=18556", sys.executable]
+           "--model-repository=link/model_repository/ --http-port=18555 --grpc-port=18556", sys.executable]
     p = subprocess.Popen(cmd, cwd=tmp_path)
     try:
         for _ in range(100):

@@ -584,7 +584,7 @@ def servers_of(model_repository: Path, proc: Path = Path("/proc")) -> list[tuple
         opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
         served = opts.get("model-repository", "")
         with contextlib.suppress(OSError):  # a relative path is relative to the server's working directory
-            served = os.path.normpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
+            served = os.path.realpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
         if served.rstrip("/") != want:
             continue
         host = opts.get("http-address", "0.0.0.0")
