@@ -205,6 +205,7 @@ class TritonServer:
         """A handle on a server that is already running (``HOST:PORT`` of its HTTP endpoint).
 
         ``load``/``unload``/``loaded_models``/``http_client`` work on it; ``stop`` does nothing.
+        ``http://HOST:PORT`` (and a trailing ``/``) is taken as HOST:PORT; another scheme is refused.
         Raises UserError (``--url``, exit 2) when ``http_url`` is empty or not HOST:PORT, when nothing answers
         there, or when what answers is not Triton's HTTP/JSON API (v2): its metrics port (text), its gRPC port
         (HTTP/2), another web server.
@@ -213,7 +214,14 @@ class TritonServer:
             # an unset $URL must not silently mean "no server": the live server would keep serving the old unit
             raise UserError("--url", "is empty.", "pass HOST:PORT of the server's HTTP endpoint (e.g. --url "
                             "127.0.0.1:8000), or leave --url out to only rewrite the repository.")
-        host, _, port = http_url.strip().rpartition(":")
+        http_url = http_url.strip()
+        scheme, sep, rest = http_url.partition("://")
+        if sep:  # how URLs are written: http://HOST:PORT[/] is the same endpoint (hostile s9 F8)
+            if scheme.lower() != "http":
+                raise UserError("--url", f"{http_url[:100]!r}: the server's HTTP endpoint speaks plain http, not "
+                                f"{scheme[:20]}.", "pass HOST:PORT (e.g. --url 127.0.0.1:8000).")
+            http_url = rest.rstrip("/")
+        host, _, port = http_url.rpartition(":")
         if not port.isdigit():
             raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
         if not 1 <= int(port) <= 65535:  # hostile s8 #35: was "no Triton server answers"
