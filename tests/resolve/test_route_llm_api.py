@@ -59,6 +59,9 @@ def test_check_llm_args_did_you_mean_and_legacy_replacements():
     (pr,) = llm_args_problems({"kv_cache_config": {"dtype": "int8"}}, "1.2.1")
     assert "no INT8 KV cache" in pr.reason
     assert llm_args_problems({"cuda_graph_config": {"enable_padding": True}, "max_input_len": 8}, "1.2.1") == []
+    (pr,) = llm_args_problems({"cuda_graph_config": {"enable_paddin": True}}, "1.2.1")  # hostile s9 F3
+    assert pr.field == "llm_api.cuda_graph_config.enable_paddin" and pr.fix == "did you mean 'enable_padding'?"
+    assert llm_args_problems({"cuda_graph_config": {"batch_sizes": [1, 8], "max_batch_size": 8}}, "1.3.0rc29") == []
 
 
 def test_the_profile_llm_api_section_is_checked_at_resolve():
@@ -69,6 +72,30 @@ def test_the_profile_llm_api_section_is_checked_at_resolve():
     assert _problems(plan)[("llm_api.max_batch_size", "llm_api.args")].fix == "set build.max_batch_size instead."
     plan = evaluate(_prof("fp8-h100", llm_api={"cuda_graph_config": {}}), MODEL)
     assert ("llm_api", "llm_api.args") in _problems(plan)  # engine route: the section would be ignored
+
+
+def test_llm_api_keys_that_serve_something_ungated_are_refused():
+    """Hostile s9 F1: ``llm_api: {backend: tensorrt}`` replaced model.yaml's ``backend: pytorch``; model, tokenizer,
+    env_overrides (LD_PRELOAD) and the like passed ``invoke check`` too."""
+    from precision_pipeline.spec.llm_args import NOT_GATED
+
+    extra = {"backend": "tensorrt", "model": "/etc/passwd", "tokenizer": "/etc", "env_overrides": {"LD_PRELOAD": "/x.so"},
+             "dtype": "float16", "trust_remote_code": True, "cuda_graph_config": {"enable_padding": True}}
+    found = {f: p for (f, r), p in _problems(evaluate(_prof(llm_api=extra), MODEL)).items() if r == "llm_api.args"}
+    assert set(found) == {f"llm_api.{k}" for k in extra if k != "cuda_graph_config"}
+    pr = found["llm_api.backend"]
+    assert pr.reason == ("would serve something other than what the gate measured: route llm_api serves on the PyTorch "
+                         "backend (model.yaml's backend: pytorch); another backend is another route.")
+    assert pr.fix.startswith("remove it; to serve another model or checkpoint, build a profile for it")
+    assert {"model", "backend", "tokenizer", "env_overrides", "revision", "load_format", "lora_config"} <= set(NOT_GATED)
+
+
+def test_trtllm_serve_on_the_engine_route_is_refused():
+    """Hostile s9 F4: ``deployment.server: trtllm-serve`` on route engine passed check; the build rendered Triton."""
+    pr = _problems(evaluate(_prof("fp8-h100", deployment__server="trtllm-serve"), MODEL))[
+        ("deployment.server", "deployment.server")]
+    assert pr.reason.startswith("trtllm-serve serves the llm_api route only") and "route: llm_api" in pr.fix
+    assert ("deployment.server", "deployment.server") not in _problems(evaluate(_prof(), MODEL))  # llm_api: served
 
 
 @pytest.mark.parametrize("name,field,alt", [
@@ -107,7 +134,8 @@ def test_capability_table_rows_have_sources_and_the_engine_rows_are_the_registry
 
 def test_engine_route_on_1_3_is_refused_and_llm_api_on_1_3_resolves():
     plan = evaluate(_prof("fp8-h100", target__trtllm_version="1.3.0rc29"), MODEL)
-    assert ("target.trtllm_version", "route.trtllm_version") in _problems(plan)
+    # the one reason (hostile s9 F2: "FP8 GEMMs need SM >= 89; h100-sxm is SM 90" came first, from no table row)
+    assert [(p.field, p.rule) for p in plan.problems] == [("target.trtllm_version", "route.trtllm_version")]
     plan = evaluate(_prof(target__trtllm_version="1.3.0rc29"), MODEL)
     assert plan.ok and plan.trtllm_version == "1.3.0rc29" and plan.route == "llm_api"
     assert plan.to_json()["route"] == "llm_api"

@@ -304,3 +304,19 @@ def test_a_verdict_about_another_model_is_refused(tmp_path, fp):
     msg = refusal(prof, out)
     assert "the gate judged the model with content fingerprint 000000000000…, but " in msg
     assert f"is now {fp[:12]}…" in msg and "[rule accept.model]" in msg
+
+
+def test_a_profile_edited_since_the_build_is_refused_as_stale(tmp_path, fp):
+    """Hostile s8 #102: deployment.keep_releases edited after the build was ignored without a word; a profile that
+    no longer matches the build's (the resolve record) is refused naming each field, a gate-bar change alone is
+    re-judged (above), and the description is text."""
+    path = write_profile(tmp_path)
+    out = fake_build(tmp_path / "out", load_profile(str(path)), fp)
+    path.write_text(path.read_text() + "description: a new line of text\n")
+    assert check_promotable(load_profile(str(path)), out, out / "model_repository").warnings == []
+    path.write_text(path.read_text() + "deployment:\n  keep_releases: 0\n  canary_steps: [50, 100]\n")
+    msg = refusal(load_profile(str(path)), out)
+    assert (f"--profile: mybf16 changed since the build in {out} (built -> now): deployment.canary_steps: [5, 20, 50, 100] "
+            "-> [50, 100]; deployment.keep_releases: 2 -> 0; the output was built, and its manifests rendered, from the "
+            f"profile as it was. Fix: rebuild it: invoke build --profile mybf16 --out {out} (a change of the gate bar "
+            "alone is re-judged without a rebuild). [rule accept.profile]") in msg, msg

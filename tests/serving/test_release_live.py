@@ -87,6 +87,19 @@ def test_url_of_another_repository_is_refused_before_anything_changes(served, un
     assert release_live.live_unit(srv) == units4[0].engine_unit
 
 
+def test_rollback_without_url_is_refused_while_the_server_serves_the_repository(served, invoke_here):
+    """Hostile s8 #56, on the real server: its command line names the repository, so a command without --url is
+    refused with the --url to pass (tests/serving/test_hostile_s8_left.py has the fast case)."""
+    from precision_pipeline.serving.triton_server import servers_of
+
+    repo, srv = served
+    assert servers_of(repo) == [(srv.proc.pid, srv.http_url)]
+    before = release_state.state_path(repo).read_text()
+    r = invoke_here("rollback", "--repo", str(repo))
+    assert r.returncode == 2 and f"fix: pass --url {srv.http_url} (the server then loads" in r.stdout, r.stdout + r.stderr
+    assert release_state.state_path(repo).read_text() == before
+
+
 def test_wrong_metrics_port_is_refused_before_loading(served, units4):  # noqa: F811
     repo, srv = served
     other = TritonServer.attach(srv.http_url)

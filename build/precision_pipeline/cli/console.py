@@ -3,6 +3,7 @@ table, and the flag parsers (each refusal a UserError naming the flag)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -23,12 +24,32 @@ def report(exc: BaseException) -> int:
     """Print what ended a task (call it from the ``except`` block) and return its exit code
     (``core.errors.exit_code_for``): a user error's problems (and what a stage had written before it refused),
     an expected failure's sentence, a full disk's file and cause; a traceback only for an internal error (1)."""
+    from precision_pipeline.core.errors import error_text, exit_code_for
+
+    code = exit_code_for(exc)
+    try:
+        _print_report(exc, code)
+    except OSError as e:  # stdout itself cannot be written (`> /dev/full`, a full disk under a redirect): hostile s9 F5
+        _silence_stdout()  # nor at exit, when Python flushes what is left
+        what = (f"cannot write the standard output: {e.strerror or e} (a redirect to a full disk or /dev/full?)"
+                if isinstance(exc, OSError) and not exc.filename else error_text(exc))
+        with contextlib.suppress(OSError):
+            print(f"error: {what}", file=sys.stderr)
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null (stdout's reader left, or stdout cannot be written)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def _print_report(exc: BaseException, code: int) -> None:
     from rich.markup import escape as esc  # user text and patterns such as [a-z0-9] are not markup
 
     from precision_pipeline.core.errors import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError,
-                                                UserError, error_text, exit_code_for)
+                                                UserError, error_text)
 
-    code = exit_code_for(exc)
     con = console()
     if isinstance(exc, UserError):
         if exc.written:  # refused by a stage after the build had written (core.route.run_stages sets it)
@@ -42,8 +63,7 @@ def report(exc: BaseException) -> int:
                       + (f"\n    rule: {esc(p.rule)}" + (f" ({esc(p.source)})" if p.source else "") if p.rule else ""),
                       soft_wrap=True)
     elif code == EXIT_BROKEN_PIPE:  # `invoke releases | head`: the reader left; say nothing
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _silence_stdout()
     elif code == EXIT_INTERRUPTED:
         con.print("interrupted; previous artifacts are intact.")
     elif code == EXIT_INTERNAL and not isinstance(exc, PipelineError):  # an expected failure (e.g. the served
@@ -53,7 +73,6 @@ def report(exc: BaseException) -> int:
               "with the traceback above and the command line.", file=sys.stderr)
     else:
         con.print(f"[bold red]error[/]: {esc(error_text(exc))}", soft_wrap=True)
-    return code
 
 
 def stage_line(rec) -> str:

@@ -21,6 +21,33 @@ def prompt_token_count(prompt: str, model_dir: Path) -> int:
     return len(tok(prompt, add_special_tokens=False)["input_ids"])
 
 
+PROMPT_FILE_MAX_BYTES = 16 * 2**20
+"""The largest ``--prompt-file`` read: 16 MiB, above any prompt a served model takes (1M tokens at ~4 bytes a token
+is ~4 MB); a bigger file, a device (``/dev/zero``), a FIFO or a folder is refused before it is read (hostile s9 F7:
+``/dev/zero`` was read whole, MemoryError)."""
+
+
+def _read_prompt_file(prompt_file: str) -> str:
+    """The text of ``--prompt-file`` (UTF-8, a regular file of at most ``PROMPT_FILE_MAX_BYTES``); UserError else."""
+    import stat
+
+    p, shown = Path(prompt_file).expanduser(), str(prompt_file)[:200]
+    try:
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError("--prompt-file", f"{shown} is not a regular file (a device, a FIFO or a folder).",
+                            "give a UTF-8 text file holding the prompt.")
+        with open(p, "rb") as f:
+            data = f.read(PROMPT_FILE_MAX_BYTES + 1)
+        if len(data) > PROMPT_FILE_MAX_BYTES:
+            raise UserError("--prompt-file", f"{shown} is over {PROMPT_FILE_MAX_BYTES // 2**20} MiB, longer than any "
+                            "prompt a served model takes.", "give the prompt itself, or --prompt-tokens N.")
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError("--prompt-file", f"cannot read {shown}: {e.__class__.__name__}.",
+                        "give a readable UTF-8 text file.") from None
+
+
 def _prompt_tokens(prompt: Optional[str], prompt_file: Optional[str], prompt_tokens, model) -> tuple[int, str]:
     given = [x for x in (prompt, prompt_file, prompt_tokens) if x is not None]
     if len(given) != 1:
@@ -29,12 +56,7 @@ def _prompt_tokens(prompt: Optional[str], prompt_file: Optional[str], prompt_tok
     if prompt_tokens is not None:
         return int_arg("--prompt-tokens", prompt_tokens, 1), "given"
     if prompt_file is not None:
-        p = Path(prompt_file).expanduser()
-        try:
-            prompt = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError("--prompt-file", f"cannot read {str(prompt_file)[:200]}: {e.__class__.__name__}.",
-                            "give a readable UTF-8 text file.") from None
+        prompt = _read_prompt_file(prompt_file)
     from precision_pipeline.spec.default_model import model_dir
 
     md = model_dir(model)

@@ -27,14 +27,31 @@ def serve(profile=None, repo=None, http_port=None, grpc_port=None, metrics_port=
                metrics_port=int_arg("--metrics-port", metrics_port, 1, 65535) or 8002)
 
 
+def server_of(url, repo_dir: Path):
+    """The server a promote or rollback acts on: ``TritonServer.from_url(url)`` (None when --url is not given; ''
+    is refused); without --url, UserError (exit 2, before anything is read or written) when a tritonserver on this
+    machine serves ``repo_dir`` (``servers_of``): only the files would switch while it keeps serving the old unit
+    (hostile s8 #56)."""
+    from precision_pipeline.serving.triton_server import TritonServer, servers_of
+
+    if url is None and (live := servers_of(repo_dir)):
+        pid, at = live[0]
+        raise UserError("--url", f"is not given, but tritonserver (pid {pid}) serves {repo_dir} at {at}: without --url "
+                        "only the files would switch and that server would keep serving the unit it has; nothing was "
+                        "changed.", f"pass --url {at} (the server then loads, smoke-tests and switches too), or stop "
+                        "that server first.")
+    return TritonServer.from_url(url)
+
+
 def promote(profile, repo=None, url=None, out=None) -> None:
     """``serving.build_output.promote_build`` of the build, printed (warnings on every promote, the first too)."""
     from precision_pipeline.serving import build_output
-    from precision_pipeline.serving.triton_server import TritonServer
+    from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     b = build_output.open_build(profile, out)
-    server = TritonServer.from_url(url)  # None only when --url is not given; '' is refused
-    p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
+    server = server_of(url, serving_repo(repo))
+    with terminate_as_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: a loaded candidate is unloaded, said (hostile s8 #103)
+        p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
     con = console()
     for w in p.warnings:
         con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
@@ -48,14 +65,15 @@ def promote(profile, repo=None, url=None, out=None) -> None:
 
 def rollback(repo=None, to=None, fallback=False, url=None) -> None:
     from precision_pipeline.serving import release
-    from precision_pipeline.serving.triton_server import TritonServer
+    from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     if to is not None and not str(to).strip():
         raise UserError("--to", "is empty (an unset shell variable?); rolling back to the previous release instead "
                         "would be a guess.", "pass a unit name (or a prefix of its 12 hex digits), or leave --to out "
                         "for the previous release.")
-    server = TritonServer.from_url(url)  # None only when --url is not given; '' is refused
-    t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
+    server = server_of(url, serving_repo(repo))
+    with terminate_as_interrupt():  # as in promote: a cold target being loaded is unloaded
+        t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
     console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
 
 
@@ -90,7 +108,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     b = build_output.open_build(profile, out)
     prof = b.profile
     ok = acceptance.check_promotable(prof, b.out_dir, b.packed, action="rollout", **b.serving_facts())
-    for w in ok.warnings:
+    for w in ok.warnings + build_output.repository_settings_warnings(prof, repo_dir):
         con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
     step_list = ro.parse_steps(str(steps) if steps is not None else list(prof.deployment.canary_steps))
     try:

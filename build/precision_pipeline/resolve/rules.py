@@ -132,11 +132,19 @@ def _buildable(ctx: Context) -> list[Finding]:
     return []
 
 
+def _no_line(ctx: Context) -> bool:
+    """The route does not run the targeted TensorRT-LLM line (rule ``route.trtllm_version`` refuses that): the format
+    rules have no row to judge by and keep quiet, not "needs SM >= 89" on an SM 90 GPU (hostile s9 F2)."""
+    from precision_pipeline.spec.capability import route_runs_line
+
+    return not route_runs_line(ctx.route, ctx.trtllm_version)
+
+
 @rule("format.gemm_sm", "GEMM format runs on the target SM", f"{F.SRC_QUANT_MD}; {F.SRC_BUILDER}")
 def _gemm_sm(ctx: Context) -> list[Finding]:
     e = ctx.fmt
-    if ctx.fmt_refusal:
-        return []  # format.trtllm_buildable reports it
+    if ctx.fmt_refusal or _no_line(ctx):
+        return []  # format.trtllm_buildable / route.trtllm_version report it
     out = []
     if e.per_layer:
         q = ctx.profile.quantization
@@ -250,6 +258,8 @@ def _calib_seq_len(ctx: Context) -> list[Finding]:
 @rule("format.kv_sm", "KV-cache format runs on the target SM", f"{F.SRC_QUANT_MD}; {F.SRC_BUILDER}")
 def _kv_sm(ctx: Context) -> list[Finding]:
     e = ctx.kv_fmt
+    if _no_line(ctx):
+        return []  # route.trtllm_version reports it
     if not ctx.runs(e):
         if ctx.route != "engine":
             from precision_pipeline.spec.capability import runnable

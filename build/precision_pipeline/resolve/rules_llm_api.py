@@ -2,7 +2,11 @@
 
 * ``route.trtllm_version``: the route runs on the targeted line (the engine route needs trtllm-build: 1.2 only).
 * ``llm_api.args``: the ``llm_api:`` section holds TorchLlmArgs keys of that line ("did you mean"; legacy engine names
-  name their replacement), none of the keys the profile renders from its own sections, and only on route llm_api.
+  name their replacement), none of the keys the profile renders from its own sections, none that would serve something
+  other than what the gate measured (``spec/llm_args.py`` ``NOT_GATED``: model, backend, tokenizer, weights, dtype,
+  code), and only on route llm_api.
+* ``deployment.server``: ``trtllm-serve`` only on route llm_api (an engine build renders Triton manifests; hostile s9
+  F4: the setting was ignored without a word).
 * ``llm_api.kv_dtype``: a runtime ``kv_cache_config.dtype`` equals the checkpoint's ``kv_cache_quant_algo`` (auto is
   fine): the runtime would override the checkpoint's KV format with one warning and serve an uncalibrated KV cache the
   gate never measured (``tensorrt_llm/_torch/pyexecutor/model_loader.py``).
@@ -34,6 +38,17 @@ def _route_version(ctx: Context) -> list[Finding]:
                    "use trtllm_version 1.2.1 with route engine, or route: llm_api for 1.3.0rcN (trtllm-serve).")]
 
 
+@rule("deployment.server", "trtllm-serve serves the llm_api route only",
+      "spec/profile.py Deployment.server; serving/stage.py (only the llm_api deploy stage reads it)", needs_gpu=False)
+def _server_route(ctx: Context) -> list[Finding]:
+    if ctx.profile.deployment.server != "trtllm-serve" or ctx.route == "llm_api":
+        return []
+    return [refuse("deployment.server", f"trtllm-serve serves the llm_api route only (the LLM API from a rendered "
+                   f"--config); this profile's route is {ctx.route}, whose build renders Triton manifests, so the setting "
+                   "would be ignored.", "remove deployment.server (Triton serves the engine route), or set route: "
+                   "llm_api.")]
+
+
 def _dotted(d: dict, prefix: str = "") -> list[str]:
     out = []
     for k, v in d.items():
@@ -57,6 +72,11 @@ def _llm_api_args(ctx: Context) -> list[Finding]:
     if out:
         return out
     for key in _dotted(extra):
+        if key in LA.NOT_GATED:
+            out.append(refuse(f"llm_api.{key}", f"would serve something other than what the gate measured: "
+                              f"{LA.NOT_GATED[key]}.", "remove it; to serve another model or checkpoint, build a "
+                              "profile for it (`invoke build --profile P`, or --checkpoint DIR), so the gate measures it."))
+            continue
         src = LA.RENDERED_FROM.get(key)
         if src is None or key == "kv_cache_config.dtype":  # the dtype: rule llm_api.kv_dtype
             continue

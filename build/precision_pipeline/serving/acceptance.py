@@ -81,6 +81,7 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
     metrics = _read(out_dir / "gate" / "metrics.json")
     record = metrics.get("record") or {}
     problems += _output_problems(profile, out_dir, unit, metrics, rebuild)
+    problems += _profile_problems(profile, out_dir, rebuild)
     verdict = _check_verdict(profile, out_dir, unit, metrics, rebuild, problems, warnings)
     gpus = pack.unit_gpus(unit.parent, unit.name)
     if gpus != profile.world_size:
@@ -124,6 +125,49 @@ def _output_problems(profile, out_dir: Path, unit: Path, metrics: dict, rebuild:
                                     f"it would be recorded as {name}.",
                                     f"promote the profile that output holds, or {rebuild}.", rule="accept.output"))
     return problems
+
+
+REJUDGED_FIELDS = frozenset({"gate", "description", "extends"})
+"""Profile fields a promote does not hold against a build made before they changed: ``gate`` (the stored
+measurements are judged again against the current bar, ``_check_verdict``), ``description`` (text) and
+``extends`` (the merged values are compared, not where they came from)."""
+
+
+def _changed(built: Any, now: Any, path: str = "") -> list[str]:
+    """Dotted field paths (``deployment.keep_releases: 2 -> 0``) where two JSON dumps of a profile differ."""
+    if isinstance(built, dict) and isinstance(now, dict):
+        return [c for k in sorted(set(built) | set(now), key=str)
+                for c in _changed(built.get(k), now.get(k), f"{path}.{k}" if path else str(k))]
+    return [] if built == now else [f"{path}: {_short(built)} -> {_short(now)}"]
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    import json
+
+    text = json.dumps(v, sort_keys=True)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _profile_problems(profile, out_dir: Path, rebuild: str) -> list[Problem]:
+    """The profile as the build resolved it (the resolve stage's typed record) against the profile promoted now: a
+    profile edited since the build (``deployment.keep_releases``, the fallback, limits, ...) is refused as a stale
+    build (``accept.profile``), except the fields in ``REJUDGED_FIELDS`` (hostile s8 #102: edits were ignored
+    silently). Another profile's build is ``accept.output``'s refusal, not this one's."""
+    from precision_pipeline.core.stage import read_record
+    from precision_pipeline.resolve.stage import ResolveStage
+
+    rec = read_record(out_dir, ResolveStage())
+    if rec is None or rec.artifact.plan.profile.name != profile.name:
+        return []
+    drop = set(REJUDGED_FIELDS)
+    diff = _changed(rec.artifact.plan.profile.model_dump(mode="json", exclude=drop),
+                    profile.model_dump(mode="json", exclude=drop))
+    if not diff:
+        return []
+    shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+    return [Problem("--profile", f"{profile.name} changed since the build in {out_dir} (built -> now): {shown}; the "
+                    "output was built, and its manifests rendered, from the profile as it was.",
+                    f"{rebuild} (a change of the gate bar alone is re-judged without a rebuild).", rule="accept.profile")]
 
 
 def _check_verdict(profile, out_dir: Path, unit: Path, metrics: dict, rebuild: str, problems: list[Problem],

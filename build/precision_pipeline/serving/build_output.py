@@ -146,9 +146,40 @@ def promote_build(build: BuildOutput, repo_dir: Path, *, by: str, server=None,
                                           keep_releases=dep.keep_releases)
         return Promotion(unit=str(state["current"]), created=True, fallback=state.get("fallback"), warnings=warnings,
                          notes=notes)
+    warnings += repository_settings_warnings(build.profile, repo_dir)
     t = release.promote(repo_dir, build.packed, server=server, profile=build.profile.name, gate=ok.gate,
                         promoted_by=by)  # the one skew check of a release: check_promotable, above
     return Promotion(unit=str(t["unit"]), created=False, warnings=warnings, total_ms=float(t.get("total_ms", 0) or 0))
+
+
+def repository_settings_warnings(profile, repo_dir: Path) -> list[str]:
+    """What ``profile``'s ``deployment.fallback`` / ``warm_fallback`` / ``keep_releases`` ask that the serving
+    repository ``repo_dir`` does not do: its ``releases.json`` keeps the settings of the promote that created it, and
+    a later promote or rollout applies none of a profile's (hostile s8 #102: an edit was ignored without a word).
+    One warning naming each difference (warm_fallback only where both have a fallback), or [] (also for a repository
+    that does not exist yet)."""
+    from precision_pipeline.core.store import read_json_safe
+    from precision_pipeline.serving import pack, release
+
+    state = release.read_state(repo_dir)
+    if state is None:
+        return []
+    dep, fb = profile.deployment, state.get("fallback")
+    fb_path = read_json_safe(Path(repo_dir) / fb / pack.PRECISION_PATH_FILE) if fb else None
+    fb_profile = (str(fb_path.get("profile") or "?") if isinstance(fb_path, dict) else "?") if fb else None
+    kept = {"deployment.fallback": (fb_profile, f"{fb_profile} ({fb})" if fb else "none"),
+            "deployment.warm_fallback": (bool(state.get("warm_fallback")) if fb and dep.fallback else dep.warm_fallback,
+                                         str(bool(state.get("warm_fallback"))).lower()),
+            "deployment.keep_releases": (int(state.get("keep_releases", 2)), str(state.get("keep_releases", 2)))}
+    asked = {"deployment.fallback": (dep.fallback, dep.fallback or "none"),
+             "deployment.warm_fallback": (dep.warm_fallback, str(dep.warm_fallback).lower()),
+             "deployment.keep_releases": (dep.keep_releases, str(dep.keep_releases))}
+    diff = [f"{k} {asked[k][1]} (the repository: {kept[k][1]})" for k in kept if kept[k][0] != asked[k][0]]
+    if not diff:
+        return []
+    return [f"{profile.name} asks " + ", ".join(diff) + f"; not applied: {Path(repo_dir).parent / 'releases.json'} keeps "
+            "the fallback and retention of the promote that created the repository, and no later promote or rollout "
+            "changes them (a new --repo takes the profile's at its first promote)."]
 
 
 def _accepted_fallback(name: str, fallback_out: Optional[Path], warnings: list[str], notes: list[str]) -> Optional[Path]:
@@ -182,4 +213,4 @@ def _accepted_fallback(name: str, fallback_out: Optional[Path], warnings: list[s
                              f"{p.fix.rstrip('.')} {without}".strip(), rule=p.rule) for p in problems])
 
 
-__all__ = ["BuildOutput", "NotBuilt", "open_build", "Promotion", "promote_build"]
+__all__ = ["BuildOutput", "NotBuilt", "open_build", "Promotion", "promote_build", "repository_settings_warnings"]

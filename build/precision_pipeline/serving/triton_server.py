@@ -160,6 +160,19 @@ def server_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
+def check_distinct_ports(flags: Iterable[tuple[str, int]]) -> None:
+    """UserError (exit 2) naming the flag when two of ``flags`` (``(flag, port)``: HTTP, gRPC, metrics) share a
+    port: tritonserver then exits 1 with its usage text (hostile s8 #99), so it is refused before anything starts."""
+    seen: dict[int, str] = {}
+    for flag, port in flags:
+        if port in seen:
+            raise UserError(flag, f"{port} is also {seen[port]}; HTTP, gRPC and metrics each need a port of their own "
+                            "(tritonserver does not start otherwise); nothing was started.",
+                            "pass three different ports (the defaults: --http-port 8000 --grpc-port 8001 "
+                            "--metrics-port 8002).")
+        seen[port] = flag
+
+
 class TritonServer:
     """A tritonserver process (explicit model control, 127.0.0.1)."""
 
@@ -192,6 +205,7 @@ class TritonServer:
         """A handle on a server that is already running (``HOST:PORT`` of its HTTP endpoint).
 
         ``load``/``unload``/``loaded_models``/``http_client`` work on it; ``stop`` does nothing.
+        ``http://HOST:PORT`` (and a trailing ``/``) is taken as HOST:PORT; another scheme is refused.
         Raises UserError (``--url``, exit 2) when ``http_url`` is empty or not HOST:PORT, when nothing answers
         there, or when what answers is not Triton's HTTP/JSON API (v2): its metrics port (text), its gRPC port
         (HTTP/2), another web server.
@@ -200,9 +214,19 @@ class TritonServer:
             # an unset $URL must not silently mean "no server": the live server would keep serving the old unit
             raise UserError("--url", "is empty.", "pass HOST:PORT of the server's HTTP endpoint (e.g. --url "
                             "127.0.0.1:8000), or leave --url out to only rewrite the repository.")
-        host, _, port = http_url.strip().rpartition(":")
+        http_url = http_url.strip()
+        scheme, sep, rest = http_url.partition("://")
+        if sep:  # how URLs are written: http://HOST:PORT[/] is the same endpoint (hostile s9 F8)
+            if scheme.lower() != "http":
+                raise UserError("--url", f"{http_url[:100]!r}: the server's HTTP endpoint speaks plain http, not "
+                                f"{scheme[:20]}.", "pass HOST:PORT (e.g. --url 127.0.0.1:8000).")
+            http_url = rest.rstrip("/")
+        host, _, port = http_url.rpartition(":")
         if not port.isdigit():
             raise UserError("--url", f"{http_url!r} is not HOST:PORT.", "e.g. --url 127.0.0.1:8000")
+        if not 1 <= int(port) <= 65535:  # hostile s8 #35: was "no Triton server answers"
+            raise UserError("--url", f"port {int(port)} is out of range (1..65535).",
+                            "pass the HTTP port of the server (default 8000; `invoke serve` prints it).")
         srv = cls(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
         srv.host = host or "127.0.0.1"
         # live, not ready: Triton reports not-ready while any model is still UNLOADING (after an abort)
@@ -255,6 +279,10 @@ class TritonServer:
             argv.append("--log-verbose=1")
         return argv
 
+    def port_flags(self) -> tuple[tuple[str, int], ...]:
+        """``((flag, port), ...)`` of the server's three listeners, as ``argv`` passes them."""
+        return (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--metrics-port", self.metrics_port))
+
     def ports_in_use(self) -> list[tuple[str, int]]:
         """``[(flag, port)]`` of this server's ports that another process already listens on (127.0.0.1).
 
@@ -262,8 +290,7 @@ class TritonServer:
         only has TIME-WAIT connections left (a server stopped a minute ago) is free for them, so it is
         not reported; a listening socket still is (Linux refuses that bind even with SO_REUSEADDR)."""
         busy = []
-        for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
-                           ("--metrics-port", self.metrics_port)):
+        for flag, port in self.port_flags():
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
@@ -275,10 +302,12 @@ class TritonServer:
     def start(self, timeout_s: float = 300) -> "TritonServer":
         """Start the process and wait until it is ready.
 
-        Raises UserError (exit 2) when a port is already taken -- otherwise the readiness probe
+        Raises UserError (exit 2) when two of its ports are the same (``check_distinct_ports``) or a port is
+        already taken -- otherwise the readiness probe
         could be answered by the other server. The child gets ``PR_SET_PDEATHSIG`` (Linux), so it
         is terminated when the process that started it dies, even by ``kill -9``.
         """
+        check_distinct_ports(self.port_flags())
         busy = self.ports_in_use()
         if busy:
             raise UserError(busy[0][0], "port(s) already in use on 127.0.0.1: "
@@ -544,6 +573,33 @@ SERVER_DIED_EXIT = 1
 unexpected failure, reported with the server's log tail and no traceback."""
 
 
+def servers_of(model_repository: Path, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
+    """``[(pid, "HOST:PORT")]`` of the tritonserver processes on this machine that serve ``model_repository``
+    (``--model-repository=`` naming it, as ``argv`` passes it: resolved), with their HTTP endpoint
+    (``--http-address`` / ``--http-port``, tritonserver's defaults 0.0.0.0 -> 127.0.0.1 and 8000). Read from
+    ``/proc/<pid>/cmdline`` (Linux; [] where there is no ``proc``): the live processes themselves, so no pid file can
+    go stale. Used to refuse a promote or rollback without ``--url`` while a server serves the repository (hostile
+    s8 #56: only the files switched, the server kept serving the old unit)."""
+    want = str(Path(model_repository).resolve())
+    found = []
+    for d in proc.glob("[0-9]*"):
+        try:
+            argv = (d / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        if not argv or Path(argv[0]).name != "tritonserver":
+            continue
+        opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
+        served = opts.get("model-repository", "")
+        with contextlib.suppress(OSError):  # a relative path is relative to the server's working directory
+            served = os.path.realpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
+        if served.rstrip("/") != want:
+            continue
+        host = opts.get("http-address", "0.0.0.0")
+        found.append((int(d.name), f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{opts.get('http-port', '8000')}"))
+    return sorted(found)
+
+
 def serve_log_path(http_port: int) -> Path:
     """``invoke serve``'s server log: one file per HTTP port under the cache (``logs/tritonserver-<port>.log``),
     rewritten by each serve on that port, so logs neither pile up nor need a writable repository."""
@@ -591,6 +647,7 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     repo = Path(model_repository)
     if not repo.is_dir():
         raise UserError("model_repository", f"{repo} does not exist.", "run `invoke build --profile X` first.")
+    check_distinct_ports((("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)))
     note = None
     try:
         release_recover.recover(repo)

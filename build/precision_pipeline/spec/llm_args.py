@@ -3,7 +3,7 @@ line (the keys of a ``trtllm-serve --config`` YAML and of a Triton LLM-API ``mod
 names with their replacements, and ``check_llm_args`` (one home for "is this key a TorchLlmArgs field").
 
 Source of the field list: NVIDIA/TensorRT-LLM ``tensorrt_llm/llmapi/llm_args.py`` -- ``BaseLlmArgs`` (its fields are
-``TorchLlmArgs``'s too), ``TorchLlmArgs`` and the nested ``KvCacheConfig`` / ``SchedulerConfig``. ``BaseLlmArgs`` is a
+``TorchLlmArgs``'s too), ``TorchLlmArgs`` and the nested ``KvCacheConfig`` / ``SchedulerConfig`` / ``CudaGraphConfig``. ``BaseLlmArgs`` is a
 ``StrictBaseModel`` with ``extra="forbid"`` there, so an unknown or legacy key makes ``LLM(...)`` / ``trtllm-serve``
 fail at start-up; this module refuses it at ``invoke check`` instead, with "did you mean".
 
@@ -70,6 +70,9 @@ _KV_CACHE_FIELDS = (
 # class SchedulerConfig (llm_args.py): capacity_scheduler_policy (CapacitySchedulerPolicy: MAX_UTILIZATION,
 # GUARANTEED_NO_EVICT, STATIC_BATCH), context_chunking_policy, dynamic_batch_config.
 _SCHEDULER_FIELDS = ("capacity_scheduler_policy", "context_chunking_policy", "dynamic_batch_config")
+# class CudaGraphConfig(StrictBaseModel) (same file and version, search-index id 7019226376): batch_sizes,
+# max_batch_size, enable_padding (hostile s9 F3: a typo below cuda_graph_config passed check).
+_CUDA_GRAPH_FIELDS = ("batch_sizes", "max_batch_size", "enable_padding")
 
 KV_CACHE_DTYPES = ("auto", "fp8", "nvfp4")
 """``kv_cache_config.dtype`` values the PyTorch backend takes (``tensorrt_llm/_torch/pyexecutor/model_loader.py``; auto keeps
@@ -95,7 +98,8 @@ class ArgsList:
 _SOURCE_12 = (f"NVIDIA/TensorRT-LLM {LLM_ARGS_FILE} (BaseLlmArgs, TorchLlmArgs, KvCacheConfig, SchedulerConfig), stored "
               "1.2-line version, search-index id 7019226376 (TrtLlmArgs still present: before PR #15918); the v1.2.1 tag "
               "commit was not readable here")
-_NESTED = {"kv_cache_config": frozenset(_KV_CACHE_FIELDS), "scheduler_config": frozenset(_SCHEDULER_FIELDS)}
+_NESTED = {"kv_cache_config": frozenset(_KV_CACHE_FIELDS), "scheduler_config": frozenset(_SCHEDULER_FIELDS),
+           "cuda_graph_config": frozenset(_CUDA_GRAPH_FIELDS)}
 LINES: dict[str, ArgsList] = {
     "1.2": ArgsList("1.2", frozenset(_BASE_FIELDS + _TORCH_FIELDS), _NESTED, _SOURCE_12),
     "1.3": ArgsList("1.3", frozenset(_BASE_FIELDS + _TORCH_FIELDS), _NESTED,
@@ -189,8 +193,8 @@ def _key_problem(key: Any, known: frozenset[str], where: str, field: str, line: 
 def llm_args_problems(d: Any, version: str, prefix: str = "llm_api") -> list[Problem]:
     """Every problem of ``d`` as a set of TorchLlmArgs keys for ``version`` (``prefix``: the field path shown):
     unknown keys ("did you mean"), legacy engine-route names (their replacement), unknown keys inside
-    ``kv_cache_config`` / ``scheduler_config``, and a ``kv_cache_config.dtype`` outside ``KV_CACHE_DTYPES``. Other
-    nested sections (cuda_graph_config, ...) are passed through unchecked below their top-level key."""
+    ``kv_cache_config`` / ``scheduler_config`` / ``cuda_graph_config``, and a ``kv_cache_config.dtype`` outside
+    ``KV_CACHE_DTYPES``. Other nested sections are passed through unchecked below their top-level key."""
     try:
         al = args_list(version)
     except ValueError as e:
@@ -253,6 +257,25 @@ RENDERED_FROM: dict[str, str] = {
 ``llm_api:`` section may not set these (one home per setting), except ``kv_cache_config.dtype`` equal to the checkpoint's
 KV format (rule ``llm_api.kv_dtype``)."""
 
+_WEIGHTS = "the served weights are the gated checkpoint's, as the gate loaded them"
+_TOKENIZER = "the served tokenizer is the gated checkpoint's own"
+NOT_GATED: dict[str, str] = {
+    "model": "the pipeline serves the gated checkpoint (model.yaml's model, trtllm-serve's argument)",
+    "backend": "route llm_api serves on the PyTorch backend (model.yaml's backend: pytorch); another backend is "
+               "another route",
+    "tokenizer": _TOKENIZER, "custom_tokenizer": _TOKENIZER, "skip_tokenizer_init": _TOKENIZER,
+    "tokenizer_revision": _TOKENIZER, "revision": _WEIGHTS, "load_format": _WEIGHTS, "checkpoint_format": _WEIGHTS,
+    "checkpoint_loader": _WEIGHTS, "model_kwargs": _WEIGHTS + " (config.json as written)",
+    "dtype": _WEIGHTS + " (its dtype)",
+    "trust_remote_code": "code from the model folder would run in the server; the gate ran the pipeline's own reader",
+    "enable_lora": "LoRA adapters change the served model; the gate measured the checkpoint without them",
+    "lora_config": "LoRA adapters change the served model; the gate measured the checkpoint without them",
+    "env_overrides": "the server process's environment (LD_PRELOAD, library paths, kernel switches) is the image's",
+}
+"""TorchLlmArgs keys a profile's ``llm_api:`` section may not set because they would serve something other than what the
+gate measured (another model, backend, tokenizer, weights, dtype or code; hostile s9 F1): key -> why. Refused by rule
+``llm_api.args`` (``resolve/rules_llm_api.py``) before anything is rendered."""
+
 ENGINE_ONLY_SETTINGS: dict[str, tuple[str, str]] = {
     "context_phase.context_fmha": ("runtime", LEGACY["context_fmha"].why),
     "context_phase.use_paged_context_fmha": ("runtime", LEGACY["use_paged_context_fmha"].why),
@@ -270,4 +293,4 @@ runtime-chosen (a warning in plan.json naming the setting; it is not applied), n
 value other than the default cannot be honoured (there is no such setting), so the profile is refused. Every other
 profile field is rendered (``RENDERED_FROM``) or is not a runtime setting (quantize, gate, deployment)."""
 
-__all__ += ["RENDERED_FROM", "ENGINE_ONLY_SETTINGS"]
+__all__ += ["RENDERED_FROM", "NOT_GATED", "ENGINE_ONLY_SETTINGS"]
