@@ -25,6 +25,18 @@ either kind as stable or canary, so a release of one route falls back to / rolls
 the unit's ``precision_path.json`` carries ``serving_route`` (``engine`` when absent, ``llm_api``), and every
 response's ``precision_path`` says which unit and which route served it.
 
+Per-request precision routing (issue 31; build/precision_pipeline/spec/routing.py): when the stable unit has a
+``routing.json`` (pack writes the profile's ``routing`` table into the unit), every request is decided by
+``precision_routing.decide`` (the file beside this one) with the state of its signal rules kept across requests
+(one ``RoutingState`` per instance, fresh when the table changes): target ``primary`` = the stable unit (a canary
+takes its share of these), ``fallback`` = releases.json's fallback unit (the stable unit when none is recorded,
+said in the reason). Features: the longest row's prompt tokens (preprocessing's ``REQUEST_INPUT_LEN``), the
+largest ``max_tokens``, the request parameter ``precision_tier``. Signals: the server's own ``/metrics``
+(``METRICS_URL_ENV``), scraped by a thread every ``SIGNAL_PERIOD_S`` while the table has a signal rule
+(``precision_routing.signals_from_metrics``): this model's own counters cannot see the requests Triton queues for
+it. The rule and reason go on the ``precision_path`` output (``route_rule``, ``route_reason``), the span
+(``precision.route_rule``, ``precision.route_reason``) and the metric label ``route_rule``.
+
 Precision path (observability): each engine unit carries ``precision_path.json`` (written by
 serving/pack.py ``precision_path``: profile, unit, engine_hash, gemm, kv, context_fmha, logits_dtype,
 dtype). Every response carries that path of the unit that served it in the output
@@ -39,7 +51,10 @@ metrics API (``pb_utils.MetricFamily``), beside Triton's per-model counters:
 * ``precision_pipeline_request_failures_total`` (counter; same labels): requests that failed after routing;
 * ``precision_pipeline_tokens_total`` (counter; ``METRIC_LABELS`` + ``kind`` = ``input`` | ``output``);
 * ``precision_pipeline_rollout_canary_percent`` (gauge): the canary share route.json asks for (0 without one);
-* ``precision_pipeline_fallback_active`` (gauge): 1 while the stable route is releases.json's fallback unit.
+* ``precision_pipeline_fallback_active`` (gauge): 1 while the stable route is releases.json's fallback unit;
+* ``precision_pipeline_routing_switches_total`` (counter; ``rule``, ``to`` = on | off), ``..._routing_last_switch_timestamp_seconds``
+  and ``..._routing_rule_active`` (gauges; ``rule``): the signal rules; ``..._routing_signal`` (gauge; ``name``): a
+  signal's value at the last decision.
 
 (Triton exposes python-backend counters under the family name as given; the ``_total`` suffix is
 part of our names.)
