@@ -183,3 +183,6 @@ def test_the_bls_and_the_pipeline_agree_on_names():
     for const, value in (("ROUTING_FILE", pack.ROUTING_FILE), ("TIER_PARAMETER", TIER_PARAMETER),
                          ("METRICS_URL_ENV", env)):
         assert re.search(rf'^{const} = "([^"]+)"', text, re.M).group(1) == value, const
+    from precision_pipeline.serving.k8s import METRICS_PORT  # the Deployment's --metrics-port: the BLS's default
+
+    assert re.search(r'^DEFAULT_METRICS_URL = "([^"]+)"', text, re.M).group(1) == f"http://127.0.0.1:{METRICS_PORT}/metrics"
