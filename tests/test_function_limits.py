@@ -59,7 +59,7 @@ EXCEPTIONS: dict[str, tuple[int, int, str]] = {
     "build/precision_pipeline/resolve/perf.py:performance": (130, 7, "one performance model derivation, step by step; not split yet"),
     "build/precision_pipeline/resolve/build_memory.py:build_memory_plan": (83, 1, "one derivation of the build's memory (quantize and the gate on the build's device), step by step; not split yet"),
     "build/precision_pipeline/serving/build_job.py:render_job": (36, 9, KEYWORD_API + " (the engine-build Job)"),
-    "build/precision_pipeline/serving/pack.py:write_unit": (24, 9, "one argument per source of the engine unit it writes (its config, engine, checkpoint, model, hash, profile, precision path)"),
+    "build/precision_pipeline/serving/pack.py:write_unit": (24, 9, "one argument per source of the engine unit it writes (its config, engine, checkpoint, model, hash, profile, meta files)"),
     "build/precision_pipeline/serving/pack.py:pack_repository": (54, 10, "the pack stage's inputs one by one (plan, profile, model, checkpoint, engine, output, repo root, workdir, image); tests call it without a PackInputs"),
     "build/precision_pipeline/serving/release.py:promote": (56, 10, "a public call with the options of `invoke promote` and `nightly --promote` (server, profile, gate, promoted_by, smoke, expect, serve_root, warm_previous); a typed request when tasks.py takes one"),
     "build/precision_pipeline/serving/release_recover.py:init_serving_repo": (24, 9, "a public call with the first promote's options (serve_root, profile, gate, by, fallback_repo, warm_fallback, keep_releases); a typed request when tasks.py takes one"),

@@ -151,7 +151,8 @@ def test_every_metric_is_exported_or_documented(rendered):
     used = set().union(*(dashboard.metric_names(e) for e in exprs))
     assert used <= set(dashboard.METRIC_SOURCES), used - set(dashboard.METRIC_SOURCES)
     assert {"precision_pipeline_requests_total", "precision_pipeline_probe_kl_p99", "DCGM_FI_PROF_DRAM_ACTIVE",
-            "nv_trt_llm_kv_cache_block_metrics", "precision_pipeline_fallback_active"} <= used
+            "nv_trt_llm_kv_cache_block_metrics", "precision_pipeline_fallback_active",
+            "precision_pipeline_routing_switches_total", "precision_pipeline_routing_last_switch_timestamp_seconds"} <= used
     bls = (Path(__file__).resolve().parents[2] / "triton_repo" / "all_models" / "inflight_batcher_llm" / "tensorrt_llm_bls"
            / "1" / "model.py").read_text()
     ex = probe.ProbeExporter(None)

@@ -408,3 +408,140 @@ def test_real_prometheus_scrapes_server_and_probe_and_evaluates_rules(obs_served
     firing = {a["metric"]["alertname"]: a["metric"] for a in alerts}
     assert firing["PrecisionProbeKlP99AboveGate"]["engine_unit"] == stable
     assert not {"PrecisionProbeTop1BelowGate", "PrecisionProbeStale", "PrecisionProbeAbsent", "PrecisionFallbackActive"} & set(firing)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-request precision routing (issue 31) on this module's server
+
+# fp8-h100-routed's table with two numbers made cheap (the shipped ones are tested without a server in
+# test_bls_routing.py and test_routing.py): min_dwell_s 5 s, not 30 s (25 s less waiting), and prompt_tokens_over
+# 256, not 2,048 (the CPU stand-in prefills 2,048 tokens in tens of CPU seconds, at FP32 on one thread)
+ROUTING_DWELL_S, ROUTING_LONG_TOKENS = 5.0, 256
+LONG_PROMPT = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 30  # ~300 tokens
+
+
+def _routed_unit(base, ckpt, model_dir):
+    """fp8-h100-routed packed with the FP8 test checkpoint; min_dwell_s and prompt_tokens_over made cheap (above)."""
+    from precision_pipeline.spec.profile import load_profile
+    from tests.serving.test_pack import make_plan, with_limits
+
+    prof = load_profile("fp8-h100-routed")
+    rules = [r.model_copy(update={"signal": r.signal.model_copy(update={"min_dwell_s": ROUTING_DWELL_S})}) if r.signal
+             else r.model_copy(update={"prompt_tokens_over": ROUTING_LONG_TOKENS}) if r.prompt_tokens_over else r
+             for r in prof.routing.rules]
+    prof = prof.model_copy(update={"routing": prof.routing.model_copy(update={"rules": rules})})
+    d = base / "routed"
+    return pack.pack_repository(with_limits(make_plan(prof), max_batch_size=32), prof, model_dir, ckpt, d / "engine",
+                                False, d / "model_repository", str(d))
+
+
+def _routed_ask(c, text, tier=None):
+    """(precision_path dict, latency ms) of one BLS request with ``precision_tier`` = ``tier``."""
+    from precision_pipeline.serving.triton_server import text_request
+
+    t0 = time.perf_counter()
+    r = c.infer("tensorrt_llm_bls", text_request(text, MAX_TOKENS), parameters={"precision_tier": tier} if tier else None)
+    return json.loads(r.as_numpy("precision_path").reshape(-1)[0]), (time.perf_counter() - t0) * 1e3
+
+
+def _wait_metric(srv, family, value, timeout_s=60.0, **match):
+    from precision_pipeline.serving.rollout import metrics_url
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = [s.value for s in _samples(_families(metrics_url(srv)), family, **match)]
+        if got == [value]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_routing_on_a_live_server(obs_served, obs_units, otlp_receiver, fp8_checkpoint, default_model_dir, tmp_path):
+    """fp8-h100-routed's table (dwell shortened) in the BLS of a real tritonserver: the primary = the FP8 unit, the
+    warm fallback = the module's bf16-h100 unit. Long prompts and the strict tier go to the fallback, the rest to
+    the primary (every response's precision_path); a burst of 24 clients of the project's load generator
+    (benchmarks/_load.py) turns rule busy on (the server's queue depth for the BLS over 16: long prompts stay on
+    the primary) and off again after the dwell, 2 switches; metrics and spans carry rule and reason."""
+    import importlib.util
+    import re
+
+    from precision_pipeline.serving.rollout import metrics_url
+
+    spec = importlib.util.spec_from_file_location("_load", REPO_ROOT / "benchmarks" / "_load.py")
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    repo, srv = obs_served
+    stable = release_state.read_state(repo)["current"]
+    routed = _routed_unit(tmp_path, Path(fp8_checkpoint), Path(default_model_dir))
+    release.set_fallback(repo, obs_units["stable"].out_dir, server=srv, warm=True, by="test")
+    release.promote(repo, routed.out_dir, server=srv, profile="fp8-h100-routed", promoted_by="test")
+    primary, c, lat = routed.engine_unit, srv.http_client(), {}
+    try:
+        t0 = time.time_ns()
+        asked = []
+        for text, tier, want in (("What is 2 + 2?", None, ("stable", primary, "default")),
+                                 (LONG_PROMPT, None, ("fallback", stable, "long-prompts")),
+                                 ("What is 2 + 2?", "strict", ("fallback", stable, "strict-tier")),
+                                 ("What is 2 + 2?", "gold", ("stable", primary, "default"))):
+            p, ms = _routed_ask(c, text, tier)
+            asked.append(p)
+            assert (p["route"], p["unit"], p["route_rule"]) == want, p
+            lat.setdefault(want[2], []).append(ms)
+        assert re.fullmatch(r"prompt_tokens \d+ > 256", asked[1]["route_reason"]) and asked[2]["route_reason"] == "tier strict"
+        for _ in range(4):  # latencies per route (sequential, idle server)
+            for text, tier, rule in (("What is 2 + 2?", None, "default"), ("What is 2 + 2?", "strict", "strict-tier")):
+                lat[rule].append(_routed_ask(c, text, tier)[1])
+        # a burst: the BLS's queue goes over 16, rule busy turns on, a long prompt stays on the primary
+        burst = load.ClientLoad(srv.http_url, 24, 3, lambda cl, i: None if load.ask(cl, "tensorrt_llm_bls", "Hi", 2) else "empty")
+        t_burst = time.monotonic()
+        burst.start()
+        try:
+            assert _wait_metric(srv, "precision_pipeline_routing_rule_active", 1.0, rule="busy"), "busy never turned on"
+            t_on = _samples(_families(metrics_url(srv)), "precision_pipeline_routing_last_switch_timestamp_seconds",
+                            rule="busy")[0].value
+            p, ms = _routed_ask(c, LONG_PROMPT)
+            lat["busy (long prompt)"] = [ms]
+        finally:
+            burst.stop()
+        assert (p["route"], p["unit"], p["route_rule"]) == ("stable", primary, "busy"), p
+        assert p["route_reason"].startswith("inflight_requests > 16.0 (value ")
+        # after the burst: quiet requests until the dwell has passed and the queue is under 8 -> off
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and [s.value for s in _samples(
+                _families(metrics_url(srv)), "precision_pipeline_routing_rule_active", rule="busy")] != [0.0]:
+            _routed_ask(c, "Hi")
+            time.sleep(0.2)
+        p, ms = _routed_ask(c, LONG_PROMPT)
+        lat["long-prompts"].append(ms)
+        assert (p["route"], p["unit"], p["route_rule"]) == ("fallback", stable, "long-prompts"), p
+        fams = _families(metrics_url(srv))
+        switches = {s.labels["to"]: s.value for s in _samples(fams, "precision_pipeline_routing_switches", rule="busy")}
+        t_off = _samples(fams, "precision_pipeline_routing_last_switch_timestamp_seconds", rule="busy")[0].value
+        burst_s = time.monotonic() - t_burst
+        assert switches == {"on": 1.0, "off": 1.0}, switches  # no flapping: one on, one off
+        assert t_off - t_on >= ROUTING_DWELL_S
+        assert burst.stats["failed"] == 0 and burst.stats["requests"] >= 24, burst.stats
+        by_rule = {s.labels["route_rule"]: s.value for s in _samples(fams, "precision_pipeline_requests", engine_unit=primary)}
+        assert by_rule.get("busy", 0) >= 1 and by_rule["default"] >= 6, by_rule
+        assert [s.value for s in _samples(fams, "precision_pipeline_requests", engine_unit=stable,
+                                          route_rule="strict-tier")] == [5.0]
+        assert _samples(fams, "precision_pipeline_request_failures") == []
+        print(f"\nrouting live: busy on->off {t_off - t_on:.1f} s (dwell {ROUTING_DWELL_S} s), switches {switches}, "
+              f"burst {burst.stats['requests']} requests / {burst_s:.1f} s, failed {burst.stats['failed']}; latency ms "
+              + ", ".join(f"{k} {sorted(v)[len(v) // 2]:.0f} (n={len(v)})" for k, v in lat.items()))
+    finally:
+        c.close()
+        release.rollback(repo, to=stable, server=srv, by="test")
+    srv.unload("tensorrt_llm_bls")  # the spans leave on unload (obs_served: the processor's schedule is 10 min)
+    try:
+        def ours(spans):
+            return [s for _, scope, s, _ in spans if scope == "precision_pipeline.tensorrt_llm_bls"
+                    and s.start_time_unix_nano >= t0]
+
+        got = sorted(ours(otlp_receiver.wait(lambda xs: len(ours(xs)) >= 4, timeout_s=10)), key=lambda s: s.start_time_unix_nano)
+    finally:
+        srv.load("tensorrt_llm_bls")
+    for s, p in zip(got[:4], asked):  # the first four requests: the span says what the response says
+        a = _attrs(s)
+        assert (a["precision.route"], a["precision.unit"], a["precision.route_rule"], a["precision.route_reason"]) == (
+            p["route"], p["unit"], p["route_rule"], p["route_reason"])

@@ -12,6 +12,7 @@ import pytest
 from precision_pipeline.serving import pack, templates
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.profile import load_profile, shipped_profiles
+from precision_pipeline.spec.routing import routing_table
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
@@ -116,6 +117,10 @@ def test_every_shipped_profile_packs(tmp_path, model_dir, ckpt, name):
     prof = load_profile(name)
     assert cfgs[res.engine_unit].max_batch_size == prof.build.max_batch_size
     assert pack.config_params(cfgs[res.engine_unit])["gpu_device_ids"] == ",".join(map(str, range(prof.world_size)))
+    table = out / "model_repository" / res.engine_unit / pack.ROUTING_FILE  # the routing table travels with the unit
+    assert (json.loads(table.read_text()) if table.exists() else None) == (
+        routing_table(prof.routing) if prof.routing else None)
+    assert (pack.ROUTING_FILE in res.unit_files) == (prof.routing is not None)
 
 
 def test_misspelt_parameter_is_an_error():

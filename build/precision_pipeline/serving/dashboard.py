@@ -5,7 +5,8 @@ watches by default).
 ``dashboard(plan, profile, name) -> dict``: Grafana dashboard JSON (schemaVersion 39, Prometheus
 datasource variable ``datasource``). Panels: requests and generated tokens per second by precision
 path (the BLS's metrics), probe KL P99 and top-1 against the profile's gate thresholds, rollout
-canary share and fallback state, KV-cache blocks of the tensorrtllm backend, and GPU memory-interface
+canary share and fallback state, traffic per routing rule and the signal rules' switches (the profile's
+``routing`` section, spec/routing.py), KV-cache blocks of the tensorrtllm backend, and GPU memory-interface
 activity from the DCGM exporter beside what the plan predicts.
 
 Every metric a panel queries is in ``METRIC_SOURCES`` with where it is defined (ours: the module that
@@ -31,7 +32,8 @@ from precision_pipeline.serving.probe import PROBE_GAUGES, PROBE_LAST_RUN
 
 BLS_METRICS = ("precision_pipeline_requests_total", "precision_pipeline_request_failures_total",
                "precision_pipeline_tokens_total", "precision_pipeline_rollout_canary_percent",
-               "precision_pipeline_fallback_active")
+               "precision_pipeline_fallback_active", "precision_pipeline_routing_switches_total",
+               "precision_pipeline_routing_last_switch_timestamp_seconds", "precision_pipeline_routing_rule_active")
 """Families the BLS exports (triton_repo/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py)."""
 
 METRIC_SOURCES: dict[str, str] = {
@@ -105,6 +107,17 @@ def dashboard(plan, profile, name: str) -> dict:
                                "plan, batch 1 (upper bound)", "B"))
     panels.append(_panel(8, "GPU memory-interface activity: measured vs plan", targets, y=y, x=12, unit="percentunit",
                          desc="DCGM exporter (GPU only) vs weight bytes per generated token / GPU bandwidth (module doc)."))
+    y += 8
+    panels.append(_panel(9, "Requests/s by routing rule", [_target(
+        f"sum by (route_rule, route, engine_unit) (rate(precision_pipeline_requests_total{{{sel}}}[5m]))",
+        "{{route_rule}} -> {{route}} {{engine_unit}}", "A")], y=y, unit="reqps",
+        desc="Per-request precision routing: the rule that chose each request's unit (empty rule: no routing table)."))
+    panels.append(_panel(10, "Routing signal rules: switches and time since the last", [
+        _target("sum by (rule, to) (increase(precision_pipeline_routing_switches_total[1h]))", "{{rule}} to {{to}} (1 h)", "A"),
+        _target("time() - max by (rule) (precision_pipeline_routing_last_switch_timestamp_seconds)",
+                "{{rule}}: seconds since the last switch", "B"),
+        _target("max by (rule) (precision_pipeline_routing_rule_active)", "{{rule}} on", "C")], y=y, x=12,
+        desc="Hysteresis and min_dwell_s keep switches rare; many switches per hour: widen the band."))
     return {"title": f"{name} precision", "uid": re.sub(r"[^a-zA-Z0-9-]", "-", name)[:40], "schemaVersion": 39,
             "tags": ["precision-pipeline", pname], "time": {"from": "now-6h", "to": "now"}, "refresh": "30s",
             "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}]},

@@ -7,7 +7,8 @@ Layout written to ``out_dir`` (the build output's ``model_repository/``), atomic
                                                                     special_tokens_map.json, chat_template.jinja)
     postprocessing/          config.pbtxt, 1/model.py
     tensorrt_llm_bls/        config.pbtxt, 1/model.py  (parameter tensorrt_llm_model_name = tensorrt_llm_<h12>)
-    tensorrt_llm_<h12>/      config.pbtxt, 1/, engine/   one Triton model per engine ("engine unit")
+    tensorrt_llm_<h12>/      config.pbtxt, 1/, engine/   one Triton model per engine ("engine unit"),
+                             precision_path.json, routing.json (the profile's routing table, when it has one)
         engine/              the engine files (hard links of the engine stage's output) when it was built,
                              plus cpu_reference.json and checkpoint/ (hard links) for the CPU reference backend
     pack.json                what was rendered (engine hash, unit name, parameters, notes) and ``unit_files``:
@@ -59,6 +60,7 @@ from precision_pipeline.core.store import atomic_dir, hash_dir, hash_file, hash_
 from precision_pipeline.resolve.plan import ResolvedPlan
 from precision_pipeline.serving import templates
 from precision_pipeline.spec.formats import TRITON_DTYPE
+from precision_pipeline.spec.routing import routing_table
 
 TEMPLATES_DIR = REPO_ROOT / "triton_repo" / "all_models" / "inflight_batcher_llm"
 BACKENDS_DIR = REPO_ROOT / "triton_repo" / "backends"
@@ -69,6 +71,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 ENGINE_ARGS_FILE = "trtllm-build.args.json"  # written by build/precision_pipeline/engine/trtllm_build.py next to the engine; not part of the hash
 CPU_REFERENCE_FILE = "cpu_reference.json"
 PRECISION_PATH_FILE = "precision_path.json"
+ROUTING_FILE = "routing.json"
+"""The unit's per-request routing table (spec/routing.py ``routing_table`` of the profile's ``routing`` section; only
+when the profile has one). The BLS reads the current release's (tensorrt_llm_bls/1/model.py), so the table travels
+with the unit through promote, rollout and rollback."""
 """``<unit>/precision_path.json``: the precision path of one engine unit (``precision_path``), read by
 the BLS to label its metrics and each response (triton_repo/.../tensorrt_llm_bls/1/model.py)."""
 PACK_FILE = "pack.json"
@@ -509,13 +515,22 @@ def precision_path(plan: ResolvedPlan, engine_hash: str, unit: str | None = None
             "logits_dtype": e.logits_dtype, "dtype": q.dtype, "serving_route": "engine"}
 
 
+def unit_meta(plan: ResolvedPlan, engine_hash: str, unit: str) -> dict[str, dict]:
+    """The JSON files of a unit beside its config: ``PRECISION_PATH_FILE`` (``precision_path``) and, when the profile
+    has a ``routing`` section, ``ROUTING_FILE`` (its table; part of the content key: another table, another unit)."""
+    out = {PRECISION_PATH_FILE: precision_path(plan, engine_hash, unit)}
+    if plan.profile.routing is not None:
+        out[ROUTING_FILE] = routing_table(plan.profile.routing)
+    return out
+
+
 def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,
-               model_dir: Path, engine_hash: str, profile_name: str, path: dict | None = None) -> None:
-    """Write one engine unit: config.pbtxt, 1/, engine/ (engine files + CPU reference pointer),
-    ``precision_path.json`` (``path``, see ``precision_path``)."""
+               model_dir: Path, engine_hash: str, profile_name: str, meta: dict | None = None) -> None:
+    """Write one engine unit: config.pbtxt, 1/, engine/ (engine files + CPU reference pointer), and ``meta``
+    ({file name: JSON object}, ``unit_meta``: precision_path.json, routing.json)."""
     (unit_dir / "1").mkdir(parents=True, exist_ok=True)
-    if path is not None:
-        (unit_dir / PRECISION_PATH_FILE).write_text(json.dumps(path, indent=2) + "\n")
+    for name, obj in (meta or {}).items():
+        (unit_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
     (unit_dir / "1" / ".keep").write_text("Triton version directory; the engine is at gpt_model_path (../engine).\n")
     (unit_dir / "config.pbtxt").write_text(config_text)
     eng = unit_dir / "engine"
@@ -602,7 +617,7 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
         staged = tmp / UNIT_PLACEHOLDER
         write_unit(staged, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
                    checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
-                   profile_name=plan.profile.name, path=precision_path(plan, ehash, UNIT_PLACEHOLDER))
+                   profile_name=plan.profile.name, meta=unit_meta(plan, ehash, UNIT_PLACEHOLDER))
         key = hash_obj(unit_digests(staged, digests))
         unit = unit_name(key)
         params, _ = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name, unit=unit)

@@ -146,6 +146,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS_URL_ENV = "PRECISION_PIPELINE_METRICS_URL"
+"""The server's own metrics URL, for the BLS's routing signals (tensorrt_llm_bls/1/model.py, same name; a test checks)."""
+
+
 def server_env(threads: int = 1) -> dict[str, str]:
     _, libs = _pytriton_paths()
     env = dict(os.environ)
@@ -316,7 +320,8 @@ class TritonServer:
         t0 = time.perf_counter()
         clean_stale_shm()
         log = open(self.log_file, self.log_mode)
-        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=server_env(self.threads),
+        env = {**server_env(self.threads), METRICS_URL_ENV: f"http://127.0.0.1:{self.metrics_port}/metrics"}
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(self.model_repository.parent), start_new_session=True,
                                      preexec_fn=_die_with_parent)
         log.close()

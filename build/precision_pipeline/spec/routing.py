@@ -22,8 +22,8 @@ decides per request::
 
 The decision itself has one home, ``triton_repo/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/
 precision_routing.py`` (standard library only: the BLS runs it inside Triton); this module validates the
-section (every error names the rule and the field), renders it as that file's table (``routing_table``) and
-loads the file for ``invoke route explain`` (``evaluator``). The rules that need the rest of the profile (a
+section (every error names the rule and the field), renders it as that file's table (``routing_table``, which pack writes as the primary unit's
+``routing.json``) and loads the file for ``invoke route explain`` (``evaluator``). The rules that need the rest of the profile (a
 fallback target needs a warm fallback; the FP8-attention advice) are resolve's (``resolve/rules_fit.py``).
 
 Rules are **total** (the last rule is the default) and **unambiguous**: a rule that an earlier rule covers
@@ -59,8 +59,8 @@ class Signal(_Section):
     past the release threshold, at most once per ``min_dwell_s`` seconds."""
 
     name: Literal["inflight_requests", "kv_cache_utilization"] = Field(
-        description="inflight_requests: requests the BLS instance serves now; kv_cache_utilization: used/max KV "
-        "blocks of the primary (0..1).")
+        description="inflight_requests: requests waiting for the BLS (Triton's pending count of tensorrt_llm_bls, its "
+        "queue depth); kv_cache_utilization: used/max KV blocks of the primary (0..1). Both from the server's metrics.")
     above: Optional[float] = Field(None, ge=0, description="On when the signal is greater than this.")
     release_below: Optional[float] = Field(None, ge=0, description="With above: off again when the signal is less "
                                            "than this (< above: the hysteresis band).")

@@ -25,6 +25,18 @@ either kind as stable or canary, so a release of one route falls back to / rolls
 the unit's ``precision_path.json`` carries ``serving_route`` (``engine`` when absent, ``llm_api``), and every
 response's ``precision_path`` says which unit and which route served it.
 
+Per-request precision routing (issue 31; build/precision_pipeline/spec/routing.py): when the stable unit has a
+``routing.json`` (pack writes the profile's ``routing`` table into the unit), every request is decided by
+``precision_routing.decide`` (the file beside this one) with the state of its signal rules kept across requests
+(one ``RoutingState`` per instance, fresh when the table changes): target ``primary`` = the stable unit (a canary
+takes its share of these), ``fallback`` = releases.json's fallback unit (the stable unit when none is recorded,
+said in the reason). Features: the longest row's prompt tokens (preprocessing's ``REQUEST_INPUT_LEN``), the
+largest ``max_tokens``, the request parameter ``precision_tier``. Signals: the server's own ``/metrics``
+(``METRICS_URL_ENV``), scraped by a thread every ``SIGNAL_PERIOD_S`` while the table has a signal rule
+(``precision_routing.signals_from_metrics``): this model's own counters cannot see the requests Triton queues for
+it. The rule and reason go on the ``precision_path`` output (``route_rule``, ``route_reason``), the span
+(``precision.route_rule``, ``precision.route_reason``) and the metric label ``route_rule``.
+
 Precision path (observability): each engine unit carries ``precision_path.json`` (written by
 serving/pack.py ``precision_path``: profile, unit, engine_hash, gemm, kv, context_fmha, logits_dtype,
 dtype). Every response carries that path of the unit that served it in the output
@@ -39,7 +51,10 @@ metrics API (``pb_utils.MetricFamily``), beside Triton's per-model counters:
 * ``precision_pipeline_request_failures_total`` (counter; same labels): requests that failed after routing;
 * ``precision_pipeline_tokens_total`` (counter; ``METRIC_LABELS`` + ``kind`` = ``input`` | ``output``);
 * ``precision_pipeline_rollout_canary_percent`` (gauge): the canary share route.json asks for (0 without one);
-* ``precision_pipeline_fallback_active`` (gauge): 1 while the stable route is releases.json's fallback unit.
+* ``precision_pipeline_fallback_active`` (gauge): 1 while the stable route is releases.json's fallback unit;
+* ``precision_pipeline_routing_switches_total`` (counter; ``rule``, ``to`` = on | off), ``..._routing_last_switch_timestamp_seconds``
+  and ``..._routing_rule_active`` (gauges; ``rule``): the signal rules; ``..._routing_signal`` (gauge; ``name``): a
+  signal's value at the last decision.
 
 (Triton exposes python-backend counters under the family name as given; the ``_total`` suffix is
 part of our names.)
@@ -65,13 +80,27 @@ OpenTelemetry not importable in the stub's interpreter, the model refuses to loa
 
 import json
 import os
+import sys
+import threading
+import time
+import urllib.request
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # precision_routing.py beside this file
+import precision_routing  # noqa: E402
 
-METRIC_LABELS = ("profile", "engine_unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route")
+
+METRIC_LABELS = ("profile", "engine_unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route",
+                 "route_rule")
 PATH_FILE = "precision_path.json"
+ROUTING_FILE = "routing.json"  # = serving/pack.py ROUTING_FILE (a test checks)
+TIER_PARAMETER = "precision_tier"  # = spec/routing.py TIER_PARAMETER (a test checks)
+MODEL_NAME = "tensorrt_llm_bls"
+METRICS_URL_ENV = "PRECISION_PIPELINE_METRICS_URL"  # set by serving/triton_server.py for the port it chose
+DEFAULT_METRICS_URL = "http://127.0.0.1:8002/metrics"  # tritonserver's default --metrics-port
+SIGNAL_PERIOD_S = 1.0  # how often the signals are scraped (only while the table has a signal rule)
 LLM_API_PREFIX = "llm_api_"  # = serving/llmapi_unit.py PREFIX (a test checks)
 SPAN_SCOPE = "precision_pipeline.tensorrt_llm_bls"
 SERVICE_NAME = "precision-pipeline"  # = serving/triton_server.py TRACE_SERVICE_NAME (Triton's own spans; a test checks)
@@ -111,7 +140,8 @@ class TritonPythonModel:
         self.operation = _param(cfg, "gen_ai_operation_name") or "text_completion"
         self._init_tracing(_param(cfg, "otlp_traces_url"))
         self._init_metrics()
-        self._route()
+        self._init_routing()
+        self._read_route()
         self._gauges()
 
     def _init_metrics(self):
@@ -125,9 +155,19 @@ class TritonPythonModel:
                                       description="canary share of BLS requests route.json asks for (percent)")
         f_fb = pb_utils.MetricFamily(name="precision_pipeline_fallback_active", kind=pb_utils.MetricFamily.GAUGE,
                                      description="1 while the stable route is the fallback unit of releases.json")
+        self.f_switch = pb_utils.MetricFamily(name="precision_pipeline_routing_switches_total", kind=pb_utils.MetricFamily.COUNTER,
+                                              description="switches of the routing table's signal rules (to: on, off)")
+        self.f_last = pb_utils.MetricFamily(name="precision_pipeline_routing_last_switch_timestamp_seconds",
+                                            kind=pb_utils.MetricFamily.GAUGE,
+                                            description="Unix time of a signal rule's last switch (time() - it: time since)")
+        self.f_active = pb_utils.MetricFamily(name="precision_pipeline_routing_rule_active", kind=pb_utils.MetricFamily.GAUGE,
+                                              description="1 while a signal rule is on (its condition holds, hysteresis)")
+        self.f_signal = pb_utils.MetricFamily(name="precision_pipeline_routing_signal", kind=pb_utils.MetricFamily.GAUGE,
+                                              description="a server signal's value at the last routing decision")
         self.g_canary = f_can.Metric(labels={"model": "tensorrt_llm_bls"})
         self.g_fallback = f_fb.Metric(labels={"model": "tensorrt_llm_bls"})
-        self._families = (self.f_req, self.f_fail, self.f_tok, f_can, f_fb)
+        self._families = (self.f_req, self.f_fail, self.f_tok, f_can, f_fb, self.f_switch, self.f_last, self.f_active,
+                          self.f_signal)
 
     def _init_tracing(self, url):
         """A TracerProvider of this model with a BatchSpanProcessor exporting to ``url`` over OTLP/HTTP
@@ -209,9 +249,9 @@ class TritonPythonModel:
         self.g_canary.set(float(self.percent if self.canary else 0))
         self.g_fallback.set(1.0 if self.trt_name == self._fallback() else 0.0)
 
-    def _labels(self, unit, route):
+    def _labels(self, unit, route, rule=""):
         p = self._path(unit)
-        vals = {**p, "route": route, "engine_unit": unit}
+        vals = {**p, "route": route, "route_rule": rule, "engine_unit": unit}
         return {k: vals.get(k, "") for k in METRIC_LABELS}
 
     def _metric(self, family, labels):
@@ -222,8 +262,17 @@ class TritonPythonModel:
         return m
 
     def _route(self):
-        """The engine model to call: route.json when it exists (re-read when it changes), else the parameter;
-        with a canary in route.json, the candidate for its percent of requests."""
+        """The stable unit or, with a canary in route.json, the candidate for its percent of these requests."""
+        self._read_route()
+        if self.canary and self.percent:
+            self.acc += self.percent
+            if self.acc >= 100:
+                self.acc -= 100
+                return self.canary
+        return self.trt_name
+
+    def _read_route(self):
+        """route.json when it exists (re-read when it changes): the stable unit and the canary; else the parameter."""
         try:
             st = os.stat(self.route_file)
         except OSError:
@@ -242,12 +291,98 @@ class TritonPythonModel:
                 self.route_mtime = key
             except (OSError, ValueError, TypeError):
                 pass
-        if self.canary and self.percent:
-            self.acc += self.percent
-            if self.acc >= 100:
-                self.acc -= 100
-                return self.canary
-        return self.trt_name
+
+    def _init_routing(self):
+        self.table, self.table_key = None, None
+        self.rstate = precision_routing.RoutingState()
+        self.signals = {}
+        self.metrics_url = os.environ.get(METRICS_URL_ENV) or DEFAULT_METRICS_URL
+        self.scraper, self.stop_scrape = None, threading.Event()
+
+    def _table(self, unit):
+        """The routing table of ``unit`` (the stable release: ``<unit>/routing.json``, re-read when it or the unit
+        changes; a new table starts with fresh signal state), or None (no file, or a file with problems: logged,
+        every request goes to the stable unit)."""
+        path = os.path.join(self.repo_dir, unit, ROUTING_FILE)
+        try:
+            st = os.stat(path)
+            key = (unit, st.st_mtime_ns, st.st_ino, st.st_size)
+        except OSError:
+            key = (unit, None)
+        if key == self.table_key:
+            return self.table
+        table = None
+        if key[1] is not None:
+            try:
+                with open(path) as f:
+                    table = json.load(f)
+                problems = precision_routing.table_problems(table)
+            except (OSError, ValueError) as e:
+                problems = [str(e)]
+            if problems:
+                pb_utils.Logger.log_error(f"tensorrt_llm_bls: {path}: {'; '.join(problems)}; requests go to {unit} "
+                                          "until the release's table is fixed")
+                table = None
+        if table != self.table:
+            self.rstate = precision_routing.RoutingState()
+        self.table, self.table_key = table, key
+        if table and precision_routing.has_signals(table) and self.scraper is None:
+            self.scraper = threading.Thread(target=self._scrape_loop, name="routing-signals", daemon=True)
+            self.scraper.start()
+        return table
+
+    def _scrape_loop(self):
+        """Every SIGNAL_PERIOD_S: the server's own metrics -> ``self.signals`` (empty when the scrape fails: unknown
+        signals keep the rules' state). The server's, not this model's counters: one BLS instance executes one
+        request at a time, so only Triton's scheduler sees the requests queued for it."""
+        while True:
+            try:
+                with urllib.request.urlopen(self.metrics_url, timeout=SIGNAL_PERIOD_S) as r:
+                    text = r.read().decode("utf-8", "replace")
+                self.signals = precision_routing.signals_from_metrics(text, MODEL_NAME, self.trt_name)
+            except Exception:
+                self.signals = {}
+            if self.stop_scrape.wait(SIGNAL_PERIOD_S):
+                return
+
+    def _tier(self, request):
+        """The request's ``precision_tier`` parameter (Triton request parameters, JSON text: python_backend
+        README, "Request Parameters"), or None."""
+        try:
+            v = json.loads(request.parameters() or "{}").get(TIER_PARAMETER)
+        except (AttributeError, ValueError):
+            return None
+        return v if isinstance(v, str) else None
+
+    def _choose(self, request, opt, pre):
+        """(unit, (rule, reason) or None): the stable release's routing table decides primary or fallback (features:
+        the longest row's prompt tokens from preprocessing, the largest max_tokens, the tier); a canary takes its
+        share of the requests the table gives the primary (the candidate replaces the primary, not the fallback)."""
+        self._read_route()
+        table = self._table(self.trt_name)
+        if not table:
+            return self._route(), None
+        feats = {"prompt_tokens": int(np.max(pre["REQUEST_INPUT_LEN"])),
+                 "max_tokens": int(np.max(np.asarray(opt("max_tokens")))), "tier": self._tier(request)}
+        signals = dict(self.signals)
+        before = {n: (st.on, st.switches) for n, st in self.rstate.rules.items()}
+        d = precision_routing.decide(table, feats, signals, self.rstate, time.monotonic())
+        self._switch_metrics(before, signals)
+        if d.target == "primary":
+            return self._route(), (d.rule, d.reason)
+        fb = self._fallback()
+        if not fb:
+            return self._route(), (d.rule, d.reason + "; releases.json has no fallback unit: the primary serves it")
+        return fb, (d.rule, d.reason)
+
+    def _switch_metrics(self, before, signals):
+        for name, value in signals.items():
+            self._metric(self.f_signal, {"name": name}).set(float(value))
+        for rule, st in self.rstate.rules.items():
+            self._metric(self.f_active, {"rule": rule}).set(1.0 if st.on else 0.0)
+            if st.switches != before.get(rule, (False, 0))[1]:
+                self._metric(self.f_switch, {"rule": rule, "to": "on" if st.on else "off"}).increment(1)
+                self._metric(self.f_last, {"rule": rule}).set(time.time())
 
     @staticmethod
     def _call(model, inputs, outputs, trace=None):
@@ -286,12 +421,14 @@ class TritonPythonModel:
         if span is not None:
             span.set_attribute(self.gen_ai.GEN_AI_REQUEST_MAX_TOKENS, int(np.asarray(opt("max_tokens")).reshape(-1)[0]))
         pre, trt_in = self._preprocess(opt, trace)  # before the choice (``_preprocess``); an LLM-API unit ignores it
-        unit = self._route()
+        unit, decision = self._choose(request, opt, pre)
         self._gauges()
         route = "canary" if unit == self.canary and unit != self.trt_name else (
             "fallback" if unit == self.fallback else "stable")
-        labels = self._labels(unit, route)
+        labels = self._labels(unit, route, decision[0] if decision else "")
         served = {**self._path(unit), "route": route}  # one dict: the precision_path output and the span's attributes
+        if decision:
+            served["route_rule"], served["route_reason"] = decision
         if span is not None:
             span.set_attributes(span_attributes(served, self.gen_ai))
             if served.get("model"):
@@ -389,6 +526,9 @@ class TritonPythonModel:
         return None if self.decoupled else responses
 
     def finalize(self):
+        self.stop_scrape.set()
+        if self.scraper is not None:
+            self.scraper.join(2 * SIGNAL_PERIOD_S)
         if self.provider is not None:
             self.provider.shutdown()  # flushes the BatchSpanProcessor's queue to the receiver
         self.metrics.clear()  # Metric objects go before their families (python-backend rule)

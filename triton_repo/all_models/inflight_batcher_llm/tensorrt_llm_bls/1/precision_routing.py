@@ -3,7 +3,8 @@
 Pure Python (standard library only), so the same file decides in three places: the BLS, per request, inside
 Triton (``model.py`` beside it imports it); ``invoke route explain`` without a server; and the tests. The
 table it reads is rendered from the profile's ``routing`` section by ``precision_pipeline.spec.routing``
-(``routing_table``) and carried in the BLS's ``route.json`` under ``"routing"``.
+(``routing_table``) and packed as the primary unit's ``routing.json`` (serving/pack.py ``ROUTING_FILE``), which the
+BLS reads per request (re-read when it changes), so the table travels with the release that serves it.
 
 Table (``version`` 1)::
 
@@ -28,13 +29,15 @@ Rules are tried in order; the first whose conditions hold decides. ``decide`` re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 TABLE_VERSION = 1
 TARGETS = ("primary", "fallback")
 SIGNALS = {
-    "inflight_requests": "requests this BLS instance is serving now (its own counter)",
+    "inflight_requests": "requests waiting for the BLS: Triton's nv_inference_pending_request_count of "
+                         "tensorrt_llm_bls (its queue depth), scraped from the server's metrics endpoint",
     "kv_cache_utilization": "used / max KV-cache blocks of the primary unit, 0..1 (the tensorrtllm backend's "
                             "nv_trt_llm_kv_cache_block_metrics, scraped from the server's metrics endpoint)",
 }
@@ -159,3 +162,47 @@ def decide(table: Mapping, request: Mapping, signals: Optional[Mapping] = None, 
         if why is not None:
             return Decision(rule["target"], rule["name"], why)
     raise ValueError("routing table: no rule matched (the last rule must be the default)")  # unreachable when checked
+
+
+def has_signals(table: Mapping) -> bool:
+    """True when a (checked) table has a signal rule: the BLS then scrapes the server's metrics."""
+    return any("signal" in r["when"] for r in table["rules"])
+
+
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+PENDING_FAMILY = "nv_inference_pending_request_count"
+"""Triton's gauge of requests awaiting execution per model (Triton's docs/user_guide/metrics.md, "Pending
+Request Count"); one sample per model and version."""
+KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
+"""The tensorrtllm backend's KV-cache gauge, label ``kv_cache_block_type`` = used / max / ... (tensorrtllm_backend
+inflight_batcher_llm/src/custom_metrics_reporter/custom_metrics_reporter.cc; serving/dashboard.py cites it too)."""
+
+
+def signals_from_metrics(text: str, bls_model: str, unit: str) -> dict:
+    """The server signals (``SIGNALS``) in a Prometheus text exposition of the server's ``/metrics``:
+    ``inflight_requests`` = the sum over versions of ``PENDING_FAMILY`` for ``bls_model``; ``kv_cache_utilization``
+    = used / max of ``KV_FAMILY`` (samples of ``unit`` when they carry a ``model`` label). A signal the text does
+    not carry (a family absent, used or max absent, max 0) is left out: unknown, the rules keep their state."""
+    pending, kv = [], {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) not in (PENDING_FAMILY, KV_FAMILY):
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if m.group(1) == PENDING_FAMILY:
+            if labels.get("model") == bls_model:
+                pending.append(value)
+        elif labels.get("model", unit) == unit:
+            kind = labels.get("kv_cache_block_type")
+            kv[kind] = kv.get(kind, 0.0) + value
+    out = {}
+    if pending:
+        out["inflight_requests"] = sum(pending)
+    if "used" in kv and kv.get("max"):
+        out["kv_cache_utilization"] = kv["used"] / kv["max"]
+    return out
