@@ -76,6 +76,12 @@ def test_llm_api_units_are_releases_like_engine_units(tmp_path, units4, llm2):  
     assert release.rollback(repo, to=l1[len("llm_api_"):][:6])["unit"] == l1
     assert release.rollback(repo, to=l2)["unit"] == l2
     assert release_state.read_state(repo)["current"] == l2
+    # and an LLM-API release beyond keep_releases leaves the disk and the record: B, L2 kept, L1 removed
+    release.rollback(repo, to=b.engine_unit)
+    release.promote(repo, units4[3].out_dir, profile="bf16-h100")
+    st = release_state.read_state(repo)
+    assert not (repo / l1).exists() and l1 not in st["unit_files"] and l1 not in {r["unit"] for r in st["releases"]}
+    assert release.list_releases(repo)["on_disk"] == sorted([b.engine_unit, l2, units4[3].engine_unit])
 
 
 def test_first_promote_of_an_llm_api_build_takes_the_fallbacks_ensemble(tmp_path, units4, llm2):  # noqa: F811
