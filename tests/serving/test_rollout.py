@@ -282,9 +282,11 @@ def test_crash_mid_rollout_serves_stable(tmp_path, units):
 # The two serving routes in one repository (issue 28): an engine release promoted, an LLM-API release rolled out with
 # the live (text) probe, rolled back -- on this module's server, under client load through the BLS.
 
-ROUTES_REQUESTS_PER_PHASE = 260
+ROUTES_REQUESTS_PER_PHASE = 250
 """BLS requests each of the four phases waits for (promoted engine, the rollout's 50 % step, the LLM-API release,
-after the rollback): at least 1,000 requests over the whole sequence."""
+after the rollback): at least 1,000 requests over the whole sequence (1 new token each: the cheapest request)."""
+ROUTES_PHASE_LIMIT_S = 1500.0
+"""How long one phase may wait for its requests (a loaded 2-core machine serves well under 1 request/s)."""
 
 
 def pack_llm_api(base: Path, ckpt: Path, model_dir: Path):
@@ -355,9 +357,9 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
         probes.append(pr)
         return pr
 
-    with Clients(srv, n=2, limit=100_000) as cl, pytest.MonkeyPatch.context() as mp:
+    with Clients(srv, n=2, max_tokens=1, limit=100_000) as cl, pytest.MonkeyPatch.context() as mp:
         def wait_for(n: int, what: str) -> None:
-            start, end = cl.requests, time.monotonic() + 300
+            start, end = cl.requests, time.monotonic() + ROUTES_PHASE_LIMIT_S
             while cl.requests - start < n and time.monotonic() < end:
                 time.sleep(0.1)
             phases[what] = cl.requests - start

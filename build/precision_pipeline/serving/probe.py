@@ -243,8 +243,10 @@ def text_rows(tok, ids: Sequence[int], answer: slice, ref_top1: Sequence[int]) -
 
 
 KL_NOT_MEASURED = ("not measured: the LLM-API model returns text only, no logits (TensorRT-LLM "
-                   "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @044a90d, TritonPythonModel._create_response: "
-                   "text_output, and finish_reason / stop_reason / cumulative_logprob / perf metrics when asked)")
+                   "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @044a90d, TritonPythonModel._create_response, "
+                   "about lines 628-675 of that copy: text_output from output.text, then only finish_reason / stop_reason / "
+                   "cumulative_logprob and perf metrics when asked; the context_logits and generation_logits its docstring "
+                   "lists are never sent)")
 
 
 def run_text_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> ProbeResult:

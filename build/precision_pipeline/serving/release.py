@@ -1,5 +1,9 @@
 """Releases of a serving model repository: promote, rollback, fallback, retention, crash recovery.
 
+Units of both serving routes (issue 28): engine units and LLM-API units (``llm_api_<h12>``, serving/llmapi_unit.py)
+are releases alike; while an LLM-API unit is current the ensemble (token tensors only) is unloaded and the BLS serves
+(``release_state.ensemble_serves``).
+
 Why models and not versions: the real tensorrtllm backend loads the engine named by the
 ``gpt_model_path`` parameter and ignores Triton's version directories, so each engine is its own
 Triton model, an *engine unit* ``tensorrt_llm_<h12>`` (see build/precision_pipeline/serving/pack.py). The ``ensemble`` step and
@@ -11,7 +15,8 @@ State: ``releases.json`` next to the serving model repository (``<repo>/../relea
 
     {"current": unit, "fallback": unit|null, "warm_fallback": bool, "keep_releases": N,
      "releases": [{"unit", "engine_hash", "profile", "gate", "time", "promoted_by", "engine_present",
-                   "kind": "release"|"fallback"}, ...],      # oldest first
+                   "kind": "release"|"fallback", "serving_route": "engine"|"llm_api", "provenance": {...}}, ...],
+                                                         # oldest first; provenance: release_state.release_record
      "history": [{"action", "from", "to", "time", "by", "ms"}, ...],
      "unit_files": {unit: {path: [size, sha256]}}}   # each unit as installed; rollback verifies its target
 
