@@ -59,7 +59,7 @@ def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int
     import tritonclient.http as hc
 
     if llmapi_unit.is_llm_api_unit(unit):
-        return smoke_llm_api(server, unit, prompt=prompt, max_tokens=max_tokens, expect=expect)
+        return smoke_llm_api(server, unit, max_tokens=max_tokens, expect=expect)
     t0 = time.perf_counter()
     c = server.http_client()
     try:
@@ -128,7 +128,13 @@ def llm_api_text(client, unit: str, text: str, max_tokens: int) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
 
 
-def smoke_llm_api(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int = 8, expect: str | None = None) -> dict:
+LLM_API_SMOKE_PROMPT = "The capital of France is"
+"""An LLM-API unit's smoke prompt: a completion prompt, since that model applies no chat template (``SMOKE_PROMPT``
+sent raw, without the template preprocessing applies for engine units, can be answered with whitespace only)."""
+
+
+def smoke_llm_api(server, unit: str, *, prompt: str = LLM_API_SMOKE_PROMPT, max_tokens: int = 8,
+                  expect: str | None = None) -> dict:
     """``smoke_test`` of an LLM-API unit: one greedy text request (``llm_api_text``) straight to it. Fails
     (RuntimeError) on an error, an output that is not one string, an empty text, or a text other than ``expect``."""
     t0 = time.perf_counter()
