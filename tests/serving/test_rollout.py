@@ -103,8 +103,8 @@ def probe_set(gate_dir):
 class Clients:
     """Client threads sending short chat requests through the BLS (the canary path) in bounded loops."""
 
-    def __init__(self, srv, n=2, max_tokens=2, limit=400):
-        self.srv, self.n, self.max_tokens, self.limit = srv, n, max_tokens, limit
+    def __init__(self, srv, n=2, max_tokens=2, limit=400, prompt="What is 2 + 2?"):
+        self.srv, self.n, self.max_tokens, self.limit, self.prompt = srv, n, max_tokens, limit, prompt
         self.stop, self.lock = threading.Event(), threading.Lock()
         self.requests, self.failed, self.errors = 0, 0, []
 
@@ -118,7 +118,7 @@ class Clients:
                     break
                 err = None
                 try:
-                    if not c.infer("tensorrt_llm_bls", text_request("What is 2 + 2?", self.max_tokens)).as_numpy("text_output").reshape(-1)[0]:
+                    if not c.infer("tensorrt_llm_bls", text_request(self.prompt, self.max_tokens)).as_numpy("text_output").reshape(-1)[0]:
                         err = "empty"
                 except Exception as e:
                     err = str(e)[:200]
@@ -357,7 +357,9 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
         probes.append(pr)
         return pr
 
-    with Clients(srv, n=2, max_tokens=1, limit=100_000) as cl, pytest.MonkeyPatch.context() as mp:
+    # a completion prompt: the BLS sends an LLM-API unit the text as given (no chat template), and the raw chat question
+    # is answered there with end-of-turn first (an empty text, which Clients counts as failed)
+    with Clients(srv, n=2, max_tokens=1, limit=100_000, prompt="The capital of France is") as cl, pytest.MonkeyPatch.context() as mp:
         def wait_for(n: int, what: str) -> None:
             start, end = cl.requests, time.monotonic() + ROUTES_PHASE_LIMIT_S
             while cl.requests - start < n and time.monotonic() < end:
