@@ -247,9 +247,13 @@ def test_a_folder_that_is_no_serving_repository_is_never_offered_for_deletion(un
 def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
     repo = serving_repo(tmp_path, units4[0])
     before = release_state.state_path(repo).read_text()
-    with pytest.raises(UserError, match="not an engine unit") as ei:
+    with pytest.raises(UserError, match="is not a unit") as ei:
         release_state.record_probe(repo, "ensemble", {"passed": True, "ms": 1.0})
     assert ei.value.problems[0].field == "--unit" and release_state.state_path(repo).read_text() == before
+    release_state.check_probe_unit("llm_api_0123456789ab")  # an LLM-API unit is probed (its text probe) and recorded
+    for bad in ("llm_api_0123456789aX", "tensorrt_llm_bls", "llm_api_0123456789abc"):
+        with pytest.raises(UserError, match="is not a unit"):
+            release_state.check_probe_unit(bad)
     r = inv("probe", "--unit", "ensemble", "--gate", "/nonexistent/gate", "--repo", str(repo))
     assert r.returncode == 2 and "--unit:" in r.stdout and "Traceback" not in r.stdout + r.stderr
 

@@ -103,8 +103,8 @@ def probe_set(gate_dir):
 class Clients:
     """Client threads sending short chat requests through the BLS (the canary path) in bounded loops."""
 
-    def __init__(self, srv, n=2, max_tokens=2, limit=400):
-        self.srv, self.n, self.max_tokens, self.limit = srv, n, max_tokens, limit
+    def __init__(self, srv, n=2, max_tokens=2, limit=400, prompt="What is 2 + 2?"):
+        self.srv, self.n, self.max_tokens, self.limit, self.prompt = srv, n, max_tokens, limit, prompt
         self.stop, self.lock = threading.Event(), threading.Lock()
         self.requests, self.failed, self.errors = 0, 0, []
 
@@ -118,7 +118,7 @@ class Clients:
                     break
                 err = None
                 try:
-                    if not c.infer("tensorrt_llm_bls", text_request("What is 2 + 2?", self.max_tokens)).as_numpy("text_output").reshape(-1)[0]:
+                    if not c.infer("tensorrt_llm_bls", text_request(self.prompt, self.max_tokens)).as_numpy("text_output").reshape(-1)[0]:
                         err = "empty"
                 except Exception as e:
                     err = str(e)[:200]
@@ -276,3 +276,122 @@ def test_crash_mid_rollout_serves_stable(tmp_path, units):
     assert st["history"][-1]["action"] == "rollout_abort" and st["history"][-1]["rollout"]["failed_check"] == "interrupted"
     assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": stable}
     assert release_configs.current_of_configs(repo) == (stable, stable)
+
+
+# --------------------------------------------------------------------------------------------
+# The two serving routes in one repository (issue 28): an engine release promoted, an LLM-API release rolled out with
+# the live (text) probe, rolled back -- on this module's server, under client load through the BLS.
+
+ROUTES_REQUESTS_PER_PHASE = 250
+"""BLS requests each of the four phases waits for (promoted engine, the rollout's 50 % step, the LLM-API release,
+after the rollback): at least 1,000 requests over the whole sequence (1 new token each: the cheapest request)."""
+ROUTES_PHASE_LIMIT_S = 1500.0
+"""How long one phase may wait for its requests (a loaded 2-core machine serves well under 1 request/s)."""
+
+
+def pack_llm_api(base: Path, ckpt: Path, model_dir: Path):
+    """``base/model_repository``: a packed repository holding one LLM-API unit of checkpoint ``ckpt`` (the FP8 test
+    checkpoint the ``gate_dir`` gate scored: the probe's reference) and its pack.json record, as the llm_api route's pack
+    writes them (serving/llmapi_unit.py ``pack_llm_api_repository``; only the unit and its record are needed here)."""
+    from precision_pipeline.serving import llmapi_unit
+    from tests.serving.test_llmapi_contract import MODEL_YAML
+
+    repo = base / "model_repository"
+    repo.mkdir(parents=True)
+    u = llmapi_unit.pack_llm_api_unit(repo, MODEL_YAML, ckpt, model_dir, str(base.resolve()),
+                                      {"profile": "fp8-h100-llmapi"}, version="1.2.1")
+    (repo / pack.PACK_FILE).write_text(json.dumps({"engine_unit": u.name, "unit_key": u.key, "unit_files": u.unit_files,
+                                                   "route": "llm_api"}))
+    return repo, u.name
+
+
+@pytest.fixture(scope="module")
+def llm_api_packed(tmp_path_factory, fp8_checkpoint, default_model_dir):
+    return pack_llm_api(tmp_path_factory.mktemp("llmapi-unit"), Path(fp8_checkpoint), Path(default_model_dir))
+
+
+def _bls_path(srv) -> dict:
+    c = srv.http_client()
+    try:
+        r = c.infer("tensorrt_llm_bls", text_request("What is 2 + 2?", 2))
+        return json.loads(r.as_numpy("precision_path").reshape(-1)[0])
+    finally:
+        c.close()
+
+
+def agree(repo: Path, srv, unit: str) -> None:
+    """releases.json, the configs and the live server all say ``unit`` serves: it is current and loaded, the BLS
+    (config, route.json, and a request's precision_path) calls it, and the ensemble is loaded on it exactly when it is
+    an engine unit (the ensemble cannot call an LLM-API unit: release_state.ensemble_serves)."""
+    st = release_state.read_state(repo)
+    assert st["current"] == unit and "rollout" not in st
+    assert release_configs.configs_agree(repo, unit)
+    loaded = srv.loaded_models()
+    assert loaded.get(unit) == "READY"
+    engine = pack.is_unit(unit)
+    assert (loaded.get("ensemble") == "READY") is engine
+    assert release_state.serving_models(repo, st) == [m for m in release_state.serving_models(repo, st)
+                                                       if m != "ensemble" or engine]
+    path = _bls_path(srv)
+    assert (path["unit"], path["serving_route"], path["route"]) == (unit, "engine" if engine else "llm_api", "stable")
+    rec = next(r for r in st["releases"] if r["unit"] == unit and r["kind"] == "release")
+    assert rec["serving_route"] == path["serving_route"]
+    if not engine:  # provenance: checkpoint key + rendered config key + runtime version
+        assert len(rec["provenance"]["checkpoint_key"]) == 64 and len(rec["provenance"]["config_key"]) == 64
+        assert rec["provenance"]["runtime"] == "tensorrt_llm 1.2.1"
+
+
+def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, probe_set, llm_api_packed):
+    """Done-when of issue 28 on the local Triton: 0 failed requests over at least 1,000 through the BLS while an engine
+    release is promoted, an LLM-API release is rolled out (steps 50, 100; its probe is the text probe) and rolled back;
+    releases.json, the configs and the served units agree after each step."""
+    from precision_pipeline.serving import release
+
+    repo, srv = served
+    llm_repo, llm_unit = llm_api_packed
+    engine = units["stable"] if release_state.read_state(repo)["current"] != units["stable"].engine_unit else units["healthy"]
+    probes, phases = [], {}
+
+    def recording_probe(server, unit, pset):
+        pr = probe.run_probe(server, unit, pset)
+        probes.append(pr)
+        return pr
+
+    # a completion prompt: the BLS sends an LLM-API unit the text as given (no chat template), and the raw chat question
+    # is answered there with end-of-turn first (an empty text, which Clients counts as failed)
+    with Clients(srv, n=2, max_tokens=1, limit=100_000, prompt="The capital of France is") as cl, pytest.MonkeyPatch.context() as mp:
+        def wait_for(n: int, what: str) -> None:
+            start, end = cl.requests, time.monotonic() + ROUTES_PHASE_LIMIT_S
+            while cl.requests - start < n and time.monotonic() < end:
+                time.sleep(0.1)
+            phases[what] = cl.requests - start
+
+        mp.setattr(rollout, "hold", lambda url, hold_s, poll_s=rollout.HOLD_POLL_S: wait_for(ROUTES_REQUESTS_PER_PHASE, "canary 50 %"))
+        t0 = time.monotonic()
+        release.promote(repo, engine.out_dir, server=srv, profile="bf16-h100", promoted_by="test")
+        agree(repo, srv, engine.engine_unit)
+        wait_for(ROUTES_REQUESTS_PER_PHASE, "engine release")
+        res = rollout.rollout(repo, llm_repo, srv, probe_set, steps=(50, 100), hold_s=0, profile="fp8-h100-llmapi",
+                              probe_fn=recording_probe)
+        assert res.status == "promoted", (res.failed_check, res.numbers)
+        agree(repo, srv, llm_unit)
+        wait_for(ROUTES_REQUESTS_PER_PHASE, "llm_api release")
+        t = release.rollback(repo, server=srv, by="test")
+        assert t["unit"] == engine.engine_unit
+        agree(repo, srv, engine.engine_unit)
+        wait_for(ROUTES_REQUESTS_PER_PHASE, "after rollback")
+        seconds = time.monotonic() - t0
+    counts = {m: int(v) for (k, m), v in rollout.scrape(rollout.metrics_url(srv)).items()
+              if k == "nv_inference_request_success" and v}
+    print(f"\n[routes] {cl.requests} BLS requests, {cl.failed} failed, {seconds:.1f} s; phases {phases}; "
+          f"per model (Triton success counters, whole module) {counts}; probe {probes[0].summary()}")
+    assert cl.failed == 0 and cl.requests >= 1000, cl.errors[:3]
+    assert min(phases.values()) >= ROUTES_REQUESTS_PER_PHASE
+    [pr] = probes  # the LLM-API candidate was judged by the text probe: top-1 through text, no KL
+    assert pr.summary()["method"] == "text" and pr.kl_p99 is None and "no logits" in pr.checks["kl_p99"]["why"]
+    assert pr.passed and pr.tokens >= 20 and pr.checks["top1"]["threshold"] == probe_set.thresholds.top1_min
+    assert abs(pr.top1 - pr.gate_same_prompts["top1"]) <= 2 / pr.tokens  # the stand-in serves the gated checkpoint
+    assert res.steps[0]["candidate"]["success"] > 0 and res.steps[0]["candidate"]["failure"] == 0
+    st = release_state.read_state(repo)
+    assert [h["action"] for h in st["history"][-3:]] == ["promote", "rollout", "rollback"]
+    assert (st["history"][-2]["to"], st["history"][-1]["from"]) == (llm_unit, llm_unit)

@@ -126,8 +126,8 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
         pr = s.get("probe") or {}
         con.print(f"  {s['percent']:>3} %: " + ("switched" if s["percent"] == 100 else
                   f"candidate {s['candidate']['success']} ok / {s['candidate']['failure']} failed, share "
-                  f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {pr.get('kl_p99', float('nan')):.4f} top-1 "
-                  f"{pr.get('top1', float('nan')):.3f} -> {'pass' if s.get('passed') else 'FAIL'}"))
+                  f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {_num(pr.get('kl_p99'))} top-1 "
+                  f"{_num(pr.get('top1'), 3)} -> {'pass' if s.get('passed') else 'FAIL'}"))
 
     con.print(f"rolling out {prof.name} in steps {','.join(map(str, step_list))} ({hold_s:g} s each) on {url}")
     res = ro.rollout(repo_dir, b.packed, server, pset, steps=step_list, hold_s=hold_s, profile=prof.name, gate=ok.gate,
@@ -184,7 +184,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         elif state:
             unit = state["current"]
         else:
-            raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12>.")
+            raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
     server = TritonServer.attach("127.0.0.1:8000" if url is None else url)  # '' refused by attach
     exporter = None
     if every_s is not None:
@@ -201,8 +201,8 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
             if "error" in s:
                 con.print(f"[red]probe of {unit} failed[/]: {s['error']}")
             else:
-                con.print(f"probe {unit} ({prof_name or '?'}): KL P99 {s['kl_p99']:.4f} (max {s['checks']['kl_p99']['threshold']}), "
-                          f"top-1 {s['top1']:.3f} (min {s['checks']['top1']['threshold']}), {s['tokens']} tokens, "
+                con.print(f"probe {unit} ({prof_name or '?'}, {s.get('method')}): KL P99 {_num(s['kl_p99'])} (max "
+                          f"{s['checks']['kl_p99']['threshold']}), top-1 {_num(s['top1'], 3)} (min {s['checks']['top1']['threshold']}), {s['tokens']} tokens, "
                           f"{s['prompts']} prompts, {s['ms']:.0f} ms -> {'pass' if s['passed'] else 'FAIL'}"
                           + ("" if state else " (not recorded: no releases.json)"))
             if "not_recorded" in rec:
@@ -217,6 +217,11 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         if exporter is not None:
             exporter.close()
     return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def _num(v, digits: int = 4) -> str:
+    """A probe number for the console: ``n/a`` when not measured (an LLM-API unit has no KL: serving/probe.py)."""
+    return "n/a" if v is None else f"{v:.{digits}f}"
 
 
 def releases(repo=None) -> None:

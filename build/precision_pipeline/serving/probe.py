@@ -11,6 +11,12 @@ named by the gate's ``metrics.json`` ``reference_cache.key``: final hidden state
 FP32 lm_head) with the gate's own per-token code (``gate.metrics.token_metrics``):
 KL(P_ref || P_engine) P99 and mean (nats, pooled over answer tokens) and top-1 agreement.
 
+An **LLM-API unit** (``llm_api_<h12>``, the llm_api serving route) returns text only, no logits (``KL_NOT_MEASURED``),
+so it is judged by ``run_text_probe`` instead: the gate's top-1 agreement with the FP32 reference, teacher-forced
+through text (each answer row's context sent as text, one greedy token back, compared with the reference's top-1
+token's text), against the profile's ``top1_min``; KL is reported as not measured, and a probe that cannot judge
+(no ``top1_min``, no row a text can carry) is not passed. Results say which (``method``: ``context_logits`` | ``text``).
+
 Public API (``invoke rollout`` uses it at each step; ``invoke probe`` may reuse it):
 
 * ``load_probe_set(gate_dir, prompts=4, thresholds=None) -> ProbeSet``: prompts, reference logits,
@@ -76,6 +82,9 @@ class ProbePrompt:
     ref_logits: Any                   # torch.Tensor [n_answer, vocab] float32
     gate_kl: np.ndarray               # the gate's per-token KL of the build's candidate on this prompt
     gate_top1: np.ndarray
+    text_rows: list = field(default_factory=list)
+    """The text probe's answer rows (``text_rows``): (row k of ``answer``, the context ids[:answer.start + k + 1] as
+    text, the FP32 reference's top-1 token there as the runtime detokenizes it)."""
 
 
 @dataclass
@@ -108,6 +117,8 @@ class ProbeResult:
     ms: float
     gate_same_prompts: dict[str, float] = field(default_factory=dict)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    method: str = "context_logits"
+    """``context_logits`` (an engine unit: ``run_probe``) or ``text`` (an LLM-API unit: ``run_text_probe``)."""
 
     @property
     def failures(self) -> list[str]:
@@ -116,7 +127,8 @@ class ProbeResult:
     def summary(self) -> dict[str, Any]:
         return {"unit": self.unit, "kl_p99": self.kl_p99, "kl_mean": self.kl_mean, "top1": self.top1,
                 "tokens": self.tokens, "prompts": self.prompts, "ci95": self.ci95, "checks": self.checks,
-                "passed": self.passed, "ms": round(self.ms, 1), "gate_same_prompts": self.gate_same_prompts}
+                "passed": self.passed, "ms": round(self.ms, 1), "gate_same_prompts": self.gate_same_prompts,
+                "method": self.method}
 
 
 def _spread(n_total: int, categories: Sequence[str], n: int) -> list[int]:
@@ -202,9 +214,85 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
         a = e.answer_positions
         with torch.inference_mode():
             rl = F.linear(torch.from_numpy(ref.hidden[i][a]), lm_w).contiguous()
-        out.append(ProbePrompt(e.id, e.category, list(e.input_ids), a, rl, z_kl[pidx == i], z_top1[pidx == i]))
+        out.append(ProbePrompt(e.id, e.category, list(e.input_ids), a, rl, z_kl[pidx == i], z_top1[pidx == i],
+                               text_rows(tok, list(e.input_ids), a, rl.argmax(-1).tolist())))
     thr = thresholds if thresholds is not None else GateThresholds(**met.get("thresholds", {}))
     return ProbeSet(out, thr, int(end_of_turn_id(tok)), gate_dir, key)
+
+
+def text_rows(tok, ids: Sequence[int], answer: slice, ref_top1: Sequence[int]) -> list[tuple[int, str, str]]:
+    """The answer rows a text-only unit can be judged on (``run_text_probe``): row k (position t = answer.start + k,
+    which predicts token t + 1) with its context ``ids[:t + 1]`` decoded to text and the reference's top-1 token
+    ``ref_top1[k]`` decoded alone without special tokens, as the runtime detokenizes a generated token. A row is left
+    out when that text would not reach the model as those ids (``tok(text).input_ids``: the LLM API tokenizes a text
+    prompt with ``add_special_tokens`` true, its SamplingParams default -- TensorRT-LLM
+    ``tensorrt_llm/inputs/registry.py`` ``DefaultInputProcessor``: ``tokenizer.encode(inputs["prompt"],
+    add_special_tokens=sampling_params.add_special_tokens)``), or when the reference token is not a whole character
+    (its text holds U+FFFD, so equal texts would not mean equal tokens). The tokens that tokenizer adds to any text
+    (``tok("")``: SmolLM2's BOS ``<|im_start|>``) are left out of the context text when the ids start with them:
+    the runtime adds them again (sent as text, a chat-templated prompt would start with two)."""
+    lead = list(tok("").input_ids)
+    skip = len(lead) if lead and list(ids[:len(lead)]) == lead else 0
+    out = []
+    for k, t in enumerate(range(answer.start, answer.stop)):
+        ctx = tok.decode(list(ids[skip:t + 1]), skip_special_tokens=False)
+        want = tok.decode([int(ref_top1[k])], skip_special_tokens=True)
+        if "\ufffd" not in want and list(tok(ctx).input_ids) == list(ids[:t + 1]):
+            out.append((k, ctx, want))
+    return out
+
+
+KL_NOT_MEASURED = ("not measured: the LLM-API model returns text only, no logits (TensorRT-LLM "
+                   "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @044a90d, TritonPythonModel._create_response, "
+                   "about lines 628-675 of that copy: text_output from output.text, then only finish_reason / stop_reason / "
+                   "cumulative_logprob and perf metrics when asked; the context_logits and generation_logits its docstring "
+                   "lists are never sent)")
+
+
+def run_text_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> ProbeResult:
+    """The probe of an LLM-API unit (text in, text out: ``KL_NOT_MEASURED``). What it checks: the gate's ``top1``
+    (teacher-forced top-1 agreement with the FP32 reference) on the answer rows of ``text_rows``: per row, one greedy
+    request of 1 token (``release_live.llm_api_text``) with the context as text; the row agrees when the generated text
+    is the reference's top-1 token's text. Judged against the profile's ``top1_min`` (the gate's threshold, as the
+    engine probe). ``kl_p99`` / ``kl_mean`` are None and their check says why. A probe that cannot judge (no
+    ``top1_min`` in the bar, or no row a text can carry) is not passed: check ``judged`` fails. A server error is a
+    RuntimeError (as ``run_probe``)."""
+    from tritonclient.utils import InferenceServerException
+
+    from precision_pipeline.gate import metrics as gm
+    from precision_pipeline.serving.release_live import llm_api_text
+
+    t0 = time.perf_counter()
+    t1s, gate, per = [], [], []
+    c = server.http_client()
+    try:
+        for p in probe_set.prompts:
+            if not p.text_rows:
+                continue
+            try:
+                got = np.array([llm_api_text(c, unit, ctx, 1) == want for _k, ctx, want in p.text_rows], np.float64)
+            except (InferenceServerException, ConnectionError) as e:
+                raise RuntimeError(f"probe of {unit}: {type(e).__name__}: {str(e)[:300]}") from None
+            t1s.append(got)
+            gate.append(np.asarray(p.gate_top1)[[k for k, _c, _w in p.text_rows]].astype(np.float64))
+            per.append({"id": p.id, "tokens": int(got.size), "top1": float(got.mean()), "rows_of_answer": len(p.gate_top1)})
+    finally:
+        c.close()
+    n = int(sum(g.size for g in t1s))
+    top1 = float(np.concatenate(t1s).mean()) if n else None
+    thr = probe_set.thresholds.top1_min
+    checks: dict[str, dict[str, Any]] = {
+        "kl_p99": {"value": None, "threshold": probe_set.thresholds.kl_p99_max, "op": "<=", "passed": None,
+                   "why": KL_NOT_MEASURED},
+        "top1": {"value": top1, "threshold": thr, "op": ">=",
+                 "passed": None if thr is None or top1 is None else top1 >= thr}}
+    if checks["top1"]["passed"] is None:
+        checks["judged"] = {"value": n, "threshold": None, "op": None, "passed": False,
+                            "why": "the bar has no top1_min" if thr is None else "no answer row can be sent as text"}
+    gate_same = {"top1": float(np.concatenate(gate).mean()) if n else None, "tokens": n}
+    return ProbeResult(unit, None, None, top1, n, len(t1s),  # type: ignore[arg-type]  # no KL on this route
+                       {"top1": list(gm.bootstrap_ci(t1s, np.mean, bootstrap, seed))}, checks,
+                       checks["top1"]["passed"] is True, (time.perf_counter() - t0) * 1e3, gate_same, per, method="text")
 
 
 def engine_context_logits(server, unit: str, input_ids: Sequence[int], end_id: int, client=None):
@@ -241,9 +329,14 @@ def engine_context_logits(server, unit: str, input_ids: Sequence[int], end_id: i
 
 
 def run_probe(server, unit: str, probe_set: ProbeSet, *, bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> ProbeResult:
-    """Score engine unit ``unit`` on ``probe_set`` through ``server`` (module doc). Never raises for a
-    bad engine: a wrong answer is a failed check; a server error propagates (RuntimeError)."""
+    """Score engine unit ``unit`` on ``probe_set`` through ``server`` (module doc); an LLM-API unit (text only) is
+    scored by ``run_text_probe``. Never raises for a bad engine: a wrong answer is a failed check; a server error
+    propagates (RuntimeError)."""
     from precision_pipeline.gate import metrics as gm
+    from precision_pipeline.serving import llmapi_unit
+
+    if llmapi_unit.is_llm_api_unit(unit):
+        return run_text_probe(server, unit, probe_set, bootstrap=bootstrap, seed=seed)
 
     t0 = time.perf_counter()
     kls, t1s, per = [], [], []
@@ -389,5 +482,5 @@ def record_elsewhere(repo_dir: Path, rec: dict, err: OSError) -> dict:
     return out
 
 
-__all__ = ["elsewhere_path", "record_elsewhere", "RETRY_AFTER_ERROR_S", "next_wait_s", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
+__all__ = ["run_text_probe", "text_rows", "KL_NOT_MEASURED", "elsewhere_path", "record_elsewhere", "RETRY_AFTER_ERROR_S", "next_wait_s", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
            "PROBE_METRICS"]

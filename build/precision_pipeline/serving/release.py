@@ -1,5 +1,9 @@
 """Releases of a serving model repository: promote, rollback, fallback, retention, crash recovery.
 
+Units of both serving routes (issue 28): engine units and LLM-API units (``llm_api_<h12>``, serving/llmapi_unit.py)
+are releases alike; while an LLM-API unit is current the ensemble (token tensors only) is unloaded and the BLS serves
+(``release_state.ensemble_serves``).
+
 Why models and not versions: the real tensorrtllm backend loads the engine named by the
 ``gpt_model_path`` parameter and ignores Triton's version directories, so each engine is its own
 Triton model, an *engine unit* ``tensorrt_llm_<h12>`` (see build/precision_pipeline/serving/pack.py). The ``ensemble`` step and
@@ -11,7 +15,8 @@ State: ``releases.json`` next to the serving model repository (``<repo>/../relea
 
     {"current": unit, "fallback": unit|null, "warm_fallback": bool, "keep_releases": N,
      "releases": [{"unit", "engine_hash", "profile", "gate", "time", "promoted_by", "engine_present",
-                   "kind": "release"|"fallback"}, ...],      # oldest first
+                   "kind": "release"|"fallback", "serving_route": "engine"|"llm_api", "provenance": {...}}, ...],
+                                                         # oldest first; provenance: release_state.release_record
      "history": [{"action", "from", "to", "time", "by", "ms"}, ...],
      "unit_files": {unit: {path: [size, sha256]}}}   # each unit as installed; rollback verifies its target
 
@@ -66,7 +71,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import pack, release_live
+from precision_pipeline.serving import llmapi_unit, pack, release_live
 from precision_pipeline.serving.release_configs import current_of_configs
 from precision_pipeline.serving.release_live import load_unit, loaded_models, smoke_unit, unload_quietly
 from precision_pipeline.serving.release_recover import init_serving_repo, state_or_refuse
@@ -74,7 +79,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, check_probe_u
                                                       read_state, rejected_units, release_record, serving_now, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
-from precision_pipeline.serving.release_units import install_unit, resolve_unit_source, verify_kept
+from precision_pipeline.serving.release_units import install_unit, is_any_unit, resolve_unit_source, verify_kept
 
 # re-exported for tasks.py and nightly.py until they import from the new homes (issue 24)
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "list_releases", "init_serving_repo", "read_state",
@@ -160,7 +165,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
             timings["smoke"] = release_live.smoke_test(server, unit)
         state["fallback"], state["warm_fallback"] = unit, bool(warm)
         state["releases"] = [r for r in state["releases"] if r.get("kind") != "fallback"]
-        state["releases"].append(release_record(repo_dir / unit, unit, "", None, by, "fallback"))
+        state["releases"].append(release_record(repo_dir / unit, unit, "", None, by, "fallback", state["unit_files"].get(unit)))
         write_state(repo_dir, state)
     timings["unit"] = unit
     return timings
@@ -173,7 +178,7 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
     if fallback and to:
         raise UserError("--to", f"and --fallback name two targets ({to!r} and the fallback); taking one would be a guess.",
                         "pass one of them.")
-    units = [p.name for p in repo_dir.iterdir() if pack.is_unit(p.name)]
+    units = [p.name for p in repo_dir.iterdir() if is_any_unit(p.name)]
     rejected = rejected_units(state)
     releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
     if fallback:
@@ -185,8 +190,8 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
                             "its fallback at its first promote, from the profile's deployment.fallback build "
                             "(`invoke build --profile <that profile>` first).")
     elif to:
-        t = to if to.startswith(pack.UNIT_PREFIX) else pack.UNIT_PREFIX + to[:12]
-        cands = [u for u in units if u.startswith(t)] if len(t) < len(pack.UNIT_PREFIX) + 12 else [t]
+        named = to.startswith((pack.UNIT_PREFIX, llmapi_unit.PREFIX))  # a unit name (or a prefix of one): either kind
+        cands = [u for u in units if (u.startswith(to) if named else u.rsplit("_", 1)[1].startswith(to[:12]))]
         if len(cands) != 1 or cands[0] not in units:
             raise UserError("--to", f"no single release on disk matches {to!r}.", f"on disk: {', '.join(sorted(units))}.")
         target = cands[0]
@@ -274,5 +279,5 @@ def list_releases(repo_dir: Path) -> dict:
     if state is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository: there is no {state_path(repo_dir)} "
                         "beside it.", fix)
-    on_disk = sorted(p.name for p in repo_dir.iterdir() if pack.is_unit(p.name))
+    on_disk = sorted(p.name for p in repo_dir.iterdir() if is_any_unit(p.name))
     return {"state": state, "on_disk": on_disk, "configs": current_of_configs(repo_dir)}

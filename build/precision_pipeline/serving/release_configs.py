@@ -9,7 +9,7 @@ from typing import Any
 
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, read_json
 from precision_pipeline.serving import pack
-from precision_pipeline.serving.release_state import ROUTE_FILE
+from precision_pipeline.serving.release_state import ROUTE_FILE, ensemble_serves
 
 
 _CFG_CACHE: dict[str, tuple[tuple, Any]] = {}
@@ -76,9 +76,20 @@ def _max_batch(repo_dir: Path, model: str) -> int | None:
     return load_config(p).max_batch_size
 
 
+def configs_agree(repo_dir: Path, current: str) -> bool:
+    """Whether the configs name ``current`` (``current_of_configs``): the BLS (config and route.json) always, the
+    ensemble when it can serve it (``release_state.ensemble_serves``; while an LLM-API unit is current the ensemble's
+    config keeps its last engine unit and the ensemble is not loaded)."""
+    ens, bls = current_of_configs(repo_dir)
+    return bls == current and (ens == current or not ensemble_serves(current))
+
+
 def point_ensemble(repo_dir: Path, unit: str) -> bool:
     """Point the ensemble's engine step at ``unit``. Triton refuses an ensemble whose max_batch_size
-    exceeds a step's, so it becomes min(unit, preprocessing, postprocessing)."""
+    exceeds a step's, so it becomes min(unit, preprocessing, postprocessing). An LLM-API unit changes nothing
+    (False): the ensemble cannot call it (``release_state.ensemble_serves``)."""
+    if not ensemble_serves(unit):
+        return False
     sizes = [m for m in (_max_batch(repo_dir, unit), _max_batch(repo_dir, "preprocessing"),
                          _max_batch(repo_dir, "postprocessing")) if m]
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import read_json
-from precision_pipeline.serving import pack
+from precision_pipeline.serving import llmapi_unit, pack
 from precision_pipeline.serving.release_configs import load_config
-from precision_pipeline.serving.release_state import IDENTITY_PARAM, ROUTE_FILE, current_order, rejected_units
+from precision_pipeline.serving.release_state import IDENTITY_PARAM, ROUTE_FILE, current_order, ensemble_serves, rejected_units
+from precision_pipeline.serving.release_units import is_any_unit
 
 
 SMOKE_PROMPT = "What is 2 + 2?"
@@ -52,11 +53,13 @@ def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int
     """Infer ``unit`` directly: preprocessing -> unit -> postprocessing, called one by one.
 
     Fails (RuntimeError) on an error, a wrong tensor shape/dtype, an empty or over-long output, or a
-    text different from ``expect`` when given.
+    text different from ``expect`` when given. An LLM-API unit gets text instead (``smoke_llm_api``).
     """
     import numpy as np
     import tritonclient.http as hc
 
+    if llmapi_unit.is_llm_api_unit(unit):
+        return smoke_llm_api(server, unit, max_tokens=max_tokens, expect=expect)
     t0 = time.perf_counter()
     c = server.http_client()
     try:
@@ -91,6 +94,60 @@ def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int
     if expect is not None and text != expect:
         raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
     return {"text": text, "tokens": k, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+def llm_api_inputs(text: str, max_tokens: int, client_module=None) -> list:
+    """The inputs of one greedy request to an LLM-API unit (serving/llmapi_contract.py fact 7): ``text_input`` [1]
+    (the prompt, as given: that model applies no chat template), ``sampling_param_max_tokens``, ``sampling_param_top_k``
+    1 (greedy: the one token of highest probability) and ``sampling_param_exclude_input_from_output`` true (the
+    generated text only; the model's default would repeat the prompt)."""
+    import numpy as np
+
+    if client_module is None:
+        import tritonclient.http as client_module
+    out = []
+    for name, dt, arr in (("text_input", "BYTES", np.array([text.encode()], dtype=object)),
+                          ("sampling_param_max_tokens", "INT32", np.array([max_tokens], np.int32)),
+                          ("sampling_param_top_k", "INT32", np.array([1], np.int32)),
+                          ("sampling_param_exclude_input_from_output", "BOOL", np.array([True]))):
+        x = client_module.InferInput(name, list(arr.shape), dt)
+        x.set_data_from_numpy(arr)
+        out.append(x)
+    return out
+
+
+def llm_api_text(client, unit: str, text: str, max_tokens: int) -> str:
+    """The generated text of one greedy request to LLM-API unit ``unit`` (``llm_api_inputs``); RuntimeError when its
+    ``text_output`` is not one BYTES element (the model's contract: ``[1]`` STRING)."""
+    import numpy as np
+
+    out = client.infer(unit, llm_api_inputs(text, max_tokens)).as_numpy("text_output")
+    if out is None or out.dtype != np.object_ or out.size != 1:
+        raise RuntimeError(f"{unit}: text_output {None if out is None else (out.dtype, out.shape)}, expected one string")
+    v = out.reshape(-1)[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+LLM_API_SMOKE_PROMPT = "The capital of France is"
+"""An LLM-API unit's smoke prompt: a completion prompt, since that model applies no chat template (``SMOKE_PROMPT``
+sent raw, without the template preprocessing applies for engine units, can be answered with whitespace only)."""
+
+
+def smoke_llm_api(server, unit: str, *, prompt: str = LLM_API_SMOKE_PROMPT, max_tokens: int = 8,
+                  expect: str | None = None) -> dict:
+    """``smoke_test`` of an LLM-API unit: one greedy text request (``llm_api_text``) straight to it. Fails
+    (RuntimeError) on an error, an output that is not one string, an empty text, or a text other than ``expect``."""
+    t0 = time.perf_counter()
+    c = server.http_client()
+    try:
+        text = llm_api_text(c, unit, prompt, max_tokens)
+    finally:
+        c.close()
+    if not text.strip():
+        raise RuntimeError(f"smoke test of {unit}: empty text")
+    if expect is not None and text != expect:
+        raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
+    return {"text": text, "ms": (time.perf_counter() - t0) * 1e3}
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +249,13 @@ def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
     fixed: list[str] = []
     cur = state["current"]
     live = live_unit(server)
-    if live is not None and live != cur:
+    if live is not None and not ensemble_serves(cur):  # an LLM-API release: the ensemble cannot serve it
+        if loaded_models(server).get(cur) != "READY":
+            server.load(cur)
+            fixed.append(f"{cur} loaded")
+        server.unload("ensemble")
+        fixed.append(f"live ensemble (on {live}) unloaded: the current release {cur} is an LLM-API unit")
+    elif live is not None and live != cur:
         if loaded_models(server).get(cur) != "READY":
             server.load(cur)
             fixed.append(f"{cur} loaded")
@@ -209,7 +272,7 @@ def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
     if state.get("fallback") and state.get("warm_fallback"):  # loaded by design (hostile s8 #127), rejected or not
         keep.add(state["fallback"])
     for name, st in loaded_models(server).items():
-        if pack.is_unit(name) and st == "READY" and name not in keep:
+        if is_any_unit(name) and st == "READY" and name not in keep:
             with contextlib.suppress(Exception):
                 server.unload(name)
                 fixed.append(f"{name} unloaded (no release; nothing routes to it)")

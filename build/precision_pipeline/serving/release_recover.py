@@ -17,7 +17,7 @@ from precision_pipeline.serving.release_live import reconcile_server, verify_ser
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, ROUTE_FILE, STATE_FILE, crash_point, lock,
                                                       pid_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
-from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, unit_record
+from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, served_path, unit_record
 
 
 def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True, server=None) -> dict:
@@ -85,7 +85,7 @@ def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_roo
     # releases.json is a commit file of the repository's swap: written with it, or rolled forward with it
     with atomic_dir(repo_dir, commit_files=commit, crash=lambda step: crash_point(f"init_{step}")) as tmp:
         for m in pack.FIXED_MODELS:  # copies: the serving repository shares no inode with a build output
-            pack.copy_tree(packed_repo / m, tmp / m)
+            pack.copy_tree(_fixed_model_source(packed_repo, fallback_repo, m), tmp / m)
         tok = pack.serving_path(root, repo_dir.name, "preprocessing", "tokenizer")
         for m in ("preprocessing", "postprocessing"):
             set_params(tmp / m / "config.pbtxt", {"tokenizer_dir": tok})
@@ -103,20 +103,35 @@ def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_roo
                  "keep_releases": int(keep_releases), "repository_id": repo_id, "releases": [], "history": [],
                  "unit_files": {u: installed_record(tmp / u, unit_record(src)) for u, src in
                                 ((unit, unit_src), (fb, resolve_unit_source(fallback_repo) if fb else None)) if u}}
-        state["releases"].append(release_record(tmp / unit, unit, profile, gate, by, "release"))
+        state["releases"].append(release_record(tmp / unit, unit, profile, gate, by, "release", state["unit_files"][unit]))
         if fb:
-            state["releases"].append(release_record(tmp / fb, fb, "", None, by, "fallback"))
+            state["releases"].append(release_record(tmp / fb, fb, "", None, by, "fallback", state["unit_files"][fb]))
         state["history"].append({"action": "init", "from": None, "to": unit, "time": timestamp(), "by": by, "ms": 0.0})
         commit[state_path(repo_dir)] = state
         crash_point("init_stage")
     return state
 
 
+def _fixed_model_source(packed_repo: Path, fallback_repo: Path | None, model: str) -> Path:
+    """Where the first promote copies fixed model ``model`` from: the packed repository, or -- for the ensemble of an
+    llm_api build, whose repository has none (serving/llmapi_unit.py ``REPO_MODELS``) -- the engine-route fallback
+    build's, so a later engine release (or ``rollback --fallback``) has an ensemble to serve it. UserError (exit 2)
+    when neither has it."""
+    for repo in (packed_repo, fallback_repo):
+        if repo is not None and (Path(repo) / model / "config.pbtxt").is_file():
+            return Path(repo) / model
+    raise UserError("--profile", f"{packed_repo} has no {model} model and no engine-route fallback build gives one: a "
+                    "serving repository needs an ensemble for its engine releases (an llm_api build packs none).",
+                    "build the profile's deployment.fallback (an engine-route profile, e.g. `invoke build --profile "
+                    "bf16-h100`) and promote again, or create the repository from an engine-route build first and "
+                    "promote (or roll out) the llm_api build into it.")
+
+
 def _install_into(tmp_repo: Path, repo_name: str, unit_src: Path, root: str) -> str:
     name = unit_src.name
     if (tmp_repo / name).is_dir():
         return name
-    copy_unit(unit_src, tmp_repo / name, unit_record(unit_src), pack.serving_path(root, repo_name, name, "engine"))
+    copy_unit(unit_src, tmp_repo / name, unit_record(unit_src), served_path(root, Path(repo_name), name))
     return name
 
 

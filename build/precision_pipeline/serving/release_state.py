@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, locked, read_json
-from precision_pipeline.serving import pack
+from precision_pipeline.serving import llmapi_unit, pack
 
 
 STATE_FILE = "releases.json"
@@ -60,10 +61,14 @@ class _Record(BaseModel):
 
 
 class ReleaseEntry(_Record):
-    """One row of ``releases``: a release (``kind`` release) or the fallback's record."""
+    """One row of ``releases``: a release (``kind`` release) or the fallback's record. ``serving_route``: the serving
+    route of its unit (``engine``: an engine unit; ``llm_api``: an LLM-API unit; absent in files written before issue 28:
+    ``engine``); ``provenance``: what it was built from (``release_record``)."""
 
     unit: Unit
     kind: Literal["release", "fallback"] = "release"
+    serving_route: Literal["engine", "llm_api"] = "engine"
+    provenance: dict[str, Any] = {}
     profile: str = ""
     gate: dict[str, Any] = {}
     engine_hash: str = ""
@@ -223,7 +228,21 @@ def serving_models(repo_dir: Path, state: dict) -> list[str]:
     fb = state.get("fallback")
     if fb and state.get("warm_fallback") and fb not in units and (Path(repo_dir) / fb).is_dir():
         units.append(fb)
-    return ["preprocessing", "postprocessing", *units, "ensemble", "tensorrt_llm_bls"]
+    ensemble = ["ensemble"] if ensemble_serves(state["current"]) else []
+    return ["preprocessing", "postprocessing", *units, *ensemble, "tensorrt_llm_bls"]
+
+
+def serving_route_of(unit: str) -> str:
+    """The serving route of a release's unit: ``llm_api`` for an LLM-API unit (``llm_api_<h12>``), else ``engine``."""
+    return llmapi_unit.ROUTE if llmapi_unit.is_llm_api_unit(str(unit)) else "engine"
+
+
+def ensemble_serves(unit: str) -> bool:
+    """Whether the ensemble can serve ``unit`` as the current release: only an engine unit. The ensemble chains token
+    tensors (preprocessing -> unit -> postprocessing); an LLM-API unit takes text (``text_input``,
+    serving/llmapi_contract.py fact 7), so while an LLM-API unit is current the ensemble is not loaded and the BLS
+    (``tensorrt_llm_bls``, which calls either kind) is the repository's entry point."""
+    return pack.is_unit(str(unit))
 
 
 def pid_alive(pid) -> bool:
@@ -290,18 +309,48 @@ def rejected_units(state: dict) -> dict[str, str]:
     return out
 
 
-def release_record(unit_dir: Path, unit: str, profile: str, gate: dict | None, by: str, kind: str) -> dict:
-    ref = read_json(unit_dir / "engine" / pack.CPU_REFERENCE_FILE, {}) or {}
-    return {"unit": unit, "engine_hash": ref.get("engine_hash", unit[len(pack.UNIT_PREFIX):]),
-            "profile": profile or ref.get("profile", ""), "gate": gate or {}, "time": timestamp(), "promoted_by": by,
-            "engine_present": bool(ref.get("engine_present", False)), "kind": kind}
+def release_record(unit_dir: Path, unit: str, profile: str, gate: dict | None, by: str, kind: str,
+                   files: dict | None = None) -> dict:
+    """One ``releases`` row of the installed unit ``unit_dir``: ``serving_route`` (``serving_route_of``) and
+    ``provenance``: an engine unit's ``engine_hash`` (its content key, serving/pack.py); an LLM-API unit's
+    ``checkpoint_key`` (sha256 over its ``checkpoint/`` files' [size, sha256] rows in ``files``, the unit's
+    ``unit_files`` record), ``config_key`` (sha256 of its 1/model.yaml without the install-dependent ``model`` path)
+    and ``runtime`` (the TensorRT-LLM line model.yaml was checked for, ``cpu_reference.json``)."""
+    if serving_route_of(unit) == llmapi_unit.ROUTE:
+        ref = read_json(unit_dir / pack.CPU_REFERENCE_FILE, {}) or {}
+        prov = llm_api_provenance(unit_dir, files or {}, ref)
+        ehash, present, route = prov["checkpoint_key"], True, llmapi_unit.ROUTE
+    else:
+        ref = read_json(unit_dir / "engine" / pack.CPU_REFERENCE_FILE, {}) or {}
+        ehash, route = ref.get("engine_hash", unit[len(pack.UNIT_PREFIX):]), "engine"
+        present, prov = bool(ref.get("engine_present", False)), {"engine_hash": ehash}
+    return {"unit": unit, "engine_hash": ehash, "profile": profile or ref.get("profile", ""), "gate": gate or {},
+            "time": timestamp(), "promoted_by": by, "engine_present": present, "kind": kind, "serving_route": route,
+            "provenance": prov}
+
+
+def llm_api_provenance(unit_dir: Path, files: dict, ref: dict) -> dict[str, str]:
+    """``release_record``'s provenance of an LLM-API unit (``checkpoint_key``, ``config_key``, ``runtime``)."""
+    import yaml
+
+    from precision_pipeline.core.store import hash_obj
+
+    ckpt = {k: list(v) for k, v in sorted(files.items()) if k.startswith(llmapi_unit.CHECKPOINT_DIR + "/")}
+    try:
+        yml = yaml.safe_load((Path(unit_dir) / llmapi_unit.MODEL_YAML_FILE).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        yml = {}
+    yml = {k: v for k, v in yml.items() if k != "model"} if isinstance(yml, dict) else {}
+    return {"checkpoint_key": hash_obj(ckpt) if ckpt else "", "config_key": hash_obj(yml) if yml else "",
+            "runtime": f"tensorrt_llm {ref.get('trtllm_version', '?')}"}
 
 
 def make_current(repo_dir: Path, state: dict, unit: str, profile: str, gate: dict | None, by: str) -> None:
     """``state``'s current release becomes ``unit`` with a fresh release record (a fallback record of it stays)."""
     state["current"] = unit
     state["releases"] = [r for r in state["releases"] if r["unit"] != unit or r.get("kind") == "fallback"]
-    state["releases"].append(release_record(Path(repo_dir) / unit, unit, profile, gate, by, "release"))
+    state["releases"].append(release_record(Path(repo_dir) / unit, unit, profile, gate, by, "release",
+                                            (state.get("unit_files") or {}).get(unit)))
 
 
 def rollout_state(repo_dir: Path) -> dict | None:
@@ -314,12 +363,12 @@ PROBE_HISTORY_MAX = 50
 
 
 def check_probe_unit(unit: str) -> None:
-    """UserError (``--unit``, exit 2) unless ``unit`` is an engine unit (``tensorrt_llm_<h12>``): the probe
-    judges one engine, and the release history records engine units only (never ``ensemble``)."""
-    if not pack.is_unit(str(unit)):
-        raise UserError("--unit", f"{str(unit)[:80]!r} is not an engine unit (tensorrt_llm_<h12>); the probe judges one "
-                        "engine.", "pass --unit tensorrt_llm_<h12> (`invoke releases` lists them), or leave it out for "
-                        "the current release.")
+    """UserError (``--unit``, exit 2) unless ``unit`` is a release's unit (``UNIT_NAME_PATTERN``: an engine unit or an
+    LLM-API unit): the probe judges one unit, and the release history records units only (never ``ensemble``)."""
+    if not re.fullmatch(UNIT_NAME_PATTERN, str(unit)):
+        raise UserError("--unit", f"{str(unit)[:80]!r} is not a unit (tensorrt_llm_<h12> or llm_api_<h12>); the probe "
+                        "judges one unit.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12> (`invoke releases` lists "
+                        "them), or leave it out for the current release.")
 
 
 def probe_record(unit: str, summary: dict, *, profile: str = "", by: str = "invoke probe") -> dict:
@@ -333,7 +382,7 @@ def record_probe(repo_dir: Path, unit: str, summary: dict, *, profile: str = "",
     history as ``{"action": "probe", "from": None, "to": None, "unit", "profile", "time", "by", "ms",
     "probe": summary}`` (``from``/``to`` stay empty: a probe moves no traffic, so rollback and retention
     ignore it). At most ``PROBE_HISTORY_MAX`` probe records stay. Atomic write under the releases lock.
-    Raises UserError when ``repo_dir`` has no releases.json or ``unit`` is not an engine unit (e.g.
+    Raises UserError when ``repo_dir`` has no releases.json or ``unit`` is not a unit (``check_probe_unit``; e.g.
     ``ensemble``). Returns the record."""
     repo_dir = Path(repo_dir)
     check_probe_unit(unit)

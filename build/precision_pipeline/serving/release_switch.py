@@ -1,5 +1,6 @@
-"""The switch of a release (ensemble and BLS re-pointed, the ensemble reloaded; put back on a failure) and
-retention (what stays loaded, what stays on disk: ``keep_releases``, the fallback, never a rejected candidate)."""
+"""The switch of a release (ensemble and BLS re-pointed, the ensemble reloaded -- or unloaded when an LLM-API unit
+becomes current; put back on a failure) and retention (what stays loaded, what stays on disk: ``keep_releases``, the
+fallback, never a rejected candidate; engine and LLM-API units alike)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import contextlib
 import time
 from pathlib import Path
 
-from precision_pipeline.serving import pack
 from precision_pipeline.serving.release_configs import point_bls, point_ensemble
 from precision_pipeline.serving.release_live import loaded_models
-from precision_pipeline.serving.release_state import crash_point, current_order, rejected_units
-from precision_pipeline.serving.release_units import remove_dir
+from precision_pipeline.serving.release_state import crash_point, current_order, ensemble_serves, rejected_units
+from precision_pipeline.serving.release_units import is_any_unit, remove_dir
 
 
 def switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> None:
@@ -23,20 +23,35 @@ def switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> N
         point_bls(repo_dir, previous)
         if server is not None:
             with contextlib.suppress(Exception):
-                server.load("ensemble")
+                ensemble_follow(server, previous)
         raise
 
 
+def ensemble_follow(server, unit: str) -> None:
+    """The live ensemble follows the current release ``unit`` (its config already points at it): reloaded for an
+    engine unit; unloaded for an LLM-API unit, which it cannot call (``ensemble_serves``): an ensemble request then
+    fails as "not ready" instead of being answered by an earlier release."""
+    if ensemble_serves(unit):
+        server.load("ensemble")
+    elif loaded_models(server).get("ensemble") == "READY":
+        server.unload("ensemble")
+
+
 def _switch_to(repo_dir: Path, server, unit: str, timings: dict) -> None:
+    engine = ensemble_serves(unit)
     point_ensemble(repo_dir, unit)
     crash_point("ensemble_config")
-    if server is not None:
+    if server is not None and engine:
         t = time.perf_counter()
         server.load("ensemble")
         timings["ensemble_load_ms"] = (time.perf_counter() - t) * 1e3
     crash_point("switch")
     point_bls(repo_dir, unit)  # the running BLS follows route.json from its next request
     crash_point("bls_config")
+    if server is not None and not engine:  # after the BLS moved: the ensemble served the previous release until now
+        t = time.perf_counter()
+        ensemble_follow(server, unit)
+        timings["ensemble_unload_ms"] = (time.perf_counter() - t) * 1e3
 
 
 def retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: str | None) -> list[str]:
@@ -53,11 +68,11 @@ def retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: s
     removed = []
     loaded = loaded_models(server)
     for name, st in loaded.items():
-        if pack.is_unit(name) and st == "READY" and name not in warm:
+        if is_any_unit(name) and st == "READY" and name not in warm:
             with contextlib.suppress(Exception):
                 server.unload(name)
     for p in sorted(Path(repo_dir).iterdir()):
-        if pack.is_unit(p.name) and p.name not in keep_disk:
+        if is_any_unit(p.name) and p.name not in keep_disk:
             if server is not None and loaded.get(p.name) == "READY":
                 with contextlib.suppress(Exception):
                     server.unload(p.name)

@@ -109,7 +109,8 @@ def _mismatch(unit_src: Path, rel: str, row: list, size: int | None) -> UserErro
 def copy_unit(unit_src: Path, dst: Path, files: dict[str, list], gpt_model_path: str) -> None:
     """Copy the unit's recorded files into ``dst`` (``shutil.copyfile``: never a hard link, so a later edit
     of the build output cannot reach the serving repository), verify each copy's size and sha256 against
-    ``files`` (UserError naming the file otherwise), then point its config's gpt_model_path at its place."""
+    ``files`` (UserError naming the file otherwise), then point its config's gpt_model_path at its place (an LLM-API
+    unit: its 1/model.yaml ``model``, and the CPU stand-in as its serving-side 1/model.py)."""
     for rel, row in sorted(files.items()):
         src, q = unit_src / rel, dst / rel
         if not src.is_file():
@@ -122,6 +123,10 @@ def copy_unit(unit_src: Path, dst: Path, files: dict[str, list], gpt_model_path:
     cfg = dst / "config.pbtxt"
     if llmapi_unit.is_llm_api_unit(unit_src.name):  # gpt_model_path: the unit's served path (``served_path``)
         (dst / llmapi_unit.MODEL_YAML_FILE).write_text(llmapi_unit.installed_model_yaml(unit_src, files, gpt_model_path))
+        # the serving side's 1/model.py (never in unit_files): this machine's Triton serves the unit with the CPU
+        # stand-in; on NVIDIA's image the Deployment's init step copies the image's own model over it
+        # (llmapi_unit.image_copy_command)
+        llmapi_unit.install_stand_in(dst)
     else:
         set_params(cfg, {"gpt_model_path": gpt_model_path})
     pack.parse_model_config(cfg.read_text(), str(cfg))

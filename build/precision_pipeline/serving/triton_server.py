@@ -624,7 +624,7 @@ def _read_only_check(repo: Path, err: OSError) -> str:
     if not (repo / cur / "config.pbtxt").is_file():
         problems.append(f"the current release {cur} is missing")
     ens, bls = release_configs.current_of_configs(repo)
-    if (ens, bls) != (cur, cur):
+    if not release_configs.configs_agree(repo, cur):
         problems.append(f"ensemble/BLS name {ens}/{bls}, releases.json {cur} (an interrupted change)")
     if state.get("rollout"):
         problems.append(f"a rollout of {state['rollout'].get('candidate')} is recorded as in progress")
