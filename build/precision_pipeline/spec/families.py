@@ -10,7 +10,11 @@ reads lives here, and the stages look it up (torch-free):
   (``column``: output rows split over tp; ``row``: input columns split over tp);
 * ``fused``: linears TensorRT-LLM runs as one GEMM (QKV) or fuses at build time (gate/up): excluding one
   member of a group keeps the whole group in high precision;
-* ``norms`` (HF -> TensorRT-LLM), ``attention_bias``;
+* ``norms`` (HF -> TensorRT-LLM), ``attention_bias`` (q/k/v carry a bias: ``Family.bias_linears``);
+* ``trtllm_config``: the TensorRT-LLM checkpoint ``config.json`` fields the family's TensorRT-LLM model class reads
+  beyond the Llama ones (Qwen's ``qwen_type``, ``attn_bias``, ``mlp_bias``), which ModelOpt writes only through
+  TensorRT-LLM's own ``from_hugging_face`` when tensorrt_llm is installed: the quantize stage writes them;
+* ``sliding_window``: the family's HF config may set an attention window (``config.json`` ``sliding_window``);
 * ``moe``: the router and the expert linears (None for a dense family);
 * ``routes`` and ``trtllm_versions``: the serving routes and TensorRT-LLM versions that build it;
 * ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
@@ -95,6 +99,8 @@ class Family:
     trtllm_versions: tuple[str, ...] = ("1.2",)
     gate_reader: Optional[str] = None
     sources: dict[str, str] = field(default_factory=dict)
+    trtllm_config: dict = field(default_factory=dict)
+    sliding_window: bool = False
 
     # -- lookups
 
@@ -109,6 +115,18 @@ class Family:
         if self.gate_reader is None:
             gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"))
         return tuple(gaps)
+
+    @property
+    def bias_linears(self) -> tuple[str, ...]:
+        """HF linears (relative) that carry a bias, kept unquantized by the export: q/k/v when ``attention_bias``
+        (Qwen2: q/k/v_proj bias=True, o_proj none; TensorRT-LLM ``Attention(bias=attn_bias, dense_bias=False)``),
+        else none."""
+        return _QKV if self.attention_bias else ()
+
+    @property
+    def bias_gemms(self) -> tuple[str, ...]:
+        """TensorRT-LLM GEMMs (relative) that carry a bias (``attention.qkv`` for Qwen2: one fused ``[q; k; v]`` bias)."""
+        return self.gemms_of(self.bias_linears)
 
     @property
     def hf_to_trt(self) -> dict[str, str]:
@@ -235,7 +253,19 @@ _QWEN2_SOURCES = {
               "(@register_auto_model(\"Qwen2ForCausalLM\"))",
     "linears": f"{SRC_LOADER} (QWenForCausalLM.from_hugging_face loads qwen2 with the unified ModelWeightsLoader, "
                "no custom names)",
+    "export": "ModelOpt 0.47 modelopt/torch/export/model_utils.py:36 (MODEL_NAME_TO_TYPE \"QWen\" -> \"qwen\", matched "
+              "case-insensitively in the class name, :84-86); model_config_export.py:154-155 and tensorrt_llm_utils.py:145 "
+              "(architecture = the HF config's architectures[0]), tensorrt_llm_utils.py:190-215 (TensorRT-LLM's QWenConfig.from_hugging_face writes the config when tensorrt_llm is "
+              "installed), :240 (else the manual config: no qwen_type, attn_bias, mlp_bias)",
+    "trtllm_config": "tensorrt_llm/models/qwen/config.py at 0428c18 (QWenConfig.from_hugging_face: qwen_type = "
+                     "hf_config.model_type, line 91; attn_bias True but for qwen3/qwen3_moe, lines 120-124; mlp_bias "
+                     "default False, line 27); tensorrt_llm/models/qwen/model.py at 04a2cac (QWenDecoderLayer: "
+                     "bias=config.attn_bias line 67, dense_bias=False line 74, qwen_type 'qwen' halves "
+                     "intermediate_size, lines 104-110: a config without qwen_type builds a wrong model)",
+    "gate": "gate/model.py load_checkpoint_model (an HF Qwen2ForCausalLM fed the dequantized checkpoint, q/k/v biases "
+            "from attention.qkv.bias)",
 }
+_QWEN2_TRTLLM = {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False}
 
 # Mistral: Llama's layout and names, no biases; sliding_window (4096 in Mistral-7B v0.1, null from v0.2) is a
 # run-time setting on the engine route, not modelled by the planner (the KV cache is planned for max_seq_len: an
@@ -246,6 +276,9 @@ _MISTRAL_SOURCES = {
               "on LlamaModel, attention_bias False)",
     "sliding_window": "tensorrtllm_backend docs/model_config.md:115 (max_attention_window_size: the tokens attended "
                       "with sliding window attention; default max_sequence_length, i.e. all tokens)",
+    "export": "ModelOpt 0.47 modelopt/torch/export/model_utils.py:26 (MODEL_NAME_TO_TYPE \"Mistral\" -> \"llama\"); "
+              "model_config_export.py:154-155 (architecture MistralForCausalLM; the checkpoint has no window field)",
+    "gate": "gate/model.py load_checkpoint_model (an HF MistralForCausalLM with the HF config's sliding_window)",
 }
 
 
@@ -254,11 +287,15 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="llama",
            sources={**_NAME_SOURCES, "export": "ModelOpt 0.47 export_tensorrt_llm_checkpoint(model, 'llama', ...)",
                     "gate": "gate/model.py load_checkpoint_model (an HF LlamaForCausalLM fed the dequantized checkpoint)"}),
-    _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM", sources=_MISTRAL_SOURCES),
+    Family(architecture="MistralForCausalLM", model_type="mistral", trtllm_class="LLaMAForCausalLM",
+           export_decoder="llama", linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="mistral",
+           routes=("engine", "llm_api"), sliding_window=True, sources={**_NAME_SOURCES, **_MISTRAL_SOURCES}),
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
            sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
-    _planned("Qwen2ForCausalLM", "qwen2", "QWenForCausalLM", attention_bias=True, sources=_QWEN2_SOURCES),
+    Family(architecture="Qwen2ForCausalLM", model_type="qwen2", trtllm_class="QWenForCausalLM", export_decoder="qwen",
+           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, attention_bias=True, gate_reader="qwen2",
+           routes=("engine", "llm_api"), trtllm_config=_QWEN2_TRTLLM, sources={**_NAME_SOURCES, **_QWEN2_SOURCES}),
     _planned("Qwen2MoeForCausalLM", "qwen2_moe", "QWenForCausalLM", attention_bias=True, moe=_QWEN_MOE),
     _planned("Qwen3ForCausalLM", "qwen3", "QWenForCausalLM"),
     _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE),
