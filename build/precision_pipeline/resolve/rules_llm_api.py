@@ -1,6 +1,8 @@
 """The rules of the route and the TensorRT-LLM line (issue 28), registered after ``rules_fit.py``'s.
 
 * ``route.trtllm_version``: the route runs on the targeted line (the engine route needs trtllm-build: 1.2 only).
+* ``model.family_route``: the model's family runs on that route, line and format (``spec/capability.py``
+  ``FAMILY_TABLE``; Qwen3 on route llm_api only), refused at ``invoke check`` naming where it runs.
 * ``llm_api.args``: the ``llm_api:`` section holds TorchLlmArgs keys of that line ("did you mean"; legacy engine names
   name their replacement), none of the keys the profile renders from its own sections, and only on route llm_api.
 * ``llm_api.kv_dtype``: a runtime ``kv_cache_config.dtype`` equals the checkpoint's ``kv_cache_quant_algo`` (auto is
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from precision_pipeline.resolve.registry import Context, Finding, refuse, rule, warn
 from precision_pipeline.spec import llm_args as LA
-from precision_pipeline.spec.capability import ROUTE_LINES, SRC_ROUTE_LINES, route_runs_line
+from precision_pipeline.spec.capability import ROUTE_LINES, SRC_ROUTE_LINES, family_row, family_support, route_runs_line
+from precision_pipeline.spec.families import family
 
 LLM_API_ONLY = ("llm_api",)
 SRC_ARGS = f"{LA.LLM_ARGS_FILE} (BaseLlmArgs extra='forbid'); spec/llm_args.py"
@@ -32,6 +35,21 @@ def _route_version(ctx: Context) -> list[Finding]:
     return [refuse("target.trtllm_version", f"route {ctx.route} does not run on TensorRT-LLM {ctx.trtllm_version}: "
                    f"it needs {lines} (trtllm-build and the TensorRT engine backend were removed after the 1.2 line).",
                    "use trtllm_version 1.2.1 with route engine, or route: llm_api for 1.3.0rcN (trtllm-serve).")]
+
+
+@rule("model.family_route", "TensorRT-LLM runs the model's family on this route, line and format (spec/capability.py "
+      "FAMILY_TABLE, from spec/families.py Family.routes)", "spec/families.py (each family's sources['routes'])",
+      needs_gpu=False)
+def _family_route(ctx: Context) -> list[Finding]:
+    arch, algo = ctx.model.architecture, ctx.profile.quantization.quant_algo
+    if family_row(arch, ctx.route, ctx.trtllm_version, algo) is not None or not route_runs_line(ctx.route, ctx.trtllm_version):
+        return []  # a route off its line is route.trtllm_version's refusal
+    where = family_support(arch, algo)
+    why = family(arch).sources.get("routes", "spec/families.py")
+    return [refuse("route", f"{arch} with {algo.value} does not run on route {ctx.route} (TensorRT-LLM "
+                   f"{ctx.trtllm_version}); it runs on {' and '.join(where) or 'no route'} ({why}).",
+                   (f"set route: {where[0].split()[1]}" if where else "use a model of another family") +
+                   " (target.trtllm_version on that route's line), or plan another model family.")]
 
 
 def _dotted(d: dict, prefix: str = "") -> list[str]:

@@ -16,7 +16,9 @@ reads lives here, and the stages look it up (torch-free):
   TensorRT-LLM's own ``from_hugging_face`` when tensorrt_llm is installed: the quantize stage writes them;
 * ``sliding_window``: the family's HF config may set an attention window (``config.json`` ``sliding_window``);
 * ``moe``: the router and the expert linears (None for a dense family);
-* ``routes`` and ``trtllm_versions``: the serving routes and TensorRT-LLM versions that build it;
+* ``routes`` and ``trtllm_versions``: the serving routes that run it (on each route's TensorRT-LLM lines,
+  ``spec/capability.py`` ``ROUTE_LINES``; ``spec/capability.py`` ``family_row`` is the one question resolve asks) and
+  the TensorRT-LLM versions whose sources the entry was read from;
 * ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
   not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``, naming the stages
   ``Family.build_gaps`` lists; planning from config.json needs none of them);
@@ -95,7 +97,7 @@ class Family:
     norms: dict[str, str]
     attention_bias: bool = False
     moe: Optional[MoE] = None
-    routes: tuple[str, ...] = ("engine",)
+    routes: tuple[str, ...] = ("engine", "llm_api")
     trtllm_versions: tuple[str, ...] = ("1.2",)
     gate_reader: Optional[str] = None
     sources: dict[str, str] = field(default_factory=dict)
@@ -281,6 +283,29 @@ _MISTRAL_SOURCES = {
     "gate": "gate/model.py load_checkpoint_model (an HF MistralForCausalLM with the HF config's sliding_window)",
 }
 
+# Qwen3 (dense): Qwen2's layout without biases, plus an RMSNorm over each head's q and k (QK-norm) before RoPE.
+# * HF: transformers models/qwen3/modeling_qwen3.py (Qwen3Attention: q_norm, k_norm = Qwen3RMSNorm(head_dim);
+#   attention_bias False in the shipped configs).
+# * PyTorch backend (LLM API): tensorrt_llm/_torch/models/modeling_qwen3.py at 010bb95 (@register_auto_model(
+#   "Qwen3ForCausalLM"), Qwen3DecoderLayer: QKNormRoPEAttention(bias=config.attention_bias)).
+# * engine route: tensorrt_llm/models/qwen/config.py at 0428c18 accepts qwen_type qwen3 (attn_bias False), but
+#   tensorrt_llm/models/qwen/model.py at 04a2cac builds Attention(...) without a Q/K norm (lines 58-74): an engine
+#   would drop q_norm / k_norm, so the registry gives Qwen3 the llm_api route only (spec/capability.py family rows).
+_QWEN3_SOURCES = {
+    "norms": "transformers models/qwen3/modeling_qwen3.py (q_norm, k_norm: RMSNorm(head_dim) per layer); TensorRT-LLM "
+             "names attention.q_layernorm / attention.k_layernorm (tensorrt_llm/models/qwen/convert.py, qwen3 branch)",
+    "routes": "llm_api: tensorrt_llm/_torch/models/modeling_qwen3.py at 010bb95 (@register_auto_model(\"Qwen3ForCausalLM\"), "
+              "QKNormRoPEAttention); not engine: tensorrt_llm/models/qwen/model.py at 04a2cac lines 58-74 (QWenDecoderLayer's "
+              "Attention has no Q/K norm: the engine would drop q_norm/k_norm)",
+    "trtllm_config": "tensorrt_llm/models/qwen/config.py at 0428c18 (qwen_type = model_type, line 91; attn_bias False for "
+                     "qwen3, lines 120-124)",
+}
+_QWEN3 = Family(architecture="Qwen3ForCausalLM", model_type="qwen3", trtllm_class="QWenForCausalLM", export_decoder=None,
+                linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED,
+                norms={**_NORMS, "self_attn.q_norm": "attention.q_layernorm", "self_attn.k_norm": "attention.k_layernorm"},
+                routes=("llm_api",), trtllm_config={"qwen_type": "qwen3", "attn_bias": False},
+                sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py", **_QWEN3_SOURCES})
+
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family(architecture="LlamaForCausalLM", model_type="llama", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
@@ -289,15 +314,15 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
                     "gate": "gate/model.py load_checkpoint_model (an HF LlamaForCausalLM fed the dequantized checkpoint)"}),
     Family(architecture="MistralForCausalLM", model_type="mistral", trtllm_class="LLaMAForCausalLM",
            export_decoder="llama", linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="mistral",
-           routes=("engine", "llm_api"), sliding_window=True, sources={**_NAME_SOURCES, **_MISTRAL_SOURCES}),
+           sliding_window=True, sources={**_NAME_SOURCES, **_MISTRAL_SOURCES}),
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
            sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
     Family(architecture="Qwen2ForCausalLM", model_type="qwen2", trtllm_class="QWenForCausalLM", export_decoder="qwen",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, attention_bias=True, gate_reader="qwen2",
-           routes=("engine", "llm_api"), trtllm_config=_QWEN2_TRTLLM, sources={**_NAME_SOURCES, **_QWEN2_SOURCES}),
+           trtllm_config=_QWEN2_TRTLLM, sources={**_NAME_SOURCES, **_QWEN2_SOURCES}),
     _planned("Qwen2MoeForCausalLM", "qwen2_moe", "QWenForCausalLM", attention_bias=True, moe=_QWEN_MOE),
-    _planned("Qwen3ForCausalLM", "qwen3", "QWenForCausalLM"),
+    _QWEN3,
     _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE),
 )}
 """Every architecture the pipeline accepts, by HF class name (``config.json`` ``architectures[0]``)."""
