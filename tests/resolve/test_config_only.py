@@ -158,6 +158,11 @@ def test_mistral_is_planned_from_its_config_with_llama_terms_and_built(tmp_path)
     rows = P.check_all(d, for_build=False)
     assert [r[0] for r in rows] == list(shipped_profiles()) and dict((r[0], r[1]) for r in rows)["fp8-h100"]
     assert [x for x in P.evaluate(prof("fp8-h100"), m, for_build=True).problems if x.rule == "model.gate_reads"] == []
+    # the 4,096-token window under fp8-h100's max_seq_len 8,192: a warning (no max_attention_window_size rendered)
+    assert m.sliding_window == 4096
+    warned = [w for w in P.evaluate(prof("fp8-h100"), m).warnings if "sliding_window" in w]
+    assert len(warned) == 1 and "set build.max_seq_len <= 4096" in warned[0]
+    assert not any("sliding_window" in w for w in P.evaluate(prof("fp8-h100", build__max_seq_len=4096), m).warnings)
 
 
 def test_check_all_imports_no_torch():

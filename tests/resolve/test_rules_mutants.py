@@ -72,7 +72,7 @@ GPU_FREE = {"build.logits_dtype", "calibration.dataset", "calibration.seq_len", 
             "layout.world_size", "limits.derived", "limits.input_within_seq", "limits.num_tokens_large",
             "limits.num_tokens_vs_input", "limits.seq_within_positions", "memory.build_fit", "model.gate_reads", "plugins.gemm_plugin",
             "quantize.modelopt_inputs", "quantize.search_budget", "runtime.chunked_context", "runtime.kv_cache_reuse",
-            "runtime.streaming", "route.trtllm_version", "model.family_route", "llm_api.args", "routing"}
+            "runtime.streaming", "route.trtllm_version", "model.family_route", "model.sliding_window", "llm_api.args", "routing"}
 LLM_API_ONLY_GPU_FREE = {"llm_api.kv_dtype", "llm_api.engine_settings", "llm_api.chunked_prefill"}  # route llm_api only
 
 

@@ -52,6 +52,20 @@ def _family_route(ctx: Context) -> list[Finding]:
                    " (target.trtllm_version on that route's line), or plan another model family.")]
 
 
+@rule("model.sliding_window", "a model's attention window covers the served sequence, or a warning says it does not",
+      "tensorrtllm_backend docs/model_config.md:115 (max_attention_window_size: default max_sequence_length, every "
+      "token); spec/families.py (Mistral sources)", needs_gpu=False)
+def _sliding_window(ctx: Context) -> list[Finding]:
+    w, msl = ctx.model.sliding_window, ctx.limits["max_seq_len"]
+    if not w or w >= msl:
+        return []
+    return [warn("build.max_seq_len", f"{ctx.model.architecture} attends to its last {w:,} tokens (sliding_window) but "
+                 f"max_seq_len is {msl:,}: the served runtime attends to every token (this pipeline renders no "
+                 "max_attention_window_size / kv_cache_config.max_attention_window), so prompts longer than the window "
+                 "are served unlike the trained model; the gate's prompts are shorter and do not see it.",
+                 f"set build.max_seq_len <= {w}, or serve a model revision without a window (Mistral-7B from v0.2).")]
+
+
 def _dotted(d: dict, prefix: str = "") -> list[str]:
     out = []
     for k, v in d.items():
