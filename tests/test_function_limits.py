@@ -45,7 +45,6 @@ EXCEPTIONS: dict[str, tuple[int, int, str]] = {
     "build/precision_pipeline/cli/routing.py:explain": (40, 10, CLI_FLAGS + " (`invoke route explain`)"),
     "build/precision_pipeline/analysis/sensitivity.py:run_sensitivity": (28, 9, KEYWORD_API + " (`invoke sensitivity`)"),
     "build/precision_pipeline/checkpoint/reader.py:dequantize_checkpoint": (86, 1, NOT_SPLIT_YET),
-    "build/precision_pipeline/gate/model.py:load_checkpoint_model": (98, 4, "builds the gate's torch model of a checkpoint (every linear, attention and KV fake-quant) in one pass; not split yet"),
     "build/precision_pipeline/checkpoint/verify.py:verify_checkpoint": (193, 2, "one pass over every tensor of the checkpoint; not split yet"),
     "build/precision_pipeline/engine/provenance.py:write_provenance": (21, 10, "one argument per provenance.json field; not split yet"),
     "build/precision_pipeline/engine/trtllm_build.py:run_engine": (67, 11, KEYWORD_API + " (the engine stage)"),

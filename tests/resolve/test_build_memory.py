@@ -222,9 +222,10 @@ def test_gate_architectures_are_refused_at_resolve_with_the_list():
 
     pl = P.evaluate(prof("fp8-h100"), arch_from_config(MIXTRAL, name="mixtral"), for_build=True)
     pr = [x for x in pl.problems if x.rule == "model.gate_reads"][0]
-    assert GATE_ARCHITECTURES == ("LlamaForCausalLM",)
-    assert "the accuracy gate's checkpoint reader handles LlamaForCausalLM only" in pr.reason
-    assert pr.fix.startswith("use a model of: LlamaForCausalLM;")
+    assert GATE_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    assert ("the accuracy gate's checkpoint reader handles LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM only"
+            in pr.reason)
+    assert pr.fix.startswith("use a model of: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM;")
 
 
 def test_free_host_memory_is_recorded_but_not_keyed():

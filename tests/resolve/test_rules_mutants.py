@@ -72,7 +72,8 @@ GPU_FREE = {"build.logits_dtype", "calibration.dataset", "calibration.seq_len", 
             "layout.world_size", "limits.derived", "limits.input_within_seq", "limits.num_tokens_large",
             "limits.num_tokens_vs_input", "limits.seq_within_positions", "memory.build_fit", "model.gate_reads", "model.family_serves", "plugins.gemm_plugin",
             "quantize.modelopt_inputs", "quantize.search_budget", "runtime.chunked_context", "runtime.kv_cache_reuse",
-            "runtime.streaming", "route.trtllm_version", "llm_api.args", "routing", "deployment.server"}
+            "runtime.streaming", "route.trtllm_version", "model.sliding_window", "llm_api.args", "routing",
+            "deployment.server"}
 LLM_API_ONLY_GPU_FREE = {"llm_api.kv_dtype", "llm_api.engine_settings", "llm_api.chunked_prefill"}  # route llm_api only
 
 

@@ -39,10 +39,12 @@ def test_which_families_do_what():
     assert FAM.SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
                                            "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
                                            "Qwen3MoeForCausalLM", "GptOssForCausalLM")
-    assert FAM.EXPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MixtralForCausalLM")
-    assert FAM.GATE_ARCHITECTURES == ("LlamaForCausalLM",)
+    assert FAM.EXPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM")
+    assert FAM.GATE_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    # ModelOpt 0.47 model_utils.py MODEL_NAME_TO_TYPE: Mixtral and Mistral -> "llama", QWen -> "qwen"
     assert {a: f.export_decoder for a, f in FAM.FAMILIES.items() if f.export_decoder} == {
-        "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama"}  # ModelOpt maps Mixtral to "llama"
+        "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
+        "Qwen2ForCausalLM": "qwen"}
     assert FAM.family_of_model_type("mixtral") is FAM.FAMILIES["MixtralForCausalLM"]
     assert FAM.family_of_model_type("gpt2") is None
     # a build refuses a family the gate does not read (rule model.gate_reads), before quantize: so every family the
@@ -111,3 +113,16 @@ def test_experts_on_a_dense_family_are_refused():
     with pytest.raises(UserError, match="LlamaForCausalLM 4 experts, but that family has no experts") as e:
         arch_from_config(cfg)
     assert e.value.problems[0].field == "--model"
+
+
+def test_qwen2_bias_and_trtllm_config_facts():
+    """Qwen2: q/k/v carry a bias (one fused attention.qkv bias in TensorRT-LLM, none on o_proj or the MLP) and the
+    TensorRT-LLM checkpoint needs qwen_type qwen2 (qwen/model.py: 'qwen' halves the MLP); Llama and Mistral none."""
+    q, m = FAM.FAMILIES["Qwen2ForCausalLM"], FAM.FAMILIES["MistralForCausalLM"]
+    assert q.bias_linears == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    assert q.bias_gemms == ("attention.qkv",)
+    assert q.trtllm_config == {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False}
+    assert FAM.LLAMA.bias_linears == () == m.bias_gemms and FAM.LLAMA.trtllm_config == {} == m.trtllm_config
+    assert m.sliding_window and not q.sliding_window and not FAM.LLAMA.sliding_window
+    assert "qwen/model.py" in q.sources["trtllm_config"] and "model_utils.py:36" in q.sources["export"]
+    assert q.routes == m.routes == ("engine", "llm_api")

@@ -211,15 +211,19 @@ def _read_linear(st: dict, module: str, algo: str, group: Optional[int], used: s
     if module + ".weight" not in st:
         raise UserError(FIELD, f"{module}.weight is missing.", FIX)
     t = _linear_tensors(st, module)
-    used.update(k for k in st if k.startswith(module + ".") and k.rsplit(".", 1)[-1] in ("weight", *HF_SUFFIX))
+    used.update(k for k in st if k.startswith(module + ".") and k.rsplit(".", 1)[-1] in ("weight", "bias", *HF_SUFFIX))
     w = codecs.dequantize(t, module + ".", FMT.gemm(algo), group)
     quantized = st[module + ".weight"].dtype in codecs.QUANTIZED_DTYPES
     act = t.get(module + ".activation_scaling_factor")
     pre = t.get(module + ".prequant_scaling_factor")
+    bias = st.get(module + ".bias")  # unquantized (Qwen2's q/k/v: hf_verify rule hf.biases)
+    if bias is not None and (bias.dtype in codecs.QUANTIZED_DTYPES or bias.numel() != w.shape[0]):
+        raise UserError(FIELD, f"{module}.bias is {bias.dtype} {list(bias.shape)}; a bias is unquantized [{w.shape[0]}].", FIX)
     return LinearSpec(weight=w, quantized=quantized, quant_algo=algo if quantized else NO_QUANT,
                       act_scale=None if act is None else act.to(torch.float32).reshape(()),
                       pre=None if pre is None else pre.to(torch.float32).reshape(-1),
-                      group_size=group if quantized and FMT.gemm(algo).grouping == "per_group" else None)
+                      group_size=group if quantized and FMT.gemm(algo).grouping == "per_group" else None,
+                      bias=None if bias is None else bias.to(torch.float32).reshape(-1))
 
 
 def _fuse(st: dict, modules: list[str], parts: list[LinearSpec], dtype: torch.dtype) -> list[LinearSpec]:
@@ -237,8 +241,8 @@ def _fuse(st: dict, modules: list[str], parts: list[LinearSpec], dtype: torch.dt
     scales = [st[m + ".weight_scale"].to(torch.float32).reshape(()) for m in modules]
     fused, smax = codecs.requantize_fp8_fused(weights, scales, dtype)
     act = torch.stack([p.act_scale for p in parts]).max() if all(p.act_scale is not None for p in parts) else None
-    return [LinearSpec(weight=codecs.fp8_e4m3_to_float(w) * smax, quantized=True, quant_algo=p.quant_algo, act_scale=act)
-            for w, p in zip(fused, parts)]
+    return [LinearSpec(weight=codecs.fp8_e4m3_to_float(w) * smax, quantized=True, quant_algo=p.quant_algo, act_scale=act,
+                       bias=p.bias) for w, p in zip(fused, parts)]
 
 
 def dequantize_hf_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
@@ -294,9 +298,12 @@ def dequantize_hf_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
         for g in LLAMA.gemms:
             members = [specs[m] for m in LLAMA.gemm_hf(g)]
             first = members[0]
+            if len({m.bias is None for m in members}) > 1:
+                raise UserError(FIELD, f"{hf}: only some of {', '.join(LLAMA.gemm_hf(g))} carry a bias.", FIX)
             linears[trt + g] = first if len(members) == 1 else LinearSpec(
                 weight=torch.cat([m.weight for m in members]), quantized=first.quantized, act_scale=first.act_scale,
-                pre=first.pre, quant_algo=first.quant_algo, group_size=first.group_size)
+                pre=first.pre, quant_algo=first.quant_algo, group_size=first.group_size,
+                bias=None if first.bias is None else torch.cat([m.bias for m in members]))
         ks = {rel: st.get(f"{hf}{rel}.{leaf}") for rel, leaf in KV_SCALE_OF.items()}  # present: checked; not used
         used.update(f"{hf}{rel}.{leaf}" for rel, leaf in KV_SCALE_OF.items() if f"{hf}{rel}.{leaf}" in st)
         if kv_algo:
@@ -311,7 +318,7 @@ def dequantize_hf_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     leftover = sorted(set(st) - used)
     if leftover:
         raise UserError(FIELD, f"{len(leftover)} tensors are not understood by the reader, e.g. {', '.join(leftover[:5])}.",
-                        "this reader handles Llama checkpoints; re-export or extend checkpoint/hf_unified.py.")
+                        "this reader handles Llama-layout checkpoints (spec/families.py GATE_ARCHITECTURES); re-export or extend checkpoint/hf_unified.py.")
     return DequantizedCheckpoint(config=cfg, linears=linears, tensors=tensors, kv_scales=kv_scales,
                                  kv_cache_quant_algo=kv_algo)
 

@@ -24,6 +24,9 @@ silently wrong:
 * ``hf.kv_scales``: a quantized KV cache has ``k_proj.k_scale`` and ``v_proj.v_scale`` (F32 scalar) in every layer;
   an unquantized one has none.
 * ``hf.scales_finite``: every scale value finite, per-tensor scales > 0, block scales >= 0.
+* ``hf.biases``: the family's biased linears (``spec.families`` ``Family.bias_linears``: Qwen2's q/k/v,
+  ``tensorrt_llm/_torch/models/modeling_qwen.py`` ``QwenAttention(bias=True, dense_bias=False)``) store a bias in
+  every layer, unquantized, ``[out]``; a bias anywhere else is an unknown tensor (``hf.known_tensors``).
 * ``hf.fused_scales``: q/k/v and gate/up (one fused GEMM in the runtime) have one format and equal ``input_scale``
   (the runtime takes the max of them silently, ``FP8QDQLinearMethod.load_weights_fused_qkv_linear``).
 """
@@ -43,7 +46,7 @@ from precision_pipeline.checkpoint.hf_unified import (HF_SUFFIX, KV_SCALE_OF, QU
 from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import FAMILIES, GATE_ARCHITECTURES, LLAMA, hf_linear_shapes, router_problems
+from precision_pipeline.spec.families import FAMILIES, GATE_ARCHITECTURES, LLAMA, family, hf_linear_shapes, router_problems
 
 FIX = "re-export the checkpoint (quantize again with export_format hf_unified)."
 HF_RULES = {
@@ -56,6 +59,7 @@ HF_RULES = {
     "hf.fused_scales": "q/k/v and gate/up (fused in the runtime) have one format and equal input scales",
     "hf.router": "a MoE router (and shared-expert gate) is stored unquantized, without scales (spec/families.py "
                  "router_problems)",
+    "hf.biases": "the family's biased linears (Qwen2's q/k/v) store an unquantized bias in every layer; no other does",
 }
 MAX_SHOWN = 12
 _ROLES = {"input_layernorm.weight", "post_attention_layernorm.weight"}
@@ -190,9 +194,18 @@ def _classify(headers: dict, cfg: dict, q: dict, dims: dict, arch: str, p: _Foun
             linears.setdefault(stem, {})[leaf] = meta
             if leaf in HF_SUFFIX:
                 scales.append(name)
+        elif leaf == "bias" and rel in family(arch).bias_linears:
+            if meta["dtype"] not in codecs.PLAIN_DTYPES or meta["shape"] != [dims[rel][0]]:
+                p.add(f"{name} ({f.name})", "hf.biases", f"is {meta['dtype']} {meta['shape']}; the bias is stored "
+                      f"unquantized ({'/'.join(codecs.PLAIN_DTYPES)}) [{dims[rel][0]}].")
         else:
             p.add(f"{name} ({f.name})", "hf.known_tensors", f"is not a tensor of a {arch} unified HF checkpoint"
                   + (" (a ModelOpt quantizer buffer left in the export)" if "quantizer" in name or "amax" in name else "") + ".")
+    for i in range(int(cfg["num_hidden_layers"])):
+        for rel in family(arch).bias_linears:  # Qwen2: transformers modeling_qwen2.py q/k/v_proj bias=True
+            if f"model.layers.{i}.{rel}.bias" not in headers:
+                p.add(f"model.layers.{i}.{rel}.bias", "hf.biases", f"is missing; a {arch} {rel} carries a bias "
+                      "(spec/families.py attention_bias): the runtime would run without it.")
     if kvf.is_quantized:
         for i in range(int(cfg["num_hidden_layers"])):
             for rel, leaf in KV_SCALE_OF.items():

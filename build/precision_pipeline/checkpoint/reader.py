@@ -490,7 +490,8 @@ class LinearSpec:
     column-parallel linears whose ranks have different activation scales, a list of
     ``(out_start, out_end, scale)``; ``pre``: prequant scale ``[in]`` or None; ``quant_algo``: the
     format the checkpoint declares for this linear (``NO_QUANT`` if unquantized); ``group_size``:
-    its AWQ group size (None for other formats).
+    its AWQ group size (None for other formats); ``bias``: float32 ``[out]`` (stored unquantized; Qwen2's
+    ``attention.qkv.bias``, ``spec.families`` ``Family.bias_gemms``) or None.
     """
 
     weight: torch.Tensor
@@ -500,6 +501,7 @@ class LinearSpec:
     pre: Optional[torch.Tensor] = None
     quant_algo: str = NO_QUANT
     group_size: Optional[int] = None
+    bias: Optional[torch.Tensor] = None
 
 
 def _merge_qkv(parts: list[torch.Tensor], cfg: dict, tp: int) -> torch.Tensor:
@@ -534,7 +536,7 @@ def merge_linear(ranks: list[dict], prefix: str, kind: str, cfg: dict, quant_alg
         if prefix + "weight" not in t:
             raise UserError(FIELD, f"rank{r}.safetensors lacks {prefix}weight.", "re-export the checkpoint.")
         for k in t:
-            if k.startswith(prefix) and k[len(prefix):] in ("weight",) + SCALE_SUFFIXES:
+            if k.startswith(prefix) and k[len(prefix):] in ("weight", "bias") + SCALE_SUFFIXES:
                 used.add((r, k))
     ws = [dequantize_weight(t, prefix, quant_algo, group_size) for t in ranks]
     quantized = ranks[0][prefix + "weight"].dtype in QUANTIZED_DTYPES
@@ -577,7 +579,26 @@ def merge_linear(ranks: list[dict], prefix: str, kind: str, cfg: dict, quant_alg
         if spec.pre.numel() != in_dim:
             raise UserError(FIELD, f"{prefix}prequant_scaling_factor has {spec.pre.numel()} elements; input dim is {in_dim}.",
                             "re-export the checkpoint.")
+    spec.bias = _merge_bias(ranks, prefix, kind, cfg, weight.shape[0])
     return spec
+
+
+def _merge_bias(ranks: list[dict], prefix: str, kind: str, cfg: dict, rows: int) -> Optional[torch.Tensor]:
+    """``<prefix>bias`` of every rank merged as the weight's rows are (qkv / col; a row-parallel or replicated
+    linear's bias is whole on each rank), float32 ``[rows]``; None when no rank stores one. UserError when only some
+    ranks store it, it is stored quantized, or it does not have ``rows`` elements."""
+    bs = [t.get(prefix + "bias") for t in ranks]
+    if all(b is None for b in bs):
+        return None
+    if any(b is None or b.dtype in QUANTIZED_DTYPES for b in bs):
+        raise UserError(FIELD, f"{prefix}bias is missing on some ranks or stored quantized.", "re-export the checkpoint.")
+    parts = [b.to(torch.float32).reshape(-1) for b in bs]
+    merged = (parts[0] if len(parts) == 1 or kind in ("row", "replicated") else
+              _merge_qkv(parts, cfg, len(parts)) if kind == "qkv" else torch.cat(parts))
+    if merged.numel() != rows:
+        raise UserError(FIELD, f"{prefix}bias has {merged.numel()} elements; the weight has {rows} rows.",
+                        "re-export the checkpoint.")
+    return merged
 
 
 def _merge_plain(ranks: list[dict], name: str, dim: Optional[int], used: set, rows: Optional[int] = None) -> torch.Tensor:
@@ -694,7 +715,7 @@ def dequantize_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
     leftover = sorted({k for r, t in enumerate(ranks) for k in t if (r, k) not in used})
     if leftover:
         raise UserError(FIELD, f"{len(leftover)} tensors are not understood by the reader, e.g. {', '.join(leftover[:5])}.",
-                        "this reader handles Llama checkpoints; re-export or extend build/precision_pipeline/checkpoint/reader.py.")
+                        "this reader handles Llama-layout checkpoints (spec/families.py GATE_ARCHITECTURES); re-export or extend build/precision_pipeline/checkpoint/reader.py.")
     _check_layers(linears, qinfo)
     return DequantizedCheckpoint(config=cfg, linears=linears, tensors=tensors, kv_scales=kv_scales,
                                  kv_cache_quant_algo=kv_algo)

@@ -22,6 +22,8 @@ wrongly or not at all, or that does not say what the plan assumed:
 * ``verify.coverage``: every layer's linears, norms and (quantized KV) cache scales on ``tp_size`` ranks.
 * ``verify.scales_finite``: every scale value finite (FP8 E4M3 NaN codes included); per-tensor scales
   (weight, global, activation, KV) > 0; block/group/channel scales >= 0.
+* ``verify.family``: the family's TensorRT-LLM config fields and biases (``_family_rules``; Qwen2: ``qwen_type``,
+  ``attn_bias``, ``mlp_bias`` and an unquantized ``attention.qkv.bias`` on every rank).
 * ``verify.fused_scales``: GEMMs TensorRT-LLM fuses at build time must carry equal per-tensor scales:
   gate/up (``mlp.gate`` + ``mlp.fc``) of a format with ``GemmFormat.fused_mlp`` (FP8):
   ``fuse_gate_mlp`` (``tensorrt_llm/models/modeling_utils.py``) takes the max of the two
@@ -56,7 +58,7 @@ from precision_pipeline.checkpoint.reader import (KV_SCALE_NAMES, LINEAR_NAMES, 
                                                   rank_files, read_config, read_quant_cfg, safetensors_header)
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import FAMILIES, GATE_ARCHITECTURES, qkv_rows_of_config, router_problems
+from precision_pipeline.spec.families import FAMILIES, GATE_ARCHITECTURES, Family, family, qkv_rows_of_config, router_problems
 
 FIELD = "checkpoint"
 FIX_EXPORT = "re-export the checkpoint (run the build without --checkpoint, or quantize again)."
@@ -72,6 +74,8 @@ RULES = {
     "verify.scales_finite": "every scale value finite; per-tensor scales > 0",
     "verify.fused_scales": "GEMMs fused at build time (gate/up for FP8, QKV over ranks) carry equal per-tensor scales",
     "verify.router": "a MoE router (mlp.router) is stored unquantized, without scales (spec/families.py router_problems)",
+    "verify.family": "config.json has the fields the family's TensorRT-LLM model class reads; its biased GEMMs store "
+                     "an unquantized bias on every rank (spec/families.py trtllm_config, bias_gemms)",
 }
 MAX_SHOWN = 12  # problems listed in one refusal (the count of the rest is given)
 _LAYER = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
@@ -230,9 +234,8 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
                         rule="verify.known_tensors")
     dims = _dims(cfg)
     tp = dims["tp"]
-    kvf = FMT.kv(kv)
-    files = rank_files(ckpt, cfg)
-    bias = bool(cfg.get("bias"))
+    kvf, files = FMT.kv(kv), rank_files(ckpt, cfg)
+    bias, fam = bool(cfg.get("bias")), family(arch)
     holders: dict[tuple[int, str], list[int]] = defaultdict(list)  # (layer, linear) -> ranks holding its weight
     members: dict[tuple[int, str], set[str]] = {}  # (rank, linear stem) -> stored suffixes
     headers = []
@@ -273,7 +276,7 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
                 scales.append((r, name, meta["dtype"]))
                 holders[(int(m.group(1)), "attention." + leaf)].append(r)
             elif (m and lin_name in LINEAR_NAMES or stem == "lm_head") and (
-                    leaf in ("weight",) + SCALE_SUFFIXES or (bias and leaf == "bias")):
+                    leaf in ("weight",) + SCALE_SUFFIXES or (leaf == "bias" and (bias or lin_name in fam.bias_gemms))):
                 members.setdefault((r, stem), set()).add(leaf)
                 if leaf in SCALE_SUFFIXES:
                     scales.append((r, name, meta["dtype"]))
@@ -324,7 +327,7 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
                       f"{slot.text()} for this rank's [{n_out}, {n_in}] slice"
                       + (f" (group_size {group})" if fmt.grouping == "per_group" else "")
                       + (f" (one FP8 scale per {FMT.NVFP4_BLOCK} inputs)" if fmt.grouping == "fixed_block" else "") + ".")
-        extra = sorted(set(leaves) - set(layout) - ({"bias"} if bias else set()))
+        extra = sorted(set(leaves) - set(layout) - ({"bias"} if bias or key in fam.bias_gemms else set()))
         for leaf in extra:
             rule = "verify.exclusions" if not fmt.is_quantized else "verify.layout"
             p.add(f"{stem}.{leaf} ({where})", rule, f"is not part of {declared}'s layout"
@@ -345,6 +348,7 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
             elif len(holders.get((i, part), [])) != tp:
                 p.add(f"transformer.layers.{i}.{part}", "verify.coverage",
                       f"is on {len(holders.get((i, part), []))} rank file(s); tp_size is {tp}.")
+    _family_rules(cfg, fam, headers, files, dims, p)
     p.raise_if_any()
     # scale values, fused groups
     values: dict[tuple[int, str], float] = {}
@@ -402,6 +406,29 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
             "files": [f.name for f in files] + [n for n in ("config.json",) + METADATA_FILES if (ckpt / n).is_file()],
             "scale_bytes": scale_bytes, "seconds": round(time.perf_counter() - t0, 4), "rules": sorted(RULES)}
 
+
+def _family_rules(cfg: dict, fam: Family, headers: list[dict], files: list[Path], dims: dict, p: _Problems) -> None:
+    """``verify.family``: config.json carries the family's TensorRT-LLM fields (``Family.trtllm_config``: a Qwen2
+    checkpoint without ``qwen_type`` builds as Qwen 1 with half the MLP, ``tensorrt_llm/models/qwen/model.py``
+    lines 104-110 at 04a2cac), and each of the family's biased GEMMs (``Family.bias_gemms``: Qwen2's
+    ``attention.qkv``, ``Attention(bias=config.attn_bias)`` line 67) stores its bias on every rank, unquantized
+    (ModelOpt exports biases in the export dtype and TensorRT-LLM adds them in high precision after the GEMM) with
+    this rank's rows."""
+    for key, want in fam.trtllm_config.items():
+        if cfg.get(key) != want:
+            p.add(f"config.json: {key}", "verify.family", f"is {cfg.get(key)!r}; TensorRT-LLM's {fam.trtllm_class} needs "
+                  f"{want!r} for a {fam.architecture} ({fam.sources.get('trtllm_config', 'spec/families.py')}).")
+    for f, h in zip(files, headers):
+        for i in range(dims["layers"]):
+            for g in fam.bias_gemms:
+                name, rows = f"transformer.layers.{i}.{g}.bias", dims["linears"][g][0]
+                meta = h.get(name)
+                if meta is None:
+                    p.add(f"{name} ({f.name})", "verify.family", f"is missing; a {fam.architecture} {g} carries a bias "
+                          "(spec/families.py attention_bias): the engine would run without it.")
+                elif meta["dtype"] not in codecs.PLAIN_DTYPES or meta["shape"] != [rows]:
+                    p.add(f"{name} ({f.name})", "verify.family", f"is {meta['dtype']} {meta['shape']}; the bias is stored "
+                          f"unquantized ({'/'.join(codecs.PLAIN_DTYPES)}) with this rank's {rows} rows.")
 
 
 LAYOUT_NAMES = {"trtllm_checkpoint": "a TensorRT-LLM checkpoint (config.json + rank*.safetensors)",

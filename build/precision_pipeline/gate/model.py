@@ -2,8 +2,9 @@
 
 ``load_checkpoint_model(ckpt_dir, hf_model_dir)`` reads the checkpoint with the checkpoint reader
 (``checkpoint.reader.dequantize_checkpoint``: every weight dequantized to float32, ranks reassembled)
-and builds the family's HF model (``spec.families``: ``gate_reader`` "llama" builds an HF
-``LlamaForCausalLM``) on the ``meta`` device with every parameter from the checkpoint. Quantized linears
+and builds the family's HF model (``spec.families``: the HF class of the checkpoint's ``architecture``, e.g.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM`` with the q/k/v biases the checkpoint stores, ``MistralForCausalLM`` with
+the HF config's ``sliding_window``) on the ``meta`` device with every parameter from the checkpoint. Quantized linears
 become ``QuantLinear`` (the input fake-quant the checkpoint's format declares, ``GemmFormat.act_fake_quant``);
 the KV cache is fake-quantized with the checkpoint's k/v scales inside a custom attention function
 (registered in ``transformers.AttentionInterface`` as ``ATTN_IMPL``) before SDPA. The fake-quant
@@ -38,8 +39,8 @@ def split_qkv(qkv: LinearSpec, q_rows: int, kv_rows: int) -> list[tuple[str, Lin
     linears ``[("q_proj", ...), ("k_proj", ...), ("v_proj", ...)]``.
 
     Each part keeps the fused GEMM's format (``quant_algo``, ``group_size``), input scales (``act_scale``,
-    ``pre``: q/k/v read one input) and the per-row activation scales that fall in its rows, shifted to
-    its own row numbers. Raises UserError when the weight does not have ``q_rows + 2 x kv_rows`` rows.
+    ``pre``: q/k/v read one input), the per-row activation scales that fall in its rows, shifted to
+    its own row numbers, and its rows of the bias (Qwen2's ``attention.qkv.bias``) when there is one. Raises UserError when the weight does not have ``q_rows + 2 x kv_rows`` rows.
     The one q/k/v split: the gate's model and the sensitivity analysis both call it.
     """
     rows = qkv.weight.shape[0]
@@ -52,7 +53,7 @@ def split_qkv(qkv: LinearSpec, q_rows: int, kv_rows: int) -> list[tuple[str, Lin
         sub_rows = [(max(s, a) - a, min(e, b) - a, sc) for s, e, sc in qkv.act_scale_rows if s < b and e > a]
         out.append((name, LinearSpec(weight=qkv.weight[a:b], quantized=qkv.quantized, act_scale=qkv.act_scale,
                                      act_scale_rows=sub_rows, pre=qkv.pre, quant_algo=qkv.quant_algo,
-                                     group_size=qkv.group_size)))
+                                     group_size=qkv.group_size, bias=None if qkv.bias is None else qkv.bias[a:b])))
     return out
 
 
@@ -101,7 +102,8 @@ class QuantLinear(nn.Module):
     """A linear with the checkpoint's dequantized weight and its input fake-quant.
 
     ``act_format``: None, "fp8", "int8", "nvfp4". Input ``x [..., in]`` -> ``[..., out]``:
-    ``x * pre`` (if any), then fake-quant with ``act_scale``, then ``x @ weight.T``.
+    ``x * pre`` (if any), then fake-quant with ``act_scale``, then ``x @ weight.T`` (``+ bias`` when the
+    checkpoint stores one: unquantized, added after the GEMM).
     """
 
     def __init__(self, spec: LinearSpec, act_format: Optional[str], dtype: torch.dtype,
@@ -112,6 +114,7 @@ class QuantLinear(nn.Module):
         self.shared = shared if act_format is not None and not spec.act_scale_rows else None
         self.register_buffer("pre", None if spec.pre is None else spec.pre.to(torch.float32))
         self.register_buffer("act_scale", None if spec.act_scale is None else spec.act_scale.to(torch.float32))
+        self.register_buffer("bias", None if spec.bias is None else spec.bias.to(dtype))
         self.act_scale_rows = [(a, b, s.to(torch.float32)) for a, b, s in spec.act_scale_rows]
         self.in_features = spec.weight.shape[1]
         self.out_features = spec.weight.shape[0]
@@ -129,15 +132,16 @@ class QuantLinear(nn.Module):
         if self.act_format is None:
             if self.pre is not None:
                 x = (x.to(torch.float32) * self.pre).to(x.dtype)
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
         if self.act_scale_rows:
             if self.pre is not None:
                 x = (x.to(torch.float32) * self.pre).to(x.dtype)
-            outs = [F.linear(self._quant(x, s), self.weight[a:b]) for a, b, s in self.act_scale_rows]
+            outs = [F.linear(self._quant(x, s), self.weight[a:b], None if self.bias is None else self.bias[a:b])
+                    for a, b, s in self.act_scale_rows]
             return torch.cat(outs, dim=-1)
         if self.shared is not None:
-            return F.linear(self.shared(x, self._prepared), self.weight)
-        return F.linear(self._prepared(x), self.weight)
+            return F.linear(self.shared(x, self._prepared), self.weight, self.bias)
+        return F.linear(self._prepared(x), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, act={self.act_format}, pre={self.pre is not None}"
@@ -252,9 +256,48 @@ def read_dequantized(ckpt_dir: Path) -> DequantizedCheckpoint:
     return dequantize_checkpoint(ckpt_dir)
 
 
+def _swap_linear(parent: nn.Module, attr: str, spec: LinearSpec, act: Optional[str], dtype: torch.dtype,
+                 shared: Optional[SharedInputQuant], where: str) -> None:
+    """Replace ``parent.attr`` (an HF linear on ``meta``) by the checkpoint's ``QuantLinear``; UserError when the
+    shapes differ or one of them has a bias the other lacks (the family's HF class says which linears carry one:
+    a Qwen2 checkpoint without its q/k/v biases, or biases in a Llama checkpoint, would be gated as another model)."""
+    old = getattr(parent, attr)
+    if tuple(old.weight.shape) != tuple(spec.weight.shape):
+        raise UserError(FIELD, f"{where} has shape {tuple(spec.weight.shape)}; the model expects {tuple(old.weight.shape)}.",
+                        "use the HF folder the checkpoint was made from.")
+    if (getattr(old, "bias", None) is not None) != (spec.bias is not None):
+        has = "has no bias" if spec.bias is None else "has a bias"
+        raise UserError(FIELD, f"{where} {has} but the {type(parent).__name__}'s {attr} {'has one' if spec.bias is None else 'has none'} "
+                        "(spec/families.py attention_bias).", "use the HF folder the checkpoint was made from, or re-export it.")
+    setattr(parent, attr, QuantLinear(spec, act, dtype, shared))
+
+
+def _swap_linears(layer: nn.Module, base: str, ck: DequantizedCheckpoint, fam, qkv: tuple[int, int], act,
+                  dtype: torch.dtype) -> None:
+    """Every linear of decoder layer ``layer`` from the checkpoint (``base`` = ``transformer.layers.N.``): the fused
+    ``attention.qkv`` split into q/k/v (``split_qkv`` with ``qkv`` = (q rows, kv rows)), the others one to one by the
+    family's names (``spec.families``); q/k/v and the fused gate/up pair each share one input fake-quant."""
+    specs = split_qkv(ck.linears[base + "attention.qkv"], *qkv)
+    shared = SharedInputQuant(3) if _shares_input_quant([sp for _, sp in specs]) else None
+    for name, spec in specs:
+        _swap_linear(layer.self_attn, name, spec, act(spec), dtype, shared, f"{base}attention.qkv ({name})")
+    # the fused group that spans two GEMMs (gate/up: mlp.fc + mlp.gate) reads one input: one shared input fake-quant
+    fused_mlp = next(fam.gemms_of(g) for g in fam.fused if len(fam.gemms_of(g)) > 1)
+    mlp_in = [ck.linears[base + trt] for trt in fused_mlp]
+    shared = SharedInputQuant(2) if _shares_input_quant(mlp_in) else None
+    for trt in fam.gemms:
+        if len(fam.gemm_hf(trt)) != 1:
+            continue
+        parent_name, attr = fam.gemm_hf(trt)[0].split(".")
+        spec = ck.linears[base + trt]
+        _swap_linear(getattr(layer, parent_name), attr, spec, act(spec), dtype, shared if trt in fused_mlp else None,
+                     base + trt)
+
+
 def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32,
                           device: str = "cpu") -> nn.Module:
-    """An HF ``LlamaForCausalLM`` that computes what the checkpoint says, on CPU
+    """The family's HF model (``spec.families``: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` with its q/k/v biases,
+    ``MistralForCausalLM`` with the HF config's ``sliding_window``) that computes what the checkpoint says, on CPU
     (``device="cuda"``: built on the host, then placed over the visible GPUs, ``place_on_cuda``).
 
     Either layout (``read_dequantized``). Architecture from ``hf_model_dir``'s config (checked against the checkpoint's config.json);
@@ -266,7 +309,6 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
     """
     import transformers
     from transformers import AutoConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     ck = read_dequantized(Path(ckpt_dir))  # refuses an architecture the gate does not read (GATE_ARCHITECTURES)
     cfg = ck.config
@@ -312,29 +354,11 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
         model.lm_head = QuantLinear(head, act(head), dtype)
     hd = int(cfg.get("head_size") or hf_cfg.hidden_size // hf_cfg.num_attention_heads)
     nq, nkv = qkv_rows(hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads, hd)
-    # the fused group that spans two GEMMs (gate/up: mlp.fc + mlp.gate) reads one input: one shared input fake-quant
-    fused_mlp = next(fam.gemms_of(g) for g in fam.fused if len(fam.gemms_of(g)) > 1)
-    single = [(trt, fam.gemm_hf(trt)[0]) for trt in fam.gemms if len(fam.gemm_hf(trt)) == 1]
     for i, layer in enumerate(model.model.layers):
         base = f"transformer.layers.{i}."
         _set_param(layer.input_layernorm, "weight", ck.tensors[base + "input_layernorm.weight"].to(dtype))
         _set_param(layer.post_attention_layernorm, "weight", ck.tensors[base + "post_layernorm.weight"].to(dtype))
-        # q/k/v share one input (and one activation scale): split the rows into three linears
-        specs = split_qkv(ck.linears[base + "attention.qkv"], nq, nkv)
-        shared = SharedInputQuant(3) if _shares_input_quant([sp for _, sp in specs]) else None
-        for name, spec in specs:
-            setattr(layer.self_attn, name, QuantLinear(spec, act(spec), dtype, shared))
-        mlp_in = [ck.linears[base + trt] for trt in fused_mlp]  # gate_proj and up_proj read one input
-        shared = SharedInputQuant(2) if _shares_input_quant(mlp_in) else None
-        for trt, hf in single:
-            spec = ck.linears[base + trt]
-            parent_name, attr = hf.split(".")
-            parent = getattr(layer, parent_name)
-            old = getattr(parent, attr)
-            if tuple(old.weight.shape) != tuple(spec.weight.shape):
-                raise UserError(FIELD, f"{base}{trt} has shape {tuple(spec.weight.shape)}; the model expects {tuple(old.weight.shape)}.",
-                                "use the HF folder the checkpoint was made from.")
-            setattr(parent, attr, QuantLinear(spec, act(spec), dtype, shared if trt in fused_mlp else None))
+        _swap_linears(layer, base, ck, fam, (nq, nkv), act, dtype)
         attn = layer.self_attn
         if kv_algo:
             ks, vs = ck.kv_scales[i]
@@ -344,7 +368,7 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
             attn.register_forward_pre_hook(_kv_cache_prehook, with_kwargs=True)
         else:
             attn.kv_format = None
-    model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_cfg, device="cpu")
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg, device="cpu")  # the family's own RoPE class
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p is not None and p.is_meta]
     if leftover:
         raise UserError(FIELD, f"no checkpoint tensor for {', '.join(leftover[:5])}.", "re-export the checkpoint.")

@@ -401,8 +401,10 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
     """Export ``qm`` as a TensorRT-LLM checkpoint into ``out_dir`` (replaced atomically); with
     ``job.export_format == "hf_unified"`` as ModelOpt's unified HF checkpoint instead (``export_hf_unified``).
 
-    ``export_tensorrt_llm_checkpoint(model, "llama", torch.bfloat16, tmp,
-    inference_tensor_parallel=tp_size)``, then config.json: ``logits_dtype`` = ``build.logits_dtype``;
+    ``export_tensorrt_llm_checkpoint(model, decoder, torch.bfloat16, tmp,
+    inference_tensor_parallel=tp_size)`` (``decoder``: the family's ``export_decoder``: "llama", "qwen"), then
+    config.json: ``logits_dtype`` = ``build.logits_dtype``; the family's ``trtllm_config`` fields where ModelOpt wrote
+    none (Qwen2: ``qwen_type``, ``attn_bias``, ``mlp_bias``, ``spec.families``);
     ``quantization.exclude_modules`` = sorted union of what ModelOpt wrote and the TensorRT-LLM
     names of the excluded linears. Also writes ``calibration.json`` (the calibration composition).
     """
@@ -442,6 +444,8 @@ def export_checkpoint(qm: QuantizedModel, out_dir: Path, show_progress: bool = T
         cfg_path = tmp / "config.json"
         conf = json.loads(cfg_path.read_text())
         conf["logits_dtype"] = job.logits_dtype
+        for key, value in fam.trtllm_config.items():  # what TensorRT-LLM's <Config>.from_hugging_face would have written
+            conf.setdefault(key, value)  # (ModelOpt does so only with tensorrt_llm installed; spec/families.py trtllm_config)
         quant = conf.get("quantization") or {}
         per_layer: dict[str, str] = {}
         if qm.search:

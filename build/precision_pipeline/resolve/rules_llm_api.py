@@ -1,6 +1,8 @@
 """The rules of the route and the TensorRT-LLM line (issue 28), registered after ``rules_fit.py``'s.
 
 * ``route.trtllm_version``: the route runs on the targeted line (the engine route needs trtllm-build: 1.2 only).
+* ``model.family_route``: the model's family runs on that route, line and format (``spec/capability.py``
+  ``FAMILY_TABLE``; Qwen3 on route llm_api only), refused at ``invoke check`` naming where it runs.
 * ``llm_api.args``: the ``llm_api:`` section holds TorchLlmArgs keys of that line ("did you mean"; legacy engine names
   name their replacement), none of the keys the profile renders from its own sections, none that would serve something
   other than what the gate measured (``spec/llm_args.py`` ``NOT_GATED``: model, backend, tokenizer, weights, dtype,
@@ -47,6 +49,20 @@ def _server_route(ctx: Context) -> list[Finding]:
                    f"--config); this profile's route is {ctx.route}, whose build renders Triton manifests, so the setting "
                    "would be ignored.", "remove deployment.server (Triton serves the engine route), or set route: "
                    "llm_api.")]
+
+
+@rule("model.sliding_window", "a model's attention window covers the served sequence, or a warning says it does not",
+      "tensorrtllm_backend docs/model_config.md:115 (max_attention_window_size: default max_sequence_length, every "
+      "token); spec/families.py (Mistral sources)", needs_gpu=False)
+def _sliding_window(ctx: Context) -> list[Finding]:
+    w, msl = ctx.model.sliding_window, ctx.limits["max_seq_len"]
+    if not w or w >= msl:
+        return []
+    return [warn("build.max_seq_len", f"{ctx.model.architecture} attends to its last {w:,} tokens (sliding_window) but "
+                 f"max_seq_len is {msl:,}: the served runtime attends to every token (this pipeline renders no "
+                 "max_attention_window_size / kv_cache_config.max_attention_window), so prompts longer than the window "
+                 "are served unlike the trained model; the gate's prompts are shorter and do not see it.",
+                 f"set build.max_seq_len <= {w}, or serve a model revision without a window (Mistral-7B from v0.2).")]
 
 
 def _dotted(d: dict, prefix: str = "") -> list[str]:

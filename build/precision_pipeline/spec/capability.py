@@ -26,6 +26,10 @@ SmoothQuant only as a TensorRT-LLM checkpoint, ModelOpt PR #345) and ``kv_cache_
 (``spec/llm_args.py`` ``KV_CACHE_DTYPES``). NVFP4 KV on Blackwell: ``kv_cache_config.dtype: nvfp4``
 (``tensorrt_llm/_torch/pyexecutor/model_loader.py``). W4A16 AWQ is not listed for Blackwell.
 
+Model families (``FAMILY_TABLE``, ``family_row``): which routes and lines run each family of the model-family
+registry and with which formats (rows from ``Family.routes``; a family x route x format without a row is refused at
+``invoke check``, rule ``model.family_route``, naming where it runs).
+
 Routes and lines (``ROUTE_LINES``): the engine route needs ``trtllm-build``, which exists through the 1.2 line only
 (removed on main by PR #15918/#16369, shared/reference/upstream-2026-12.md); the LLM-API route runs on 1.2.1 (Triton's
 LLM-API backend) and on 1.3.0rcN (trtllm-serve).
@@ -36,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from precision_pipeline.spec import families as FAM
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.llm_args import trtllm_line
@@ -168,6 +173,52 @@ def route_runs_line(route: str, version: str) -> bool:
         return False
 
 
+# -- model families x route x line x format (issue 29)
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """Model family ``architecture`` runs on ``route`` with TensorRT-LLM ``lines`` in every format that route's rows
+    run (``formats`` None) or only ``formats``; per ``source`` (the family's ``sources["routes"]``)."""
+
+    architecture: str
+    route: str
+    lines: tuple[str, ...]
+    source: str
+    formats: Optional[tuple[str, ...]] = None
+
+
+def _family_rows() -> tuple[FamilyRow, ...]:
+    """One row per family and route it runs on: the model-family registry's ``Family.routes`` (``spec/families.py``,
+    with its sources; one home) on each route's lines (``ROUTE_LINES``). A (family, route) without a row is refused."""
+    return tuple(FamilyRow(f.architecture, route, ROUTE_LINES[route], f.sources.get("routes", FAM.SRC_HF))
+                 for f in FAM.FAMILIES.values() for route in f.routes)
+
+
+FAMILY_TABLE: tuple[FamilyRow, ...] = _family_rows()
+"""Every (family, route) row: which routes and TensorRT-LLM lines run each model family, and with which formats."""
+
+
+def family_row(architecture: str, route: str, version: str, algo) -> Optional[FamilyRow]:
+    """The row that runs ``architecture`` on ``route`` / ``version``'s line in format ``algo`` (a QuantAlgo or its value),
+    or None: TensorRT-LLM does not run that combination (``family_support`` says where it does)."""
+    try:
+        line = trtllm_line(version)
+    except ValueError:
+        return None
+    value = getattr(algo, "value", algo)
+    return next((r for r in FAMILY_TABLE if r.architecture == architecture and r.route == route and line in r.lines
+                 and (r.formats is None or value in r.formats)), None)
+
+
+def family_support(architecture: str, algo) -> list[str]:
+    """Where ``architecture`` runs in format ``algo``: ``["route engine (TensorRT-LLM 1.2)", ...]`` (empty: nowhere)."""
+    value = getattr(algo, "value", algo)
+    return [f"route {r.route} (TensorRT-LLM {', '.join(r.lines)})" for r in FAMILY_TABLE
+            if r.architecture == architecture and (r.formats is None or value in r.formats)]
+
+
 __all__ = ["ROUTES", "ROUTE_LINES", "ROUTE_NEEDS", "Row", "TABLE", "row", "supports", "runnable", "route_runs_line",
            "where_supported", "refusal_on_route",
-           "SRC_PYTORCH_MATRIX", "SRC_ROUTE_LINES"]
+           "SRC_PYTORCH_MATRIX", "SRC_ROUTE_LINES",
+           "FamilyRow", "FAMILY_TABLE", "family_row", "family_support"]

@@ -10,9 +10,15 @@ reads lives here, and the stages look it up (torch-free):
   (``column``: output rows split over tp; ``row``: input columns split over tp);
 * ``fused``: linears TensorRT-LLM runs as one GEMM (QKV) or fuses at build time (gate/up): excluding one
   member of a group keeps the whole group in high precision;
-* ``norms`` (HF -> TensorRT-LLM), ``attention_bias``;
+* ``norms`` (HF -> TensorRT-LLM), ``attention_bias`` (q/k/v carry a bias: ``Family.bias_linears``);
+* ``trtllm_config``: the TensorRT-LLM checkpoint ``config.json`` fields the family's TensorRT-LLM model class reads
+  beyond the Llama ones (Qwen's ``qwen_type``, ``attn_bias``, ``mlp_bias``), which ModelOpt writes only through
+  TensorRT-LLM's own ``from_hugging_face`` when tensorrt_llm is installed: the quantize stage writes them;
+* ``sliding_window``: the family's HF config may set an attention window (``config.json`` ``sliding_window``);
 * ``moe``: the router and the expert linears (None for a dense family);
-* ``routes`` and ``trtllm_versions``: the serving routes and TensorRT-LLM versions that build it;
+* ``routes`` and ``trtllm_versions``: the serving routes that run it (on each route's TensorRT-LLM lines,
+  ``spec/capability.py`` ``ROUTE_LINES``; ``spec/capability.py`` ``family_row`` is the one question resolve asks) and
+  the TensorRT-LLM versions whose sources the entry was read from;
 * ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
   not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``, naming the stages
   ``Family.build_gaps`` lists; planning from config.json needs none of them);
@@ -107,10 +113,12 @@ class Family:
     norms: dict[str, str]
     attention_bias: bool = False
     moe: Optional[MoE] = None
-    routes: tuple[str, ...] = ("engine",)
+    routes: tuple[str, ...] = ("engine", "llm_api")
     trtllm_versions: tuple[str, ...] = ("1.2", "1.3")
     gate_reader: Optional[str] = None
     sources: dict[str, str] = field(default_factory=dict)
+    trtllm_config: dict = field(default_factory=dict)
+    sliding_window: bool = False
 
     # -- lookups
 
@@ -125,6 +133,18 @@ class Family:
         if self.gate_reader is None:
             gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"))
         return tuple(gaps)
+
+    @property
+    def bias_linears(self) -> tuple[str, ...]:
+        """HF linears (relative) that carry a bias, kept unquantized by the export: q/k/v when ``attention_bias``
+        (Qwen2: q/k/v_proj bias=True, o_proj none; TensorRT-LLM ``Attention(bias=attn_bias, dense_bias=False)``),
+        else none."""
+        return _QKV if self.attention_bias else ()
+
+    @property
+    def bias_gemms(self) -> tuple[str, ...]:
+        """TensorRT-LLM GEMMs (relative) that carry a bias (``attention.qkv`` for Qwen2: one fused ``[q; k; v]`` bias)."""
+        return self.gemms_of(self.bias_linears)
 
     @property
     def hf_to_trt(self) -> dict[str, str]:
@@ -251,7 +271,19 @@ _QWEN2_SOURCES = {
               "(@register_auto_model(\"Qwen2ForCausalLM\"))",
     "linears": f"{SRC_LOADER} (QWenForCausalLM.from_hugging_face loads qwen2 with the unified ModelWeightsLoader, "
                "no custom names)",
+    "export": "ModelOpt 0.47 modelopt/torch/export/model_utils.py:36 (MODEL_NAME_TO_TYPE \"QWen\" -> \"qwen\", matched "
+              "case-insensitively in the class name, :84-86); model_config_export.py:154-155 and tensorrt_llm_utils.py:145 "
+              "(architecture = the HF config's architectures[0]), tensorrt_llm_utils.py:190-215 (TensorRT-LLM's QWenConfig.from_hugging_face writes the config when tensorrt_llm is "
+              "installed), :240 (else the manual config: no qwen_type, attn_bias, mlp_bias)",
+    "trtllm_config": "tensorrt_llm/models/qwen/config.py at 0428c18 (QWenConfig.from_hugging_face: qwen_type = "
+                     "hf_config.model_type, line 91; attn_bias True but for qwen3/qwen3_moe, lines 120-124; mlp_bias "
+                     "default False, line 27); tensorrt_llm/models/qwen/model.py at 04a2cac (QWenDecoderLayer: "
+                     "bias=config.attn_bias line 67, dense_bias=False line 74, qwen_type 'qwen' halves "
+                     "intermediate_size, lines 104-110: a config without qwen_type builds a wrong model)",
+    "gate": "gate/model.py load_checkpoint_model (an HF Qwen2ForCausalLM fed the dequantized checkpoint, q/k/v biases "
+            "from attention.qkv.bias)",
 }
+_QWEN2_TRTLLM = {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False}
 
 # Mistral: Llama's layout and names, no biases; sliding_window (4096 in Mistral-7B v0.1, null from v0.2) is a
 # run-time setting on the engine route, not modelled by the planner (the KV cache is planned for max_seq_len: an
@@ -262,7 +294,33 @@ _MISTRAL_SOURCES = {
               "on LlamaModel, attention_bias False)",
     "sliding_window": "tensorrtllm_backend docs/model_config.md:115 (max_attention_window_size: the tokens attended "
                       "with sliding window attention; default max_sequence_length, i.e. all tokens)",
+    "export": "ModelOpt 0.47 modelopt/torch/export/model_utils.py:26 (MODEL_NAME_TO_TYPE \"Mistral\" -> \"llama\"); "
+              "model_config_export.py:154-155 (architecture MistralForCausalLM; the checkpoint has no window field)",
+    "gate": "gate/model.py load_checkpoint_model (an HF MistralForCausalLM with the HF config's sliding_window)",
 }
+
+# Qwen3 (dense): Qwen2's layout without biases, plus an RMSNorm over each head's q and k (QK-norm) before RoPE.
+# * HF: transformers models/qwen3/modeling_qwen3.py (Qwen3Attention: q_norm, k_norm = Qwen3RMSNorm(head_dim);
+#   attention_bias False in the shipped configs).
+# * PyTorch backend (LLM API): tensorrt_llm/_torch/models/modeling_qwen3.py at 010bb95 (@register_auto_model(
+#   "Qwen3ForCausalLM"), Qwen3DecoderLayer: QKNormRoPEAttention(bias=config.attention_bias)).
+# * engine route: tensorrt_llm/models/qwen/config.py at 0428c18 accepts qwen_type qwen3 (attn_bias False), but
+#   tensorrt_llm/models/qwen/model.py at 04a2cac builds Attention(...) without a Q/K norm (lines 58-74): an engine
+#   would drop q_norm / k_norm, so the registry gives Qwen3 the llm_api route only (spec/capability.py family rows).
+_QWEN3_SOURCES = {
+    "norms": "transformers models/qwen3/modeling_qwen3.py (q_norm, k_norm: RMSNorm(head_dim) per layer); TensorRT-LLM "
+             "names attention.q_layernorm / attention.k_layernorm (tensorrt_llm/models/qwen/convert.py, qwen3 branch)",
+    "routes": "llm_api: tensorrt_llm/_torch/models/modeling_qwen3.py at 010bb95 (@register_auto_model(\"Qwen3ForCausalLM\"), "
+              "QKNormRoPEAttention); not engine: tensorrt_llm/models/qwen/model.py at 04a2cac lines 58-74 (QWenDecoderLayer's "
+              "Attention has no Q/K norm: the engine would drop q_norm/k_norm)",
+    "trtllm_config": "tensorrt_llm/models/qwen/config.py at 0428c18 (qwen_type = model_type, line 91; attn_bias False for "
+                     "qwen3, lines 120-124)",
+}
+_QWEN3 = Family(architecture="Qwen3ForCausalLM", model_type="qwen3", trtllm_class="QWenForCausalLM", export_decoder=None,
+                linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED,
+                norms={**_NORMS, "self_attn.q_norm": "attention.q_layernorm", "self_attn.k_norm": "attention.k_layernorm"},
+                routes=("llm_api",), trtllm_config={"qwen_type": "qwen3", "attn_bias": False},
+                sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py", **_QWEN3_SOURCES})
 
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -270,13 +328,17 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="llama", routes=("engine", "llm_api"),
            sources={**_NAME_SOURCES, "export": "ModelOpt 0.47 export_tensorrt_llm_checkpoint(model, 'llama', ...)",
                     "gate": "gate/model.py load_checkpoint_model (an HF LlamaForCausalLM fed the dequantized checkpoint)"}),
-    _planned("MistralForCausalLM", "mistral", "LLaMAForCausalLM", sources=_MISTRAL_SOURCES),
+    Family(architecture="MistralForCausalLM", model_type="mistral", trtllm_class="LLaMAForCausalLM",
+           export_decoder="llama", linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="mistral",
+           sliding_window=True, sources={**_NAME_SOURCES, **_MISTRAL_SOURCES}),
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
            sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
-    _planned("Qwen2ForCausalLM", "qwen2", "QWenForCausalLM", attention_bias=True, sources=_QWEN2_SOURCES),
+    Family(architecture="Qwen2ForCausalLM", model_type="qwen2", trtllm_class="QWenForCausalLM", export_decoder="qwen",
+           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, attention_bias=True, gate_reader="qwen2",
+           trtllm_config=_QWEN2_TRTLLM, sources={**_NAME_SOURCES, **_QWEN2_SOURCES}),
     _planned("Qwen2MoeForCausalLM", "qwen2_moe", "QWenForCausalLM", attention_bias=True, moe=_QWEN_MOE),
-    _planned("Qwen3ForCausalLM", "qwen3", "QWenForCausalLM"),
+    _QWEN3,
     _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE),
 )}
 """Every architecture the pipeline accepts, by HF class name (``config.json`` ``architectures[0]``)."""
@@ -343,7 +405,9 @@ def family_problems(fam: Family, route: str, line: str, quant_algo: str) -> list
     (``Family.routes``, ``Family.trtllm_versions``, ``FAMILY_FORMATS``); [] when all are."""
     out = []
     if route not in fam.routes:
-        out.append(("route", f"{fam.architecture} is not served on the {route} route ({fam.sources.get('routes', '')}).",
+        where = " and ".join(f"route {r} (TensorRT-LLM {', '.join(fam.trtllm_versions)})" for r in fam.routes)
+        out.append(("route", f"{fam.architecture} is not served on the {route} route; it runs on {where} "
+                    f"({fam.sources.get('routes', 'spec/families.py')}).",
                     f"use route: {' or '.join(fam.routes)}."))
     if line not in fam.trtllm_versions:
         out.append(("target.trtllm_version", f"{fam.architecture} is not served by TensorRT-LLM {line}.",

@@ -60,6 +60,9 @@ class ModelArch(BaseModel):
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     attention_bias: bool = False
+    sliding_window: Optional[int] = None
+    """Tokens each position attends to (``config.json`` ``sliding_window``) for a family with a window
+    (``Family.sliding_window``: Mistral); None: every token."""
     dtype: str = "bfloat16"
     num_params: int = 0
     quantized_as: Optional[str] = None
@@ -180,6 +183,7 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
         num_experts_per_tok=int(topk), moe_intermediate_size=moe_inter,
         shared_expert_intermediate_size=int(shared),
         attention_bias=bool(cfg.get("attention_bias", fam.attention_bias)),
+        sliding_window=_int(cfg, "sliding_window", path, required=False) if fam.sliding_window else None,
         dtype=str(dtype),
     )
     qc = cfg.get("quantization_config")
