@@ -249,6 +249,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
+def gate_cache(tmp_path_factory):
+    """``GateRuntime.reference_cache`` for the tests' gate runs: the gate's own reference cache (None, i.e.
+    ``<cache>/gate-ref``, keyed by model, tokens, options and library versions), so the FP32 reference and BF16 floor
+    of a golden subset are computed once per machine, not once per session (the FP32 + BF16 floor pass was ~3/4 of
+    test_gate.py's ``self_gate``); ``PRECISION_TEST_CKPT_CACHE=0``: a fresh one per session. The cold path (computed,
+    written, then read) is asserted on the 2-layer model in tests/gate/test_gate_speed_paths.py."""
+    if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") == "0":
+        return tmp_path_factory.mktemp("gate-ref-cache")
+    return None
+
+
+@pytest.fixture(scope="session")
 def smollm_2layers(tmp_path_factory, default_model_dir) -> Path:
     """SmolLM2-135M-Instruct cut to its first 2 decoder layers (same tokenizer, same weights):
     the real model, small enough for a per-layer search in seconds."""
