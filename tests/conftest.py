@@ -30,6 +30,15 @@ def _threads_per_xdist_worker() -> None:
 _threads_per_xdist_worker()
 
 
+def pytest_configure(config):
+    """A pytest that is not an xdist worker (one started by a test inside a worker, e.g. ``invoke mutate``'s runs in
+    tests/test_mutate.py) inherits the worker's ``PYTEST_XDIST_WORKER``: removed here, so that ``once_per_run`` and
+    the file order below see a plain run."""
+    if not hasattr(config, "workerinput"):
+        os.environ.pop("PYTEST_XDIST_WORKER", None)
+        os.environ.pop("PYTEST_XDIST_WORKER_COUNT", None)
+
+
 def once_per_run(tmp_path_factory, name: str, make) -> Path:
     """``make(folder)`` run once per test run and its ``folder`` shared: a session fixture that builds outputs
     (a gate run, packed units) is set up once per process, so under pytest-xdist each worker that needs it would

@@ -95,3 +95,13 @@ def test_once_per_run_builds_once_and_rebuilds_after_a_failure(tmp_path, monkeyp
     assert sorted(p.name for p in got.iterdir()) == ["out.txt"]  # the failed attempt's files are gone
     other = types.SimpleNamespace(getbasetemp=lambda: tmp_path / "popen-gw0")  # another worker: reads it
     assert conftest.once_per_run(other, "thing", make) == got and len(calls) == 1
+
+
+def test_a_pytest_started_inside_a_worker_is_a_plain_run(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # inherited from the worker that started it
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    conftest.pytest_configure(types.SimpleNamespace())
+    assert "PYTEST_XDIST_WORKER" not in conftest.os.environ and "PYTEST_XDIST_WORKER_COUNT" not in conftest.os.environ
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    conftest.pytest_configure(types.SimpleNamespace(workerinput={"workerid": "gw0"}))  # a worker keeps it
+    assert conftest.os.environ["PYTEST_XDIST_WORKER"] == "gw0"
