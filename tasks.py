@@ -164,10 +164,15 @@ def bench(c, name, args=""):
         raise Exit(code=r.exited)
 
 
-@task(help={"k": "pytest -k expression", "fast": "skip tests marked slow"})
-def test(c, k=None, fast=False):
-    """Run the test suite (what CI runs)."""
+@task(help={"k": "pytest -k expression", "fast": "skip tests marked slow",
+            "workers": "pytest-xdist worker processes (default 2, for 2 cores; 0: one process, no xdist)"})
+def test(c, k=None, fast=False, workers=2):
+    """Run the test suite (what CI runs): pytest-xdist workers, each test file on one worker (README, Suite time)."""
     cmd = f"{sys.executable} -m pytest -q --durations=15"  # the 15 slowest in every log (README, Testing)
+    if int(workers) > 0:
+        # loadfile: a file's tests share its module fixtures (servers, builds) on one worker; files in the order
+        # tests/conftest.py puts them (heaviest first), not xdist's default (most tests first)
+        cmd += f" -n {int(workers)} --dist loadfile --no-loadscope-reorder"
     if k:
         cmd += f" -k {k!r}"
     if fast:

@@ -14,6 +14,55 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _threads_per_xdist_worker() -> None:
+    """Under pytest-xdist (``invoke test`` runs ``-n 2``): each worker's torch/OpenMP threads = the cores this process
+    may use / the number of workers (at least 1), so that the workers do not oversubscribe the cores (more threads
+    than free cores makes torch CPU inference several times slower: ``gate.threads.thread_choice``). Set before
+    torch is imported (it reads ``OMP_NUM_THREADS`` at start); subprocesses (a build, a server) inherit it. The
+    gate still picks its own count per run (``gate.threads.auto_threads``: the cores other processes leave free)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
+        per = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ.setdefault(key, per)
+
+
+_threads_per_xdist_worker()
+
+
+def pytest_configure(config):
+    """A pytest that is not an xdist worker (one started by a test inside a worker, e.g. ``invoke mutate``'s runs in
+    tests/test_mutate.py) inherits the worker's ``PYTEST_XDIST_WORKER``: removed here, so that ``once_per_run`` and
+    the file order below see a plain run."""
+    if not hasattr(config, "workerinput"):
+        os.environ.pop("PYTEST_XDIST_WORKER", None)
+        os.environ.pop("PYTEST_XDIST_WORKER_COUNT", None)
+
+
+def once_per_run(tmp_path_factory, name: str, make) -> Path:
+    """``make(folder)`` run once per test run and its ``folder`` shared: a session fixture that builds outputs
+    (a gate run, packed units) is set up once per process, so under pytest-xdist each worker that needs it would
+    build it again. The first worker builds it under a file lock (``core.store.locked``) in the run's shared
+    temporary folder (the parent of the workers' base temps); the others wait for it and read it. Without xdist,
+    the session's base temp. ``make`` must fill ``folder`` completely (it is marked done only after it returns);
+    readers must not write into it. Returns ``folder``."""
+    from precision_pipeline.core.store import locked
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/ holds popen-gw0, popen-gw1, ...: one per run, shared by its workers
+    folder = root / f"once-{name}"
+    with locked(root / f".once-{name}.lock", timeout_s=3600):
+        if not (root / f".once-{name}.done").is_file():
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed while building left it half made
+            folder.mkdir(parents=True)
+            make(folder)
+            (root / f".once-{name}.done").write_text("ok\n")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct HF folder (made by the set-up script)."""
@@ -209,6 +258,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
+def gate_cache(tmp_path_factory):
+    """``GateRuntime.reference_cache`` for the tests' gate runs: the gate's own reference cache (None, i.e.
+    ``<cache>/gate-ref``, keyed by model, tokens, options and library versions), so the FP32 reference and BF16 floor
+    of a golden subset are computed once per machine, not once per session (the FP32 + BF16 floor pass was ~3/4 of
+    test_gate.py's ``self_gate``); ``PRECISION_TEST_CKPT_CACHE=0``: a fresh one per session. The cold path (computed,
+    written, then read) is asserted on the 2-layer model in tests/gate/test_gate_speed_paths.py."""
+    if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") == "0":
+        return tmp_path_factory.mktemp("gate-ref-cache")
+    return None
+
+
+@pytest.fixture(scope="session")
 def smollm_2layers(tmp_path_factory, default_model_dir) -> Path:
     """SmolLM2-135M-Instruct cut to its first 2 decoder layers (same tokenizer, same weights):
     the real model, small enough for a per-layer search in seconds."""
@@ -339,3 +400,37 @@ def invoke_here(capfd, monkeypatch):
         return subprocess.CompletedProcess(["invoke", *args], code, out.out, out.err)
 
     return run
+
+
+HEAVIEST_FILES = (
+    "tests/core/test_stages.py", "tests/test_nightly.py", "tests/serving/test_rollout.py",
+    "tests/serving/test_release_live.py", "tests/serving/test_release.py", "tests/serving/test_observability.py",
+    "tests/checkpoint/test_hf_unified.py", "tests/gate/test_gate_mutations.py", "tests/gate/test_gate.py",
+    "tests/serving/test_serve.py", "tests/quantize/test_mixed_precision.py",
+)
+"""The files that take longest (README "Suite time": their tests share one server or build per module, several
+minutes each): under pytest-xdist they are handed out first (``invoke test`` passes ``--no-loadscope-reorder``), so
+that no worker starts one of them while the other has nothing left to do. Only the order; a missing or stale entry
+costs time, never a result."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist only (a plain run keeps pytest's order, as ``invoke mutate`` and narrow runs use it): test
+    files in the order the workers get them with ``--dist loadfile``: ``HEAVIEST_FILES``, then the other files with
+    ``slow`` tests (most first), then the rest; the tests of a file keep their order. The same on every worker (the
+    order is computed from the collection alone; xdist aborts a run whose workers collected different orders)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def rank(entry: tuple[int, str]) -> tuple:
+        pos, name = entry
+        if name in HEAVIEST_FILES:
+            return (0, HEAVIEST_FILES.index(name), pos)
+        slow = sum(1 for it in files[name] if it.get_closest_marker("slow") is not None)
+        return (1, -slow, pos) if slow else (2, 0, pos)
+
+    order = sorted(enumerate(files), key=rank)
+    items[:] = [it for _, name in order for it in files[name]]

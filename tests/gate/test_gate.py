@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from html.parser import HTMLParser
 
 import numpy as np
@@ -162,17 +161,6 @@ def test_reference_key_hashes_gate_options(default_model_dir):
 # End to end on the default model (small subset)
 
 SUBSET = GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200)
-
-
-@pytest.fixture(scope="session")
-def gate_cache(tmp_path_factory):
-    """The gate's own reference cache (``<cache>/gate-ref``, keyed by model, tokens, options and library versions),
-    so the FP32 reference and BF16 floor of ``SUBSET`` are computed once per machine, not once per session (the
-    FP32 + BF16 floor pass was ~3/4 of ``self_gate``); ``PRECISION_TEST_CKPT_CACHE=0``: a fresh one per session.
-    The cold path (computed, written, then read) is asserted on the 2-layer model in test_gate_speed_paths.py."""
-    if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") == "0":
-        return tmp_path_factory.mktemp("gate-ref-cache")
-    return None
 
 
 def _runtime(cache) -> GateRuntime:
