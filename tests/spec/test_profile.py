@@ -84,6 +84,21 @@ def test_extends_relative_path_chain(tmp_path):
     assert (prof.target.gpu, prof.build.max_batch_size, prof.build.max_seq_len) == ("l4", 8, 200)
 
 
+def test_fallback_is_found_beside_the_profile_like_extends(tmp_path, monkeypatch):
+    """s9 hostile round F9: ``deployment.fallback: bf16b`` beside the profile was "no shipped profile named 'bf16b'",
+    and ``bf16b.yaml`` was read from the current directory."""
+    write(tmp_path, "bf16b.yaml", {"extends": "bf16-h100"})
+    monkeypatch.chdir("/")
+    for given in ("bf16b", "bf16b.yaml", "./bf16b.yaml"):
+        p = write(tmp_path, "fp8a.yaml", {"extends": "fp8-h100", "deployment": {"fallback": given}})
+        fb = load_profile(str(p)).deployment.fallback
+        assert fb == str((tmp_path / "bf16b.yaml").resolve()), given
+        assert load_profile(fb).quantization.quant_algo.value == "NO_QUANT"
+    # a shipped name with no file beside it stays the shipped profile
+    p = write(tmp_path, "fp8c.yaml", {"extends": "fp8-h100", "deployment": {"fallback": "bf16-h100"}})
+    assert load_profile(str(p)).deployment.fallback == "bf16-h100"
+
+
 def test_extends_cycle(tmp_path):
     write(tmp_path, "a.yaml", {"extends": "./b.yaml", "target": {"gpu": "l4"}})
     write(tmp_path, "b.yaml", {"extends": "./a.yaml"})

@@ -185,6 +185,10 @@ def test_fp8_attention_without_a_long_prompt_rule_is_flagged(default_model_dir):
     late = P.resolve(prof("fp8-h100", deployment__warm_fallback=True,
                           routing={"rules": [{**LONG, "prompt_tokens_over": 3000}, DEFAULT]}), default_model_dir)
     assert [x for x in late.warnings if "routing.rules" in x]
+    # s9 hostile round F10: a default that already sends every prompt to the fallback needs no long-prompt rule
+    everything = P.resolve(prof("fp8-h100", deployment__warm_fallback=True,
+                                routing={"rules": [{"name": "default", "target": "fallback"}]}), default_model_dir)
+    assert not [x for x in everything.warnings if "routing.rules" in x]
     # a short max_input_len: nothing is long
     short = P.resolve(prof("fp8-h100", build__max_input_len=2048, deployment__warm_fallback=True,
                            routing={"rules": [STRICT, DEFAULT]}), default_model_dir)

@@ -408,7 +408,8 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
     lock taken can say who holds it. ``timeout_s``: seconds to wait (None: for ever; 0: not at all);
     ``on_wait(message)`` is called every ``interval_s`` seconds while waiting. When the time is up,
     raises ``UserError(field, "... held by pid N on HOST since T ...", busy_fix)`` (exit 2), never a
-    timeout traceback. ``folder_lock``: also hold an exclusive ``flock`` on ``path``'s folder itself
+    timeout traceback; a lock file that cannot be created (a read-only folder, ``/proc``) raises ``UserError`` at
+    once instead of waiting (filelock would retry it as if it were held). ``folder_lock``: also hold an exclusive ``flock`` on ``path``'s folder itself
     (``_DirLock``), taken after the file lock: deleting the lock file (``rm .build.lock``) then lets no
     second holder in, because the folder's lock is still held."""
     from filelock import Timeout
@@ -416,7 +417,12 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
     from precision_pipeline.core.errors import UserError
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))  # filelock retries a file it cannot create for ever
+    except OSError as e:
+        raise UserError(field, f"cannot create the lock file {path}: {e.strerror or e}.",
+                        "use a folder this user can write to (the lock lives beside what it protects).") from None
     lock = FileLock(str(path))
     folder = _DirLock(path.parent) if folder_lock else None
     t0 = time.monotonic()

@@ -78,8 +78,11 @@ def _routing(ctx: Context) -> list[Finding]:
                               "counts it), or target primary."))
     kv = F.kv(p.quantization.kv_cache_quant_algo)
     fp8_attention = p.context_phase.use_fp8_context_fmha or kv.is_quantized
-    long_to_fallback = any(rr.target == "fallback" and rr.prompt_tokens_over is not None
-                           and rr.prompt_tokens_over <= r.long_context_tokens for rr in r.rules)
+    # where a long prompt of no tier goes with no signal rule on: the decision file the BLS runs decides it (one home)
+    from precision_pipeline.spec.routing import evaluator, routing_table
+
+    long_prompt = {"prompt_tokens": r.long_context_tokens + 1, "max_tokens": 1, "tier": None}
+    long_to_fallback = evaluator().decide(routing_table(r), long_prompt).target == "fallback"
     mil = int(ctx.limits.get("max_input_len") or 0)
     if fp8_attention and mil > r.long_context_tokens and not long_to_fallback:
         out.append(warn("routing.rules", f"the primary attends in low precision (KV cache {kv.value}"

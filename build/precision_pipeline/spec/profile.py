@@ -310,7 +310,7 @@ class Deployment(_Strict):
 
     gpus_per_replica: Optional[int] = Field(None, ge=1, le=1024, description="Default tp_size x pp_size; must equal it.")
     replicas: int = Field(1, ge=1, le=10000, description="Pods of the Kubernetes Deployment.")
-    fallback: Optional[str] = Field(None, description="Profile whose prebuilt engine is kept for rollback (usually a bf16 one).")
+    fallback: Optional[str] = Field(None, description="Profile whose prebuilt engine is kept for rollback (usually a bf16 one): a name or path, found as extends is (beside this profile first, then shipped).")
     warm_fallback: bool = Field(False, description="Keep the fallback loaded (instant rollback; costs its GPU memory).")
     keep_releases: int = Field(2, ge=0, le=100, description="Previous releases kept on disk for rollback.")
     workload: Literal["deployment", "argo-rollout"] = Field(
@@ -702,6 +702,12 @@ def load_profile(name_or_path: str) -> Profile:
     Raises UserError (exit 2) with the field, the reason and a fix.
     """
     data = load_raw(name_or_path)
+    dep, here = data.get("deployment"), resolve_profile_path(name_or_path).parent
+    fb = dep.get("fallback") if isinstance(dep, dict) else None
+    if isinstance(fb, str) and fb and not Path(fb).is_absolute() and not _inside(here, PROFILES_DIR.resolve()):
+        beside = here / (fb if "/" in fb or fb.endswith((".yaml", ".yml")) else f"{fb}.yaml")
+        if _is_file(beside):  # deployment.fallback is found as extends is: beside the profile first, then shipped
+            data["deployment"] = {**dep, "fallback": str(beside.resolve())}
     return validate_profile(data, source=str(name_or_path))
 
 
