@@ -89,10 +89,10 @@ def test_fallback_is_found_beside_the_profile_like_extends(tmp_path, monkeypatch
     and ``bf16b.yaml`` was read from the current directory."""
     write(tmp_path, "bf16b.yaml", {"extends": "bf16-h100"})
     monkeypatch.chdir("/")
-    for given in ("bf16b", "bf16b.yaml", "./bf16b.yaml"):
-        p = write(tmp_path, "fp8a.yaml", {"extends": "fp8-h100", "deployment": {"fallback": given}})
+    for named in ("bf16b", "bf16b.yaml", "./bf16b.yaml"):
+        p = write(tmp_path, "fp8a.yaml", {"extends": "fp8-h100", "deployment": {"fallback": named}})
         fb = load_profile(str(p)).deployment.fallback
-        assert fb == str((tmp_path / "bf16b.yaml").resolve()), given
+        assert fb == str((tmp_path / "bf16b.yaml").resolve()), named
         assert load_profile(fb).quantization.quant_algo.value == "NO_QUANT"
     # a shipped name with no file beside it stays the shipped profile
     p = write(tmp_path, "fp8c.yaml", {"extends": "fp8-h100", "deployment": {"fallback": "bf16-h100"}})
