@@ -19,6 +19,15 @@ from precision_pipeline.serving.release_units import is_any_unit
 SMOKE_PROMPT = "What is 2 + 2?"
 
 
+def _check_smoke_text(unit: str, text: str, expect) -> None:
+    """The smoke test's verdict on a unit's answer (either unit kind): RuntimeError for empty text, or text other
+    than ``expect`` when one is given."""
+    if not text.strip():
+        raise RuntimeError(f"smoke test of {unit}: empty text")
+    if expect is not None and text != expect:
+        raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
+
+
 def load_unit(server, unit: str, field: str, serving: str, fix: str) -> None:
     """``server.load(unit)``; a unit the server refuses to load (a damaged or outdated unit: the backend's
     own message) is a UserError on ``field`` (exit 2) saying that ``serving`` still serves, not a traceback."""
@@ -89,10 +98,7 @@ def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int
         text = c.infer("postprocessing", [tb, sl]).as_numpy("OUTPUT").reshape(-1)[0].decode()
     finally:
         c.close()
-    if not text.strip():
-        raise RuntimeError(f"smoke test of {unit}: empty text")
-    if expect is not None and text != expect:
-        raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
+    _check_smoke_text(unit, text, expect)
     return {"text": text, "tokens": k, "ms": (time.perf_counter() - t0) * 1e3}
 
 
@@ -143,10 +149,7 @@ def smoke_llm_api(server, unit: str, *, prompt: str = LLM_API_SMOKE_PROMPT, max_
         text = llm_api_text(c, unit, prompt, max_tokens)
     finally:
         c.close()
-    if not text.strip():
-        raise RuntimeError(f"smoke test of {unit}: empty text")
-    if expect is not None and text != expect:
-        raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
+    _check_smoke_text(unit, text, expect)
     return {"text": text, "ms": (time.perf_counter() - t0) * 1e3}
 
 
