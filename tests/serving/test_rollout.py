@@ -390,7 +390,7 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
     [pr] = probes  # the LLM-API candidate was judged by the text probe: top-1 through text, no KL
     assert pr.summary()["method"] == "text" and pr.kl_p99 is None and "no logits" in pr.checks["kl_p99"]["why"]
     assert pr.passed and pr.tokens >= 20 and pr.checks["top1"]["threshold"] == probe_set.thresholds.top1_min
-    assert abs(pr.top1 - pr.gate_same_prompts["top1"]) <= 2 / pr.tokens  # the stand-in serves the gated checkpoint
+    assert abs(pr.top1 - pr.gate_same_prompts["top1"]) * pr.tokens <= 2 + 1e-9  # at most 2 tokens apart (the stand-in serves the gated checkpoint); counts, not a float ratio: 2/172 once failed by 2e-17
     assert res.steps[0]["candidate"]["success"] > 0 and res.steps[0]["candidate"]["failure"] == 0
     st = release_state.read_state(repo)
     assert [h["action"] for h in st["history"][-3:]] == ["promote", "rollout", "rollback"]
