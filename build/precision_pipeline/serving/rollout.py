@@ -10,7 +10,9 @@
    checks run:
 
    * ``probe``: the accuracy probe (serving/probe.py) against the candidate, thresholds from the
-     profile's gate section (KL P99, top-1 on the answer tokens);
+     profile's gate section (KL P99, top-1 on the answer tokens); with a routing table the step's ``probe``
+     numbers name the routes the candidate serves (``route``: the stable unit's in ``probe.route_units``, the
+     rules that send requests to the primary, whose share the candidate takes);
    * ``errors``: the candidate's failed requests in the step's window (server metrics
      ``nv_inference_request_failure``) must be 0 (``max_failures``);
    * ``latency``: the candidate's mean request latency (``nv_inference_request_duration_us`` /
@@ -267,6 +269,7 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
     with terminate_as_interrupt():
         ro = release_rollout.begin_rollout(repo_dir, engine_unit, server=server, profile=profile, gate=gate, steps=steps, by=by)
         cand, stable = ro["candidate"], ro["stable"]
+        route = probe.route_units(repo_dir).get(stable, "")  # the routes the candidate takes over (its probe's)
         res = RolloutResult("rolled_back", cand, stable)
         url = metrics_url(server)
         prev_numbers = None
@@ -309,6 +312,8 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
                     res.status = "aborted"
                     break
                 nums, failed = _evaluate(server, probe_set, stable, cand, a, b, pct, checks, probe_fn)
+                if route and "probe" in nums:
+                    nums["probe"]["route"] = route
                 res.steps.append({**nums, "passed": failed is None})
                 if on_step:
                     on_step(res.steps[-1])
