@@ -127,8 +127,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
         con.print(f"  {s['percent']:>3} %: " + ("switched" if s["percent"] == 100 else
                   f"candidate {s['candidate']['success']} ok / {s['candidate']['failure']} failed, share "
                   f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {_num(pr.get('kl_p99'))} top-1 "
-                  f"{_num(pr.get('top1'), 3)}{' (route ' + pr['route'] + ')' if pr.get('route') else ''} -> "
-                  f"{'pass' if s.get('passed') else 'FAIL'}"))
+                  f"{_num(pr.get('top1'), 3)}{_on_route(pr.get('route'))} -> {'pass' if s.get('passed') else 'FAIL'}"))
 
     con.print(f"rolling out {prof.name} in steps {','.join(map(str, step_list))} ({hold_s:g} s each) on {url}")
     res = ro.rollout(repo_dir, b.packed, server, pset, steps=step_list, hold_s=hold_s, profile=prof.name, gate=ok.gate,
@@ -219,7 +218,7 @@ def _probe_one(con, server, unit: str, pset, repo_dir, prof_name: str, exporter,
 
     rec = pr.probe_and_record(server, unit, pset, repo_dir=repo_dir, profile=prof_name, exporter=exporter, route=route)
     s = rec["probe"]
-    on = f" (route {route})" if route else ""
+    on = _on_route(route)
     if "error" in s:
         con.print(f"[red]probe of {unit}{on} failed[/]: {s['error']}")
     else:
@@ -231,6 +230,11 @@ def _probe_one(con, server, unit: str, pset, repo_dir, prof_name: str, exporter,
         con.print(f"[yellow]note[/]: releases.json cannot be written ({rec['not_recorded']}); the result is "
                   + (f"recorded in {rec['recorded_in']}" if rec["recorded_in"] else "only printed above"), soft_wrap=True)
     return s
+
+
+def _on_route(route) -> str:
+    """`` (route R)`` for a probe of a unit that serves routing rules ``R`` (``probe.route_units``), else ``""``."""
+    return f" (route {route})" if route else ""
 
 
 def _num(v, digits: int = 4) -> str:

@@ -235,6 +235,20 @@ def _evaluate(server, probe_set, stable: str, cand: str, a: dict, b: dict, perce
     return nums, failed
 
 
+def _naming(probe_fn: Callable, route: str) -> Callable:
+    """``probe_fn`` whose results' ``summary()`` also names ``route`` (``probe.route_units``: the routes of the stable
+    unit, which the candidate takes over), so a step's probe numbers and a rollback's record say which requests."""
+    if not route:
+        return probe_fn
+
+    def run(server, unit, probe_set):
+        pr = probe_fn(server, unit, probe_set)
+        summary = pr.summary
+        pr.summary = lambda: {**summary(), "route": route}
+        return pr
+    return run
+
+
 def abort(repo_dir: Path, server=None, *, failed_check: str = "manual abort", numbers: dict | None = None,
           by: str = "invoke rollout --abort", t_decision: float | None = None, verify: bool = True) -> dict:
     """All traffic back to the stable release, candidate unloaded, the abort recorded (module doc;
@@ -260,16 +274,15 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
     from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     steps = parse_steps(list(steps))
-    probe_fn = probe_fn or probe.run_probe
     t0 = time.perf_counter()
     state = release_state.read_state(repo_dir)
+    probe_fn = _naming(probe_fn or probe.run_probe, probe.route_units(repo_dir).get(state["current"], "") if state else "")
     if state and server is not None:
         release_live.verify_server(repo_dir, server)
         check_metrics(server, state["current"])
     with terminate_as_interrupt():
         ro = release_rollout.begin_rollout(repo_dir, engine_unit, server=server, profile=profile, gate=gate, steps=steps, by=by)
         cand, stable = ro["candidate"], ro["stable"]
-        route = probe.route_units(repo_dir).get(stable, "")  # the routes the candidate takes over (its probe's)
         res = RolloutResult("rolled_back", cand, stable)
         url = metrics_url(server)
         prev_numbers = None
@@ -312,8 +325,6 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
                     res.status = "aborted"
                     break
                 nums, failed = _evaluate(server, probe_set, stable, cand, a, b, pct, checks, probe_fn)
-                if route and "probe" in nums:
-                    nums["probe"]["route"] = route
                 res.steps.append({**nums, "passed": failed is None})
                 if on_step:
                     on_step(res.steps[-1])
