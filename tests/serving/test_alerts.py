@@ -32,6 +32,9 @@ def rendered(tmp_path_factory):
     return res, doc, prof.gate.for_model(plan.model.name), tmp
 
 
+ROUTE = "strict-tier,long-prompts"
+
+
 def test_rule_rendered_apart_with_the_gate_thresholds(rendered):
     res, doc, thr, _ = rendered
     assert res.monitoring == ["monitoring/grafana-dashboard.yaml", "monitoring/prometheus-rule.yaml"]
@@ -39,7 +42,7 @@ def test_rule_rendered_apart_with_the_gate_thresholds(rendered):
     assert doc["kind"] == "PrometheusRule" and doc["metadata"]["name"] == res.name
     rules = {r["alert"]: r for r in doc["spec"]["groups"][0]["rules"]}
     assert rules["PrecisionProbeKlP99AboveGate"]["expr"] == (
-        f'max by (engine_unit) (precision_pipeline_probe_kl_p99{{profile="fp8-h100"}}) > {thr.kl_p99_max!r}')
+        f'max by (engine_unit, route) (precision_pipeline_probe_kl_p99{{profile="fp8-h100"}}) > {thr.kl_p99_max!r}')
     assert rules["PrecisionProbeTop1BelowGate"]["expr"].endswith(f"< {thr.top1_min!r}")
     assert set(rules) >= {"PrecisionProbeStale", "PrecisionProbeAbsent", "PrecisionProbeErrors", "PrecisionFallbackActive"}
 
@@ -75,7 +78,9 @@ def test_promtool_unit_tests_fire_and_stay_quiet(rendered):
     # good: exactly at both gate thresholds (the gate passes there: kl_p99 <= max, top1 >= min); bad: beyond both
     hi, lo = round(thr.kl_p99_max * 2, 6), thr.kl_p99_max
     t1_bad = round(thr.top1_min - 0.1, 6)
-    good, bad = 'profile="fp8-h100",engine_unit="tensorrt_llm_good"', 'profile="fp8-h100",engine_unit="tensorrt_llm_bad"'
+    # issue 31: the bad unit is a routed fallback; its alerts keep the route label and name the route
+    good, bad = 'profile="fp8-h100",engine_unit="tensorrt_llm_good"', \
+        'profile="fp8-h100",engine_unit="tensorrt_llm_bad",route="strict-tier,long-prompts"'
     # series values at 1m steps; time() at the evaluation time in seconds since 0
     tests = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [
         {"interval": "1m",
@@ -91,24 +96,24 @@ def test_promtool_unit_tests_fire_and_stay_quiet(rendered):
          ],
          "alert_rule_test": [
              {"eval_time": "10m", "alertname": "PrecisionProbeKlP99AboveGate",
-              "exp_alerts": [{"exp_labels": {"severity": "critical", "engine_unit": "tensorrt_llm_bad"},
+              "exp_alerts": [{"exp_labels": {"severity": "critical", "engine_unit": "tensorrt_llm_bad", "route": ROUTE},
                               "exp_annotations": {
-                                  "summary": f"live kl_p99 of tensorrt_llm_bad beyond the gate (<= {thr.kl_p99_max!r})",
+                                  "summary": f"live kl_p99 of tensorrt_llm_bad (route {ROUTE}) beyond the gate (<= {thr.kl_p99_max!r})",
                                   "description": f"The golden-prompt probe of profile fp8-h100 measured kl_p99 = {hi!r} "
                                                  f"on the live server; the gate allows <= {thr.kl_p99_max!r}."}}]},
              {"eval_time": "3m", "alertname": "PrecisionProbeKlP99AboveGate", "exp_alerts": []},  # not for 5m yet
              # top-1 below the gate from minute 2 on: fires once it held for 5 minutes, for the bad unit only
              {"eval_time": "6m", "alertname": "PrecisionProbeTop1BelowGate", "exp_alerts": []},
              {"eval_time": "10m", "alertname": "PrecisionProbeTop1BelowGate",
-              "exp_alerts": [{"exp_labels": {"severity": "critical", "engine_unit": "tensorrt_llm_bad"},
+              "exp_alerts": [{"exp_labels": {"severity": "critical", "engine_unit": "tensorrt_llm_bad", "route": ROUTE},
                               "exp_annotations": {
-                                  "summary": f"live top1 of tensorrt_llm_bad beyond the gate (>= {thr.top1_min!r})",
+                                  "summary": f"live top1 of tensorrt_llm_bad (route {ROUTE}) beyond the gate (>= {thr.top1_min!r})",
                                   "description": f"The golden-prompt probe of profile fp8-h100 measured top1 = {t1_bad!r} "
                                                  f"on the live server; the gate allows >= {thr.top1_min!r}."}}]},
              {"eval_time": "20m", "alertname": "PrecisionProbeStale", "exp_alerts": []},
              {"eval_time": "31m", "alertname": "PrecisionProbeStale",
-              "exp_alerts": [{"exp_labels": {"severity": "warning", "engine_unit": "tensorrt_llm_bad"},
-                              "exp_annotations": {"summary": "no probe run of tensorrt_llm_bad for over 1800 s"}}]},
+              "exp_alerts": [{"exp_labels": {"severity": "warning", "engine_unit": "tensorrt_llm_bad", "route": ROUTE},
+                              "exp_annotations": {"summary": f"no probe run of tensorrt_llm_bad (route {ROUTE}) for over 1800 s"}}]},
              {"eval_time": "31m", "alertname": "PrecisionProbeAbsent", "exp_alerts": []},
              {"eval_time": "8m", "alertname": "PrecisionFallbackActive", "exp_alerts": []},
              {"eval_time": "12m", "alertname": "PrecisionFallbackActive",

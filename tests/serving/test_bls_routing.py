@@ -49,7 +49,8 @@ class _Family:
 
 @pytest.fixture
 def bls(monkeypatch, tmp_path):
-    """(module, make(table=None, fallback=None, canary=None) -> an initialized TritonPythonModel, repo dir)."""
+    """(module, make(table=None, fallback=None, canary=None, stable=STABLE) -> an initialized TritonPythonModel
+    whose current release is ``stable`` (a unit under ``tmp_path / "model_repository"``), logged lines)."""
     logged = []
     stub = types.ModuleType("triton_python_backend_utils")
     stub.MetricFamily = _Family
@@ -68,14 +69,14 @@ def bls(monkeypatch, tmp_path):
         (repo / unit / "precision_path.json").write_text(json.dumps({"profile": unit[-1], "gemm": "g"}))
     (repo / "tensorrt_llm_bls").mkdir()
 
-    def make(table=None, fallback=None, canary=None):
+    def make(table=None, fallback=None, canary=None, stable=STABLE):
         if table is not None:
-            (repo / STABLE / "routing.json").write_text(json.dumps(table))
-        (tmp_path / "releases.json").write_text(json.dumps({"current": STABLE, "fallback": fallback}))
-        route = {"tensorrt_llm_model_name": STABLE, **({"canary": canary} if canary else {})}
+            (repo / stable / "routing.json").write_text(json.dumps(table))
+        (tmp_path / "releases.json").write_text(json.dumps({"current": stable, "fallback": fallback}))
+        route = {"tensorrt_llm_model_name": stable, **({"canary": canary} if canary else {})}
         (repo / "tensorrt_llm_bls" / "route.json").write_text(json.dumps(route))
         m = mod.TritonPythonModel()
-        cfg = {"parameters": {"tensorrt_llm_model_name": {"string_value": STABLE}}}
+        cfg = {"parameters": {"tensorrt_llm_model_name": {"string_value": stable}}}
         m.initialize({"model_config": json.dumps(cfg), "model_repository": str(repo / "tensorrt_llm_bls")})
         return m
 
@@ -114,6 +115,27 @@ def test_shipped_table_sends_long_and_strict_requests_to_the_fallback(bls):
     # the longest row decides for a batch
     pre = {"REQUEST_INPUT_LEN": np.array([[5], [3000]], np.int32)}
     assert m._choose(_Request(), lambda n: np.array([[8], [8]], np.int32), pre)[0] == FALLBACK
+
+
+def test_an_llm_api_release_routes_by_the_table_its_pack_wrote(bls, tmp_path):
+    """Issue 31 (b): an LLM-API unit packed from a routed profile carries routing.json (serving/llmapi_unit.py
+    ``pack_llm_api_unit``, ``routing=``), and the BLS serving that release routes by it as for an engine unit."""
+    from precision_pipeline.serving import llmapi_unit as U
+    from tests.serving.test_llmapi_contract import MODEL_YAML
+
+    _, make, _ = bls
+    ckpt = tmp_path / "hf_checkpoint"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    repo = tmp_path / "model_repository"
+    u = U.pack_llm_api_unit(repo, MODEL_YAML, ckpt, tmp_path, "/srv/out", {"profile": "p"}, version="1.2.1",
+                            routing=ROUTED)
+    assert json.loads((repo / u.name / "routing.json").read_text()) == ROUTED
+    assert "routing.json" in u.unit_files  # part of the content key: another table, another unit
+    m = make(None, fallback=FALLBACK, stable=u.name)
+    assert choose(m) == (u.name, ("default", "default"))
+    assert choose(m, prompt_tokens=3000) == (FALLBACK, ("long-prompts", "prompt_tokens 3000 > 2048"))
+    assert choose(m, tier="strict") == (FALLBACK, ("strict-tier", "tier strict"))
 
 
 def test_no_table_no_decision_and_no_fallback_serves_the_primary(bls):

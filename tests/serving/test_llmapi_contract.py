@@ -189,6 +189,26 @@ def test_pack_llm_api_repository(tmp_path, hf_ckpt, default_model_dir):
     assert (out / "preprocessing" / "tokenizer" / "tokenizer.json").is_file()
 
 
+def test_a_routed_profile_packs_its_routing_table_into_the_llm_api_unit(tmp_path, hf_ckpt, default_model_dir):
+    """Issue 31 (b): the llm_api route's pack writes the profile's routing table as the unit's routing.json (what the
+    BLS reads from the current release), keyed with the unit; a profile without a ``routing`` section writes none."""
+    from precision_pipeline.spec.profile import load_profile
+    from precision_pipeline.spec.routing import routing_table
+    from tests.conftest import prof
+    from tests.serving.test_pack import make_plan
+
+    routing = load_profile("fp8-h100-routed").routing.model_dump(exclude_none=True)
+    routed = prof("fp8-h100-llmapi", routing=routing, deployment__fallback="bf16-h100", deployment__warm_fallback=True)
+    rec = U.pack_llm_api_repository(make_plan(routed), Path(default_model_dir), hf_ckpt, MODEL_YAML,
+                                    tmp_path / "a" / "model_repository", "/srv/out", version="1.2.1")
+    unit = tmp_path / "a" / "model_repository" / rec["engine_unit"]
+    assert json.loads((unit / "routing.json").read_text()) == routing_table(routed.routing)
+    assert rec["unit_files"]["routing.json"][1] == hash_file(unit / "routing.json")
+    plain = U.pack_llm_api_repository(make_plan(load_profile("fp8-h100-llmapi")), Path(default_model_dir), hf_ckpt,
+                                      MODEL_YAML, tmp_path / "b" / "model_repository", "/srv/out", version="1.2.1")
+    assert "routing.json" not in plain["unit_files"] and plain["engine_unit"] != rec["engine_unit"]
+
+
 def test_install_and_verify_treat_an_llm_api_unit_as_an_engine_unit(tmp_path, hf_ckpt, default_model_dir):
     """release_units.install_unit: a verified copy; the one rewrite is 1/model.yaml's model (the served checkpoint);
     the record verify_kept checks holds the installed model.yaml; a re-install of the same unit changes nothing;

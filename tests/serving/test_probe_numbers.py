@@ -190,12 +190,12 @@ def test_probe_and_record_and_the_exporter(tmp_path):
                                  exporter=ex)
     assert err["probe"]["passed"] is False and "OSError: down" in err["probe"]["error"]
     text = generate_latest(ex.registry).decode()
-    lab = 'engine_unit="u",profile="fp8-h100"'
+    lab = 'engine_unit="u",profile="fp8-h100",route=""'
     assert f'precision_pipeline_probe_passed{{{lab}}} 0.0' in text
     assert f'precision_pipeline_probe_kl_p99_threshold{{{lab}}} 0.5' in text
     assert f'precision_pipeline_probe_top1_threshold{{{lab}}} 0.5' in text
     assert f'precision_pipeline_probe_tokens{{{lab}}} 3.0' in text
     assert f'precision_pipeline_probe_top1{{{lab}}} 0.666666' in text
-    assert f'precision_pipeline_probe_runs_total{{{lab},result="fail"}} 1.0' in text
-    assert f'precision_pipeline_probe_runs_total{{{lab},result="error"}} 1.0' in text
+    assert f'precision_pipeline_probe_runs_total{{engine_unit="u",profile="fp8-h100",result="fail",route=""}} 1.0' in text
+    assert f'precision_pipeline_probe_runs_total{{engine_unit="u",profile="fp8-h100",result="error",route=""}} 1.0' in text
     assert f'{probe.PROBE_LAST_RUN}{{{lab}}}' in text

@@ -258,6 +258,22 @@ def test_rollout_with_a_probe_that_raises_rolls_back(tmp_path, units, smoke_call
     assert release_configs.current_of_configs(repo) == (stable, stable)
 
 
+def test_a_failed_probe_of_a_routed_release_names_the_route(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
+    """Issue 31: with a routing table in the stable release, the candidate takes over the primary's routes; its
+    probe's numbers (the step, the rollback record) name them (``probe.route_units``)."""
+    from precision_pipeline.spec.profile import load_profile
+    from precision_pipeline.spec.routing import routing_table
+
+    repo, stable, _ = _repo(tmp_path, units, monkeypatch)
+    (repo / stable / "routing.json").write_text(json.dumps(routing_table(load_profile("fp8-h100-routed").routing)))
+    res = rollout.rollout(repo, units[2].out_dir, MetricsServer(repo), None, steps=(5, 100), hold_s=0.0,
+                          probe_fn=lambda *a: Probe(False, ["kl_p99"]), by="test")
+    assert (res.status, res.failed_step, res.failed_check) == ("rolled_back", 5, "probe:kl_p99")
+    assert release_state.read_state(repo)["fallback"] == units[1].engine_unit  # the fallback rules' unit: not probed
+    assert res.numbers["probe"] == {"passed": False, "kl_p99": 0.1, "route": "busy,default"}
+    assert release_state.read_state(repo)["history"][-1]["rollout"]["failed_check"] == "probe:kl_p99"
+
+
 def test_rollout_rolls_back_on_candidate_errors(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
     repo, stable, _ = _repo(tmp_path, units, monkeypatch, cand=(10, 1, 10_000))
     res = rollout.rollout(repo, units[2].out_dir, MetricsServer(repo), None, steps=(5, 100), hold_s=0.0,

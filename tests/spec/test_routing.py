@@ -205,12 +205,21 @@ def test_fp8_attention_without_a_long_prompt_rule_is_flagged(default_model_dir):
 def test_route_explain_long_prompt_to_bf16_short_to_primary(capsys):
     from precision_pipeline.cli.routing import explain
 
+    # issue 31's done-when: the shipped example sends a ~3,000-token prompt to its BF16 unit and a short one to the
+    # primary; the fallback it names is the profile's deployment.fallback, a BF16 build (no quantization)
+    routed = load_profile("fp8-h100-routed")
+    assert routed.deployment.fallback == "bf16-h100" and routed.deployment.warm_fallback is True
+    bf16 = load_profile("bf16-h100").quantization
+    assert (bf16.dtype, bf16.quant_algo.value, bf16.kv_cache_quant_algo.value) == ("bfloat16", "NO_QUANT", "NONE")
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 300  # ~3,000 tokens
     assert explain("explain", "fp8-h100-routed", prompt=long_prompt) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("fallback (bf16-h100) by rule long-prompts: prompt_tokens 3")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "fallback (bf16-h100) by rule long-prompts: prompt_tokens 3001 > 2048"
+    assert out[1].startswith("  request: prompt_tokens 3001 (counted with the tokenizer of SmolLM2-135M-Instruct)")
     assert explain("explain", "fp8-h100-routed", prompt="What is the capital of France?") == 0
-    assert capsys.readouterr().out.startswith("primary (fp8-h100-routed) by rule default")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "primary (fp8-h100-routed) by rule default: default"
+    assert out[1].startswith("  request: prompt_tokens 7 (")
     explain("explain", "fp8-h100-routed", prompt_tokens=3000, inflight=20)
     assert capsys.readouterr().out.startswith("primary (fp8-h100-routed) by rule busy: inflight_requests > 16.0")
     explain("explain", "fp8-h100-routed", prompt_tokens=5, tier="strict")

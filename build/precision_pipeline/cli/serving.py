@@ -127,7 +127,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
         con.print(f"  {s['percent']:>3} %: " + ("switched" if s["percent"] == 100 else
                   f"candidate {s['candidate']['success']} ok / {s['candidate']['failure']} failed, share "
                   f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {_num(pr.get('kl_p99'))} top-1 "
-                  f"{_num(pr.get('top1'), 3)} -> {'pass' if s.get('passed') else 'FAIL'}"))
+                  f"{_num(pr.get('top1'), 3)}{_on_route(pr.get('route'))} -> {'pass' if s.get('passed') else 'FAIL'}"))
 
     con.print(f"rolling out {prof.name} in steps {','.join(map(str, step_list))} ({hold_s:g} s each) on {url}")
     res = ro.rollout(repo_dir, b.packed, server, pset, steps=step_list, hold_s=hold_s, profile=prof.name, gate=ok.gate,
@@ -176,15 +176,18 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
                             "e.g. invoke probe --profile fp8-h100 (or --gate <build out>/gate)")
         b = build_output.open_build(profile or rec_profile, out)
         prof_name, packed, pset = b.profile.name, b.packed, b.probe_set(n)
-    if not unit:
-        if state and not profile:
-            unit = state["current"]
-        elif packed is not None:
-            unit = release.resolve_unit_source(packed).name
-        elif state:
-            unit = state["current"]
-        else:
-            raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
+    routes = pr.route_units(repo_dir) if state else {}
+    if unit:
+        units = {unit: routes.get(unit, "")}
+    elif state and not profile:
+        units = routes  # every route's unit: the current release's and the warm fallback its routing table uses
+    elif packed is not None:
+        unit = release.resolve_unit_source(packed).name
+        units = {unit: routes.get(unit, "")}
+    elif state:
+        units = routes
+    else:
+        raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
     server = TritonServer.attach("127.0.0.1:8000" if url is None else url)  # '' refused by attach
     exporter = None
     if every_s is not None:
@@ -193,30 +196,45 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     k, failed = 0, False
     try:
         while True:
-            rec = pr.probe_and_record(server, unit, pset, repo_dir=repo_dir if state else None, profile=prof_name,
-                                      exporter=exporter)
-            s = rec["probe"]
+            summaries = [_probe_one(con, server, u, pset, repo_dir if state else None, prof_name, exporter, route)
+                         for u, route in units.items()]
             k += 1
-            failed = not s.get("passed", False)
-            if "error" in s:
-                con.print(f"[red]probe of {unit} failed[/]: {s['error']}")
-            else:
-                con.print(f"probe {unit} ({prof_name or '?'}, {s.get('method')}): KL P99 {_num(s['kl_p99'])} (max "
-                          f"{s['checks']['kl_p99']['threshold']}), top-1 {_num(s['top1'], 3)} (min {s['checks']['top1']['threshold']}), {s['tokens']} tokens, "
-                          f"{s['prompts']} prompts, {s['ms']:.0f} ms -> {'pass' if s['passed'] else 'FAIL'}"
-                          + ("" if state else " (not recorded: no releases.json)"))
-            if "not_recorded" in rec:
-                con.print(f"[yellow]note[/]: releases.json cannot be written ({rec['not_recorded']}); the result is "
-                          + (f"recorded in {rec['recorded_in']}" if rec["recorded_in"] else "only printed above"), soft_wrap=True)
+            failed = not all(s.get("passed", False) for s in summaries)
             if every_s is None or (max_runs is not None and k >= max_runs):
                 break
-            _time.sleep(pr.next_wait_s(every_s, s))
+            _time.sleep(min(pr.next_wait_s(every_s, s) for s in summaries))
     except KeyboardInterrupt:
         pass
     finally:
         if exporter is not None:
             exporter.close()
     return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def _probe_one(con, server, unit: str, pset, repo_dir, prof_name: str, exporter, route: str) -> dict:
+    """One ``probe_and_record`` run of ``unit`` (serving ``route``: ``probe.route_units``), printed; a failure names
+    the unit and its route. Returns the run's summary."""
+    from precision_pipeline.serving import probe as pr
+
+    rec = pr.probe_and_record(server, unit, pset, repo_dir=repo_dir, profile=prof_name, exporter=exporter, route=route)
+    s = rec["probe"]
+    on = _on_route(route)
+    if "error" in s:
+        con.print(f"[red]probe of {unit}{on} failed[/]: {s['error']}")
+    else:
+        con.print(f"probe {unit}{on} ({prof_name or '?'}, {s.get('method')}): KL P99 {_num(s['kl_p99'])} (max "
+                  f"{s['checks']['kl_p99']['threshold']}), top-1 {_num(s['top1'], 3)} (min {s['checks']['top1']['threshold']}), {s['tokens']} tokens, "
+                  f"{s['prompts']} prompts, {s['ms']:.0f} ms -> {'pass' if s['passed'] else 'FAIL'}"
+                  + ("" if repo_dir is not None else " (not recorded: no releases.json)"), soft_wrap=True)
+    if "not_recorded" in rec:
+        con.print(f"[yellow]note[/]: releases.json cannot be written ({rec['not_recorded']}); the result is "
+                  + (f"recorded in {rec['recorded_in']}" if rec["recorded_in"] else "only printed above"), soft_wrap=True)
+    return s
+
+
+def _on_route(route) -> str:
+    """`` (route R)`` for a probe of a unit that serves routing rules ``R`` (``probe.route_units``), else ``""``."""
+    return f" (route {route})" if route else ""
 
 
 def _num(v, digits: int = 4) -> str:

@@ -80,7 +80,7 @@ def dashboard(plan, profile, name: str) -> dict:
     for i, (key, metric) in enumerate((("kl_p99", "precision_pipeline_probe_kl_p99"), ("top1", "precision_pipeline_probe_top1"))):
         field_name, op = CHECKS[key]
         v = getattr(thr, field_name)
-        targets = [_target(f"max by (engine_unit) ({metric}{{{sel}}})", "probe {{engine_unit}}", "A")]
+        targets = [_target(f"max by (engine_unit, route) ({metric}{{{sel}}})", "probe {{engine_unit}} (route {{route}})", "A")]
         if v is not None:
             targets.append(_target(f"max({metric}_threshold{{{sel}}})", f"gate threshold ({op} {v!r})", "B"))
         panels.append(_panel(3 + i, f"Probe {key} vs gate threshold", targets, y=y, x=12 * i,
@@ -89,8 +89,8 @@ def dashboard(plan, profile, name: str) -> dict:
     panels.append(_panel(5, "Rollout canary share and fallback", [
         _target("max(precision_pipeline_rollout_canary_percent)", "canary %", "A"),
         _target("max(precision_pipeline_fallback_active) * 100", "fallback active (100 = yes)", "B")], y=y, unit="percent"))
-    panels.append(_panel(6, "Probe age", [_target(f"time() - max by (engine_unit) ({PROBE_LAST_RUN}{{{sel}}})",
-                                                  "{{engine_unit}}", "A")], y=y, x=12, unit="s"))
+    panels.append(_panel(6, "Probe age", [_target(f"time() - max by (engine_unit, route) ({PROBE_LAST_RUN}{{{sel}}})",
+                                                  "{{engine_unit}} (route {{route}})", "A")], y=y, x=12, unit="s"))
     y += 8
     panels.append(_panel(7, "KV-cache blocks (tensorrtllm backend; GPU only)", [
         _target('sum(nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"})', "used", "A"),

@@ -129,13 +129,16 @@ def write_unit(unit_dir: Path, config_text: str, model_yaml: Mapping[str, Any], 
 
 
 def pack_llm_api_unit(repo_dir: Path, model_yaml: Mapping[str, Any], checkpoint_dir: Path, model_dir: Path,
-                      repo_root: str, path: Mapping[str, str], *, version: str, repo_name: str | None = None) -> LlmApiUnit:
+                      repo_root: str, path: Mapping[str, str], *, version: str, repo_name: str | None = None,
+                      routing: Mapping[str, Any] | None = None) -> LlmApiUnit:
     """Write the LLM-API unit for ``checkpoint_dir`` into the repository being written at ``repo_dir``.
 
     ``model_yaml``: the rendered Triton model.yaml (its ``model`` is replaced by the serving-side path
     ``<repo_root>/<repo_dir name>/<unit>/checkpoint``); ``path``: the precision path (``unit`` and ``route`` are
     filled in); ``version``: the TensorRT-LLM line the yaml is checked for; ``repo_name``: the repository's name in
-    the serving container (default ``repo_dir``'s, which differs while it is staged). The unit is written under
+    the serving container (default ``repo_dir``'s, which differs while it is staged); ``routing``: the profile's
+    routing table (``pack.routing_files``), written as the unit's ``routing.json`` and part of its content key, as for
+    an engine unit (the BLS reads the current release's table whichever kind the unit is). The unit is written under
     ``PLACEHOLDER``, keyed, then renamed to ``llm_api_<h12>``. Raises UserError (exit 2) for a relative
     ``repo_root``, a missing checkpoint, or a config/model.yaml the real model refuses."""
     repo_dir, checkpoint_dir = Path(repo_dir), Path(checkpoint_dir)
@@ -153,6 +156,8 @@ def pack_llm_api_unit(repo_dir: Path, model_yaml: Mapping[str, Any], checkpoint_
     staged = repo_dir / PLACEHOLDER
     text, yml, ppath = render(PLACEHOLDER)
     write_unit(staged, text, yml, checkpoint_dir, model_dir, ppath, version)
+    if routing is not None:
+        (staged / pack.ROUTING_FILE).write_text(json.dumps(dict(routing), indent=2) + "\n")
     key = hash_obj(pack.unit_digests(staged))
     name = unit_name(key)
     text, yml, ppath = render(name)
@@ -213,7 +218,8 @@ def pack_llm_api_repository(plan, model_dir: Path, checkpoint_dir: Path, model_y
         raise UserError("model", f"{model_dir} has no tokenizer.json.", "use an HF model folder with a fast tokenizer.")
     with (contextlib.nullcontext(Path(workdir)) if workdir is not None else atomic_dir(out_dir)) as tmp:
         u = pack_llm_api_unit(tmp, model_yaml, checkpoint_dir, model_dir, repo_root, llm_api_precision_path(plan),
-                              version=version, repo_name=out_dir.name)
+                              version=version, repo_name=out_dir.name,
+                              routing=pack.routing_files(plan.profile).get(pack.ROUTING_FILE))
         params, _ = pack.compute_params(plan, plan.profile, model_dir, u.key, repo_root, out_dir.name, unit=u.name)
         texts = pack.render_all({m: params[m] for m in REPO_MODELS})
         for m in REPO_MODELS:

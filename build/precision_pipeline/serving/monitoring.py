@@ -150,10 +150,16 @@ def _promql_str(s: str) -> str:
     return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+ROUTE_NAMED = "{{ with $labels.route }} (route {{ . }}){{ end }}"
+"""The probe alerts' summary names the route (`` (route strict-tier,long-prompts)``) when the series has one."""
+
+
 def alert_groups(profile_name: str, thresholds, *, stale_s: int = PROBE_STALE_S) -> list[dict]:
     """The PrometheusRule's groups for one profile: the probe's checked metrics (``PROBE_METRICS``, ops
     and thresholds from ``gate.metrics.CHECKS`` and ``thresholds``, the profile's gate section for the
-    model), probe staleness and errors, and the BLS's ``precision_pipeline_fallback_active`` gauge."""
+    model), probe staleness and errors, and the BLS's ``precision_pipeline_fallback_active`` gauge. The probe's alerts
+    keep the ``route`` label (``probe.route_units``: the routing rules the judged unit serves) and name it in their
+    summary (``ROUTE_NAMED``), so a failing fallback says which requests it fails."""
     from precision_pipeline.gate.metrics import CHECKS
 
     sel = f"profile={_promql_str(profile_name)}"
@@ -165,22 +171,22 @@ def alert_groups(profile_name: str, thresholds, *, stale_s: int = PROBE_STALE_S)
             continue
         bad = ">" if op == "<=" else "<"
         name = "PrecisionProbe" + "".join(w.capitalize() for w in key.split("_")) + ("AboveGate" if bad == ">" else "BelowGate")
-        rules.append({"alert": name, "expr": f"max by (engine_unit) ({metric}{{{sel}}}) {bad} {v!r}",
+        rules.append({"alert": name, "expr": f"max by (engine_unit, route) ({metric}{{{sel}}}) {bad} {v!r}",
                       "for": PROBE_ALERT_FOR, "labels": {"severity": "critical"},
-                      "annotations": {"summary": f"live {key} of {{{{ $labels.engine_unit }}}} beyond the gate ({op} {v!r})",
+                      "annotations": {"summary": f"live {key} of {{{{ $labels.engine_unit }}}}{ROUTE_NAMED} beyond the gate ({op} {v!r})",
                                       "description": f"The golden-prompt probe of profile {profile_name} measured "
                                                      f"{key} = {{{{ $value }}}} on the live server; the gate allows {op} {v!r}."}})
     rules.append({"alert": "PrecisionProbeStale",
-                  "expr": f"time() - max by (engine_unit) ({PROBE_LAST_RUN}{{{sel}}}) > {int(stale_s)}",
+                  "expr": f"time() - max by (engine_unit, route) ({PROBE_LAST_RUN}{{{sel}}}) > {int(stale_s)}",
                   "labels": {"severity": "warning"},
-                  "annotations": {"summary": f"no probe run of {{{{ $labels.engine_unit }}}} for over {int(stale_s)} s"}})
+                  "annotations": {"summary": f"no probe run of {{{{ $labels.engine_unit }}}}{ROUTE_NAMED} for over {int(stale_s)} s"}})
     rules.append({"alert": "PrecisionProbeAbsent", "expr": f"absent({PROBE_LAST_RUN}{{{sel}}})", "for": f"{int(stale_s)}s",
                   "labels": {"severity": "warning"},
                   "annotations": {"summary": f"the accuracy probe of profile {profile_name} exports nothing"}})
     rules.append({"alert": "PrecisionProbeErrors",
                   "expr": f'increase(precision_pipeline_probe_runs_total{{{sel},result="error"}}[15m]) > 0',
                   "labels": {"severity": "warning"},
-                  "annotations": {"summary": "probe runs of {{ $labels.engine_unit }} failed to get logits from the server"}})
+                  "annotations": {"summary": f"probe runs of {{{{ $labels.engine_unit }}}}{ROUTE_NAMED} failed to get logits from the server"}})
     rules.append({"alert": "PrecisionFallbackActive", "expr": "max(precision_pipeline_fallback_active) > 0",
                   "for": "5m", "labels": {"severity": "warning"},
                   "annotations": {"summary": "the BLS serves the fallback release (releases.json fallback)"}})
@@ -190,4 +196,4 @@ def alert_groups(profile_name: str, thresholds, *, stale_s: int = PROBE_STALE_S)
 __all__ = ["GATE_SUBDIR", "SOURCE_DIR", "PROBE_METRICS_PORT", "PROBE_EVERY_S", "PROBE_FIRST_RESULT_S", "PROBE_CPU",
            "PROBE_MEMORY", "PROBE_SCRAPE_INTERVAL", "has_gate", "probe_command", "probe_params", "CANARY_SERVICE_FILE",
            "SERVICE_ROLE_LABEL", "canary_service_name", "DEFAULT_PROMETHEUS", "PROBE_METRICS", "MAX_ERROR_RATE",
-           "ANALYSIS_INTERVAL", "argo_params", "MONITORING_SUBDIR", "PROBE_STALE_S", "PROBE_ALERT_FOR", "alert_groups"]
+           "ANALYSIS_INTERVAL", "argo_params", "MONITORING_SUBDIR", "PROBE_STALE_S", "PROBE_ALERT_FOR", "alert_groups", "ROUTE_NAMED"]

@@ -518,10 +518,14 @@ def precision_path(plan: ResolvedPlan, engine_hash: str, unit: str | None = None
 def unit_meta(plan: ResolvedPlan, engine_hash: str, unit: str) -> dict[str, dict]:
     """The JSON files of a unit beside its config: ``PRECISION_PATH_FILE`` (``precision_path``) and, when the profile
     has a ``routing`` section, ``ROUTING_FILE`` (its table; part of the content key: another table, another unit)."""
-    out = {PRECISION_PATH_FILE: precision_path(plan, engine_hash, unit)}
-    if plan.profile.routing is not None:
-        out[ROUTING_FILE] = routing_table(plan.profile.routing)
-    return out
+    return {PRECISION_PATH_FILE: precision_path(plan, engine_hash, unit), **routing_files(plan.profile)}
+
+
+def routing_files(profile) -> dict[str, dict]:
+    """``{ROUTING_FILE: table}`` (spec/routing.py ``routing_table``) when ``profile`` has a ``routing`` section, else
+    ``{}``: the unit's routing table, for both unit kinds (engine units here, LLM-API units in
+    serving/llmapi_unit.py ``pack_llm_api_unit``); the BLS reads it from whichever unit is the current release."""
+    return {} if profile.routing is None else {ROUTING_FILE: routing_table(profile.routing)}
 
 
 def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,

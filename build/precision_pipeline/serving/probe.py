@@ -30,8 +30,11 @@ Public API (``invoke rollout`` uses it at each step; ``invoke probe`` may reuse 
   probe --every N --metrics-port M``). Triton's python-backend metrics API (``pb_utils.MetricFamily``)
   exists only inside a model running in the server, and nothing outside can write into Triton's
   ``/metrics``, so the probe (a client) exports on its own endpoint: scrape both. Names: ``PROBE_GAUGES``,
-  ``precision_pipeline_probe_runs_total{result}``, ``PROBE_LAST_RUN``; labels ``profile``, ``engine_unit``;
-* ``probe_and_record(server, unit, probe_set, repo_dir=..., exporter=...)``: one run, appended to
+  ``precision_pipeline_probe_runs_total{result}``, ``PROBE_LAST_RUN``; labels ``profile``, ``engine_unit``, ``route``
+  (``PROBE_LABELS``);
+* ``route_units(repo_dir) -> {unit: route}``: the units the current release's routing table reaches (the primary
+  and the warm fallback) with the rules that reach each; ``invoke probe`` judges every one of them (issue 31);
+* ``probe_and_record(server, unit, probe_set, repo_dir=..., exporter=..., route=...)``: one run, appended to
   releases.json's history (``release.record_probe``) and set on the exporter; when releases.json
   cannot be written (a read-only repository) the record goes to ``elsewhere_path(repo_dir)`` instead
   (``recorded_in``), never lost.
@@ -378,7 +381,39 @@ PROBE_GAUGES = {
     "precision_pipeline_probe_duration_seconds": "wall time of the last run",
     "precision_pipeline_probe_tokens": "answer tokens scored by the last run",
 }
-PROBE_LABELS = ("profile", "engine_unit")
+PROBE_LABELS = ("profile", "engine_unit", "route")
+"""``route``: the routing rules whose requests the unit serves (``route_units``: rule names joined by ``,``, ``all``
+without a routing table, empty when the unit was named by hand and serves no route); the alerts name it."""
+ALL_ROUTES = "all"
+
+
+def route_units(repo_dir: Path) -> dict[str, str]:
+    """{unit: route} of the serving repository ``repo_dir`` (beside its releases.json), the units ``invoke probe``
+    judges: the current release's unit and, when its ``routing.json`` sends requests to the fallback, releases.json's
+    ``fallback`` unit, each with the names of the rules that reach it, joined by ``,`` in table order (``ALL_ROUTES``
+    for the current unit without a table). As the BLS decides (``tensorrt_llm_bls/1/model.py`` ``_choose``): a table
+    with problems is ignored (every request to the current unit), and ``fallback`` rules without a fallback unit in
+    releases.json reach the current unit. {} without releases.json. UserError as ``release_state.read_state``."""
+    import json
+
+    from precision_pipeline.serving import pack, release_state
+    from precision_pipeline.spec.routing import evaluator
+
+    state = release_state.read_state(repo_dir)
+    if not state:
+        return {}
+    current, fallback = state["current"], state.get("fallback")
+    try:
+        table = json.loads((Path(repo_dir) / current / pack.ROUTING_FILE).read_text())
+        rules = table["rules"] if not evaluator().table_problems(table) else None
+    except (OSError, ValueError, TypeError, KeyError):
+        rules = None
+    if not rules:
+        return {current: ALL_ROUTES}
+    out: dict[str, list[str]] = {}
+    for r in rules:
+        out.setdefault(fallback if r["target"] == "fallback" and fallback else current, []).append(r["name"])
+    return {u: ",".join(names) for u, names in sorted(out.items(), key=lambda kv: kv[0] != current)}
 PROBE_METRIC_NAMES = {"kl_p99": "precision_pipeline_probe_kl_p99", "top1": "precision_pipeline_probe_top1"}
 """The gauges of the checked metrics (``PROBE_METRICS``): the AnalysisTemplate and PrometheusRule (serving/deploy.py) query them."""
 PROBE_LAST_RUN = "precision_pipeline_probe_last_run_timestamp_seconds"
@@ -404,8 +439,9 @@ class ProbeExporter:
 
             self.server, _ = start_http_server(int(port), addr=addr, registry=self.registry)
 
-    def observe(self, profile: str, unit: str, result: Optional[ProbeResult], error: Optional[str] = None) -> None:
-        lab = {"profile": profile, "engine_unit": unit}
+    def observe(self, profile: str, unit: str, result: Optional[ProbeResult], error: Optional[str] = None,
+                route: str = "") -> None:
+        lab = {"profile": profile, "engine_unit": unit, "route": route}
         if result is None:
             self.runs.labels(**lab, result="error").inc()
         else:
@@ -428,9 +464,9 @@ class ProbeExporter:
 
 
 def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Optional[Path] = None, profile: str = "",
-                     exporter: Optional[ProbeExporter] = None, by: str = "invoke probe") -> dict:
+                     exporter: Optional[ProbeExporter] = None, by: str = "invoke probe", route: str = "") -> dict:
     """One probe run of ``unit``: the result (``ProbeResult.summary()``, or ``{"error": ...}`` when the
-    server failed: RuntimeError) is appended to ``repo_dir``'s releases.json history when given and
+    server failed: RuntimeError; with ``route``, the ``route_units`` rules the unit serves, as ``route``) is appended to ``repo_dir``'s releases.json history when given and
     set on ``exporter`` when given. Returns the releases.json record (or the bare summary). Raises UserError
     (exit 2, nothing probed) when ``server`` does not serve ``repo_dir`` (``release_live.verify_server``)."""
     from precision_pipeline.serving import release_live, release_state
@@ -442,8 +478,10 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
         summary = res.summary()
     except RuntimeError as e:
         res, summary = None, {"error": str(e)[:500], "passed": False}
+    if route:
+        summary["route"] = route
     if exporter is not None:
-        exporter.observe(profile, unit, res, summary.get("error"))
+        exporter.observe(profile, unit, res, summary.get("error"), route=route)
     if repo_dir is not None:
         try:
             return release_state.record_probe(repo_dir, unit, summary, profile=profile, by=by)
@@ -482,5 +520,5 @@ def record_elsewhere(repo_dir: Path, rec: dict, err: OSError) -> dict:
     return out
 
 
-__all__ = ["run_text_probe", "text_rows", "KL_NOT_MEASURED", "elsewhere_path", "record_elsewhere", "RETRY_AFTER_ERROR_S", "next_wait_s", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
+__all__ = ["route_units", "ALL_ROUTES", "PROBE_LABELS", "run_text_probe", "text_rows", "KL_NOT_MEASURED", "elsewhere_path", "record_elsewhere", "RETRY_AFTER_ERROR_S", "next_wait_s", "ProbeExporter", "probe_and_record", "PROBE_GAUGES", "ProbePrompt", "ProbeSet", "ProbeResult", "load_probe_set", "run_probe", "engine_context_logits",
            "PROBE_METRICS"]

@@ -10,7 +10,9 @@
    checks run:
 
    * ``probe``: the accuracy probe (serving/probe.py) against the candidate, thresholds from the
-     profile's gate section (KL P99, top-1 on the answer tokens);
+     profile's gate section (KL P99, top-1 on the answer tokens); with a routing table the step's ``probe``
+     numbers name the routes the candidate serves (``route``: the stable unit's in ``probe.route_units``, the
+     rules that send requests to the primary, whose share the candidate takes);
    * ``errors``: the candidate's failed requests in the step's window (server metrics
      ``nv_inference_request_failure``) must be 0 (``max_failures``);
    * ``latency``: the candidate's mean request latency (``nv_inference_request_duration_us`` /
@@ -233,6 +235,20 @@ def _evaluate(server, probe_set, stable: str, cand: str, a: dict, b: dict, perce
     return nums, failed
 
 
+def _naming(probe_fn: Callable, route: str) -> Callable:
+    """``probe_fn`` whose results' ``summary()`` also names ``route`` (``probe.route_units``: the routes of the stable
+    unit, which the candidate takes over), so a step's probe numbers and a rollback's record say which requests."""
+    if not route:
+        return probe_fn
+
+    def run(server, unit, probe_set):
+        pr = probe_fn(server, unit, probe_set)
+        summary = pr.summary
+        pr.summary = lambda: {**summary(), "route": route}
+        return pr
+    return run
+
+
 def abort(repo_dir: Path, server=None, *, failed_check: str = "manual abort", numbers: dict | None = None,
           by: str = "invoke rollout --abort", t_decision: float | None = None, verify: bool = True) -> dict:
     """All traffic back to the stable release, candidate unloaded, the abort recorded (module doc;
@@ -258,9 +274,9 @@ def rollout(repo_dir: Path, engine_unit: Path, server, probe_set, *, steps: Iter
     from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     steps = parse_steps(list(steps))
-    probe_fn = probe_fn or probe.run_probe
     t0 = time.perf_counter()
     state = release_state.read_state(repo_dir)
+    probe_fn = _naming(probe_fn or probe.run_probe, probe.route_units(repo_dir).get(state["current"], "") if state else "")
     if state and server is not None:
         release_live.verify_server(repo_dir, server)
         check_metrics(server, state["current"])
