@@ -350,6 +350,32 @@ def test_serve_of_a_read_only_repository(tmp_path, units4, monkeypatch, capsys):
     assert "writable" in ei.value.problems[0].fix and len(started) == 1
 
 
+@pytest.mark.parametrize("name, says", [("my repos", "contains a space"), ("café", "non-ASCII character 'é' (U+00E9)")])
+def test_serve_refuses_a_repository_path_the_stubs_cannot_start_from(tmp_path, name, says, invoke_here, monkeypatch):
+    """Issue 25 item 13, the serve side: a repository moved after its build to a path with a space (or non-ASCII)
+    was started and waited on until the start timeout (the Python stubs' command line splits the path). Refused on
+    --repo before recovery, ports or the server."""
+    from precision_pipeline.serving import triton_server as ts
+
+    started = []
+
+    def start(self):
+        started.append(self.model_repository)
+        raise RuntimeError("the server was started")
+    monkeypatch.setattr(ts.TritonServer, "start", start)
+    repo = tmp_path / name / "model_repository"
+    repo.mkdir(parents=True)
+    with pytest.raises(UserError) as ei:
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    p = ei.value.problems[0]
+    assert p.field == "--repo" and says in p.reason and "unquoted" in p.reason
+    assert p.fix.startswith("serve a repository at a path of ASCII letters") and "nothing was started" in p.fix
+    r = invoke_here("serve", "--repo", str(repo), "--http-port", "18000", "--grpc-port", "18001", "--metrics-port", "18002")
+    assert r.returncode == 2 and "--repo:" in r.stdout and says in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and started == []
+    assert sorted(q.name for q in repo.parent.iterdir()) == ["model_repository"]  # nothing written beside it
+
+
 # ---- items 15 / 20: `invoke serve` when its tritonserver dies; its log
 
 

@@ -149,11 +149,15 @@ def serving_path_problem(path: str) -> str | None:
             "line with the model paths unquoted, so the served repository would never become ready")
 
 
-def check_serving_path(path: Path | str, field: str) -> None:
-    """UserError on ``field`` when ``path`` cannot hold a servable build (``serving_path_problem``)."""
+SERVING_PATH_CHARS = "ASCII letters, digits and / . _ - + @ : , = ~"
+
+
+def check_serving_path(path: Path | str, field: str, fix: Optional[str] = None) -> None:
+    """UserError on ``field`` when ``path`` cannot hold a servable build (``serving_path_problem``); ``fix``
+    replaces the build's fix (a new --out)."""
     why = serving_path_problem(str(path))
     if why:
-        raise UserError(field, why + ".", "build into a path of ASCII letters, digits and / . _ - + @ : , = ~ "
+        raise UserError(field, why + ".", fix or f"build into a path of {SERVING_PATH_CHARS} "
                         "(e.g. --out artifacts/my-build), or move the checkout to such a path.")
 
 
@@ -173,5 +177,5 @@ def output_lock(out_dir: Path, what: str, wait: bool = True, on_wait: Optional[C
 
 
 __all__ = ["OUTPUT_MARKER", "OUTPUT_FORMAT", "OUTPUT_VERSION", "read_output_marker", "refuse_filesystem_root", "write_output_marker",
-           "default_out_dir", "LOCK_FILE", "validate_out_dir", "SERVING_PATH_RE", "serving_path_problem",
+           "default_out_dir", "LOCK_FILE", "validate_out_dir", "SERVING_PATH_RE", "SERVING_PATH_CHARS", "serving_path_problem",
            "check_serving_path", "output_lock", "say"]
