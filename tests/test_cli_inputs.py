@@ -296,3 +296,24 @@ def test_help_after_a_task_with_a_positional_argument_is_its_help(args, invoke_h
     want = invoke_here("--help", args[0])  # what Invoke prints for `invoke --help TASK`
     assert r.returncode == 0 and r.stdout == want.stdout and "Usage:" in r.stdout, r.stdout + r.stderr
     assert "refused" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["build", "--profile", "no-such-profile-x", "--out", ""], "--out"),       # was: a whole build into artifacts/<profile>
+    (["build", "--profile", "no-such-profile-x", "--model", " "], "--model"),  # was: '--model:  is not a ...' (no name)
+    (["promote", "--profile", "no-such-profile-x", "--repo", ""], "--repo"),   # was: a promote into the default repository
+    (["promote", "--profile", "no-such-profile-x", "--out", ""], "--out"),
+    (["rollout", "--profile", "no-such-profile-x", "--out", ""], "--out"),
+    (["releases", "--repo", ""], "--repo"),
+    (["serve", "--repo", "", "--http-port", "1", "--grpc-port", "1"], "--repo"),
+    (["nightly", "--profiles", "no-such-profile-x", "--out", ""], "--out"),
+    (["recommend", "--gpu", "no-such-gpu-x", "--model", ""], "--model"),
+])
+def test_an_empty_path_flag_is_refused_not_its_default(args, flag, invoke_here):
+    """Issue 25 items 18/21 (found re-trying them): ``--out ''`` / ``--repo "$UNSET"`` silently meant the default
+    (``build --out ''`` built artifacts/<profile>, ``promote --repo ''`` promoted into the default repository), as
+    ``--to ''`` did before it was refused. Refused by ``guarded`` before the task runs (tasks.PATH_FLAGS)."""
+    r = invoke_here(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert f"{flag}: is empty (" in r.stdout and "an unset shell variable?" in r.stdout, r.stdout
+    assert f"leave {flag} out for its default" in r.stdout
