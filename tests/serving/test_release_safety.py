@@ -275,6 +275,18 @@ def test_bad_serving_values_exit_2(args, flag, invoke_here):
     assert len(r.stdout) < 2000  # the 5,000 characters are not echoed back
 
 
+@pytest.mark.parametrize("flags, flag, says", [
+    (["--steps", "0,100"], "--steps", ""), (["--steps", "100,5"], "--steps", ""), (["--steps", "5.5,100"], "--steps", ""),
+    (["--hold", "nan"], "--hold", "'nan' is not a number of seconds in 0..86400"), (["--hold", "-1"], "--hold", ""),
+    (["--hold", "1e309"], "--hold", ""), (["--probe-prompts", "0"], "--probe-prompts", "")])
+def test_rollout_flags_are_refused_before_the_build_is_read(flags, flag, says, invoke_here):
+    """Found re-trying issue 25 item 15: `--steps`/`--hold` were checked only after the build was opened, so a bad
+    value was first answered with the build's problem (fix that, then hear of the flag)."""
+    r = invoke_here("rollout", "--profile", "no-such-profile-x", *flags)
+    assert r.returncode == 2 and f"{flag}:" in r.stdout and says in r.stdout, r.stdout + r.stderr
+    assert "--profile:" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
 # ---- item 18: TIME-WAIT ports, read-only repositories
 
 
