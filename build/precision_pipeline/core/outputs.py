@@ -109,6 +109,10 @@ def validate_out_dir(out: Path, folders: tuple[str, ...] = ()) -> Path:
         raise UserError(field, f"{out} cannot be listed ({type(e).__name__}).", "give a readable, writable directory.")
     if not os.access(out, os.W_OK | os.X_OK):
         raise UserError(field, f"{out} is not writable.", "give a writable directory.")
+    odd = next((out / n for n in _OWN_FILES if (out / n).exists() and not (out / n).is_file()), None)
+    if odd is not None:  # a folder named .precision-build.json: the build's atomic replace of it failed (a traceback)
+        raise UserError(field, f"{odd} is not a regular file ({'a folder' if odd.is_dir() else 'a special file'}); a "
+                        "build writes that name itself.", f"remove it if it is not yours (rm -r {odd}), or give another --out.")
     marker = read_json_safe(out / OUTPUT_MARKER)
     if isinstance(marker, dict) and marker.get("format") == OUTPUT_FORMAT:
         v = marker.get("version")
