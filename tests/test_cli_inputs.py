@@ -317,3 +317,22 @@ def test_an_empty_path_flag_is_refused_not_its_default(args, flag, invoke_here):
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
     assert f"{flag}: is empty (" in r.stdout and "an unset shell variable?" in r.stdout, r.stdout
     assert f"leave {flag} out for its default" in r.stdout
+
+
+def test_a_folder_where_a_file_is_written_is_exit_2_naming_it(tmp_path, invoke_here):
+    """Found re-trying issue 25 item 17: ``mkdir <out>/manifest.json`` in a build output, then ``build``: an
+    IsADirectoryError traceback (exit 1) from the atomic replace. EISDIR/ENOTDIR are the user's machine (exit 2,
+    the file named, what to remove), as a full disk is (core/errors.USER_OS_ERRNOS)."""
+    from precision_pipeline.core.errors import exit_code_for, os_error_text
+    from precision_pipeline.core.outputs import write_output_marker
+
+    out = tmp_path / "out"
+    (out / "manifest.json").mkdir(parents=True)
+    write_output_marker(out, "fp8-h100")
+    r = invoke_here("build", "--profile", "fp8-h100", "--out", str(out), "--no-wait")
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    text = " ".join((r.stdout + r.stderr).split())
+    assert f"cannot use {out / 'manifest.json'}: Is a directory" in text, text
+    assert "a folder stands where this file is written: remove that folder if it is not yours" in text
+    e = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), "/srv/out/plan.json/x")
+    assert exit_code_for(e) == 2 and "a file stands where a folder of that path is expected" in os_error_text(e)
