@@ -140,6 +140,25 @@ def test_damaged_releases_json_is_refused_and_never_overwritten(tmp_path, units4
     assert str(path) in r.stdout and "damaged" in r.stdout
 
 
+def test_a_fifo_or_device_as_releases_json_is_refused_not_waited_on(tmp_path):
+    """Found re-trying issue 25 item 16: ``mkfifo releases.json`` hung every command on the repository (the read
+    waits for a writer for ever) and a link to /dev/zero filled memory. Refused as damaged, before it is opened."""
+    repo = tmp_path / "serving" / "model_repository"
+    repo.mkdir(parents=True)
+    path = release_state.state_path(repo)
+    for make in (lambda: os.mkfifo(path), lambda: path.symlink_to("/dev/zero")):
+        make()
+        signal.signal(signal.SIGALRM, lambda *a: pytest.fail("read_state waited on the file"))
+        signal.alarm(10)
+        try:
+            with pytest.raises(UserError) as ei:
+                release_state.read_state(repo)
+        finally:
+            signal.alarm(0)
+        assert ei.value.problems[0].field == str(path) and "not a regular file" in ei.value.problems[0].reason
+        path.unlink()
+
+
 # ---- item 20: leftovers of killed writes
 
 
