@@ -46,9 +46,28 @@ def _task_help(name: str) -> None:
     program.print_task_help(name.replace("_", "-"))
 
 
+PATH_FLAGS = ("out", "repo", "model", "checkpoint", "baseline", "gate", "write", "write_profile", "prompt_file")
+"""Path flags whose empty value (``--out ''``, ``--repo "$UNSET"``) is refused by ``guarded``: left out, each has a
+default (artifacts/<profile>, artifacts/serving/model_repository, the default model, ...), and an empty value
+silently meant that default (a build, a promote into the default repository) or gave a message with an empty name."""
+
+
+def refuse_empty_paths(kwargs: dict) -> None:
+    """UserError (exit 2) naming the first of ``PATH_FLAGS`` in ``kwargs`` that is given but empty or blank."""
+    from precision_pipeline.core.errors import UserError
+
+    for name in PATH_FLAGS:
+        v = kwargs.get(name)
+        if isinstance(v, str) and not v.strip():
+            flag = "--" + name.replace("_", "-")
+            raise UserError(flag, f"is empty ({v!r}; an unset shell variable?); using its default instead would be a "
+                            "guess.", f"pass a path, or leave {flag} out for its default.")
+
+
 def guarded(fn):
     """Map what ends a task to its exit code (``cli.console.report``: printed; a traceback only for a bug). A
-    ``--help``/``-h`` that Invoke passed as an argument's value prints the task's help (exit 0)."""
+    ``--help``/``-h`` that Invoke passed as an argument's value prints the task's help (exit 0). An empty path flag
+    (``refuse_empty_paths``) is refused before the task runs."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -57,6 +76,7 @@ def guarded(fn):
         if any(isinstance(v, str) and v in HELP_FLAGS for v in (*args[1:], *kwargs.values())):
             return _task_help(fn.__name__)
         try:
+            refuse_empty_paths(kwargs)
             code = fn(*args, **kwargs)
         except (Exit, SystemExit):
             raise

@@ -296,3 +296,43 @@ def test_help_after_a_task_with_a_positional_argument_is_its_help(args, invoke_h
     want = invoke_here("--help", args[0])  # what Invoke prints for `invoke --help TASK`
     assert r.returncode == 0 and r.stdout == want.stdout and "Usage:" in r.stdout, r.stdout + r.stderr
     assert "refused" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["build", "--profile", "no-such-profile-x", "--out", ""], "--out"),       # was: a whole build into artifacts/<profile>
+    (["build", "--profile", "no-such-profile-x", "--model", " "], "--model"),  # was: '--model:  is not a ...' (no name)
+    (["promote", "--profile", "no-such-profile-x", "--repo", ""], "--repo"),   # was: a promote into the default repository
+    (["promote", "--profile", "no-such-profile-x", "--out", ""], "--out"),
+    (["rollout", "--profile", "no-such-profile-x", "--out", ""], "--out"),
+    (["releases", "--repo", ""], "--repo"),
+    (["serve", "--repo", "", "--http-port", "1", "--grpc-port", "1"], "--repo"),
+    (["nightly", "--profiles", "no-such-profile-x", "--out", ""], "--out"),
+    (["recommend", "--gpu", "no-such-gpu-x", "--model", ""], "--model"),
+])
+def test_an_empty_path_flag_is_refused_not_its_default(args, flag, invoke_here):
+    """Issue 25 items 18/21 (found re-trying them): ``--out ''`` / ``--repo "$UNSET"`` silently meant the default
+    (``build --out ''`` built artifacts/<profile>, ``promote --repo ''`` promoted into the default repository), as
+    ``--to ''`` did before it was refused. Refused by ``guarded`` before the task runs (tasks.PATH_FLAGS)."""
+    r = invoke_here(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert f"{flag}: is empty (" in r.stdout and "an unset shell variable?" in r.stdout, r.stdout
+    assert f"leave {flag} out for its default" in r.stdout
+
+
+def test_a_folder_where_a_file_is_written_is_exit_2_naming_it(tmp_path, invoke_here):
+    """Found re-trying issue 25 item 17: ``mkdir <out>/manifest.json`` in a build output, then ``build``: an
+    IsADirectoryError traceback (exit 1) from the atomic replace. EISDIR/ENOTDIR are the user's machine (exit 2,
+    the file named, what to remove), as a full disk is (core/errors.USER_OS_ERRNOS)."""
+    from precision_pipeline.core.errors import exit_code_for, os_error_text
+    from precision_pipeline.core.outputs import write_output_marker
+
+    out = tmp_path / "out"
+    (out / "manifest.json").mkdir(parents=True)
+    write_output_marker(out, "fp8-h100")
+    r = invoke_here("build", "--profile", "fp8-h100", "--out", str(out), "--no-wait")
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    text = " ".join((r.stdout + r.stderr).split())
+    assert f"cannot use {out / 'manifest.json'}: Is a directory" in text, text
+    assert "a folder stands where this file is written: remove that folder if it is not yours" in text
+    e = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), "/srv/out/plan.json/x")
+    assert exit_code_for(e) == 2 and "a file stands where a folder of that path is expected" in os_error_text(e)

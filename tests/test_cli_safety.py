@@ -264,6 +264,25 @@ def test_out_path_the_serving_stubs_cannot_start_from_is_refused_at_build_time(t
         assert not out.exists()
 
 
+@pytest.mark.parametrize("name", [".precision-build.json", ".build.lock"])
+def test_a_folder_where_the_build_writes_its_marker_or_lock_is_refused(tmp_path, name, invoke_here):
+    """Found re-trying issue 25 items 13/17: ``mkdir <out>/.precision-build.json`` then ``build --out <out>`` was an
+    internal error (IsADirectoryError from the marker's atomic replace). Refused on --out before any write."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.outputs import validate_out_dir
+
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    with pytest.raises(UserError) as e:
+        validate_out_dir(out)
+    p = e.value.problems[0]
+    assert p.field == "--out" and f"{out / name} is not a regular file (a folder)" in p.reason
+    assert p.fix.startswith(f"remove it if it is not yours (rm -r {out / name})")
+    r = invoke_here("build", "--profile", "fp8-h100", "--out", str(out), "--no-wait")
+    assert r.returncode == 2 and "--out:" in r.stdout and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert sorted(q.name for q in out.iterdir()) == [name]
+
+
 def test_golden_limit_is_checked_by_run_build_itself(previous_output):
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.pipeline import run_build

@@ -139,6 +139,41 @@ def test_promote_needs_exactly_one_profile(tmp_path):
         nl.run_nightly(nl.NightlyOptions(profiles=["a", "b"], out_root=tmp_path, promote=True), build=lambda *a, **k: None)
 
 
+def test_promote_of_an_unchanged_night_is_said_and_the_summary_written(tmp_path, monkeypatch):
+    """Issue 25 item 18: ``nightly --promote`` on a night where nothing changed exited 2 and wrote no summary (the
+    promote refused: the unit is already current). The refusal is said; the night's verdict stands (exit 0)."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.serving import build_output
+
+    gate = {"kl_mean": {"value": 0.05, "ci95": [0.045, 0.055], "passed": True, "op": "<="}}
+    monkeypatch.setattr(nl, "_check", lambda ref, opts: (SimpleNamespace(profile=SimpleNamespace(name=ref)), None))
+    monkeypatch.setattr(nl, "_build_row", lambda ref, req, plan, opts, build, say: nl.Row(
+        profile="p", source="p", gate={k: dict(v) for k, v in gate.items()}, checkpoint_bytes=100))
+    opened = SimpleNamespace(profile=SimpleNamespace(deployment=SimpleNamespace(fallback=None)))
+    monkeypatch.setattr(build_output, "open_build", lambda ref, out=None: opened)
+    calls = []
+
+    def promote_build(b, repo, **k):  # what release.promote says of the unit that is already current
+        calls.append(repo)
+        raise UserError("engine_unit", "tensorrt_llm_0123456789ab is already the current release.", "nothing to promote.")
+    monkeypatch.setattr(build_output, "promote_build", promote_build)
+    said = []
+    opts = nl.NightlyOptions(profiles=["p"], out_root=tmp_path, promote=True,
+                             serving_repo=tmp_path / "serving" / "model_repository")
+    s = nl.run_nightly(opts, say=said.append)
+    assert s.exit_code == 0 and s.promoted is None and calls == [tmp_path / "serving" / "model_repository"]
+    assert any(m.startswith("[nightly] not promoted: ") and "already the current release" in m for m in said), said
+    saved = json.loads((tmp_path / "nightly" / "summary.json").read_text())
+    assert saved["exit_code"] == 0 and saved["promoted"] is None and saved["profiles"][0]["verdict"] == "pass"
+    assert saved["not_promoted"] == s.not_promoted == str(UserError(
+        "engine_unit", "tensorrt_llm_0123456789ab is already the current release.", "nothing to promote."))
+    assert f"Not promoted: {s.not_promoted}" in (tmp_path / "nightly" / "summary.md").read_text()
+    gate["kl_mean"]["passed"] = False  # a failing night: no promote asked, and why is said
+    s = nl.run_nightly(opts, say=said.append)
+    assert s.exit_code == 6 and len(calls) == 1 and s.not_promoted == "not every check passed"  # newly failing: regressed
+
+
 # ---- the upgrade canary, through its seam
 
 

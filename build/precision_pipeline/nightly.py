@@ -372,6 +372,8 @@ class NightlySummary:
     baseline_source: str
     last_measured: dict[str, dict]
     promoted: Optional[str] = None
+    not_promoted: Optional[str] = None
+    """With ``--promote``: why nothing was promoted (a check that did not pass, or promote's refusal)."""
 
     @property
     def exit_code(self) -> int:
@@ -380,7 +382,7 @@ class NightlySummary:
     def to_json(self) -> dict:
         return {"format": "precision-pipeline-nightly", "version": 1, "started": self.started, "finished": self.finished,
                 "exit_code": self.exit_code, "baseline_source": self.baseline_source, "promoted": self.promoted,
-                "profiles": [r.to_json() for r in self.rows], "last_measured": self.last_measured}
+                "not_promoted": self.not_promoted, "profiles": [r.to_json() for r in self.rows], "last_measured": self.last_measured}
 
 
 def exit_code(verdicts: list[str]) -> int:
@@ -461,10 +463,12 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
         try:
             summary.promoted = _promote(rows[0], opts)
             say(f"[nightly] promoted {rows[0].profile}: {summary.promoted}")
-        except UserError as e:  # what promote refuses (serving/acceptance.py): said, the summary still written
-            say(f"[nightly] not promoted: {e}")
+        except UserError as e:  # what promote refuses (serving/acceptance.py; the unit already current on a night
+            summary.not_promoted = str(e)  # where nothing changed): said and recorded, the night's exit code stands
     elif opts.promote:
-        say("[nightly] not promoted: not every check passed")
+        summary.not_promoted = "not every check passed"
+    if summary.not_promoted:
+        say(f"[nightly] not promoted: {summary.not_promoted}")
     write_summary(summary, opts.nightly_dir)
     return summary
 
@@ -522,6 +526,8 @@ def render_markdown(summary: dict) -> str:
         lines += ["", *notes]
     if summary.get("promoted"):
         lines += ["", f"Promoted: {summary['promoted']}."]
+    if summary.get("not_promoted"):
+        lines += ["", f"Not promoted: {summary['not_promoted']}"]
     return "\n".join(lines) + "\n"
 
 

@@ -140,6 +140,25 @@ def test_damaged_releases_json_is_refused_and_never_overwritten(tmp_path, units4
     assert str(path) in r.stdout and "damaged" in r.stdout
 
 
+def test_a_fifo_or_device_as_releases_json_is_refused_not_waited_on(tmp_path):
+    """Found re-trying issue 25 item 16: ``mkfifo releases.json`` hung every command on the repository (the read
+    waits for a writer for ever) and a link to /dev/zero filled memory. Refused as damaged, before it is opened."""
+    repo = tmp_path / "serving" / "model_repository"
+    repo.mkdir(parents=True)
+    path = release_state.state_path(repo)
+    for make in (lambda: os.mkfifo(path), lambda: path.symlink_to("/dev/zero")):
+        make()
+        signal.signal(signal.SIGALRM, lambda *a: pytest.fail("read_state waited on the file"))
+        signal.alarm(10)
+        try:
+            with pytest.raises(UserError) as ei:
+                release_state.read_state(repo)
+        finally:
+            signal.alarm(0)
+        assert ei.value.problems[0].field == str(path) and "not a regular file" in ei.value.problems[0].reason
+        path.unlink()
+
+
 # ---- item 20: leftovers of killed writes
 
 
@@ -275,6 +294,18 @@ def test_bad_serving_values_exit_2(args, flag, invoke_here):
     assert len(r.stdout) < 2000  # the 5,000 characters are not echoed back
 
 
+@pytest.mark.parametrize("flags, flag, says", [
+    (["--steps", "0,100"], "--steps", ""), (["--steps", "100,5"], "--steps", ""), (["--steps", "5.5,100"], "--steps", ""),
+    (["--hold", "nan"], "--hold", "'nan' is not a number of seconds in 0..86400"), (["--hold", "-1"], "--hold", ""),
+    (["--hold", "1e309"], "--hold", ""), (["--probe-prompts", "0"], "--probe-prompts", "")])
+def test_rollout_flags_are_refused_before_the_build_is_read(flags, flag, says, invoke_here):
+    """Found re-trying issue 25 item 15: `--steps`/`--hold` were checked only after the build was opened, so a bad
+    value was first answered with the build's problem (fix that, then hear of the flag)."""
+    r = invoke_here("rollout", "--profile", "no-such-profile-x", *flags)
+    assert r.returncode == 2 and f"{flag}:" in r.stdout and says in r.stdout, r.stdout + r.stderr
+    assert "--profile:" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
 # ---- item 18: TIME-WAIT ports, read-only repositories
 
 
@@ -348,6 +379,32 @@ def test_serve_of_a_read_only_repository(tmp_path, units4, monkeypatch, capsys):
     with pytest.raises(UserError, match="is read-only .* needs a recovery") as ei:
         ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
     assert "writable" in ei.value.problems[0].fix and len(started) == 1
+
+
+@pytest.mark.parametrize("name, says", [("my repos", "contains a space"), ("café", "non-ASCII character 'é' (U+00E9)")])
+def test_serve_refuses_a_repository_path_the_stubs_cannot_start_from(tmp_path, name, says, invoke_here, monkeypatch):
+    """Issue 25 item 13, the serve side: a repository moved after its build to a path with a space (or non-ASCII)
+    was started and waited on until the start timeout (the Python stubs' command line splits the path). Refused on
+    --repo before recovery, ports or the server."""
+    from precision_pipeline.serving import triton_server as ts
+
+    started = []
+
+    def start(self):
+        started.append(self.model_repository)
+        raise RuntimeError("the server was started")
+    monkeypatch.setattr(ts.TritonServer, "start", start)
+    repo = tmp_path / name / "model_repository"
+    repo.mkdir(parents=True)
+    with pytest.raises(UserError) as ei:
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    p = ei.value.problems[0]
+    assert p.field == "--repo" and says in p.reason and "unquoted" in p.reason
+    assert p.fix.startswith("serve a repository at a path of ASCII letters") and "nothing was started" in p.fix
+    r = invoke_here("serve", "--repo", str(repo), "--http-port", "18000", "--grpc-port", "18001", "--metrics-port", "18002")
+    assert r.returncode == 2 and "--repo:" in r.stdout and says in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and started == []
+    assert sorted(q.name for q in repo.parent.iterdir()) == ["model_repository"]  # nothing written beside it
 
 
 # ---- items 15 / 20: `invoke serve` when its tritonserver dies; its log

@@ -100,6 +100,11 @@ def test_yaml_1_1_float_forms_and_binary_are_refused(tmp_path):
     assert "base-60" in e.message
     e = refusal(write(tmp_path, "b.yaml", BASE + "description: !!binary aGVsbG8=\n"))
     assert "!!binary (base64 bytes) is not a profile value" in e.message
+    for text in ("2001-12-14", "2001-12-14 21:59:43.10"):  # a date: PyYAML made datetime.date, refused as 'valid string'
+        e = refusal(write(tmp_path, "d.yaml", BASE + f"description: {text}\n"))
+        assert f"{text!r} is a YAML 1.1 timestamp (PyYAML reads it as a date) and text in YAML 1.2; quote it if it is text" \
+            in e.message and "line 3" in e.message, e.message
+    assert load_profile(str(write(tmp_path, "q.yaml", BASE + "description: '2001-12-14'\n"))).description == "2001-12-14"
 
 
 def test_a_user_profile_named_like_a_shipped_one_extends_the_shipped_one(tmp_path):
@@ -278,6 +283,9 @@ def test_scalar_strictness_unwraps_optional_only():
     ("deployment:\n  keep_releases: 1e2\n", "deployment.keep_releases", "write 100 (YAML 1.1, which PyYAML reads, takes"),
     ("gate:\n  kl_mean_max: 5e-2\n", "gate.kl_mean_max", "write 0.05 (YAML 1.1"),
     ("deployment:\n  keep_releases: '3'\n", "deployment.keep_releases", "write the value without quotes"),
+    ("build:\n  max_batch_size: 0o10\n", "build.max_batch_size",  # issue 25 item 15/21: was told to drop quotes
+     "write 8 (0o10 is YAML 1.2's octal form; YAML 1.1, which PyYAML reads, takes it as text"),
+    ("build:\n  max_batch_size: -0o17\n", "build.max_batch_size", "write -15 (-0o17 is YAML 1.2's octal form"),
 ])
 def test_a_number_pyyaml_reads_as_text_is_refused_with_the_plain_number(tmp_path, snippet, field, fix):
     """Hostile s8 #22: ``keep_releases: 1e2`` (not quoted; PyYAML reads 1e2 as text) was told to drop the quotes."""

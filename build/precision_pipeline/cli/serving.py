@@ -105,22 +105,20 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
         return 0
     if not profile:
         raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
+    given_steps = ro.parse_steps(str(steps)) if steps is not None else None  # the flags before the build is read
+    given_hold = _hold_arg(hold)
+    n_probe = int_arg("--probe-prompts", probe_prompts, 1, 65)
     b = build_output.open_build(profile, out)
     prof = b.profile
     ok = acceptance.check_promotable(prof, b.out_dir, b.packed, action="rollout", **b.serving_facts())
     for w in ok.warnings + build_output.repository_settings_warnings(prof, repo_dir):
         con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
-    step_list = ro.parse_steps(str(steps) if steps is not None else list(prof.deployment.canary_steps))
-    try:
-        hold_s = float(hold) if hold is not None else float(prof.deployment.canary_pause_s)
-    except ValueError:
-        hold_s = -1.0
-    if not 0 <= hold_s <= 86400:
-        raise UserError("--hold", f"{hold!r} is not a number of seconds in 0..86400.", "e.g. --hold 30")
+    step_list = given_steps or ro.parse_steps(list(prof.deployment.canary_steps))
+    hold_s = float(prof.deployment.canary_pause_s) if given_hold is None else given_hold
     if release.read_state(repo_dir) is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
     server = _attach(url, metrics_port)
-    pset = b.probe_set(int_arg("--probe-prompts", probe_prompts, 1, 65))
+    pset = b.probe_set(n_probe)
 
     def show(s):
         pr = s.get("probe") or {}
@@ -141,6 +139,19 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
         con.print(f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "
                   f"traffic ({res.decision_to_stable_ms} ms from the decision to the candidate's last request)")
     return EXIT_GATE_FAILED  # not promoted
+
+
+def _hold_arg(hold) -> float | None:
+    """``--hold``: seconds in 0..86400 (None when not given). UserError otherwise (nan, inf, text, negative)."""
+    if hold is None:
+        return None
+    try:
+        hold_s = float(hold)
+    except ValueError:
+        hold_s = -1.0
+    if not 0 <= hold_s <= 86400:
+        raise UserError("--hold", f"{str(hold)[:40]!r} is not a number of seconds in 0..86400.", "e.g. --hold 30")
+    return hold_s
 
 
 def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, prompts=None, metrics_port=None,

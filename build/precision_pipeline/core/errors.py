@@ -93,9 +93,14 @@ EXIT_INTERRUPTED = 130
 """Ctrl-C: 128 + SIGINT; writes are atomic, so previous artifacts are intact."""
 
 USER_OS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG,
-                            errno.EMFILE, errno.EFBIG})
+                            errno.EMFILE, errno.EFBIG, errno.EISDIR, errno.ENOTDIR})
 """OSErrors that are the user's machine, not a bug (permissions, a full disk or quota, a file-size limit, a
-read-only filesystem, too many open files, a too long name): exit 2 with the file and the cause, no traceback."""
+read-only filesystem, too many open files, a too long name, a folder made where a file is written or a file
+where a folder is: ``mkdir <out>/manifest.json``): exit 2 with the file and the cause, no traceback."""
+
+_OS_FIXES = {errno.EFBIG: "raise the file-size limit (ulimit -f)",
+             errno.EISDIR: "a folder stands where this file is written: remove that folder if it is not yours",
+             errno.ENOTDIR: "a file stands where a folder of that path is expected: remove or rename it"}
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -119,8 +124,9 @@ def exit_code_for(exc: BaseException) -> int:
 def os_error_text(exc: OSError) -> str:
     """The one-paragraph message of an OSError in ``USER_OS_ERRNOS``: which file, why, and that nothing was lost."""
     where = str(exc.filename2 or exc.filename or "")[:200] or "(a file the system did not name)"
-    fix = "raise the file-size limit (ulimit -f)" if exc.errno == errno.EFBIG else "free space or fix permissions"
-    return (f"cannot write {where}: {exc.strerror or str(exc)}. Writes are atomic, so the previous artifacts and the "
+    fix = _OS_FIXES.get(exc.errno, "free space or fix permissions")
+    verb = "use" if exc.errno in (errno.EISDIR, errno.ENOTDIR) else "write"  # a read of a folder fails the same way
+    return (f"cannot {verb} {where}: {exc.strerror or str(exc)}. Writes are atomic, so the previous artifacts and the "
             f"serving repository are intact; {fix} and run again.")
 
 

@@ -109,6 +109,10 @@ def validate_out_dir(out: Path, folders: tuple[str, ...] = ()) -> Path:
         raise UserError(field, f"{out} cannot be listed ({type(e).__name__}).", "give a readable, writable directory.")
     if not os.access(out, os.W_OK | os.X_OK):
         raise UserError(field, f"{out} is not writable.", "give a writable directory.")
+    odd = next((out / n for n in _OWN_FILES if (out / n).exists() and not (out / n).is_file()), None)
+    if odd is not None:  # a folder named .precision-build.json: the build's atomic replace of it failed (a traceback)
+        raise UserError(field, f"{odd} is not a regular file ({'a folder' if odd.is_dir() else 'a special file'}); a "
+                        "build writes that name itself.", f"remove it if it is not yours (rm -r {odd}), or give another --out.")
     marker = read_json_safe(out / OUTPUT_MARKER)
     if isinstance(marker, dict) and marker.get("format") == OUTPUT_FORMAT:
         v = marker.get("version")
@@ -149,11 +153,15 @@ def serving_path_problem(path: str) -> str | None:
             "line with the model paths unquoted, so the served repository would never become ready")
 
 
-def check_serving_path(path: Path | str, field: str) -> None:
-    """UserError on ``field`` when ``path`` cannot hold a servable build (``serving_path_problem``)."""
+SERVING_PATH_CHARS = "ASCII letters, digits and / . _ - + @ : , = ~"
+
+
+def check_serving_path(path: Path | str, field: str, fix: Optional[str] = None) -> None:
+    """UserError on ``field`` when ``path`` cannot hold a servable build (``serving_path_problem``); ``fix``
+    replaces the build's fix (a new --out)."""
     why = serving_path_problem(str(path))
     if why:
-        raise UserError(field, why + ".", "build into a path of ASCII letters, digits and / . _ - + @ : , = ~ "
+        raise UserError(field, why + ".", fix or f"build into a path of {SERVING_PATH_CHARS} "
                         "(e.g. --out artifacts/my-build), or move the checkout to such a path.")
 
 
@@ -173,5 +181,5 @@ def output_lock(out_dir: Path, what: str, wait: bool = True, on_wait: Optional[C
 
 
 __all__ = ["OUTPUT_MARKER", "OUTPUT_FORMAT", "OUTPUT_VERSION", "read_output_marker", "refuse_filesystem_root", "write_output_marker",
-           "default_out_dir", "LOCK_FILE", "validate_out_dir", "SERVING_PATH_RE", "serving_path_problem",
+           "default_out_dir", "LOCK_FILE", "validate_out_dir", "SERVING_PATH_RE", "SERVING_PATH_CHARS", "serving_path_problem",
            "check_serving_path", "output_lock", "say"]

@@ -9,12 +9,14 @@ TypeError, never hashed by their ``str()``); the runner in ``core/stage.py`` com
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import shutil
 import socket
+import stat as stat_mod
 import tempfile
 import time
 from pathlib import Path
@@ -468,8 +470,22 @@ def read_json_safe(path: Path) -> Any:
         return None
 
 
+MAX_JSON_BYTES = 256 * 1024 * 1024
+"""Largest JSON file ``read_json`` parses (the pipeline's records are at most a few MB)."""
+
+
 def read_json(path: Path, default: Any = None) -> Any:
-    """Parse JSON at ``path``; ``default`` when the file does not exist."""
+    """Parse JSON at ``path``; ``default`` when the file does not exist. A FIFO, device or socket at ``path`` (a
+    ``mkfifo releases.json`` hung every command; a link to /dev/zero filled memory) raises OSError (EINVAL) before
+    it is opened, and a file over ``MAX_JSON_BYTES`` ValueError, as invalid JSON does."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return default
+    if not stat_mod.S_ISREG(st.st_mode) and not stat_mod.S_ISDIR(st.st_mode):  # a folder: IsADirectoryError below
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or socket)", str(path))
+    if st.st_size > MAX_JSON_BYTES:
+        raise ValueError(f"{st.st_size:,} bytes, more than the {MAX_JSON_BYTES:,} a record may have")
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:

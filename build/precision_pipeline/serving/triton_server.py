@@ -642,16 +642,21 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     SIGTERM or SIGHUP (then the server is stopped and this returns).
 
     A read-only repository is served as it is when its files agree with releases.json (UserError
-    when it would need a recovery). Raises ``PipelineError`` (exit ``SERVER_DIED_EXIT``, the log tail
+    when it would need a recovery). A repository whose path Triton's Python stubs cannot start from
+    (core/outputs.py ``serving_path_problem``: a space, non-ASCII, shell characters) is refused on ``--repo``
+    before anything starts. Raises ``PipelineError`` (exit ``SERVER_DIED_EXIT``, the log tail
     in the message) when the server ends on its own while blocking."""
     import errno as _errno
 
     from precision_pipeline.core.errors import PipelineError
+    from precision_pipeline.core.outputs import SERVING_PATH_CHARS, check_serving_path
     from precision_pipeline.serving import release_recover
 
     repo = Path(model_repository)
     if not repo.is_dir():
         raise UserError("model_repository", f"{repo} does not exist.", "run `invoke build --profile X` first.")
+    check_serving_path(repo.resolve(), "--repo", f"serve a repository at a path of {SERVING_PATH_CHARS} (promote into such a "
+                       "--repo: promote refuses the others), or move this one back where it was made; nothing was started.")
     check_distinct_ports((("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)))
     note = None
     try:

@@ -25,7 +25,9 @@ Loading rules (``load_profile``):
 * Numbers mean what YAML 1.2 says or are refused: PyYAML reads YAML 1.1, where ``064`` is octal 52,
   ``1:04`` is base-60 64 and ``1_000`` drops the ``_``; each of these is refused with the value it
   would silently have become (``_yaml11_number_problem``); so are the YAML 1.1 booleans ``yes``/``no``/``on``/``off``
-  (any case: "write true or false"; ``y``/``n`` stay text, which a boolean field refuses). ``!!binary`` is refused. Merge keys
+  (any case: "write true or false"; ``y``/``n`` stay text, which a boolean field refuses), an unquoted date
+  (a YAML 1.1 timestamp: "quote it if it is text") and ``0o10`` (YAML 1.2 octal, text to PyYAML: "write 8").
+  ``!!binary`` is refused. Merge keys
   (``<<: *anchor``) are supported: the anchored mapping's keys, then the mapping's own keys win.
 * Validation is pydantic with ``extra="forbid"``: an unknown key is an error that suggests the
   closest known key.

@@ -1,5 +1,5 @@
 """The strict YAML reader of profiles: one document, no duplicate keys, no YAML 1.1 number surprises (octal,
-base 60, ``_`` separators, binary), no ``!!binary``, and alias expansion bounded by ``MAX_YAML_NODES``; files
+base 60, ``_`` separators, binary, unquoted dates), no ``!!binary``, and alias expansion bounded by ``MAX_YAML_NODES``; files
 bounded by ``MAX_PROFILE_BYTES``. Each refusal is a ``UserError`` naming the field (spec/profile.py's module
 doc lists the rules)."""
 
@@ -69,6 +69,12 @@ class _ProfileLoader(yaml.SafeLoader):
                 "and text in YAML 1.2; write true or false", node.start_mark)
         return super().construct_yaml_bool(node)
 
+    def construct_yaml_timestamp(self, node):
+        t = self.construct_scalar(node)  # 2001-12-14 (or with a time): a YAML 1.1 timestamp, text in YAML 1.2
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{short(t)} is a YAML 1.1 timestamp (PyYAML reads it as a date) and text in YAML 1.2; "
+            f"quote it if it is text ('{t[:60]}'); no profile field takes a date", node.start_mark)
+
     def construct_yaml_binary(self, node):
         raise yaml.constructor.ConstructorError(
             None, None, "!!binary (base64 bytes) is not a profile value; profiles hold text, numbers and booleans "
@@ -80,6 +86,7 @@ _ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct
 _ProfileLoader.add_constructor("tag:yaml.org,2002:float", _ProfileLoader.construct_yaml_float)
 _ProfileLoader.add_constructor("tag:yaml.org,2002:binary", _ProfileLoader.construct_yaml_binary)
 _ProfileLoader.add_constructor("tag:yaml.org,2002:bool", _ProfileLoader.construct_yaml_bool)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:timestamp", _ProfileLoader.construct_yaml_timestamp)
 
 
 def _yaml11_number_problem(text: str, kind: str) -> Optional[str]:
@@ -177,10 +184,15 @@ def read_yaml(path: Path, field: str) -> dict:
 
 def number_as_text(v: Any) -> str:
     """`` | fix: write N (...)`` when ``v`` is text that is a number but PyYAML (YAML 1.1) reads as text even
-    unquoted (``1e2``, ``5e-2``: YAML 1.1 floats need a dot and a signed exponent); "" otherwise (then it was
+    unquoted (``1e2``, ``5e-2``: YAML 1.1 floats need a dot and a signed exponent; ``0o10``: YAML 1.2's octal
+    form is text in YAML 1.1); "" otherwise (then it was
     quoted, and the fix is to drop the quotes)."""
     if not isinstance(v, str) or len(v) > 40:
         return ""
+    if re.fullmatch(r"[-+]?0o[0-7]+", v):  # YAML 1.2's octal form: text to YAML 1.1 (PyYAML reads 0o10 as '0o10')
+        n = int(v.replace("0o", ""), 8)
+        return (f" | fix: write {n} ({v} is YAML 1.2's octal form; YAML 1.1, which PyYAML reads, takes it as text; "
+                "profiles write numbers in decimal).")
     try:
         f = float(v)
         bare = yaml.safe_load(v)
