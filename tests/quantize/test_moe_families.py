@@ -2,7 +2,9 @@
 refusals, not quality. Random weights and random tokens are acceptable ONLY here (layout tests).
 
 * Qwen3-MoE: ModelOpt 0.47 quantizes and exports it (unified HF, FP8) on CPU with the router kept BF16 and excluded;
-  verification finds the router unquantized, and refuses the same checkpoint with the router planted quantized.
+  verification passes it (experts' FP8 layout, router unquantized), the gate's MoE reader (gate/moe_model.py) loads it
+  and the gate's metrics against the unquantized model are finite and small; verification refuses the same
+  checkpoint with the router planted quantized.
 * gpt-oss: experts stored as MXFP4 in gpt-oss's own layout (``*_blocks`` / ``*_scales``, made by ModelOpt's
   ``MXFP4QTensor``), decoded on CPU by the codec and compared with the unquantized model by the gate's metrics."""
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -40,6 +43,8 @@ def test_tiny_qwen3_moe_exports_with_the_router_bf16_and_verification_refuses_a_
                          head_dim=16, vocab_size=256, max_position_embeddings=128, decoder_sparse_step=1,
                          mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
     model = Qwen3MoeForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    cfg.save_pretrained(tmp_path / "hf")
     batches = _tokens(256)
 
     def loop(m):
@@ -60,10 +65,25 @@ def test_tiny_qwen3_moe_exports_with_the_router_bf16_and_verification_refuses_a_
     assert hf_q["quant_algo"] == "FP8" and any("mlp.gate" in p for p in hf_q["exclude_modules"])
     header = {n: meta["dtype"] for n, (_, meta) in hf_headers(out).items()}
     assert header["model.layers.0.mlp.gate.weight"] in ("BF16", "F32") and FAM.router_problems(FAM.QWEN3_MOE, header) == []
-    # the verifier: the router passes; the rest of a MoE layout is not verified yet (named, exit 2)
-    with pytest.raises(UserError) as e:
-        verify_hf_checkpoint(out)
-    assert e.value.problems[0].rule == "hf.known_tensors"
+    # the verifier passes it: 2 layers x (4 attention + 4 experts x 3) linears + lm_head; the router is no linear
+    rep = verify_hf_checkpoint(out, {"quant_algo": "FP8", "kv_cache_quant_algo": None})
+    assert (rep["linears"], rep["tensors"]) == (33, len(sd))
+    # the gate's MoE reader: FP8 experts dequantized, the router as stored; the gate's metrics vs the BF16-free reference
+    from precision_pipeline.gate.metrics import kl_summary, token_metrics
+    from precision_pipeline.gate.model import QuantLinear
+    from precision_pipeline.gate.moe_model import load_hf_moe_model
+
+    cand = load_hf_moe_model(out, tmp_path / "hf")
+    e0 = cand.model.layers[0].mlp.experts[0].up_proj
+    assert isinstance(e0, QuantLinear) and e0.act_format == "fp8"
+    assert type(cand.model.layers[0].mlp.gate) is torch.nn.Linear  # the router: a plain linear, stored weights
+    assert torch.equal(cand.model.layers[0].mlp.gate.weight, sd["model.layers.0.mlp.gate.weight"].float())
+    toks = torch.cat(_tokens(256, n=2, seq=24), dim=1)
+    with torch.no_grad():
+        tm = token_metrics(ref(toks).logits[0], cand(toks).logits[0])
+    s = kl_summary(tm.kl)
+    assert all(math.isfinite(v) for v in s.values()) and 0 < s["kl_mean"] < 0.05 and tm.top1.mean() > 0.8, s
+    print(f"tiny Qwen3-MoE FP8 vs FP32: KL mean {s['kl_mean']:.4g}, P99 {s['kl_p99']:.4g}, top-1 {tm.top1.mean():.3f}")
     # planted: the router stored FP8 with a scale beside it
     f = next(out.glob("*.safetensors"))
     sd["model.layers.1.mlp.gate.weight"] = sd["model.layers.1.mlp.gate.weight"].float().to(torch.float8_e4m3fn)

@@ -88,6 +88,10 @@ class MoE:
     packed_experts: bool = False
     """The HF model stores every expert of a projection in one 3-D parameter (gpt-oss ``mlp.experts.gate_up_proj``
     ``[E, hidden, 2 x inter]``, gate/up rows interleaved), not one Linear per expert (``{e}`` names)."""
+    hf_read: bool = False
+    """The unified HF checkpoint of this MoE layout (one Linear per expert) is verified (``checkpoint/hf_verify.py``:
+    experts' layout, router unquantized) and read by the gate's MoE reader (``gate/moe_model.py``
+    ``load_hf_moe_model``); ``invoke build`` does not call them yet (``Family.build_gaps``)."""
     expert_format: str = ""
     """The format the family's own checkpoint stores its experts in ('' = the model dtype; gpt-oss: MXFP4,
     ``*_blocks``/``*_scales``, decoded by ``checkpoint/codecs.py`` ``dequant_mx_blocks``)."""
@@ -356,8 +360,9 @@ _QWEN3_MOE_SOURCES = {
     "routes": "engine: tensorrt_llm/models/qwen/config.py (qwen_type qwen3_moe); PyTorch backend: "
               "tensorrt_llm/_torch/models/modeling_qwen3_moe.py, checkpoints/hf/qwen3_moe_weight_mapper.py",
 }
-QWEN3_MOE = _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE, routes=("engine", "llm_api"),
-                     trtllm_versions=("1.2", "1.3"), sources=_QWEN3_MOE_SOURCES)
+QWEN3_MOE = replace(_planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=replace(_QWEN_MOE, hf_read=True),
+                             routes=("engine", "llm_api"), trtllm_versions=("1.2", "1.3"), sources=_QWEN3_MOE_SOURCES),
+                    norms=_QWEN3.norms)  # Qwen3's QK-norm (transformers modeling_qwen3_moe.py Qwen3MoeAttention q_norm/k_norm)
 
 # gpt-oss: MoE with MXFP4 experts as shipped (*_blocks / *_scales, quant_method mxfp4), attention sinks (one learned
 # logit per head, self_attn.sinks), biases on q/k/v/o, the router and the experts, and sliding-window attention on
@@ -473,14 +478,22 @@ KV_PROJECTIONS = _QKV[1:]
 def hf_linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each HF linear of a Llama-layout decoder layer (relative name) and of ``lm_head``, from
     ``config.json`` (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
-    vocab_size). Raises KeyError/ValueError for a config without them."""
+    vocab_size); with ``num_experts`` and ``moe_intermediate_size`` (Qwen-MoE) also each expert's
+    ``mlp.experts.{e}.gate_proj/up_proj [moe_inter, hidden]``, ``down_proj [hidden, moe_inter]``. Raises
+    KeyError/ValueError for a config without them."""
     h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     nkv, inter = int(cfg.get("num_key_value_heads") or nh), int(cfg["intermediate_size"])
     hd = int(cfg.get("head_dim") or h // nh)
     q, k, v = _QKV
-    return {q: (nh * hd, h), k: (nkv * hd, h), v: (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
-            "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
-            "lm_head": (int(cfg["vocab_size"]), h)}
+    out = {q: (nh * hd, h), k: (nkv * hd, h), v: (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
+           "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
+           "lm_head": (int(cfg["vocab_size"]), h)}
+    if cfg.get("num_experts") and cfg.get("moe_intermediate_size"):  # Qwen-MoE experts (_QWEN_MOE names), one Linear each
+        mi = int(cfg["moe_intermediate_size"])
+        for e in range(int(cfg["num_experts"])):
+            for rel, shape in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
+                out[f"mlp.experts.{e}.{rel}"] = shape
+    return out
 
 
 def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, tp: int = 1) -> tuple[int, int]:

@@ -1,0 +1,89 @@
+"""The accuracy gate's reader of a MoE family's unified HF checkpoint (``spec.families`` ``MoE.hf_read``: Qwen3-MoE).
+
+``load_hf_moe_model(ckpt_dir, hf_model_dir)`` builds the family's HF class (``transformers.<architecture>``, from
+``hf_model_dir``'s ``config.json``) and fills it with the checkpoint, dequantized to float32
+(``checkpoint.hf_unified.dequantize_hf_moe``): every linear (attention, each expert, ``lm_head``) becomes the gate's
+``QuantLinear`` with its input fake-quant (FP8: the checkpoint's ``input_scale``; fused q/k/v and each expert's
+gate/up with the max of the group's scales, as TensorRT-LLM's PyTorch backend loads them); the embedding, the
+norms (Qwen3's q/k norms included) and the router (kept unquantized by the export, ``hf.router``) are loaded as
+stored. The router's top-k routing is the HF class's own. Not yet called by ``invoke build`` (the family's
+``gate_reader`` is None: ``Family.build_gaps``); the slow test ``tests/quantize/test_moe_families.py`` runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from precision_pipeline.checkpoint.codecs import FIELD
+from precision_pipeline.core.errors import UserError
+from precision_pipeline.gate.model import QuantLinear, act_fake_quant
+
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts",
+          "moe_intermediate_size", "vocab_size")
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, dtype: torch.dtype) -> None:
+    """``model``'s parameter ``name`` (dotted) := ``value``; UserError when the model has none or its shape differs."""
+    mod_name, _, leaf = name.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name)
+        old = getattr(mod, leaf)
+    except AttributeError:
+        raise UserError(FIELD, f"{name} is not a tensor of the HF {type(model).__name__}.", "re-export the checkpoint.")
+    if not isinstance(old, torch.Tensor) or tuple(old.shape) != tuple(value.shape):
+        raise UserError(FIELD, f"{name} has shape {tuple(value.shape)}; the model expects "
+                        f"{tuple(getattr(old, 'shape', ()))}.", "use the HF folder the checkpoint was made from.")
+    setattr(mod, leaf, nn.Parameter(value.to(dtype), requires_grad=False))
+
+
+def load_hf_moe_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The HF MoE model that computes what the unified HF checkpoint ``ckpt_dir`` says, on CPU, in ``dtype`` (module
+    doc). ``hf_model_dir``: the HF folder it was exported from (its config; sizes checked against the checkpoint's).
+    Raises UserError for another family or format (``dequantize_hf_moe``), disagreeing sizes, a tensor the model
+    lacks, a linear the checkpoint lacks, or a parameter left unfilled."""
+    import transformers
+    from transformers import AutoConfig
+
+    from precision_pipeline.checkpoint.hf_unified import dequantize_hf_moe
+
+    cfg, linears, plain = dequantize_hf_moe(Path(ckpt_dir))
+    hf_cfg = AutoConfig.from_pretrained(str(hf_model_dir))
+    bad = {k: (cfg.get(k), getattr(hf_cfg, k, None)) for k in _SIZES if cfg.get(k) != getattr(hf_cfg, k, None)}
+    if bad or (cfg.get("architectures") or [None])[0] != (hf_cfg.architectures or [None])[0]:
+        raise UserError(FIELD, "checkpoint and HF config disagree: " + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in
+                        bad.items()) + f" (architectures {cfg.get('architectures')} vs {hf_cfg.architectures}).",
+                        "pass the HF folder the checkpoint was exported from.")
+    hf_cfg.tie_word_embeddings = False
+    with torch.device("meta"):
+        model = getattr(transformers, hf_cfg.architectures[0])(hf_cfg)
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        spec = linears.pop(name, None)
+        if spec is None and name + ".weight" in plain:  # the router: stored unquantized, loaded as a plain Linear
+            continue
+        if spec is None:
+            raise UserError(FIELD, f"{name}.weight is missing.", "re-export the checkpoint.")
+        if tuple(spec.weight.shape) != tuple(mod.weight.shape) or (spec.bias is None) != (mod.bias is None):
+            raise UserError(FIELD, f"{name} is {tuple(spec.weight.shape)} (bias {spec.bias is not None}); the model "
+                            f"expects {tuple(mod.weight.shape)} (bias {mod.bias is not None}).",
+                            "use the HF folder the checkpoint was made from.")
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                QuantLinear(spec, act_fake_quant(spec.quant_algo) if spec.quantized else None, dtype))
+    if linears:
+        raise UserError(FIELD, f"{', '.join(sorted(linears)[:5])} are linears the HF model does not have.",
+                        "use the HF folder the checkpoint was made from.")
+    for name, t in plain.items():
+        _set_tensor(model, name, t, dtype)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg, device="cpu")  # the family's own RoPE class
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p is not None and p.is_meta]
+    if left:
+        raise UserError(FIELD, f"no checkpoint tensor for {', '.join(left[:5])}.", "re-export the checkpoint.")
+    return model.eval()
+
+
+__all__ = ["load_hf_moe_model"]
