@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,64 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
     assert 0 < s["kl_mean"] < 1.0 and tm.top1.mean() > 0.5, (s, tm.top1.mean())
     print(f"tiny gpt-oss MXFP4 experts vs FP32: KL mean {s['kl_mean']:.4g}, P99 {s['kl_p99']:.4g}, "
           f"top-1 {tm.top1.mean():.3f}")
+
+
+def _tiny_qwen3_moe_dir(root, vocab_from):
+    """A tiny random Qwen3-MoE HF folder (2 layers, 4 experts, top-2, hidden 64; BF16, ~13 MB) with the default model's
+    tokenizer, chat template and eos/bos ids (the gate's golden prompts and the pack need them)."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    ids = {k: json.loads((vocab_from / "config.json").read_text())[k] for k in ("bos_token_id", "eos_token_id")}
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=49152, max_position_embeddings=2048, decoder_sparse_step=1,
+                         mlp_only_layers=[], tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"], **ids)
+    md = root / "qwen3moe"
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(md)
+    for p in vocab_from.iterdir():
+        if p.is_file() and not (md / p.name).exists():
+            shutil.copy2(p, md / p.name)
+    return md
+
+
+def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir, invoke_here, small_gate):
+    """``invoke build`` of a tiny Qwen3-MoE on the llm_api route with FP8 (no KV quantization: the MoE reader reads an
+    unquantized KV cache only): exit 0, every stage done; the router excluded in hf_quant_config.json and stored BF16;
+    the verify stage's counts; the gate's numbers finite with its verdict. The engine route is still refused at resolve
+    (rule model.gate_reads: no TensorRT-LLM export, no reader of that checkpoint)."""
+    from safetensors import safe_open
+
+    md = _tiny_qwen3_moe_dir(tmp_path, Path(default_model_dir))
+    prof = tmp_path / "tiny-moe.yaml"  # random weights: the bar loosened; structure, not quality
+    bar = {"kl_mean_max": 5.0, "kl_p99_max": 50.0, "top1_min": 0.1, "ppl_delta_pct_max": 500.0, "greedy_same_min": 0.0}
+    prof.write_text(json.dumps({"extends": "fp8-h100-llmapi", "quantization": {"kv_cache_quant_algo": "NONE"},
+                                "calibration": {"num_samples": 4, "seq_len": 32, "batch_size": 2}, "gate": bar}))
+    out = tmp_path / "out"
+    r = invoke_here("build", "--profile", str(prof), "--model", str(md), "--out", str(out), "--golden-limit", "1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())["stages"]
+    assert {k: v["status"] for k, v in man.items()} == {s: "done" for s in (
+        "resolve", "quantize", "verify", "gate", "llm_api_config", "pack", "deploy")}
+    q = json.loads((out / "checkpoint" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "FP8" and q["kv_cache_quant_algo"] is None
+    assert {p for p in q["exclude_modules"] if "mlp.gate" in p} and "lm_head" in q["exclude_modules"], q
+    with safe_open(str(out / "checkpoint" / "model.safetensors"), framework="pt") as st:
+        keys = set(st.keys())
+        assert st.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16  # the router as the model holds it
+        assert st.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight").dtype == torch.float8_e4m3fn
+    assert not [k for k in keys if ".mlp.gate." in k and not k.endswith(".weight")]
+    # verify: 2 layers x (4 attention + 4 experts x 3) linears + lm_head; 2 FP8 scales each of the 32 quantized ones
+    v = man["verify"]["numbers"]
+    assert (v["tensors"], v["scale_tensors"], v["linears"]) == (len(keys), 64, 33)
+    g = man["gate"]["numbers"]
+    assert all(math.isfinite(g[k]) for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct"))
+    assert 0 < g["kl_mean"] < 1e-3 and g["top1"] > 0.8 and g["passed"] is True and g["eval_tokens"] > 0, g
+    assert json.loads((out / "model_repository" / "pack.json").read_text())["route"] == "llm_api"
+    # the engine route: refused at resolve, exit 2, nothing written
+    eng = tmp_path / "engine.yaml"
+    eng.write_text(json.dumps({"extends": "fp8-h100", "quantization": {"kv_cache_quant_algo": "NONE"}}))
+    r = invoke_here("build", "--profile", str(eng), "--model", str(md), "--out", str(tmp_path / "eng"))
+    assert r.returncode == 2 and "model.gate_reads" in r.stdout + r.stderr and not (tmp_path / "eng").exists(), r.stdout

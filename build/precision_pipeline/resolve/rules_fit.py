@@ -304,14 +304,15 @@ def _family_serves(ctx: Context) -> list[Finding]:
       "builds and checks only)",
       "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader, spec/families.py)", needs_gpu=False)
 def _gate_reads(ctx: Context) -> list[Finding]:
-    if not ctx.for_build or ctx.model.architecture in GATE_ARCHITECTURES:
+    if not ctx.for_build or not family(ctx.model.architecture).build_gaps(ctx.route):
         return []
-    gaps = "; ".join(f"{stage}: {why}" for stage, why in family(ctx.model.architecture).build_gaps())
+    gaps = "; ".join(f"{stage}: {why}" for stage, why in family(ctx.model.architecture).build_gaps(ctx.route))
     return [refuse("--model",
                    f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate's checkpoint reader handles "
                    f"{', '.join(GATE_ARCHITECTURES)} only. Stages missing for "
                    f"{ctx.model.architecture}: {gaps} (invoke check, profiles, compare and recommend plan it).",
-                   f"use a model of: {', '.join(GATE_ARCHITECTURES)}; a Mixtral MoE can be quantized and exported with "
+                   f"use a model of: {', '.join(GATE_ARCHITECTURES)} (Qwen3MoeForCausalLM: route llm_api, "
+                   "spec/families.py MoE.hf_read); a Mixtral MoE can be quantized and exported with "
                    "expert parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
 
 

@@ -126,16 +126,23 @@ class Family:
 
     # -- lookups
 
-    def build_gaps(self) -> tuple[tuple[str, str], ...]:
-        """(stage, what it lacks) for each build stage that cannot handle this family yet: ``quantize`` when no
-        export decoder is wired (``export_decoder`` None), ``gate`` when the gate has no checkpoint reader
-        (``gate_reader`` None). () for a family ``invoke build`` runs end to end. Planning needs none of them."""
+    def build_gaps(self, route: Optional[str] = None) -> tuple[tuple[str, str], ...]:
+        """(stage, what it lacks) for each build stage that cannot handle this family yet on ``route`` (None: on
+        every route it serves): ``quantize`` when no export decoder is wired (``export_decoder`` None), ``gate`` when
+        the gate has no checkpoint reader (``gate_reader`` None) -- except on the ``llm_api`` route for a MoE layout
+        whose unified HF checkpoint is verified and read (``MoE.hf_read``: ModelOpt's ``export_hf_checkpoint`` needs
+        no decoder type, the gate reads it with ``gate/moe_model.py``). () for a family ``invoke build`` runs end to
+        end (there). Planning needs none of them."""
+        if route == "llm_api" and self.moe is not None and self.moe.hf_read:
+            return ()
         gaps = []
         if self.export_decoder is None:
             gaps.append(("quantize", "its ModelOpt export (the quantize stage's decoder type) is not wired "
-                                     "(spec/families.py export_decoder)"))
+                                     "(spec/families.py export_decoder)"
+                         + ("; route llm_api builds it" if self.moe is not None and self.moe.hf_read else "")))
         if self.gate_reader is None:
-            gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"))
+            gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"
+                         + ("; route llm_api reads it" if self.moe is not None and self.moe.hf_read else "")))
         return tuple(gaps)
 
     @property
