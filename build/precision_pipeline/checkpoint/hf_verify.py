@@ -14,7 +14,9 @@ silently wrong:
   ``kv_cache_quant_algo`` (the runtime raises RuntimeError, ``ModelConfig._build_modelopt_quant_config``).
 * ``hf.names``: every ``exclude_modules`` pattern and every ``quantized_layers`` name matches a module of the
   checkpoint (one that matches none leaves the layer it meant quantized, or loads it unquantized, silently).
-* ``hf.known_tensors``: every tensor is a Llama HF name with a suffix its format stores (no ModelOpt leftovers).
+* ``hf.known_tensors``: every tensor is a Llama HF name with a suffix its format stores (no ModelOpt leftovers); for
+  a MoE family with ``MoE.hf_read`` (Qwen3-MoE) also each expert's linears (``families.hf_linear_shapes``), the router
+  (unquantized: ``hf.router``) and the family's norms (QK-norm).
 * ``hf.layout``: per linear the weight and scales its declared format stores (the codecs' layouts,
   ``codecs.Codec.layout``, under the HF names ``hf_unified.HF_SUFFIX``): FP8 weight F8_E4M3 with F32
   ``weight_scale`` and ``input_scale``; NVFP4 U8 packed with F8_E4M3 block ``weight_scale`` and F32
@@ -53,7 +55,8 @@ FIX = "re-export the checkpoint (quantize again with export_format hf_unified)."
 HF_RULES = {
     "hf.metadata": "hf_quant_config.json, config.json quantization_config, quant_cfg.json and the plan agree",
     "hf.names": "every exclude_modules pattern and quantized_layers name matches a module of the checkpoint",
-    "hf.known_tensors": "every tensor is a name of the HF Llama layout with a suffix its format stores",
+    "hf.known_tensors": "every tensor is a name of the HF Llama layout (a Qwen3-MoE's experts, router and QK-norm) with "
+                        "a suffix its format stores",
     "hf.layout": "each linear's weight and scale tensors have its declared format's dtype and shape",
     "hf.kv_scales": "a quantized KV cache has k_scale / v_scale in every layer; an unquantized one has none",
     "hf.scales_finite": "every scale value finite; per-tensor scales > 0",

@@ -16,7 +16,6 @@ sensitivity analysis (which swaps single linears with ``split_qkv`` / ``QuantLin
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Optional
@@ -311,14 +310,6 @@ def load_checkpoint_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype
     import transformers
     from transformers import AutoConfig
 
-    if checkpoint_layout(Path(ckpt_dir)) == "hf_unified":
-        hf_cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
-        moe = family((hf_cfg.get("architectures") or [""])[0]).moe
-        if moe is not None and moe.hf_read:  # a MoE family's unified HF checkpoint: its own reader
-            from precision_pipeline.gate.moe_model import load_hf_moe_model
-
-            model = load_hf_moe_model(Path(ckpt_dir), Path(hf_model_dir), dtype)
-            return place_on_cuda(model) if device == "cuda" else model
     ck = read_dequantized(Path(ckpt_dir))  # refuses an architecture the gate does not read (GATE_ARCHITECTURES)
     cfg = ck.config
     fam = family(str(cfg.get("architecture")))

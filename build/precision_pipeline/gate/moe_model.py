@@ -86,4 +86,24 @@ def load_hf_moe_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = t
     return model.eval()
 
 
-__all__ = ["load_hf_moe_model"]
+def load_gate_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+    """The gate stage's candidate model of ``ckpt_dir``: ``load_hf_moe_model`` for the unified HF checkpoint of a MoE
+    family with ``MoE.hf_read`` (``spec.families``), else ``gate.model.load_checkpoint_model`` (either layout of the
+    dense families); ``device="cuda"``: placed over the visible GPUs (``place_on_cuda``). Raises UserError as they do."""
+    import json
+
+    from precision_pipeline.checkpoint.reader import checkpoint_layout
+    from precision_pipeline.gate.model import load_checkpoint_model, place_on_cuda
+    from precision_pipeline.spec.families import FAMILIES
+
+    d = Path(ckpt_dir)
+    if checkpoint_layout(d) == "hf_unified":
+        arch = (json.loads((d / "config.json").read_text()).get("architectures") or [None])[0]
+        fam = FAMILIES.get(arch)
+        if fam is not None and fam.moe is not None and fam.moe.hf_read:
+            model = load_hf_moe_model(d, Path(hf_model_dir), dtype)
+            return place_on_cuda(model) if device == "cuda" else model
+    return load_checkpoint_model(d, Path(hf_model_dir), dtype=dtype, device=device)
+
+
+__all__ = ["load_hf_moe_model", "load_gate_model"]
