@@ -108,7 +108,7 @@ def _mxfp4_blocks(w_out_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q._quantized_data.reshape(e, o, i // 32, 16), s.reshape(e, o, i // 32), theirs
 
 
-def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
+def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec(tmp_path):
     from transformers import GptOssConfig, GptOssForCausalLM
 
     from precision_pipeline.checkpoint.codecs import dequant_mx_blocks
@@ -117,12 +117,13 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
     torch.manual_seed(0)
     cfg = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                       sliding_window=8, max_position_embeddings=128)
+                       sliding_window=8, max_position_embeddings=128, architectures=["GptOssForCausalLM"])
     assert cfg.layer_types == ["sliding_attention", "full_attention"]  # alternating sliding window
     ref = GptOssForCausalLM(cfg).eval()
     cand = copy.deepcopy(ref)
     n_codes = 0
-    for layer in cand.model.layers:
+    shipped = {}  # gpt-oss's checkpoint as shipped: expert projections as <stem>_blocks / <stem>_scales
+    for i, layer in enumerate(cand.model.layers):
         assert layer.self_attn.sinks.shape == (4,)  # attention sinks: one logit per head
         ex = layer.mlp.experts
         for name in ("gate_up_proj", "down_proj"):
@@ -130,6 +131,8 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
             blocks, scales, theirs = _mxfp4_blocks(p.data.transpose(1, 2).contiguous())
             w = dequant_mx_blocks(blocks, scales, f"mlp.experts.{name}")  # [E, out, in]
             assert torch.equal(w, theirs)
+            shipped[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
+            shipped[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
             p.data = w.transpose(1, 2).contiguous()
             n_codes += blocks.numel() * 2
     assert n_codes == 2 * 4 * (64 * 128 + 64 * 64)  # every expert weight went through MXFP4
@@ -141,6 +144,30 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
     assert 0 < s["kl_mean"] < 1.0 and tm.top1.mean() > 0.5, (s, tm.top1.mean())
     print(f"tiny gpt-oss MXFP4 experts vs FP32: KL mean {s['kl_mean']:.4g}, P99 {s['kl_p99']:.4g}, "
           f"top-1 {tm.top1.mean():.3f}")
+    # the gate's reader of the shipped layout (gate/moe_model.py load_gpt_oss_mxfp4): the same model, the same logits
+    from safetensors.torch import save_file
+
+    from precision_pipeline.gate.moe_model import load_gpt_oss_mxfp4
+
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    sd.update(shipped)
+    ck = tmp_path / "gpt-oss"
+    cfg.save_pretrained(ck)
+    raw = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "mxfp4"}}))
+    save_file(sd, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    read = load_gpt_oss_mxfp4(ck)
+    gu = read.model.layers[1].mlp.experts.gate_up_proj
+    assert torch.equal(gu, cand.model.layers[1].mlp.experts.gate_up_proj) and gu.shape == (4, 64, 128)
+    with torch.no_grad():
+        lr2 = read(toks).logits[0]
+    assert torch.allclose(lr2, lc, atol=1e-5, rtol=0), (lr2 - lc).abs().max()
+    tm2 = token_metrics(lr, lr2)
+    assert abs(kl_summary(tm2.kl)["kl_mean"] - s["kl_mean"]) < 1e-6 and math.isfinite(kl_summary(tm2.kl)["kl_p99"])
+    del sd["model.layers.0.mlp.experts.down_proj_scales"]  # a block without its scales: refused, named
+    save_file(sd, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match="down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales"):
+        load_gpt_oss_mxfp4(ck)
 
 
 def _tiny_qwen3_moe_dir(root, vocab_from):

@@ -1,4 +1,6 @@
-"""The accuracy gate's reader of a MoE family's unified HF checkpoint (``spec.families`` ``MoE.hf_read``: Qwen3-MoE).
+"""The accuracy gate's readers of MoE checkpoints: a MoE family's unified HF checkpoint (``spec.families``
+``MoE.hf_read``: Qwen3-MoE; ``load_hf_moe_model``, run by the gate stage through ``load_gate_model``) and gpt-oss's
+HF checkpoint as shipped with MXFP4 experts (``load_gpt_oss_mxfp4``, not run by ``invoke build`` yet).
 
 ``load_hf_moe_model(ckpt_dir, hf_model_dir)`` builds the family's HF class (``transformers.<architecture>``, from
 ``hf_model_dir``'s ``config.json``) and fills it with the checkpoint, dequantized to float32
@@ -86,6 +88,52 @@ def load_hf_moe_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = t
     return model.eval()
 
 
+def load_gpt_oss_mxfp4(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """gpt-oss's HF checkpoint as shipped (``spec.families`` ``GPT_OSS``: ``config.json`` ``quantization_config.quant_method``
+    ``mxfp4``; each expert projection stored as ``<stem>_blocks`` uint8 ``[E, out, in/32, 16]`` and ``<stem>_scales``
+    uint8 ``[E, out, in/32]``, transformers ``integrations/mxfp4.py``) as an HF ``GptOssForCausalLM`` on CPU in ``dtype``:
+    every expert weight decoded by the MXFP4 codec (``codecs.dequant_mx_blocks``, E2M1 x 2^(E8M0 - 127)) and transposed
+    to the HF parameter's ``[E, in, out]``; every other tensor (attention with its biases and sinks, router, norms,
+    embedding, lm_head, expert biases) loaded as stored. Weight-only: no activation fake-quant (what W4A16_MXFP4 runs on
+    Hopper, spec/formats.py SRC_MX_MOE). Not called by ``invoke build`` yet (gpt-oss's ``build_gaps``). Raises
+    UserError for another architecture, a checkpoint that is not mxfp4, a block without its scales, a tensor the
+    model lacks or a parameter left unfilled."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from precision_pipeline.checkpoint.codecs import dequant_mx_blocks
+    from precision_pipeline.spec.families import GPT_OSS
+
+    d = Path(ckpt_dir)
+    raw = json.loads((d / "config.json").read_text())
+    if (raw.get("architectures") or [None])[0] != GPT_OSS.architecture or \
+            (raw.get("quantization_config") or {}).get("quant_method") != "mxfp4":
+        raise UserError(FIELD, f"{d} is not a {GPT_OSS.architecture} checkpoint with quant_method mxfp4 (architectures "
+                        f"{raw.get('architectures')}, quantization_config {raw.get('quantization_config')}).",
+                        "pass gpt-oss's HF folder as shipped.")
+    st: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        st.update(load_file(str(f)))
+    hf_cfg = transformers.AutoConfig.from_pretrained(str(d))
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(hf_cfg)
+    for name in sorted(n for n in st if n.endswith("_blocks")):
+        stem = name[: -len("_blocks")]
+        if stem + "_scales" not in st:
+            raise UserError(FIELD, f"{name} has no {stem}_scales beside it.", "re-export the checkpoint.")
+        w = dequant_mx_blocks(st.pop(name), st.pop(stem + "_scales"), stem)  # [E, out, in]
+        _set_tensor(model, stem, w.transpose(1, 2).contiguous(), dtype)
+    for name, t in st.items():
+        _set_tensor(model, name, t.to(torch.float32), dtype)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg, device="cpu")
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p is not None and p.is_meta]
+    if left:
+        raise UserError(FIELD, f"no checkpoint tensor for {', '.join(left[:5])}.", "re-export the checkpoint.")
+    return model.eval()
+
+
 def load_gate_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
     """The gate stage's candidate model of ``ckpt_dir``: ``load_hf_moe_model`` for the unified HF checkpoint of a MoE
     family with ``MoE.hf_read`` (``spec.families``), else ``gate.model.load_checkpoint_model`` (either layout of the
@@ -106,4 +154,4 @@ def load_gate_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = tor
     return load_checkpoint_model(d, Path(hf_model_dir), dtype=dtype, device=device)
 
 
-__all__ = ["load_hf_moe_model", "load_gate_model"]
+__all__ = ["load_hf_moe_model", "load_gpt_oss_mxfp4", "load_gate_model"]
