@@ -191,7 +191,7 @@ def _tiny_qwen3_moe_dir(root, vocab_from):
     return md
 
 
-def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir, invoke_here, small_gate):
+def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir, invoke_here, small_gate, monkeypatch):
     """``invoke build`` of a tiny Qwen3-MoE on the llm_api route with FP8 (no KV quantization: the MoE reader reads an
     unquantized KV cache only): exit 0, every stage done; the router excluded in hf_quant_config.json and stored BF16;
     the verify stage's counts; the gate's numbers finite with its verdict. The engine route is still refused at resolve
@@ -224,6 +224,23 @@ def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir,
     assert all(math.isfinite(g[k]) for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct"))
     assert 0 < g["kl_mean"] < 1e-3 and g["top1"] > 0.8 and g["passed"] is True and g["eval_tokens"] > 0, g
     assert json.loads((out / "model_repository" / "pack.json").read_text())["route"] == "llm_api"
+    # the same build with the router quantized (an FP8 weight quantizer enabled on *mlp.gate): verification refuses it
+    from precision_pipeline.quantize import ptq
+
+    plain = ptq.modelopt_config_for
+
+    def router_quantized(*a, **kw):
+        name, cfg = plain(*a, **kw)
+        cfg["quant_cfg"].append({"quantizer_name": "*mlp.gate.weight_quantizer", "enable": True,
+                                 "cfg": {"num_bits": (4, 3), "axis": None}})
+        return name, cfg
+
+    monkeypatch.setattr(ptq, "modelopt_config_for", router_quantized)
+    r = invoke_here("build", "--profile", str(prof), "--model", str(md), "--out", str(tmp_path / "rq"), "--golden-limit", "1")
+    assert r.returncode == 2 and "hf.router" in r.stdout + r.stderr and "model.layers.1.mlp.gate.weight" in r.stdout + r.stderr
+    st_rq = {k: v["status"] for k, v in json.loads((tmp_path / "rq" / "manifest.json").read_text())["stages"].items()}
+    assert st_rq.get("quantize") == "done" and "verify" not in st_rq and "gate" not in st_rq, st_rq  # stopped at verify
+    monkeypatch.setattr(ptq, "modelopt_config_for", plain)
     # the engine route: refused at resolve, exit 2, nothing written
     eng = tmp_path / "engine.yaml"
     eng.write_text(json.dumps({"extends": "fp8-h100", "quantization": {"kv_cache_quant_algo": "NONE"}}))

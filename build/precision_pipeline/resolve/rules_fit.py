@@ -300,9 +300,10 @@ def _family_serves(ctx: Context) -> list[Finding]:
     return [refuse(f, reason, fix) for f, reason, fix in found]
 
 
-@rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (spec/families.py GATE_ARCHITECTURES; "
-      "builds and checks only)",
-      "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader, spec/families.py)", needs_gpu=False)
+@rule("model.gate_reads", "the build runs this model's family on the profile's route: a quantize export and a gate "
+      "reader (spec/families.py Family.build_gaps(route); builds and checks only)",
+      "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader), gate/moe_model.py "
+      "(load_hf_moe_model: MoE.hf_read), spec/families.py", needs_gpu=False)
 def _gate_reads(ctx: Context) -> list[Finding]:
     if not ctx.for_build or not family(ctx.model.architecture).build_gaps(ctx.route):
         return []
