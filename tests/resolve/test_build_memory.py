@@ -237,6 +237,8 @@ def test_gate_architectures_are_refused_at_resolve_with_the_list():
     assert [x for x in llm.problems if x.rule == "model.gate_reads"] == []
     (eng,) = [x for x in P.evaluate(prof("fp8-h100"), m, for_build=True).problems if x.rule == "model.gate_reads"]
     assert "Stages missing for Qwen3MoeForCausalLM: quantize:" in eng.reason and "; gate:" in eng.reason
+    (kv,) = [x for x in P.evaluate(prof("fp8-h100-llmapi"), m, for_build=True).problems if x.rule == "model.gate_reads"]
+    assert "gate: the MoE reader (gate/moe_model.py) reads an unquantized KV cache only, not FP8" in kv.reason  # FP8 KV
 
 
 def test_free_host_memory_is_recorded_but_not_keyed():

@@ -39,6 +39,9 @@ def test_moe_entries():
     # Qwen3-MoE: built on route llm_api only (unified HF export, gate/moe_model.py); refused on engine; gpt-oss nowhere
     assert q.moe.hf_read and not g.moe.hf_read and not q2.moe.hf_read
     assert q.build_gaps("llm_api") == () and [s for s, _ in q.build_gaps("engine")] == ["quantize", "gate"]
+    assert q.build_gaps("llm_api", "FP8", "NONE") == () == q.build_gaps("llm_api", "NO_QUANT", "NONE")
+    assert [s for s, _ in q.build_gaps("llm_api", "NVFP4", "NONE")] == ["gate"]  # the MoE reader: FP8 / BF16 only
+    assert "not FP8 (set quantization.kv_cache_quant_algo: NONE)" in q.build_gaps("llm_api", "FP8", "FP8")[0][1]
     assert [s for s, _ in g.build_gaps("llm_api")] == ["quantize", "gate"] and q2.build_gaps("llm_api")
     assert q.norms["self_attn.q_norm"] == "attention.q_layernorm"  # Qwen3's QK-norm (verification knows the tensor)
 

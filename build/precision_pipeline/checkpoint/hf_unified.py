@@ -333,7 +333,7 @@ def dequantize_hf_moe(ckpt_dir: Path) -> tuple[dict, dict[str, LinearSpec], dict
     only, no quantized KV cache. Raises UserError for another family, format, a missing or unused tensor."""
     from safetensors.torch import load_file
 
-    from precision_pipeline.spec.families import EXPERT, FAMILIES
+    from precision_pipeline.spec.families import EXPERT, FAMILIES, MOE_HF_READ_FORMATS
 
     d = Path(ckpt_dir)
     hf_cfg = _json(d / "config.json")
@@ -342,8 +342,7 @@ def dequantize_hf_moe(ckpt_dir: Path) -> tuple[dict, dict[str, LinearSpec], dict
     if fam is None or fam.moe is None or not fam.moe.hf_read:
         raise UserError(FIELD, f"architecture {arch!r} is not read by the MoE reader (spec/families.py MoE.hf_read).", FIX)
     qinfo = read_hf_quant(d)
-    algo = FMT.GEMM.get(qinfo["quant_algo"])
-    if (algo is not None and algo.is_quantized and algo.codec != "fp8") or qinfo["layers"] or qinfo["kv_cache_quant_algo"]:
+    if qinfo["quant_algo"] not in MOE_HF_READ_FORMATS or qinfo["layers"] or qinfo["kv_cache_quant_algo"]:
         raise UserError(FIELD, f"{d} is {qinfo['quant_algo']} (KV {qinfo['kv_cache_quant_algo'] or 'unquantized'}): the "
                         "MoE reader reads FP8 or unquantized weights with an unquantized KV cache only.",
                         "gate an FP8 profile without a quantized KV cache.")

@@ -305,9 +305,10 @@ def _family_serves(ctx: Context) -> list[Finding]:
       "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader), gate/moe_model.py "
       "(load_hf_moe_model: MoE.hf_read), spec/families.py", needs_gpu=False)
 def _gate_reads(ctx: Context) -> list[Finding]:
-    if not ctx.for_build or not family(ctx.model.architecture).build_gaps(ctx.route):
+    found = family(ctx.model.architecture).build_gaps(ctx.route, ctx.quant, ctx.kv)
+    if not ctx.for_build or not found:
         return []
-    gaps = "; ".join(f"{stage}: {why}" for stage, why in family(ctx.model.architecture).build_gaps(ctx.route))
+    gaps = "; ".join(f"{stage}: {why}" for stage, why in found)
     return [refuse("--model",
                    f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate's checkpoint reader handles "
                    f"{', '.join(GATE_ARCHITECTURES)} only. Stages missing for "

@@ -49,9 +49,12 @@ from functools import lru_cache
 from typing import Optional
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.spec.algos import QuantAlgo
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 
 COLUMN, ROW = "column", "row"
+MOE_HF_READ_FORMATS = (QuantAlgo.FP8.value, QuantAlgo.NO_QUANT.value)
+"""quant_algo values whose unified HF checkpoint the gate's MoE reader reads (``MoE.hf_read``; ``checkpoint/hf_unified.py``
+``dequantize_hf_moe``: FP8 weights, fused groups re-quantized as TensorRT-LLM loads them, or unquantized ones)."""
 LAYER_PREFIX_HF = "model.layers"
 LAYER_PREFIX_TRT = "transformer.layers"
 LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -91,7 +94,7 @@ class MoE:
     hf_read: bool = False
     """The unified HF checkpoint of this MoE layout (one Linear per expert) is verified (``checkpoint/hf_verify.py``:
     experts' layout, router unquantized) and read by the gate's MoE reader (``gate/moe_model.py``
-    ``load_hf_moe_model``); ``invoke build`` does not call them yet (``Family.build_gaps``)."""
+    ``load_hf_moe_model``); ``invoke build`` runs such a family on route llm_api (``Family.build_gaps(route)``)."""
     expert_format: str = ""
     """The format the family's own checkpoint stores its experts in ('' = the model dtype; gpt-oss: MXFP4,
     ``*_blocks``/``*_scales``, decoded by ``checkpoint/codecs.py`` ``dequant_mx_blocks``)."""
@@ -126,14 +129,22 @@ class Family:
 
     # -- lookups
 
-    def build_gaps(self, route: Optional[str] = None) -> tuple[tuple[str, str], ...]:
+    def build_gaps(self, route: Optional[str] = None, quant_algo: Optional[str] = None,
+                   kv_cache_quant_algo: Optional[str] = None) -> tuple[tuple[str, str], ...]:
         """(stage, what it lacks) for each build stage that cannot handle this family yet on ``route`` (None: on
         every route it serves): ``quantize`` when no export decoder is wired (``export_decoder`` None), ``gate`` when
         the gate has no checkpoint reader (``gate_reader`` None) -- except on the ``llm_api`` route for a MoE layout
         whose unified HF checkpoint is verified and read (``MoE.hf_read``: ModelOpt's ``export_hf_checkpoint`` needs
-        no decoder type, the gate reads it with ``gate/moe_model.py``). () for a family ``invoke build`` runs end to
-        end (there). Planning needs none of them."""
+        no decoder type, the gate reads it with ``gate/moe_model.py``) in the formats that reader reads
+        (``MOE_HF_READ_FORMATS``, an unquantized KV cache; checked when ``quant_algo`` / ``kv_cache_quant_algo`` are
+        given). () for a family ``invoke build`` runs end to end (there). Planning needs none of them."""
         if route == "llm_api" and self.moe is not None and self.moe.hf_read:
+            if quant_algo is not None and quant_algo not in MOE_HF_READ_FORMATS:
+                return (("gate", f"the MoE reader (gate/moe_model.py) reads {' or '.join(MOE_HF_READ_FORMATS)} weights "
+                                 f"only, not {quant_algo}"),)
+            if kv_cache_quant_algo not in (None, KVCacheQuantAlgo.NONE.value):
+                return (("gate", f"the MoE reader (gate/moe_model.py) reads an unquantized KV cache only, not "
+                                 f"{kv_cache_quant_algo} (set quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
             return ()
         gaps = []
         if self.export_decoder is None:
@@ -603,7 +614,7 @@ def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, 
     return tuple(frozenset(s) for s in per_layer), head
 
 
-__all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
+__all__ = ["MOE_HF_READ_FORMATS", "Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
            "router_problems", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
            "GATE_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
            "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
