@@ -2,7 +2,9 @@
 refusals, not quality. Random weights and random tokens are acceptable ONLY here (layout tests).
 
 * Qwen3-MoE: ModelOpt 0.47 quantizes and exports it (unified HF, FP8) on CPU with the router kept BF16 and excluded;
-  verification finds the router unquantized, and refuses the same checkpoint with the router planted quantized.
+  verification passes it (experts' FP8 layout, router unquantized), the gate's MoE reader (gate/moe_model.py) loads it
+  and the gate's metrics against the unquantized model are finite and small; verification refuses the same
+  checkpoint with the router planted quantized.
 * gpt-oss: experts stored as MXFP4 in gpt-oss's own layout (``*_blocks`` / ``*_scales``, made by ModelOpt's
   ``MXFP4QTensor``), decoded on CPU by the codec and compared with the unquantized model by the gate's metrics."""
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +44,8 @@ def test_tiny_qwen3_moe_exports_with_the_router_bf16_and_verification_refuses_a_
                          head_dim=16, vocab_size=256, max_position_embeddings=128, decoder_sparse_step=1,
                          mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
     model = Qwen3MoeForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    cfg.save_pretrained(tmp_path / "hf")
     batches = _tokens(256)
 
     def loop(m):
@@ -60,10 +66,25 @@ def test_tiny_qwen3_moe_exports_with_the_router_bf16_and_verification_refuses_a_
     assert hf_q["quant_algo"] == "FP8" and any("mlp.gate" in p for p in hf_q["exclude_modules"])
     header = {n: meta["dtype"] for n, (_, meta) in hf_headers(out).items()}
     assert header["model.layers.0.mlp.gate.weight"] in ("BF16", "F32") and FAM.router_problems(FAM.QWEN3_MOE, header) == []
-    # the verifier: the router passes; the rest of a MoE layout is not verified yet (named, exit 2)
-    with pytest.raises(UserError) as e:
-        verify_hf_checkpoint(out)
-    assert e.value.problems[0].rule == "hf.known_tensors"
+    # the verifier passes it: 2 layers x (4 attention + 4 experts x 3) linears + lm_head; the router is no linear
+    rep = verify_hf_checkpoint(out, {"quant_algo": "FP8", "kv_cache_quant_algo": None})
+    assert (rep["linears"], rep["tensors"]) == (33, len(sd))
+    # the gate's MoE reader: FP8 experts dequantized, the router as stored; the gate's metrics vs the BF16-free reference
+    from precision_pipeline.gate.metrics import kl_summary, token_metrics
+    from precision_pipeline.gate.model import QuantLinear
+    from precision_pipeline.gate.moe_model import load_hf_moe_model
+
+    cand = load_hf_moe_model(out, tmp_path / "hf")
+    e0 = cand.model.layers[0].mlp.experts[0].up_proj
+    assert isinstance(e0, QuantLinear) and e0.act_format == "fp8"
+    assert type(cand.model.layers[0].mlp.gate) is torch.nn.Linear  # the router: a plain linear, stored weights
+    assert torch.equal(cand.model.layers[0].mlp.gate.weight, sd["model.layers.0.mlp.gate.weight"].float())
+    toks = torch.cat(_tokens(256, n=2, seq=24), dim=1)
+    with torch.no_grad():
+        tm = token_metrics(ref(toks).logits[0], cand(toks).logits[0])
+    s = kl_summary(tm.kl)
+    assert all(math.isfinite(v) for v in s.values()) and 0 < s["kl_mean"] < 0.05 and tm.top1.mean() > 0.8, s
+    print(f"tiny Qwen3-MoE FP8 vs FP32: KL mean {s['kl_mean']:.4g}, P99 {s['kl_p99']:.4g}, top-1 {tm.top1.mean():.3f}")
     # planted: the router stored FP8 with a scale beside it
     f = next(out.glob("*.safetensors"))
     sd["model.layers.1.mlp.gate.weight"] = sd["model.layers.1.mlp.gate.weight"].float().to(torch.float8_e4m3fn)
@@ -87,7 +108,7 @@ def _mxfp4_blocks(w_out_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q._quantized_data.reshape(e, o, i // 32, 16), s.reshape(e, o, i // 32), theirs
 
 
-def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
+def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec(tmp_path):
     from transformers import GptOssConfig, GptOssForCausalLM
 
     from precision_pipeline.checkpoint.codecs import dequant_mx_blocks
@@ -96,12 +117,13 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
     torch.manual_seed(0)
     cfg = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                       sliding_window=8, max_position_embeddings=128)
+                       sliding_window=8, max_position_embeddings=128, architectures=["GptOssForCausalLM"])
     assert cfg.layer_types == ["sliding_attention", "full_attention"]  # alternating sliding window
     ref = GptOssForCausalLM(cfg).eval()
     cand = copy.deepcopy(ref)
     n_codes = 0
-    for layer in cand.model.layers:
+    shipped = {}  # gpt-oss's checkpoint as shipped: expert projections as <stem>_blocks / <stem>_scales
+    for i, layer in enumerate(cand.model.layers):
         assert layer.self_attn.sinks.shape == (4,)  # attention sinks: one logit per head
         ex = layer.mlp.experts
         for name in ("gate_up_proj", "down_proj"):
@@ -109,6 +131,8 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
             blocks, scales, theirs = _mxfp4_blocks(p.data.transpose(1, 2).contiguous())
             w = dequant_mx_blocks(blocks, scales, f"mlp.experts.{name}")  # [E, out, in]
             assert torch.equal(w, theirs)
+            shipped[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
+            shipped[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
             p.data = w.transpose(1, 2).contiguous()
             n_codes += blocks.numel() * 2
     assert n_codes == 2 * 4 * (64 * 128 + 64 * 64)  # every expert weight went through MXFP4
@@ -120,3 +144,105 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec():
     assert 0 < s["kl_mean"] < 1.0 and tm.top1.mean() > 0.5, (s, tm.top1.mean())
     print(f"tiny gpt-oss MXFP4 experts vs FP32: KL mean {s['kl_mean']:.4g}, P99 {s['kl_p99']:.4g}, "
           f"top-1 {tm.top1.mean():.3f}")
+    # the gate's reader of the shipped layout (gate/moe_model.py load_gpt_oss_mxfp4): the same model, the same logits
+    from safetensors.torch import save_file
+
+    from precision_pipeline.gate.moe_model import load_gpt_oss_mxfp4
+
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    sd.update(shipped)
+    ck = tmp_path / "gpt-oss"
+    cfg.save_pretrained(ck)
+    raw = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "mxfp4"}}))
+    save_file(sd, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    read = load_gpt_oss_mxfp4(ck)
+    gu = read.model.layers[1].mlp.experts.gate_up_proj
+    assert torch.equal(gu, cand.model.layers[1].mlp.experts.gate_up_proj) and gu.shape == (4, 64, 128)
+    with torch.no_grad():
+        lr2 = read(toks).logits[0]
+    assert torch.allclose(lr2, lc, atol=1e-5, rtol=0), (lr2 - lc).abs().max()
+    tm2 = token_metrics(lr, lr2)
+    assert abs(kl_summary(tm2.kl)["kl_mean"] - s["kl_mean"]) < 1e-6 and math.isfinite(kl_summary(tm2.kl)["kl_p99"])
+    del sd["model.layers.0.mlp.experts.down_proj_scales"]  # a block without its scales: refused, named
+    save_file(sd, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match="down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales"):
+        load_gpt_oss_mxfp4(ck)
+
+
+def _tiny_qwen3_moe_dir(root, vocab_from):
+    """A tiny random Qwen3-MoE HF folder (2 layers, 4 experts, top-2, hidden 64; BF16, ~13 MB) with the default model's
+    tokenizer, chat template and eos/bos ids (the gate's golden prompts and the pack need them)."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    ids = {k: json.loads((vocab_from / "config.json").read_text())[k] for k in ("bos_token_id", "eos_token_id")}
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=49152, max_position_embeddings=2048, decoder_sparse_step=1,
+                         mlp_only_layers=[], tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"], **ids)
+    md = root / "qwen3moe"
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(md)
+    for p in vocab_from.iterdir():
+        if p.is_file() and not (md / p.name).exists():
+            shutil.copy2(p, md / p.name)
+    return md
+
+
+def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir, invoke_here, small_gate, monkeypatch):
+    """``invoke build`` of a tiny Qwen3-MoE on the llm_api route with FP8 (no KV quantization: the MoE reader reads an
+    unquantized KV cache only): exit 0, every stage done; the router excluded in hf_quant_config.json and stored BF16;
+    the verify stage's counts; the gate's numbers finite with its verdict. The engine route is still refused at resolve
+    (rule model.gate_reads: no TensorRT-LLM export, no reader of that checkpoint)."""
+    from safetensors import safe_open
+
+    md = _tiny_qwen3_moe_dir(tmp_path, Path(default_model_dir))
+    prof = tmp_path / "tiny-moe.yaml"  # random weights: the bar loosened; structure, not quality
+    bar = {"kl_mean_max": 5.0, "kl_p99_max": 50.0, "top1_min": 0.1, "ppl_delta_pct_max": 500.0, "greedy_same_min": 0.0}
+    prof.write_text(json.dumps({"extends": "fp8-h100-llmapi", "quantization": {"kv_cache_quant_algo": "NONE"},
+                                "calibration": {"num_samples": 4, "seq_len": 32, "batch_size": 2}, "gate": bar}))
+    out = tmp_path / "out"
+    r = invoke_here("build", "--profile", str(prof), "--model", str(md), "--out", str(out), "--golden-limit", "1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())["stages"]
+    assert {k: v["status"] for k, v in man.items()} == {s: "done" for s in (
+        "resolve", "quantize", "verify", "gate", "llm_api_config", "pack", "deploy")}
+    q = json.loads((out / "checkpoint" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "FP8" and q["kv_cache_quant_algo"] is None
+    assert {p for p in q["exclude_modules"] if "mlp.gate" in p} and "lm_head" in q["exclude_modules"], q
+    with safe_open(str(out / "checkpoint" / "model.safetensors"), framework="pt") as st:
+        keys = set(st.keys())
+        assert st.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16  # the router as the model holds it
+        assert st.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight").dtype == torch.float8_e4m3fn
+    assert not [k for k in keys if ".mlp.gate." in k and not k.endswith(".weight")]
+    # verify: 2 layers x (4 attention + 4 experts x 3) linears + lm_head; 2 FP8 scales each of the 32 quantized ones
+    v = man["verify"]["numbers"]
+    assert (v["tensors"], v["scale_tensors"], v["linears"]) == (len(keys), 64, 33)
+    g = man["gate"]["numbers"]
+    assert all(math.isfinite(g[k]) for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct"))
+    assert 0 < g["kl_mean"] < 1e-3 and g["top1"] > 0.8 and g["passed"] is True and g["eval_tokens"] > 0, g
+    assert json.loads((out / "model_repository" / "pack.json").read_text())["route"] == "llm_api"
+    # the same build with the router quantized (an FP8 weight quantizer enabled on *mlp.gate): verification refuses it
+    from precision_pipeline.quantize import ptq
+
+    plain = ptq.modelopt_config_for
+
+    def router_quantized(*a, **kw):
+        name, cfg = plain(*a, **kw)
+        cfg["quant_cfg"].append({"quantizer_name": "*mlp.gate.weight_quantizer", "enable": True,
+                                 "cfg": {"num_bits": (4, 3), "axis": None}})
+        return name, cfg
+
+    monkeypatch.setattr(ptq, "modelopt_config_for", router_quantized)
+    r = invoke_here("build", "--profile", str(prof), "--model", str(md), "--out", str(tmp_path / "rq"), "--golden-limit", "1")
+    assert r.returncode == 2 and "hf.router" in r.stdout + r.stderr and "model.layers.1.mlp.gate.weight" in r.stdout + r.stderr
+    st_rq = {k: v["status"] for k, v in json.loads((tmp_path / "rq" / "manifest.json").read_text())["stages"].items()}
+    assert st_rq.get("quantize") == "done" and "verify" not in st_rq and "gate" not in st_rq, st_rq  # stopped at verify
+    monkeypatch.setattr(ptq, "modelopt_config_for", plain)
+    # the engine route: refused at resolve, exit 2, nothing written
+    eng = tmp_path / "engine.yaml"
+    eng.write_text(json.dumps({"extends": "fp8-h100", "quantization": {"kv_cache_quant_algo": "NONE"}}))
+    r = invoke_here("build", "--profile", str(eng), "--model", str(md), "--out", str(tmp_path / "eng"))
+    assert r.returncode == 2 and "model.gate_reads" in r.stdout + r.stderr and not (tmp_path / "eng").exists(), r.stdout

@@ -36,6 +36,26 @@ def test_moe_entries():
         "model.layers.0.mlp.shared_expert_gate.weight"]
     assert all(f.sources.get("routes") for f in (q, g))
     assert g.build_gaps() and "GptOssForCausalLM" not in FAM.GATE_ARCHITECTURES  # planned, not built
+    # Qwen3-MoE: built on route llm_api only (unified HF export, gate/moe_model.py); refused on engine; gpt-oss nowhere
+    assert q.moe.hf_read and not g.moe.hf_read and not q2.moe.hf_read
+    assert q.build_gaps("llm_api") == () and [s for s, _ in q.build_gaps("engine")] == ["quantize", "gate"]
+    assert q.build_gaps("llm_api", "FP8", "NONE") == () == q.build_gaps("llm_api", "NO_QUANT", "NONE")
+    assert [s for s, _ in q.build_gaps("llm_api", "NVFP4", "NONE")] == ["gate"]  # the MoE reader: FP8 / BF16 only
+    assert "not FP8 (set quantization.kv_cache_quant_algo: NONE)" in q.build_gaps("llm_api", "FP8", "FP8")[0][1]
+    assert [s for s, _ in g.build_gaps("llm_api")] == ["quantize", "gate"] and q2.build_gaps("llm_api")
+    assert q.norms["self_attn.q_norm"] == "attention.q_layernorm"  # Qwen3's QK-norm (verification knows the tensor)
+
+
+def test_qwen3_moe_expert_shapes_from_a_config():
+    """hf_linear_shapes gives each Qwen-MoE expert's (out, in) from num_experts / moe_intermediate_size (the verifier's
+    hf.layout shapes); a dense config gets none."""
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+           "vocab_size": 256, "num_experts": 3, "moe_intermediate_size": 32}
+    sh = FAM.hf_linear_shapes(cfg)
+    assert sorted(k for k in sh if k.startswith("mlp.experts.")) == [
+        f"mlp.experts.{e}.{n}" for e in range(3) for n in ("down_proj", "gate_proj", "up_proj")]
+    assert (sh["mlp.experts.2.gate_proj"], sh["mlp.experts.0.down_proj"], sh["self_attn.q_proj"]) == ((32, 64), (64, 32), (64, 64))
+    assert not [k for k in FAM.hf_linear_shapes({**cfg, "num_experts": None}) if "experts" in k]
 
 
 def q3_shared_free(fam) -> bool:

@@ -14,7 +14,9 @@ silently wrong:
   ``kv_cache_quant_algo`` (the runtime raises RuntimeError, ``ModelConfig._build_modelopt_quant_config``).
 * ``hf.names``: every ``exclude_modules`` pattern and every ``quantized_layers`` name matches a module of the
   checkpoint (one that matches none leaves the layer it meant quantized, or loads it unquantized, silently).
-* ``hf.known_tensors``: every tensor is a Llama HF name with a suffix its format stores (no ModelOpt leftovers).
+* ``hf.known_tensors``: every tensor is a Llama HF name with a suffix its format stores (no ModelOpt leftovers); for
+  a MoE family with ``MoE.hf_read`` (Qwen3-MoE) also each expert's linears (``families.hf_linear_shapes``), the router
+  (unquantized: ``hf.router``) and the family's norms (QK-norm).
 * ``hf.layout``: per linear the weight and scales its declared format stores (the codecs' layouts,
   ``codecs.Codec.layout``, under the HF names ``hf_unified.HF_SUFFIX``): FP8 weight F8_E4M3 with F32
   ``weight_scale`` and ``input_scale``; NVFP4 U8 packed with F8_E4M3 block ``weight_scale`` and F32
@@ -46,13 +48,15 @@ from precision_pipeline.checkpoint.hf_unified import (HF_SUFFIX, KV_SCALE_OF, QU
 from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import FAMILIES, GATE_ARCHITECTURES, LLAMA, family, hf_linear_shapes, router_problems
+from precision_pipeline.spec.families import (EXPERT, FAMILIES, GATE_ARCHITECTURES, LLAMA, family, hf_linear_shapes,
+                                              router_problems)
 
 FIX = "re-export the checkpoint (quantize again with export_format hf_unified)."
 HF_RULES = {
     "hf.metadata": "hf_quant_config.json, config.json quantization_config, quant_cfg.json and the plan agree",
     "hf.names": "every exclude_modules pattern and quantized_layers name matches a module of the checkpoint",
-    "hf.known_tensors": "every tensor is a name of the HF Llama layout with a suffix its format stores",
+    "hf.known_tensors": "every tensor is a name of the HF Llama layout (a Qwen3-MoE's experts, router and QK-norm) with "
+                        "a suffix its format stores",
     "hf.layout": "each linear's weight and scale tensors have its declared format's dtype and shape",
     "hf.kv_scales": "a quantized KV cache has k_scale / v_scale in every layer; an unquantized one has none",
     "hf.scales_finite": "every scale value finite; per-tensor scales > 0",
@@ -62,7 +66,6 @@ HF_RULES = {
     "hf.biases": "the family's biased linears (Qwen2's q/k/v) store an unquantized bias in every layer; no other does",
 }
 MAX_SHOWN = 12
-_ROLES = {"input_layernorm.weight", "post_attention_layernorm.weight"}
 
 
 class _Found(list):
@@ -176,11 +179,14 @@ def _classify(headers: dict, cfg: dict, q: dict, dims: dict, arch: str, p: _Foun
     kvf = FMT.kv(q["kv_cache_quant_algo"] or FMT.KVCacheQuantAlgo.NONE.value)
     linears: dict[str, dict[str, dict]] = {}  # module -> {leaf: header}
     scales: list[str] = []
+    fam = family(arch)
+    roles = {f"{n}.weight" for n in fam.norms}  # the family's norms (Qwen3-MoE: self_attn.q_norm / k_norm too)
+    router = fam.moe.router_hf if fam.moe is not None else None  # unquantized: router_problems ran before
     for name, (f, meta) in headers.items():
         stem, _, leaf = name.rpartition(".")
         rel = stem.split(".", 3)[3] if stem.startswith("model.layers.") and stem.count(".") >= 3 else stem
-        if name in ("model.embed_tokens.weight", "model.norm.weight") or (stem.startswith("model.layers.")
-                                                                         and rel + "." + leaf in _ROLES):
+        if name in ("model.embed_tokens.weight", "model.norm.weight") or (stem.startswith("model.layers.") and (
+                rel + "." + leaf in roles or (rel == router and leaf in ("weight", "bias")))):
             if meta["dtype"] not in codecs.PLAIN_DTYPES:
                 p.add(f"{name} ({f.name})", "hf.layout", f"is {meta['dtype']}; it is stored in {'/'.join(codecs.PLAIN_DTYPES)}.")
         elif rel in KV_SCALE_OF and leaf == KV_SCALE_OF[rel]:
@@ -274,10 +280,13 @@ def _values(headers: dict, scales: list, p: _Found) -> tuple[dict[str, float], i
     return values, n_values, scale_bytes
 
 
-def _fused(cfg: dict, q: dict, values: dict, p: _Found) -> None:
-    """``hf.fused_scales``: q/k/v and gate/up of one format with equal input scales."""
+def _fused(cfg: dict, q: dict, values: dict, arch: str, p: _Found) -> None:
+    """``hf.fused_scales``: q/k/v and gate/up (each expert's too: ``MoE.fused``) of one format with equal input scales."""
+    moe = family(arch).moe
+    experts = [tuple(m.replace(EXPERT, str(e)) for m in g) for g in (moe.fused if moe else ())
+               for e in range(int(cfg.get("num_experts") or 0))]
     for i in range(int(cfg["num_hidden_layers"])):
-        for group in LLAMA.fused:
+        for group in LLAMA.fused + tuple(experts):
             mods = [f"model.layers.{i}.{m}" for m in group]
             algos = {hf_linear_format(q, m)[0] for m in mods}
             if len(algos) > 1:
@@ -315,9 +324,10 @@ def verify_hf_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = N
             p.add(name, "hf.router", f"{why}.", "keep the router out of quantization (exclude_modules "
                   f"{list(fam.moe.router_patterns)}, ModelOpt's default) and export again.")
         p.raise_if_any()
-    if arch not in GATE_ARCHITECTURES:
+    if arch not in GATE_ARCHITECTURES and not (fam is not None and fam.moe is not None and fam.moe.hf_read):
         raise UserError("config.json: architectures", f"{arch!r} checkpoints are not verified here (the layout is known "
-                        f"for {', '.join(GATE_ARCHITECTURES)}).", "build a model of the verified architectures.",
+                        f"for {', '.join(GATE_ARCHITECTURES)} and MoE.hf_read families).",
+                        "build a model of the verified architectures.",
                         rule="hf.known_tensors")
     headers = hf_headers(d)
     _names(headers, cfg, q, p)
@@ -325,7 +335,7 @@ def verify_hf_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = N
     _layouts(linears, q, _dims(cfg), p)
     p.raise_if_any()
     values, n_values, scale_bytes = _values(headers, scales, p)
-    _fused(cfg, q, values, p)
+    _fused(cfg, q, values, arch, p)
     p.raise_if_any()
     files = sorted({f.name for f, _ in headers.values()})
     return {"tensors": len(headers), "scale_tensors": len(scales), "scale_values": n_values, "linears": len(linears),

@@ -338,13 +338,14 @@ def write_gate_dir(result: GateResult, heatmap_png: Optional[Path] = None, write
 def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds, gate_dir: Path,
                     options: GateOptions = GateOptions(), runtime: GateRuntime = GateRuntime(), *,
                     candidate_name: Optional[str] = None, extra: Optional[dict] = None) -> GateResult:
-    """The pipeline's gate stage: dequantize the exported TRT-LLM checkpoint
-    (``precision_pipeline.gate.model.load_checkpoint_model``) and ``run_gate`` it against ``model_dir``.
+    """The pipeline's gate stage: dequantize the exported checkpoint (``precision_pipeline.gate.moe_model.load_gate_model``:
+    ``gate.model.load_checkpoint_model``, or the MoE reader for a Qwen3-MoE HF checkpoint) and ``run_gate`` it against
+    ``model_dir``.
 
     The pipeline's ``--golden-limit`` is ``options.prompts_per_category``. ``candidate_name`` defaults to ``checkpoint <folder name>``; ``extra`` is merged into metrics.json
     (the gate stage's ``record``).
     """
-    from precision_pipeline.gate.model import load_checkpoint_model
+    from precision_pipeline.gate.moe_model import load_gate_model
     from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG, checkpoint_layout
     from precision_pipeline.checkpoint.scales import scale_report
     from precision_pipeline.quantize.ptq import read_quantize_warnings
@@ -353,8 +354,8 @@ def gate_checkpoint(ckpt_dir: Path, model_dir: Path, thresholds: GateThresholds,
     label = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}[options.candidate_dtype]
     where = " on CUDA" if options.device == "cuda" else ""
     with StageProgress("gate", enabled=runtime.progress) as prog, prog.phase(f"load the checkpoint (dequantized to {label}){where}"):
-        model = load_checkpoint_model(Path(ckpt_dir), Path(model_dir), dtype=TORCH_DTYPES[options.candidate_dtype],
-                                      device=options.device)
+        model = load_gate_model(Path(ckpt_dir), Path(model_dir), dtype=TORCH_DTYPES[options.candidate_dtype],
+                                device=options.device)  # a MoE family's HF checkpoint: gate/moe_model.py
     load_s = time.perf_counter() - t0
     extra = {**(extra or {}), "checkpoint_dir": str(ckpt_dir), "checkpoint_load_s": round(load_s, 3),
              "scales": scale_report(Path(ckpt_dir)) if checkpoint_layout(Path(ckpt_dir)) == "trtllm_checkpoint" else None,

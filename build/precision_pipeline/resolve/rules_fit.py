@@ -300,18 +300,21 @@ def _family_serves(ctx: Context) -> list[Finding]:
     return [refuse(f, reason, fix) for f, reason, fix in found]
 
 
-@rule("model.gate_reads", "the accuracy gate reads this model's checkpoints (spec/families.py GATE_ARCHITECTURES; "
-      "builds and checks only)",
-      "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader, spec/families.py)", needs_gpu=False)
+@rule("model.gate_reads", "the build runs this model's family on the profile's route: a quantize export and a gate "
+      "reader (spec/families.py Family.build_gaps(route); builds and checks only)",
+      "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader), gate/moe_model.py "
+      "(load_hf_moe_model: MoE.hf_read), spec/families.py", needs_gpu=False)
 def _gate_reads(ctx: Context) -> list[Finding]:
-    if not ctx.for_build or ctx.model.architecture in GATE_ARCHITECTURES:
+    found = family(ctx.model.architecture).build_gaps(ctx.route, ctx.quant, ctx.kv)
+    if not ctx.for_build or not found:
         return []
-    gaps = "; ".join(f"{stage}: {why}" for stage, why in family(ctx.model.architecture).build_gaps())
+    gaps = "; ".join(f"{stage}: {why}" for stage, why in found)
     return [refuse("--model",
                    f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate's checkpoint reader handles "
                    f"{', '.join(GATE_ARCHITECTURES)} only. Stages missing for "
                    f"{ctx.model.architecture}: {gaps} (invoke check, profiles, compare and recommend plan it).",
-                   f"use a model of: {', '.join(GATE_ARCHITECTURES)}; a Mixtral MoE can be quantized and exported with "
+                   f"use a model of: {', '.join(GATE_ARCHITECTURES)} (Qwen3MoeForCausalLM: route llm_api, "
+                   "spec/families.py MoE.hf_read); a Mixtral MoE can be quantized and exported with "
                    "expert parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
 
 

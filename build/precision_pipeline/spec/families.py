@@ -49,9 +49,12 @@ from functools import lru_cache
 from typing import Optional
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.spec.algos import QuantAlgo
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 
 COLUMN, ROW = "column", "row"
+MOE_HF_READ_FORMATS = (QuantAlgo.FP8.value, QuantAlgo.NO_QUANT.value)
+"""quant_algo values whose unified HF checkpoint the gate's MoE reader reads (``MoE.hf_read``; ``checkpoint/hf_unified.py``
+``dequantize_hf_moe``: FP8 weights, fused groups re-quantized as TensorRT-LLM loads them, or unquantized ones)."""
 LAYER_PREFIX_HF = "model.layers"
 LAYER_PREFIX_TRT = "transformer.layers"
 LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -88,6 +91,10 @@ class MoE:
     packed_experts: bool = False
     """The HF model stores every expert of a projection in one 3-D parameter (gpt-oss ``mlp.experts.gate_up_proj``
     ``[E, hidden, 2 x inter]``, gate/up rows interleaved), not one Linear per expert (``{e}`` names)."""
+    hf_read: bool = False
+    """The unified HF checkpoint of this MoE layout (one Linear per expert) is verified (``checkpoint/hf_verify.py``:
+    experts' layout, router unquantized) and read by the gate's MoE reader (``gate/moe_model.py``
+    ``load_hf_moe_model``); ``invoke build`` runs such a family on route llm_api (``Family.build_gaps(route)``)."""
     expert_format: str = ""
     """The format the family's own checkpoint stores its experts in ('' = the model dtype; gpt-oss: MXFP4,
     ``*_blocks``/``*_scales``, decoded by ``checkpoint/codecs.py`` ``dequant_mx_blocks``)."""
@@ -122,16 +129,31 @@ class Family:
 
     # -- lookups
 
-    def build_gaps(self) -> tuple[tuple[str, str], ...]:
-        """(stage, what it lacks) for each build stage that cannot handle this family yet: ``quantize`` when no
-        export decoder is wired (``export_decoder`` None), ``gate`` when the gate has no checkpoint reader
-        (``gate_reader`` None). () for a family ``invoke build`` runs end to end. Planning needs none of them."""
+    def build_gaps(self, route: Optional[str] = None, quant_algo: Optional[str] = None,
+                   kv_cache_quant_algo: Optional[str] = None) -> tuple[tuple[str, str], ...]:
+        """(stage, what it lacks) for each build stage that cannot handle this family yet on ``route`` (None: on
+        every route it serves): ``quantize`` when no export decoder is wired (``export_decoder`` None), ``gate`` when
+        the gate has no checkpoint reader (``gate_reader`` None) -- except on the ``llm_api`` route for a MoE layout
+        whose unified HF checkpoint is verified and read (``MoE.hf_read``: ModelOpt's ``export_hf_checkpoint`` needs
+        no decoder type, the gate reads it with ``gate/moe_model.py``) in the formats that reader reads
+        (``MOE_HF_READ_FORMATS``, an unquantized KV cache; checked when ``quant_algo`` / ``kv_cache_quant_algo`` are
+        given). () for a family ``invoke build`` runs end to end (there). Planning needs none of them."""
+        if route == "llm_api" and self.moe is not None and self.moe.hf_read:
+            if quant_algo is not None and quant_algo not in MOE_HF_READ_FORMATS:
+                return (("gate", f"the MoE reader (gate/moe_model.py) reads {' or '.join(MOE_HF_READ_FORMATS)} weights "
+                                 f"only, not {quant_algo}"),)
+            if kv_cache_quant_algo not in (None, KVCacheQuantAlgo.NONE.value):
+                return (("gate", f"the MoE reader (gate/moe_model.py) reads an unquantized KV cache only, not "
+                                 f"{kv_cache_quant_algo} (set quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
+            return ()
         gaps = []
         if self.export_decoder is None:
             gaps.append(("quantize", "its ModelOpt export (the quantize stage's decoder type) is not wired "
-                                     "(spec/families.py export_decoder)"))
+                                     "(spec/families.py export_decoder)"
+                         + ("; route llm_api builds it" if self.moe is not None and self.moe.hf_read else "")))
         if self.gate_reader is None:
-            gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"))
+            gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"
+                         + ("; route llm_api reads it" if self.moe is not None and self.moe.hf_read else "")))
         return tuple(gaps)
 
     @property
@@ -356,8 +378,9 @@ _QWEN3_MOE_SOURCES = {
     "routes": "engine: tensorrt_llm/models/qwen/config.py (qwen_type qwen3_moe); PyTorch backend: "
               "tensorrt_llm/_torch/models/modeling_qwen3_moe.py, checkpoints/hf/qwen3_moe_weight_mapper.py",
 }
-QWEN3_MOE = _planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE, routes=("engine", "llm_api"),
-                     trtllm_versions=("1.2", "1.3"), sources=_QWEN3_MOE_SOURCES)
+QWEN3_MOE = replace(_planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=replace(_QWEN_MOE, hf_read=True),
+                             routes=("engine", "llm_api"), trtllm_versions=("1.2", "1.3"), sources=_QWEN3_MOE_SOURCES),
+                    norms=_QWEN3.norms)  # Qwen3's QK-norm (transformers modeling_qwen3_moe.py Qwen3MoeAttention q_norm/k_norm)
 
 # gpt-oss: MoE with MXFP4 experts as shipped (*_blocks / *_scales, quant_method mxfp4), attention sinks (one learned
 # logit per head, self_attn.sinks), biases on q/k/v/o, the router and the experts, and sliding-window attention on
@@ -473,14 +496,22 @@ KV_PROJECTIONS = _QKV[1:]
 def hf_linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each HF linear of a Llama-layout decoder layer (relative name) and of ``lm_head``, from
     ``config.json`` (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
-    vocab_size). Raises KeyError/ValueError for a config without them."""
+    vocab_size); with ``num_experts`` and ``moe_intermediate_size`` (Qwen-MoE) also each expert's
+    ``mlp.experts.{e}.gate_proj/up_proj [moe_inter, hidden]``, ``down_proj [hidden, moe_inter]``. Raises
+    KeyError/ValueError for a config without them."""
     h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     nkv, inter = int(cfg.get("num_key_value_heads") or nh), int(cfg["intermediate_size"])
     hd = int(cfg.get("head_dim") or h // nh)
     q, k, v = _QKV
-    return {q: (nh * hd, h), k: (nkv * hd, h), v: (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
-            "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
-            "lm_head": (int(cfg["vocab_size"]), h)}
+    out = {q: (nh * hd, h), k: (nkv * hd, h), v: (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
+           "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
+           "lm_head": (int(cfg["vocab_size"]), h)}
+    if cfg.get("num_experts") and cfg.get("moe_intermediate_size"):  # Qwen-MoE experts (_QWEN_MOE names), one Linear each
+        mi = int(cfg["moe_intermediate_size"])
+        for e in range(int(cfg["num_experts"])):
+            for rel, shape in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
+                out[f"mlp.experts.{e}.{rel}"] = shape
+    return out
 
 
 def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, tp: int = 1) -> tuple[int, int]:
@@ -583,7 +614,7 @@ def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, 
     return tuple(frozenset(s) for s in per_layer), head
 
 
-__all__ = ["Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
+__all__ = ["MOE_HF_READ_FORMATS", "Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
            "router_problems", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
            "GATE_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
            "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
