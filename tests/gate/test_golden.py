@@ -131,3 +131,16 @@ def test_encode_single_prompt_fields(tokenizer):
     e = encode_prompt(tokenizer, p)
     assert 0 < e.user_start < e.answer_start < e.answer_end <= len(e.input_ids)
     assert e.input_ids[e.answer_end:] == tokenizer("\n", add_special_tokens=False)["input_ids"]
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_user_error(default_model_dir):
+    """A model folder whose tokenizer has no chat template (a base model's files): the gate says so with a fix,
+    instead of transformers' bare ValueError from apply_chat_template (found building a tiny MoE model, session 11)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    tok.chat_template = None
+    with pytest.raises(UserError) as e:
+        encode_golden(tok, load_golden(per_category=1))
+    assert e.value.exit_code == EXIT_INVALID
+    assert "has no chat template" in str(e.value) and "chat_template.jinja" in str(e.value)

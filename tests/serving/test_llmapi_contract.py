@@ -154,7 +154,7 @@ def test_stand_in_is_named_as_one_and_installs_as_model_py(tmp_path, hf_ckpt):
     repo_dir, u = _pack(tmp_path, hf_ckpt)
     text = U.STAND_IN.read_text()
     assert text.startswith('"""CPU STAND-IN for TensorRT-LLM\'s Triton LLM-API model (NOT TensorRT-LLM')
-    assert "load_checkpoint_model" in text and "check_model_yaml" in text and "check_unit_config" in text
+    assert "load_gate_model" in text and "check_model_yaml" in text and "check_unit_config" in text
     p = U.install_stand_in(repo_dir / u.name)
     assert p == repo_dir / u.name / "1" / "model.py" and p.read_text() == text
 

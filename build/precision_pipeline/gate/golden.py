@@ -208,7 +208,12 @@ def conversation(p: GoldenPrompt, with_answer: bool = True) -> list[dict[str, st
 
 
 def render(tokenizer: Any, p: GoldenPrompt) -> tuple[str, str]:
-    """(full conversation text, generation-prompt text), both rendered by the chat template."""
+    """(full conversation text, generation-prompt text), both rendered by the chat template. UserError when the
+    tokenizer has no chat template (transformers would raise a bare ValueError)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("model tokenizer", "has no chat template (no chat_template in tokenizer_config.json, no "
+                        "chat_template.jinja): the golden prompts are chat conversations rendered by it.",
+                        "use the model's instruct/chat tokenizer files, or add its chat template to the model folder.")
     full = tokenizer.apply_chat_template(conversation(p, True), tokenize=False)
     gen = tokenizer.apply_chat_template(conversation(p, False), tokenize=False, add_generation_prompt=True)
     return full, gen

@@ -23,8 +23,9 @@ What it does like the real model (facts: build/precision_pipeline/serving/llmapi
 Where it is stricter (it cannot do these, so it says so instead of answering differently): sampling
 (temperature > 0, top_k > 1, 0 < top_p < 1, best_of > 1), streaming at all, ``stop`` requests.
 
-Weights: ``precision_pipeline.gate.model.load_checkpoint_model(<unit>/checkpoint, hf_model_dir)`` (the real model
-dequantized from the unit's checkpoint; the same loader as the gate). No fallback: a checkpoint the loader cannot
+Weights: ``precision_pipeline.gate.moe_model.load_gate_model(<unit>/checkpoint, hf_model_dir)`` (the real model
+dequantized from the unit's checkpoint; the same loader as the gate stage: ``load_checkpoint_model`` for the dense
+families, the MoE reader for a MoE family's unified HF checkpoint). No fallback: a checkpoint the loader cannot
 read refuses the load. Tokenizer: the HF model folder's (``cpu_reference.json`` ``hf_model_dir``).
 """
 
@@ -108,12 +109,12 @@ class TritonPythonModel:
         torch.set_num_threads(1)
         self.torch = torch
         ck = os.path.join(_unit_dir(), ref.get("checkpoint_dir") or "checkpoint")
-        from precision_pipeline.gate.model import load_checkpoint_model  # the project's loader (the gate's)
+        from precision_pipeline.gate.moe_model import load_gate_model  # the project's loader (the gate stage's)
 
-        self.model = load_checkpoint_model(ck, ref["hf_model_dir"]).float().eval()
+        self.model = load_gate_model(ck, ref["hf_model_dir"]).float().eval()
         self.tok = AutoTokenizer.from_pretrained(ref["hf_model_dir"])
         self.eos = self._eos(ref["hf_model_dir"])
-        _log(f"{self.name}: serving {ck} (dequantized by precision_pipeline.gate.model.load_checkpoint_model) in "
+        _log(f"{self.name}: serving {ck} (dequantized by precision_pipeline.gate.moe_model.load_gate_model) in "
              f"{time.perf_counter() - t0:.1f} s. This is NOT TensorRT-LLM.")
 
     @staticmethod
