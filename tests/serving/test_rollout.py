@@ -187,7 +187,9 @@ def healthy_rollout(served, units, probe_set):
     probes = []
 
     def recording_probe(server, unit, pset):
+        t = time.monotonic()
         pr = probe.run_probe(server, unit, pset)
+        secs["probe"] = round(time.monotonic() - t, 1)
         probes.append((unit, pr))
         return pr
 
@@ -350,7 +352,7 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
     repo, srv = served
     llm_repo, llm_unit = llm_api_packed
     engine = units["stable"] if release_state.read_state(repo)["current"] != units["stable"].engine_unit else units["healthy"]
-    probes, phases = [], {}
+    probes, phases, secs = [], {}, {}
 
     def recording_probe(server, unit, pset):
         pr = probe.run_probe(server, unit, pset)
@@ -362,21 +364,28 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
     with Clients(srv, n=2, max_tokens=1, limit=100_000, prompt="The capital of France is") as cl, pytest.MonkeyPatch.context() as mp:
         def wait_for(n: int, what: str) -> None:
             start, end = cl.requests, time.monotonic() + ROUTES_PHASE_LIMIT_S
+            t = time.monotonic()
             while cl.requests - start < n and time.monotonic() < end:
                 time.sleep(0.1)
-            phases[what] = cl.requests - start
+            phases[what], secs[what] = cl.requests - start, round(time.monotonic() - t, 1)
+
+        def timed(what: str, fn, *a, **kw):
+            t, n = time.monotonic(), cl.requests
+            out = fn(*a, **kw)
+            secs[what] = f"{time.monotonic() - t:.1f} s, {cl.requests - n} requests"
+            return out
 
         mp.setattr(rollout, "hold", lambda url, hold_s, poll_s=rollout.HOLD_POLL_S: wait_for(ROUTES_REQUESTS_PER_PHASE, "canary 50 %"))
         t0 = time.monotonic()
-        release.promote(repo, engine.out_dir, server=srv, profile="bf16-h100", promoted_by="test")
+        timed("promote", release.promote, repo, engine.out_dir, server=srv, profile="bf16-h100", promoted_by="test")
         agree(repo, srv, engine.engine_unit)
         wait_for(ROUTES_REQUESTS_PER_PHASE, "engine release")
-        res = rollout.rollout(repo, llm_repo, srv, probe_set, steps=(50, 100), hold_s=0, profile="fp8-h100-llmapi",
-                              probe_fn=recording_probe)
+        res = timed("rollout", rollout.rollout, repo, llm_repo, srv, probe_set, steps=(50, 100), hold_s=0,
+                    profile="fp8-h100-llmapi", probe_fn=recording_probe)
         assert res.status == "promoted", (res.failed_check, res.numbers)
         agree(repo, srv, llm_unit)
         wait_for(ROUTES_REQUESTS_PER_PHASE, "llm_api release")
-        t = release.rollback(repo, server=srv, by="test")
+        t = timed("rollback", release.rollback, repo, server=srv, by="test")
         assert t["unit"] == engine.engine_unit
         agree(repo, srv, engine.engine_unit)
         wait_for(ROUTES_REQUESTS_PER_PHASE, "after rollback")
@@ -384,7 +393,8 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
     counts = {m: int(v) for (k, m), v in rollout.scrape(rollout.metrics_url(srv)).items()
               if k == "nv_inference_request_success" and v}
     print(f"\n[routes] {cl.requests} BLS requests, {cl.failed} failed, {seconds:.1f} s; phases {phases}; "
-          f"per model (Triton success counters, whole module) {counts}; probe {probes[0].summary()}")
+          f"seconds per step {secs}; per model (Triton success counters, whole module) {counts}; "
+          f"probe {probes[0].summary()}")
     assert cl.failed == 0 and cl.requests >= 1000, cl.errors[:3]
     assert min(phases.values()) >= ROUTES_REQUESTS_PER_PHASE
     [pr] = probes  # the LLM-API candidate was judged by the text probe: top-1 through text, no KL
