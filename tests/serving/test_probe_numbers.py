@@ -199,3 +199,19 @@ def test_probe_and_record_and_the_exporter(tmp_path):
     assert f'precision_pipeline_probe_runs_total{{engine_unit="u",profile="fp8-h100",result="fail",route=""}} 1.0' in text
     assert f'precision_pipeline_probe_runs_total{{engine_unit="u",profile="fp8-h100",result="error",route=""}} 1.0' in text
     assert f'{probe.PROBE_LAST_RUN}{{{lab}}}' in text
+
+
+def test_a_metrics_port_in_use_is_a_user_error_naming_the_flag():
+    """Hostile round s11: `probe --every 1 --metrics-port <a port in use>` ended in an OSError traceback (exit 1)."""
+    import socket
+
+    from precision_pipeline.core.errors import EXIT_INVALID, UserError
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(UserError) as e:
+            probe.ProbeExporter(port, addr="127.0.0.1")
+    assert e.value.exit_code == EXIT_INVALID
+    assert str(e.value).startswith("--metrics-port") and f"127.0.0.1:{port}" in str(e.value) and "in use" in str(e.value)

@@ -422,7 +422,8 @@ PROBE_LAST_RUN = "precision_pipeline_probe_last_run_timestamp_seconds"
 class ProbeExporter:
     """The probe's results on ``http://ADDR:PORT/metrics`` (prometheus_client, its own registry).
 
-    ``port=None``: no HTTP server (``registry`` can still be rendered, e.g. in tests)."""
+    ``port=None``: no HTTP server (``registry`` can still be rendered, e.g. in tests). A port that cannot be bound
+    (in use, privileged) is a UserError on ``--metrics-port`` (exit 2), before any probe runs."""
 
     def __init__(self, port: Optional[int] = None, addr: str = "0.0.0.0"):
         from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -437,7 +438,12 @@ class ProbeExporter:
         if port is not None:
             from prometheus_client import start_http_server
 
-            self.server, _ = start_http_server(int(port), addr=addr, registry=self.registry)
+            try:
+                self.server, _ = start_http_server(int(port), addr=addr, registry=self.registry)
+            except OSError as e:
+                raise UserError("--metrics-port", f"the probe's metrics endpoint cannot listen on {addr}:{port} "
+                                f"({e.strerror or e}); no probe was run.",
+                                "pass a free port (`ss -ltn` lists the ones in use), or leave --metrics-port out.") from None
 
     def observe(self, profile: str, unit: str, result: Optional[ProbeResult], error: Optional[str] = None,
                 route: str = "") -> None:
