@@ -314,3 +314,29 @@ def test_a_releases_json_that_is_a_folder_is_refused(tmp_path, units4):
         with pytest.raises(UserError) as ei:
             call()
         assert ei.value.problems[0].field == str(release_state.state_path(repo)) and "cannot be read" in str(ei.value)
+
+
+def test_a_second_repository_beside_a_served_one_is_refused(tmp_path, units4):
+    """Hostile round s11: `promote --repo DIR/A`, then `promote --repo DIR/B` (releases.json lies beside the
+    repository, so B read A's record) ended in a FileNotFoundError traceback and left B half made. Refused now
+    (exit 2, --repo), nothing written; A and its record unchanged. A repository with another id beside the record
+    is refused the same way."""
+    import shutil
+
+    from precision_pipeline.core.errors import EXIT_INVALID
+
+    repo = serving_repo(tmp_path, units4[0])
+    before = release_state.state_path(repo).read_text()
+    other = repo.parent / "B"
+    with pytest.raises(UserError) as ei:
+        release.promote(other, units4[1].out_dir)
+    p = ei.value.problems[0]
+    assert ei.value.exit_code == EXIT_INVALID and p.field == "--repo" and "does not exist" in p.reason
+    assert "one folder holds one serving repository" in p.reason and "a folder of its own" in p.fix
+    assert not other.exists() and release_state.state_path(repo).read_text() == before
+    shutil.copytree(repo, other, symlinks=True)
+    cfg = other / "ensemble" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace(release_state.read_state(repo)["repository_id"], "0123456789abcdef"))
+    with pytest.raises(UserError) as ei:
+        release_state.read_state(other)
+    assert "is another repository (its id 0123456789abcdef" in ei.value.problems[0].reason

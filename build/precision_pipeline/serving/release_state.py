@@ -179,7 +179,38 @@ def read_state(repo_dir: Path) -> dict | None:
         raise _damaged(path, f"cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     if state is None:
         return None
-    return check_state(path, state)
+    return _check_owner(Path(repo_dir), path, check_state(path, state))
+
+
+_ID_RE = re.compile(r'key\s*:\s*"' + IDENTITY_PARAM + r'"\s*value\s*:?\s*\{\s*string_value\s*:\s*"([^"]*)"')
+
+
+def _check_owner(repo_dir: Path, path: Path, state: dict) -> dict:
+    """``state`` when releases.json is ``repo_dir``'s own record; else UserError on ``--repo`` (exit 2): the record
+    beside ``repo_dir`` names another repository (its ``repository_id``, written at init into the ensemble's
+    ``IDENTITY_PARAM``), i.e. ``repo_dir`` is missing or is another repository in the same folder (one record per
+    folder: hostile round s11, a second ``--repo`` beside a served one ended in a FileNotFoundError traceback).
+    Not checked for a record without an id (repositories made before it) nor while a swap of ``repo_dir`` is
+    unfinished (its journal ``.<name>.swap.json`` beside it: recovery rolls it forward), nor for a ``repo_dir``
+    without its ensemble config (the commands name the missing file)."""
+    rid = state.get("repository_id")
+    if not rid or (repo_dir.parent / f".{repo_dir.name}.swap.json").exists():
+        return state
+    ens = repo_dir / "ensemble" / "config.pbtxt"
+    if repo_dir.exists() and not ens.is_file():
+        return state  # a damaged repository: the commands' own checks name the missing config
+    try:
+        m = _ID_RE.search(ens.read_text(encoding="utf-8", errors="replace")) if ens.is_file() else None
+    except OSError:
+        return state  # unreadable: the commands' own checks say so
+    if m is not None and m.group(1) == rid:
+        return state
+    why = ("does not exist" if not repo_dir.exists() else
+           f"is another repository (its id {m.group(1) if m else 'none'}, the record's {rid})")
+    raise UserError("--repo", f"{path} beside {repo_dir} records the serving repository {rid}, and {repo_dir} {why}: "
+                    "one folder holds one serving repository and its releases.json; nothing was changed.",
+                    f"give {repo_dir} a folder of its own (e.g. {repo_dir.parent / (repo_dir.name + '-repo') / repo_dir.name}), "
+                    "or pass the --repo that this releases.json belongs to.")
 
 
 def _damaged(path: Path, why: str) -> UserError:
