@@ -70,6 +70,26 @@ def test_build_on_k8s_refuses_an_output_with_no_build_a_failed_gate_or_the_root(
         assert p.returncode == 2 and "kind: Job" not in p.stdout and "Traceback" not in p.stderr, (p.stdout, p.stderr)
 
 
+def test_build_on_k8s_refuses_a_checkpoint_changed_after_its_build(cpu_build):
+    """Hostile round s11: `build --on k8s` rendered the Job (exit 0) for an output whose checkpoint was truncated
+    after its build, which promote refuses. The quantize record's inventory (what a build records) is checked."""
+    from precision_pipeline.core.fingerprint import inventory
+
+    shard = cpu_build / "checkpoint" / "rank0.safetensors"
+    shard.write_bytes(b"\x01" * 4096)
+    qrec = json.loads((cpu_build / RECORDS_DIR / "quantize.json").read_text())
+    qrec["files"] = inventory(cpu_build / "checkpoint")
+    (cpu_build / RECORDS_DIR / "quantize.json").write_text(json.dumps(qrec))
+    assert job.check_gated_output(cpu_build, "fp8-h100") == cpu_build.resolve()
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(UserError) as e:
+        job.check_gated_output(cpu_build, "fp8-h100")
+    p = e.value.problems[0]
+    assert p.field == "--out" and "is not the checkpoint its quantize record describes" in p.reason
+    assert "rank0.safetensors" in p.reason and "on the CPU side first" in p.fix
+
+
 def test_kubectl_apply_refused_is_a_user_error(tmp_path, monkeypatch):
     """Issue 25 item 17: a refused ``kubectl apply`` was a CalledProcessError traceback."""
     import shutil

@@ -43,7 +43,9 @@ def _record(out: Path, name: str, fix: str = "run `invoke build --profile P --ou
 def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "--out") -> Path:
     """``out`` resolved, when it holds a CPU-side build whose checkpoint passed its accuracy gate: not a
     filesystem root, a build output (its ``.precision-build.json`` marker), with the resolve, quantize and
-    gate records, the gate ``done`` and passed, and (``profile`` given) the build of that profile.
+    gate records, the gate ``done`` and passed, (``profile`` given) the build of that profile, and its checkpoint the
+    files the quantize record's inventory describes (``core.fingerprint.inventory_problem``: truncated, rewritten,
+    added or removed after the build is refused, as promote refuses it).
 
     The one rule for both sides of the engine build Job: ``invoke build --on k8s`` checks it before it renders
     (or applies) a Job, and the Job itself (``run_engine_job``) before it builds. Raises UserError (exit 2)
@@ -64,6 +66,16 @@ def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "-
     if g.get("status") != "done" or not g.get("passed"):
         raise UserError("gate", f"the checkpoint in {out} did not pass its accuracy gate; no engine is built from it.",
                         "fix the profile and rebuild on the CPU side.")
+    from precision_pipeline.core.fingerprint import inventory_problem
+    from precision_pipeline.core.stage import VIEW_SUFFIXES
+    from precision_pipeline.quantize.stage import QuantizeStage
+
+    ckpt = out / QuantizeStage.output  # the gated checkpoint must still be the files its record vouches for
+    files = rec["quantize"].get("files")  # every record a build writes has it (hand-made test outputs may not)
+    why = inventory_problem(ckpt, files, VIEW_SUFFIXES) if files is not None else None
+    if why is not None:
+        raise UserError(field, f"{ckpt} is not the checkpoint its quantize record describes ({why}): the gate's "
+                        "verdict is not about these files; no engine is built from it.", cpu_side)
     return out
 
 
