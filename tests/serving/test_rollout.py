@@ -187,9 +187,7 @@ def healthy_rollout(served, units, probe_set):
     probes = []
 
     def recording_probe(server, unit, pset):
-        t = time.monotonic()
         pr = probe.run_probe(server, unit, pset)
-        secs["probe"] = round(time.monotonic() - t, 1)
         probes.append((unit, pr))
         return pr
 
@@ -355,7 +353,9 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
     probes, phases, secs = [], {}, {}
 
     def recording_probe(server, unit, pset):
+        t = time.monotonic()
         pr = probe.run_probe(server, unit, pset)
+        secs["probe"] = round(time.monotonic() - t, 1)
         probes.append(pr)
         return pr
 
