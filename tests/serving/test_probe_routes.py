@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from precision_pipeline.serving import probe
 from precision_pipeline.spec.profile import load_profile
 from precision_pipeline.spec.routing import routing_table
