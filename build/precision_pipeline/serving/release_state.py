@@ -182,9 +182,6 @@ def read_state(repo_dir: Path) -> dict | None:
     return _check_owner(Path(repo_dir), path, check_state(path, state))
 
 
-_ID_RE = re.compile(r'key\s*:\s*"' + IDENTITY_PARAM + r'"\s*value\s*:?\s*\{\s*string_value\s*:\s*"([^"]*)"')
-
-
 def _check_owner(repo_dir: Path, path: Path, state: dict) -> dict:
     """``state`` when releases.json is ``repo_dir``'s own record; else UserError on ``--repo`` (exit 2): the record
     beside ``repo_dir`` names another repository (its ``repository_id``, written at init into the ensemble's
@@ -199,14 +196,15 @@ def _check_owner(repo_dir: Path, path: Path, state: dict) -> dict:
     ens = repo_dir / "ensemble" / "config.pbtxt"
     if repo_dir.exists() and not ens.is_file():
         return state  # a damaged repository: the commands' own checks name the missing config
-    try:
-        m = _ID_RE.search(ens.read_text(encoding="utf-8", errors="replace")) if ens.is_file() else None
+    try:  # the ensemble's identity, read as every other config parameter is (pack's parser)
+        have = pack.config_params(pack.parse_model_config(ens.read_text(), str(ens))).get(IDENTITY_PARAM) \
+            if ens.is_file() else None
     except OSError:
         return state  # unreadable: the commands' own checks say so
-    if m is not None and m.group(1) == rid:
+    if have == rid:
         return state
     why = ("does not exist" if not repo_dir.exists() else
-           f"is another repository (its id {m.group(1) if m else 'none'}, the record's {rid})")
+           f"is another repository (its id {have or 'none'}, the record's {rid})")
     raise UserError("--repo", f"{path} beside {repo_dir} records the serving repository {rid}, and {repo_dir} {why}: "
                     "one folder holds one serving repository and its releases.json; nothing was changed.",
                     f"give {repo_dir} a folder of its own (e.g. {repo_dir.parent / (repo_dir.name + '-repo') / repo_dir.name}), "
