@@ -140,9 +140,18 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 
 def checkpoint_layout(ckpt_dir: Path) -> str:
     """``"hf_unified"`` when ``ckpt_dir`` holds ``HF_QUANT_CONFIG`` (ModelOpt's unified HF checkpoint, read by
-    ``checkpoint.hf_unified``), else ``"trtllm_checkpoint"`` (config.json + rank*.safetensors, read here). Every
-    reader of a checkpoint folder dispatches on this."""
-    return "hf_unified" if (Path(ckpt_dir) / HF_QUANT_CONFIG).is_file() else "trtllm_checkpoint"
+    ``checkpoint.hf_unified``); ``"hf_mxfp4"`` when its config.json says ``quantization_config.quant_method``
+    ``mxfp4`` (an HF checkpoint with MXFP4 experts as gpt-oss ships it, read by ``checkpoint.mxfp4_verify`` and
+    ``gate.moe_model.load_gpt_oss_mxfp4``; TensorRT-LLM's PyTorch backend loads it as is); else
+    ``"trtllm_checkpoint"`` (config.json + rank*.safetensors, read here). Every reader of a checkpoint folder
+    dispatches on this."""
+    if (Path(ckpt_dir) / HF_QUANT_CONFIG).is_file():
+        return "hf_unified"
+    try:
+        qc = json.loads((Path(ckpt_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        qc = None  # the layout's own reader reports a missing or broken config.json
+    return "hf_mxfp4" if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4" else "trtllm_checkpoint"
 
 
 # --------------------------------------------------------------------------------------------

@@ -218,8 +218,13 @@ def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None
     "scale_tensors", "scale_values", "linears", "files", "scale_bytes" (bytes of scale data read), "seconds",
     "rules"}``; raises ``UserError`` (exit 2) listing every problem found (field = tensor or file, rule, fix)."""
     from safetensors import safe_open
-    if checkpoint_layout(Path(ckpt_dir)) == "hf_unified":  # the LLM-API route's checkpoint (reader.checkpoint_layout)
+    layout = checkpoint_layout(Path(ckpt_dir))
+    if layout == "hf_unified":  # the LLM-API route's checkpoint (reader.checkpoint_layout)
         return verify_hf_checkpoint(Path(ckpt_dir), expect)
+    if layout == "hf_mxfp4":  # gpt-oss's checkpoint as shipped (MXFP4 experts), served on the LLM-API route as is
+        from precision_pipeline.checkpoint.mxfp4_verify import verify_mxfp4_checkpoint
+
+        return verify_mxfp4_checkpoint(Path(ckpt_dir), expect)
     t0, ckpt = time.perf_counter(), Path(ckpt_dir)
     cfg = read_config(ckpt)
     p = _Problems()
@@ -433,7 +438,13 @@ def _family_rules(cfg: dict, fam: Family, headers: list[dict], files: list[Path]
 
 LAYOUT_NAMES = {"trtllm_checkpoint": "a TensorRT-LLM checkpoint (config.json + rank*.safetensors)",
                 "hf_unified": "a unified HF checkpoint (ModelOpt export_hf_checkpoint: config.json, *.safetensors, "
-                              "hf_quant_config.json)"}
+                              "hf_quant_config.json)",
+                "hf_mxfp4": "an HF checkpoint with MXFP4 experts as gpt-oss ships it (config.json quant_method mxfp4, "
+                            "*_blocks / *_scales)"}
+ROUTE_LOADS = {"trtllm_checkpoint": ("trtllm_checkpoint",), "hf_unified": ("hf_unified", "hf_mxfp4")}
+"""Checkpoint layouts each route's serving layout stands for (``quantize.job.EXPORT_FORMAT_OF_ROUTE``): the LLM API
+also loads an HF ``quant_method`` mxfp4 checkpoint as is (``tensorrt_llm/_torch/model_config.py``
+``get_mxfp4_quant_algo``; ``checkpoints/hf/gpt_oss_weight_mapper.py``)."""
 LAYOUT_READER = {"trtllm_checkpoint": "trtllm-build reads TensorRT-LLM checkpoints only",
                  "hf_unified": "LLM(...) loads HF checkpoints with ModelOpt's hf_quant_config.json (tensorrt_llm/_torch/"
                                "model_config.py ModelConfig.from_pretrained), not TensorRT-LLM's rank files"}
@@ -450,12 +461,15 @@ def check_checkpoint_dir(checkpoint: str, layout: str | None = None, route: str 
 
     ck = Path(checkpoint).expanduser().resolve()
     found = checkpoint_layout(ck) if (ck / "config.json").is_file() else None
-    if found is not None and layout is not None and found != layout:
+    if found is not None and layout is not None and found not in ROUTE_LOADS.get(layout, (layout,)):
         other = "engine" if layout == "trtllm_checkpoint" else "llm_api"
         raise UserError("--checkpoint", f"{checkpoint} is {LAYOUT_NAMES[found]}, but the profile's route {route or other} "
                         f"serves {LAYOUT_NAMES[layout]}: {LAYOUT_READER[layout]}.",
                         f"give the checkpoint/ folder of a previous route-{route or other} build, use a profile with the "
                         "route this checkpoint was exported for, or leave --checkpoint out to quantize.")
+    if found == "hf_mxfp4":
+        verify_checkpoint(ck)  # every header's byte ranges, then the mx.* rules (the verify stage repeats them)
+        return ck
     if found == "hf_unified":
         from precision_pipeline.checkpoint.hf_unified import hf_files
 

@@ -234,12 +234,18 @@ def forward_with_prefix(model: torch.nn.Module, e: EncodedPrompt, hidden: bool =
     attention is causal, so the keys/values of its ``P`` positions and the logits at position
     ``P - 1`` are what a separate prefill of the prompt computes (up to float rounding of the
     larger matrix product): greedy decoding continues from them (``decode_greedy``) instead of
-    re-running the prompt. One forward pass per prompt instead of two.
+    re-running the prompt. One forward pass per prompt instead of two. The cache is a plain ``DynamicCache`` (every
+    layer keeps every position): a sliding-window layer's own cache (transformers 4.57 ``DynamicCache(config=...)``
+    for gpt-oss's ``layer_types``, Mistral's ``sliding_window``) keeps only the last window of the *whole* sequence,
+    not the prompt's; the window itself is the model's attention mask (``create_sliding_window_causal_mask``), which
+    applies over a full cache too.
     """
+    from transformers import DynamicCache
+
     ids = list(e.input_ids)
     plen = len(e.generation_prompt)
     x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
-    out = model(input_ids=x, use_cache=True, output_hidden_states=hidden)
+    out = model(input_ids=x, use_cache=True, output_hidden_states=hidden, past_key_values=DynamicCache())
     logits = out.logits[0].to("cpu", torch.float32)
     h = out.hidden_states[-1][0].to("cpu", torch.float32) if hidden else None
     cache = out.past_key_values

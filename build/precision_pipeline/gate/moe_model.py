@@ -1,6 +1,7 @@
 """The accuracy gate's readers of MoE checkpoints: a MoE family's unified HF checkpoint (``spec.families``
 ``MoE.hf_read``: Qwen3-MoE; ``load_hf_moe_model``, run by the gate stage through ``load_gate_model``) and gpt-oss's
-HF checkpoint as shipped with MXFP4 experts (``load_gpt_oss_mxfp4``, not run by ``invoke build`` yet).
+HF checkpoint as shipped with MXFP4 experts (``load_gpt_oss_mxfp4``, run by the gate stage for a ``--checkpoint`` of that
+layout, ``checkpoint.reader.checkpoint_layout`` ``hf_mxfp4``).
 
 ``load_hf_moe_model(ckpt_dir, hf_model_dir)`` builds the family's HF class (``transformers.<architecture>``, from
 ``hf_model_dir``'s ``config.json``) and fills it with the checkpoint, dequantized to float32
@@ -95,7 +96,7 @@ def load_gpt_oss_mxfp4(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> nn
     every expert weight decoded by the MXFP4 codec (``codecs.dequant_mx_blocks``, E2M1 x 2^(E8M0 - 127)) and transposed
     to the HF parameter's ``[E, in, out]``; every other tensor (attention with its biases and sinks, router, norms,
     embedding, lm_head, expert biases) loaded as stored. Weight-only: no activation fake-quant (what W4A16_MXFP4 runs on
-    Hopper, spec/formats.py SRC_MX_MOE). Not called by ``invoke build`` yet (gpt-oss's ``build_gaps``). Raises
+    Hopper, spec/formats.py SRC_MX_MOE). The gate stage runs it through ``load_gate_model``. Raises
     UserError for another architecture, a checkpoint that is not mxfp4, a block without its scales, a tensor the
     model lacks or a parameter left unfilled."""
     import json
@@ -135,7 +136,9 @@ def load_gpt_oss_mxfp4(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> nn
 
 
 def load_gate_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    """The gate stage's candidate model of ``ckpt_dir``: ``load_hf_moe_model`` for the unified HF checkpoint of a MoE
+    """The gate stage's candidate model of ``ckpt_dir``: ``load_gpt_oss_mxfp4`` for an HF checkpoint with MXFP4
+    experts as gpt-oss ships it (``checkpoint.reader.checkpoint_layout`` ``hf_mxfp4``; ``hf_model_dir`` is then only
+    the reference's folder), ``load_hf_moe_model`` for the unified HF checkpoint of a MoE
     family with ``MoE.hf_read`` (``spec.families``), else ``gate.model.load_checkpoint_model`` (either layout of the
     dense families); ``device="cuda"``: placed over the visible GPUs (``place_on_cuda``). Raises UserError as they do."""
     import json
@@ -145,6 +148,9 @@ def load_gate_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = tor
     from precision_pipeline.spec.families import FAMILIES
 
     d = Path(ckpt_dir)
+    if checkpoint_layout(d) == "hf_mxfp4":  # gpt-oss's MXFP4 checkpoint as shipped (--checkpoint)
+        model = load_gpt_oss_mxfp4(d, dtype)
+        return place_on_cuda(model) if device == "cuda" else model
     if checkpoint_layout(d) == "hf_unified":
         arch = (json.loads((d / "config.json").read_text()).get("architectures") or [None])[0]
         fam = FAMILIES.get(arch)

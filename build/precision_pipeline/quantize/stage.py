@@ -168,6 +168,12 @@ class QuantizeStage(Stage[Union[QuantizeInputs, ReuseInputs], CheckpointArtifact
                 calibration=json.loads(json.dumps(calibration, default=str)) if calibration is not None else None,
                 effective_bits=(aq or {}).get("effective_bits_achieved"), per_layer_counts=(aq or {}).get("counts"),
                 layers=hf_layer_table(workdir))
+        if checkpoint_layout(workdir) == "hf_mxfp4":  # gpt-oss's MXFP4 checkpoint as shipped (--checkpoint)
+            from precision_pipeline.checkpoint.mxfp4_verify import mxfp4_layer_table
+
+            table = mxfp4_layer_table(workdir)
+            return CheckpointArtifact(reason=reason, quant_algo=table["quant_algo"], kv_cache_quant_algo=None,
+                                      logits_dtype=None, checkpoint_bytes=table["bytes"], layers=table)
         cfg = json.loads((workdir / "config.json").read_text())
         qz = cfg.get("quantization", {}) or {}
         return CheckpointArtifact(

@@ -21,7 +21,8 @@ layer above resolve, so the file name is repeated here)."""
 def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> list[Finding]:
     """Compare a reused checkpoint's quantization (and, for a TRT-LLM checkpoint, its config.json ``mapping``) with
     the profile. A unified HF checkpoint's quantization is its ``hf_quant_config.json`` ``quantization``; it is not
-    split per rank, so it has no mapping to compare.
+    split per rank, so it has no mapping to compare. An HF ``quant_method`` mxfp4 checkpoint (gpt-oss as shipped)
+    holds MXFP4 weights and an unquantized KV cache (``_mxfp4_quantization``), no mapping either.
 
     ``checkpoint_dir`` None or without config.json -> nothing to compare.
     """
@@ -35,6 +36,8 @@ def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> l
         return [refuse("--checkpoint", f"{path} is not valid JSON ({e}).", "leave out --checkpoint so that the build quantizes.")]
     if not isinstance(cfg, dict):
         return [refuse("--checkpoint", f"{path} does not hold a JSON object.", "leave out --checkpoint so that the build quantizes.")]
+    if not hf and isinstance(cfg.get("quantization_config"), dict) and cfg["quantization_config"].get("quant_method") == MXFP4_METHOD:
+        hf, cfg = True, {"quantization": _mxfp4_quantization(p)}  # gpt-oss's checkpoint as shipped: not split per rank
     want = derive_mapping(p)
     got = {} if hf else (cfg.get("mapping") or {})
     if not isinstance(got, dict):
@@ -64,6 +67,20 @@ def checkpoint_mapping_findings(p: Profile, checkpoint_dir: Optional[Path]) -> l
         elif F.GEMM[p.quantization.quant_algo].per_layer:
             out.extend(_mixed_reuse_findings(p, Path(checkpoint_dir)))
     return out
+
+
+MXFP4_METHOD = "mxfp4"
+"""An HF checkpoint's ``quantization_config.quant_method`` for MXFP4 experts as gpt-oss ships it
+(``checkpoint.reader.checkpoint_layout`` ``hf_mxfp4``)."""
+
+
+def _mxfp4_quantization(p: Profile) -> dict:
+    """What an HF mxfp4 checkpoint holds, as a ``quantization`` section: MXFP4 weights, which TensorRT-LLM runs as the
+    profile's MXFP4 QuantAlgo when it asks one (W4A16_MXFP4 on Hopper, W4A8_MXFP4_MXFP8 on Blackwell:
+    ``tensorrt_llm/_torch/model_config.py`` ``get_mxfp4_quant_algo``), and an unquantized KV cache."""
+    asked = p.quantization.quant_algo.value
+    mx = tuple(a.value for a in (QuantAlgo.W4A16_MXFP4, QuantAlgo.W4A8_MXFP4_FP8, QuantAlgo.W4A8_MXFP4_MXFP8))
+    return {"quant_algo": asked if asked in mx else "MXFP4 (quant_method mxfp4)", "kv_cache_quant_algo": None}
 
 
 def _mixed_reuse_findings(p: Profile, ckpt: Path) -> list[Finding]:

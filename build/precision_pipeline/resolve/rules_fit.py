@@ -314,7 +314,8 @@ def _gate_reads(ctx: Context) -> list[Finding]:
                    f"{', '.join(GATE_ARCHITECTURES)} only. Stages missing for "
                    f"{ctx.model.architecture}: {gaps} (invoke check, profiles, compare and recommend plan it).",
                    f"use a model of: {', '.join(GATE_ARCHITECTURES)} (Qwen3MoeForCausalLM: route llm_api, "
-                   "spec/families.py MoE.hf_read); a Mixtral MoE can be quantized and exported with "
+                   "spec/families.py MoE.hf_read; GptOssForCausalLM: route llm_api, W4A16_MXFP4 from its MXFP4 "
+                   "checkpoint as shipped, --checkpoint); a Mixtral MoE can be quantized and exported with "
                    "expert parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
 
 

@@ -55,6 +55,10 @@ COLUMN, ROW = "column", "row"
 MOE_HF_READ_FORMATS = (QuantAlgo.FP8.value, QuantAlgo.NO_QUANT.value)
 """quant_algo values whose unified HF checkpoint the gate's MoE reader reads (``MoE.hf_read``; ``checkpoint/hf_unified.py``
 ``dequantize_hf_moe``: FP8 weights, fused groups re-quantized as TensorRT-LLM loads them, or unquantized ones)."""
+MXFP4_READ_FORMATS = (QuantAlgo.W4A16_MXFP4.value,)
+"""quant_algo values the gate reads of a family shipped with MXFP4 experts (``MoE.expert_format``; gpt-oss): its HF
+checkpoint as shipped (``quant_method`` mxfp4, given with ``--checkpoint``), decoded weight-only by
+``gate/moe_model.py`` ``load_gpt_oss_mxfp4`` -- what W4A16_MXFP4 runs on Hopper (BF16 activations)."""
 LAYER_PREFIX_HF = "model.layers"
 LAYER_PREFIX_TRT = "transformer.layers"
 LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -107,6 +111,20 @@ class MoE:
         return (f"*{self.router_hf}",) + tuple(f"*{s}" for s in self.shared_experts if s.endswith("_gate"))
 
 
+def _mxfp4_gaps(quant_algo: Optional[str], kv: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """``Family.build_gaps`` on route llm_api of a family shipped with MXFP4 experts (gpt-oss): the quantize stage
+    adopts its checkpoint as shipped (``--checkpoint``; it writes no MXFP4 itself, rule ``quantize.modelopt_inputs``)
+    and the gate decodes it weight-only, so formats with quantized activations or KV cache have a gate gap."""
+    reader = "the gate's reader of gpt-oss's MXFP4 checkpoint (gate/moe_model.py load_gpt_oss_mxfp4, weight-only)"
+    if quant_algo is not None and quant_algo not in MXFP4_READ_FORMATS:
+        return (("gate", f"{reader} reads {' or '.join(MXFP4_READ_FORMATS)} only (the checkpoint as shipped, "
+                         f"given with --checkpoint), not {quant_algo}"),)
+    if kv not in (None, KVCacheQuantAlgo.NONE.value):
+        return (("gate", f"{reader} reads an unquantized KV cache only, not {kv} (set "
+                         f"quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
+    return ()
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family (see the module doc for each field)."""
@@ -137,7 +155,13 @@ class Family:
         whose unified HF checkpoint is verified and read (``MoE.hf_read``: ModelOpt's ``export_hf_checkpoint`` needs
         no decoder type, the gate reads it with ``gate/moe_model.py``) in the formats that reader reads
         (``MOE_HF_READ_FORMATS``, an unquantized KV cache; checked when ``quant_algo`` / ``kv_cache_quant_algo`` are
-        given). () for a family ``invoke build`` runs end to end (there). Planning needs none of them."""
+        given). A family shipped with MXFP4 experts (``MoE.expert_format``, gpt-oss; served on llm_api only) is built
+        from its checkpoint as shipped in ``MXFP4_READ_FORMATS`` (``_mxfp4_gaps``). () for a family ``invoke build``
+        runs end to end (there). Planning needs none of them."""
+        if route is None and self.routes == ("llm_api",) and self.moe is not None and self.moe.expert_format:
+            route = "llm_api"  # served on that route only
+        if route == "llm_api" and self.moe is not None and self.moe.expert_format == "MXFP4":
+            return _mxfp4_gaps(quant_algo, kv_cache_quant_algo)
         if route == "llm_api" and self.moe is not None and self.moe.hf_read:
             if quant_algo is not None and quant_algo not in MOE_HF_READ_FORMATS:
                 return (("gate", f"the MoE reader (gate/moe_model.py) reads {' or '.join(MOE_HF_READ_FORMATS)} weights "
