@@ -6,7 +6,9 @@ refusals, not quality. Random weights and random tokens are acceptable ONLY here
   and the gate's metrics against the unquantized model are finite and small; verification refuses the same
   checkpoint with the router planted quantized.
 * gpt-oss: experts stored as MXFP4 in gpt-oss's own layout (``*_blocks`` / ``*_scales``, made by ModelOpt's
-  ``MXFP4QTensor``), decoded on CPU by the codec and compared with the unquantized model by the gate's metrics."""
+  ``MXFP4QTensor``), decoded on CPU by the codec and compared with the unquantized model by the gate's metrics; that
+  checkpoint (as gpt-oss ships it) built through ``invoke build`` on route llm_api with W4A16_MXFP4 (``--checkpoint``),
+  planted bad ones refused (checkpoint/mxfp4_verify.py)."""
 
 from __future__ import annotations
 
@@ -246,3 +248,111 @@ def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir,
     eng.write_text(json.dumps({"extends": "fp8-h100", "quantization": {"kv_cache_quant_algo": "NONE"}}))
     r = invoke_here("build", "--profile", str(eng), "--model", str(md), "--out", str(tmp_path / "eng"))
     assert r.returncode == 2 and "model.gate_reads" in r.stdout + r.stderr and not (tmp_path / "eng").exists(), r.stdout
+
+
+def _tiny_gpt_oss_dirs(root, vocab_from):
+    """A tiny random gpt-oss (2 layers: sliding then full attention, 4 experts, top-2, hidden 64, intermediate 64; the
+    default model's tokenizer and eos/bos ids) as two HF folders: ``ref`` its BF16 weights (``--model``: the gate's
+    reference), ``mx`` the same weights in gpt-oss's shipped layout (``--checkpoint``: config.json ``quant_method``
+    mxfp4; each expert projection as ``*_blocks`` / ``*_scales`` made by ModelOpt's ``MXFP4QTensor`` from the BF16
+    weights, everything else as in ``ref``)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    ids = {k: json.loads((vocab_from / "config.json").read_text())[k] for k in ("bos_token_id", "eos_token_id")}
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                       max_position_embeddings=2048, tie_word_embeddings=False, architectures=["GptOssForCausalLM"], **ids)
+    model = GptOssForCausalLM(cfg).to(torch.bfloat16)
+    ref, mx = root / "gpt-oss-bf16", root / "gpt-oss-mxfp4"
+    model.save_pretrained(ref)
+    for p in vocab_from.iterdir():
+        if p.is_file() and not (ref / p.name).exists():
+            shutil.copy2(p, ref / p.name)
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):  # HF [E, in, out] -> gpt-oss's [E, out, in] codes
+            sd[k + "_blocks"], sd[k + "_scales"], _ = _mxfp4_blocks(v.float().transpose(1, 2).contiguous())
+        else:
+            sd[k] = v.contiguous()
+    mx.mkdir()
+    raw = json.loads((ref / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # openai/gpt-oss-20b's
+    (mx / "config.json").write_text(json.dumps(raw))
+    save_file(sd, str(mx / "model.safetensors"), metadata={"format": "pt"})
+    return ref, mx, sd
+
+
+def test_tiny_gpt_oss_builds_from_its_mxfp4_checkpoint_on_the_llm_api_route(tmp_path, default_model_dir, invoke_here,
+                                                                               small_gate):
+    """``invoke build`` of a tiny gpt-oss on route llm_api with W4A16_MXFP4 from its MXFP4 checkpoint as shipped
+    (``--checkpoint``; ``--model`` the BF16 weights it was made from, the gate's reference): exit 0, every stage done;
+    the quantize stage adopts the checkpoint as is; verification's counts (checkpoint/mxfp4_verify.py); the gate reads
+    it through load_gate_model -> load_gpt_oss_mxfp4 (codec decode) and its numbers against the BF16 weights are small
+    (random weights: structure, not quality); packed as an LLM-API unit. Planted bad checkpoints are refused with exit 2
+    before anything is written: the router stored quantized (hf.router), a scales tensor of the wrong shape (mx.layout),
+    an E8M0 NaN code (mx.scales); and formats the gate does not read of it (W4A8_MXFP4_FP8, NO_QUANT) at resolve."""
+    from safetensors.torch import save_file
+
+    ref, mx, sd = _tiny_gpt_oss_dirs(tmp_path, Path(default_model_dir))
+    prof = tmp_path / "tiny-gpt-oss.yaml"  # random weights: the bar loosened; attention and router kept BF16
+    bar = {"kl_mean_max": 5.0, "kl_p99_max": 50.0, "top1_min": 0.1, "ppl_delta_pct_max": 500.0, "greedy_same_min": 0.0}
+    spec = {"extends": "fp8-h100-llmapi", "deployment": {"fallback": None, "warm_fallback": False}, "gate": bar,
+            "quantization": {"quant_algo": "W4A16_MXFP4", "kv_cache_quant_algo": "NONE",
+                             "exclude_modules": ["*self_attn*", *FAM.GPT_OSS.moe.router_patterns, "lm_head"]}}
+    prof.write_text(json.dumps(spec))
+    out = tmp_path / "out"
+    args = ("--profile", str(prof), "--model", str(ref), "--golden-limit", "1")
+    r = invoke_here("build", *args, "--checkpoint", str(mx), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())["stages"]
+    assert {k: v["status"] for k, v in man.items()} == {s: "done" for s in (
+        "resolve", "quantize", "verify", "gate", "llm_api_config", "pack", "deploy")}
+    assert man["quantize"]["numbers"]["quant_algo"] == "W4A16_MXFP4"
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["config.json", "model.safetensors"]  # as shipped
+    # verify: 2 layers x (4 attention + 4 experts x 2 projections) linears + lm_head; 2 scales tensors a layer
+    v = man["verify"]["numbers"]
+    assert (v["tensors"], v["scale_tensors"], v["linears"], v["scale_bytes"]) == (len(sd), 4, 25, 2 * 4 * (128 + 64) * 2), v
+    g = man["gate"]["numbers"]
+    assert all(math.isfinite(g[k]) for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct"))
+    # measured (1 prompt per category, SMALL_GATE): KL mean 2.02e-4, P99 1.95e-3, max 2.63e-3, top-1 0.782, 395 tokens
+    assert 1e-4 < g["kl_mean"] < 4e-4 and 1e-3 < g["kl_p99"] < 4e-3 and 0.7 < g["top1"] < 0.9, g
+    assert g["passed"] is True and g["eval_tokens"] == 395, g
+    assert json.loads((out / "model_repository" / "pack.json").read_text())["route"] == "llm_api"
+
+    def planted(name, change):
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text((mx / "config.json").read_text())
+        save_file(change(dict(sd)), str(bad / "model.safetensors"), metadata={"format": "pt"})
+        got = invoke_here("build", *args, "--checkpoint", str(bad), "--out", str(tmp_path / f"out-{name}"))
+        assert got.returncode == 2 and not (tmp_path / f"out-{name}").exists(), got.stdout[-2000:] + got.stderr[-2000:]
+        return got.stdout + got.stderr
+
+    def router_fp8(t):
+        t["model.layers.1.mlp.router.weight"] = t["model.layers.1.mlp.router.weight"].float().to(torch.float8_e4m3fn)
+        t["model.layers.1.mlp.router.weight_scale"] = torch.tensor(1.0)
+        return t
+
+    text = planted("router", router_fp8)
+    assert "hf.router" in text and "model.layers.1.mlp.router.weight_scale" in text and "*mlp.router" in text, text
+    text = planted("scales", lambda t: {**t, "model.layers.0.mlp.experts.down_proj_scales":
+                                        t["model.layers.0.mlp.experts.down_proj_scales"][:, :, :1].contiguous()})
+    assert "mx.layout" in text and "down_proj_scales: is U8 [4, 64, 1]; config.json's sizes give U8 [4, 64, 2]" in text
+    nan = sd["model.layers.1.mlp.experts.gate_up_proj_scales"].clone()
+    nan[2, 5, 1] = 255
+    text = planted("nan", lambda t: {**t, "model.layers.1.mlp.experts.gate_up_proj_scales": nan})
+    assert "mx.scales" in text and "gate_up_proj_scales: holds 1 E8M0 code(s) above 252 (max 255" in text, text
+    # formats the gate does not read of gpt-oss: refused at resolve (model.gate_reads), naming what it reads
+    for algo in ("W4A8_MXFP4_FP8", "NO_QUANT"):
+        p2 = tmp_path / f"{algo.lower()}.yaml"
+        p2.write_text(json.dumps({**spec, "target": {"gpu": "b200"} if algo == "W4A8_MXFP4_FP8" else {},
+                                  "quantization": {**spec["quantization"], "quant_algo": algo}}))
+        got = invoke_here("build", "--profile", str(p2), "--model", str(ref), "--checkpoint", str(mx),
+                          "--out", str(tmp_path / f"out-{algo}"))
+        text = got.stdout + got.stderr
+        assert got.returncode == 2 and "model.gate_reads" in text and "reads W4A16_MXFP4 only" in text, text[-2000:]

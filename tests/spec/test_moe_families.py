@@ -35,14 +35,19 @@ def test_moe_entries():
                                                    "model.layers.0.mlp.shared_expert.up_proj.weight": "F8_E4M3"})] == [
         "model.layers.0.mlp.shared_expert_gate.weight"]
     assert all(f.sources.get("routes") for f in (q, g))
-    assert g.build_gaps() and "GptOssForCausalLM" not in FAM.GATE_ARCHITECTURES  # planned, not built
-    # Qwen3-MoE: built on route llm_api only (unified HF export, gate/moe_model.py); refused on engine; gpt-oss nowhere
+    # gpt-oss: built on route llm_api (its only route) from its MXFP4 checkpoint as shipped, W4A16_MXFP4 only
+    assert g.build_gaps() == () == g.build_gaps("llm_api", "W4A16_MXFP4", "NONE") and g.gate_reader is None
+    assert "GptOssForCausalLM" not in FAM.GATE_ARCHITECTURES  # no TensorRT-LLM-checkpoint reader (engine route)
+    assert [s for s, _ in g.build_gaps("llm_api", "NO_QUANT", "NONE")] == ["gate"] == [
+        s for s, _ in g.build_gaps("llm_api", "W4A8_MXFP4_MXFP8", "NONE")]
+    assert "reads an unquantized KV cache only, not FP8" in g.build_gaps("llm_api", "W4A16_MXFP4", "FP8")[0][1]
+    # Qwen3-MoE: built on route llm_api only (unified HF export, gate/moe_model.py); refused on engine
     assert q.moe.hf_read and not g.moe.hf_read and not q2.moe.hf_read
     assert q.build_gaps("llm_api") == () and [s for s, _ in q.build_gaps("engine")] == ["quantize", "gate"]
     assert q.build_gaps("llm_api", "FP8", "NONE") == () == q.build_gaps("llm_api", "NO_QUANT", "NONE")
     assert [s for s, _ in q.build_gaps("llm_api", "NVFP4", "NONE")] == ["gate"]  # the MoE reader: FP8 / BF16 only
     assert "not FP8 (set quantization.kv_cache_quant_algo: NONE)" in q.build_gaps("llm_api", "FP8", "FP8")[0][1]
-    assert [s for s, _ in g.build_gaps("llm_api")] == ["quantize", "gate"] and q2.build_gaps("llm_api")
+    assert [s for s, _ in g.build_gaps("engine")] == ["quantize", "gate"] and q2.build_gaps("llm_api")
     assert q.norms["self_attn.q_norm"] == "attention.q_layernorm"  # Qwen3's QK-norm (verification knows the tensor)
 
 
