@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 from precision_pipeline.checkpoint.codecs import PLAIN_DTYPES
 from precision_pipeline.checkpoint.reader import safetensors_header
 from precision_pipeline.core.errors import Problem, UserError
-from precision_pipeline.spec.algos import KVCacheQuantAlgo
+from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.families import FAMILIES, MXFP4_READ_FORMATS, router_problems
 from precision_pipeline.spec.formats import MX_BLOCK
 
@@ -186,7 +186,7 @@ def mxfp4_layer_table(ckpt_dir: Path) -> dict:
                 s = sizes.setdefault(name.rsplit("_", 1)[0], [mx, 0, 0])
                 s[1], s[2] = s[1] + (n if name.endswith("_blocks") else 0), s[2] + nbytes
             elif name.endswith(".weight") and len(meta["shape"]) == 2 and "embed_tokens" not in name:
-                sizes[name[: -len(".weight")]] = ["NO_QUANT", n, nbytes]
+                sizes[name[: -len(".weight")]] = [QuantAlgo.NO_QUANT.value, n, nbytes]
     rows, by_fmt, bits, params = format_rows((stem, algo, MX_BLOCK if algo == mx else None, n, b)
                                              for stem, (algo, n, b) in sorted(sizes.items()))
     return {"quant_algo": mx, "kv_cache_quant_algo": KVCacheQuantAlgo.NONE.value,

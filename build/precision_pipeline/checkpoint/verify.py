@@ -212,19 +212,24 @@ def _router_stored_plain(ckpt: Path, cfg: dict, arch: Any) -> Any:
     return arch
 
 
+def _verify_hf_layout(ckpt: Path, expect: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The LLM-API route's checkpoints: ModelOpt's unified HF one (``hf_verify``) or gpt-oss's as shipped, MXFP4
+    experts (``mxfp4_verify``)."""
+    if checkpoint_layout(ckpt) == "hf_mxfp4":
+        from precision_pipeline.checkpoint.mxfp4_verify import verify_mxfp4_checkpoint
+
+        return verify_mxfp4_checkpoint(ckpt, expect)
+    return verify_hf_checkpoint(ckpt, expect)
+
+
 def verify_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Verify checkpoint ``ckpt_dir`` (module doc; a unified HF checkpoint by ``hf_verify``'s rules). ``expect``:
     ``{"quant_algo", "kv_cache_quant_algo"}`` the plan assumes (None: not compared). Returns ``{"tensors",
     "scale_tensors", "scale_values", "linears", "files", "scale_bytes" (bytes of scale data read), "seconds",
     "rules"}``; raises ``UserError`` (exit 2) listing every problem found (field = tensor or file, rule, fix)."""
     from safetensors import safe_open
-    layout = checkpoint_layout(Path(ckpt_dir))
-    if layout == "hf_unified":  # the LLM-API route's checkpoint (reader.checkpoint_layout)
-        return verify_hf_checkpoint(Path(ckpt_dir), expect)
-    if layout == "hf_mxfp4":  # gpt-oss's checkpoint as shipped (MXFP4 experts), served on the LLM-API route as is
-        from precision_pipeline.checkpoint.mxfp4_verify import verify_mxfp4_checkpoint
-
-        return verify_mxfp4_checkpoint(Path(ckpt_dir), expect)
+    if checkpoint_layout(Path(ckpt_dir)) in ("hf_unified", "hf_mxfp4"):  # the LLM-API route's (reader.checkpoint_layout)
+        return _verify_hf_layout(Path(ckpt_dir), expect)
     t0, ckpt = time.perf_counter(), Path(ckpt_dir)
     cfg = read_config(ckpt)
     p = _Problems()
