@@ -41,6 +41,16 @@ def _gate_builder(con, model, golden_limit):
     return build
 
 
+def gpu_note(con, gpu) -> None:
+    """Print ``spec.hardware.variant_note`` of ``--gpu`` (``a100`` is read as a100-80gb: say so, as ``check`` does
+    for a profile's target.gpu; hostile s11 F7), nothing for an exact id."""
+    from precision_pipeline.spec.hardware import variant_note
+
+    note = variant_note(gpu) if gpu else None
+    if note:
+        con.print(f"[yellow]note[/]: --gpu {note}.", soft_wrap=True)
+
+
 def recommend(gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=None, context=None, write=None,
               measure=False, top=None, golden_limit=None, input_len=None, output_len=None, concurrency=None,
               request_rate=None, max_ttft_p99=None, max_tpot=None, min_tokens_per_s=None, max_cold_start=None):
@@ -68,6 +78,7 @@ def recommend(gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=N
         if not builds:
             con.print("--measure: every candidate near the constraints is measured already")
         rec = ch.recommend(gpu, plan_model_dir(model), REPO_ROOT / "artifacts", k, context=ctx, workload=wl)
+    gpu_note(con, gpu)
     con.print(f"workload: {wl.describe()}; throughput, TTFT, TPOT from resolve/perf.py (true values within "
               f"x{PF.RANGE[0]}..x{PF.RANGE[1]} on benchmarks/planner.py's published rows)", soft_wrap=True)
     for cand in sorted((x for x in rec.candidates if not x.refused), key=ch.rank_key):
@@ -102,12 +113,13 @@ def compare(profiles="all", model=None, gpu=None, out=None, build=False, golden_
             output_len=None, concurrency=None, request_rate=None):
     """Table + Pareto chart (accuracy loss vs estimated throughput) of profiles; lists those that cannot run."""
     from precision_pipeline.analysis import choose as ch
+    from precision_pipeline.nightly import select_profiles
     from precision_pipeline.resolve import perf as PF
-    from precision_pipeline.spec.profile import shipped_profiles
     from rich.table import Table
 
     wl = _workload(input_len, output_len, concurrency, request_rate)
-    names = shipped_profiles() if str(profiles).strip() in ("", "all") else [p.strip() for p in str(profiles).split(",") if p.strip()]
+    names = select_profiles(profiles)  # nightly's --profiles: all, or names without an empty entry (a,,b refused)
+    gpu_note(console(), gpu)
     cands = ch.compare(names, plan_model_dir(model), REPO_ROOT / "artifacts", gpu=gpu, workload=wl)
     if build:
         con = console()
