@@ -41,16 +41,6 @@ def _gate_builder(con, model, golden_limit):
     return build
 
 
-def gpu_note(con, gpu) -> None:
-    """Print ``spec.hardware.variant_note`` of ``--gpu`` (``a100`` is read as a100-80gb: say so, as ``check`` does
-    for a profile's target.gpu; hostile s11 F7), nothing for an exact id."""
-    from precision_pipeline.spec.hardware import variant_note
-
-    note = variant_note(gpu) if gpu else None
-    if note:
-        con.print(f"[yellow]note[/]: --gpu {note}.", soft_wrap=True)
-
-
 def recommend(gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=None, context=None, write=None,
               measure=False, top=None, golden_limit=None, input_len=None, output_len=None, concurrency=None,
               request_rate=None, max_ttft_p99=None, max_tpot=None, min_tokens_per_s=None, max_cold_start=None):
@@ -68,7 +58,7 @@ def recommend(gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=N
     wl = _workload(input_len, output_len, concurrency, request_rate)
     n_top = int_arg("--top", top, 1, 64) or 2  # default None: invoke would int() a typed default itself
     rec = ch.recommend(gpu, plan_model_dir(model), REPO_ROOT / "artifacts", k, context=ctx, workload=wl)
-    planning_note(con := console(), plan_model_dir(model))  # what a folder without weights cannot say
+    planning_note(con := console(), plan_model_dir(model), gpu)  # what a folder without weights cannot say; a100 =
     if measure:
         builds = ch.measure_top(rec, n_top, REPO_ROOT / "artifacts" / "recommend", _gate_builder(
             con, model, int_arg("--golden-limit", golden_limit, 1, 1000)), command=f"--gpu {gpu} --measure")
@@ -78,7 +68,6 @@ def recommend(gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=N
         if not builds:
             con.print("--measure: every candidate near the constraints is measured already")
         rec = ch.recommend(gpu, plan_model_dir(model), REPO_ROOT / "artifacts", k, context=ctx, workload=wl)
-    gpu_note(con, gpu)
     con.print(f"workload: {wl.describe()}; throughput, TTFT, TPOT from resolve/perf.py (true values within "
               f"x{PF.RANGE[0]}..x{PF.RANGE[1]} on benchmarks/planner.py's published rows)", soft_wrap=True)
     for cand in sorted((x for x in rec.candidates if not x.refused), key=ch.rank_key):
@@ -119,7 +108,6 @@ def compare(profiles="all", model=None, gpu=None, out=None, build=False, golden_
 
     wl = _workload(input_len, output_len, concurrency, request_rate)
     names = select_profiles(profiles)  # nightly's --profiles: all, or names without an empty entry (a,,b refused)
-    gpu_note(console(), gpu)
     cands = ch.compare(names, plan_model_dir(model), REPO_ROOT / "artifacts", gpu=gpu, workload=wl)
     if build:
         con = console()
@@ -142,7 +130,7 @@ def compare(profiles="all", model=None, gpu=None, out=None, build=False, golden_
                       "n/a" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s']:.3g} s",
                       "n/a" if r["tpot_s"] is None else f"{r['tpot_s'] * 1e3:.3g} ms",
                       "n/a" if r["kl_p99"] is None else f"{r['kl_p99']:.3g}", r["accuracy"], "*" if r["frontier"] else "")
-    planning_note(con := console(), plan_model_dir(model))  # what a folder without weights cannot say
+    planning_note(con := console(), plan_model_dir(model), gpu)  # what a folder without weights cannot say
     con.print(t)
     for r in ch.table_rows(cands):
         if not r["runs"]:

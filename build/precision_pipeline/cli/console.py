@@ -159,12 +159,18 @@ def margin(value) -> float:
 
 
 
-def planning_note(con, model_dir) -> bool:
-    """Print what a folder without weights or tokenizer lacks and which numbers need them
-    (``spec.default_model.ModelFiles.planning_note``); returns whether the folder can be built."""
+def planning_note(con, model_dir, gpu=None) -> bool:
+    """Print which GPU a ``--gpu`` alias of several memory sizes is read as (``a100``: a100-80gb, as ``check`` says
+    for a profile's target.gpu: ``spec.hardware.variant_note``; hostile s11 F7), then what a folder without weights
+    or tokenizer lacks and which numbers need them (``spec.default_model.ModelFiles.planning_note``); returns
+    whether the folder can be built."""
     from rich.markup import escape
 
     from precision_pipeline.spec.default_model import model_files
+    from precision_pipeline.spec.hardware import variant_note
+
+    if gpu and (variant := variant_note(gpu)):
+        con.print(f"[yellow]note[/]: --gpu {escape(variant)}.", soft_wrap=True)
 
     note = model_files(model_dir).planning_note()
     if note:

@@ -141,8 +141,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
             timings["removed"] = retain(repo_dir, state, server, warm_previous, previous)
             write_state(repo_dir, state)
             crash_point("gc")
-    timings["unit"] = unit
-    return timings
+    return {**timings, "unit": unit}
 
 
 def _unload_candidate(server, unit: str, state: dict) -> None:

@@ -101,14 +101,13 @@ def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_roo
         set_params(tmp / "ensemble" / "config.pbtxt", {IDENTITY_PARAM: repo_id})
         pack.check_repository(tmp)
         state = {"version": 1, "current": unit, "fallback": fb, "warm_fallback": bool(warm_fallback and fb),
-                 "keep_releases": int(keep_releases), "repository_id": repo_id,
-                 REPO_FOLDER_FIELD: repo_dir.resolve().name, "releases": [], "history": [],
+                 "keep_releases": int(keep_releases), "repository_id": repo_id, REPO_FOLDER_FIELD: repo_dir.resolve().name,
                  "unit_files": {u: installed_record(tmp / u, unit_record(src)) for u, src in
                                 ((unit, unit_src), (fb, resolve_unit_source(fallback_repo) if fb else None)) if u}}
-        state["releases"].append(release_record(tmp / unit, unit, profile, gate, by, "release", state["unit_files"][unit]))
+        state["releases"] = [release_record(tmp / unit, unit, profile, gate, by, "release", state["unit_files"][unit])]
         if fb:
             state["releases"].append(release_record(tmp / fb, fb, "", None, by, "fallback", state["unit_files"][fb]))
-        state["history"].append({"action": "init", "from": None, "to": unit, "time": timestamp(), "by": by, "ms": 0.0})
+        state["history"] = [{"action": "init", "from": None, "to": unit, "time": timestamp(), "by": by, "ms": 0.0}]
         commit[state_path(repo_dir)] = state
         crash_point("init_stage")
     return state
