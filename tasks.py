@@ -64,6 +64,53 @@ def refuse_empty_paths(kwargs: dict) -> None:
                             "guess.", f"pass a path, or leave {flag} out for its default.")
 
 
+def parse_refusal(exc) -> "UserError":  # noqa: F821  (imported in the body)
+    """The UserError (exit 2) of Invoke's refusal of a command line (``invoke.exceptions.ParseError``): a flag given
+    without a value (``--profile $UNSET`` unquoted, a flag last on the line), a missing positional argument, an
+    unknown flag. Invoke itself printed its sentence and exited 1, which the README keeps for internal errors."""
+    import re
+
+    from precision_pipeline.core.errors import UserError
+
+    ctx = getattr(exc, "context", None)
+    msg, task_name = str(exc), getattr(ctx, "name", None) or "the command line"
+    see = f"see `invoke --help {task_name}`."
+    m = re.search(r"Flag <Argument: (\w+)\b.*needed value", msg)
+    if m:
+        flag, required = "--" + m.group(1).replace("_", "-"), m.group(1) in [a.name for a in ctx.positional_args]
+        return UserError(flag, "is given without a value (an unset shell variable, or the flag last on the line?).",
+                         f"pass a value (e.g. {flag} VALUE; quote a variable: {flag} \"$VAR\")"
+                         + ("." if required else f", or leave {flag} out."))
+    m = re.search(r"required positional arguments: (.+)$", msg)
+    if m:
+        flags = ", ".join("--" + a.strip(" '").replace("_", "-") for a in m.group(1).split(","))
+        return UserError(flags, "is required.", see)
+    m = re.fullmatch(r"No idea what '(.*)' is!", msg)
+    if m:
+        return UserError(m.group(1)[:80], f"is not a flag of `invoke {task_name}`.", see)
+    return UserError(task_name, msg.rstrip("!") + ".", see)
+
+
+def _refuse_parse_errors(program) -> None:
+    """Make ``program`` (Invoke's, which runs this file's tasks: the ``invoke`` command, ``./run.sh``) end a command
+    line that Invoke's parser refuses with exit 2 and the refusal's field, reason and fix (``parse_refusal``), as
+    every task's own refusals. The task arguments are parsed after this file is loaded (``Program.parse_tasks``)."""
+    from invoke.exceptions import ParseError
+
+    if getattr(program, "_refuses_parse_errors", False):
+        return
+    parse = program.parse_tasks
+
+    def parse_tasks():
+        try:
+            parse()
+        except ParseError as e:
+            from precision_pipeline.cli.console import report
+
+            raise Exit(code=report(parse_refusal(e))) from None
+    program.parse_tasks, program._refuses_parse_errors = parse_tasks, True
+
+
 def guarded(fn):
     """Map what ends a task to its exit code (``cli.console.report``: printed; a traceback only for a bug). A
     ``--help``/``-h`` that Invoke passed as an argument's value prints the task's help (exit 0). An empty path flag
@@ -437,3 +484,12 @@ def compare(c, profiles="all", model=None, gpu=None, out=None, build=False, gold
     from precision_pipeline.cli import choose as cli
 
     cli.compare(profiles, model, gpu, out, build, golden_limit, input_len, output_len, concurrency, request_rate)
+
+
+def _program():
+    from invoke.main import program  # the instance the `invoke` command (and `./run.sh`, `python -m invoke`) runs
+
+    return program
+
+
+_refuse_parse_errors(_program())

@@ -336,3 +336,48 @@ def test_a_folder_where_a_file_is_written_is_exit_2_naming_it(tmp_path, invoke_h
     assert "a folder stands where this file is written: remove that folder if it is not yours" in text
     e = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), "/srv/out/plan.json/x")
     assert exit_code_for(e) == 2 and "a file stands where a folder of that path is expected" in os_error_text(e)
+
+
+REFUSED = "error: the input was refused; nothing was changed.\n"
+
+
+@pytest.mark.parametrize("args, said", [
+    (["check", "--profile"], "  --profile: is given without a value (an unset shell variable, or the flag last on the "
+     "line?).\n    fix: pass a value (e.g. --profile VALUE; quote a variable: --profile \"$VAR\"), or leave --profile out.\n"),
+    (["profiles", "--gpu"], "  --gpu: is given without a value"),
+    (["releases", "--repo"], "  --repo: is given without a value"),
+    (["nightly", "--profiles"], "  --profiles: is given without a value"),
+    (["build", "--profile", "--out", "x"], "  --profile: is given without a value (an unset shell variable, or the flag "
+     "last on the line?).\n    fix: pass a value (e.g. --profile VALUE; quote a variable: --profile \"$VAR\").\n"),
+    (["build"], "  --profile: is required.\n    fix: see `invoke --help build`.\n"),
+    (["check", "--frob"], "  --frob: is not a flag of `invoke check`.\n    fix: see `invoke --help check`.\n"),
+])
+def test_a_command_line_invoke_refuses_is_exit_2_naming_the_flag(args, said, invoke_here):
+    """Hostile round s11 F7: a flag without a value (``--profile $UNSET`` unquoted) got Invoke's own "Flag <Argument:
+    profile (p)> needed value and was not given one!" and exit 1, which the README keeps for internal errors. Every
+    refusal of Invoke's parser is exit 2 with the flag, the reason and the fix (tasks.parse_refusal)."""
+    r = invoke_here(*args)
+    assert r.returncode == 2 and r.stderr == "" and r.stdout.startswith(REFUSED + said), r.stdout + r.stderr
+
+
+def test_a_flag_without_a_value_is_exit_2_in_a_real_process():
+    """The same through ``python -m invoke`` (what ``./run.sh`` and the ``invoke`` command run): the hook sits on
+    Invoke's own program instance, installed when tasks.py is loaded."""
+    r = inv("releases", "--repo")
+    assert r.returncode == 2 and r.stdout == (REFUSED + "  --repo: is given without a value (an unset shell variable, "
+                                              "or the flag last on the line?).\n    fix: pass a value (e.g. --repo VALUE; "
+                                              "quote a variable: --repo \"$VAR\"), or leave --repo out.\n"), r.stdout + r.stderr
+
+
+def test_compare_refuses_an_empty_profile_entry_and_recommend_names_the_gpu_it_read(invoke_here):
+    """Hostile round s11 F6/F7: `compare --profiles a,,b` dropped the empty entry (exit 0; `rollout --steps 5,,100` and
+    `nightly --profiles a,,b` refuse it: compare parses --profiles with nightly.select_profiles now); `recommend --gpu
+    a100` planned for a100-80gb without saying so (check says it for a profile's target.gpu)."""
+    r = invoke_here("compare", "--profiles", "fp8-h100,,bf16-h100", "--out", "/nonexistent-dir/cmp")
+    assert r.returncode == 2 and r.stdout == (REFUSED + "  --profiles: 'fp8-h100,,bf16-h100' has an empty entry.\n"
+                                              "    fix: pass e.g. --profiles fp8-h100,bf16-h100 or all.\n"), r.stdout
+    r = invoke_here("recommend", "--gpu", "a100")
+    assert r.stdout.splitlines()[0] == ("note: --gpu 'a100' is read as a100-80gb (80 GB, 2,039 GB/s); it also names "
+                                        "a100-40gb (40 GB, 1,555 GB/s), for which memory plans and KV capacity differ.")
+    r = invoke_here("recommend", "--gpu", "a100-80gb")
+    assert r.stdout.startswith("workload: "), r.stdout

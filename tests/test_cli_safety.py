@@ -361,6 +361,51 @@ def test_lock_lives_inside_out_and_parent_is_untouched(monkeypatch, tmp_path):
     assert [s.status for s in res.stages] == ["done", "done", "done", "done"]
 
 
+KILLED_BUILD = """
+    import os, signal, sys
+    from pathlib import Path
+    from precision_pipeline.core.outputs import output_lock, write_output_marker
+    from precision_pipeline.core.store import atomic_dir
+    out = Path(sys.argv[1])
+    with output_lock(out, "build of fp8-h100"):
+        write_output_marker(out, "fp8-h100")
+        with atomic_dir(out / "checkpoint") as tmp:  # quantize writing its checkpoint aside
+            (tmp / "rank0.safetensors").write_bytes(b"half")
+            os.kill(os.getpid(), signal.SIGTERM)    # the default action: no finally runs
+"""
+
+
+def test_a_build_killed_mid_quantize_is_cleaned_up_by_the_next_one(monkeypatch, tmp_path, capsys):
+    """Hostile round s11: SIGTERM during quantize left ``<out>/.checkpoint.tmp-*`` and ``.build.lock.json`` (the
+    sidecar naming the dead holder). The next build takes the lock over at once, saying from whom, and removes the
+    staged copy, saying so; afterwards neither is left."""
+    import signal
+
+    from precision_pipeline.core.outputs import output_lock
+    from precision_pipeline.pipeline import run_build
+
+    _fake_stages(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_BUILD), str(out)], cwd=ROOT / "build",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGTERM, r.stderr
+    staged = [p.name for p in out.iterdir() if p.name.startswith(".checkpoint.tmp-")]
+    assert len(staged) == 1 and (out / ".build.lock.json").is_file()
+    dead = json.loads((out / ".build.lock.json").read_text())["pid"]
+    capsys.readouterr()
+    res = run_build("fp8-h100", out=str(out), wait=False)
+    err = capsys.readouterr().err
+    assert f"{out / '.build.lock'}: taken over from pid {dead} on " in err, err
+    assert ("(build of fp8-h100), which ended without releasing it (killed?); the system released its lock when it "
+            "died\n") in err
+    assert f"[build] removed what an interrupted build left: {staged[0]}\n" in err
+    assert [s.status for s in res.stages] == ["done", "done", "done", "done"]
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or p.name == ".build.lock.json"]
+    with output_lock(out, "again", wait=False, on_wait=pytest.fail):
+        pass  # a build that ended normally leaves no sidecar: nothing to take over
+
+
 HOLD = """
     import sys, time
     from pathlib import Path

@@ -129,7 +129,9 @@ def run_prepared(req: BuildRequest, prepared: tuple[ResolvedPlan, dict[str, Done
         validate_out_dir(out_dir, stage_folders())  # again, under the lock
         if read_output_marker(out_dir) is None:
             write_output_marker(out_dir, req.profile.name)
-        clean_stale(out_dir, names=stage_folders())
+        left = clean_stale(out_dir, names=stage_folders())  # a killed build's staged copies (.checkpoint.tmp-*)
+        if left:
+            say(f"[build] removed what an interrupted build left: {', '.join(sorted(left))}")
         manifest = Manifest.open(out_dir / "manifest.json", profile=req.profile.name, profile_source=req.profile_source,
                                  model_dir=str(req.model_dir), out_dir=str(out_dir))
         runner = StageRunner(out_dir, manifest, on_stage)

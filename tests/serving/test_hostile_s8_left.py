@@ -119,20 +119,39 @@ def stopped(*a, **k):
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 
+def committed(repo, *a, **k):  # a rollback stopped after its commit point (hostile s11 F4)
+    from precision_pipeline.core.store import atomic_write_json
+    from precision_pipeline.serving.release_state import after_commit, state_path
+
+    unit = 'tensorrt_llm_0123456789ab'
+    with after_commit(repo, unit, f'rolled back to {unit}'):
+        atomic_write_json(state_path(repo), {'current': unit})
+        stopped()
+
 build_output.open_build = lambda *a, **k: object()
 build_output.promote_build = stopped
-release.rollback = stopped
+release.rollback = committed if os.environ.get('AFTER_COMMIT') else stopped
 program.run(['invoke', *sys.argv[1:]])
 """
 
 
-@pytest.mark.parametrize("task", ["promote", "rollback"])
+@pytest.mark.parametrize("task", ["promote", "rollback", "rollback after its commit"])
 def test_sigterm_during_promote_or_rollback_ends_it_as_ctrl_c(tmp_path, task):
     """s8 note #103: SIGTERM 12 s into a promote ended it with exit 143 and no word; now as Ctrl-C: KeyboardInterrupt
-    through the release code (a loaded candidate is unloaded: release.promote's except), said, exit 130."""
+    through the release code (a loaded candidate is unloaded: release.promote's except), said, exit 130. After the
+    commit point (hostile s11 F4: "previous artifacts are intact" although the rollback had committed) the same exit
+    130 says what took effect (``release_state.after_commit``)."""
+    import os
+
     args = ["--profile", "bf16-h100"] if task == "promote" else []
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", SIGTERM_TASK, task, *args, "--repo", str(tmp_path / "r" / "model_repository")],
-                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 130 and "interrupted; previous artifacts are intact." in r.stdout, r.stdout + r.stderr
+    repo = tmp_path / "r" / "model_repository"
+    repo.parent.mkdir()
+    r = subprocess.run([sys.executable, "-c", SIGTERM_TASK, task.split()[0], *args, "--repo", str(repo)],
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "AFTER_COMMIT": "1" if "commit" in task else ""})
+    said = ("interrupted: rolled back to tensorrt_llm_0123456789ab, interrupted after the switch: releases.json records "
+            "tensorrt_llm_0123456789ab as the current release. Releases no longer kept may still be on disk; the next "
+            "promote or rollback removes them.\n") if "commit" in task else "interrupted; previous artifacts are intact.\n"
+    assert r.returncode == 130 and r.stdout == said, r.stdout + r.stderr
     assert time.monotonic() - t0 < 25 and "Traceback" not in r.stderr

@@ -340,3 +340,116 @@ def test_a_second_repository_beside_a_served_one_is_refused(tmp_path, units4):
     with pytest.raises(UserError) as ei:
         release_state.read_state(other)
     assert "is another repository (its id 0123456789abcdef" in ei.value.problems[0].reason
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_copy_beside_a_repository_is_refused_and_the_original_is_untouched(tmp_path, units4):
+    """Hostile round s11 F3: `cp -a A D` in the same folder shares A's releases.json and its repository_id, so
+    `rollback --repo D` rewrote A's record, and a later refused command on A re-pointed A's configs to the unit D's
+    rollback recorded. The record names its folder (repository_folder): every command on D is refused (exit 2,
+    --repo, nothing written on either side); A keeps working."""
+    import shutil
+
+    from precision_pipeline.core.errors import EXIT_INVALID
+
+    a = serving_repo(tmp_path, units4[0])
+    release.promote(a, units4[1].out_dir)
+    assert release_state.read_state(a)["repository_folder"] == "model_repository"
+    d = a.parent / "D"
+    shutil.copytree(a, d, symlinks=True)
+    rec, before_a, before_d = release_state.state_path(a), _files(a), _files(d)
+    before = rec.read_bytes()
+    for call in (lambda: release.rollback(d), lambda: release.list_releases(d), lambda: release_recover.recover(d),
+                 lambda: release.promote(d, units4[2].out_dir), lambda: release_state.read_state(d)):
+        with pytest.raises(UserError) as ei:
+            call()
+        p = ei.value.problems[0]
+        assert ei.value.exit_code == EXIT_INVALID and p.field == "--repo"
+        assert p.reason.startswith(f"{rec} is the record of {a.resolve()}, and {d.resolve()} is a copy of it (the same id ")
+        assert p.fix.startswith(f"pass --repo {a.resolve()}; give a new repository a folder of its own")
+        assert rec.read_bytes() == before and _files(a) == before_a and _files(d) == before_d
+    assert release.rollback(a)["unit"] == units4[0].engine_unit  # the original is still served by its record
+
+
+def test_a_record_from_before_repository_folder_is_adopted_unless_a_copy_makes_it_ambiguous(tmp_path, units4):
+    """A releases.json written before repository_folder still works and takes the field at its next write; while a
+    copy beside it carries the same id, neither folder is taken as the owner (exit 2), the fix names the field."""
+    import shutil
+
+    a = serving_repo(tmp_path, units4[0])
+    rec = release_state.state_path(a)
+    old = json.loads(rec.read_text())
+    del old["repository_folder"]
+    rec.write_text(json.dumps(old))
+    d = a.parent / "D"
+    shutil.copytree(a, d, symlinks=True)
+    for repo in (a, d):
+        with pytest.raises(UserError) as ei:
+            release_state.read_state(repo)
+        twin = "D" if repo == a else "model_repository"
+        assert f"and {twin} beside {repo.name} carries the same id (a copy)" in ei.value.problems[0].reason
+        assert ei.value.problems[0].fix.startswith('add "repository_folder": "<the original\'s folder name>" to ')
+    shutil.rmtree(d)
+    assert "repository_folder" not in release_state.read_state(a)     # a read adopts nothing
+    release.promote(a, units4[1].out_dir)
+    assert release_state.read_state(a)["repository_folder"] == "model_repository"
+
+
+def test_a_renamed_repository_is_refused_with_the_rename_back(tmp_path, units4):
+    """`mv model_repository other`: the record names the old folder, which is gone; its configs name it too (engine
+    paths, tokenizer_dir), so the fix is the rename back."""
+    a = serving_repo(tmp_path, units4[0])
+    b = a.rename(a.parent / "other")
+    with pytest.raises(UserError) as ei:
+        release.list_releases(b)
+    p = ei.value.problems[0]
+    assert p.reason.startswith(f"{release_state.state_path(a)} is the record of {a.resolve()}, which does not exist, "
+                               f"and {b.resolve()} carries its id ")
+    assert p.fix.startswith(f"rename it back (`mv {b.resolve()} {a.resolve()}`)")
+    b.rename(a)
+    assert release.list_releases(a)["state"]["current"] == units4[0].engine_unit
+
+
+# ---- a signal after the commit point says what took effect (hostile s11 F4)
+
+
+@pytest.mark.parametrize("where", ["retain", "second write", "before the commit"])
+def test_an_interrupt_after_the_commit_says_the_change_took_effect(tmp_path, units4, monkeypatch, capsys, where):
+    """Hostile round s11 F4: SIGTERM right after a rollback's commit printed "interrupted; previous artifacts are
+    intact" (exit 130) although releases.json and the server had switched. After the commit point (during retention
+    or the second write) it is InterruptedAfterCommit: exit 130 and "rolled back to X, interrupted after the switch";
+    before it (the switch) still the plain interrupt, and the record is unchanged."""
+    from precision_pipeline.cli.console import report
+    from precision_pipeline.core.errors import InterruptedAfterCommit
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    before = release_state.state_path(repo).read_text()
+    writes = []
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+    if where == "retain":
+        monkeypatch.setattr(release, "retain", interrupted)
+    elif where == "second write":
+        real = release.write_state
+        monkeypatch.setattr(release, "write_state", lambda *x: (writes.append(1), real(*x) if len(writes) < 2 else interrupted()))
+    else:
+        monkeypatch.setattr(release, "switch", interrupted)
+    if where == "before the commit":
+        with pytest.raises(KeyboardInterrupt):
+            release.rollback(repo)
+        assert release_state.state_path(repo).read_text() == before
+        return
+    with pytest.raises(InterruptedAfterCommit) as ei:
+        release.rollback(repo)
+    assert release_state.read_state(repo)["current"] == a and release_state.read_state(repo)["history"][-1]["from"] == b
+    capsys.readouterr()
+    assert report(ei.value) == 130
+    assert capsys.readouterr().out == (f"interrupted: rolled back to {a}, interrupted after the switch: releases.json "
+                                       f"records {a} as the current release. Releases no longer kept may still be on "
+                                       "disk; the next promote or rollback removes them.\n")

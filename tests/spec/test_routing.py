@@ -226,6 +226,24 @@ def test_route_explain_long_prompt_to_bf16_short_to_primary(capsys):
     assert capsys.readouterr().out.startswith("fallback (bf16-h100) by rule strict-tier: tier strict")
 
 
+@pytest.mark.parametrize("flag, value, reason, fix", [
+    ("kv_util", "2", "'2' is not a number from 0 to 1.", "pass e.g. --kv-util 0.5."),
+    ("kv_util", "-0.1", "'-0.1' is not a number from 0 to 1.", "pass e.g. --kv-util 0.5."),
+    ("inflight", "-1", "'-1' is not a number >= 0.", "pass e.g. --inflight 4."),
+])
+def test_route_explain_signals_are_bounded_as_the_rules_are(flag, value, reason, fix):
+    """Hostile round s11 F6/F7: --kv-util 2 (a utilization of 200 %) was accepted (only >= 0 was checked) although a
+    rule's kv_cache_utilization thresholds are fractions (spec/routing.SIGNAL_MAX, one bound for both); the fix line of
+    --inflight suggested a fractional count (0.5). 1 is a utilization."""
+    from precision_pipeline.cli.routing import explain
+
+    with pytest.raises(UserError) as ei:
+        explain("explain", "fp8-h100-routed", prompt_tokens=5, **{flag: value})
+    p = ei.value.problems[0]
+    assert (p.field, p.reason, p.fix) == ("--" + flag.replace("_", "-"), reason, fix)
+    assert explain("explain", "fp8-h100-routed", prompt_tokens=5, kv_util="1") == 0
+
+
 @pytest.mark.parametrize("kw, field", [
     ({"profile": "fp8-h100", "prompt_tokens": 5}, "--profile"),
     ({"profile": "fp8-h100-routed"}, "--prompt"),

@@ -58,7 +58,7 @@ def recommend(gpu, model=None, max_kl_p99=None, min_concurrency=None, max_gpus=N
     wl = _workload(input_len, output_len, concurrency, request_rate)
     n_top = int_arg("--top", top, 1, 64) or 2  # default None: invoke would int() a typed default itself
     rec = ch.recommend(gpu, plan_model_dir(model), REPO_ROOT / "artifacts", k, context=ctx, workload=wl)
-    planning_note(con := console(), plan_model_dir(model))  # what a folder without weights cannot say
+    planning_note(con := console(), plan_model_dir(model), gpu)  # what a folder without weights cannot say; a100 =
     if measure:
         builds = ch.measure_top(rec, n_top, REPO_ROOT / "artifacts" / "recommend", _gate_builder(
             con, model, int_arg("--golden-limit", golden_limit, 1, 1000)), command=f"--gpu {gpu} --measure")
@@ -102,12 +102,12 @@ def compare(profiles="all", model=None, gpu=None, out=None, build=False, golden_
             output_len=None, concurrency=None, request_rate=None):
     """Table + Pareto chart (accuracy loss vs estimated throughput) of profiles; lists those that cannot run."""
     from precision_pipeline.analysis import choose as ch
+    from precision_pipeline.nightly import select_profiles
     from precision_pipeline.resolve import perf as PF
-    from precision_pipeline.spec.profile import shipped_profiles
     from rich.table import Table
 
     wl = _workload(input_len, output_len, concurrency, request_rate)
-    names = shipped_profiles() if str(profiles).strip() in ("", "all") else [p.strip() for p in str(profiles).split(",") if p.strip()]
+    names = select_profiles(profiles)  # nightly's --profiles: all, or names without an empty entry (a,,b refused)
     cands = ch.compare(names, plan_model_dir(model), REPO_ROOT / "artifacts", gpu=gpu, workload=wl)
     if build:
         con = console()
@@ -130,7 +130,7 @@ def compare(profiles="all", model=None, gpu=None, out=None, build=False, golden_
                       "n/a" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s']:.3g} s",
                       "n/a" if r["tpot_s"] is None else f"{r['tpot_s'] * 1e3:.3g} ms",
                       "n/a" if r["kl_p99"] is None else f"{r['kl_p99']:.3g}", r["accuracy"], "*" if r["frontier"] else "")
-    planning_note(con := console(), plan_model_dir(model))  # what a folder without weights cannot say
+    planning_note(con := console(), plan_model_dir(model), gpu)  # what a folder without weights cannot say
     con.print(t)
     for r in ch.table_rows(cands):
         if not r["runs"]:

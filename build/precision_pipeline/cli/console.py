@@ -64,8 +64,9 @@ def _print_report(exc: BaseException, code: int) -> None:
                       soft_wrap=True)
     elif code == EXIT_BROKEN_PIPE:  # `invoke releases | head`: the reader left; say nothing
         _silence_stdout()
-    elif code == EXIT_INTERRUPTED:
-        con.print("interrupted; previous artifacts are intact.")
+    elif code == EXIT_INTERRUPTED:  # after a commit point (InterruptedAfterCommit) its sentence says what took effect
+        con.print(f"interrupted: {esc(str(exc))}" if isinstance(exc, PipelineError) else
+                  "interrupted; previous artifacts are intact.", soft_wrap=True)
     elif code == EXIT_INTERNAL and not isinstance(exc, PipelineError):  # an expected failure (e.g. the served
         # tritonserver died: exit 1) is a sentence; only a bug prints a traceback
         traceback.print_exception(type(exc), exc, exc.__traceback__)
@@ -108,18 +109,20 @@ def int_arg(flag: str, value, lo: int = 0, hi: int = 2**31 - 1):
     return int(s)
 
 
-def float_arg(flag: str, value):
-    """``value`` as a finite number >= 0; None stays None. Raises UserError naming ``flag``."""
+def float_arg(flag: str, value, hi: float | None = None, example: str = "0.5"):
+    """``value`` as a finite number >= 0 (and <= ``hi`` when given); None stays None. Raises UserError naming
+    ``flag``, whose fix suggests ``example``."""
     from precision_pipeline.core.errors import UserError
 
     if value is None:
         return None
+    want = "a number >= 0" if hi is None else f"a number from 0 to {hi:g}"
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise UserError(flag, f"{str(value)[:40]!r} is not a number.", f"pass e.g. {flag} 0.5.")
-    if not v == v or v < 0:
-        raise UserError(flag, f"{value!r} is not a number >= 0.", f"pass e.g. {flag} 0.5.")
+        raise UserError(flag, f"{str(value)[:40]!r} is not a number.", f"pass e.g. {flag} {example}.")
+    if not v == v or v < 0 or (hi is not None and v > hi):
+        raise UserError(flag, f"{value!r} is not {want}.", f"pass e.g. {flag} {example}.")
     return v
 
 
@@ -156,12 +159,18 @@ def margin(value) -> float:
 
 
 
-def planning_note(con, model_dir) -> bool:
-    """Print what a folder without weights or tokenizer lacks and which numbers need them
-    (``spec.default_model.ModelFiles.planning_note``); returns whether the folder can be built."""
+def planning_note(con, model_dir, gpu=None) -> bool:
+    """Print which GPU a ``--gpu`` alias of several memory sizes is read as (``a100``: a100-80gb, as ``check`` says
+    for a profile's target.gpu: ``spec.hardware.variant_note``; hostile s11 F7), then what a folder without weights
+    or tokenizer lacks and which numbers need them (``spec.default_model.ModelFiles.planning_note``); returns
+    whether the folder can be built."""
     from rich.markup import escape
 
     from precision_pipeline.spec.default_model import model_files
+    from precision_pipeline.spec.hardware import variant_note
+
+    if gpu and (variant := variant_note(gpu)):
+        con.print(f"[yellow]note[/]: --gpu {escape(variant)}.", soft_wrap=True)
 
     note = model_files(model_dir).planning_note()
     if note:

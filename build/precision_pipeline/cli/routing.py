@@ -72,7 +72,7 @@ def explain(action: str, profile: str, prompt: Optional[str] = None, prompt_file
     from precision_pipeline.gate.verdict import load_build_profile
     from precision_pipeline.resolve import plan as plan_mod
     from precision_pipeline.spec.default_model import plan_model_dir
-    from precision_pipeline.spec.routing import evaluator, routing_table
+    from precision_pipeline.spec.routing import SIGNAL_MAX, evaluator, routing_table
 
     if action not in ACTIONS:
         raise UserError("action", f"{str(action)[:40]!r} is not a route action.", f"use one of: {', '.join(ACTIONS)}.")
@@ -84,8 +84,9 @@ def explain(action: str, profile: str, prompt: Optional[str] = None, prompt_file
                         "(a canary aside).", "use a profile with routing: (e.g. fp8-h100-routed) or add one "
                         "(README, Per-request routing).")
     n, how = _prompt_tokens(prompt, prompt_file, prompt_tokens, model)
-    signals = {k: v for k, v in (("inflight_requests", float_arg("--inflight", inflight)),
-                                 ("kv_cache_utilization", float_arg("--kv-util", kv_util))) if v is not None}
+    signals = {k: v for k, v in (("inflight_requests", float_arg("--inflight", inflight, example="4")),
+                                 ("kv_cache_utilization", float_arg("--kv-util", kv_util, SIGNAL_MAX["kv_cache_utilization"])))
+               if v is not None}
     request = {"prompt_tokens": n, "max_tokens": int_arg("--max-tokens", max_tokens, 1), "tier": tier}
     ev = evaluator()
     d = ev.decide(routing_table(r), request, signals, ev.RoutingState(), now=0.0)

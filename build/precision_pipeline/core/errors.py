@@ -92,6 +92,14 @@ EXIT_BROKEN_PIPE = 141
 EXIT_INTERRUPTED = 130
 """Ctrl-C: 128 + SIGINT; writes are atomic, so previous artifacts are intact."""
 
+
+class InterruptedAfterCommit(PipelineError):
+    """A signal (Ctrl-C; SIGTERM or SIGHUP where a task maps them to Ctrl-C) after a change's commit point (exit 130):
+    unlike a plain interrupt the change took effect, and the message says what is in place (hostile s11 F4: a
+    committed rollback said "previous artifacts are intact"). Raised by ``serving.release_state.after_commit``."""
+
+    exit_code = EXIT_INTERRUPTED
+
 USER_OS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG,
                             errno.EMFILE, errno.EFBIG, errno.EISDIR, errno.ENOTDIR})
 """OSErrors that are the user's machine, not a bug (permissions, a full disk or quota, a file-size limit, a

@@ -408,7 +408,8 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
 
     The holder writes ``<path>.json`` (pid, host, start time, ``what``) so a process that finds the
     lock taken can say who holds it. ``timeout_s``: seconds to wait (None: for ever; 0: not at all);
-    ``on_wait(message)`` is called every ``interval_s`` seconds while waiting. When the time is up,
+    ``on_wait(message)`` is called every ``interval_s`` seconds while waiting, and once when the lock is taken over
+    from a holder that died without releasing it (its sidecar was still there: hostile s11, SIGTERM during quantize). When the time is up,
     raises ``UserError(field, "... held by pid N on HOST since T ...", busy_fix)`` (exit 2), never a
     timeout traceback; a lock file that cannot be created (a read-only folder, ``/proc``) raises ``UserError`` at
     once instead of waiting (filelock would retry it as if it were held). ``folder_lock``: also hold an exclusive ``flock`` on ``path``'s folder itself
@@ -451,6 +452,10 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
             if on_wait is not None:
                 on_wait(f"waiting for {path}: held by {who} ({time.monotonic() - t0:.0f} s so far)")
     info = Path(str(path) + LOCK_INFO_SUFFIX)
+    stale = lock_holder(path)  # a sidecar left while nobody holds the lock: its holder died (SIGTERM, kill -9)
+    if stale and stale.get("pid") != os.getpid() and on_wait is not None:
+        on_wait(f"{path}: taken over from {describe_holder(stale)}, which ended without releasing it (killed?); "
+                "the system released its lock when it died")
     try:
         atomic_write_json(info, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "what": what})
         yield

@@ -75,7 +75,7 @@ from precision_pipeline.serving import llmapi_unit, pack, release_live
 from precision_pipeline.serving.release_configs import current_of_configs
 from precision_pipeline.serving.release_live import load_unit, loaded_models, smoke_unit, unload_quietly
 from precision_pipeline.serving.release_recover import init_serving_repo, state_or_refuse
-from precision_pipeline.serving.release_state import (HISTORY_MAX, check_probe_unit, crash_point, current_order, lock, make_current,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current,
                                                       read_state, rejected_units, release_record, serving_now, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
@@ -135,13 +135,13 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         state["history"] = (state["history"] + [{"action": "promote", "from": previous, "to": unit, "time": timestamp(),
                                                  "by": promoted_by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
-        write_state(repo_dir, state)  # commit point
-        crash_point("commit")
-        timings["removed"] = retain(repo_dir, state, server, warm_previous, previous)
-        write_state(repo_dir, state)
-        crash_point("gc")
-    timings["unit"] = unit
-    return timings
+        with after_commit(repo_dir, unit, f"promoted {unit}", server):
+            write_state(repo_dir, state)  # commit point
+            crash_point("commit")
+            timings["removed"] = retain(repo_dir, state, server, warm_previous, previous)
+            write_state(repo_dir, state)
+            crash_point("gc")
+    return {**timings, "unit": unit}
 
 
 def _unload_candidate(server, unit: str, state: dict) -> None:
@@ -260,9 +260,10 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         state["history"] = (state["history"] + [{"action": "rollback", "from": cur, "to": target, "time": timestamp(),
                                                  "by": by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
-        write_state(repo_dir, state)  # commit point
-        timings["removed"] = retain(repo_dir, state, server, False, None)
-        write_state(repo_dir, state)
+        with after_commit(repo_dir, target, f"rolled back to {target}", server):
+            write_state(repo_dir, state)  # commit point
+            timings["removed"] = retain(repo_dir, state, server, False, None)
+            write_state(repo_dir, state)
     timings["unit"] = target
     return timings
 

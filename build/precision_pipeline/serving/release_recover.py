@@ -14,7 +14,8 @@ from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
 from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_canary, set_params
 from precision_pipeline.serving.release_live import reconcile_server, verify_server
-from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, ROUTE_FILE, STATE_FILE, crash_point, lock,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
+                                                      STATE_FILE, crash_point, lock,
                                                       pid_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, served_path, unit_record
@@ -100,13 +101,13 @@ def _init_locked(repo_dir: Path, packed_repo: Path, unit_src: Path, *, serve_roo
         set_params(tmp / "ensemble" / "config.pbtxt", {IDENTITY_PARAM: repo_id})
         pack.check_repository(tmp)
         state = {"version": 1, "current": unit, "fallback": fb, "warm_fallback": bool(warm_fallback and fb),
-                 "keep_releases": int(keep_releases), "repository_id": repo_id, "releases": [], "history": [],
+                 "keep_releases": int(keep_releases), "repository_id": repo_id, REPO_FOLDER_FIELD: repo_dir.resolve().name,
                  "unit_files": {u: installed_record(tmp / u, unit_record(src)) for u, src in
                                 ((unit, unit_src), (fb, resolve_unit_source(fallback_repo) if fb else None)) if u}}
-        state["releases"].append(release_record(tmp / unit, unit, profile, gate, by, "release", state["unit_files"][unit]))
+        state["releases"] = [release_record(tmp / unit, unit, profile, gate, by, "release", state["unit_files"][unit])]
         if fb:
             state["releases"].append(release_record(tmp / fb, fb, "", None, by, "fallback", state["unit_files"][fb]))
-        state["history"].append({"action": "init", "from": None, "to": unit, "time": timestamp(), "by": by, "ms": 0.0})
+        state["history"] = [{"action": "init", "from": None, "to": unit, "time": timestamp(), "by": by, "ms": 0.0}]
         commit[state_path(repo_dir)] = state
         crash_point("init_stage")
     return state
@@ -156,6 +157,7 @@ def recover_locked(repo_dir: Path) -> list[str]:
     fixed = recover_first_promote(repo_dir)
     if not repo_dir.is_dir():
         return fixed
+    read_state(repo_dir)  # another folder's record (a copy beside the repository) is refused before anything is cleaned
     stale = [p.name for p in repo_dir.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)]
     if stale:
         clean_stale(repo_dir)

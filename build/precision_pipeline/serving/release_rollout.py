@@ -15,7 +15,7 @@ from precision_pipeline.serving.release_configs import point_bls, point_ensemble
 from precision_pipeline.serving.release_live import (live_unit, load_unit, loaded_models, routed_units, smoke_unit,
                                                      unload_quietly, verify_server)
 from precision_pipeline.serving.release_recover import state_or_refuse
-from precision_pipeline.serving.release_state import (HISTORY_MAX, crash_point, lock, make_current, read_state, serving_now,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, crash_point, lock, make_current, read_state, serving_now,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
 from precision_pipeline.serving.release_units import install_unit
@@ -106,9 +106,10 @@ def finish_rollout(repo_dir: Path, *, server=None, checks: dict | None = None, w
                                                  "by": ro.get("by", "rollout"), "ms": round(timings["switched_ms"], 1),
                                                  "rollout": {"steps": ro.get("steps"), "started": ro.get("started"),
                                                              "checks": checks or {}}}])[-HISTORY_MAX:]
-        write_state(repo_dir, state)  # commit point
-        timings["removed"] = retain(repo_dir, state, server, warm_previous, previous)
-        write_state(repo_dir, state)
+        with after_commit(repo_dir, unit, f"rolled out {unit} (100 %)", server):
+            write_state(repo_dir, state)  # commit point
+            timings["removed"] = retain(repo_dir, state, server, warm_previous, previous)
+            write_state(repo_dir, state)
     timings["unit"] = unit
     return timings
 

@@ -126,6 +126,7 @@ class ReleasesFile(_Record):
     warm_fallback: bool = False
     keep_releases: int = Field(2, ge=0, le=100)
     repository_id: Optional[str] = None
+    repository_folder: Optional[str] = None
     releases: list[ReleaseEntry] = []
     history: list[HistoryEntry] = []
     rollout: Optional[RolloutInProgress] = None
@@ -183,32 +184,81 @@ def read_state(repo_dir: Path) -> dict | None:
 
 
 def _check_owner(repo_dir: Path, path: Path, state: dict) -> dict:
-    """``state`` when releases.json is ``repo_dir``'s own record; else UserError on ``--repo`` (exit 2): the record
-    beside ``repo_dir`` names another repository (its ``repository_id``, written at init into the ensemble's
-    ``IDENTITY_PARAM``), i.e. ``repo_dir`` is missing or is another repository in the same folder (one record per
-    folder: hostile round s11, a second ``--repo`` beside a served one ended in a FileNotFoundError traceback).
-    Not checked for a record without an id (repositories made before it) nor while a swap of ``repo_dir`` is
-    unfinished (its journal ``.<name>.swap.json`` beside it: recovery rolls it forward), nor for a ``repo_dir``
-    without its ensemble config (the commands name the missing file)."""
-    rid = state.get("repository_id")
+    """``state`` when releases.json is ``repo_dir``'s own record; else UserError on ``--repo`` (exit 2, nothing
+    written; ``_not_owner``'s reason and fix). The one home of "is this ``repo_dir``'s record" (every read goes
+    through ``read_state``). releases.json lies beside the repository folder, so another folder in the same parent
+    finds it too: a second ``--repo`` beside a served one (hostile s11 F1: a FileNotFoundError traceback) or a copy
+    (``cp -a repo repo.bak``, F3: commands on the copy rewrote the original's record and configs). Two facts decide:
+
+    - ``REPO_FOLDER_FIELD`` (the repository's folder name, written with every record since hostile s11): another
+      name refuses ``repo_dir``. A record without it (written before) is adopted by its next write
+      (``write_state``), unless another folder beside it carries the same id (a copy: which one owns the record
+      would be a guess).
+    - ``repository_id`` (written at init into the ensemble's ``IDENTITY_PARAM``): ``repo_dir``'s ensemble must carry
+      it. Not checked while a swap of ``repo_dir`` is unfinished (its journal ``.<name>.swap.json`` beside it:
+      recovery rolls it forward), nor for a ``repo_dir`` without its ensemble config (the commands name the
+      missing file)."""
+    repo_dir = Path(repo_dir).resolve()
+    rid, folder = state.get("repository_id"), state.get(REPO_FOLDER_FIELD)
+    have = _identity(repo_dir)
+    if folder is not None and folder != repo_dir.name:
+        raise _not_owner(repo_dir, path, rid, have, folder)
     if not rid or (repo_dir.parent / f".{repo_dir.name}.swap.json").exists():
         return state
-    ens = repo_dir / "ensemble" / "config.pbtxt"
-    if repo_dir.exists() and not ens.is_file():
-        return state  # a damaged repository: the commands' own checks name the missing config
-    try:  # the ensemble's identity, read as every other config parameter is (pack's parser)
-        have = pack.config_params(pack.parse_model_config(ens.read_text(), str(ens))).get(IDENTITY_PARAM) \
+    if repo_dir.exists() and have is None:
+        return state  # a damaged repository: the commands' own checks name the missing or unreadable config
+    if have != rid:
+        raise _not_owner(repo_dir, path, rid, have, None)
+    if folder is None:  # a record from before REPO_FOLDER_FIELD: a copy beside it makes its owner a guess
+        twins = sorted(p.name for p in repo_dir.parent.iterdir() if p.name != repo_dir.name and _identity(p) == rid)
+        if twins:
+            raise _not_owner(repo_dir, path, rid, have, None, twins)
+    return state
+
+
+REPO_FOLDER_FIELD = "repository_folder"
+"""releases.json's field naming the folder (beside it) of the repository it records: ``write_state`` writes it."""
+
+
+def _identity(repo_dir: Path) -> str | None:
+    """The ``IDENTITY_PARAM`` of ``repo_dir``'s ensemble config (read with pack's config parser); None when the
+    folder or its config is missing, unreadable or carries none."""
+    ens = Path(repo_dir) / "ensemble" / "config.pbtxt"
+    try:
+        return pack.config_params(pack.parse_model_config(ens.read_text(), str(ens))).get(IDENTITY_PARAM) \
             if ens.is_file() else None
-    except OSError:
-        return state  # unreadable: the commands' own checks say so
-    if have == rid:
-        return state
-    why = ("does not exist" if not repo_dir.exists() else
-           f"is another repository (its id {have or 'none'}, the record's {rid})")
-    raise UserError("--repo", f"{path} beside {repo_dir} records the serving repository {rid}, and {repo_dir} {why}: "
-                    "one folder holds one serving repository and its releases.json; nothing was changed.",
-                    f"give {repo_dir} a folder of its own (e.g. {repo_dir.parent / (repo_dir.name + '-repo') / repo_dir.name}), "
-                    "or pass the --repo that this releases.json belongs to.")
+    except (OSError, UnicodeDecodeError, UserError):
+        return None
+
+
+def _not_owner(repo_dir: Path, path: Path, rid, have, folder: str | None, twins: list[str] | None = None) -> UserError:
+    """``_check_owner``'s refusal: ``path`` is not ``repo_dir``'s record (it records ``folder``, another id, or its
+    owner is ambiguous between ``repo_dir`` and ``twins``), with the fix of each case."""
+    owner = repo_dir.parent / (folder or "")
+    own = ("one folder holds one serving repository and its releases.json, named in its "
+           f"{REPO_FOLDER_FIELD}; nothing was changed.")
+    new = (f"give a new repository a folder of its own (e.g. "
+           f"{repo_dir.parent / (repo_dir.name + '-repo') / repo_dir.name}); a copy (`cp -a`) is a backup, not a "
+           "repository: put it back in place of the original to restore it.")
+    if twins:
+        return UserError("--repo", f"{path} (written before records named their folder) records the serving repository "
+                         f"{rid}, and {', '.join(twins)} beside {repo_dir.name} carries the same id (a copy): which "
+                         "folder this record belongs to would be a guess; nothing was changed.",
+                         f'add "{REPO_FOLDER_FIELD}": "<the original\'s folder name>" to {path}, or move the copy out '
+                         "of this folder.")
+    what = ("does not exist" if not repo_dir.exists() else f"is a copy of it (the same id {rid})" if have == rid
+            else f"is another repository (its id {have or 'none'}, the record's {rid})")
+    if folder is None:
+        return UserError("--repo", f"{path} beside {repo_dir} records the serving repository {rid}, and {repo_dir} "
+                         f"{what}: {own}", f"{new} Or pass the --repo that this releases.json belongs to.")
+    if owner.is_dir() or not repo_dir.exists() or have != rid:
+        return UserError("--repo", f"{path} is the record of {owner}, and {repo_dir} {what}: {own}",
+                         f"pass --repo {owner}; {new}")
+    return UserError("--repo", f"{path} is the record of {owner}, which does not exist, and {repo_dir} carries its id "
+                     f"{rid} (renamed or moved?): {own}",
+                     f"rename it back (`mv {repo_dir} {owner}`): its configs name that folder (the engine paths, "
+                     "tokenizer_dir), so a serving repository keeps its folder name; for a new name, promote into a "
+                     "new folder.")
 
 
 def _damaged(path: Path, why: str) -> UserError:
@@ -225,8 +275,10 @@ def _damaged(path: Path, why: str) -> UserError:
 
 
 def write_state(repo_dir: Path, state: dict) -> None:
-    """Write releases.json atomically (the commit point), keeping the replaced file as releases.json.prev."""
+    """Write releases.json atomically (the commit point), keeping the replaced file as releases.json.prev. Names
+    ``repo_dir``'s folder in ``REPO_FOLDER_FIELD`` (a record from before the field adopts it here)."""
     path = state_path(repo_dir)
+    state[REPO_FOLDER_FIELD] = Path(repo_dir).resolve().name
     if path.is_file():
         tmp = path.with_name(f".{path.name}{PREV_SUFFIX}.{os.getpid()}.tmp")
         with contextlib.suppress(FileNotFoundError):
@@ -237,6 +289,29 @@ def write_state(repo_dir: Path, state: dict) -> None:
             shutil.copy2(path, tmp)
         os.replace(tmp, path.with_name(path.name + PREV_SUFFIX))
     atomic_write_json(path, state)
+
+
+@contextlib.contextmanager
+def after_commit(repo_dir: Path, unit: str, done: str, server=None):
+    """Around a change's commit point (``write_state``) and what follows it (retention, the second write): a signal
+    there (KeyboardInterrupt: Ctrl-C, or SIGTERM/SIGHUP under ``terminate_as_interrupt``) once releases.json names
+    ``unit`` current raises ``InterruptedAfterCommit`` (exit 130) saying ``done`` (e.g. "rolled back to X") took
+    effect; before the commit it stays the plain interrupt (nothing took effect: recovery puts the configs back)."""
+    from precision_pipeline.core.errors import InterruptedAfterCommit
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        try:
+            committed = (read_json(state_path(repo_dir)) or {}).get("current") == unit
+        except (OSError, ValueError):
+            committed = False
+        if not committed:
+            raise
+        live = " and the server serves it" if server is not None else ""
+        raise InterruptedAfterCommit(
+            f"{done}, interrupted after the switch: releases.json records {unit} as the current release{live}. "
+            "Releases no longer kept may still be on disk; the next promote or rollback removes them.") from None
 
 
 def lock(repo_dir: Path):

@@ -54,6 +54,11 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
+SIGNAL_MAX = {"kv_cache_utilization": 1.0}
+"""The largest value a signal takes (none: unbounded, e.g. ``inflight_requests``, a count): a rule's thresholds
+(``Signal``) and ``invoke route explain``'s steady value (``--kv-util``) are checked against it."""
+
+
 class Signal(_Section):
     """A server signal with hysteresis: the rule turns on past ``above`` (or under ``below``) and off only back
     past the release threshold, at most once per ``min_dwell_s`` seconds."""
@@ -86,9 +91,10 @@ class Signal(_Section):
                                  "that keeps it from flapping")
             if not self.release_above > self.below:
                 raise ValueError(f"release_above {self.release_above} must be greater than below {self.below}")
-        if self.name == "kv_cache_utilization" and max(v for v in (self.above, self.below, self.release_below,
-                                                                     self.release_above) if v is not None) > 1:
-            raise ValueError("kv_cache_utilization is a fraction (0..1)")
+        hi = SIGNAL_MAX.get(self.name)
+        if hi is not None and max(v for v in (self.above, self.below, self.release_below,
+                                              self.release_above) if v is not None) > hi:
+            raise ValueError(f"{self.name} is a fraction (0..{hi:g})")
         return self
 
 
