@@ -198,7 +198,12 @@ def _tiny_model_dir(root, vocab_from, arch="Qwen3MoeForCausalLM"):
                                          head_dim=16, vocab_size=49152, max_position_embeddings=2048,
                                          tie_word_embeddings=False, architectures=[arch], **sizes, **ids)
     md = root / arch.lower()
-    getattr(transformers, arch)(cfg).to(torch.bfloat16).save_pretrained(md)
+    model = getattr(transformers, arch)(cfg)
+    with torch.no_grad():  # norms (QK-norm included) away from their init of ones: a reader that drops one is seen
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.to(torch.bfloat16).save_pretrained(md)
     for p in vocab_from.iterdir():
         if p.is_file() and not (md / p.name).exists():
             shutil.copy2(p, md / p.name)
@@ -300,8 +305,9 @@ def test_tiny_family_builds_on_the_llm_api_route(arch, tmp_path, default_model_d
 
     (n_tensors, n_scales, n_linears), (planted, rule), (eng_rule, eng_why) = FAMILY_BUILDS[arch]
     md = _tiny_model_dir(tmp_path, Path(default_model_dir), arch)
-    prof = tmp_path / "tiny.yaml"
+    prof = tmp_path / "tiny.yaml"  # no fallback: fp8-h100-llmapi's (bf16-h100) is on the engine route
     prof.write_text(json.dumps({"extends": "fp8-h100-llmapi", "quantization": {"kv_cache_quant_algo": "NONE"},
+                                "deployment": {"fallback": None, "warm_fallback": False},
                                 "calibration": {"num_samples": 4, "seq_len": 32, "batch_size": 2}, "gate": TINY_BAR}))
     out = tmp_path / "out"
     args = ("--profile", str(prof), "--model", str(md), "--golden-limit", "1")
@@ -323,10 +329,9 @@ def test_tiny_family_builds_on_the_llm_api_route(arch, tmp_path, default_model_d
     assert (v["tensors"], v["scale_tensors"], v["linears"]) == (len(sd), n_scales, n_linears) == (n_tensors, n_scales,
                                                                                                    n_linears), v
     g = man["gate"]["numbers"]
-    print(f"tiny {arch} FP8 (gate, 1 prompt per category): KL mean {g['kl_mean']:.3g}, P99 {g['kl_p99']:.3g}, "
-          f"max {g['kl_max']:.3g}, top-1 {g['top1']:.3f}, {g['eval_tokens']} tokens")
     assert all(math.isfinite(g[k]) for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct"))
-    assert 0 < g["kl_mean"] < 1e-3 and g["kl_p99"] < 1e-2 and g["top1"] > 0.8 and g["passed"] is True, g
+    # measured (SMALL_GATE, 1 prompt per category, 395 tokens; kl_mean / kl_p99 / top-1): see README "MoE families"
+    assert 1e-6 < g["kl_mean"] < 5e-5 and g["kl_p99"] < 1e-4 and g["top1"] > 0.85 and g["passed"] is True, g
     assert g["eval_tokens"] == 395, g
     assert json.loads((out / "model_repository" / "pack.json").read_text())["route"] == "llm_api"
     # the built checkpoint with one kept module planted FP8: refused before anything is written

@@ -84,7 +84,10 @@ def load_hf_moe_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = t
                         "use the HF folder the checkpoint was made from.")
     for name, t in plain.items():
         _set_tensor(model, name, t, dtype)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg, device="cpu")  # the family's own RoPE class
+    for name, mod in list(model.named_modules()):  # the family's own RoPE (Qwen2-MoE also keeps one per attention layer)
+        if name.endswith("rotary_emb"):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, type(mod)(config=hf_cfg, device="cpu"))
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p is not None and p.is_meta]
     if left:
         raise UserError(FIELD, f"no checkpoint tensor for {', '.join(left[:5])}.", "re-export the checkpoint.")
