@@ -5,6 +5,9 @@ refusals, not quality. Random weights and random tokens are acceptable ONLY here
   verification passes it (experts' FP8 layout, router unquantized), the gate's MoE reader (gate/moe_model.py) loads it
   and the gate's metrics against the unquantized model are finite and small; verification refuses the same
   checkpoint with the router planted quantized.
+* Qwen3 (dense, QK-norm), Mixtral, Qwen2-MoE (shared expert and its gate), like Qwen3-MoE: built through ``invoke
+  build`` on route llm_api with FP8 (``Family.hf_read``: unified HF export, hf_verify, the gate's HF reader), a kept
+  module planted FP8 refused, the engine route refused.
 * gpt-oss: experts stored as MXFP4 in gpt-oss's own layout (``*_blocks`` / ``*_scales``, made by ModelOpt's
   ``MXFP4QTensor``), decoded on CPU by the codec and compared with the unquantized model by the gate's metrics; that
   checkpoint (as gpt-oss ships it) built through ``invoke build`` on route llm_api with W4A16_MXFP4 (``--checkpoint``),

@@ -22,6 +22,8 @@ reads lives here, and the stages look it up (torch-free):
 * ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
   not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``, naming the stages
   ``Family.build_gaps`` lists; planning from config.json needs none of them);
+* ``hf_read``: on route llm_api the family's unified HF checkpoint is exported, verified and gated in its own HF names
+  (Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE: ``gate/moe_model.py``), with no ``export_decoder`` / ``gate_reader``;
 * ``sources``: where each fact comes from.
 
 Name facts (TensorRT-LLM 1.2):
@@ -381,6 +383,8 @@ _QWEN3_SOURCES = {
               "Attention has no Q/K norm: the engine would drop q_norm/k_norm)",
     "trtllm_config": "tensorrt_llm/models/qwen/config.py at 0428c18 (qwen_type = model_type, line 91; attn_bias False for "
                      "qwen3, lines 120-124)",
+    "gate": "route llm_api: gate/moe_model.py load_hf_moe_model (an HF Qwen3ForCausalLM fed the dequantized unified HF "
+            "checkpoint, q_norm/k_norm as stored)",
 }
 _QWEN3 = Family(architecture="Qwen3ForCausalLM", model_type="qwen3", trtllm_class="QWenForCausalLM", export_decoder=None,
                 linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED,
@@ -399,7 +403,9 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            sliding_window=True, sources={**_NAME_SOURCES, **_MISTRAL_SOURCES}),
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE, hf_read=True,
-           sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
+           sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT,
+                    "gate": "route llm_api: gate/moe_model.py load_hf_moe_model (an HF MixtralForCausalLM fed the "
+                            "dequantized unified HF checkpoint, block_sparse_moe.gate as stored)"}),
     Family(architecture="Qwen2ForCausalLM", model_type="qwen2", trtllm_class="QWenForCausalLM", export_decoder="qwen",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, attention_bias=True, gate_reader="qwen2",
            trtllm_config=_QWEN2_TRTLLM, sources={**_NAME_SOURCES, **_QWEN2_SOURCES}),
