@@ -5,6 +5,9 @@ refusals, not quality. Random weights and random tokens are acceptable ONLY here
   verification passes it (experts' FP8 layout, router unquantized), the gate's MoE reader (gate/moe_model.py) loads it
   and the gate's metrics against the unquantized model are finite and small; verification refuses the same
   checkpoint with the router planted quantized.
+* Qwen3 (dense, QK-norm), Mixtral, Qwen2-MoE (shared expert and its gate), like Qwen3-MoE: built through ``invoke
+  build`` on route llm_api with FP8 (``Family.hf_read``: unified HF export, hf_verify, the gate's HF reader), a kept
+  module planted FP8 refused, the engine route refused.
 * gpt-oss: experts stored as MXFP4 in gpt-oss's own layout (``*_blocks`` / ``*_scales``, made by ModelOpt's
   ``MXFP4QTensor``), decoded on CPU by the codec and compared with the unquantized model by the gate's metrics; that
   checkpoint (as gpt-oss ships it) built through ``invoke build`` on route llm_api with W4A16_MXFP4 (``--checkpoint``),
@@ -172,25 +175,46 @@ def test_tiny_gpt_oss_with_mxfp4_experts_is_gated_through_the_codec(tmp_path):
         load_gpt_oss_mxfp4(ck)
 
 
-def _tiny_qwen3_moe_dir(root, vocab_from):
-    """A tiny random Qwen3-MoE HF folder (2 layers, 4 experts, top-2, hidden 64; BF16, ~13 MB) with the default model's
-    tokenizer, chat template and eos/bos ids (the gate's golden prompts and the pack need them)."""
+_TINY = {  # the tiny models' sizes (2 layers, hidden 64, 4 heads / 2 KV heads of 16; MoE: 4 experts, top-2) by family
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(intermediate_size=128)),
+    "MixtralForCausalLM": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                                   num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                                                   decoder_sparse_step=1, mlp_only_layers=[])),
+}
+
+
+def _tiny_model_dir(root, vocab_from, arch="Qwen3MoeForCausalLM"):
+    """A tiny random HF folder of family ``arch`` (``_TINY``: 2 layers, hidden 64; a MoE with 4 experts, top-2; BF16,
+    ~13 MB, mostly the 49152-token embedding and lm_head) with the default model's tokenizer, chat template and
+    eos/bos ids (the gate's golden prompts and the pack need them)."""
     import shutil
 
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
     ids = {k: json.loads((vocab_from / "config.json").read_text())[k] for k in ("bos_token_id", "eos_token_id")}
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, vocab_size=49152, max_position_embeddings=2048, decoder_sparse_step=1,
-                         mlp_only_layers=[], tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"], **ids)
-    md = root / "qwen3moe"
-    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(md)
+    cfg_cls, sizes = _TINY[arch]
+    cfg = getattr(transformers, cfg_cls)(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, vocab_size=49152, max_position_embeddings=2048,
+                                         tie_word_embeddings=False, architectures=[arch], **sizes, **ids)
+    md = root / arch.lower()
+    model = getattr(transformers, arch)(cfg)
+    with torch.no_grad():  # norms (QK-norm included) away from their init of ones: a reader that drops one is seen
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.to(torch.bfloat16).save_pretrained(md)
     for p in vocab_from.iterdir():
         if p.is_file() and not (md / p.name).exists():
             shutil.copy2(p, md / p.name)
     return md
+
+
+TINY_BAR = {"kl_mean_max": 5.0, "kl_p99_max": 50.0, "top1_min": 0.1, "ppl_delta_pct_max": 500.0, "greedy_same_min": 0.0}
+"""The gate's bar for the tiny random models: loosened (random weights: structure, not quality)."""
 
 
 def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir, invoke_here, small_gate, monkeypatch):
@@ -200,11 +224,10 @@ def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir,
     (rule model.gate_reads: no TensorRT-LLM export, no reader of that checkpoint)."""
     from safetensors import safe_open
 
-    md = _tiny_qwen3_moe_dir(tmp_path, Path(default_model_dir))
+    md = _tiny_model_dir(tmp_path, Path(default_model_dir))
     prof = tmp_path / "tiny-moe.yaml"  # random weights: the bar loosened; structure, not quality
-    bar = {"kl_mean_max": 5.0, "kl_p99_max": 50.0, "top1_min": 0.1, "ppl_delta_pct_max": 500.0, "greedy_same_min": 0.0}
     prof.write_text(json.dumps({"extends": "fp8-h100-llmapi", "quantization": {"kv_cache_quant_algo": "NONE"},
-                                "calibration": {"num_samples": 4, "seq_len": 32, "batch_size": 2}, "gate": bar}))
+                                "calibration": {"num_samples": 4, "seq_len": 32, "batch_size": 2}, "gate": TINY_BAR}))
     out = tmp_path / "out"
     r = invoke_here("build", "--profile", str(prof), "--model", str(md), "--out", str(out), "--golden-limit", "1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -248,6 +271,89 @@ def test_tiny_qwen3_moe_builds_on_the_llm_api_route(tmp_path, default_model_dir,
     eng.write_text(json.dumps({"extends": "fp8-h100", "quantization": {"kv_cache_quant_algo": "NONE"}}))
     r = invoke_here("build", "--profile", str(eng), "--model", str(md), "--out", str(tmp_path / "eng"))
     assert r.returncode == 2 and "model.gate_reads" in r.stdout + r.stderr and not (tmp_path / "eng").exists(), r.stdout
+
+
+def _plant_fp8(tensors: dict, name: str) -> dict:
+    """``tensors`` with ``name`` stored as FP8 E4M3 and a ``weight_scale`` beside it (a module quantized that the
+    export keeps in the model dtype)."""
+    tensors[name] = tensors[name].float().to(torch.float8_e4m3fn)
+    tensors[name.rsplit(".", 1)[0] + ".weight_scale"] = torch.tensor(1.0)
+    return tensors
+
+
+# arch -> (verify's (tensors, scale_tensors, linears), the module planted FP8 in a copy of the built checkpoint and the
+# rule that refuses it, the engine route's refusal: rule and what it says)
+FAMILY_BUILDS = {
+    # 2 layers x (2 norms + q_norm + k_norm + 7 FP8 linears x 3 tensors) + embedding, final norm, lm_head (BF16)
+    "Qwen3ForCausalLM": ((53, 28, 15), ("model.layers.1.self_attn.q_norm.weight", "hf.layout"),
+                         ("model.family_serves", "not served on the engine route")),
+    # 2 layers x (2 norms + router + (4 attention + 4 experts x 3) FP8 linears x 3) + 3
+    "MixtralForCausalLM": ((105, 64, 33), ("model.layers.1.block_sparse_moe.gate.weight", "hf.router"),
+                           ("model.gate_reads", "Stages missing for MixtralForCausalLM: gate:")),
+    # 2 layers x (2 norms + router + shared-expert gate + 3 q/k/v biases + (4 + 12 + 3 shared) FP8 linears x 3) + 3
+    "Qwen2MoeForCausalLM": ((131, 76, 39), ("model.layers.0.mlp.shared_expert_gate.weight", "hf.router"),
+                            ("model.gate_reads", "Stages missing for Qwen2MoeForCausalLM: quantize:")),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILY_BUILDS))
+def test_tiny_family_builds_on_the_llm_api_route(arch, tmp_path, default_model_dir, invoke_here, small_gate):
+    """``invoke build`` of a tiny random Qwen3 (dense, QK-norm), Mixtral and Qwen2-MoE (shared expert and its gate) on
+    route llm_api with FP8 (unquantized KV cache: what the gate's HF reader reads): exit 0, every stage done; the router,
+    a shared-expert gate and the QK-norm stored BF16 (not quantized, no scales); verify's exact counts; the gate (HF class
+    fed the dequantized checkpoint, gate/moe_model.py) within bounds; packed as an LLM-API unit. The checkpoint with one
+    kept module planted FP8 is refused with exit 2 before anything is written (``--checkpoint``); the engine route is
+    refused at resolve/check, naming why."""
+    from safetensors.torch import load_file, save_file
+
+    (n_tensors, n_scales, n_linears), (planted, rule), (eng_rule, eng_why) = FAMILY_BUILDS[arch]
+    md = _tiny_model_dir(tmp_path, Path(default_model_dir), arch)
+    prof = tmp_path / "tiny.yaml"  # no fallback: fp8-h100-llmapi's (bf16-h100) is on the engine route
+    prof.write_text(json.dumps({"extends": "fp8-h100-llmapi", "quantization": {"kv_cache_quant_algo": "NONE"},
+                                "deployment": {"fallback": None, "warm_fallback": False},
+                                "calibration": {"num_samples": 4, "seq_len": 32, "batch_size": 2}, "gate": TINY_BAR}))
+    out = tmp_path / "out"
+    args = ("--profile", str(prof), "--model", str(md), "--golden-limit", "1")
+    r = invoke_here("build", *args, "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())["stages"]
+    assert {k: v["status"] for k, v in man.items()} == {s: "done" for s in (
+        "resolve", "quantize", "verify", "gate", "llm_api_config", "pack", "deploy")}
+    q = json.loads((out / "checkpoint" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "FP8" and q["kv_cache_quant_algo"] is None and "lm_head" in q["exclude_modules"], q
+    sd = load_file(str(out / "checkpoint" / "model.safetensors"))
+    fam = FAM.FAMILIES[arch]
+    kept = [n for n in sd if n.rsplit(".", 2)[-2] in ("q_norm", "k_norm", "gate", "shared_expert_gate")]
+    assert kept and {sd[n].dtype for n in kept} == {torch.bfloat16}, {n: sd[n].dtype for n in kept}
+    for pat in fam.moe.router_patterns if fam.moe else ():  # ModelOpt excludes each router module by name
+        assert sorted(p for p in q["exclude_modules"] if p.endswith(pat[1:])) == [
+            f"model.layers.{i}.{pat[1:]}" for i in range(2)], q["exclude_modules"]
+    v = man["verify"]["numbers"]
+    assert (v["tensors"], v["scale_tensors"], v["linears"]) == (len(sd), n_scales, n_linears) == (n_tensors, n_scales,
+                                                                                                   n_linears), v
+    g = man["gate"]["numbers"]
+    assert all(math.isfinite(g[k]) for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct"))
+    # measured (SMALL_GATE, 1 prompt per category, 395 tokens; kl_mean / kl_p99 / top-1): see README "MoE families"
+    assert 1e-6 < g["kl_mean"] < 5e-5 and g["kl_p99"] < 1e-4 and g["top1"] > 0.85 and g["passed"] is True, g
+    assert g["eval_tokens"] == 395, g
+    assert json.loads((out / "model_repository" / "pack.json").read_text())["route"] == "llm_api"
+    # the built checkpoint with one kept module planted FP8: refused before anything is written
+    bad = tmp_path / "planted"
+    bad.mkdir()
+    for f in (out / "checkpoint").iterdir():
+        if f.suffix == ".json":
+            (bad / f.name).write_text(f.read_text())
+    save_file(_plant_fp8(dict(sd), planted), str(bad / "model.safetensors"), metadata={"format": "pt"})
+    got = invoke_here("build", *args, "--checkpoint", str(bad), "--out", str(tmp_path / "out-planted"))
+    text = got.stdout + got.stderr
+    assert got.returncode == 2 and rule in text and planted in text, text[-3000:]
+    assert not (tmp_path / "out-planted").exists()
+    # the engine route: refused (Qwen3: not served there; Mixtral: no gate reader; Qwen2-MoE: no export, no reader)
+    eng = tmp_path / "engine.yaml"
+    eng.write_text(json.dumps({"extends": "fp8-h100", "quantization": {"kv_cache_quant_algo": "NONE"}}))
+    got = invoke_here("build", "--profile", str(eng), "--model", str(md), "--out", str(tmp_path / "eng"))
+    text = got.stdout + got.stderr
+    assert got.returncode == 2 and eng_rule in text and eng_why in text and not (tmp_path / "eng").exists(), text[-3000:]
 
 
 def _tiny_gpt_oss_dirs(root, vocab_from):
@@ -300,8 +406,7 @@ def test_tiny_gpt_oss_builds_from_its_mxfp4_checkpoint_on_the_llm_api_route(tmp_
 
     ref, mx, sd = _tiny_gpt_oss_dirs(tmp_path, Path(default_model_dir))
     prof = tmp_path / "tiny-gpt-oss.yaml"  # random weights: the bar loosened; attention and router kept BF16
-    bar = {"kl_mean_max": 5.0, "kl_p99_max": 50.0, "top1_min": 0.1, "ppl_delta_pct_max": 500.0, "greedy_same_min": 0.0}
-    spec = {"extends": "fp8-h100-llmapi", "deployment": {"fallback": None, "warm_fallback": False}, "gate": bar,
+    spec = {"extends": "fp8-h100-llmapi", "deployment": {"fallback": None, "warm_fallback": False}, "gate": TINY_BAR,
             "quantization": {"quant_algo": "W4A16_MXFP4", "kv_cache_quant_algo": "NONE",
                              "exclude_modules": ["*self_attn*", *FAM.GPT_OSS.moe.router_patterns, "lm_head"]}}
     prof.write_text(json.dumps(spec))

@@ -225,8 +225,15 @@ def test_gate_architectures_are_refused_at_resolve_with_the_list():
     assert GATE_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     assert ("the accuracy gate's checkpoint reader handles LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM only"
             in pr.reason)
-    assert pr.fix.startswith("use a model of: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (Qwen3MoeForCausalLM: "
-                             "route llm_api, spec/families.py MoE.hf_read);")
+    assert pr.fix.startswith("use a model of: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (MixtralForCausalLM, "
+                             "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM: route llm_api with FP8 or NO_QUANT "
+                             "and kv_cache_quant_algo NONE, spec/families.py Family.hf_read;"), pr.fix
+    # Mixtral on the engine route: ModelOpt exports it (decoder llama), the gate has no reader of that checkpoint
+    assert "Stages missing for MixtralForCausalLM: gate: the accuracy gate has no reader of its TensorRT-LLM" in pr.reason
+    assert "quantize:" not in pr.reason and "route llm_api reads its unified HF checkpoint" in pr.reason
+    mx_llm = P.evaluate(prof("fp8-h100-llmapi", quantization__kv_cache_quant_algo="NONE"),
+                        arch_from_config(MIXTRAL, name="mixtral"), for_build=True)
+    assert [x for x in mx_llm.problems if x.rule == "model.gate_reads"] == []
     # Qwen3-MoE: built on route llm_api (no model.gate_reads), refused on the engine route naming both stages
     q3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
           "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
@@ -238,7 +245,8 @@ def test_gate_architectures_are_refused_at_resolve_with_the_list():
     (eng,) = [x for x in P.evaluate(prof("fp8-h100"), m, for_build=True).problems if x.rule == "model.gate_reads"]
     assert "Stages missing for Qwen3MoeForCausalLM: quantize:" in eng.reason and "; gate:" in eng.reason
     (kv,) = [x for x in P.evaluate(prof("fp8-h100-llmapi"), m, for_build=True).problems if x.rule == "model.gate_reads"]
-    assert "gate: the MoE reader (gate/moe_model.py) reads an unquantized KV cache only, not FP8" in kv.reason  # FP8 KV
+    assert ("gate: the gate's HF reader (gate/moe_model.py load_hf_moe_model) reads an unquantized KV cache only, not FP8"
+            in kv.reason)  # FP8 KV
 
 
 def test_free_host_memory_is_recorded_but_not_keyed():

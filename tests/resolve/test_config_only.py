@@ -112,7 +112,9 @@ def test_qwen2_is_planned_and_built():
     q = FAM.FAMILIES["Qwen2ForCausalLM"]
     assert q.attention_bias and q.trtllm_class == "QWenForCausalLM" and q.linears == FAM.LLAMA.linears
     assert q.build_gaps() == () == FAM.LLAMA.build_gaps()
-    assert [stage for stage, _ in FAM.FAMILIES["Qwen3ForCausalLM"].build_gaps()] == ["quantize", "gate"]
+    q3 = FAM.FAMILIES["Qwen3ForCausalLM"]  # served on route llm_api only, built there through its unified HF checkpoint
+    assert q3.hf_read and q3.build_gaps() == () == q3.build_gaps("llm_api", "FP8", "NONE")
+    assert [stage for stage, _ in q3.build_gaps("llm_api", "NVFP4", "NONE")] == ["gate"]
     assert "qwen/config.py" in q.sources["attention_bias"] and "modeling_qwen.py" in q.sources["routes"]
     m = read_model_arch(QWEN72)
     assert P.evaluate(prof("int4-awq-a100"), m).ok  # planning: no build-only rule

@@ -42,12 +42,23 @@ def test_moe_entries():
         s for s, _ in g.build_gaps("llm_api", "W4A8_MXFP4_MXFP8", "NONE")]
     assert "reads an unquantized KV cache only, not FP8" in g.build_gaps("llm_api", "W4A16_MXFP4", "FP8")[0][1]
     # Qwen3-MoE: built on route llm_api only (unified HF export, gate/moe_model.py); refused on engine
-    assert q.moe.hf_read and not g.moe.hf_read and not q2.moe.hf_read
+    assert q.hf_read and not g.hf_read and q2.hf_read and FAM.FAMILIES["MixtralForCausalLM"].hf_read
+    assert FAM.HF_READ_ARCHITECTURES == ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+                                         "Qwen3MoeForCausalLM")
     assert q.build_gaps("llm_api") == () and [s for s, _ in q.build_gaps("engine")] == ["quantize", "gate"]
     assert q.build_gaps("llm_api", "FP8", "NONE") == () == q.build_gaps("llm_api", "NO_QUANT", "NONE")
     assert [s for s, _ in q.build_gaps("llm_api", "NVFP4", "NONE")] == ["gate"]  # the MoE reader: FP8 / BF16 only
     assert "not FP8 (set quantization.kv_cache_quant_algo: NONE)" in q.build_gaps("llm_api", "FP8", "FP8")[0][1]
-    assert [s for s, _ in g.build_gaps("engine")] == ["quantize", "gate"] and q2.build_gaps("llm_api")
+    assert [s for s, _ in g.build_gaps("engine")] == ["quantize", "gate"] and q2.build_gaps("llm_api") == ()
+    assert [s for s, _ in q2.build_gaps("engine")] == ["quantize", "gate"]  # no TensorRT-LLM export or reader wired
+    mx = FAM.FAMILIES["MixtralForCausalLM"]  # ModelOpt exports it for the engine (decoder llama); the gate reads it not
+    assert mx.build_gaps("llm_api", "FP8", "NONE") == () and [s for s, _ in mx.build_gaps("engine")] == ["gate"]
+    # the fused groups TensorRT-LLM loads as one GEMM: each expert's gate/up, Qwen2-MoE's shared expert's gate/up once
+    assert mx.hf_fused_groups(2)[2:] == (("block_sparse_moe.experts.0.w1", "block_sparse_moe.experts.0.w3"),
+                                         ("block_sparse_moe.experts.1.w1", "block_sparse_moe.experts.1.w3"))
+    assert q2.hf_fused_groups(1)[2:] == (("mlp.experts.0.gate_proj", "mlp.experts.0.up_proj"),
+                                         ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
+    assert q2.moe.router_modules == ("mlp.gate", "mlp.shared_expert_gate")
     assert q.norms["self_attn.q_norm"] == "attention.q_layernorm"  # Qwen3's QK-norm (verification knows the tensor)
 
 
@@ -61,6 +72,16 @@ def test_qwen3_moe_expert_shapes_from_a_config():
         f"mlp.experts.{e}.{n}" for e in range(3) for n in ("down_proj", "gate_proj", "up_proj")]
     assert (sh["mlp.experts.2.gate_proj"], sh["mlp.experts.0.down_proj"], sh["self_attn.q_proj"]) == ((32, 64), (64, 32), (64, 64))
     assert not [k for k in FAM.hf_linear_shapes({**cfg, "num_experts": None}) if "experts" in k]
+    # Mixtral: num_local_experts, the experts' width is intermediate_size, names block_sparse_moe.experts.{e}.w1/w3/w2
+    mx = FAM.hf_linear_shapes({**cfg, "num_experts": None, "moe_intermediate_size": None, "num_local_experts": 2,
+                               "architectures": ["MixtralForCausalLM"]})
+    assert sorted(k for k in mx if "experts" in k) == [f"block_sparse_moe.experts.{e}.{n}" for e in range(2)
+                                                       for n in ("w1", "w2", "w3")]
+    assert (mx["block_sparse_moe.experts.1.w3"], mx["block_sparse_moe.experts.0.w2"]) == ((128, 64), (64, 128))
+    # Qwen2-MoE: the shared expert's linears (shared_expert_intermediate_size); its gate is no linear (router_modules)
+    q2 = FAM.hf_linear_shapes({**cfg, "shared_expert_intermediate_size": 48, "architectures": ["Qwen2MoeForCausalLM"]})
+    assert {k: v for k, v in q2.items() if "shared" in k} == {
+        "mlp.shared_expert.gate_proj": (48, 64), "mlp.shared_expert.up_proj": (48, 64), "mlp.shared_expert.down_proj": (64, 48)}
 
 
 def q3_shared_free(fam) -> bool:

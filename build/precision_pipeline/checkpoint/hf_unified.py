@@ -324,35 +324,36 @@ def dequantize_hf_checkpoint(ckpt_dir: Path) -> DequantizedCheckpoint:
 
 
 def dequantize_hf_moe(ckpt_dir: Path) -> tuple[dict, dict[str, LinearSpec], dict[str, torch.Tensor]]:
-    """Read and dequantize the unified HF checkpoint of a MoE family with one Linear per expert
-    (``spec.families`` ``MoE.hf_read``: Qwen3-MoE) in its own HF names, as the gate's MoE reader
-    (``gate/moe_model.py``) loads it: returns (HF ``config.json``, ``{HF linear module: LinearSpec}`` for every
-    stored linear, experts and ``lm_head`` included, ``{tensor name: float32}`` for the rest: embedding, norms,
-    router). Fused groups (q/k/v, each expert's gate/up: ``Family.fused`` / ``MoE.fused``) are read as
+    """Read and dequantize the unified HF checkpoint of a family the gate reads in its own HF names
+    (``spec.families`` ``Family.hf_read``: Qwen3 (dense, QK-norm), Qwen3-MoE, Mixtral, Qwen2-MoE; one Linear per expert),
+    as the gate's HF reader (``gate/moe_model.py``) loads it: returns (HF ``config.json``, ``{HF linear module:
+    LinearSpec}`` for every stored linear (``families.hf_linear_shapes``: attention, MLP, experts, a shared expert,
+    ``lm_head``), ``{tensor name: float32}`` for the rest: embedding, norms (QK-norm), router, shared-expert gate).
+    Fused groups (q/k/v, gate/up, each expert's and a shared expert's gate/up: ``Family.hf_fused_groups``) are read as
     TensorRT-LLM's PyTorch backend loads them (``_fuse``: FP8 re-quantized with the max scale). FP8 or unquantized
     only, no quantized KV cache. Raises UserError for another family, format, a missing or unused tensor."""
     from safetensors.torch import load_file
 
-    from precision_pipeline.spec.families import EXPERT, FAMILIES, MOE_HF_READ_FORMATS
+    from precision_pipeline.spec.families import FAMILIES, MOE_HF_READ_FORMATS, hf_linear_shapes, num_experts_of
 
     d = Path(ckpt_dir)
     hf_cfg = _json(d / "config.json")
     arch = (hf_cfg.get("architectures") or [None])[0]
     fam = FAMILIES.get(arch)
-    if fam is None or fam.moe is None or not fam.moe.hf_read:
-        raise UserError(FIELD, f"architecture {arch!r} is not read by the MoE reader (spec/families.py MoE.hf_read).", FIX)
+    if fam is None or not fam.hf_read:
+        raise UserError(FIELD, f"architecture {arch!r} is not read by the gate's HF reader (spec/families.py "
+                        "Family.hf_read).", FIX)
     qinfo = read_hf_quant(d)
     if qinfo["quant_algo"] not in MOE_HF_READ_FORMATS or qinfo["layers"] or qinfo["kv_cache_quant_algo"]:
         raise UserError(FIELD, f"{d} is {qinfo['quant_algo']} (KV {qinfo['kv_cache_quant_algo'] or 'unquantized'}): the "
-                        "MoE reader reads FP8 or unquantized weights with an unquantized KV cache only.",
+                        "gate's HF reader reads FP8 or unquantized weights with an unquantized KV cache only.",
                         "gate an FP8 profile without a quantized KV cache.")
     dtype = getattr(torch, str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "bfloat16"))
     st: dict[str, torch.Tensor] = {}
     for f in hf_files(d):
         st.update(load_file(str(f)))
     used: set = set()
-    groups = list(fam.fused) + [tuple(m.replace(EXPERT, str(e)) for m in g) for g in fam.moe.fused
-                                for e in range(int(hf_cfg.get("num_experts") or 0))]
+    groups = fam.hf_fused_groups(num_experts_of(hf_cfg))
     linears: dict[str, LinearSpec] = {}
     stems = sorted({n.rsplit(".", 1)[0] for n in st if n.endswith(".weight_scale") or n.endswith(".weight")})
     for i in range(int(hf_cfg["num_hidden_layers"])):
@@ -362,15 +363,15 @@ def dequantize_hf_moe(ckpt_dir: Path) -> tuple[dict, dict[str, LinearSpec], dict
             if all(m + ".weight" in st for m in mods):
                 parts = [_read_linear(st, m, *hf_linear_format(qinfo, m), used) for m in mods]
                 linears.update(zip(mods, _fuse(st, mods, parts, dtype)))
-    linear_rels = {*(m for g in groups for m in g), *(lin.hf for lin in fam.linears)}
-    for stem in stems:  # the linears in no fused group (o_proj, each expert's down_proj, lm_head)
+    linear_rels = set(hf_linear_shapes(hf_cfg, fam))  # the router and a shared-expert gate are none: read as stored
+    for stem in stems:  # the linears in no fused group (o_proj, down_proj, each expert's down_proj, lm_head)
         rel = stem.split(".", 3)[3] if stem.startswith("model.layers.") and stem.count(".") >= 3 else stem
-        if stem not in linears and (rel in linear_rels or rel.startswith("mlp.experts.") or stem == "lm_head"):
+        if stem not in linears and rel in linear_rels:
             linears[stem] = _read_linear(st, stem, *hf_linear_format(qinfo, stem), used)
     plain = {n: t.to(torch.float32) for n, t in st.items() if n not in used}
     bad = sorted(n for n, t in st.items() if n not in used and t.dtype in codecs.QUANTIZED_DTYPES)
     if bad:
-        raise UserError(FIELD, f"{len(bad)} quantized tensors are not understood by the MoE reader, e.g. "
+        raise UserError(FIELD, f"{len(bad)} quantized tensors are not understood by the gate's HF reader, e.g. "
                         f"{', '.join(bad[:5])}.", FIX)
     return hf_cfg, linears, plain
 

@@ -15,7 +15,8 @@ silently wrong:
 * ``hf.names``: every ``exclude_modules`` pattern and every ``quantized_layers`` name matches a module of the
   checkpoint (one that matches none leaves the layer it meant quantized, or loads it unquantized, silently).
 * ``hf.known_tensors``: every tensor is a Llama HF name with a suffix its format stores (no ModelOpt leftovers); for
-  a MoE family with ``MoE.hf_read`` (Qwen3-MoE) also each expert's linears (``families.hf_linear_shapes``), the router
+  a family with ``Family.hf_read`` (Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE) also each expert's and shared expert's
+  linears (``families.hf_linear_shapes``), the router and a shared-expert gate (``MoE.router_modules``)
   (unquantized: ``hf.router``) and the family's norms (QK-norm).
 * ``hf.layout``: per linear the weight and scales its declared format stores (the codecs' layouts,
   ``codecs.Codec.layout``, under the HF names ``hf_unified.HF_SUFFIX``): FP8 weight F8_E4M3 with F32
@@ -48,15 +49,15 @@ from precision_pipeline.checkpoint.hf_unified import (HF_SUFFIX, KV_SCALE_OF, QU
 from precision_pipeline.checkpoint.reader import HF_QUANT_CONFIG
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.spec import formats as FMT
-from precision_pipeline.spec.families import (EXPERT, FAMILIES, GATE_ARCHITECTURES, LLAMA, family, hf_linear_shapes,
+from precision_pipeline.spec.families import (FAMILIES, GATE_ARCHITECTURES, family, hf_linear_shapes, num_experts_of,
                                               router_problems)
 
 FIX = "re-export the checkpoint (quantize again with export_format hf_unified)."
 HF_RULES = {
     "hf.metadata": "hf_quant_config.json, config.json quantization_config, quant_cfg.json and the plan agree",
     "hf.names": "every exclude_modules pattern and quantized_layers name matches a module of the checkpoint",
-    "hf.known_tensors": "every tensor is a name of the HF Llama layout (a Qwen3-MoE's experts, router and QK-norm) with "
-                        "a suffix its format stores",
+    "hf.known_tensors": "every tensor is a name of the HF Llama layout (a Family.hf_read family's experts, shared "
+                        "expert, router and QK-norm) with a suffix its format stores",
     "hf.layout": "each linear's weight and scale tensors have its declared format's dtype and shape",
     "hf.kv_scales": "a quantized KV cache has k_scale / v_scale in every layer; an unquantized one has none",
     "hf.scales_finite": "every scale value finite; per-tensor scales > 0",
@@ -169,7 +170,8 @@ def _names(headers: dict, cfg: dict, q: dict, p: _Found) -> None:
 
 
 def _dims(cfg: dict) -> dict[str, tuple[int, int]]:
-    """``(out, in)`` of each HF linear of a Llama layer (relative name) and of ``lm_head`` (``families.hf_linear_shapes``)."""
+    """``(out, in)`` of each HF linear of a layer of the config's family (relative name; experts included) and of
+    ``lm_head`` (``families.hf_linear_shapes``)."""
     return hf_linear_shapes(cfg)
 
 
@@ -181,12 +183,12 @@ def _classify(headers: dict, cfg: dict, q: dict, dims: dict, arch: str, p: _Foun
     scales: list[str] = []
     fam = family(arch)
     roles = {f"{n}.weight" for n in fam.norms}  # the family's norms (Qwen3-MoE: self_attn.q_norm / k_norm too)
-    router = fam.moe.router_hf if fam.moe is not None else None  # unquantized: router_problems ran before
+    routers = fam.moe.router_modules if fam.moe is not None else ()  # unquantized: router_problems ran before
     for name, (f, meta) in headers.items():
         stem, _, leaf = name.rpartition(".")
         rel = stem.split(".", 3)[3] if stem.startswith("model.layers.") and stem.count(".") >= 3 else stem
         if name in ("model.embed_tokens.weight", "model.norm.weight") or (stem.startswith("model.layers.") and (
-                rel + "." + leaf in roles or (rel == router and leaf in ("weight", "bias")))):
+                rel + "." + leaf in roles or (rel in routers and leaf in ("weight", "bias")))):
             if meta["dtype"] not in codecs.PLAIN_DTYPES:
                 p.add(f"{name} ({f.name})", "hf.layout", f"is {meta['dtype']}; it is stored in {'/'.join(codecs.PLAIN_DTYPES)}.")
         elif rel in KV_SCALE_OF and leaf == KV_SCALE_OF[rel]:
@@ -282,11 +284,9 @@ def _values(headers: dict, scales: list, p: _Found) -> tuple[dict[str, float], i
 
 def _fused(cfg: dict, q: dict, values: dict, arch: str, p: _Found) -> None:
     """``hf.fused_scales``: q/k/v and gate/up (each expert's too: ``MoE.fused``) of one format with equal input scales."""
-    moe = family(arch).moe
-    experts = [tuple(m.replace(EXPERT, str(e)) for m in g) for g in (moe.fused if moe else ())
-               for e in range(int(cfg.get("num_experts") or 0))]
+    groups = family(arch).hf_fused_groups(num_experts_of(cfg))
     for i in range(int(cfg["num_hidden_layers"])):
-        for group in LLAMA.fused + tuple(experts):
+        for group in groups:
             mods = [f"model.layers.{i}.{m}" for m in group]
             algos = {hf_linear_format(q, m)[0] for m in mods}
             if len(algos) > 1:
@@ -324,9 +324,9 @@ def verify_hf_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = N
             p.add(name, "hf.router", f"{why}.", "keep the router out of quantization (exclude_modules "
                   f"{list(fam.moe.router_patterns)}, ModelOpt's default) and export again.")
         p.raise_if_any()
-    if arch not in GATE_ARCHITECTURES and not (fam is not None and fam.moe is not None and fam.moe.hf_read):
+    if arch not in GATE_ARCHITECTURES and not (fam is not None and fam.hf_read):
         raise UserError("config.json: architectures", f"{arch!r} checkpoints are not verified here (the layout is known "
-                        f"for {', '.join(GATE_ARCHITECTURES)} and MoE.hf_read families).",
+                        f"for {', '.join(GATE_ARCHITECTURES)} and the Family.hf_read families).",
                         "build a model of the verified architectures.",
                         rule="hf.known_tensors")
     headers = hf_headers(d)

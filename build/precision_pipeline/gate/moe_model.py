@@ -1,5 +1,6 @@
-"""The accuracy gate's readers of MoE checkpoints: a MoE family's unified HF checkpoint (``spec.families``
-``MoE.hf_read``: Qwen3-MoE; ``load_hf_moe_model``, run by the gate stage through ``load_gate_model``) and gpt-oss's
+"""The accuracy gate's readers of MoE (and Qwen3) checkpoints: the unified HF checkpoint of a family read in its own HF
+names (``spec.families`` ``Family.hf_read``: Qwen3 (dense, QK-norm), Qwen3-MoE, Mixtral, Qwen2-MoE; ``load_hf_moe_model``,
+run by the gate stage through ``load_gate_model``) and gpt-oss's
 HF checkpoint as shipped with MXFP4 experts (``load_gpt_oss_mxfp4``, run by the gate stage for a ``--checkpoint`` of that
 layout, ``checkpoint.reader.checkpoint_layout`` ``hf_mxfp4``).
 
@@ -7,10 +8,11 @@ layout, ``checkpoint.reader.checkpoint_layout`` ``hf_mxfp4``).
 ``hf_model_dir``'s ``config.json``) and fills it with the checkpoint, dequantized to float32
 (``checkpoint.hf_unified.dequantize_hf_moe``): every linear (attention, each expert, ``lm_head``) becomes the gate's
 ``QuantLinear`` with its input fake-quant (FP8: the checkpoint's ``input_scale``; fused q/k/v and each expert's
-gate/up with the max of the group's scales, as TensorRT-LLM's PyTorch backend loads them); the embedding, the
-norms (Qwen3's q/k norms included) and the router (kept unquantized by the export, ``hf.router``) are loaded as
-stored. The router's top-k routing is the HF class's own. Not yet called by ``invoke build`` (the family's
-``gate_reader`` is None: ``Family.build_gaps``); the slow test ``tests/quantize/test_moe_families.py`` runs it.
+gate/up and a shared expert's gate/up with the max of the group's scales, as TensorRT-LLM's PyTorch backend loads
+them); the embedding, the norms (Qwen3's q/k norms included), the router and a shared-expert gate (kept unquantized by
+the export, ``hf.router``) are loaded as stored. The router's top-k routing (and Qwen2-MoE's sigmoid shared-expert
+gate) is the HF class's own. ``invoke build`` runs it on route llm_api (``Family.build_gaps``); the slow tests
+``tests/quantize/test_moe_families.py`` build a tiny random model of each family through it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from precision_pipeline.checkpoint.codecs import FIELD
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.gate.model import QuantLinear, act_fake_quant
 
-_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts",
-          "moe_intermediate_size", "vocab_size")
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+          "num_experts", "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, dtype: torch.dtype) -> None:
@@ -43,7 +45,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, dtype: torch.d
 
 
 def load_hf_moe_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The HF MoE model that computes what the unified HF checkpoint ``ckpt_dir`` says, on CPU, in ``dtype`` (module
+    """The HF model (a ``Family.hf_read`` family's class) that computes what the unified HF checkpoint ``ckpt_dir`` says, on CPU, in ``dtype`` (module
     doc). ``hf_model_dir``: the HF folder it was exported from (its config; sizes checked against the checkpoint's).
     Raises UserError for another family or format (``dequantize_hf_moe``), disagreeing sizes, a tensor the model
     lacks, a linear the checkpoint lacks, or a parameter left unfilled."""
@@ -82,7 +84,10 @@ def load_hf_moe_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = t
                         "use the HF folder the checkpoint was made from.")
     for name, t in plain.items():
         _set_tensor(model, name, t, dtype)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg, device="cpu")  # the family's own RoPE class
+    for name, mod in list(model.named_modules()):  # the family's own RoPE (Qwen2-MoE also keeps one per attention layer)
+        if name.endswith("rotary_emb"):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, type(mod)(config=hf_cfg, device="cpu"))
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p is not None and p.is_meta]
     if left:
         raise UserError(FIELD, f"no checkpoint tensor for {', '.join(left[:5])}.", "re-export the checkpoint.")
@@ -139,7 +144,7 @@ def load_gate_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = tor
     """The gate stage's candidate model of ``ckpt_dir``: ``load_gpt_oss_mxfp4`` for an HF checkpoint with MXFP4
     experts as gpt-oss ships it (``checkpoint.reader.checkpoint_layout`` ``hf_mxfp4``; ``hf_model_dir`` is then only
     the reference's folder), ``load_hf_moe_model`` for the unified HF checkpoint of a MoE
-    family with ``MoE.hf_read`` (``spec.families``), else ``gate.model.load_checkpoint_model`` (either layout of the
+    family with ``Family.hf_read`` (``spec.families``; Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE), else ``gate.model.load_checkpoint_model`` (either layout of the
     dense families); ``device="cuda"``: placed over the visible GPUs (``place_on_cuda``). Raises UserError as they do."""
     import json
 
@@ -154,7 +159,7 @@ def load_gate_model(ckpt_dir: Path, hf_model_dir: Path, dtype: torch.dtype = tor
     if checkpoint_layout(d) == "hf_unified":
         arch = (json.loads((d / "config.json").read_text()).get("architectures") or [None])[0]
         fam = FAMILIES.get(arch)
-        if fam is not None and fam.moe is not None and fam.moe.hf_read:
+        if fam is not None and fam.hf_read:
             model = load_hf_moe_model(d, Path(hf_model_dir), dtype)
             return place_on_cuda(model) if device == "cuda" else model
     return load_checkpoint_model(d, Path(hf_model_dir), dtype=dtype, device=device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from precision_pipeline.spec import formats as F
-from precision_pipeline.spec.families import GATE_ARCHITECTURES, family
+from precision_pipeline.spec.families import GATE_ARCHITECTURES, HF_READ_ARCHITECTURES, MOE_HF_READ_FORMATS, family
 from precision_pipeline.spec.hardware import resolve_gpu
 
 from precision_pipeline.resolve.registry import Context, Finding, refuse, rule, warn
@@ -303,7 +303,7 @@ def _family_serves(ctx: Context) -> list[Finding]:
 @rule("model.gate_reads", "the build runs this model's family on the profile's route: a quantize export and a gate "
       "reader (spec/families.py Family.build_gaps(route); builds and checks only)",
       "build/precision_pipeline/gate/model.py (load_checkpoint_model: the family's gate_reader), gate/moe_model.py "
-      "(load_hf_moe_model: MoE.hf_read), spec/families.py", needs_gpu=False)
+      "(load_hf_moe_model: Family.hf_read), spec/families.py", needs_gpu=False)
 def _gate_reads(ctx: Context) -> list[Finding]:
     found = family(ctx.model.architecture).build_gaps(ctx.route, ctx.quant, ctx.kv)
     if not ctx.for_build or not found:
@@ -313,10 +313,10 @@ def _gate_reads(ctx: Context) -> list[Finding]:
                    f"{ctx.model.name} is a {ctx.model.architecture} model; the accuracy gate's checkpoint reader handles "
                    f"{', '.join(GATE_ARCHITECTURES)} only. Stages missing for "
                    f"{ctx.model.architecture}: {gaps} (invoke check, profiles, compare and recommend plan it).",
-                   f"use a model of: {', '.join(GATE_ARCHITECTURES)} (Qwen3MoeForCausalLM: route llm_api, "
-                   "spec/families.py MoE.hf_read; GptOssForCausalLM: route llm_api, W4A16_MXFP4 from its MXFP4 "
-                   "checkpoint as shipped, --checkpoint); a Mixtral MoE can be quantized and exported with "
-                   "expert parallelism by precision_pipeline.quantize.ptq.run_quantize, but not gated yet.")]
+                   f"use a model of: {', '.join(GATE_ARCHITECTURES)} ({', '.join(HF_READ_ARCHITECTURES)}: route "
+                   f"llm_api with {' or '.join(MOE_HF_READ_FORMATS)} and kv_cache_quant_algo NONE, spec/families.py "
+                   "Family.hf_read; GptOssForCausalLM: route llm_api, W4A16_MXFP4 from its MXFP4 checkpoint as "
+                   "shipped, --checkpoint).")]
 
 
 @rule("calibration.dataset", "the calibration dataset is 'builtin' or a readable UTF-8 JSONL of {\"text\": ...} lines, "

@@ -22,6 +22,8 @@ reads lives here, and the stages look it up (torch-free):
 * ``gate_reader``: the accuracy gate's reader of the family's exported checkpoints (None: the gate does
   not read it, so ``invoke build`` refuses it at resolve, rule ``model.gate_reads``, naming the stages
   ``Family.build_gaps`` lists; planning from config.json needs none of them);
+* ``hf_read``: on route llm_api the family's unified HF checkpoint is exported, verified and gated in its own HF names
+  (Qwen3, Qwen3-MoE, Mixtral, Qwen2-MoE: ``gate/moe_model.py``), with no ``export_decoder`` / ``gate_reader``;
 * ``sources``: where each fact comes from.
 
 Name facts (TensorRT-LLM 1.2):
@@ -53,7 +55,7 @@ from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 
 COLUMN, ROW = "column", "row"
 MOE_HF_READ_FORMATS = (QuantAlgo.FP8.value, QuantAlgo.NO_QUANT.value)
-"""quant_algo values whose unified HF checkpoint the gate's MoE reader reads (``MoE.hf_read``; ``checkpoint/hf_unified.py``
+"""quant_algo values whose unified HF checkpoint the gate's HF reader reads (``Family.hf_read``; ``checkpoint/hf_unified.py``
 ``dequantize_hf_moe``: FP8 weights, fused groups re-quantized as TensorRT-LLM loads them, or unquantized ones)."""
 MXFP4_READ_FORMATS = (QuantAlgo.W4A16_MXFP4.value,)
 """quant_algo values the gate reads of a family shipped with MXFP4 experts (``MoE.expert_format``; gpt-oss): its HF
@@ -95,20 +97,22 @@ class MoE:
     packed_experts: bool = False
     """The HF model stores every expert of a projection in one 3-D parameter (gpt-oss ``mlp.experts.gate_up_proj``
     ``[E, hidden, 2 x inter]``, gate/up rows interleaved), not one Linear per expert (``{e}`` names)."""
-    hf_read: bool = False
-    """The unified HF checkpoint of this MoE layout (one Linear per expert) is verified (``checkpoint/hf_verify.py``:
-    experts' layout, router unquantized) and read by the gate's MoE reader (``gate/moe_model.py``
-    ``load_hf_moe_model``); ``invoke build`` runs such a family on route llm_api (``Family.build_gaps(route)``)."""
     expert_format: str = ""
     """The format the family's own checkpoint stores its experts in ('' = the model dtype; gpt-oss: MXFP4,
     ``*_blocks``/``*_scales``, decoded by ``checkpoint/codecs.py`` ``dequant_mx_blocks``)."""
+
+    @property
+    def router_modules(self) -> tuple[str, ...]:
+        """HF modules (relative) kept unquantized and read as stored: the router and a shared-expert gate (Qwen2-MoE
+        ``mlp.shared_expert_gate``, ``[1, hidden]``): not quantizable linears (``hf_linear_shapes`` lists neither)."""
+        return (self.router_hf,) + tuple(s for s in self.shared_experts if s.endswith("_gate"))
 
     @property
     def router_patterns(self) -> tuple[str, ...]:
         """``exclude_modules`` patterns keeping the router (and a shared-expert gate) out of quantization: the router
         stays in the model dtype (TensorRT-LLM loads it as F32, ``mlp.router``) and a quantized one is refused by
         ``router_problems``."""
-        return (f"*{self.router_hf}",) + tuple(f"*{s}" for s in self.shared_experts if s.endswith("_gate"))
+        return tuple(f"*{m}" for m in self.router_modules)
 
 
 def _mxfp4_gaps(quant_algo: Optional[str], kv: Optional[str]) -> tuple[tuple[str, str], ...]:
@@ -144,41 +148,59 @@ class Family:
     sources: dict[str, str] = field(default_factory=dict)
     trtllm_config: dict = field(default_factory=dict)
     sliding_window: bool = False
+    hf_read: bool = False
+    """Its unified HF checkpoint (ModelOpt ``export_hf_checkpoint``, no decoder type) is verified
+    (``checkpoint/hf_verify.py``: experts' layout, router unquantized, the family's norms) and read by the gate's HF
+    reader (``gate/moe_model.py`` ``load_hf_moe_model``: the family's HF class fed the dequantized checkpoint), in
+    ``MOE_HF_READ_FORMATS``; ``invoke build`` runs it on route llm_api (``Family.build_gaps(route)``): Qwen3 (dense),
+    Qwen3-MoE, Mixtral, Qwen2-MoE."""
 
     # -- lookups
 
     def build_gaps(self, route: Optional[str] = None, quant_algo: Optional[str] = None,
                    kv_cache_quant_algo: Optional[str] = None) -> tuple[tuple[str, str], ...]:
         """(stage, what it lacks) for each build stage that cannot handle this family yet on ``route`` (None: on
-        every route it serves): ``quantize`` when no export decoder is wired (``export_decoder`` None), ``gate`` when
-        the gate has no checkpoint reader (``gate_reader`` None) -- except on the ``llm_api`` route for a MoE layout
-        whose unified HF checkpoint is verified and read (``MoE.hf_read``: ModelOpt's ``export_hf_checkpoint`` needs
-        no decoder type, the gate reads it with ``gate/moe_model.py``) in the formats that reader reads
-        (``MOE_HF_READ_FORMATS``, an unquantized KV cache; checked when ``quant_algo`` / ``kv_cache_quant_algo`` are
-        given). A family shipped with MXFP4 experts (``MoE.expert_format``, gpt-oss; served on llm_api only) is built
-        from its checkpoint as shipped in ``MXFP4_READ_FORMATS`` (``_mxfp4_gaps``). () for a family ``invoke build``
-        runs end to end (there). Planning needs none of them."""
-        if route is None and self.routes == ("llm_api",) and self.moe is not None and self.moe.expert_format:
+        every route it serves; a family served on llm_api only: that route): ``quantize`` when no export decoder is
+        wired (``export_decoder`` None), ``gate`` when the gate has no checkpoint reader (``gate_reader`` None) --
+        except on the ``llm_api`` route for a family whose unified HF checkpoint is verified and read (``hf_read``:
+        ModelOpt's ``export_hf_checkpoint`` needs no decoder type, the gate reads it with ``gate/moe_model.py``) in the
+        formats that reader reads (``MOE_HF_READ_FORMATS``, an unquantized KV cache; checked when ``quant_algo`` /
+        ``kv_cache_quant_algo`` are given). A family shipped with MXFP4 experts (``MoE.expert_format``, gpt-oss) is
+        built from its checkpoint as shipped in ``MXFP4_READ_FORMATS`` (``_mxfp4_gaps``). () for a family ``invoke
+        build`` runs end to end (there). Planning needs none of them."""
+        if route is None and self.routes == ("llm_api",):
             route = "llm_api"  # served on that route only
         if route == "llm_api" and self.moe is not None and self.moe.expert_format == "MXFP4":
             return _mxfp4_gaps(quant_algo, kv_cache_quant_algo)
-        if route == "llm_api" and self.moe is not None and self.moe.hf_read:
+        reader = "the gate's HF reader (gate/moe_model.py load_hf_moe_model)"
+        if route == "llm_api" and self.hf_read:
             if quant_algo is not None and quant_algo not in MOE_HF_READ_FORMATS:
-                return (("gate", f"the MoE reader (gate/moe_model.py) reads {' or '.join(MOE_HF_READ_FORMATS)} weights "
+                return (("gate", f"{reader} reads {' or '.join(MOE_HF_READ_FORMATS)} weights of {self.architecture} "
                                  f"only, not {quant_algo}"),)
             if kv_cache_quant_algo not in (None, KVCacheQuantAlgo.NONE.value):
-                return (("gate", f"the MoE reader (gate/moe_model.py) reads an unquantized KV cache only, not "
-                                 f"{kv_cache_quant_algo} (set quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
+                return (("gate", f"{reader} reads an unquantized KV cache only, not {kv_cache_quant_algo} (set "
+                                 f"quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
             return ()
         gaps = []
         if self.export_decoder is None:
             gaps.append(("quantize", "its ModelOpt export (the quantize stage's decoder type) is not wired "
-                                     "(spec/families.py export_decoder)"
-                         + ("; route llm_api builds it" if self.moe is not None and self.moe.hf_read else "")))
+                                     "(spec/families.py export_decoder)" + ("; route llm_api builds it" if self.hf_read else "")))
         if self.gate_reader is None:
-            gaps.append(("gate", "the accuracy gate has no reader of its checkpoints (spec/families.py gate_reader)"
-                         + ("; route llm_api reads it" if self.moe is not None and self.moe.hf_read else "")))
+            gaps.append(("gate", "the accuracy gate has no reader of its TensorRT-LLM checkpoints (spec/families.py "
+                                 "gate_reader)" + ("; route llm_api reads its unified HF checkpoint" if self.hf_read else "")))
         return tuple(gaps)
+
+    def hf_fused_groups(self, num_experts: int) -> tuple[tuple[str, ...], ...]:
+        """The HF linears (relative) TensorRT-LLM's PyTorch backend loads as one fused GEMM, each group once: q/k/v,
+        gate/up, each of ``num_experts`` experts' gate/up (``MoE.fused`` with ``{e}``), a shared expert's gate/up.
+        The unified HF checkpoint's verifier (``hf.fused_scales``) and the gate's HF reader read them."""
+        groups = list(self.fused)
+        for g in self.moe.fused if self.moe else ():
+            if any(EXPERT in m for m in g):
+                groups += [tuple(m.replace(EXPERT, str(e)) for m in g) for e in range(num_experts)]
+            else:
+                groups.append(g)
+        return tuple(groups)
 
     @property
     def bias_linears(self) -> tuple[str, ...]:
@@ -361,11 +383,13 @@ _QWEN3_SOURCES = {
               "Attention has no Q/K norm: the engine would drop q_norm/k_norm)",
     "trtllm_config": "tensorrt_llm/models/qwen/config.py at 0428c18 (qwen_type = model_type, line 91; attn_bias False for "
                      "qwen3, lines 120-124)",
+    "gate": "route llm_api: gate/moe_model.py load_hf_moe_model (an HF Qwen3ForCausalLM fed the dequantized unified HF "
+            "checkpoint, q_norm/k_norm as stored)",
 }
 _QWEN3 = Family(architecture="Qwen3ForCausalLM", model_type="qwen3", trtllm_class="QWenForCausalLM", export_decoder=None,
                 linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED,
                 norms={**_NORMS, "self_attn.q_norm": "attention.q_layernorm", "self_attn.k_norm": "attention.k_layernorm"},
-                routes=("llm_api",), trtllm_config={"qwen_type": "qwen3", "attn_bias": False},
+                routes=("llm_api",), trtllm_config={"qwen_type": "qwen3", "attn_bias": False}, hf_read=True,
                 sources={**_NAME_SOURCES, "model": f"{SRC_HF}; spec/model_arch.py", **_QWEN3_SOURCES})
 
 
@@ -378,8 +402,10 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            export_decoder="llama", linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, gate_reader="mistral",
            sliding_window=True, sources={**_NAME_SOURCES, **_MISTRAL_SOURCES}),
     Family(architecture="MixtralForCausalLM", model_type="mixtral", trtllm_class="LLaMAForCausalLM", export_decoder="llama",
-           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE,
-           sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT}),
+           linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, moe=_MIXTRAL_MOE, hf_read=True,
+           sources={**_NAME_SOURCES, "export": SRC_MODELOPT, "moe": SRC_CONVERT,
+                    "gate": "route llm_api: gate/moe_model.py load_hf_moe_model (an HF MixtralForCausalLM fed the "
+                            "dequantized unified HF checkpoint, block_sparse_moe.gate as stored)"}),
     Family(architecture="Qwen2ForCausalLM", model_type="qwen2", trtllm_class="QWenForCausalLM", export_decoder="qwen",
            linears=_LLAMA_LINEARS, fused=_LLAMA_FUSED, norms=_NORMS, attention_bias=True, gate_reader="qwen2",
            trtllm_config=_QWEN2_TRTLLM, sources={**_NAME_SOURCES, **_QWEN2_SOURCES}),
@@ -402,7 +428,7 @@ _QWEN3_MOE_SOURCES = {
     "routes": "engine: tensorrt_llm/models/qwen/config.py (qwen_type qwen3_moe); PyTorch backend: "
               "tensorrt_llm/_torch/models/modeling_qwen3_moe.py, checkpoints/hf/qwen3_moe_weight_mapper.py",
 }
-QWEN3_MOE = replace(_planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=replace(_QWEN_MOE, hf_read=True),
+QWEN3_MOE = replace(_planned("Qwen3MoeForCausalLM", "qwen3_moe", "QWenForCausalLM", moe=_QWEN_MOE, hf_read=True,
                              routes=("engine", "llm_api"), trtllm_versions=("1.2", "1.3"), sources=_QWEN3_MOE_SOURCES),
                     norms=_QWEN3.norms)  # Qwen3's QK-norm (transformers modeling_qwen3_moe.py Qwen3MoeAttention q_norm/k_norm)
 
@@ -437,7 +463,8 @@ GPT_OSS = Family(architecture="GptOssForCausalLM", model_type="gpt_oss", trtllm_
 # presets disable '*mlp.shared_expert_gate.*' like the router (modelopt/torch/quantization/config.py).
 _QWEN2_MOE_SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
                      "mlp.shared_expert_gate")
-QWEN2_MOE = replace(FAMILIES["Qwen2MoeForCausalLM"], moe=replace(_QWEN_MOE, shared_experts=_QWEN2_MOE_SHARED))
+QWEN2_MOE = replace(FAMILIES["Qwen2MoeForCausalLM"], hf_read=True, moe=replace(
+    _QWEN_MOE, shared_experts=_QWEN2_MOE_SHARED, fused=_QWEN_MOE.fused + (_QWEN2_MOE_SHARED[:2],)))  # shared gate/up fused
 FAMILIES.update({f.architecture: f for f in (QWEN2_MOE, QWEN3_MOE, GPT_OSS)})  # they replace the entries above
 
 _MX_EXPERTS = tuple(a.value for a in (QuantAlgo.NO_QUANT, QuantAlgo.W4A16_MXFP4, QuantAlgo.W4A8_MXFP4_FP8,
@@ -473,7 +500,7 @@ def router_problems(fam: Family, stored: dict[str, str]) -> list[tuple[str, str]
     (``MoE.router_patterns``; TensorRT-LLM loads the router as F32). [] for a dense family."""
     if fam.moe is None:
         return []
-    routers = {fam.moe.router_hf, fam.moe.router_trt} | {s for s in fam.moe.shared_experts if s.endswith("_gate")}
+    routers = {*fam.moe.router_modules, fam.moe.router_trt}
     out = []
     for name, dtype in stored.items():
         m = LAYER_RE.match(name.replace("transformer.layers.", "layers.", 1))
@@ -494,6 +521,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 """Architectures ``spec.model_arch`` reads (planned by resolve)."""
 EXPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for a, f in FAMILIES.items() if f.export_decoder)
 """Architectures the quantize stage exports (``Family.export_decoder``)."""
+HF_READ_ARCHITECTURES: tuple[str, ...] = tuple(a for a, f in FAMILIES.items() if f.hf_read)
+"""Architectures built on route llm_api through their unified HF checkpoint (``Family.hf_read``)."""
 GATE_ARCHITECTURES: tuple[str, ...] = tuple(a for a, f in FAMILIES.items() if f.gate_reader)
 """Architectures whose checkpoints the accuracy gate reads (``Family.gate_reader``); every other supported
 architecture is refused by ``invoke build`` at resolve (rule ``model.gate_reads``), before quantizing."""
@@ -517,12 +546,22 @@ KV_PROJECTIONS = _QKV[1:]
 """The HF linears that produce K and V (relative names): where a unified HF export stores the KV-cache scales."""
 
 
-def hf_linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+def num_experts_of(cfg: dict) -> int:
+    """The routed experts a config.json gives: ``num_local_experts`` (Mixtral, gpt-oss) or ``num_experts`` (Qwen-MoE); 0
+    for a dense model (``spec/model_arch.py`` reads the same keys)."""
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+
+
+def hf_linear_shapes(cfg: dict, fam: Optional[Family] = None) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each HF linear of a Llama-layout decoder layer (relative name) and of ``lm_head``, from
     ``config.json`` (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
-    vocab_size); with ``num_experts`` and ``moe_intermediate_size`` (Qwen-MoE) also each expert's
-    ``mlp.experts.{e}.gate_proj/up_proj [moe_inter, hidden]``, ``down_proj [hidden, moe_inter]``. Raises
-    KeyError/ValueError for a config without them."""
+    vocab_size); for a MoE family (``fam``, default: the config's ``architectures[0]``, else Qwen-MoE's names) with
+    experts (``num_experts_of``) also each expert's linears under the family's names (``MoE.experts``; Qwen-MoE
+    ``mlp.experts.{e}.gate_proj/up_proj [moe_inter, hidden]``, ``down_proj [hidden, moe_inter]``; Mixtral
+    ``block_sparse_moe.experts.{e}.w1/w3 [inter, hidden]``, ``w2 [hidden, inter]``; the expert width is
+    ``moe_intermediate_size``, else ``intermediate_size``) and a shared expert's (Qwen2-MoE ``mlp.shared_expert.*``,
+    ``shared_expert_intermediate_size``); the router and the shared-expert gate are no linears here
+    (``MoE.router_modules``). Raises KeyError/ValueError for a config without them."""
     h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     nkv, inter = int(cfg.get("num_key_value_heads") or nh), int(cfg["intermediate_size"])
     hd = int(cfg.get("head_dim") or h // nh)
@@ -530,11 +569,17 @@ def hf_linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     out = {q: (nh * hd, h), k: (nkv * hd, h), v: (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
            "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
            "lm_head": (int(cfg["vocab_size"]), h)}
-    if cfg.get("num_experts") and cfg.get("moe_intermediate_size"):  # Qwen-MoE experts (_QWEN_MOE names), one Linear each
-        mi = int(cfg["moe_intermediate_size"])
-        for e in range(int(cfg["num_experts"])):
-            for rel, shape in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
-                out[f"mlp.experts.{e}.{rel}"] = shape
+    fam = fam or FAMILIES.get((cfg.get("architectures") or [None])[0])
+    moe = fam.moe if fam is not None and fam.moe is not None else _QWEN_MOE
+    n_exp = num_experts_of(cfg)
+    if n_exp and not moe.packed_experts:  # one Linear per expert (gpt-oss packs them: checkpoint/mxfp4_verify.py)
+        mi = int(cfg.get("moe_intermediate_size") or inter)
+        for e in range(n_exp):
+            for lin in moe.experts:
+                out[lin.hf.replace(EXPERT, str(e))] = (mi, h) if lin.parallel == COLUMN else (h, mi)
+        si = int(cfg.get("shared_expert_intermediate_size") or 0)
+        for rel in (s for s in moe.shared_experts if s not in moe.router_modules):
+            out[rel] = (si, h) if not rel.endswith("down_proj") else (h, si)
     return out
 
 
@@ -638,7 +683,7 @@ def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, 
     return tuple(frozenset(s) for s in per_layer), head
 
 
-__all__ = ["MOE_HF_READ_FORMATS", "Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
+__all__ = ["MOE_HF_READ_FORMATS", "num_experts_of", "hf_linear_shapes", "Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
            "router_problems", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
-           "GATE_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
+           "GATE_ARCHITECTURES", "HF_READ_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
            "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
