@@ -303,8 +303,11 @@ LONG_PROMPT = "The capital of France is Paris. The capital of Spain is"
 """42 prompt tokens with the chat template: over ``ROUTES_LONG_TOKENS`` (``LOAD_PROMPT`` is not)."""
 LOAD_KINDS = {"short": (LOAD_PROMPT, None), "strict": (LOAD_PROMPT, "strict"), "long": (LONG_PROMPT, None)}
 """kind -> (prompt, the request's ``precision_tier``)."""
-LOAD_MIX = ("short", "strict", "short", "long", "short", "strict", "short", "short")
-"""The load's requests in turn: a quarter on tier strict, an eighth long prompts, the rest short (1 new token each)."""
+LOAD_MIX = ("short", "short", "strict", "strict", "short", "short", "long", "long") + ("short",) * 4 + ("strict", "strict",
+                                                                                        "short", "short")
+"""The load's requests in turn: a quarter on tier strict, an eighth long prompts, the rest short (1 new token each); the
+even and the odd turns each hold all three kinds in these shares, so the BLS's 50 % canary (every other request) gets
+all kinds too."""
 
 
 def routes_table() -> dict:
@@ -429,13 +432,16 @@ class RoutedLoad:
                 out[(kind, route, unit, rule, reason)] = out.get((kind, route, unit, rule, reason), 0) + 1
         return out
 
-    def latency(self, phase: str) -> dict:
-        """{"route unit-name rule": (median ms, n)} of the requests routed inside ``phase``."""
+    def report(self, phase: str, roles: dict) -> str:
+        """What ``phase``'s requests got: per kind the (route, unit's role in ``roles``, rule) and the count, and the
+        median client latency (ms) per (route, role, rule) with its count."""
         by: dict = {}
-        for sent, answered, _, route, unit, rule, _, ms in self.seen:
+        for sent, answered, kind, route, unit, rule, _, ms in self.seen:
             if sent == answered == phase:
-                by.setdefault(f"{route} {unit[:16]} {rule or '-'}", []).append(ms)
-        return {k: (round(sorted(v)[len(v) // 2]), len(v)) for k, v in by.items()}
+                by.setdefault(f"{route} {roles.get(unit, unit)} {rule or '-'}", {}).setdefault(kind, []).append(ms)
+        return "; ".join(f"{k}: " + ", ".join(f"{kind} {len(v)}" for kind, v in sorted(kinds.items()))
+                         + f" (median {sorted(sum(kinds.values(), []))[sum(map(len, kinds.values())) // 2]:.0f} ms)"
+                         for k, kinds in sorted(by.items()))
 
 
 def _bls_requests_by_rule(srv) -> dict:
@@ -468,7 +474,8 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
 
     repo, srv = served
     llm_repo, llm_unit = llm_api_packed
-    engine = units["stable"] if release_state.read_state(repo)["current"] != units["stable"].engine_unit else units["healthy"]
+    before = release_state.read_state(repo)["current"]
+    engine = units["stable"] if before != units["stable"].engine_unit else units["healthy"]
     table = routes_table()
     probes, phases, secs = [], {}, {}
 
@@ -525,8 +532,9 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
     print(f"\n[routes] {stats['requests']} BLS requests, {stats['failed']} failed, {seconds:.1f} s; phases {phases}; "
           f"seconds per step {secs}; per model (Triton success counters, whole module) {counts}; "
           f"probe {probes[0].summary()}")
+    roles = {before: "previous", engine.engine_unit: "engine", llm_unit: "llm_api", fb: "bf16-fallback"}
     for ph in phases:
-        print(f"[routes] {ph}: {sorted(load.served(ph).items())}; median ms {load.latency(ph)}")
+        print(f"[routes] {ph}: {load.report(ph, roles)}")
     print(f"[routes] BLS requests by (unit, route, rule) {metrics['requests']}; signal switches {metrics['switches']}")
     assert stats["failed"] == 0 and stats["requests"] >= ROUTES_REQUESTS, stats["errors"][:3]
     assert min(phases.values()) >= ROUTES_PHASE_REQUESTS
@@ -547,14 +555,15 @@ def test_engine_release_llm_api_rollout_and_rollback_under_load(served, units, p
         "strict": ("fallback", fb, "strict-tier", "tier strict"),
         "long": ("fallback", fb, "long-prompts", f"prompt_tokens 42 > {ROUTES_LONG_TOKENS}")}[kind])
     only("after rollback", engine_only)  # the table left with the LLM-API release
-    canary = load.served("canary 50 %")
-    assert {k[1:] for k in canary} == {("stable", engine.engine_unit, None, None), ("canary", llm_unit, None, None)}, canary
+    canary = load.served("canary 50 %")  # the stable release's table decides (none): the candidate's applies at 100 %
+    assert set(canary) == {(kind, *unit) for kind in kinds for unit in (("stable", engine.engine_unit, None, None),
+                                                                        ("canary", llm_unit, None, None))}, canary
     on = {r: sum(v for k, v in canary.items() if k[1] == r) for r in ("stable", "canary")}
     assert abs(on["canary"] - on["stable"]) <= 5, on  # the BLS's deterministic split: every other request
     assert sum(v for k, v in routed.items() if k[0] == "strict") >= 0.2 * phases["llm_api release"]
     # every answer at all (the phases' and the transitions'): one of the three units; the rules only on the LLM-API release
-    assert {(s[3], s[4]) for s in load.seen} <= {("stable", engine.engine_unit), ("canary", llm_unit), ("stable", llm_unit),
-                                                 ("fallback", fb)}
+    assert {(s[3], s[4]) for s in load.seen} <= {("stable", before), ("stable", engine.engine_unit), ("canary", llm_unit),
+                                                 ("stable", llm_unit), ("fallback", fb)}
     assert len(load.seen) == stats["requests"]
     # the server's own counters agree: every fallback request was routed there by the table, none by a switch of `busy`
     for rule in ("strict-tier", "long-prompts"):
