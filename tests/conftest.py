@@ -269,6 +269,49 @@ def gate_cache(tmp_path_factory):
     return None
 
 
+GATE_SUBSET = {"prompts_per_category": 1, "heldout_tokens": 128, "greedy_new_tokens": 3, "bootstrap_resamples": 200}
+"""The ``GateOptions`` of the gate tests' runs on the default model (tests/gate/test_gate.py's ``SUBSET``, ``fp8_gates``,
+tests/gate/test_family_transplant.py): one golden prompt per category, 128 held-out tokens, 3 greedy tokens; one set
+of options, so one entry of the gate's reference cache serves them all."""
+
+
+def read_gate_result(out_dir: Path):
+    """The ``GateResult`` of a finished gate folder (metrics.json, per_token.npz), as ``run_gate`` returned it (the
+    metrics as written to metrics.json: JSON types)."""
+    import json
+
+    import numpy as np
+
+    from precision_pipeline.gate.verdict import GateResult
+
+    metrics = json.loads((Path(out_dir) / "metrics.json").read_text())
+    with np.load(Path(out_dir) / "per_token.npz") as z:
+        per_token = {k: z[k] for k in z.files}
+    return GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
+
+
+@pytest.fixture(scope="session")
+def fp8_gates(tmp_path_factory, fp8_checkpoint, fp8_hf_checkpoint, default_model_dir, gate_cache) -> dict:
+    """{"engine": GateResult of the fp8 test checkpoint (TensorRT-LLM layout), "llm_api": GateResult of its unified HF
+    export}, gated on ``GATE_SUBSET`` against the default model with fp8-h100's thresholds, read by
+    tests/gate/test_gate.py, tests/checkpoint/test_hf_unified.py and tests/gate/test_family_transplant.py (each ran
+    these gate runs of its own before: 5 runs, now 2). Once per run (``once_per_run``). The HF export runs first,
+    so the engine run always reads the reference that run read or wrote in the gate's cache (``hit`` True);
+    only the engine run writes the reports (the HF run's are not read)."""
+    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
+    from precision_pipeline.gate.options import GateOptions, GateRuntime
+    from precision_pipeline.spec.profile import load_profile
+
+    def make(folder):
+        thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
+        for route, ckpt in (("llm_api", fp8_hf_checkpoint), ("engine", fp8_checkpoint)):
+            gate_checkpoint(ckpt, default_model_dir, thr, folder / route, GateOptions(**GATE_SUBSET),
+                            GateRuntime(progress=False, reference_cache=gate_cache, write_report=route == "engine"))
+
+    folder = once_per_run(tmp_path_factory, "fp8-gates", make)
+    return {route: read_gate_result(folder / route) for route in ("engine", "llm_api")}
+
+
 @pytest.fixture(scope="session")
 def smollm_2layers(tmp_path_factory, default_model_dir) -> Path:
     """SmolLM2-135M-Instruct cut to its first 2 decoder layers (same tokenizer, same weights):
