@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from pathlib import Path
 
 import pytest
+
+atexit.register(gc.freeze)  # a test process's exit without walking every object torch made (as tasks.py does)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
