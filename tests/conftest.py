@@ -450,15 +450,17 @@ def invoke_here(capfd, monkeypatch):
 
 
 HEAVIEST_FILES = (
-    "tests/core/test_stages.py", "tests/test_nightly.py", "tests/serving/test_rollout.py",
+    "tests/serving/test_rollout.py", "tests/core/test_stages.py", "tests/test_nightly.py",
     "tests/serving/test_release.py", "tests/serving/test_observability.py",
     "tests/checkpoint/test_hf_unified.py", "tests/gate/test_gate_mutations.py", "tests/gate/test_gate.py",
     "tests/serving/test_serve.py", "tests/quantize/test_mixed_precision.py",
 )
 """The files that take longest (README "Suite time": their tests share one server or build per module, several
 minutes each): under pytest-xdist they are handed out first (``invoke test`` passes ``--no-loadscope-reorder``), so
-that no worker starts one of them while the other has nothing left to do. Only the order; a missing or stale entry
-costs time, never a result."""
+that no worker starts one of them while the other has nothing left to do. test_rollout.py (~550 s, a third of the
+suite's CPU time) first, at the start of the run: its worker is the run's critical path once the rest shrinks (xdist
+gives a worker its next file when at most 2 of its tests are pending, so the file it takes during test_rollout.py's
+last two tests, ~480 s, waits for them). Only the order; a missing or stale entry costs time, never a result."""
 
 
 LAST_FILES = ("tests/serving/test_release_live.py",)
