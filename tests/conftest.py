@@ -395,13 +395,20 @@ run (the gate's own numbers are tested in tests/gate/ on their own subsets)."""
 
 def use_small_gate(mp: pytest.MonkeyPatch) -> dict:
     """Make run_build's gate stage measure ``SMALL_GATE`` (patched with ``mp``; every phase still runs:
-    reference, noise floor, candidate, held-out perplexity, greedy). Returns ``SMALL_GATE``."""
+    reference, noise floor, candidate, held-out perplexity, greedy) and render no reports (metrics.json and
+    per_token.npz are written; report.md, report.html and the PNGs, ~1.7 s of CPU a run, are views no stage reads and
+    these tests do not read: as ``GateRuntime(write_report=False)``, which never changes a number). Returns
+    ``SMALL_GATE``."""
     import functools
 
+    from precision_pipeline.gate import checkpoint_gate
     from precision_pipeline.gate import stage as gate_stage
     from precision_pipeline.gate.options import GateOptions
 
     mp.setattr(gate_stage, "GateOptions", functools.partial(GateOptions, **SMALL_GATE))
+    write = checkpoint_gate.write_gate_dir
+    mp.setattr(checkpoint_gate, "write_gate_dir",
+               lambda result, heatmap_png=None, write_report=True: write(result, heatmap_png, write_report=False))
     return SMALL_GATE
 
 
