@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from pathlib import Path
 
 import pytest
+
+atexit.register(gc.freeze)  # a test process's exit without walking every object torch made (as tasks.py does)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -269,6 +273,49 @@ def gate_cache(tmp_path_factory):
     return None
 
 
+GATE_SUBSET = {"prompts_per_category": 1, "heldout_tokens": 128, "greedy_new_tokens": 3, "bootstrap_resamples": 200}
+"""The ``GateOptions`` of the gate tests' runs on the default model (tests/gate/test_gate.py's ``SUBSET``, ``fp8_gates``,
+tests/gate/test_family_transplant.py): one golden prompt per category, 128 held-out tokens, 3 greedy tokens; one set
+of options, so one entry of the gate's reference cache serves them all."""
+
+
+def read_gate_result(out_dir: Path):
+    """The ``GateResult`` of a finished gate folder (metrics.json, per_token.npz), as ``run_gate`` returned it (the
+    metrics as written to metrics.json: JSON types)."""
+    import json
+
+    import numpy as np
+
+    from precision_pipeline.gate.verdict import GateResult
+
+    metrics = json.loads((Path(out_dir) / "metrics.json").read_text())
+    with np.load(Path(out_dir) / "per_token.npz") as z:
+        per_token = {k: z[k] for k in z.files}
+    return GateResult(metrics["passed"], metrics["failures"], metrics, Path(out_dir), per_token)
+
+
+@pytest.fixture(scope="session")
+def fp8_gates(tmp_path_factory, fp8_checkpoint, fp8_hf_checkpoint, default_model_dir, gate_cache) -> dict:
+    """{"engine": GateResult of the fp8 test checkpoint (TensorRT-LLM layout), "llm_api": GateResult of its unified HF
+    export}, gated on ``GATE_SUBSET`` against the default model with fp8-h100's thresholds, read by
+    tests/gate/test_gate.py, tests/checkpoint/test_hf_unified.py and tests/gate/test_family_transplant.py (each ran
+    these gate runs of its own before: 5 runs, now 2). Once per run (``once_per_run``). The HF export runs first,
+    so the engine run always reads the reference that run read or wrote in the gate's cache (``hit`` True);
+    only the engine run writes the reports (the HF run's are not read)."""
+    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
+    from precision_pipeline.gate.options import GateOptions, GateRuntime
+    from precision_pipeline.spec.profile import load_profile
+
+    def make(folder):
+        thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
+        for route, ckpt in (("llm_api", fp8_hf_checkpoint), ("engine", fp8_checkpoint)):
+            gate_checkpoint(ckpt, default_model_dir, thr, folder / route, GateOptions(**GATE_SUBSET),
+                            GateRuntime(progress=False, reference_cache=gate_cache, write_report=route == "engine"))
+
+    folder = once_per_run(tmp_path_factory, "fp8-gates", make)
+    return {route: read_gate_result(folder / route) for route in ("engine", "llm_api")}
+
+
 @pytest.fixture(scope="session")
 def smollm_2layers(tmp_path_factory, default_model_dir) -> Path:
     """SmolLM2-135M-Instruct cut to its first 2 decoder layers (same tokenizer, same weights):
@@ -348,13 +395,20 @@ run (the gate's own numbers are tested in tests/gate/ on their own subsets)."""
 
 def use_small_gate(mp: pytest.MonkeyPatch) -> dict:
     """Make run_build's gate stage measure ``SMALL_GATE`` (patched with ``mp``; every phase still runs:
-    reference, noise floor, candidate, held-out perplexity, greedy). Returns ``SMALL_GATE``."""
+    reference, noise floor, candidate, held-out perplexity, greedy) and render no reports (metrics.json and
+    per_token.npz are written; report.md, report.html and the PNGs, ~1.7 s of CPU a run, are views no stage reads and
+    these tests do not read: as ``GateRuntime(write_report=False)``, which never changes a number). Returns
+    ``SMALL_GATE``."""
     import functools
 
+    from precision_pipeline.gate import checkpoint_gate
     from precision_pipeline.gate import stage as gate_stage
     from precision_pipeline.gate.options import GateOptions
 
     mp.setattr(gate_stage, "GateOptions", functools.partial(GateOptions, **SMALL_GATE))
+    write = checkpoint_gate.write_gate_dir
+    mp.setattr(checkpoint_gate, "write_gate_dir",
+               lambda result, heatmap_png=None, write_report=True: write(result, heatmap_png, write_report=False))
     return SMALL_GATE
 
 
@@ -403,15 +457,17 @@ def invoke_here(capfd, monkeypatch):
 
 
 HEAVIEST_FILES = (
-    "tests/core/test_stages.py", "tests/test_nightly.py", "tests/serving/test_rollout.py",
+    "tests/serving/test_rollout.py", "tests/core/test_stages.py", "tests/test_nightly.py",
     "tests/serving/test_release.py", "tests/serving/test_observability.py",
     "tests/checkpoint/test_hf_unified.py", "tests/gate/test_gate_mutations.py", "tests/gate/test_gate.py",
     "tests/serving/test_serve.py", "tests/quantize/test_mixed_precision.py",
 )
 """The files that take longest (README "Suite time": their tests share one server or build per module, several
 minutes each): under pytest-xdist they are handed out first (``invoke test`` passes ``--no-loadscope-reorder``), so
-that no worker starts one of them while the other has nothing left to do. Only the order; a missing or stale entry
-costs time, never a result."""
+that no worker starts one of them while the other has nothing left to do. test_rollout.py (~550 s, a third of the
+suite's CPU time) first, at the start of the run: its worker is the run's critical path once the rest shrinks (xdist
+gives a worker its next file when at most 2 of its tests are pending, so the file it takes during test_rollout.py's
+last two tests, ~480 s, waits for them). Only the order; a missing or stale entry costs time, never a result."""
 
 
 LAST_FILES = ("tests/serving/test_release_live.py",)

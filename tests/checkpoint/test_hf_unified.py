@@ -113,17 +113,13 @@ def test_the_hf_export_of_the_fp8_checkpoint(fp8_hf_checkpoint, fp8_checkpoint):
 
 
 @pytest.mark.slow
-def test_the_gate_reads_both_layouts_alike(fp8_hf_checkpoint, fp8_checkpoint, default_model_dir, gate_cache, tmp_path):
+def test_the_gate_reads_both_layouts_alike(fp8_hf_checkpoint, fp8_checkpoint, fp8_gates):
     """Same calibrated quantizers, two exports: the gate's models agree. Every activation scale is equal (q/k/v and
     gate/up take the max, as the runtime does); the weights differ in 2-7.5% of the elements by one FP8 step (measured:
     ModelOpt's TensorRT-LLM export rounds w/s from BF16 and re-quantizes the fused QKV from the float weight, the HF
     export rounds from FP32 and the runtime re-quantizes the FP8 parts), so the gate's numbers agree within their
     intervals (not to float tolerance: the two exports are different checkpoints of one calibration)."""
     import torch
-
-    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
-    from precision_pipeline.gate.options import GateOptions, GateRuntime
-    from precision_pipeline.spec.profile import load_profile
 
     from precision_pipeline.checkpoint.hf_unified import RUNTIME_FP8_KV_SCALE, dequantize_hf_checkpoint
     from precision_pipeline.checkpoint.reader import dequantize_checkpoint
@@ -137,16 +133,11 @@ def test_the_gate_reads_both_layouts_alike(fp8_hf_checkpoint, fp8_checkpoint, de
     assert torch.equal(a.linears["transformer.layers.0.attention.qkv"].weight, b.linears["transformer.layers.0.attention.qkv"].weight)
     for i in range(30):
         assert torch.equal(a.kv_scales[i][0], b.kv_scales[i][0]) and a.kv_scales[i][1][0].item() == RUNTIME_FP8_KV_SCALE
-    # the gate on a golden subset: one reference (not keyed by the route), numbers within each other's intervals.
-    # The reference comes from the gate's cache (``gate_cache``: these are tests/gate/test_gate.py's SUBSET options,
-    # so it is usually there already); the second run reads the same entry the first one read or wrote.
-    thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
-    opts = GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200)
-    trt = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, tmp_path / "g1", opts, GateRuntime(progress=False,
-                                                                                                   reference_cache=gate_cache))
-    hf = gate_checkpoint(fp8_hf_checkpoint, default_model_dir, thr, tmp_path / "g2", opts, GateRuntime(progress=False,
-                                                                                                     reference_cache=gate_cache))
-    assert hf.metrics["reference_cache"]["hit"] is True
+    # the gate on a golden subset (``fp8_gates``, tests/conftest.py: ``gate_checkpoint`` of both exports on the
+    # ``GATE_SUBSET`` of tests/gate/test_gate.py, HF export first): one reference (not keyed by the route), the second
+    # run reads the entry of the gate's cache that the first one read or wrote; numbers within each other's intervals.
+    trt, hf = fp8_gates["engine"], fp8_gates["llm_api"]
+    assert trt.metrics["reference_cache"]["hit"] is True
     assert hf.metrics["reference_cache"]["key"] == trt.metrics["reference_cache"]["key"]
     assert hf.metrics["checkpoint_quantization"]["quant_algo"] == "FP8" and hf.metrics["scales"] is None
     mt, mh = trt.metrics["metrics"], hf.metrics["metrics"]

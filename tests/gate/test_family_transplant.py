@@ -6,9 +6,11 @@ routes: the TensorRT-LLM checkpoint (engine route; Qwen2 exported with ModelOpt'
 "llama") and ModelOpt's unified HF checkpoint (llm_api route). Each family's checkpoint passes its verification
 rules (``verify.family`` / ``hf.biases``) and the gate's model is the family's HF class with its biases / window.
 
-Cost: the checkpoints are cached like the other test checkpoints (keyed by the transplant's content fingerprint) and
-the gate's FP32 reference and BF16 floor of each transplant in the gate's reference cache; one golden subset (1 prompt
-per category, 128 held-out tokens, 3 greedy tokens) is shared by the three families (``family_gates``)."""
+Cost: the transplanted models and their checkpoints are cached like the other test checkpoints (``cached_transplant``;
+the checkpoints keyed by the transplant's content fingerprint) and the gate's FP32 reference and BF16 floor of each
+transplant in the gate's reference cache; one golden subset (tests/conftest.py ``GATE_SUBSET``: 1 prompt per category,
+128 held-out tokens, 3 greedy tokens) is shared by the three families (``family_gates``), and the Llama build's two gate
+runs are those of ``fp8_gates`` (shared with tests/gate/test_gate.py and tests/checkpoint/test_hf_unified.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.gate.options import GateOptions, GateRuntime
+from tests.conftest import GATE_SUBSET
 
-SUBSET = GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200)
+SUBSET = GateOptions(**GATE_SUBSET)
 SLIDING_WINDOW = 8192
 """The Mistral transplant's window: the default model's max_position_embeddings, longer than any golden prompt."""
 COPIED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
@@ -64,32 +67,57 @@ def transplant(model_dir: Path, arch: str, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def transplants(default_model_dir, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("transplants")
-    return {arch: transplant(default_model_dir, arch, root / arch) for arch in ("Qwen2ForCausalLM", "MistralForCausalLM")}
+def cached_transplant(model_dir: Path, arch: str, root: Path) -> Path:
+    """``transplant(model_dir, arch, ...)`` made once per machine under ``root`` (the test checkpoints' cache,
+    ``checkpoint_cache_root``) as ``transplant-<arch>-<key>/model``, keyed by the model's content fingerprint, the
+    transformers version, ``transplant``'s source, ``COPIED`` and ``SLIDING_WINDOW``; built under a
+    file lock into a folder swapped in whole (``atomic_dir``), as ``build_test_checkpoint`` does. Returns the folder."""
+    import importlib.metadata as md
+    import inspect
+
+    from precision_pipeline.core.fingerprint import model_fingerprint
+    from precision_pipeline.core.store import atomic_dir, hash_obj, locked
+
+    key = hash_obj({"model": model_fingerprint(model_dir).sha256, "transformers": md.version("transformers"),
+                    "src": inspect.getsource(transplant), "copied": COPIED, "window": SLIDING_WINDOW})[:16]
+    folder = Path(root) / f"transplant-{arch}-{key}"
+    with locked(Path(root) / f".transplant-{arch}.lock", timeout_s=3600):
+        if not (folder / "done").is_file():
+            with atomic_dir(folder) as tmp:
+                transplant(model_dir, arch, tmp / "model")
+                (tmp / "done").write_text("ok\n")
+    return folder / "model"
 
 
 @pytest.fixture(scope="session")
-def family_gates(default_model_dir, transplants, fp8_checkpoint, fp8_hf_checkpoint, checkpoint_cache_root,
+def transplants(default_model_dir, checkpoint_cache_root) -> dict[str, Path]:
+    return {arch: cached_transplant(default_model_dir, arch, checkpoint_cache_root)
+            for arch in ("Qwen2ForCausalLM", "MistralForCausalLM")}
+
+
+@pytest.fixture(scope="session")
+def family_gates(default_model_dir, transplants, fp8_gates, checkpoint_cache_root,
                  tmp_path_factory) -> dict[tuple[str, str], dict]:
     """{(architecture, route): {"metrics" (metrics.json), "verify" (the verifier's summary), "ckpt"}} for the Llama
-    build and both transplants on both routes, gated on ``SUBSET`` against each model's own FP32 reference."""
+    build (``fp8_gates``) and both transplants on both routes, gated on ``SUBSET`` against each model's own FP32
+    reference (the transplants' runs write no reports: nothing here reads them)."""
     from precision_pipeline.checkpoint.verify import verify_checkpoint
     from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
     from precision_pipeline.spec.profile import load_profile
     from tests.conftest import build_hf_export, build_test_checkpoint
 
     cache = tmp_path_factory.mktemp("gate-ref") if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") == "0" else None
-    runtime = GateRuntime(progress=False, reference_cache=cache)
-    models = {"LlamaForCausalLM": default_model_dir, **transplants}
+    runtime = GateRuntime(progress=False, reference_cache=cache, write_report=False)
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
     out: dict[tuple[str, str], dict] = {}
-    for arch, model_dir in models.items():
-        builds = {"engine": fp8_checkpoint, "llm_api": fp8_hf_checkpoint} if arch == "LlamaForCausalLM" else {
-            "engine": build_test_checkpoint("fp8", model_dir, checkpoint_cache_root),
-            "llm_api": build_hf_export("fp8", model_dir, checkpoint_cache_root)}
+    for route, res in fp8_gates.items():
+        ckpt = Path(res.metrics["checkpoint_dir"])
+        out[("LlamaForCausalLM", route)] = {"metrics": res.metrics, "verify": verify_checkpoint(ckpt, fp8), "ckpt": ckpt}
+    for arch, model_dir in transplants.items():
+        builds = {"engine": build_test_checkpoint("fp8", model_dir, checkpoint_cache_root),
+                  "llm_api": build_hf_export("fp8", model_dir, checkpoint_cache_root)}
         for route, ckpt in builds.items():
-            summary = verify_checkpoint(ckpt, {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"})
+            summary = verify_checkpoint(ckpt, fp8)
             thr = load_profile("fp8-h100").gate.for_model_dir(model_dir)
             res = gate_checkpoint(ckpt, model_dir, thr, tmp_path_factory.mktemp("gate") / "gate", SUBSET, runtime)
             out[(arch, route)] = {"metrics": res.metrics, "verify": summary, "ckpt": ckpt}

@@ -19,6 +19,7 @@ from precision_pipeline.gate.metrics import bootstrap_ci, compare_generations, k
 from precision_pipeline.gate.verdict import _check
 from precision_pipeline.gate.options import GateOptions, GateRuntime
 from precision_pipeline.spec.profile import GateThresholds, load_profile
+from tests.conftest import GATE_SUBSET
 
 # ------------------------------------------------------------------------------------------------
 # Metric core
@@ -160,7 +161,7 @@ def test_reference_key_hashes_gate_options(default_model_dir):
 # ------------------------------------------------------------------------------------------------
 # End to end on the default model (small subset)
 
-SUBSET = GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200)
+SUBSET = GateOptions(**GATE_SUBSET)  # tests/conftest.py: shared with fp8_gates and the transplant test
 
 
 def _runtime(cache) -> GateRuntime:
@@ -295,15 +296,14 @@ def test_engine_gate_skips_without_tensorrt_llm(tmp_path, default_model_dir):
 
 
 @pytest.mark.slow
-def test_fp8_checkpoint_gate(default_model_dir, fp8_checkpoint, gate_cache, tmp_path, self_gate):
-    """The pipeline's entry point on a real exported FP8 (+FP8 KV) checkpoint: quantization costs
-    clearly more than the BF16 floor, and the fp8-h100 budget holds on this subset."""
-    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
-
-    thr = load_profile("fp8-h100").gate.for_model_dir(default_model_dir)
-    res = gate_checkpoint(fp8_checkpoint, default_model_dir, thr, tmp_path / "gate", SUBSET, _runtime(gate_cache))
+def test_fp8_checkpoint_gate(fp8_checkpoint, fp8_gates, self_gate):
+    """The pipeline's entry point on a real exported FP8 (+FP8 KV) checkpoint (``gate_checkpoint``, run by
+    ``fp8_gates`` on ``SUBSET``): quantization costs clearly more than the BF16 floor, and the fp8-h100 budget holds
+    on this subset; the reference is the one the model's own gate run (``self_gate``) used, from the gate's cache."""
+    res = fp8_gates["engine"]
     m = res.metrics["metrics"]
     assert res.metrics["reference_cache"]["hit"] is True
+    assert res.metrics["reference_cache"]["key"] == self_gate.metrics["reference_cache"]["key"]
     assert m["kl_mean"]["value"] > 5 * m["kl_mean"]["noise_floor"]
     assert m["top1"]["value"] < m["top1"]["noise_floor"]
     assert 0.0 < m["ppl_delta_pct"]["value"] < 10.0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import shutil
 import struct
 import zlib
@@ -287,27 +286,14 @@ def test_dom_of_failing_synthetic_report(browser, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def real_gate(tmp_path_factory, request) -> tuple[Path, int]:
+def real_gate(request) -> tuple[Path, int]:
     """A real gate directory and its minimum prompt count: the fp8-h100 build's (full golden set)
-    when ``artifacts/`` has one, else a real gate run here on the fp8 test checkpoint with one
-    prompt per category (as on a fresh clone / in CI)."""
+    when ``artifacts/`` has one, else the real gate run of the fp8 test checkpoint with one prompt per category
+    (as on a fresh clone / in CI): ``fp8_gates``' engine run (tests/conftest.py, once per test run, with reports).
+    Read only: the tests copy its files."""
     if (REAL_GATE / "metrics.json").is_file() and (REAL_GATE / "per_token.npz").is_file():
         return REAL_GATE, 60
-    from precision_pipeline.gate.checkpoint_gate import gate_checkpoint
-    from precision_pipeline.gate.options import GateOptions, GateRuntime
-    from precision_pipeline.spec.profile import load_profile
-
-    ckpt = request.getfixturevalue("fp8_checkpoint")
-    model_dir = request.getfixturevalue("default_model_dir")
-    root = tmp_path_factory.mktemp("real-gate")
-    thr = load_profile("fp8-h100").gate.for_model_dir(model_dir)
-    gate_checkpoint(ckpt, model_dir, thr, root / "gate",
-                    GateOptions(prompts_per_category=1, heldout_tokens=128, greedy_new_tokens=3, bootstrap_resamples=200),
-                    # the gate's own reference cache (<cache>/gate-ref; the same options as test_gate.py's SUBSET, so
-                    # usually computed already): the reference and BF16 floor are ~3/4 of a cold run
-                    GateRuntime(progress=False, reference_cache=None if os.environ.get("PRECISION_TEST_CKPT_CACHE", "1") != "0"
-                                else root / "ref"))
-    return root / "gate", 6
+    return request.getfixturevalue("fp8_gates")["engine"].out_dir, 6
 
 
 def _rerender_real_gate(src: Path, tmp_path: Path) -> Path:

@@ -14,7 +14,6 @@ import http.server
 import json
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -299,13 +298,12 @@ def test_one_span_per_request_with_the_packed_path_on_a_real_otlp_receiver(obs_s
         assert parent.trace_id == s.trace_id and res.get("service.name") == TRACE_SERVICE_NAME
 
 
-def test_invoke_probe_records_history(obs_served, gate_dir):
+def test_invoke_probe_records_history(obs_served, gate_dir, invoke_here):
+    """``invoke probe`` (run by Invoke's own program in this process, ``invoke_here``: no new Python importing torch)."""
     repo, srv = obs_served
     stable = release_state.read_state(repo)["current"]
     n0 = len(release_state.read_state(repo)["history"])
-    p = subprocess.run([sys.executable, "-m", "invoke", "probe", "--url", srv.http_url, "--repo", str(repo),
-                        "--gate", str(gate_dir), "--prompts", "2"], cwd=REPO_ROOT, capture_output=True, text=True,
-                       timeout=300)
+    p = invoke_here("probe", "--url", srv.http_url, "--repo", str(repo), "--gate", str(gate_dir), "--prompts", "2")
     assert p.returncode == 0, p.stdout + p.stderr
     st = release_state.read_state(repo)
     assert len(st["history"]) == n0 + 1 and st["current"] == stable

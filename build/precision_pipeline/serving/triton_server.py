@@ -423,16 +423,21 @@ class TritonServer:
             return {m["name"]: m.get("state", "") for m in json.loads(r.read())}
 
     def stop(self, timeout_s: float = 30) -> int | None:
-        """SIGTERM, wait; SIGKILL the process group only if it does not exit in time."""
+        """Unload every loaded model (all at once), SIGTERM, wait; SIGKILL the process group only if it does not
+        exit in time."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            # Unload first so every python-backend stub exits gracefully; then SIGTERM.
+            # Unload first so every python-backend stub exits gracefully; then SIGTERM. The unloads run side by
+            # side: each waits 1-2.5 s for its stubs to exit (measured on 2 cores), one after the other ~9 s for 5.
             with contextlib.suppress(Exception):
-                for name, state in self.loaded_models().items():
-                    if state == "READY":
+                from concurrent.futures import ThreadPoolExecutor
+
+                names = [name for name, state in self.loaded_models().items() if state == "READY"]
+                with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+                    for fut in [pool.submit(self.unload, name) for name in names]:
                         with contextlib.suppress(Exception):
-                            self.unload(name)
+                            fut.result()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)

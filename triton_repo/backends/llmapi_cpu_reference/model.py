@@ -212,3 +212,8 @@ class TritonPythonModel:
 
     def finalize(self):
         _log(f"{self.name}: unloaded")
+        # The stub process exits next: Python's last garbage collections walk every object torch and transformers
+        # made (~1 s of CPU, ~2 s on 2 shared cores, of every unload: measured); the exit frees them all anyway.
+        import gc
+
+        gc.freeze()
