@@ -201,6 +201,10 @@ def test_a_category_metric_not_measured_fails():
     v = judge_metrics(m1, GateBar(kl_mean_max=1.0))
     [f] = v["category_failures"]
     assert (f["category"], f["judged_by"], f["reason"]) == ("facts", "not measured", "category facts: kl_mean = not measured misses <= 1")
+    # an overall metric measured as NaN (or missing) fails with "not measured", never a formatted NaN
+    m1["metrics"]["kl_mean"]["value"] = float("nan")
+    v = judge_metrics(m1, GateBar(kl_mean_max=1.0))
+    assert (v["failures"], v["metrics"]["kl_mean"]["reason"]) == (["kl_mean"], "kl_mean: not measured (threshold <= 1.0)")
 
 
 def test_overall_failures_and_reasons_in_order(m):
