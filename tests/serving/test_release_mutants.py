@@ -7,6 +7,7 @@ the recording server of test_release_planted.py.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -290,3 +291,54 @@ def test_abort_after_the_switch_reloads_the_ensemble_onto_the_stable_release(tmp
     assert live_unit(srv) == a and c not in srv.ready
     calls = [x[:2] for x in srv.calls]
     assert calls.index(("load", "ensemble"), 3) < calls.index(("unload", c))  # reloaded before the candidate goes
+
+
+# ---- release_state.py survivors (session 12)
+
+
+def test_pid_alive_is_a_signal_0_probe(monkeypatch):
+    """A recorded rollout pid is alive when signal 0 reaches it, also when it belongs to another user
+    (PermissionError: the process runs); gone (ProcessLookupError) or no positive int is not alive."""
+    calls = []
+
+    def stand_in(exc):
+        def kill(pid, sig):
+            calls.append((pid, sig))
+            if exc:
+                raise exc
+        return kill
+
+    monkeypatch.setattr(release_state.os, "kill", stand_in(PermissionError))
+    assert release_state.pid_alive(4242) is True and calls == [(4242, 0)]
+    monkeypatch.setattr(release_state.os, "kill", stand_in(ProcessLookupError))
+    assert release_state.pid_alive(4243) is False
+    monkeypatch.setattr(release_state.os, "kill", stand_in(None))
+    assert release_state.pid_alive(4244) is True and calls == [(4242, 0), (4243, 0), (4244, 0)]
+    for bad in (0, -1, "4242", None, 4242.0):
+        assert release_state.pid_alive(bad) is False
+    assert calls == [(4242, 0), (4243, 0), (4244, 0)]  # never signalled
+    monkeypatch.undo()
+    assert release_state.pid_alive(os.getpid()) is True
+
+
+def test_release_record_of_an_engine_unit_without_its_reference_file(tmp_path):
+    """No engine/cpu_reference.json: the hash comes from the unit's name and the engine counts as absent."""
+    unit = "tensorrt_llm_0123456789ab"
+    rec = release_state.release_record(tmp_path / unit, unit, "bf16-h100", None, "test", "release")
+    assert (rec["engine_hash"], rec["engine_present"], rec["serving_route"], rec["provenance"], rec["gate"],
+            rec["profile"], rec["kind"], rec["promoted_by"]) == (
+        "0123456789ab", False, "engine", {"engine_hash": "0123456789ab"}, {}, "bf16-h100", "release", "test")
+
+
+def test_record_probe_keeps_the_newest_probe_records_only(tmp_path, units, monkeypatch):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    before = release_state.read_state(repo)["history"]
+    unit = units[0].engine_unit
+    release_state.record_probe(repo, unit, {"passed": True, "ms": 1.0})
+    hist = release_state.read_state(repo)["history"]
+    assert hist[:-1] == before and (hist[-1]["action"], hist[-1]["unit"], hist[-1]["ms"]) == ("probe", unit, 1.0)
+    monkeypatch.setattr(release_state, "PROBE_HISTORY_MAX", 2)
+    for ms in (2.0, 3.0):
+        release_state.record_probe(repo, unit, {"passed": True, "ms": ms})
+    hist = release_state.read_state(repo)["history"]
+    assert hist[:len(before)] == before and [h["ms"] for h in hist[len(before):]] == [2.0, 3.0]  # the oldest probe went
