@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release, release_configs, release_live, release_recover, release_rollout, release_state, release_units
+from precision_pipeline.serving import (release, release_configs, release_live, release_recover, release_rollout, release_state,
+                                        release_switch, release_units)
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 from tests.serving.test_release_planted import RecordingServer, smoke_calls  # noqa: F401  (fixture)
 
@@ -342,3 +343,64 @@ def test_record_probe_keeps_the_newest_probe_records_only(tmp_path, units, monke
         release_state.record_probe(repo, unit, {"passed": True, "ms": ms})
     hist = release_state.read_state(repo)["history"]
     assert hist[:len(before)] == before and [h["ms"] for h in hist[len(before):]] == [2.0, 3.0]  # the oldest probe went
+
+
+# ---- release_switch.py survivors (session 12)
+
+ENGINE_A, ENGINE_B, LLM_U = "tensorrt_llm_aaaaaaaaaaaa", "tensorrt_llm_bbbbbbbbbbbb", "llm_api_0123456789ab"
+
+
+class ReadyServer:
+    """Records load/unload; ``ready`` is what loaded_models reports."""
+
+    def __init__(self, ready=()):
+        self.ready, self.calls = set(ready), []
+
+    def loaded_models(self):
+        return {n: "READY" for n in self.ready}
+
+    def load(self, name, config=None):
+        self.calls.append(("load", name))
+        self.ready.add(name)
+
+    def unload(self, name):
+        self.calls.append(("unload", name))
+        self.ready.discard(name)
+
+
+def test_the_ensemble_follows_the_current_release():
+    """An engine unit: the ensemble is (re)loaded; an LLM-API unit: a loaded ensemble is unloaded, an unloaded one left."""
+    srv = ReadyServer()
+    release_switch.ensemble_follow(srv, ENGINE_A)
+    assert srv.calls == [("load", "ensemble")]
+    release_switch.ensemble_follow(srv, LLM_U)
+    assert srv.calls == [("load", "ensemble"), ("unload", "ensemble")]
+    release_switch.ensemble_follow(srv, LLM_U)  # not loaded: nothing to unload
+    assert srv.calls == [("load", "ensemble"), ("unload", "ensemble")]
+
+
+def test_switch_timings_are_milliseconds_of_the_server_calls(monkeypatch):
+    clock = iter([10.0, 10.25, 20.0, 20.125])
+    monkeypatch.setattr(release_switch.time, "perf_counter", lambda: next(clock))
+    pointed = []
+    monkeypatch.setattr(release_switch, "point_ensemble", lambda repo, u: pointed.append(("ensemble", u)))
+    monkeypatch.setattr(release_switch, "point_bls", lambda repo, u: pointed.append(("bls", u)))
+    srv, t = ReadyServer(), {}
+    release_switch._switch_to("/nonexistent", srv, ENGINE_A, t)
+    assert t == {"ensemble_load_ms": 250.0} and pointed == [("ensemble", ENGINE_A), ("bls", ENGINE_A)]
+    t = {}
+    release_switch._switch_to("/nonexistent", srv, LLM_U, t)
+    assert t == {"ensemble_unload_ms": 125.0} and srv.calls == [("load", "ensemble"), ("unload", "ensemble")]
+
+
+def test_retention_unloads_only_what_is_loaded_and_prunes_the_records(tmp_path):
+    repo = tmp_path / "model_repository"
+    for u in (ENGINE_A, ENGINE_B, LLM_U):
+        (repo / u).mkdir(parents=True)
+    state = {"current": ENGINE_A, "keep_releases": 0, "history": [],
+             "releases": [{"unit": u} for u in (ENGINE_A, ENGINE_B, LLM_U)], "unit_files": {u: {} for u in (ENGINE_A, ENGINE_B, LLM_U)}}
+    srv = ReadyServer(ready={ENGINE_A, LLM_U})
+    assert release_switch.retain(repo, state, srv, False, None) == [LLM_U, ENGINE_B]  # sorted by name
+    assert ("unload", ENGINE_B) not in srv.calls and ("unload", LLM_U) in srv.calls and srv.ready == {ENGINE_A}
+    assert [p.name for p in repo.iterdir()] == [ENGINE_A]
+    assert state["releases"] == [{"unit": ENGINE_A}] and state["unit_files"] == {ENGINE_A: {}}
