@@ -7,6 +7,7 @@ the recording server of test_release_planted.py.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -404,3 +405,28 @@ def test_retention_unloads_only_what_is_loaded_and_prunes_the_records(tmp_path):
     assert ("unload", ENGINE_B) not in srv.calls and ("unload", LLM_U) in srv.calls and srv.ready == {ENGINE_A}
     assert [p.name for p in repo.iterdir()] == [ENGINE_A]
     assert state["releases"] == [{"unit": ENGINE_A}] and state["unit_files"] == {ENGINE_A: {}}
+
+
+# ---- release_configs.py survivors (session 12)
+
+
+def test_point_bls_rewrites_route_json_only_when_it_changes(tmp_path, units):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    route = repo / "tensorrt_llm_bls" / release_configs.ROUTE_FILE
+    a, c = units[0].engine_unit, units[2].engine_unit
+    assert release_configs.point_bls(repo, a) is False  # already a's: nothing written
+    assert release_configs.point_bls(repo, c) is True and json.loads(route.read_text()) == {"tensorrt_llm_model_name": c}
+    before = route.stat().st_mtime_ns, route.stat().st_ino
+    assert release_configs.point_bls(repo, c) is False and (route.stat().st_mtime_ns, route.stat().st_ino) == before
+
+
+def test_set_canary_takes_0_to_100_percent(tmp_path):
+    (tmp_path / "tensorrt_llm_bls").mkdir()
+    route = tmp_path / "tensorrt_llm_bls" / release_configs.ROUTE_FILE
+    for pct in (0, 100):
+        release_configs.set_canary(tmp_path, "s", "c", pct)
+        assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": "s", "canary": {"tensorrt_llm_model_name": "c", "percent": pct}}
+    for pct in (-1, 101):
+        with pytest.raises(ValueError, match=f"percent {pct} outside 0..100"):
+            release_configs.set_canary(tmp_path, "s", "c", pct)
+    assert json.loads(route.read_text())["canary"]["percent"] == 100  # a refused percent leaves route.json as it was
