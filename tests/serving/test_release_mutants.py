@@ -430,3 +430,16 @@ def test_set_canary_takes_0_to_100_percent(tmp_path):
         with pytest.raises(ValueError, match=f"percent {pct} outside 0..100"):
             release_configs.set_canary(tmp_path, "s", "c", pct)
     assert json.loads(route.read_text())["canary"]["percent"] == 100  # a refused percent leaves route.json as it was
+
+
+# ---- release_recover.py survivors (session 12)
+
+
+def test_recover_removes_staged_leftovers_only(tmp_path, units):  # noqa: F811
+    """A hidden file that is no leftover of an atomic write (``.notes``) is neither reported nor removed."""
+    repo = new_repo(tmp_path, units)
+    (repo / ".notes").write_text("mine")
+    assert release_recover.recover(repo) == []
+    (repo / f".{units[2].engine_unit}.old-123").mkdir()
+    assert release_recover.recover(repo) == [f"removed staged leftovers: .{units[2].engine_unit}.old-123"]
+    assert sorted(p.name for p in repo.iterdir() if p.name.startswith(".")) == [".notes"]
