@@ -293,6 +293,7 @@ def test_abort_after_the_switch_reloads_the_ensemble_onto_the_stable_release(tmp
     assert live_unit(srv) == a and c not in srv.ready
     calls = [x[:2] for x in srv.calls]
     assert calls.index(("load", "ensemble"), 3) < calls.index(("unload", c))  # reloaded before the candidate goes
+    assert ("load", a) not in calls  # the stable release was loaded already: only the ensemble is reloaded
 
 
 # ---- release_state.py survivors (session 12)
@@ -443,3 +444,22 @@ def test_recover_removes_staged_leftovers_only(tmp_path, units):  # noqa: F811
     (repo / f".{units[2].engine_unit}.old-123").mkdir()
     assert release_recover.recover(repo) == [f"removed staged leftovers: .{units[2].engine_unit}.old-123"]
     assert sorted(p.name for p in repo.iterdir() if p.name.startswith(".")) == [".notes"]
+
+
+# ---- release_rollout.py survivors (session 12)
+
+
+def test_rollout_timings_are_milliseconds_of_a_stand_in_clock(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
+    """begin_rollout's ``load_ms`` (the candidate's load), abort_rollout's ``route_ms`` (route.json back on the stable
+    release) and its history entry's ``ms`` (0.1 ms) from release_rollout's clock."""
+    import types
+
+    repo = new_repo(tmp_path, units)
+    a = units[0].engine_unit
+    srv = RecordingServer(repo, ready={a, "ensemble"})
+    ticks = iter([1.0, 1.25, 10.0, 10.0625, 10.123456])
+    monkeypatch.setattr(release_rollout, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    ro = release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    assert ro["timings"]["load_ms"] == 250.0
+    rec = release_rollout.abort_rollout(repo, server=srv, failed_check="errors")
+    assert rec["route_ms"] == 62.5 and release_state.read_state(repo)["history"][-1]["ms"] == 123.5
