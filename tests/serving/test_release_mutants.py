@@ -463,3 +463,38 @@ def test_rollout_timings_are_milliseconds_of_a_stand_in_clock(tmp_path, units, s
     assert ro["timings"]["load_ms"] == 250.0
     rec = release_rollout.abort_rollout(repo, server=srv, failed_check="errors")
     assert rec["route_ms"] == 62.5 and release_state.read_state(repo)["history"][-1]["ms"] == 123.5
+
+
+# ---- release_live.py survivors (session 12)
+
+
+class TextClient:
+    """An LLM-API unit's ``text_output`` as given (None: the output is missing)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def infer(self, model, inputs, outputs=None):
+        return _Result({"text_output": self.out})
+
+
+def test_llm_api_text_takes_one_string_only():
+    assert release_live.llm_api_text(TextClient(np.array([b"Paris"], dtype=object)), LLM_U, "x", 4) == "Paris"
+    for out, shown in ((None, "None"), (np.array([1.5]), "(dtype('float64'), (1,))"),
+                       (np.array([b"a", b"b"], dtype=object), "(dtype('O'), (2,))")):
+        with pytest.raises(RuntimeError) as ei:
+            release_live.llm_api_text(TextClient(out), LLM_U, "x", 4)
+        assert str(ei.value) == f"{LLM_U}: text_output {shown}, expected one string"
+
+
+def test_routed_units_adds_the_live_ensembles_unit(tmp_path):
+    (tmp_path / "tensorrt_llm_bls").mkdir()
+    (tmp_path / "tensorrt_llm_bls" / release_configs.ROUTE_FILE).write_text(json.dumps(
+        {"tensorrt_llm_model_name": ENGINE_A, "canary": {"tensorrt_llm_model_name": LLM_U, "percent": 5}}))
+
+    class LiveEnsemble:
+        def model_config(self, name):
+            return {"ensemble_scheduling": {"step": [{"model_name": "preprocessing"}, {"model_name": ENGINE_B}]}}
+
+    assert release_live.routed_units(tmp_path, LiveEnsemble()) == {ENGINE_A, LLM_U, ENGINE_B}
+    assert release_live.routed_units(tmp_path, None) == {ENGINE_A, LLM_U}
