@@ -498,3 +498,39 @@ def test_routed_units_adds_the_live_ensembles_unit(tmp_path):
 
     assert release_live.routed_units(tmp_path, LiveEnsemble()) == {ENGINE_A, LLM_U, ENGINE_B}
     assert release_live.routed_units(tmp_path, None) == {ENGINE_A, LLM_U}
+
+
+# ---- release_units.py survivors (session 12)
+
+
+def test_unit_record_reads_only_the_pack_json_of_this_unit(tmp_path):
+    unit = tmp_path / "model_repository" / ENGINE_A
+    unit.mkdir(parents=True)
+    files = {"config.pbtxt": [10, "ab" * 32]}
+    (unit.parent / "pack.json").write_text(json.dumps({"engine_unit": ENGINE_A, "unit_files": files}))
+    assert release_units.unit_record(unit) == files
+    (unit.parent / "pack.json").write_text(json.dumps({"engine_unit": ENGINE_B, "unit_files": files}))  # another unit's
+    with pytest.raises(UserError) as ei:
+        release_units.unit_record(unit)
+    assert ei.value.problems[0].field == "--out" and "records no per-file sizes and checksums of " + ENGINE_A in ei.value.problems[0].reason
+
+
+def test_install_unit_records_a_kept_unit_and_survives_an_undeletable_trash(tmp_path, units, monkeypatch):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    a, c = units[0].engine_unit, units[2].engine_unit
+    assert release_units.install_unit(repo, units[0].out_dir) == a  # the same unit is kept, no record asked for
+    rec: dict = {}
+    assert release_units.install_unit(repo, units[0].out_dir, record=rec) == a
+    assert list(rec["unit_files"]) == [a] and rec["unit_files"][a] == release_state.read_state(repo)["unit_files"][a]
+    release_units.install_unit(repo, units[2].out_dir)
+    (repo / c / "config.pbtxt").write_text("damaged")
+    real = release_units.shutil.rmtree
+
+    def rmtree(p, ignore_errors=False):  # the old folder cannot be deleted (an I/O error): the install still stands
+        if ".old-" in str(p) and not ignore_errors:
+            raise OSError("stand-in: cannot delete")
+        real(p, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(release_units.shutil, "rmtree", rmtree)
+    assert release_units.install_unit(repo, units[2].out_dir) == c
+    assert (repo / c / "config.pbtxt").read_text() != "damaged"
