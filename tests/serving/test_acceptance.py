@@ -320,3 +320,17 @@ def test_a_profile_edited_since_the_build_is_refused_as_stale(tmp_path, fp):
             "-> [50, 100]; deployment.keep_releases: 2 -> 0; the output was built, and its manifests rendered, from the "
             f"profile as it was. Fix: rebuild it: invoke build --profile mybf16 --out {out} (a change of the gate bar "
             "alone is re-judged without a rebuild). [rule accept.profile]") in msg, msg
+
+
+def test_a_layout_mismatch_is_refused_in_process_and_long_values_are_cut(tmp_path, fp):
+    """``check_promotable`` itself (the CLI test above runs it in a new process): the gate's layout against the
+    profile's; a changed value longer than 60 characters is shown cut to 60 with an ellipsis."""
+    from precision_pipeline.serving import acceptance
+
+    path = write_profile(tmp_path)
+    out = fake_build(tmp_path / "out", load_profile(str(path)), fp)
+    msg = refusal(load_profile(str(write_profile(tmp_path, tp=3))), out)
+    assert "the gate ran at tp_size 1 but mybf16 serves tp_size 3: the verdict is not about what the release would serve" in msg
+    long = acceptance._short("x" * 100)
+    assert long == '"' + "x" * 58 + "\u2026" and len(long) == 60
+    assert acceptance._short("x" * 58) == '"' + "x" * 58 + '"'  # 60 characters: kept whole
