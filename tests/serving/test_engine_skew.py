@@ -155,7 +155,11 @@ def test_build_job_renders_valid_for_every_shipped_profile(tmp_path, name):
 
     prof = load_profile(name)
     plan = P.evaluate(prof, ensure_default_model())
-    doc = yaml.safe_load(build_job.render_job(plan, tmp_path / name))
+    text = build_job.render_job(plan, tmp_path / name)
+    doc = yaml.safe_load(text)
+    # block style in the template's key order (not sorted: metadata's name first)
+    assert text.splitlines()[2:6] == ["apiVersion: batch/v1", "kind: Job", "metadata:", f"  name: {doc['metadata']['name']}"]
+    assert doc["spec"]["activeDeadlineSeconds"] == 21600  # 6 hours
     deploy.validate_manifest(doc, "job", deploy.K8S_VERSION)
     spec = doc["spec"]["template"]["spec"]
     c = spec["containers"][0]
