@@ -159,3 +159,12 @@ def test_the_fallback_goes_through_the_same_acceptance_or_the_first_promote_is_r
         p0 = ei.value.problems[0]
         assert p0.field == "deployment.fallback" and why in p0.reason and "bf16-h100" in p0.reason, p0.reason
         assert "fallback: null" in p0.fix and len(inits) == n       # nothing created
+
+
+def test_the_manifests_are_present_when_k8s_is_a_folder(tmp_path):
+    from precision_pipeline.serving.stage import ManifestsArtifact
+
+    art = ManifestsArtifact(files=("triton-deployment.yaml",), gpus_per_replica=1, replicas=1, launcher="tritonserver")
+    assert art.present(tmp_path) is False
+    (tmp_path / "k8s").mkdir()
+    assert art.present(tmp_path) is True
