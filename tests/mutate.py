@@ -31,7 +31,7 @@ What it does, per module:
    ``# pragma: no mutate``. ``functions = [...]`` restricts a module to those functions.
 2. Sample ``--max-mutants`` of them (seeded; all with ``--all-mutants``).
 3. For each mutant: write the mutated module (``ast.unparse``) into a private copy of ``build/``,
-   ``tests/`` and ``triton_repo/`` (one copy per job; everything else is a symlink to the checkout)
+   ``tests/``, ``triton_repo/``, ``precision_profiles/`` and ``tasks.py`` (one copy per job; everything else is a symlink to the checkout)
    and run the module's tests there with ``pytest -x``. A failing run, an import error or a timeout
    (4 x the unmutated run, at least 30 s) kills the mutant; a passing run means it survived, unless
    it matches an ``equivalent`` entry (counted with its reason, as killed).
@@ -62,7 +62,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "build" / "precision_pipeline"
 TRITON = "triton_repo"
-COPIED = ("build", "tests", TRITON)
+COPIED = ("build", "tests", TRITON, "tasks.py", "precision_profiles")
+"""Copied into each mutant's workspace (everything else is a symlink). ``tasks.py`` too: it puts the ``build/`` beside
+its resolved path on sys.path, so a symlink made every ``invoke`` a test starts in a new process import the unmutated
+package (session 12: such CLI tests could not kill a mutant). ``precision_profiles/`` (52 KB): a shipped profile
+resolved through a symlink is a path outside the workspace, not a shipped name (session 12: the unmutated
+tests of serving/build_output.py failed, test_hostile_s8_left.py's fallback read as a path)."""
 
 _BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
         ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult}
@@ -202,8 +207,10 @@ def _workspace(base: Path) -> Path:
     base.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for entry in ROOT.iterdir():
-        if entry.name in COPIED:
+        if entry.name in COPIED and entry.is_dir():
             shutil.copytree(entry, base / entry.name, ignore=ignore, symlinks=True)
+        elif entry.name in COPIED:
+            shutil.copy2(entry, base / entry.name)
         elif entry.name not in (".git", "artifacts", "mutants"):
             (base / entry.name).symlink_to(entry.resolve())
     return base

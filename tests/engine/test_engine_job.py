@@ -90,6 +90,41 @@ def test_build_on_k8s_refuses_a_checkpoint_changed_after_its_build(cpu_build):
     assert "rank0.safetensors" in p.reason and "on the CPU side first" in p.fix
 
 
+def test_apply_and_follow_runs_kubectl_in_order(monkeypatch):
+    """No context (an error, or none set): None, nothing applied; else apply, wait for the pod, follow the logs and
+    read the Job's completion: 0 when Complete, 1 otherwise. The context and the completion are read as text."""
+    import shutil
+    import subprocess
+
+    from precision_pipeline.serving import build_job
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/kubectl")
+    text = "apiVersion: batch/v1\nkind: Job\nmetadata: {name: engine-build-x, namespace: ml}\n"
+
+    def runner(ctx_rc, ctx_out, complete_rc=0):
+        seen = []
+
+        def run(argv, **kw):
+            seen.append((argv[1:3], kw))
+            if argv[1:3] == ["config", "current-context"]:
+                return subprocess.CompletedProcess(argv, ctx_rc, ctx_out, "")
+            rc = complete_rc if "--for=condition=Complete" in argv else 0
+            return subprocess.CompletedProcess(argv, rc, "", "")
+        return run, seen
+
+    for rc, out in ((1, "kind-test\n"), (0, "  \n")):
+        run, seen = runner(rc, out)
+        assert build_job.apply_and_follow(text, run=run) is None and len(seen) == 1
+    run, seen = runner(0, "kind-test\n")
+    assert build_job.apply_and_follow(text, run=run) == 0
+    as_text = {"capture_output": True, "text": True}
+    assert seen == [(["config", "current-context"], as_text),
+                    (["apply", "-f"], {"input": text, "text": True, "capture_output": True}),
+                    (["-n", "ml"], {}), (["-n", "ml"], {}), (["-n", "ml"], as_text)]
+    run, seen = runner(0, "kind-test\n", complete_rc=1)
+    assert build_job.apply_and_follow(text, run=run) == 1
+
+
 def test_kubectl_apply_refused_is_a_user_error(tmp_path, monkeypatch):
     """Issue 25 item 17: a refused ``kubectl apply`` was a CalledProcessError traceback."""
     import shutil

@@ -96,6 +96,19 @@ def test_per_category_intervals(m):
     no_greedy = assemble(GateBar(kl_mean_max=1.0), greedy_new_tokens=0)
     assert "greedy_same" not in no_greedy["per_category"]["facts"] and no_greedy["metrics"]["greedy_same"]["value"] is None
     assert no_greedy["greedy"] == []
+    one_token = assemble(GateBar(kl_mean_max=1.0), greedy_new_tokens=1)  # one greedy token is still measured: a0, b0 same
+    assert one_token["metrics"]["greedy_same"]["value"] == pytest.approx(2 / 3, abs=1e-12) and len(one_token["greedy"]) == 3
+
+
+def test_no_prompts_measure_nothing_and_fail():
+    """No golden prompt: the answer metrics are NaN (not a KL of 0 over a stand-in position), so a KL bar fails."""
+    ref = ReferenceData(hidden=[], ref_greedy=[], ref_heldout_nll=np.full(10, 2.0), ref_answer_nll=[], floor=None, seconds={})
+    out, _ = assemble_metrics(Measured([], [], ref, [], np.full(10, 2.1), [list(range(10))]), _Tok(), GateBar(kl_mean_max=1.0),
+                              Settings(bootstrap=200, seed=0, greedy_new_tokens=3, heldout_window=10))
+    assert all(math.isnan(out["metrics"][k]["value"]) for k in ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "greedy_same"))
+    assert (out["passed"], out["failures"], out["metrics"]["kl_mean"]["reason"]) == (
+        False, ["kl_mean"], "kl_mean: not measured (threshold <= 1.0)")
+    assert (out["per_category"], out["greedy"]) == ({}, [])
 
 
 def test_overall_values_floor_and_perplexities(m):
@@ -201,6 +214,10 @@ def test_a_category_metric_not_measured_fails():
     v = judge_metrics(m1, GateBar(kl_mean_max=1.0))
     [f] = v["category_failures"]
     assert (f["category"], f["judged_by"], f["reason"]) == ("facts", "not measured", "category facts: kl_mean = not measured misses <= 1")
+    # an overall metric measured as NaN (or missing) fails with "not measured", never a formatted NaN
+    m1["metrics"]["kl_mean"]["value"] = float("nan")
+    v = judge_metrics(m1, GateBar(kl_mean_max=1.0))
+    assert (v["failures"], v["metrics"]["kl_mean"]["reason"]) == (["kl_mean"], "kl_mean: not measured (threshold <= 1.0)")
 
 
 def test_overall_failures_and_reasons_in_order(m):

@@ -92,6 +92,29 @@ def test_others_busy_excludes_our_own_cpu(monkeypatch):
     assert ch.threads == 1 and ch.others_busy == pytest.approx(1.5, rel=0.1)
 
 
+def test_proc_stat_fields_by_hand(monkeypatch):
+    """/proc/stat's cpu line (user nice system idle iowait irq softirq steal ...), /proc/self/stat's utime/stime
+    (fields 14, 15) and starttime (22), and btime: read from stand-in files worked out by hand."""
+    import io
+
+    files = {"/proc/stat": "cpu  100 0 50 1000 20 0 5 0 0 0\ncpu0 1 2 3 4\nbtime 1700000000\n",
+             "/proc/self/stat": "4242 (py (x) thon) S " + " ".join(str(i) for i in range(4, 53)) + "\n"}
+    monkeypatch.setattr(gthreads, "open", lambda path: io.StringIO(files[path]), raising=False)
+    monkeypatch.setattr(gthreads.os, "sysconf", lambda name: 100)
+    # busy = 100 + 0 + 50 + 1000 + 20 + 0 + 5 + 0 - (idle 1000 + iowait 20) = 155; own = utime 14 + stime 15
+    assert gthreads._proc_jiffies() == (155.0, 29.0)
+    assert gthreads._process_start_time() == 1700000000 + 22 / 100
+
+
+def test_a_second_unreadable_proc_sample_falls_back_to_the_load_average(monkeypatch):
+    seq = iter([(1000.0, 500.0), None])
+    monkeypatch.setattr(gthreads, "_proc_jiffies", lambda: next(seq))
+    monkeypatch.setattr(gthreads.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    monkeypatch.setattr(gthreads, "_process_start_time", lambda: time.time() - 100.0)
+    ch = gthreads.thread_choice(sample_s=0.01, cores=2)
+    assert ch.threads == 2 and "load average 0.50 minus this process's own" in ch.reason
+
+
 def test_thread_choice_without_proc_subtracts_own_average(monkeypatch):
     monkeypatch.setattr(gthreads, "_proc_jiffies", lambda: None)
     monkeypatch.setattr(gthreads.os, "getloadavg", lambda: (2.0, 2.0, 2.0))

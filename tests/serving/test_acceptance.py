@@ -248,6 +248,36 @@ def test_image_versions_inside_the_image_else_the_catalog(tmp_path, monkeypatch)
     assert image_versions("example.com/unknown:1").source == "image"  # the runtime has it: the tag does not matter
 
 
+def test_image_versions_with_a_stand_in_runtime(monkeypatch):
+    """``image inspect`` gets at most 30 s, ``run`` the whole timeout; a run that fails (even with output) falls back
+    to the catalog saying why; a value is everything after the first ``=``. A catalog row is read-only."""
+    import dataclasses
+    import shutil
+    import subprocess
+
+    from precision_pipeline.engine import toolchain
+    from precision_pipeline.serving import images
+
+    tag = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
+    calls, run_rc = [], [1]
+
+    def run_quiet(argv, timeout):
+        calls.append((argv[1], timeout))
+        rc = 0 if argv[1] == "image" else run_rc[0]
+        return subprocess.CompletedProcess(argv, rc, "tensorrt_llm=1.2.0+git=abc\ntensorrt=10.13\n", "")
+
+    monkeypatch.setattr(shutil, "which", lambda rt: f"/usr/bin/{rt}" if rt == "docker" else None)
+    monkeypatch.setattr(toolchain, "run_quiet", run_quiet)
+    v = images.image_versions(tag, timeout_s=100)
+    assert (v.source, v.tensorrt_llm) == ("catalog", "1.2.1") and "docker could not run python3 in it" in v.why
+    assert calls == [("image", 30), ("run", 100)]
+    run_rc[0] = 0
+    v = images.image_versions(tag, timeout_s=100)
+    assert (v.source, v.tensorrt_llm, v.tensorrt) == ("image", "1.2.0+git=abc", "10.13")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        images.CATALOG[0].tensorrt = "10.0"
+
+
 def test_the_release_record_says_where_the_image_versions_came_from(tmp_path, fp, monkeypatch):
     prof = load_profile(str(write_profile(tmp_path)))
     out = fake_build(tmp_path / "out", prof, fp)
@@ -320,3 +350,17 @@ def test_a_profile_edited_since_the_build_is_refused_as_stale(tmp_path, fp):
             "-> [50, 100]; deployment.keep_releases: 2 -> 0; the output was built, and its manifests rendered, from the "
             f"profile as it was. Fix: rebuild it: invoke build --profile mybf16 --out {out} (a change of the gate bar "
             "alone is re-judged without a rebuild). [rule accept.profile]") in msg, msg
+
+
+def test_a_layout_mismatch_is_refused_in_process_and_long_values_are_cut(tmp_path, fp):
+    """``check_promotable`` itself (the CLI test above runs it in a new process): the gate's layout against the
+    profile's; a changed value longer than 60 characters is shown cut to 60 with an ellipsis."""
+    from precision_pipeline.serving import acceptance
+
+    path = write_profile(tmp_path)
+    out = fake_build(tmp_path / "out", load_profile(str(path)), fp)
+    msg = refusal(load_profile(str(write_profile(tmp_path, tp=3))), out)
+    assert "the gate ran at tp_size 1 but mybf16 serves tp_size 3: the verdict is not about what the release would serve" in msg
+    long = acceptance._short("x" * 100)
+    assert long == '"' + "x" * 58 + "\u2026" and len(long) == 60
+    assert acceptance._short("x" * 58) == '"' + "x" * 58 + '"'  # 60 characters: kept whole

@@ -89,6 +89,16 @@ def test_the_first_release_gets_the_fallback_warmth_retention_and_skew_facts(tmp
     assert "image" not in k and "sm" not in k  # the one skew check is acceptance's (above)
     p = build_output.promote_build(b, tmp_path / "serving", by="x", fallback_out=tmp_path / "nowhere")
     assert seen["init"]["fallback_repo"] is None and "fallback bf16-h100 is not built" in p.notes[0]
+    # an existing repository: promote, with the settings it keeps said
+    monkeypatch.setattr(release, "read_state", lambda repo: {"current": "tensorrt_llm_000000000001"})
+    monkeypatch.setattr(build_output, "repository_settings_warnings", lambda profile, repo: ["kept settings"])
+    monkeypatch.setattr(release, "promote", lambda repo, packed, **k: {"unit": "tensorrt_llm_000000000003", "total_ms": 12.5})
+    p = build_output.promote_build(b, tmp_path / "serving", by="x")
+    assert (p.created, p.unit, p.warnings, p.total_ms) == (False, "tensorrt_llm_000000000003", ["w", "kept settings"], 12.5)
+    assert b.layout == {"tp_size": 1, "pp_size": 1, "moe_ep_size": 1}
+    no_ep = b.plan.model_copy(update={"mapping": b.plan.mapping.model_copy(update={"moe_ep_size": None})})
+    monkeypatch.setattr(type(b), "plan", property(lambda self: no_ep), raising=False)
+    assert b.layout["moe_ep_size"] == 1  # no expert parallelism recorded: 1
 
 
 def test_nightly_promotes_through_the_same_function(tmp_path, monkeypatch):
@@ -149,3 +159,12 @@ def test_the_fallback_goes_through_the_same_acceptance_or_the_first_promote_is_r
         p0 = ei.value.problems[0]
         assert p0.field == "deployment.fallback" and why in p0.reason and "bf16-h100" in p0.reason, p0.reason
         assert "fallback: null" in p0.fix and len(inits) == n       # nothing created
+
+
+def test_the_manifests_are_present_when_k8s_is_a_folder(tmp_path):
+    from precision_pipeline.serving.stage import ManifestsArtifact
+
+    art = ManifestsArtifact(files=("triton-deployment.yaml",), gpus_per_replica=1, replicas=1, launcher="tritonserver")
+    assert art.present(tmp_path) is False
+    (tmp_path / "k8s").mkdir()
+    assert art.present(tmp_path) is True

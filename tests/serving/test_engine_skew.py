@@ -155,7 +155,11 @@ def test_build_job_renders_valid_for_every_shipped_profile(tmp_path, name):
 
     prof = load_profile(name)
     plan = P.evaluate(prof, ensure_default_model())
-    doc = yaml.safe_load(build_job.render_job(plan, tmp_path / name))
+    text = build_job.render_job(plan, tmp_path / name)
+    doc = yaml.safe_load(text)
+    # block style in the template's key order (not sorted: metadata's name first)
+    assert text.splitlines()[2:6] == ["apiVersion: batch/v1", "kind: Job", "metadata:", f"  name: {doc['metadata']['name']}"]
+    assert doc["spec"]["activeDeadlineSeconds"] == 21600  # 6 hours
     deploy.validate_manifest(doc, "job", deploy.K8S_VERSION)
     spec = doc["spec"]["template"]["spec"]
     c = spec["containers"][0]
@@ -166,3 +170,26 @@ def test_build_job_renders_valid_for_every_shipped_profile(tmp_path, name):
     assert c["args"] == ["--out", str((tmp_path / name).resolve()), "--strict"]
     assert c["volumeMounts"][0]["mountPath"] == str((tmp_path / name).resolve())
     assert {"name": "PRECISION_IMAGE", "value": deploy.DEFAULT_IMAGE} in c["env"]
+
+
+@pytest.mark.parametrize("rec, mapping, world_size, rules", [
+    ({"world_size": 1, "sm": 90}, {"tp_size": 1}, 1, []),                       # no pp_size: pp 1
+    ({"world_size": 2, "sm": 90}, {"tp_size": 2}, 2, []),
+    ({"world_size": 2, "sm": 90}, {"pp_size": 2}, 2, []),                       # no tp_size: tp 1
+    ({"world_size": 1, "sm": 90}, {"tp_size": 2, "pp_size": 1}, 1, ["skew.world_size"]),  # rank files agree, config.json does not
+    ({"world_size": 1, "sm": 90}, {"world_size": 2}, 1, ["skew.world_size"]),
+    ({"sm": 90}, {}, 1, ["skew.world_size"]),                                     # no world size recorded: 0 ranks
+    ({"world_size": 1, "sm": 90, "gpus": [{"sm": 90, "name": "H100"}, {"sm": 89, "name": "L4"}]}, {}, 1, ["skew.sm"]),
+    ({"world_size": 1, "sm": 90, "gpus": None}, {}, 1, []),
+])
+def test_world_size_and_sm_rules_on_recorded_numbers(tmp_path, monkeypatch, rec, mapping, world_size, rules):
+    """check_engine's own arithmetic on a provenance record and config.json mapping given by hand (verify_engine_dir
+    stands in): ranks and the mapping's tp x pp both equal the deployment's; every SM that built it is the deployment's."""
+    monkeypatch.setattr(skew, "verify_engine_dir", lambda d, field: rec)
+    (tmp_path / "config.json").write_text(json.dumps({"pretrained_config": {"mapping": mapping}}))
+    if not rules:
+        assert skew.check_engine(tmp_path, image=None, sm=90, world_size=world_size) == []
+        return
+    with pytest.raises(UserError) as e:
+        skew.check_engine(tmp_path, image=None, sm=90, world_size=world_size)
+    assert [p.rule for p in e.value.problems] == rules

@@ -7,13 +7,16 @@ the recording server of test_release_planted.py.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import numpy as np
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import release, release_configs, release_live, release_recover, release_rollout, release_state, release_units
+from precision_pipeline.serving import (release, release_configs, release_live, release_recover, release_rollout, release_state,
+                                        release_switch, release_units)
 from tests.serving.test_release import new_repo, units  # noqa: F401  (units: module fixture)
 from tests.serving.test_release_planted import RecordingServer, smoke_calls  # noqa: F401  (fixture)
 
@@ -290,3 +293,244 @@ def test_abort_after_the_switch_reloads_the_ensemble_onto_the_stable_release(tmp
     assert live_unit(srv) == a and c not in srv.ready
     calls = [x[:2] for x in srv.calls]
     assert calls.index(("load", "ensemble"), 3) < calls.index(("unload", c))  # reloaded before the candidate goes
+    assert ("load", a) not in calls  # the stable release was loaded already: only the ensemble is reloaded
+
+
+# ---- release_state.py survivors (session 12)
+
+
+def test_pid_alive_is_a_signal_0_probe(monkeypatch):
+    """A recorded rollout pid is alive when signal 0 reaches it, also when it belongs to another user
+    (PermissionError: the process runs); gone (ProcessLookupError) or no positive int is not alive."""
+    calls = []
+
+    def stand_in(exc):
+        def kill(pid, sig):
+            calls.append((pid, sig))
+            if exc:
+                raise exc
+        return kill
+
+    monkeypatch.setattr(release_state.os, "kill", stand_in(PermissionError))
+    assert release_state.pid_alive(4242) is True and calls == [(4242, 0)]
+    monkeypatch.setattr(release_state.os, "kill", stand_in(ProcessLookupError))
+    assert release_state.pid_alive(4243) is False
+    monkeypatch.setattr(release_state.os, "kill", stand_in(None))
+    assert release_state.pid_alive(4244) is True and calls == [(4242, 0), (4243, 0), (4244, 0)]
+    for bad in (0, -1, "4242", None, 4242.0):
+        assert release_state.pid_alive(bad) is False
+    assert calls == [(4242, 0), (4243, 0), (4244, 0)]  # never signalled
+    monkeypatch.undo()
+    assert release_state.pid_alive(os.getpid()) is True
+
+
+def test_release_record_of_an_engine_unit_without_its_reference_file(tmp_path):
+    """No engine/cpu_reference.json: the hash comes from the unit's name and the engine counts as absent."""
+    unit = "tensorrt_llm_0123456789ab"
+    rec = release_state.release_record(tmp_path / unit, unit, "bf16-h100", None, "test", "release")
+    assert (rec["engine_hash"], rec["engine_present"], rec["serving_route"], rec["provenance"], rec["gate"],
+            rec["profile"], rec["kind"], rec["promoted_by"]) == (
+        "0123456789ab", False, "engine", {"engine_hash": "0123456789ab"}, {}, "bf16-h100", "release", "test")
+
+
+def test_record_probe_keeps_the_newest_probe_records_only(tmp_path, units, monkeypatch):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    before = release_state.read_state(repo)["history"]
+    unit = units[0].engine_unit
+    release_state.record_probe(repo, unit, {"passed": True, "ms": 1.0})
+    hist = release_state.read_state(repo)["history"]
+    assert hist[:-1] == before and (hist[-1]["action"], hist[-1]["unit"], hist[-1]["ms"]) == ("probe", unit, 1.0)
+    monkeypatch.setattr(release_state, "PROBE_HISTORY_MAX", 2)
+    for ms in (2.0, 3.0):
+        release_state.record_probe(repo, unit, {"passed": True, "ms": ms})
+    hist = release_state.read_state(repo)["history"]
+    assert hist[:len(before)] == before and [h["ms"] for h in hist[len(before):]] == [2.0, 3.0]  # the oldest probe went
+
+
+# ---- release_switch.py survivors (session 12)
+
+ENGINE_A, ENGINE_B, LLM_U = "tensorrt_llm_aaaaaaaaaaaa", "tensorrt_llm_bbbbbbbbbbbb", "llm_api_0123456789ab"
+
+
+class ReadyServer:
+    """Records load/unload; ``ready`` is what loaded_models reports."""
+
+    def __init__(self, ready=()):
+        self.ready, self.calls = set(ready), []
+
+    def loaded_models(self):
+        return {n: "READY" for n in self.ready}
+
+    def load(self, name, config=None):
+        self.calls.append(("load", name))
+        self.ready.add(name)
+
+    def unload(self, name):
+        self.calls.append(("unload", name))
+        self.ready.discard(name)
+
+
+def test_the_ensemble_follows_the_current_release():
+    """An engine unit: the ensemble is (re)loaded; an LLM-API unit: a loaded ensemble is unloaded, an unloaded one left."""
+    srv = ReadyServer()
+    release_switch.ensemble_follow(srv, ENGINE_A)
+    assert srv.calls == [("load", "ensemble")]
+    release_switch.ensemble_follow(srv, LLM_U)
+    assert srv.calls == [("load", "ensemble"), ("unload", "ensemble")]
+    release_switch.ensemble_follow(srv, LLM_U)  # not loaded: nothing to unload
+    assert srv.calls == [("load", "ensemble"), ("unload", "ensemble")]
+
+
+def test_switch_timings_are_milliseconds_of_the_server_calls(monkeypatch):
+    clock = iter([10.0, 10.25, 20.0, 20.125])
+    monkeypatch.setattr(release_switch.time, "perf_counter", lambda: next(clock))
+    pointed = []
+    monkeypatch.setattr(release_switch, "point_ensemble", lambda repo, u: pointed.append(("ensemble", u)))
+    monkeypatch.setattr(release_switch, "point_bls", lambda repo, u: pointed.append(("bls", u)))
+    srv, t = ReadyServer(), {}
+    release_switch._switch_to("/nonexistent", srv, ENGINE_A, t)
+    assert t == {"ensemble_load_ms": 250.0} and pointed == [("ensemble", ENGINE_A), ("bls", ENGINE_A)]
+    t = {}
+    release_switch._switch_to("/nonexistent", srv, LLM_U, t)
+    assert t == {"ensemble_unload_ms": 125.0} and srv.calls == [("load", "ensemble"), ("unload", "ensemble")]
+
+
+def test_retention_unloads_only_what_is_loaded_and_prunes_the_records(tmp_path):
+    repo = tmp_path / "model_repository"
+    for u in (ENGINE_A, ENGINE_B, LLM_U):
+        (repo / u).mkdir(parents=True)
+    state = {"current": ENGINE_A, "keep_releases": 0, "history": [],
+             "releases": [{"unit": u} for u in (ENGINE_A, ENGINE_B, LLM_U)], "unit_files": {u: {} for u in (ENGINE_A, ENGINE_B, LLM_U)}}
+    srv = ReadyServer(ready={ENGINE_A, LLM_U})
+    assert release_switch.retain(repo, state, srv, False, None) == [LLM_U, ENGINE_B]  # sorted by name
+    assert ("unload", ENGINE_B) not in srv.calls and ("unload", LLM_U) in srv.calls and srv.ready == {ENGINE_A}
+    assert [p.name for p in repo.iterdir()] == [ENGINE_A]
+    assert state["releases"] == [{"unit": ENGINE_A}] and state["unit_files"] == {ENGINE_A: {}}
+
+
+# ---- release_configs.py survivors (session 12)
+
+
+def test_point_bls_rewrites_route_json_only_when_it_changes(tmp_path, units):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    route = repo / "tensorrt_llm_bls" / release_configs.ROUTE_FILE
+    a, c = units[0].engine_unit, units[2].engine_unit
+    assert release_configs.point_bls(repo, a) is False  # already a's: nothing written
+    assert release_configs.point_bls(repo, c) is True and json.loads(route.read_text()) == {"tensorrt_llm_model_name": c}
+    before = route.stat().st_mtime_ns, route.stat().st_ino
+    assert release_configs.point_bls(repo, c) is False and (route.stat().st_mtime_ns, route.stat().st_ino) == before
+
+
+def test_set_canary_takes_0_to_100_percent(tmp_path):
+    (tmp_path / "tensorrt_llm_bls").mkdir()
+    route = tmp_path / "tensorrt_llm_bls" / release_configs.ROUTE_FILE
+    for pct in (0, 100):
+        release_configs.set_canary(tmp_path, "s", "c", pct)
+        assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": "s", "canary": {"tensorrt_llm_model_name": "c", "percent": pct}}
+    for pct in (-1, 101):
+        with pytest.raises(ValueError, match=f"percent {pct} outside 0..100"):
+            release_configs.set_canary(tmp_path, "s", "c", pct)
+    assert json.loads(route.read_text())["canary"]["percent"] == 100  # a refused percent leaves route.json as it was
+
+
+# ---- release_recover.py survivors (session 12)
+
+
+def test_recover_removes_staged_leftovers_only(tmp_path, units):  # noqa: F811
+    """A hidden file that is no leftover of an atomic write (``.notes``) is neither reported nor removed."""
+    repo = new_repo(tmp_path, units)
+    (repo / ".notes").write_text("mine")
+    assert release_recover.recover(repo) == []
+    (repo / f".{units[2].engine_unit}.old-123").mkdir()
+    assert release_recover.recover(repo) == [f"removed staged leftovers: .{units[2].engine_unit}.old-123"]
+    assert sorted(p.name for p in repo.iterdir() if p.name.startswith(".")) == [".notes"]
+
+
+# ---- release_rollout.py survivors (session 12)
+
+
+def test_rollout_timings_are_milliseconds_of_a_stand_in_clock(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
+    """begin_rollout's ``load_ms`` (the candidate's load), abort_rollout's ``route_ms`` (route.json back on the stable
+    release) and its history entry's ``ms`` (0.1 ms) from release_rollout's clock."""
+    import types
+
+    repo = new_repo(tmp_path, units)
+    a = units[0].engine_unit
+    srv = RecordingServer(repo, ready={a, "ensemble"})
+    ticks = iter([1.0, 1.25, 10.0, 10.0625, 10.123456])
+    monkeypatch.setattr(release_rollout, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    ro = release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    assert ro["timings"]["load_ms"] == 250.0
+    rec = release_rollout.abort_rollout(repo, server=srv, failed_check="errors")
+    assert rec["route_ms"] == 62.5 and release_state.read_state(repo)["history"][-1]["ms"] == 123.5
+
+
+# ---- release_live.py survivors (session 12)
+
+
+class TextClient:
+    """An LLM-API unit's ``text_output`` as given (None: the output is missing)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def infer(self, model, inputs, outputs=None):
+        return _Result({"text_output": self.out})
+
+
+def test_llm_api_text_takes_one_string_only():
+    assert release_live.llm_api_text(TextClient(np.array([b"Paris"], dtype=object)), LLM_U, "x", 4) == "Paris"
+    for out, shown in ((None, "None"), (np.array([1.5]), "(dtype('float64'), (1,))"),
+                       (np.array([b"a", b"b"], dtype=object), "(dtype('O'), (2,))")):
+        with pytest.raises(RuntimeError) as ei:
+            release_live.llm_api_text(TextClient(out), LLM_U, "x", 4)
+        assert str(ei.value) == f"{LLM_U}: text_output {shown}, expected one string"
+
+
+def test_routed_units_adds_the_live_ensembles_unit(tmp_path):
+    (tmp_path / "tensorrt_llm_bls").mkdir()
+    (tmp_path / "tensorrt_llm_bls" / release_configs.ROUTE_FILE).write_text(json.dumps(
+        {"tensorrt_llm_model_name": ENGINE_A, "canary": {"tensorrt_llm_model_name": LLM_U, "percent": 5}}))
+
+    class LiveEnsemble:
+        def model_config(self, name):
+            return {"ensemble_scheduling": {"step": [{"model_name": "preprocessing"}, {"model_name": ENGINE_B}]}}
+
+    assert release_live.routed_units(tmp_path, LiveEnsemble()) == {ENGINE_A, LLM_U, ENGINE_B}
+    assert release_live.routed_units(tmp_path, None) == {ENGINE_A, LLM_U}
+
+
+# ---- release_units.py survivors (session 12)
+
+
+def test_unit_record_reads_only_the_pack_json_of_this_unit(tmp_path):
+    unit = tmp_path / "model_repository" / ENGINE_A
+    unit.mkdir(parents=True)
+    files = {"config.pbtxt": [10, "ab" * 32]}
+    (unit.parent / "pack.json").write_text(json.dumps({"engine_unit": ENGINE_A, "unit_files": files}))
+    assert release_units.unit_record(unit) == files
+    (unit.parent / "pack.json").write_text(json.dumps({"engine_unit": ENGINE_B, "unit_files": files}))  # another unit's
+    with pytest.raises(UserError) as ei:
+        release_units.unit_record(unit)
+    assert ei.value.problems[0].field == "--out" and "records no per-file sizes and checksums of " + ENGINE_A in ei.value.problems[0].reason
+
+
+def test_install_unit_records_a_kept_unit_and_survives_an_undeletable_trash(tmp_path, units, monkeypatch):  # noqa: F811
+    repo = new_repo(tmp_path, units)
+    a, c = units[0].engine_unit, units[2].engine_unit
+    assert release_units.install_unit(repo, units[0].out_dir) == a  # the same unit is kept, no record asked for
+    rec: dict = {}
+    assert release_units.install_unit(repo, units[0].out_dir, record=rec) == a
+    assert list(rec["unit_files"]) == [a] and rec["unit_files"][a] == release_state.read_state(repo)["unit_files"][a]
+    release_units.install_unit(repo, units[2].out_dir)
+    (repo / c / "config.pbtxt").write_text("damaged")
+    real = release_units.shutil.rmtree
+
+    def rmtree(p, ignore_errors=False):  # the old folder cannot be deleted (an I/O error): the install still stands
+        if ".old-" in str(p) and not ignore_errors:
+            raise OSError("stand-in: cannot delete")
+        real(p, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(release_units.shutil, "rmtree", rmtree)
+    assert release_units.install_unit(repo, units[2].out_dir) == c
+    assert (repo / c / "config.pbtxt").read_text() != "damaged"

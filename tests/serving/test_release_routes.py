@@ -48,7 +48,7 @@ def test_llm_api_units_are_releases_like_engine_units(tmp_path, units4, llm2):  
     release.promote(repo, l1_repo, profile="fp8-h100-llmapi")
     st = release_state.read_state(repo)
     rec = st["releases"][-1]
-    assert (st["current"], rec["unit"], rec["serving_route"]) == (l1, l1, "llm_api")
+    assert (st["current"], rec["unit"], rec["serving_route"], rec["engine_present"]) == (l1, l1, "llm_api", True)
     files = st["unit_files"][l1]
     ckpt = {k: v for k, v in sorted(files.items()) if k.startswith("checkpoint/")}
     from precision_pipeline.core.store import hash_obj

@@ -41,6 +41,7 @@ def test_yaml_style_writes_whole_values():
     out = render(text, {"name": "a: b", "flag": True, "limits": {"cpu": 2}}, "k.yaml", YAML_VALUE)
     assert yaml.safe_load(out) == {"name": "a: b", "args": [True], "limits": {"cpu": 2}}
     assert out.splitlines()[0] == "name: " + json.dumps("a: b")
+    assert render("name: ${name}\n", {"name": "café"}, "k.yaml", YAML_VALUE) == 'name: "caf\\u00e9"\n'  # ASCII only
     with pytest.raises(UserError, match="line 1: 'name: svc-\\$\\{name\\}': a placeholder must be a whole YAML value"):
         render("name: svc-${name}\n", {"name": "x"}, "k.yaml", YAML_VALUE)
     assert deploy.render_template(text, {"name": "n", "flag": 1, "limits": None}, "k") == \

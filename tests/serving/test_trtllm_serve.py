@@ -3,6 +3,7 @@ hardened as the Triton Deployment and validated by the same strict Kubernetes ch
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -36,6 +37,14 @@ def test_rendered_manifests(tmp_path, inputs):
     dep = d["deployment.yaml"]
     assert dep["metadata"]["name"] == "trtllm-serve-fp8-h100" and dep["metadata"]["namespace"] == "llm"
     assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["progressDeadlineSeconds"] == 10 * 180 + 600  # the startup probe's 30 minutes, then 10 more
+    text = (tmp_path / T.OUT_SUBDIR / "deployment.yaml").read_text().splitlines()
+    # block style, in the template's key order (metadata: name first, not sorted)
+    assert text[2:6] == ["apiVersion: apps/v1", "kind: Deployment", "metadata:", "  name: trtllm-serve-fp8-h100"]
+    assert "  replicas: 2" in text
+    # the name comes from the plan's profile (the one it was resolved from)
+    plan = inputs.plan.model_copy(update={"profile": inputs.plan.profile.model_copy(update={"name": "planned"})})
+    assert T.compute_params(dataclasses.replace(inputs, plan=plan))["deployment.yaml"]["name"] == "trtllm-serve-planned"
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"] == IMAGE and c["command"] == ["trtllm-serve"]
