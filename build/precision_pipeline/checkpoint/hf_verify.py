@@ -69,14 +69,21 @@ HF_RULES = {
 MAX_SHOWN = 12
 
 
-class _Found(list):
-    def add(self, where: str, rule: str, reason: str, fix: str = FIX) -> None:
-        self.append(Problem(where, reason, fix, rule=rule, source=HF_RULES[rule]))
+class Found(list):
+    """Problems found by a verifier: each names its rule (``RULES``: rule -> what it requires); ``raise_if_any``
+    raises one UserError showing at most ``MAX_SHOWN`` of them. A verifier of another layout subclasses it with its
+    own ``RULES`` and ``FIX`` (checkpoint/mxfp4_verify.py)."""
+
+    RULES: Mapping[str, str] = HF_RULES
+    FIX: str = FIX
+
+    def add(self, where: str, rule: str, reason: str, fix: Optional[str] = None) -> None:
+        self.append(Problem(where, reason, fix or self.FIX, rule=rule, source=self.RULES[rule]))
 
     def raise_if_any(self) -> None:
         if self:
             shown = self[:MAX_SHOWN] + ([Problem("checkpoint", f"{len(self) - MAX_SHOWN} more problems of the same "
-                                                 "kinds.", FIX)] if len(self) > MAX_SHOWN else [])
+                                                 "kinds.", self.FIX)] if len(self) > MAX_SHOWN else [])
             raise UserError(shown)
 
 
@@ -88,7 +95,7 @@ def _histogram(layers: dict) -> dict:
     return out
 
 
-def _metadata(d: Path, cfg: dict, expect: Optional[Mapping[str, Any]], p: _Found) -> Optional[dict]:
+def _metadata(d: Path, cfg: dict, expect: Optional[Mapping[str, Any]], p: Found) -> Optional[dict]:
     try:
         raw = json.loads((d / HF_QUANT_CONFIG).read_text())
         file_q = parse_quant_config(raw, HF_QUANT_CONFIG)
@@ -155,7 +162,7 @@ def _scale_stats(st, name: str) -> tuple[int, int, int, float]:
     return v.numel(), int((~torch.isfinite(v)).sum()), int((fin < 0).sum()), float(fin.min()) if fin.numel() else math.nan
 
 
-def _names(headers: dict, cfg: dict, q: dict, p: _Found) -> None:
+def _names(headers: dict, cfg: dict, q: dict, p: Found) -> None:
     """``hf.names``: every exclude pattern and per-layer name matches a module of the checkpoint."""
     modules = module_names(headers, cfg)
     for pat in q["exclude_modules"]:
@@ -175,7 +182,7 @@ def _dims(cfg: dict) -> dict[str, tuple[int, int]]:
     return hf_linear_shapes(cfg)
 
 
-def _classify(headers: dict, cfg: dict, q: dict, dims: dict, arch: str, p: _Found) -> tuple[dict, list]:
+def _classify(headers: dict, cfg: dict, q: dict, dims: dict, arch: str, p: Found) -> tuple[dict, list]:
     """Each tensor by its role (``hf.known_tensors``, norms' dtype, ``hf.kv_scales``): returns ({linear: {leaf:
     header}}, [scale tensor names])."""
     kvf = FMT.kv(q["kv_cache_quant_algo"] or FMT.KVCacheQuantAlgo.NONE.value)
@@ -223,7 +230,7 @@ def _classify(headers: dict, cfg: dict, q: dict, dims: dict, arch: str, p: _Foun
     return linears, scales
 
 
-def _layouts(linears: dict, q: dict, dims: dict, p: _Found) -> None:
+def _layouts(linears: dict, q: dict, dims: dict, p: Found) -> None:
     """``hf.layout``: each linear's tensors against its declared format's layout (the codecs')."""
     for stem, leaves in sorted(linears.items()):
         rel = stem.split(".", 3)[3] if stem.startswith("model.layers.") else stem
@@ -255,7 +262,7 @@ def _layouts(linears: dict, q: dict, dims: dict, p: _Found) -> None:
                   + ".")
 
 
-def _values(headers: dict, scales: list, p: _Found) -> tuple[dict[str, float], int, int]:
+def _values(headers: dict, scales: list, p: Found) -> tuple[dict[str, float], int, int]:
     """``hf.scales_finite`` over the scale tensors' values; returns (per-tensor values, values read, bytes read)."""
     from safetensors import safe_open
 
@@ -282,7 +289,7 @@ def _values(headers: dict, scales: list, p: _Found) -> tuple[dict[str, float], i
     return values, n_values, scale_bytes
 
 
-def _fused(cfg: dict, q: dict, values: dict, arch: str, p: _Found) -> None:
+def _fused(cfg: dict, q: dict, values: dict, arch: str, p: Found) -> None:
     """``hf.fused_scales``: q/k/v and gate/up (each expert's too: ``MoE.fused``) of one format with equal input scales."""
     groups = family(arch).hf_fused_groups(num_experts_of(cfg))
     for i in range(int(cfg["num_hidden_layers"])):
@@ -313,7 +320,7 @@ def verify_hf_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = N
         cfg = json.loads((d / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError("config.json", f"cannot be read ({e}).", FIX, rule="hf.metadata")
-    p = _Found()
+    p = Found()
     q = _metadata(d, cfg, expect, p)
     p.raise_if_any()
     assert q is not None
@@ -343,4 +350,4 @@ def verify_hf_checkpoint(ckpt_dir: Path, expect: Optional[Mapping[str, Any]] = N
             "scale_bytes": scale_bytes, "seconds": round(time.perf_counter() - t0, 4), "rules": sorted(HF_RULES)}
 
 
-__all__ = ["verify_hf_checkpoint", "HF_RULES"]
+__all__ = ["verify_hf_checkpoint", "HF_RULES", "Found"]

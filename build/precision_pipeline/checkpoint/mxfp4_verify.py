@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from precision_pipeline.checkpoint.codecs import PLAIN_DTYPES
+from precision_pipeline.checkpoint.hf_verify import Found as HFFound
 from precision_pipeline.checkpoint.reader import safetensors_header
-from precision_pipeline.core.errors import Problem, UserError
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.families import FAMILIES, MXFP4_READ_FORMATS, router_problems
 from precision_pipeline.spec.formats import MX_BLOCK
@@ -51,17 +52,9 @@ MX_RULES = {
     "mx.scales": f"every E8M0 scale code <= {MAX_E8M0} (255 is NaN; larger codes overflow BF16)",
     "hf.router": "a MoE router is stored unquantized, without scales (spec/families.py router_problems)",
 }
-MAX_SHOWN = 12
-
-
-class _Found(list):
-    def add(self, where: str, rule: str, reason: str, fix: str = FIX) -> None:
-        self.append(Problem(where, reason, fix, rule=rule, source=MX_RULES[rule]))
-
-    def raise_if_any(self) -> None:
-        if self:
-            more = [Problem("checkpoint", f"{len(self) - MAX_SHOWN} more problems of the same kinds.", FIX)]
-            raise UserError(self[:MAX_SHOWN] + (more if len(self) > MAX_SHOWN else []))
+class _Found(HFFound):
+    RULES = MX_RULES
+    FIX = FIX
 
 
 def _metadata(cfg: dict, expect: Optional[Mapping[str, Any]], p: _Found):

@@ -115,18 +115,25 @@ class MoE:
         return tuple(f"*{m}" for m in self.router_modules)
 
 
+def _reader_gaps(reader: str, reads: str, formats: tuple[str, ...], quant_algo: Optional[str],
+                 kv: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """The gate gap of a checkpoint reader that reads the weight ``formats`` (``reads`` says so in words) and an
+    unquantized KV cache only: ``(("gate", reason),)`` for another ``quant_algo`` or a quantized ``kv``, else ``()``."""
+    if quant_algo is not None and quant_algo not in formats:
+        return (("gate", f"{reader} reads {reads}, not {quant_algo}"),)
+    if kv not in (None, KVCacheQuantAlgo.NONE.value):
+        return (("gate", f"{reader} reads an unquantized KV cache only, not {kv} (set "
+                         f"quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
+    return ()
+
+
 def _mxfp4_gaps(quant_algo: Optional[str], kv: Optional[str]) -> tuple[tuple[str, str], ...]:
     """``Family.build_gaps`` on route llm_api of a family shipped with MXFP4 experts (gpt-oss): the quantize stage
     adopts its checkpoint as shipped (``--checkpoint``; it writes no MXFP4 itself, rule ``quantize.modelopt_inputs``)
     and the gate decodes it weight-only, so formats with quantized activations or KV cache have a gate gap."""
     reader = "the gate's reader of gpt-oss's MXFP4 checkpoint (gate/moe_model.py load_gpt_oss_mxfp4, weight-only)"
-    if quant_algo is not None and quant_algo not in MXFP4_READ_FORMATS:
-        return (("gate", f"{reader} reads {' or '.join(MXFP4_READ_FORMATS)} only (the checkpoint as shipped, "
-                         f"given with --checkpoint), not {quant_algo}"),)
-    if kv not in (None, KVCacheQuantAlgo.NONE.value):
-        return (("gate", f"{reader} reads an unquantized KV cache only, not {kv} (set "
-                         f"quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
-    return ()
+    return _reader_gaps(reader, f"{' or '.join(MXFP4_READ_FORMATS)} only (the checkpoint as shipped, given with "
+                                "--checkpoint)", MXFP4_READ_FORMATS, quant_algo, kv)
 
 
 @dataclass(frozen=True)
@@ -174,13 +181,8 @@ class Family:
             return _mxfp4_gaps(quant_algo, kv_cache_quant_algo)
         reader = "the gate's HF reader (gate/moe_model.py load_hf_moe_model)"
         if route == "llm_api" and self.hf_read:
-            if quant_algo is not None and quant_algo not in MOE_HF_READ_FORMATS:
-                return (("gate", f"{reader} reads {' or '.join(MOE_HF_READ_FORMATS)} weights of {self.architecture} "
-                                 f"only, not {quant_algo}"),)
-            if kv_cache_quant_algo not in (None, KVCacheQuantAlgo.NONE.value):
-                return (("gate", f"{reader} reads an unquantized KV cache only, not {kv_cache_quant_algo} (set "
-                                 f"quantization.kv_cache_quant_algo: {KVCacheQuantAlgo.NONE.value})"),)
-            return ()
+            return _reader_gaps(reader, f"{' or '.join(MOE_HF_READ_FORMATS)} weights of {self.architecture} only",
+                                MOE_HF_READ_FORMATS, quant_algo, kv_cache_quant_algo)
         gaps = []
         if self.export_decoder is None:
             gaps.append(("quantize", "its ModelOpt export (the quantize stage's decoder type) is not wired "
