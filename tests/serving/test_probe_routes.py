@@ -6,6 +6,7 @@ server (a recording ``run_probe``); the alerts' wording is tested with promtool 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from precision_pipeline.serving import probe
 from precision_pipeline.spec.profile import load_profile
@@ -72,7 +73,7 @@ def test_invoke_probe_judges_every_routes_unit_and_a_failure_names_the_route(tmp
     monkeypatch.setattr(probe, "load_probe_set", lambda *a, **k: "probe-set")
     monkeypatch.setattr(probe, "ProbeExporter", lambda port: exporters.append(real_exporter()) or exporters[-1])
     monkeypatch.setattr(release_live, "verify_server", lambda repo_dir, server: None)
-    monkeypatch.setattr(TritonServer, "attach", classmethod(lambda cls, url: "server"))
+    monkeypatch.setattr(TritonServer, "attach", classmethod(lambda cls, url: SimpleNamespace(http_url=url)))
     assert cli.probe(url="127.0.0.1:1", repo=str(repo), gate=str(tmp_path)) == 3  # one route's unit failed
     assert probed == [PRIMARY, FALLBACK]
     out = capsys.readouterr().out

@@ -100,6 +100,83 @@ def test_rollback_without_url_is_refused_while_the_server_serves_the_repository(
     assert release_state.state_path(repo).read_text() == before
 
 
+def test_a_second_server_of_the_repository_is_refused(served, invoke_here, monkeypatch):
+    """Hostile s12 F-Q (outage): a second `invoke serve` of the served repository started, and a rollback --url through
+    the first left the second's BLS answering HTTP 400 to every request. Now serve refuses the second (naming the
+    first's pid and port) before anything starts, and promote/rollback/rollout/probe --url refuse (nothing changed)
+    while a server other than the one at --url serves the repository (a process with a tritonserver's command line
+    stands in for one started some other way)."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.serving import build_output
+    from precision_pipeline.serving.triton_server import servers_of
+
+    repo, srv = served
+    before, live = release_state.state_path(repo).read_text(), release_live.live_unit(srv)
+    ports = [str(free_port()) for _ in range(3)]
+    r = subprocess.run([sys.executable, "-m", "invoke", "serve", "--repo", str(repo), "--http-port", ports[0], "--grpc-port",
+                        ports[1], "--metrics-port", ports[2]], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                       env=dict(os.environ, COLUMNS="400"))  # a process: a serve that is not refused runs until killed
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"--repo: tritonserver (pid {srv.proc.pid}) already serves {repo.resolve()} at {srv.http_url}; a second server "
+            "of one repository would not follow a promote or rollback made through the first (its BLS, which reads the "
+            "shared route.json, would send requests to a unit it never loaded); nothing was started.\n    fix: use that "
+            f"server (--url {srv.http_url}), or stop it first (kill {srv.proc.pid}); to scale, give each server its own "
+            "repository (promote into each).") in r.stdout, r.stdout
+    assert "starting tritonserver" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+    port2 = ports[0]
+    second = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
+                               f"--model-repository={repo}/ --http-port={port2}", sys.executable])
+    monkeypatch.setattr(build_output, "open_build", lambda *a, **k: SimpleNamespace(
+        profile=SimpleNamespace(name="bf16-h100"), packed=None, probe_set=lambda n: None))
+    monkeypatch.setattr(build_output, "promote_build", lambda *a, **k: pytest.fail("promoted"))
+    try:
+        for _ in range(100):
+            if len(servers_of(repo)) == 2:
+                break
+            time.sleep(0.05)
+        msg = (f"--url: tritonserver (pid {second.pid}) at 127.0.0.1:{port2} serves {repo} too, not only the server at "
+               f"{srv.http_url}: a change through --url would switch that one alone, and the other's BLS (it reads the "
+               "shared route.json) would send every request to a unit it never loaded; nothing was changed.\n    fix: "
+               f"stop the second server (kill {second.pid}) and run this again: one repository is served by one server "
+               "(`invoke serve` refuses a second); to scale, give each server its own repository (promote into each).")
+        for args in (("rollback",), ("promote", "--profile", "bf16-h100"), ("probe",)):
+            r = invoke_here(*args, "--repo", str(repo), "--url", srv.http_url)
+            assert r.returncode == 2 and msg in r.stdout, (args, r.stdout + r.stderr)
+        with pytest.raises(UserError) as ei:  # rollout's attach (after its build checks)
+            cli._attach(srv.http_url, None, repo)
+        assert ei.value.message == msg.replace("\n    fix:", " Fix:")
+        from precision_pipeline.serving.triton_server import other_servers, repository_at
+
+        cli._attach(srv.http_url, None)  # rollout --abort puts every server's routes back: not refused
+        assert other_servers(repo, f"localhost:{srv.http_port}") == [(second.pid, f"127.0.0.1:{port2}")]
+        assert repository_at(f"localhost:{srv.http_port}") == str(repo.resolve())
+    finally:
+        second.kill()
+        second.wait()
+    assert release_state.state_path(repo).read_text() == before and release_live.live_unit(srv) == live
+
+
+def test_first_promote_of_a_new_repository_with_url_of_another_is_refused(served, invoke_here, monkeypatch, tmp_path):
+    """Hostile s12 F-E: the first promote of a new --repo with --url of the server of another repository said
+    "created" and never used --url. Now it is refused before anything is created, naming both repositories."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.serving import build_output
+
+    repo, srv = served
+    new = tmp_path / "new" / "model_repository"
+    monkeypatch.setattr(build_output, "open_build", lambda *a, **k: SimpleNamespace(profile=SimpleNamespace(name="bf16-h100")))
+    monkeypatch.setattr(build_output, "promote_build", lambda *a, **k: pytest.fail("promoted"))
+    r = invoke_here("promote", "--profile", "bf16-h100", "--repo", str(new), "--url", f"localhost:{srv.http_port}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"--url: localhost:{srv.http_port} serves repository {repo.resolve()}, not the new {new}; the first promote "
+            "creates the files only (nothing was created).\n    fix: leave --url out, then `invoke serve --repo "
+            f"{new}`.") in r.stdout, r.stdout
+    assert not (tmp_path / "new").exists()
+
+
 def test_wrong_metrics_port_is_refused_before_loading(served, units4):  # noqa: F811
     repo, srv = served
     other = TritonServer.attach(srv.http_url)
@@ -178,6 +255,53 @@ def test_sigterm_and_sighup_abort_the_rollout(served, units4, sig):  # noqa: F81
     assert last["rollout"]["percent"] == 50
     assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}
     assert srv.loaded_models().get(d) != "READY"
+
+
+def test_a_frozen_server_during_a_promote_load_is_given_up(served, units4, capfd, monkeypatch):  # noqa: F811
+    """Hostile s12 F-L (hang): a tritonserver frozen (SIGSTOP) while `promote/rollback --url` loads a unit held the
+    command up to 900 s without a line. Now the load says where it is every LOAD_PROGRESS_S and gives up when the
+    server does not answer /v2/health/live for LOAD_STALL_S (here 3 s): ServerStopped (exit 7), nothing switched,
+    and once the server runs again it serves what releases.json records."""
+    import threading
+
+    from precision_pipeline.core.errors import ServerStopped
+    from precision_pipeline.serving import triton_server
+
+    repo, srv = served
+    before, live = release_state.state_path(repo).read_text(), release_live.live_unit(srv)
+    target, current = units4[1].engine_unit, release_state.read_state(repo)["current"]
+    post, frozen = triton_server.TritonServer._post, []
+
+    def freeze_on_load(self, path, *a, **k):  # SIGSTOP right after the load request is sent
+        if path.endswith(f"/{target}/load") and not frozen:
+            frozen.append(threading.Timer(0.3, os.kill, (srv.proc.pid, signal.SIGSTOP)))
+            frozen[0].start()
+        return post(self, path, *a, **k)
+
+    monkeypatch.setattr(triton_server.TritonServer, "_post", freeze_on_load)
+    monkeypatch.setattr(triton_server, "LOAD_STALL_S", 3.0)
+    monkeypatch.setattr(triton_server, "LOAD_PROGRESS_S", 1.0)
+    capfd.readouterr()
+    t = time.perf_counter()
+    try:
+        with pytest.raises(ServerStopped) as ei:
+            release.promote(repo, units4[1].out_dir, server=TritonServer.attach(srv.http_url))
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    took, err = time.perf_counter() - t, capfd.readouterr().err
+    assert frozen and took < 30, took
+    assert str(ei.value).startswith(f"the Triton server at {srv.http_url} stopped answering while loading {target} (no "
+                                    "answer on /v2/health/live for "), str(ei.value)
+    assert str(ei.value).endswith(f"Nothing was switched: releases.json still names {current}, and a restarted server "
+                                  "serves it (`invoke serve --repo REPO`); run the command again once it answers.")
+    assert f"  loading {target} on {srv.http_url}: 1 s ..." in err.splitlines(), err
+    assert release_state.state_path(repo).read_text() == before
+    for _ in range(300):  # the server finishes the load it was frozen in; the test puts the unit away again
+        if srv.loaded_models().get(target) in ("READY", "UNAVAILABLE"):
+            break
+        time.sleep(0.1)
+    srv.unload(target)
+    assert release_live.live_unit(srv) == live and ask(srv)
 
 
 def test_server_dying_mid_step_rolls_back_and_leaves_no_shared_memory(served, units4):  # noqa: F811

@@ -662,3 +662,21 @@ def test_a_unit_that_fails_its_smoke_request_is_refused_not_a_traceback(tmp_path
             assert str(err)[:30] in p.reason
             assert release_state.state_path(repo).read_text() == before and release_configs.current_of_configs(repo) == (a, a)
             assert ("unload", b) in [x[:2] for x in srv.calls]
+
+
+def test_a_rollback_whose_previous_release_folder_is_gone_names_it(tmp_path, units4):
+    """Hostile s12 F-M: the previous release's folder moved away -> "there is no previous release on disk", although
+    the record names it. Now the refusal names the missing unit and the two ways back; nothing changes."""
+    a = units4[0].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    (repo / a).rename(tmp_path / "elsewhere")
+    before = release_state.state_path(repo).read_text()
+    with pytest.raises(UserError) as ei:
+        release.rollback(repo)
+    assert ei.value.message == (f"rollback: the previous release {a} is missing from {repo} (deleted or moved). Fix: "
+                                "restore its folder there, or promote its build again (`invoke promote --profile P "
+                                "--out <its build>`).")
+    assert release_state.state_path(repo).read_text() == before
+    (tmp_path / "elsewhere").rename(repo / a)
+    assert release.rollback(repo)["unit"] == a

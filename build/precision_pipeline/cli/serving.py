@@ -31,7 +31,7 @@ def server_of(url, repo_dir: Path):
     """The server a promote or rollback acts on: ``TritonServer.from_url(url)`` (None when --url is not given; ''
     is refused); without --url, UserError (exit 2, before anything is read or written) when a tritonserver on this
     machine serves ``repo_dir`` (``servers_of``): only the files would switch while it keeps serving the old unit
-    (hostile s8 #56)."""
+    (hostile s8 #56); with --url, UserError when another one serves it too (``refuse_other_servers``)."""
     from precision_pipeline.serving.triton_server import TritonServer, servers_of
 
     if url is None and (live := servers_of(repo_dir)):
@@ -40,7 +40,44 @@ def server_of(url, repo_dir: Path):
                         "only the files would switch and that server would keep serving the unit it has; nothing was "
                         "changed.", f"pass --url {at} (the server then loads, smoke-tests and switches too), or stop "
                         "that server first.")
-    return TritonServer.from_url(url)
+    server = TritonServer.from_url(url)
+    if server is not None:
+        refuse_other_servers(server, repo_dir)
+    return server
+
+
+def refuse_other_servers(server, repo_dir: Path) -> None:
+    """UserError on ``--url`` (exit 2, nothing changed) while a tritonserver on this machine other than ``server``
+    (the one at --url) serves ``repo_dir`` (``triton_server.other_servers``): a change through --url switches only
+    that one, and the other's BLS, which reads the shared route.json, would route every request to a unit it never
+    loaded (hostile s12 F-Q: HTTP 400 until it was restarted). Used by promote, rollback, rollout and a recorded
+    probe."""
+    from precision_pipeline.serving.triton_server import other_servers
+
+    if others := other_servers(repo_dir, server.http_url):
+        pid, at = others[0]
+        raise UserError("--url", f"tritonserver (pid {pid}) at {at} serves {repo_dir} too, not only the server at "
+                        f"{server.http_url}: a change through --url would switch that one alone, and the other's BLS "
+                        "(it reads the shared route.json) would send every request to a unit it never loaded; nothing "
+                        "was changed.", f"stop the second server (kill {pid}) and run this again: one repository is "
+                        "served by one server (`invoke serve` refuses a second); to scale, give each server its own "
+                        "repository (promote into each).")
+
+
+def refuse_new_repository_url(server, repo_dir: Path) -> None:
+    """UserError on ``--url`` (exit 2, before anything is created) for the first promote of ``repo_dir`` (no
+    releases.json yet) with a ``server``: that creates the files only, and the server at --url serves another
+    repository (hostile s12 F-E: it said "created" and --url was not used). Names that repository when a
+    tritonserver of this machine listens at --url (``triton_server.repository_at``)."""
+    from precision_pipeline.serving import release
+    from precision_pipeline.serving.triton_server import repository_at
+
+    if server is None or release.read_state(repo_dir) is not None:
+        return
+    other = repository_at(server.http_url)
+    raise UserError("--url", f"{server.http_url} serves {f'repository {other}' if other else 'another repository'}, "
+                    f"not the new {repo_dir}; the first promote creates the files only (nothing was created).",
+                    f"leave --url out, then `invoke serve --repo {repo_dir}`.")
 
 
 def promote(profile, repo=None, url=None, out=None) -> None:
@@ -50,6 +87,7 @@ def promote(profile, repo=None, url=None, out=None) -> None:
 
     b = build_output.open_build(profile, out)
     server = server_of(url, serving_repo(repo))
+    refuse_new_repository_url(server, serving_repo(repo))
     with terminate_as_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: a loaded candidate is unloaded, said (hostile s8 #103)
         p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
     con = console()
@@ -77,11 +115,15 @@ def rollback(repo=None, to=None, fallback=False, url=None) -> None:
     console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
 
 
-def _attach(url: str, metrics_port):
+def _attach(url: str, metrics_port, repo_dir: Path | None = None):
+    """The server at ``url`` with its metrics port; with ``repo_dir``, refused while another server serves it
+    (``refuse_other_servers``; not for ``rollout --abort``, which puts every server's routes back on the stable unit)."""
     from precision_pipeline.serving.triton_server import TritonServer
 
     server = TritonServer.attach(url)
     server.metrics_port = metrics_port or server.http_port + 2
+    if repo_dir is not None:
+        refuse_other_servers(server, repo_dir)
     return server
 
 
@@ -117,7 +159,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     hold_s = float(prof.deployment.canary_pause_s) if given_hold is None else given_hold
     if release.read_state(repo_dir) is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
-    server = _attach(url, metrics_port)
+    server = _attach(url, metrics_port, repo_dir)
     pset = b.probe_set(n_probe)
 
     def show(s):
@@ -130,15 +172,36 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     con.print(f"rolling out {prof.name} in steps {','.join(map(str, step_list))} ({hold_s:g} s each) on {url}")
     res = ro.rollout(repo_dir, b.packed, server, pset, steps=step_list, hold_s=hold_s, profile=prof.name, gate=ok.gate,
                      on_step=show)
+    con.print(rollout_outcome(res, server, url, repo_dir), soft_wrap=True)
+    return 0 if res.status == "promoted" else EXIT_GATE_FAILED  # 3: not promoted
+
+
+def rollout_outcome(res, server, url: str, repo_dir: Path) -> str:
+    """The last line of ``invoke rollout`` (rich markup) for its ``RolloutResult`` ``res``: promoted, aborted by
+    another shell, or rolled back naming the failed check; when the check "server" failed because the server at
+    ``url`` stopped answering, that it stopped and what it serves when started again (hostile s12 F-O: it said
+    "serves all traffic ... (None ms ...)" of a dead server). Never prints a missing value."""
     if res.status == "promoted":
-        con.print(f"{res.candidate} is the current release ({res.seconds:.0f} s)")
-        return 0
+        return f"{res.candidate} is the current release ({res.seconds:.0f} s)"
     if res.status == "aborted":
-        con.print(f"[red]rollout of {res.candidate} was aborted[/] (`invoke rollout --abort`); {res.stable} serves all traffic")
-    else:
-        con.print(f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "
-                  f"traffic ({res.decision_to_stable_ms} ms from the decision to the candidate's last request)")
-    return EXIT_GATE_FAILED  # not promoted
+        return f"[red]rollout of {res.candidate} was aborted[/] (`invoke rollout --abort`); {res.stable} serves all traffic"
+    if res.failed_check == "server" and not _answers(server):
+        return (f"[red]rolled back[/] at {res.failed_step} %: the server at {url} stopped answering; releases.json names "
+                f"{res.stable}, which it serves when started again (`invoke serve --repo {repo_dir}`); {res.candidate} "
+                "was not promoted")
+    took = ("" if res.decision_to_stable_ms is None else
+            f" ({res.decision_to_stable_ms:.0f} ms from the decision to the candidate's last request)")
+    return (f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "
+            f"traffic{took}")
+
+
+def _answers(server) -> bool:
+    """Whether ``server`` answers its repository index (a rollout's "server" check failed: died, or a refused switch)."""
+    try:
+        server.loaded_models()
+    except OSError:  # ServerStopped among them
+        return False
+    return True
 
 
 def _hold_arg(hold) -> float | None:
@@ -200,6 +263,8 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     else:
         raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
     server = TritonServer.attach("127.0.0.1:8000" if url is None else url)  # '' refused by attach
+    if state:  # recorded in releases.json: no other server of the repository (hostile s12 F-Q)
+        refuse_other_servers(server, repo_dir)
     exporter = None
     if every_s is not None:
         exporter = pr.ProbeExporter(port)

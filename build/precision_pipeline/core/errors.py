@@ -3,7 +3,8 @@
 Exit codes (every task): 0 success; 2 invalid input or a refused check (raised before any
 heavy work); 3 accuracy gate failed; 4 a stage was skipped under ``--strict``; 5 ``trtllm-build``
 failed or timed out (the previous engine is intact); 6 (``invoke nightly``) a profile regressed
-against its baseline; 1 unexpected internal error (the only case that prints a traceback).
+against its baseline; 7 the Triton server at ``--url`` stopped answering during a change (nothing was
+switched, or the message says what was); 1 unexpected internal error (the only case that prints a traceback).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ EXIT_GATE_FAILED = 3
 EXIT_STRICT_SKIP = 4
 EXIT_ENGINE_BUILD_FAILED = 5
 EXIT_REGRESSED = 6
+EXIT_SERVER_STOPPED = 7
 
 
 class PipelineError(Exception):
@@ -79,6 +81,15 @@ class StrictSkip(PipelineError):
     """A stage was skipped while ``--strict`` was given (exit 4)."""
 
     exit_code = EXIT_STRICT_SKIP
+
+
+class ServerStopped(PipelineError, ConnectionError):
+    """The Triton server a command acts on (``--url``) stopped answering -- it died (connection refused, reset, closed
+    without an answer) or froze (no answer on ``/v2/health/live`` for ``triton_server.LOAD_STALL_S``) -- while the
+    command waited on it (exit 7, a sentence, no traceback; hostile s12 F-N, F-L). A ``ConnectionError`` too, so
+    every handler of a server that went away (``except OSError``: rollout's steps, clean-ups) treats it as before."""
+
+    exit_code = EXIT_SERVER_STOPPED
 
 
 class EngineBuildFailed(PipelineError):
@@ -156,7 +167,7 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_GATE_FAILED", "EXIT_STRICT_SKIP", "EXIT_ENGINE_BUILD_FAILED",
-    "EXIT_REGRESSED", "EXIT_ENGINE_BUILD_FAILED",
-    "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "EngineBuildFailed", "closest",
+    "EXIT_REGRESSED", "EXIT_ENGINE_BUILD_FAILED", "EXIT_SERVER_STOPPED",
+    "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "EngineBuildFailed", "ServerStopped", "closest",
     "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "USER_OS_ERRNOS", "exit_code_for", "os_error_text", "error_text",
 ]

@@ -473,17 +473,20 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
                      exporter: Optional[ProbeExporter] = None, by: str = "invoke probe", route: str = "") -> dict:
     """One probe run of ``unit``: the result (``ProbeResult.summary()``, or ``{"error": ...}`` when the
     server failed: RuntimeError; with ``route``, the ``route_units`` rules the unit serves, as ``route``) is appended to ``repo_dir``'s releases.json history when given and
-    set on ``exporter`` when given. Returns the releases.json record (or the bare summary). Raises UserError
-    (exit 2, nothing probed) when ``server`` does not serve ``repo_dir`` (``release_live.verify_server``)."""
+    set on ``exporter`` when given; a server that stopped answering (``ServerStopped``) is such an error run too.
+    Returns the releases.json record (or the bare summary). Raises UserError (exit 2, nothing probed) when
+    ``server`` serves another repository than ``repo_dir`` (``release_live.verify_server``)."""
     from precision_pipeline.serving import release_live, release_state
 
-    if repo_dir is not None:  # recorded there: the server must serve it (hostile s8 #101: another's was recorded)
-        release_live.verify_server(repo_dir, server)
+    server.gone = False  # a run of `probe --every` after one that found the server stopped: it may be back
+    res: Optional[ProbeResult] = None
     try:
-        res: Optional[ProbeResult] = run_probe(server, unit, probe_set)
+        if repo_dir is not None:  # recorded there: the server must serve it (hostile s8 #101: another's was recorded)
+            release_live.verify_server(repo_dir, server)
+        res = run_probe(server, unit, probe_set)
         summary = res.summary()
-    except RuntimeError as e:
-        res, summary = None, {"error": str(e)[:500], "passed": False}
+    except (RuntimeError, OSError) as e:  # a run that cannot reach the server (ServerStopped) is a failed run, not a
+        summary = {"error": str(e)[:500], "passed": False}  # refused input (hostile s12 F-P); --every goes on
     if route:
         summary["route"] = route
     if exporter is not None:

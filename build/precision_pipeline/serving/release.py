@@ -203,6 +203,11 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
                             "(`invoke rollout`), which checks it.")
     else:
         prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
+        gone = [u for u in current_order(state) if u != cur and u not in units and u not in rejected]
+        if not prev and gone:  # hostile s12 F-M: the record names it, its folder is gone
+            raise UserError("rollback", f"the previous release {gone[0]} is missing from {repo_dir} (deleted or moved).",
+                            "restore its folder there, or promote its build again (`invoke promote --profile P --out "
+                            "<its build>`).")
         if not prev:
             fix = ("roll back to the fallback (--fallback)." if state.get("fallback") not in (None, cur) else
                    "this repository has no fallback either: promote a build (`invoke promote --profile P`), or roll "

@@ -8,7 +8,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.errors import ServerStopped, UserError
 from precision_pipeline.core.store import read_json
 from precision_pipeline.serving import llmapi_unit, pack
 from precision_pipeline.serving.release_configs import load_config
@@ -37,6 +37,15 @@ def load_unit(server, unit: str, field: str, serving: str, fix: str) -> None:
         unload_quietly(server, unit)
         raise UserError(field, f"the server does not load {unit}, so nothing was switched ({serving} still serves): "
                         f"{str(e)[:400]}", fix) from None
+    except ServerStopped as e:
+        raise stopped_before_switch(e, serving) from None
+
+
+def stopped_before_switch(e: ServerStopped, serving: str) -> ServerStopped:
+    """``e`` (the server at --url stopped answering before the switch) with what holds: nothing was switched,
+    releases.json still names ``serving``, which a restarted server serves (hostile s12 F-N, F-L)."""
+    return ServerStopped(f"{e} Nothing was switched: releases.json still names {serving}, and a restarted server "
+                         "serves it (`invoke serve --repo REPO`); run the command again once it answers.")
 
 
 def unload_quietly(server, unit: str) -> None:
@@ -53,6 +62,9 @@ def smoke_unit(server, unit: str, field: str, serving: str, fix: str, *, expect:
 
     try:
         return smoke_test(server, unit, expect=expect)
+    except OSError as e:  # refused, reset, a timeout: the server is gone, not the unit's fault
+        raise stopped_before_switch(e if isinstance(e, ServerStopped) else server.stopped(f"smoke-testing {unit}", e),
+                                    serving) from None
     except (RuntimeError, InferenceServerException) as e:
         raise UserError(field, f"{unit} loads but fails its smoke request, so nothing was switched ({serving} still "
                         f"serves): {str(e)[:400]}", fix) from None
@@ -224,8 +236,8 @@ def verify_server(repo_dir: Path, server) -> None:
                             "tokenizer_dir points into), or create a new one here with `invoke promote --repo`.")
         try:
             live = server.model_config(model)
-        except OSError as e:
-            raise UserError("--url", f"{where} does not answer ({e}).", "start it with `invoke serve`, or pass its HOST:PORT.") from None
+        except OSError as e:  # it answered attach(): it stopped since (hostile s12 F-P: "the input was refused")
+            raise (e if isinstance(e, ServerStopped) else server.stopped("reading its ensemble's configuration", e)) from None
         if live is None:
             continue
         got = ((live.get("parameters") or {}).get(key) or {}).get("string_value")

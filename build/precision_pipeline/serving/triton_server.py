@@ -19,10 +19,9 @@ How it runs (facts in shared/reference/triton-on-cpu.md):
 ``serve(model_repository, ...)`` is what ``invoke serve`` calls: it loads the current release (or every
 model of a freshly packed repository), prints the endpoints and runs until Ctrl-C.
 
-Tracing: when the repository's BLS config carries an ``otlp_traces_url`` (the profile's
-``deployment.otlp_endpoint`` + ``/v1/traces``, written at pack time), ``serve`` also turns on Triton's own
-OpenTelemetry tracing to that URL (``trace_args``); the pytriton server (2.51) supports
-``--trace-config mode=opentelemetry`` (``GET /v2/trace/setting`` reports it).
+Tracing: when the repository's BLS config carries an ``otlp_traces_url`` (``deployment.otlp_endpoint`` +
+``/v1/traces``, written at pack time), ``serve`` turns on Triton's OpenTelemetry tracing to it (``trace_args``;
+2.51 supports ``--trace-config mode=opentelemetry``: ``GET /v2/trace/setting`` reports it).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
 
-from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.errors import ServerStopped, UserError
 from precision_pipeline.core.paths import REPO_ROOT, cache_dir
 
 SHM_PREFIX = "precision_pipeline_"
@@ -175,6 +174,14 @@ def check_distinct_ports(flags: Iterable[tuple[str, int]]) -> None:
                             "pass three different ports (the defaults: --http-port 8000 --grpc-port 8001 "
                             "--metrics-port 8002).")
         seen[port] = flag
+
+
+LOAD_STALL_S = 60.0
+"""Seconds a model load waits on a server that does not answer ``/v2/health/live`` before it gives up
+(``ServerStopped``, exit 7): a frozen or deadlocked server (SIGSTOP, hostile s12 F-L) answers nothing, while a server
+that loads a large unit for minutes still answers its liveness endpoint (Triton serves HTTP on other threads)."""
+LOAD_PROGRESS_S, LOAD_POLL_S = 10.0, 1.0
+"""Seconds between a long load's progress lines ("loading X on U: 30 s ..."), and between its liveness checks."""
 
 
 class TritonServer:
@@ -375,29 +382,74 @@ class TritonServer:
 
         return grpcclient.InferenceServerClient(self.grpc_url)
 
-    def load(self, name: str, config: str | None = None) -> float:
-        """Load (or reload) a model; returns seconds. Raises on failure (the old model keeps serving)."""
-        t0 = time.perf_counter()
-        body = {"parameters": {"config": config}} if config else {}
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{name}/load",
-                                     data=json.dumps(body).encode(), method="POST",
+    def stopped(self, doing: str, exc: BaseException | None = None) -> ServerStopped:
+        """The ``ServerStopped`` of this server, while ``doing`` (e.g. "loading tensorrt_llm_ab12"), with the cause."""
+        why = f" ({type(exc).__name__}: {str(exc)[:160]})" if exc is not None else ""
+        self.gone = True  # later requests of this command fail at once (a frozen server would hold each one)
+        return ServerStopped(f"the Triton server at {self.http_url} stopped answering while {doing}{why}.")
+
+    def _post(self, path: str, body: bytes, timeout: float, doing: str) -> bytes:
+        """POST ``body`` to ``path``; an HTTP error answer raises ``urllib.error.HTTPError``; no answer at all (refused,
+        reset, closed without an answer, a timeout) ``ServerStopped``, as does every request after one did (``gone``)."""
+        if getattr(self, "gone", False):
+            raise self.stopped(doing)
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=900) as r:
-                r.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"loading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.read()
+        except urllib.error.HTTPError:
+            raise
+        except (OSError, http.client.HTTPException) as e:  # URLError and socket timeouts are OSErrors
+            raise self.stopped(doing, e) from None
+
+    def load(self, name: str, config: str | None = None, *, stall_s: float | None = None,
+             progress_s: float | None = None) -> float:
+        """Load (or reload) a model; returns seconds. Raises RuntimeError when the server refuses it (the old model
+        keeps serving), ``ServerStopped`` when the server stops answering: the load request fails without an
+        answer (it died: hostile s12 F-N), or ``/v2/health/live`` gets no answer for ``stall_s`` seconds
+        (``LOAD_STALL_S`` by default: it froze, hostile s12 F-L; a load itself may take up to 900 s). A line
+        on stderr every ``progress_s`` (``LOAD_PROGRESS_S``) seconds while it loads (a large unit loads for minutes)."""
+        import threading
+
+        t0, doing, box = time.perf_counter(), f"loading {name}", {}
+        stall_s, progress_s = LOAD_STALL_S if stall_s is None else stall_s, LOAD_PROGRESS_S if progress_s is None else progress_s
+        body = json.dumps({"parameters": {"config": config}} if config else {}).encode()
+
+        def post():
+            try:
+                box["ok"] = self._post(f"/v2/repository/models/{name}/load", body, 900, doing)
+            except BaseException as e:  # handed to the waiting thread
+                box["err"] = e
+
+        worker = threading.Thread(target=post, name=f"load-{name}", daemon=True)  # left to the process's exit when
+        worker.start()  # a frozen server never answers
+        said, silent_since = t0, None
+        while worker.is_alive():
+            worker.join(LOAD_POLL_S)
+            if not worker.is_alive():
+                break
+            now = time.perf_counter()
+            if now - said >= progress_s:
+                said = now
+                print(f"  loading {name} on {self.http_url}: {now - t0:.0f} s ...", file=sys.stderr, flush=True)
+            if self._get("/v2/health/live", timeout=LOAD_POLL_S) == 200:
+                silent_since = None
+            elif (silent_since := silent_since or now) and now - silent_since >= stall_s:
+                raise self.stopped(doing + f" (no answer on /v2/health/live for {now - silent_since:.0f} s)")
+        if isinstance(err := box.get("err"), urllib.error.HTTPError):
+            raise RuntimeError(f"loading {name} failed ({err.code}): {err.read().decode(errors='replace')}") from None
+        if err is not None:
+            raise err
         return time.perf_counter() - t0
 
     def unload(self, name: str, wait_s: float = 120.0) -> float:
         """Unload a model and wait (up to ``wait_s``) until it has left state UNLOADING, i.e. its instances
-        (python-backend stubs) are gone and their memory is free; returns seconds."""
+        (python-backend stubs) are gone and their memory is free; returns seconds. ``ServerStopped`` when the
+        server does not answer."""
         t0 = time.perf_counter()
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{name}/unload",
-                                     data=b"{}", method="POST", headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                r.read()
+            self._post(f"/v2/repository/models/{name}/unload", b"{}", 300, f"unloading {name}")
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"unloading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
         deadline = time.monotonic() + wait_s
@@ -418,9 +470,8 @@ class TritonServer:
 
     def loaded_models(self) -> dict[str, str]:
         """{name: state} from the repository index."""
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return {m["name"]: m.get("state", "") for m in json.loads(r.read())}
+        return {m["name"]: m.get("state", "") for m in json.loads(self._post("/v2/repository/index", b"{}", 30,
+                                                                              "reading its repository index"))}
 
     def stop(self, timeout_s: float = 30) -> int | None:
         """Unload every loaded model (all at once), SIGTERM, wait; SIGKILL the process group only if it does not
@@ -583,14 +634,12 @@ SERVER_DIED_EXIT = 1
 unexpected failure, reported with the server's log tail and no traceback."""
 
 
-def servers_of(model_repository: Path, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
-    """``[(pid, "HOST:PORT")]`` of the tritonserver processes on this machine that serve ``model_repository``
-    (``--model-repository=`` naming it, as ``argv`` passes it: resolved), with their HTTP endpoint
-    (``--http-address`` / ``--http-port``, tritonserver's defaults 0.0.0.0 -> 127.0.0.1 and 8000). Read from
+def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
+    """``[(pid, repository, "HOST:PORT")]`` of the tritonserver processes on this machine: the ``--model-repository=``
+    each serves (resolved: symlinks, and a relative path against the process's working directory) and its HTTP
+    endpoint (``--http-address`` / ``--http-port``, tritonserver's defaults 0.0.0.0 -> 127.0.0.1 and 8000). Read from
     ``/proc/<pid>/cmdline`` (Linux; [] where there is no ``proc``): the live processes themselves, so no pid file can
-    go stale. Used to refuse a promote or rollback without ``--url`` while a server serves the repository (hostile
-    s8 #56: only the files switched, the server kept serving the old unit)."""
-    want = str(Path(model_repository).resolve())
+    go stale. The one home of "which servers run here" (``servers_of``, ``other_servers``, ``repository_at``)."""
     found = []
     for d in proc.glob("[0-9]*"):
         try:
@@ -603,11 +652,45 @@ def servers_of(model_repository: Path, proc: Path = Path("/proc")) -> list[tuple
         served = opts.get("model-repository", "")
         with contextlib.suppress(OSError):  # a relative path is relative to the server's working directory
             served = os.path.realpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
-        if served.rstrip("/") != want:
-            continue
         host = opts.get("http-address", "0.0.0.0")
-        found.append((int(d.name), f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{opts.get('http-port', '8000')}"))
+        found.append((int(d.name), served.rstrip("/"),
+                      f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{opts.get('http-port', '8000')}"))
     return sorted(found)
+
+
+def servers_of(model_repository: Path, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
+    """``[(pid, "HOST:PORT")]`` of the tritonserver processes on this machine that serve ``model_repository``
+    (``server_processes``). Used to refuse a promote or rollback without ``--url`` while a server serves the
+    repository (hostile s8 #56: only the files switched, the server kept serving the old unit), and a second
+    ``serve`` of it (hostile s12 F-Q)."""
+    want = str(Path(model_repository).resolve())
+    return [(pid, at) for pid, served, at in server_processes(proc) if served == want]
+
+
+def _host_key(host: str) -> str:
+    """``host`` as an address to compare endpoints by: every loopback name (localhost, 127.x, 0.0.0.0) is 127.0.0.1;
+    one that does not resolve (an IPv6 literal among them) as written."""
+    with contextlib.suppress(OSError):
+        ip = socket.gethostbyname(host.strip("[]")) if host.strip("[]") else "127.0.0.1"
+        return "127.0.0.1" if ip.startswith("127.") or ip == "0.0.0.0" else ip
+    return host.strip("[]")
+
+
+def same_endpoint(a: str, b: str) -> bool:
+    """Whether ``HOST:PORT`` ``a`` and ``b`` name one endpoint (the port the same, the hosts one address)."""
+    return a.rpartition(":")[2] == b.rpartition(":")[2] and _host_key(a.rpartition(":")[0]) == _host_key(b.rpartition(":")[0])
+
+
+def other_servers(model_repository: Path, http_url: str, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
+    """``servers_of(model_repository)`` but the one at ``http_url`` (``--url``): a server that a change through
+    ``--url`` would not switch (hostile s12 F-Q: the other's BLS then routed to a unit it never loaded, HTTP 400)."""
+    return [(pid, at) for pid, at in servers_of(model_repository, proc) if not same_endpoint(at, http_url)]
+
+
+def repository_at(http_url: str, proc: Path = Path("/proc")) -> str | None:
+    """The repository the tritonserver of this machine at ``http_url`` serves (``server_processes``); None when
+    no local tritonserver listens there (a remote server, or one in a container)."""
+    return next((served for _pid, served, at in server_processes(proc) if same_endpoint(at, http_url)), None)
 
 
 def serve_log_path(http_port: int) -> Path:
@@ -663,6 +746,13 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     check_serving_path(repo.resolve(), "--repo", f"serve a repository at a path of {SERVING_PATH_CHARS} (promote into such a "
                        "--repo: promote refuses the others), or move this one back where it was made; nothing was started.")
     check_distinct_ports((("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)))
+    if live := servers_of(repo):  # before the recovery: that would rewrite the files the other one serves
+        pid, at = live[0]
+        raise UserError("--repo", f"tritonserver (pid {pid}) already serves {repo.resolve()} at {at}; a second server of "
+                        "one repository would not follow a promote or rollback made through the first (its BLS, which "
+                        "reads the shared route.json, would send requests to a unit it never loaded); nothing was "
+                        "started.", f"use that server (--url {at}), or stop it first (kill {pid}); to scale, give each "
+                        "server its own repository (promote into each).")
     note = None
     try:
         release_recover.recover(repo)

@@ -1,0 +1,168 @@
+"""A Triton server that stops answering while a command waits on it (hostile s12 F-N: killed during a promote's or
+rollback's model load -> RemoteDisconnected traceback; F-L: frozen -> up to 900 s without a line): ``ServerStopped``,
+exit 7, a sentence saying that nothing was switched. Stand-in HTTP servers (one that closes every connection without
+an answer, one that holds every request) stand in for the dead and the frozen tritonserver; the live SIGSTOP is in
+test_release_live.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from precision_pipeline.core.errors import EXIT_SERVER_STOPPED, ServerStopped, exit_code_for
+from precision_pipeline.serving import release_live
+from precision_pipeline.serving.triton_server import TritonServer
+
+
+class _Listener:
+    """A TCP listener on 127.0.0.1 that, per connection, reads the request and then closes without an answer
+    (``mode="close"``: a server killed mid-request) or holds it open for good (``mode="hold"``: a frozen one)."""
+
+    def __init__(self, mode: str):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.mode, self.held, self.seen = mode, [], []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _run(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.settimeout(2)
+            try:
+                self.seen.append(conn.recv(65536).split(b"\r\n", 1)[0].decode())
+            except OSError:
+                pass
+            if self.mode == "close":
+                conn.close()
+            else:
+                self.held.append(conn)
+
+    def close(self):
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+@pytest.fixture
+def listener(request):
+    lst = _Listener(request.param)
+    yield lst
+    lst.close()
+
+
+def _server(url: str) -> TritonServer:
+    host, _, port = url.rpartition(":")  # the client side only, as attach() makes it (attach would probe the URL)
+    srv = TritonServer(Path("."), http_port=int(port), grpc_port=1, metrics_port=1)
+    srv.host = host
+    return srv
+
+
+@pytest.mark.parametrize("listener", ["close"], indirect=True)
+def test_a_server_that_dies_during_the_load_is_server_stopped(listener, capsys):
+    srv = _server(listener.url)
+    with pytest.raises(ServerStopped) as ei:
+        release_live.load_unit(srv, "tensorrt_llm_aaaaaaaaaaaa", "--out", "tensorrt_llm_bbbbbbbbbbbb", "fix")
+    msg = str(ei.value)
+    assert msg.startswith(f"the Triton server at {listener.url} stopped answering while loading tensorrt_llm_aaaaaaaaaaaa "
+                          "(RemoteDisconnected: Remote end closed connection without response). Nothing was switched: "
+                          "releases.json still names tensorrt_llm_bbbbbbbbbbbb, and a restarted server serves it "
+                          "(`invoke serve --repo REPO`); run the command again once it answers."), msg
+    assert exit_code_for(ei.value) == EXIT_SERVER_STOPPED == 7
+    assert isinstance(ei.value, ConnectionError)  # rollout's `except OSError` handlers see it as before
+    assert listener.seen[0] == "POST /v2/repository/models/tensorrt_llm_aaaaaaaaaaaa/load HTTP/1.1"
+    # once gone, the clean-up's requests fail at once instead of waiting on the server
+    t = time.perf_counter()
+    with pytest.raises(ServerStopped, match="while unloading tensorrt_llm_aaaaaaaaaaaa.$"):
+        srv.unload("tensorrt_llm_aaaaaaaaaaaa")
+    assert time.perf_counter() - t < 0.5 and len(listener.seen) == 1
+
+
+def test_nobody_listening_is_server_stopped():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: connection refused
+        with pytest.raises(ServerStopped, match=r"stopped answering while reading its repository index \(URLError: "):
+            _server(url).loaded_models()
+
+
+@pytest.mark.parametrize("listener", ["hold"], indirect=True)
+def test_a_frozen_server_is_given_up_after_the_stall_limit_with_progress_lines(listener, capsys):
+    srv = _server(listener.url)
+    t = time.perf_counter()
+    with pytest.raises(ServerStopped) as ei:
+        srv.load("tensorrt_llm_aaaaaaaaaaaa", stall_s=2.0, progress_s=1.0)
+    took = time.perf_counter() - t
+    assert 2.0 <= took < 6.0, took
+    assert str(ei.value).startswith(f"the Triton server at {listener.url} stopped answering while loading "
+                                    "tensorrt_llm_aaaaaaaaaaaa (no answer on /v2/health/live for "), str(ei.value)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"  loading tensorrt_llm_aaaaaaaaaaaa on {listener.url}: 1 s ...", err
+    assert len(err) >= 2
+    assert listener.seen[0].startswith("POST /v2/repository/models/tensorrt_llm_aaaaaaaaaaaa/load ")
+    assert "GET /v2/health/live HTTP/1.1" in listener.seen[1:]
+
+
+def test_a_probe_run_that_cannot_reach_the_server_is_a_failed_run(tmp_path):
+    """Hostile s12 F-P: `probe --every` ended with "the input was refused; nothing was changed" when the server
+    stopped (the check of which repository it serves found no answer). Now that check raises ServerStopped, and
+    ``probe_and_record`` counts such a run as an error run (exporter result "error", the loop goes on) instead."""
+    from precision_pipeline.serving import probe as pr
+    from precision_pipeline.serving.release_state import IDENTITY_PARAM
+
+    (tmp_path / "ensemble").mkdir()
+    (tmp_path / "ensemble" / "config.pbtxt").write_text(
+        f'name: "ensemble"\nparameters {{\n  key: "{IDENTITY_PARAM}"\n  value {{ string_value: "abc" }}\n}}\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        srv = _server(f"127.0.0.1:{s.getsockname()[1]}")
+        with pytest.raises(ServerStopped, match="stopped answering while reading its ensemble's configuration"):
+            release_live.verify_server(tmp_path, srv)
+
+        class Exporter:
+            seen = []
+
+            def observe(self, profile, unit, res, error, route=""):
+                self.seen.append((profile, unit, res, error))
+
+        ex, pset = Exporter(), SimpleNamespace(prompts=[SimpleNamespace(input_ids=[1, 2, 3])], end_id=2)
+        srv.gone = True  # left by an earlier run of the loop: this run asks the server again
+        rec = pr.probe_and_record(srv, "tensorrt_llm_aaaaaaaaaaaa", pset, repo_dir=None, profile="fp8-h100", exporter=ex)
+        err = rec["probe"]["error"]
+        assert rec["probe"]["passed"] is False and "Connection refused" in err and "(--url)" not in err, err
+        assert ex.seen == [("fp8-h100", "tensorrt_llm_aaaaaaaaaaaa", None, err)]
+
+
+def test_the_rollout_line_after_the_server_stopped_says_so():
+    """Hostile s12 F-O: after the server died mid-step, rollout said "<stable> serves all traffic (None ms from the
+    decision ...)". Now it says that the server stopped and what it serves when started again; no "None"."""
+    from precision_pipeline.cli.serving import rollout_outcome
+
+    res = SimpleNamespace(status="rolled_back", failed_step=50, failed_check="server", stable="tensorrt_llm_bbbbbbbbbbbb",
+                          candidate="tensorrt_llm_aaaaaaaaaaaa", decision_to_stable_ms=None, seconds=3.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{s.getsockname()[1]}"
+        assert rollout_outcome(res, _server(url), url, Path("/r/repo")) == (
+            f"[red]rolled back[/] at 50 %: the server at {url} stopped answering; releases.json names "
+            "tensorrt_llm_bbbbbbbbbbbb, which it serves when started again (`invoke serve --repo /r/repo`); "
+            "tensorrt_llm_aaaaaaaaaaaa was not promoted")
+    alive = SimpleNamespace(loaded_models=lambda: {})  # the switch refused, the server answers
+    assert rollout_outcome(res, alive, url, Path("/r/repo")) == (
+        "[red]rolled back[/] at 50 %: check server failed; tensorrt_llm_bbbbbbbbbbbb serves all traffic")
+    res.failed_check, res.decision_to_stable_ms = "kl_p99", 166.4
+    assert rollout_outcome(res, alive, url, Path("/r/repo")) == (
+        "[red]rolled back[/] at 50 %: check kl_p99 failed; tensorrt_llm_bbbbbbbbbbbb serves all traffic (166 ms from the "
+        "decision to the candidate's last request)")
