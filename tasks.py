@@ -126,12 +126,14 @@ def guarded(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from precision_pipeline.cli.console import report
+        from precision_pipeline.core.signals import terminate_as_interrupt
 
         if any(isinstance(v, str) and v in HELP_FLAGS for v in (*args[1:], *kwargs.values())):
             return _task_help(fn.__name__)
         try:
             refuse_empty_paths(kwargs)
-            code = fn(*args, **kwargs)
+            with terminate_as_interrupt():  # SIGTERM/SIGHUP (timeout, kill, Kubernetes) end a task as Ctrl-C does
+                code = fn(*args, **kwargs)
         except (Exit, SystemExit):
             raise
         except BaseException as e:  # KeyboardInterrupt too: 130
@@ -415,9 +417,10 @@ def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=No
     """Nightly rebuild: check every profile, rebuild what changed, gate, compare with the baseline (exit 6: regressed)."""
     from precision_pipeline import nightly as nl
 
-    from precision_pipeline.core.outputs import refuse_filesystem_root
+    from precision_pipeline.core.outputs import refuse_filesystem_root, refuse_serving_repository
 
-    out_root = refuse_filesystem_root(out, "--out", "an output root (OUT/<profile>/, OUT/nightly/)") if out else ROOT / "artifacts"
+    what = "an output root (OUT/<profile>/, OUT/nightly/)"
+    out_root = refuse_serving_repository(refuse_filesystem_root(out, "--out", what), "--out", what) if out else ROOT / "artifacts"
     if cronjob:
         print(f"wrote {nl.render_cronjob(cronjob, out_root / nl.NIGHTLY_DIR / 'k8s', image=image)}")
         return

@@ -442,3 +442,29 @@ def test_second_build_of_the_same_out_names_the_first(tmp_path, previous_output,
     finally:
         holder.kill()
         holder.wait()
+
+
+SIGTERM_BUILD = """
+import os, signal, sys, time
+sys.path.insert(0, 'build')
+from invoke.main import program
+from precision_pipeline.cli import build as cli
+
+def stopped(*a, **k):  # a build in its gate: SIGTERM from `timeout`, Kubernetes or a CI runner
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+cli.build = stopped
+program.run(['invoke', 'build', '--profile', 'fp8-h100', '--out', sys.argv[1]])
+"""
+
+
+def test_sigterm_during_build_ends_it_as_ctrl_c(tmp_path):
+    """Hostile s12 F-I: SIGTERM during `invoke build` ended it with exit 143 and no line (SIGINT said "interrupted;
+    previous artifacts are intact." and exited 130). Every task now runs under ``terminate_as_interrupt``
+    (``tasks.guarded``): the same exit 130 and line."""
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", SIGTERM_BUILD, str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (130, "interrupted; previous artifacts are intact.\n"), r.stdout + r.stderr
+    assert time.monotonic() - t0 < 25 and "Traceback" not in r.stderr

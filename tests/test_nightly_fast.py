@@ -107,6 +107,27 @@ def test_profile_and_checkpoint_options():
     assert nl.parse_checkpoints("/c", ["x"]) == {"*": "/c"}
     with pytest.raises(UserError, match="ambiguous"):
         nl.parse_checkpoints("/c", ["x", "y"])
+    # hostile s12 F-K: a NAME that is not selected was ignored (the nightly quantized again)
+    with pytest.raises(UserError) as ei:
+        nl.parse_checkpoints("nosuch=/tmp", ["fp8-h100"])
+    assert ei.value.message == ("--checkpoint: 'nosuch' is not among the selected profiles: fp8-h100. Fix: name a "
+                                "selected profile (NAME=DIR), or select it with --profiles.")
+    assert nl.parse_checkpoints("k-fp8=/c", ["/tmp/u/k-fp8.yaml"]) == {"k-fp8": "/c"}  # a YAML path: its stem
+
+
+def test_nightly_out_inside_a_serving_repository_is_refused(tmp_path, invoke_here):
+    """Hostile s12 F-R: `nightly --out <a live model repository>` wrote fp8-h100/ and nightly/ into it (Triton lists
+    them as models). Refused before anything is built, as for the folder beside it (releases.json)."""
+    repo = tmp_path / "srv" / "repo"
+    (repo / "ensemble").mkdir(parents=True)
+    (repo / "ensemble" / "config.pbtxt").write_text('name: "ensemble"\n')
+    (tmp_path / "srv" / "releases.json").write_text("{}")
+    for out, hit in ((repo, repo / "ensemble" / "config.pbtxt"), (tmp_path / "srv", tmp_path / "srv" / "releases.json"),
+                     (repo / "ensemble" / "x", repo / "ensemble" / "config.pbtxt")):
+        r = invoke_here("nightly", "--profiles", "fp8-h100", "--out", str(out))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"--out: {out} is {'' if out.name != 'x' else 'inside '}a serving repository ({hit} is there)" in r.stdout, r.stdout
+    assert sorted(p.name for p in repo.iterdir()) == ["ensemble"] and not (repo / "ensemble" / "x").exists()
 
 
 def test_a_regressed_night_does_not_become_the_baseline_of_the_re_run(tmp_path, monkeypatch):

@@ -110,7 +110,8 @@ def select_profiles(spec: Optional[str]) -> list[str]:
 
 
 def parse_checkpoints(spec: Optional[str], profiles: list[str]) -> dict[str, str]:
-    """``--checkpoint``: ``DIR`` (one selected profile; key ``*``) or ``NAME=DIR[,NAME=DIR]``. UserError otherwise."""
+    """``--checkpoint``: ``DIR`` (one selected profile; key ``*``) or ``NAME=DIR[,NAME=DIR]``, each NAME one of
+    ``profiles`` (the selected). UserError otherwise."""
     if not spec:
         return {}
     if "=" not in spec:
@@ -124,6 +125,10 @@ def parse_checkpoints(spec: Optional[str], profiles: list[str]) -> dict[str, str
         if not name.strip() or not d.strip():
             raise UserError("--checkpoint", f"{part[:80]!r} is not NAME=DIR.", "write --checkpoint NAME=DIR[,NAME=DIR].")
         out[name.strip()] = d.strip()
+    names = {*profiles, *(Path(r).stem for r in profiles)}  # a YAML path's profile is named by its stem
+    if stray := [n for n in out if n not in names]:  # hostile s12 F-K: a typo quietly quantized again
+        raise UserError("--checkpoint", f"{stray[0][:80]!r} is not among the selected profiles: {', '.join(profiles)}.",
+                        "name a selected profile (NAME=DIR), or select it with --profiles.")
     return out
 
 

@@ -211,3 +211,17 @@ def test_batches_equal_length(tok):
     assert sum(len(b) for b in batches) == 12
     for b in batches:
         assert 1 <= len(b) <= 4 and len({len(s) for s in b}) == 1
+
+
+def test_a_utf8_bom_in_a_calibration_jsonl_is_read(tmp_path):
+    """Hostile s12 F-H: a JSONL saved with a UTF-8 byte order mark (Notepad) was refused as "line 1 is not valid
+    JSON". The BOM starts the file only: read as UTF-8 with it; a BOM-like character later in a line is no BOM."""
+    from precision_pipeline.resolve import dataset as D
+
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"text": "bom line here and more words"}\n{"text": "second line"}\n')
+    data, problems = D.scan_user_dataset(str(p), seq_len=64)
+    assert problems == [] and [t for _n, t in data.texts] == ["bom line here and more words", "second line"]
+    p.write_bytes(b'{"text": "first"}\n\xef\xbb\xbf{"text": "second"}\n')
+    _data, problems = D.scan_user_dataset(str(p), seq_len=64)
+    assert len(problems) == 1 and "line 2 is not valid JSON" in problems[0].reason, problems

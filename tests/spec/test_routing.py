@@ -230,6 +230,8 @@ def test_route_explain_long_prompt_to_bf16_short_to_primary(capsys):
     ("kv_util", "2", "'2' is not a number from 0 to 1.", "pass e.g. --kv-util 0.5."),
     ("kv_util", "-0.1", "'-0.1' is not a number from 0 to 1.", "pass e.g. --kv-util 0.5."),
     ("inflight", "-1", "'-1' is not a number >= 0.", "pass e.g. --inflight 4."),
+    ("inflight", "1e309", "'1e309' is not a number >= 0.", "pass e.g. --inflight 4."),  # inf: hostile s12 F-C
+    ("inflight", "inf", "'inf' is not a number >= 0.", "pass e.g. --inflight 4."),
 ])
 def test_route_explain_signals_are_bounded_as_the_rules_are(flag, value, reason, fix):
     """Hostile round s11 F6/F7: --kv-util 2 (a utilization of 200 %) was accepted (only >= 0 was checked) although a

@@ -4,6 +4,7 @@ table, and the flag parsers (each refusal a UserError naming the flag)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import traceback
@@ -121,7 +122,7 @@ def float_arg(flag: str, value, hi: float | None = None, example: str = "0.5"):
         v = float(value)
     except (TypeError, ValueError):
         raise UserError(flag, f"{str(value)[:40]!r} is not a number.", f"pass e.g. {flag} {example}.")
-    if not v == v or v < 0 or (hi is not None and v > hi):
+    if not math.isfinite(v) or v < 0 or (hi is not None and v > hi):  # nan, inf and 1e309 too (hostile s12 F-C)
         raise UserError(flag, f"{value!r} is not {want}.", f"pass e.g. {flag} {example}.")
     return v
 

@@ -55,6 +55,28 @@ def refuse_filesystem_root(path: Path, field: str = "--out", what: str = "a buil
     return p
 
 
+SERVING_MARKERS = ("releases.json", "ensemble/config.pbtxt")
+"""Files that make a folder a serving repository's (``releases.json`` beside the model repository, written by
+``serving/release_state.py``; ``ensemble/config.pbtxt`` in it, written by pack)."""
+
+
+def refuse_serving_repository(path: Path, field: str = "--out", what: str = "an output root") -> Path:
+    """``path`` resolved, unless it or a folder above it holds a serving repository (``SERVING_MARKERS``): UserError
+    (exit 2, nothing written) on ``field``. Triton lists every folder of a model repository as a model, and
+    retention and recovery own the folder beside it (hostile s12 F-R: ``nightly --out`` wrote fp8-h100/ and
+    nightly/ into a live repository)."""
+    from precision_pipeline.core.errors import UserError
+
+    p = Path(path).expanduser().resolve()
+    for d in (p, *p.parents):
+        hit = next((m for m in SERVING_MARKERS if (d / m).is_file()), None)
+        if hit:
+            raise UserError(field, f"{p} is {'' if d == p else 'inside '}a serving repository ({d / hit} is there), not "
+                            f"{what}: its folders would be listed as models, and retention owns it.",
+                            f"give a folder outside it for {what}, e.g. {field} artifacts.")
+    return p
+
+
 def read_output_marker(out: Path) -> dict | None:
     """The marker of build output ``out`` ({"format", "version", ...}), or None when it has none (or not ours)."""
     m = read_json_safe(Path(out) / OUTPUT_MARKER)

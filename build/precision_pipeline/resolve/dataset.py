@@ -179,7 +179,7 @@ def scan_user_dataset(ds: str, stop_after: Optional[int] = None, seq_len: Option
                     too_big.append((no, n - 1 if raw.endswith(b"\n") else n))
                     continue
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if no == 1 else "utf-8")  # a BOM (Notepad) is no JSON error: hostile s12 F-H
                 except UnicodeDecodeError:
                     return None, [Problem(FIELD, f"{path} is not UTF-8 (line {no}).", "save the file as UTF-8 JSONL.")]
                 line = line.rstrip("\n").rstrip("\r")

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from precision_pipeline.core.errors import ServerStopped, UserError
+from precision_pipeline.core.signals import terminate_as_interrupt  # noqa: F401  (its users import it from here too)
 from precision_pipeline.core.paths import REPO_ROOT, cache_dir
 
 SHM_PREFIX = "precision_pipeline_"
@@ -549,49 +550,6 @@ def clean_stale_shm(token: str = "", *, min_age_s: float = SHM_MIN_AGE_S, shm_di
         except OSError:
             continue
     return removed
-
-
-def terminate_as_interrupt():
-    """Context manager: SIGTERM and SIGHUP raise KeyboardInterrupt (once) in the main thread, so a task
-    stopped by ``timeout``, ``kill`` or a closed terminal cleans up as Ctrl-C does; later signals are
-    ignored until the block ends (the clean-up is not interrupted). Does nothing outside the main thread.
-
-    A signal that arrives while tritonclient.http waits in gevent's hub (a smoke request, a probe) raises in the
-    hub's loop: gevent prints every error there with a traceback before it throws a ``SYSTEM_ERROR``
-    (KeyboardInterrupt) into the main greenlet (gevent/hub.py ``Hub.handle_error``). Inside the block
-    KeyboardInterrupt counts as one of the hub's ``NOT_ERROR`` (not printed; still thrown on), so the
-    interruption is reported once, by the task, without a traceback (hostile s7 #109)."""
-    import threading
-
-    @contextlib.contextmanager
-    def cm():
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        fired = []
-
-        def handler(signum, frame):
-            if fired:
-                return
-            fired.append(signum)
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-
-        try:
-            from gevent.hub import Hub
-        except ImportError:  # no tritonclient.http installed: nothing waits in a hub
-            Hub = None  # noqa: N806
-        not_error = Hub.NOT_ERROR if Hub is not None else ()
-        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-        if Hub is not None:
-            Hub.NOT_ERROR = (*not_error, KeyboardInterrupt)
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            if Hub is not None:
-                Hub.NOT_ERROR = not_error
-    return cm()
 
 
 def text_request(text: str, max_tokens: int, client_module: Any = None, **extra: tuple[str, Any]) -> list:
