@@ -381,3 +381,15 @@ def test_compare_refuses_an_empty_profile_entry_and_recommend_names_the_gpu_it_r
                                         "a100-40gb (40 GB, 1,555 GB/s), for which memory plans and KV capacity differ.")
     r = invoke_here("recommend", "--gpu", "a100-80gb")
     assert r.stdout.startswith("workload: "), r.stdout
+
+
+def test_profiles_model_without_gpu_is_refused(invoke_here):
+    """Hostile s12 F-D: `profiles --model /nonexistent` (no --gpu) exited 0 listing the shipped profiles, --model
+    ignored. --model is read only with --gpu: without it, exit 2 naming the flag; with it, a missing folder is refused."""
+    r = invoke_here("profiles", "--model", "/nonexistent")
+    assert r.returncode == 2 and ("  --model: is read only with --gpu (which profiles run on that GPU for this model).\n"
+                                  "    fix: add --gpu (e.g. --gpu h100), or leave --model out to list the shipped "
+                                  "profiles.") in r.stdout, r.stdout
+    r = invoke_here("profiles", "--gpu", "h100", "--model", "/nonexistent")
+    assert r.returncode == 2 and "--model" in r.stdout, r.stdout
+    assert invoke_here("profiles").returncode == 0

@@ -112,10 +112,15 @@ def check(profile=None, all=False, model=None) -> int:
 
 
 def profiles(gpu=None, model=None) -> None:
-    """Shipped profiles; with ``gpu``, which can run on it and why the others cannot."""
+    """Shipped profiles; with ``gpu``, which can run on it and why the others cannot (for ``model``; UserError on
+    ``--model`` without ``gpu``)."""
+    from precision_pipeline.core.errors import UserError
     from precision_pipeline.spec.profile import shipped_profiles
 
     con = console()
+    if model is not None and not gpu:  # hostile s12 F-D: --model was ignored (a missing folder listed all)
+        raise UserError("--model", "is read only with --gpu (which profiles run on that GPU for this model).",
+                        "add --gpu (e.g. --gpu h100), or leave --model out to list the shipped profiles.")
     if not gpu:
         for n in shipped_profiles():
             con.print(n)
