@@ -90,6 +90,17 @@ def test_build_on_k8s_refuses_a_checkpoint_changed_after_its_build(cpu_build):
     assert "rank0.safetensors" in p.reason and "on the CPU side first" in p.fix
 
 
+def test_build_on_k8s_refuses_a_damaged_manifest(cpu_build):
+    """Hostile s12 F-F: `build --on k8s` rendered the Job for an output whose manifest.json was truncated; the
+    Job's entry point refuses it (``read_manifest``), so the refusal came in the pod, after a GPU node was scheduled.
+    ``check_gated_output``, the one rule of both sides, reads it too."""
+    m = cpu_build / "manifest.json"
+    m.write_bytes(m.read_bytes()[: len(m.read_bytes()) // 2])  # truncated (a full disk, a bad copy)
+    with pytest.raises(UserError) as e:
+        job.check_gated_output(cpu_build, "fp8-h100")
+    assert str(m) in e.value.message and "not valid JSON" in e.value.message, e.value.message
+
+
 def test_apply_and_follow_runs_kubectl_in_order(monkeypatch):
     """No context (an error, or none set): None, nothing applied; else apply, wait for the pod, follow the logs and
     read the Job's completion: 0 when Complete, 1 otherwise. The context and the completion are read as text."""

@@ -45,7 +45,8 @@ def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "-
     filesystem root, a build output (its ``.precision-build.json`` marker), with the resolve, quantize and
     gate records, the gate ``done`` and passed, (``profile`` given) the build of that profile, and its checkpoint the
     files the quantize record's inventory describes (``core.fingerprint.inventory_problem``: truncated, rewritten,
-    added or removed after the build is refused, as promote refuses it).
+    added or removed after the build is refused, as promote refuses it), and its ``manifest.json`` readable
+    (``core.stage.read_manifest``).
 
     The one rule for both sides of the engine build Job: ``invoke build --on k8s`` checks it before it renders
     (or applies) a Job, and the Job itself (``run_engine_job``) before it builds. Raises UserError (exit 2)
@@ -76,6 +77,7 @@ def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "-
     if why is not None:
         raise UserError(field, f"{ckpt} is not the checkpoint its quantize record describes ({why}): the gate's "
                         "verdict is not about these files; no engine is built from it.", cpu_side)
+    read_manifest(out / "manifest.json")  # a damaged one is refused here, not in the pod (hostile s12 F-F)
     return out
 
 
