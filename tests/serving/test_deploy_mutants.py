@@ -213,3 +213,24 @@ def test_semantic_check_of_a_namespace_of_at_most_63():
         return [p.field for p in k8s.semantic_problems({**_service("s"), "metadata": {"name": "s", "namespace": n}}, "svc")]
 
     assert ns("n" * 63) == [] and ns("n" * 64) == ["svc: metadata.namespace"] and ns("N") == ["svc: metadata.namespace"]
+
+
+@pytest.mark.parametrize("image, why", [
+    ("nvcr.io/nvidia/tritonserver@sha256:xyz", "is not a container image reference"),   # hostile s12 F-G
+    ("NVCR.io/Nvidia/Triton:tag", "is not a container image reference"),                # upper-case path
+    ("bad image;x", "is not a container image reference"),
+    ("a/b:.tag", "is not a container image reference"),                                # a tag starts with a word char
+    ("x@sha256:" + "a" * 63, "is a sha256 digest whose hex is not 64 digits"),
+    ("a" * 256, "is a name longer than 255 characters"),
+])
+def test_image_references_follow_the_distribution_grammar(image, why):
+    """``check_image`` takes what containerd and the kubelet parse (distribution/reference) and nothing else: the pod
+    would otherwise fail with InvalidImageName after it was scheduled."""
+    from precision_pipeline.serving.deploy import DEFAULT_IMAGE, check_image
+
+    with pytest.raises(UserError) as ei:
+        check_image(image)
+    assert ei.value.problems[0].reason.startswith(f"{image[:200]!r} {why}"), ei.value.problems[0].reason
+    for ok in (DEFAULT_IMAGE, "localhost:5000/a/b", "ubuntu", "a/b@sha256:" + "0" * 64, "NVCR.io/nvidia/x:T_1",
+               "[::1]:5000/x:y", "registry.example.com/ns/img__x-y.z:1.0", "a" * 255):
+        check_image(ok)

@@ -301,10 +301,27 @@ def check_repo_root(repo_root: str) -> None:
                         "give the mount path of the build output in the serving container, e.g. /models/fp8-h100.")
 
 
+_DOMAIN = r"(?:(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+IMAGE_REFERENCE = re.compile(rf"(?P<name>(?:{_DOMAIN}/)?{_PATH})(?::(?P<tag>[\w][\w.-]{{0,127}}))?"
+                             r"(?:@(?P<algo>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*):(?P<hex>[0-9a-fA-F]{32,}))?")
+"""The container image reference grammar of distribution/reference (what containerd, Docker and the kubelet parse;
+github.com/distribution/reference v0.5.0, reference.go lines 4-26): ``[domain[:port]/]path[:tag][@algo:hex]``, path
+components lower-case ``[a-z0-9]`` joined by ``.``, ``_``, ``__`` or dashes, a tag of at most 128 word characters,
+dots and dashes. Also there: a name of at most 255 characters (``NameTotalLengthMax``); go-digest: sha256 is 64 hex."""
+
+
 def check_image(image: str, field: str = "--image") -> None:
-    """A container image reference: non-empty, no whitespace. UserError on ``field`` if not."""
-    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
-        raise UserError(field, f"{str(image)[:200]!r} is not a container image reference.", f"e.g. {DEFAULT_IMAGE}.")
+    """A container image reference (``IMAGE_REFERENCE``; a sha256 digest of 64 hex digits, a name of at most 255
+    characters). UserError on ``field`` if not: the pod would fail with InvalidImageName (hostile s12 F-G:
+    ``NVCR.io/Nvidia/Triton:tag`` and ``...@sha256:xyz`` were rendered)."""
+    m = IMAGE_REFERENCE.fullmatch(image) if isinstance(image, str) else None
+    bad = ("not a container image reference (distribution/reference: lower-case repository path, tag [A-Za-z0-9_.-] "
+           "up to 128, digest ALGO:HEX)" if m is None else
+           "a name longer than 255 characters" if len(m["name"]) > 255 else
+           "a sha256 digest whose hex is not 64 digits" if m["algo"] == "sha256" and len(m["hex"]) != 64 else None)
+    if bad:
+        raise UserError(field, f"{str(image)[:200]!r} is {bad}.", f"e.g. {DEFAULT_IMAGE}.")
 
 
 # --------------------------------------------------------------------------------------------
