@@ -416,11 +416,9 @@ def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=No
             checkpoint=None, upgrade=False, cronjob=None, image=None):
     """Nightly rebuild: check every profile, rebuild what changed, gate, compare with the baseline (exit 6: regressed)."""
     from precision_pipeline import nightly as nl
+    from precision_pipeline.core.outputs import refuse_filesystem_root as root, refuse_serving_repository as served
 
-    from precision_pipeline.core.outputs import refuse_filesystem_root, refuse_serving_repository
-
-    what = "an output root (OUT/<profile>/, OUT/nightly/)"
-    out_root = refuse_serving_repository(refuse_filesystem_root(out, "--out", what), "--out", what) if out else ROOT / "artifacts"
+    out_root = served(root(out, "--out", nl.OUT_ROOT), "--out", nl.OUT_ROOT) if out else ROOT / "artifacts"
     if cronjob:
         print(f"wrote {nl.render_cronjob(cronjob, out_root / nl.NIGHTLY_DIR / 'k8s', image=image)}")
         return

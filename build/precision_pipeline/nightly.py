@@ -92,6 +92,10 @@ class NightlyOptions:
         return repo.parent / "releases.json"
 
 
+OUT_ROOT = "an output root (OUT/<profile>/, OUT/nightly/)"
+"""What ``nightly --out`` names, as its refusals say it."""
+
+
 def select_profiles(spec: Optional[str]) -> list[str]:
     """``--profiles``: None (not given) or ``all`` = every shipped profile; else comma-separated names or YAML
     paths. An empty or blank value (``--profiles ''``, an unset shell variable) is refused (UserError), never
