@@ -76,6 +76,24 @@ def test_extends_lists_and_scalars_replace(tmp_path):
     assert prof.description == "child" and prof.name == "child"
 
 
+def test_a_gate_field_the_child_sets_holds_over_inherited_overrides(tmp_path):
+    """Hostile s12 F-S: a profile extending fp8-h100 with ``gate.kl_p99_max: 0.0001`` built and passed with KL P99
+    0.2053: the inherited ``gate.overrides`` entry for the default model (0.55) won, silently. The child's own field
+    now replaces that field in the overrides it inherits; fields the child does not set keep the override's value,
+    and an override the child restates wins over its own top-level field, as before."""
+    fp = "f3d5ee0f917c655e8f439bef6b7d913d54bcbe1452e3804f2a0efc6be8518906"  # the default model's, in fp8-h100
+    parent = load_profile("fp8-h100").gate.for_model(fp)
+    assert (parent.kl_p99_max, parent.kl_mean_max) == (0.55, 0.07)
+    p = write(tmp_path, "tight.yaml", {"extends": "fp8-h100", "gate": {"kl_p99_max": 0.0001, "min_prompts": 1}})
+    bar = load_profile(str(p)).gate.for_model(fp)
+    assert (bar.kl_p99_max, bar.kl_mean_max, bar.min_prompts) == (0.0001, 0.07, 1)
+    p = write(tmp_path, "own.yaml", {"extends": "fp8-h100", "gate": {"kl_p99_max": 0.0001,
+                                                                       "overrides": {fp: {"kl_p99_max": 0.6}}}})
+    bar = load_profile(str(p)).gate.for_model(fp)
+    assert (bar.kl_p99_max, bar.kl_mean_max) == (0.6, 0.07)
+    assert load_profile(str(p)).gate.kl_p99_max == 0.0001
+
+
 def test_extends_relative_path_chain(tmp_path):
     write(tmp_path, "base.yaml", {"target": {"gpu": "l4"}, "build": {"max_batch_size": 7, "max_seq_len": 100}})
     write(tmp_path, "mid.yaml", {"extends": "./base.yaml", "build": {"max_batch_size": 8}})

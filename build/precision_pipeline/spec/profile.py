@@ -11,7 +11,7 @@ Loading rules (``load_profile``):
 * ``--profile`` is a shipped profile's name (``precision_profiles/<name>.yaml``) or a path to
   a YAML file. Names are ``[a-z0-9][a-z0-9._-]*``; anything else (``../../etc``) is refused.
 * ``extends: NAME`` merges the profile over its parent: mappings merge key by key, lists and
-  scalars replace. Cycles are refused. ``NAME`` is looked up as ``NAME.yaml`` beside the
+  scalars replace; a gate field the child sets also replaces it in the overrides it inherits (``merge_profiles``). Cycles are refused. ``NAME`` is looked up as ``NAME.yaml`` beside the
   extending profile first (unless that is the extending file itself: a user's ``fp8-h100.yaml``
   with ``extends: fp8-h100`` extends the shipped one), then among the shipped profiles. ``extends: sub/base.yaml`` is a
   path relative to the extending profile's folder and must stay inside that folder tree or
@@ -55,7 +55,8 @@ from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.spec import formats as F
 from precision_pipeline.spec.algos import KVCacheQuantAlgo, QuantAlgo
 from precision_pipeline.spec.llm_args import DEFAULT_TRTLLM_VERSION, KNOWN_VERSIONS_TEXT, trtllm_line
-from precision_pipeline.spec.profile_yaml import deep_merge, number_as_text, read_yaml, safe_load, short
+from precision_pipeline.spec.profile_yaml import deep_merge  # noqa: F401  (spec.profile.deep_merge: its callers)
+from precision_pipeline.spec.profile_yaml import merge_profiles, number_as_text, read_yaml, safe_load, short
 from precision_pipeline.spec.routing import Routing
 
 PROFILES_DIR = REPO_ROOT / "precision_profiles"
@@ -581,7 +582,7 @@ def _merged_chain(path: Path, data: dict, chain: tuple[str, ...], top: bool) -> 
         if not isinstance(parent, str):
             raise UserError("extends", f"must be a profile name, got {type(parent).__name__}.", "write e.g. 'extends: fp8-h100'.")
         parent_data = load_raw(str(_extends_path(parent, path)), chain)
-        merged = deep_merge(parent_data, data)
+        merged = merge_profiles(parent_data, data)
         merged["name"] = data["name"]
         return merged
     return data

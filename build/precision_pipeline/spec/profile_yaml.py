@@ -214,4 +214,23 @@ def deep_merge(base: Any, over: Any) -> Any:
         return out
     return over
 
-__all__ = ["deep_merge", "MAX_PROFILE_BYTES", "MAX_YAML_NODES", "short", "safe_load", "read_yaml", "number_as_text"]
+
+
+def merge_profiles(parent: dict, child: dict) -> dict:
+    """``child`` merged over its ``extends`` parent (``deep_merge``), with one rule more: a gate field the child sets
+    (``gate.kl_p99_max: 0.0001``) also replaces that field in every ``gate.overrides`` entry the child inherits and
+    does not restate, so the last word about a bar holds (hostile s12 F-S: the shipped fp8-h100's override for the
+    default model kept 0.55 and silently shadowed a child's tighter bar). An override the child writes itself wins
+    as before; fields the override leaves unset already fall back to the profile's."""
+    merged = deep_merge(parent, child)
+    cg, mg = child.get("gate"), merged.get("gate")
+    if not (isinstance(cg, dict) and isinstance(mg, dict) and isinstance(mg.get("overrides"), dict)):
+        return merged
+    own = {k: v for k, v in cg.items() if k != "overrides"}
+    restated = cg["overrides"] if isinstance(cg.get("overrides"), dict) else {}
+    mg["overrides"] = {fp: e if fp in restated or not isinstance(e, dict) else {**e, **{k: own[k] for k in own if k in e}}
+                       for fp, e in mg["overrides"].items()}
+    return merged
+
+
+__all__ = ["deep_merge", "merge_profiles", "MAX_PROFILE_BYTES", "MAX_YAML_NODES", "short", "safe_load", "read_yaml", "number_as_text"]
