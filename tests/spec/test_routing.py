@@ -214,12 +214,22 @@ def test_route_explain_long_prompt_to_bf16_short_to_primary(capsys):
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 300  # ~3,000 tokens
     assert explain("explain", "fp8-h100-routed", prompt=long_prompt) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "fallback (bf16-h100) by rule long-prompts: prompt_tokens 3001 > 2048"
-    assert out[1].startswith("  request: prompt_tokens 3001 (counted with the tokenizer of SmolLM2-135M-Instruct)")
+    # counted as the served preprocessing counts (hostile s12 F-B): 3,001 tokens of text + 30 of SmolLM2's template
+    assert out[0] == "fallback (bf16-h100) by rule long-prompts: prompt_tokens 3031 > 2048"
+    assert out[1].startswith("  request: prompt_tokens 3031 (counted with the tokenizer of SmolLM2-135M-Instruct, its "
+                             "chat template included, as the served preprocessing applies it)")
     assert explain("explain", "fp8-h100-routed", prompt="What is the capital of France?") == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "primary (fp8-h100-routed) by rule default: default"
-    assert out[1].startswith("  request: prompt_tokens 7 (")
+    assert out[1].startswith("  request: prompt_tokens 37 (")
+    from transformers import AutoTokenizer
+
+    from precision_pipeline.cli.routing import prompt_token_count
+    from precision_pipeline.spec.default_model import model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir(None)))  # the hostile round's count of "hi" with the template
+    want = len(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True))
+    assert prompt_token_count("hi", model_dir(None)) == (want, True) == (31, True)
     explain("explain", "fp8-h100-routed", prompt_tokens=3000, inflight=20)
     assert capsys.readouterr().out.startswith("primary (fp8-h100-routed) by rule busy: inflight_requests > 16.0")
     explain("explain", "fp8-h100-routed", prompt_tokens=5, tier="strict")

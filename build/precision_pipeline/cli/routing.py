@@ -12,13 +12,19 @@ from precision_pipeline.core.errors import UserError
 ACTIONS = ("explain",)
 
 
-def prompt_token_count(prompt: str, model_dir: Path) -> int:
-    """Tokens of ``prompt`` as the serving preprocessing counts them (the model's tokenizer, no special tokens
-    added: the BLS sees the prompt's input_lengths)."""
+def prompt_token_count(prompt: str, model_dir: Path) -> tuple[int, bool]:
+    """(tokens, chat template applied) of ``prompt`` as the serving preprocessing counts them -- the BLS routes on
+    its ``REQUEST_INPUT_LEN``: with the model's chat template (pack sets ``apply_chat_template`` when the tokenizer
+    has one) the prompt as one user message rendered with ``add_generation_prompt``, then tokenized without special
+    tokens (what ``apply_chat_template(tokenize=True)`` returns); else the text alone, no special tokens. Hostile s12
+    F-B: the template (~30 tokens for SmolLM2) was left out, so prompts just under a threshold were explained wrong."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    return len(tok(prompt, add_special_tokens=False)["input_ids"])
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return len(ids["input_ids"] if isinstance(ids, dict) else ids), True
+    return len(tok(prompt, add_special_tokens=False)["input_ids"]), False
 
 
 PROMPT_FILE_MAX_BYTES = 16 * 2**20
@@ -60,7 +66,9 @@ def _prompt_tokens(prompt: Optional[str], prompt_file: Optional[str], prompt_tok
     from precision_pipeline.spec.default_model import model_dir
 
     md = model_dir(model)
-    return prompt_token_count(prompt, md), f"counted with the tokenizer of {md.name}"
+    n, templated = prompt_token_count(prompt, md)
+    return n, f"counted with the tokenizer of {md.name}" + (", its chat template included, as the served preprocessing "
+                                                             "applies it" if templated else "")
 
 
 def explain(action: str, profile: str, prompt: Optional[str] = None, prompt_file: Optional[str] = None,
