@@ -378,7 +378,7 @@ def test_nan_weights_are_refused_before_modelopt_naming_the_tensor(default_model
     from precision_pipeline.quantize.ptq import load_model, quantize_model
 
     m = tmp_path / "tiny"
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(m, safe_serialization=True)
@@ -392,7 +392,7 @@ def test_nan_weights_are_refused_before_modelopt_naming_the_tensor(default_model
     with pytest.raises(UserError) as e:
         load_model(m)
     pr = e.value.problems[0]
-    assert pr.field == "--model" and "model.layers.1.mlp.down_proj.weight (1 NaN, 1 infinite of 2,048)" in pr.reason
+    assert pr.field == "--model" and "model.layers.1.mlp.down_proj.weight (1 NaN, 1 infinite of 4,096)" in pr.reason
     with pytest.raises(UserError, match="non-finite weights: model.layers.1.mlp.down_proj.weight"):
         quantize_model(quantize_job(profile("fp8-h100", calibration={"num_samples": 2, "seq_len": 16, "batch_size": 2}), m), m,
                        show_progress=False)

@@ -160,3 +160,26 @@ def test_verify_refuses_a_quantized_router_in_a_tensorrt_llm_checkpoint(tmp_path
     with pytest.raises(UserError) as e:
         verify_checkpoint(tmp_path)
     assert [p.rule for p in e.value.problems] == ["verify.known_tensors"]
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"num_local_experts": 0}, "config.json gives MixtralForCausalLM (a mixture-of-experts family) no experts "
+                               "(num_local_experts / num_experts is 0 or missing)."),
+    ({"num_experts_per_tok": 16}, "num_experts_per_tok 16 is more than the 8 experts each token can be routed to."),
+    ({"head_dim": 7}, "head_dim 7 has no attention kernel (TensorRT-LLM's are built for head sizes that are multiples "
+                      "of 8, at least 16)."),
+    ({"head_dim": 8}, "head_dim 8 has no attention kernel"),
+])
+def test_impossible_config_shapes_are_refused(change, says):
+    """Hostile s12 F-A: a config-only Mixtral with 0 experts was planned as a dense 7B, top-16 of 8 experts and a
+    head_dim of 7 were planned with numbers. Each is refused naming the field (exit 2 at check)."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.spec.model_arch import arch_from_config
+
+    base = {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+            "num_local_experts": 8, "num_experts_per_tok": 2}
+    assert arch_from_config(base).num_experts == 8 and arch_from_config({**base, "head_dim": 80}).head_dim == 80
+    with pytest.raises(UserError) as ei:
+        arch_from_config({**base, **change})
+    assert ei.value.problems[0].field == "--model" and says in ei.value.problems[0].reason, ei.value.problems[0].reason
