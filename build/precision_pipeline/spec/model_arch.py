@@ -122,6 +122,22 @@ def _int(cfg: dict, key: str, path: Path, default: Any = None, required: bool = 
     return v
 
 
+def _refuse_impossible(path, arch: str, moe_family: bool, head_dim: int, num_experts: int, topk: int) -> None:
+    """UserError (``--model``) for a shape no engine can have (hostile s12 F-A: each was planned with numbers): a
+    ``head_dim`` no attention kernel takes (``HEAD_DIM_MULTIPLE``, ``HEAD_DIM_MIN``), a mixture-of-experts
+    architecture with no experts (planned as a dense model), a router top-k above the expert count."""
+    if head_dim % HEAD_DIM_MULTIPLE or head_dim < HEAD_DIM_MIN:
+        raise UserError("--model", f"{path}: head_dim {head_dim} has no attention kernel (TensorRT-LLM's are built for "
+                        f"head sizes that are multiples of {HEAD_DIM_MULTIPLE}, at least {HEAD_DIM_MIN}).",
+                        "fix head_dim (or hidden_size / num_attention_heads) in the model's config.json.")
+    if not num_experts and moe_family:
+        raise UserError("--model", f"{path}: config.json gives {arch} (a mixture-of-experts family) no experts "
+                        "(num_local_experts / num_experts is 0 or missing).", "fix the expert count in config.json.")
+    if topk > num_experts:
+        raise UserError("--model", f"{path}: num_experts_per_tok {topk} is more than the {num_experts} experts each token "
+                        "can be routed to.", "fix num_experts_per_tok (the router's top-k) in config.json.")
+
+
 def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.json") -> ModelArch:
     """Build a ModelArch from a parsed HF config dict (UserError on ``--model`` if invalid)."""
     path = Path(path)
@@ -144,10 +160,6 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
                             "add head_dim to config.json.")
         head_dim = hidden // heads
     head_dim = _int({"head_dim": head_dim}, "head_dim", path)
-    if head_dim % HEAD_DIM_MULTIPLE or head_dim < HEAD_DIM_MIN:  # hostile s12 F-A: head_dim 7 was planned
-        raise UserError("--model", f"{path}: head_dim {head_dim} has no attention kernel (TensorRT-LLM's are built for "
-                        f"head sizes that are multiples of {HEAD_DIM_MULTIPLE}, at least {HEAD_DIM_MIN}).",
-                        "fix head_dim (or hidden_size / num_attention_heads) in the model's config.json.")
     if heads % kv:
         raise UserError("--model", f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}.",
                         "fix the model's config.json.")
@@ -157,9 +169,6 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 0 <= num_experts <= 4096:
         raise UserError("--model", f"{path}: number of experts must be a non-negative integer, got {num_experts!r}.",
                         "fix the model's config.json.")
-    if not num_experts and fam.moe is not None:  # hostile s12 F-A: planned as a dense model
-        raise UserError("--model", f"{path}: config.json gives {arch} (a mixture-of-experts family) no experts "
-                        "(num_local_experts / num_experts is 0 or missing).", "fix the expert count in config.json.")
     if num_experts and fam.moe is None:
         raise UserError("--model", f"{path}: config.json gives {arch} {num_experts} experts, but that family has no "
                         "experts (spec/families.py).", "fix config.json, or name the family's MoE architecture "
@@ -171,9 +180,7 @@ def arch_from_config(cfg: dict, name: str = "model", path: Path | str = "config.
         moe_inter = _int({"moe_intermediate_size": moe_inter}, "moe_intermediate_size", path)
     shared = _int(cfg, "shared_expert_intermediate_size", path, required=False) or 0
     topk = _int(cfg, "num_experts_per_tok", path, required=False) or (2 if num_experts else 0)
-    if topk > num_experts:
-        raise UserError("--model", f"{path}: num_experts_per_tok {topk} is more than the {num_experts} experts each token "
-                        "can be routed to.", "fix num_experts_per_tok (the router's top-k) in config.json.")
+    _refuse_impossible(path, arch, fam.moe is not None, head_dim, num_experts, topk)
     rs = cfg.get("rope_scaling")
     factor, rtype = 1.0, None
     if isinstance(rs, dict):
