@@ -168,7 +168,7 @@ class DeployInputs(Frozen):
     model (its gate bar: the canary analysis and alerts; the model name, replicas, workload, ...), the repository
     (the pack stage's key and folder), the output folder, ``--repo-root`` and the image."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")  # every field a pydantic type
 
     plan: ResolvedPlan
     repository: Fingerprint
@@ -224,7 +224,7 @@ class LlmApiDeployInputs(Frozen):
     """Keyed: the plan (the profile as it applies to this model), the rendered ``trtllm-serve --config`` YAML (the
     ``llm_api_config`` stage's key and folder), the repository (pack's key), ``--repo-root`` and the image."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")  # every field a pydantic type
 
     plan: ResolvedPlan
     llm_api_config: Fingerprint
