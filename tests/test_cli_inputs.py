@@ -48,7 +48,7 @@ def test_bad_values_exit_2_with_a_sentence(args, flag, invoke_here):
     p = (inv if args[0] == "build" else invoke_here)(*args)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
-    assert f"{flag}:" in p.stdout
+    assert f"{flag}:" in (p.stdout + p.stderr)
 
 
 def test_check_plans_a_config_only_model(tmp_path, invoke_here):
@@ -71,27 +71,27 @@ def test_plan_commands_take_a_config_only_qwen2_72b_and_build_refuses_it(tmp_pat
     (model / "config.json").write_text((ROOT / "tests" / "data" / "models" / "Qwen2.5-72B-Instruct" / "config.json").read_text())
     p = inv("check", "--all", "--model", str(model))
     assert p.returncode == 2, p.stdout + p.stderr  # some profiles do not fit a 72B: refused, each with its line
-    lines = p.stdout.splitlines()
+    lines = (p.stdout + p.stderr).splitlines()
     for name in shipped_profiles():
         assert sum(ln.startswith((f"ok      {name}: ", f"refused {name}: ")) for ln in lines) == 1, name
-    assert "ok      int4-awq-a100: W4A16_AWQ GEMMs" in p.stdout
+    assert "ok      int4-awq-a100: W4A16_AWQ GEMMs" in (p.stdout + p.stderr)
     assert "has no *.safetensors weights" in lines[0] and "planned from config.json alone" in lines[0]
-    assert "  needs the weights and tokenizer: model fingerprint: " in p.stdout
-    assert "cannot build Qwen2ForCausalLM" not in p.stdout  # Qwen2 builds since session 9: only the weights are missing
+    assert "  needs the weights and tokenizer: model fingerprint: " in (p.stdout + p.stderr)
+    assert "cannot build Qwen2ForCausalLM" not in (p.stdout + p.stderr)  # Qwen2 builds since session 9: only the weights are missing
     p = inv("check", "--profile", "int4-awq-a100", "--model", str(model))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "model fingerprint (the key of gate.overrides): needs the weights" in p.stdout
-    assert "gate bar: the profile's own (a gate.overrides entry is found by the fingerprint" in p.stdout
+    assert "model fingerprint (the key of gate.overrides): needs the weights" in (p.stdout + p.stderr)
+    assert "gate bar: the profile's own (a gate.overrides entry is found by the fingerprint" in (p.stdout + p.stderr)
     p = inv("profiles", "--gpu", "h200", "--model", str(model))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "runs     int4-awq-a100: W4A16_AWQ GEMMs, NONE KV on h200" in p.stdout
+    assert "runs     int4-awq-a100: W4A16_AWQ GEMMs, NONE KV on h200" in (p.stdout + p.stderr)
     p = inv("compare", "--profiles", "int4-awq-a100,bf16-h100", "--model", str(model), "--out", str(tmp_path / "cmp"))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "planned from config.json alone" in p.stdout and "needs the weights: gate numbers" in p.stdout
-    assert "cannot run bf16-h100" in p.stdout and (tmp_path / "cmp" / "compare.json").is_file()
+    assert "planned from config.json alone" in (p.stdout + p.stderr) and "needs the weights: gate numbers" in (p.stdout + p.stderr)
+    assert "cannot run bf16-h100" in (p.stdout + p.stderr) and (tmp_path / "cmp" / "compare.json").is_file()
     p = inv("build", "--profile", "int4-awq-a100", "--model", str(model), "--out", str(tmp_path / "out"))
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
-    assert "has no *.safetensors weights (only safetensors are loaded) and no tokenizer" in p.stdout
+    assert "has no *.safetensors weights (only safetensors are loaded) and no tokenizer" in (p.stdout + p.stderr)
     assert not (tmp_path / "out").exists()
 
 
@@ -101,7 +101,7 @@ def test_markup_in_messages_is_printed_verbatim(tmp_path, invoke_here):
     prof.write_text("name: 'Bad Name'\ntarget:\n  gpu: '[bold red]h100[/]'\n")
     p = invoke_here("check", "--profile", str(prof))
     assert p.returncode == 2
-    assert "[a-z0-9][a-z0-9._-]*" in p.stdout
+    assert "[a-z0-9][a-z0-9._-]*" in (p.stdout + p.stderr)
 
 
 def test_releases_into_a_closed_pipe_is_quiet(tmp_path):
@@ -197,7 +197,7 @@ def test_unwritable_output_is_a_sentence_not_a_traceback(err, capsys):
         job()
     out = capsys.readouterr()
     assert ei.value.code == 2
-    assert "cannot write /srv/out/.checkpoint.tmp-1/rank0.safetensors" in out.out and "intact" in out.out
+    assert "cannot write /srv/out/.checkpoint.tmp-1/rank0.safetensors" in out.err and "intact" in out.err
     assert "Traceback" not in out.out + out.err
 
 
@@ -205,7 +205,7 @@ def test_unwritable_output_is_a_sentence_not_a_traceback(err, capsys):
 def test_margin_outside_0_1_names_the_range(margin, invoke_here):
     p = (inv if margin == "nan" else invoke_here)("sensitivity", "--profile", "nvfp4-b200", "--margin", margin, "--out", "/nonexistent-dir/s")
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
-    assert "--margin:" in p.stdout and "is not in (0, 1]" in p.stdout
+    assert "--margin:" in (p.stdout + p.stderr) and "is not in (0, 1]" in (p.stdout + p.stderr)
 
 
 @pytest.mark.parametrize("target, says", [("t.txt", "does not end in .yaml"), ("f.yaml/t.yaml", "is a file, not a folder"),
@@ -217,7 +217,7 @@ def test_bad_write_profile_target_is_refused_before_measuring(tmp_path, target, 
     p = invoke_here("sensitivity", "--profile", "fp8-h100", "--out", str(tmp_path / "empty"), "--write-profile",
                     str(tmp_path / target))
     assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr
-    assert "--write-profile:" in p.stdout and says in p.stdout  # not the missing checkpoint of --out: nothing was measured
+    assert "--write-profile:" in (p.stdout + p.stderr) and says in (p.stdout + p.stderr)  # not the missing checkpoint of --out: nothing was measured
     assert not (tmp_path / "empty").exists()
 
 
@@ -252,7 +252,7 @@ def test_a_full_disk_names_the_stage_folder_and_efbig_names_ulimit(tmp_path, cap
 
     with pytest.raises(Exit) as ei:
         build()
-    out = capsys.readouterr().out
+    out = "".join(capsys.readouterr())
     assert ei.value.code == 2 and f"cannot write {tmp_path / 'checkpoint'}: No space left on device" in out, out
 
     @tasks.guarded
@@ -262,8 +262,8 @@ def test_a_full_disk_names_the_stage_folder_and_efbig_names_ulimit(tmp_path, cap
     with pytest.raises(Exit) as ei:
         big()
     out = capsys.readouterr()
-    assert ei.value.code == 2 and "cannot write /srv/out/x/rank0.safetensors: File too large" in out.out
-    assert "ulimit -f" in out.out and "Traceback" not in out.out + out.err
+    assert ei.value.code == 2 and "cannot write /srv/out/x/rank0.safetensors: File too large" in out.err
+    assert "ulimit -f" in out.err and "Traceback" not in out.out + out.err
 
 
 def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path, invoke_here):
@@ -284,7 +284,7 @@ def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path, 
         assert pr.field == "gate.min_prompts" and f"is {n:,} but the golden set has 65 prompts (facts 11," in pr.reason
         assert "at most 65" in pr.fix
     r = invoke_here("check", "--profile", str(tmp_path / "mp1000.yaml"))
-    assert r.returncode == 2 and "gate.min_prompts:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert r.returncode == 2 and "gate.min_prompts:" in (r.stdout + r.stderr) and "Traceback" not in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("args", [["build", "--help"], ["build", "-h"], ["promote", "--help"], ["recommend", "-h"]])
@@ -315,8 +315,8 @@ def test_an_empty_path_flag_is_refused_not_its_default(args, flag, invoke_here):
     ``--to ''`` did before it was refused. Refused by ``guarded`` before the task runs (tasks.PATH_FLAGS)."""
     r = invoke_here(*args)
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
-    assert f"{flag}: is empty (" in r.stdout and "an unset shell variable?" in r.stdout, r.stdout
-    assert f"leave {flag} out for its default" in r.stdout
+    assert f"{flag}: is empty (" in (r.stdout + r.stderr) and "an unset shell variable?" in (r.stdout + r.stderr), (r.stdout + r.stderr)
+    assert f"leave {flag} out for its default" in (r.stdout + r.stderr)
 
 
 def test_a_folder_where_a_file_is_written_is_exit_2_naming_it(tmp_path, invoke_here):
@@ -357,14 +357,14 @@ def test_a_command_line_invoke_refuses_is_exit_2_naming_the_flag(args, said, inv
     profile (p)> needed value and was not given one!" and exit 1, which the README keeps for internal errors. Every
     refusal of Invoke's parser is exit 2 with the flag, the reason and the fix (tasks.parse_refusal)."""
     r = invoke_here(*args)
-    assert r.returncode == 2 and r.stderr == "" and r.stdout.startswith(REFUSED + said), r.stdout + r.stderr
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith(REFUSED + said), r.stdout + r.stderr  # F-J: stderr
 
 
 def test_a_flag_without_a_value_is_exit_2_in_a_real_process():
     """The same through ``python -m invoke`` (what ``./run.sh`` and the ``invoke`` command run): the hook sits on
     Invoke's own program instance, installed when tasks.py is loaded."""
     r = inv("releases", "--repo")
-    assert r.returncode == 2 and r.stdout == (REFUSED + "  --repo: is given without a value (an unset shell variable, "
+    assert r.returncode == 2 and (r.stdout + r.stderr) == (REFUSED + "  --repo: is given without a value (an unset shell variable, "
                                               "or the flag last on the line?).\n    fix: pass a value (e.g. --repo VALUE; "
                                               "quote a variable: --repo \"$VAR\"), or leave --repo out.\n"), r.stdout + r.stderr
 
@@ -374,13 +374,13 @@ def test_compare_refuses_an_empty_profile_entry_and_recommend_names_the_gpu_it_r
     `nightly --profiles a,,b` refuse it: compare parses --profiles with nightly.select_profiles now); `recommend --gpu
     a100` planned for a100-80gb without saying so (check says it for a profile's target.gpu)."""
     r = invoke_here("compare", "--profiles", "fp8-h100,,bf16-h100", "--out", "/nonexistent-dir/cmp")
-    assert r.returncode == 2 and r.stdout == (REFUSED + "  --profiles: 'fp8-h100,,bf16-h100' has an empty entry.\n"
-                                              "    fix: pass e.g. --profiles fp8-h100,bf16-h100 or all.\n"), r.stdout
+    assert r.returncode == 2 and (r.stdout + r.stderr) == (REFUSED + "  --profiles: 'fp8-h100,,bf16-h100' has an empty entry.\n"
+                                              "    fix: pass e.g. --profiles fp8-h100,bf16-h100 or all.\n"), (r.stdout + r.stderr)
     r = invoke_here("recommend", "--gpu", "a100")
-    assert r.stdout.splitlines()[0] == ("note: --gpu 'a100' is read as a100-80gb (80 GB, 2,039 GB/s); it also names "
+    assert (r.stdout + r.stderr).splitlines()[0] == ("note: --gpu 'a100' is read as a100-80gb (80 GB, 2,039 GB/s); it also names "
                                         "a100-40gb (40 GB, 1,555 GB/s), for which memory plans and KV capacity differ.")
     r = invoke_here("recommend", "--gpu", "a100-80gb")
-    assert r.stdout.startswith("workload: "), r.stdout
+    assert (r.stdout + r.stderr).startswith("workload: "), (r.stdout + r.stderr)
 
 
 def test_profiles_model_without_gpu_is_refused(invoke_here):
@@ -389,7 +389,16 @@ def test_profiles_model_without_gpu_is_refused(invoke_here):
     r = invoke_here("profiles", "--model", "/nonexistent")
     assert r.returncode == 2 and ("  --model: is read only with --gpu (which profiles run on that GPU for this model).\n"
                                   "    fix: add --gpu (e.g. --gpu h100), or leave --model out to list the shipped "
-                                  "profiles.") in r.stdout, r.stdout
+                                  "profiles.") in (r.stdout + r.stderr), (r.stdout + r.stderr)
     r = invoke_here("profiles", "--gpu", "h100", "--model", "/nonexistent")
-    assert r.returncode == 2 and "--model" in r.stdout, r.stdout
+    assert r.returncode == 2 and "--model" in (r.stdout + r.stderr), (r.stdout + r.stderr)
     assert invoke_here("profiles").returncode == 0
+
+
+def test_refusals_go_to_stderr_so_a_redirected_render_gets_only_its_output(invoke_here):
+    """Hostile s12 F-J: `build --on k8s > job.yaml` of a refused output exited 2 with nothing on the terminal (the
+    refusal was in job.yaml); `check --profile nonexistent 2>/dev/null` still showed the error. Every refusal and
+    error now goes to stderr; stdout holds only what the task produces."""
+    r = invoke_here("check", "--profile", "nonexistent")
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.startswith("error: the input was refused; nothing was changed.\n  --profile: "), r.stderr

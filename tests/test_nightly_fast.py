@@ -126,7 +126,7 @@ def test_nightly_out_inside_a_serving_repository_is_refused(tmp_path, invoke_her
                      (repo / "ensemble" / "x", repo / "ensemble" / "config.pbtxt")):
         r = invoke_here("nightly", "--profiles", "fp8-h100", "--out", str(out))
         assert r.returncode == 2, r.stdout + r.stderr
-        assert f"--out: {out} is {'' if out.name != 'x' else 'inside '}a serving repository ({hit} is there)" in r.stdout, r.stdout
+        assert f"--out: {out} is {'' if out.name != 'x' else 'inside '}a serving repository ({hit} is there)" in (r.stdout + r.stderr), (r.stdout + r.stderr)
     assert sorted(p.name for p in repo.iterdir()) == ["ensemble"] and not (repo / "ensemble" / "x").exists()
 
 
@@ -408,8 +408,8 @@ def test_an_empty_profile_entry_and_the_filesystem_root_are_refused(tmp_path, in
     for args in (["--profiles", "nosuch-a,,nosuch-b", "--out", str(tmp_path)], ["--cronjob", "nosuch-gpu", "--out", "/"]):
         r = (subprocess.run([sys.executable, "-m", "invoke", "nightly", *args], cwd=root, capture_output=True, text=True,
                             timeout=120) if "," in args[1] else invoke_here("nightly", *args))  # the first in a new process
-        assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (args, r.stdout, r.stderr)
-        assert ("has an empty entry" if "," in args[1] else "/ is the filesystem root") in r.stdout
+        assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (args, (r.stdout + r.stderr), r.stderr)
+        assert ("has an empty entry" if "," in args[1] else "/ is the filesystem root") in (r.stdout + r.stderr)
     from precision_pipeline.core.outputs import validate_out_dir
 
     with pytest.raises(UserError, match="/ is the filesystem root"):  # the one rule, build's --out too
@@ -430,4 +430,4 @@ def test_an_output_root_in_a_system_folder_is_refused(invoke_here):
             validate_out_dir(Path(p))
     assert refuse_filesystem_root(Path("/usr/local/x")) == Path("/usr/local/x")  # only /usr itself
     r = invoke_here("nightly", "--profiles", "nosuch-a", "--out", "/etc")
-    assert r.returncode == 2 and "/etc is a system folder" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == 2 and "/etc is a system folder" in (r.stdout + r.stderr), ((r.stdout + r.stderr), r.stderr)

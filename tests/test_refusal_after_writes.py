@@ -71,7 +71,7 @@ def test_stage_refusal_after_writes_names_what_was_written(monkeypatch, tmp_path
 
     with pytest.raises(Exit) as ei:
         job()
-    said = capsys.readouterr().out
+    said = "".join(capsys.readouterr())
     assert ei.value.code == 2
     assert "nothing was changed" not in said
     assert "the gate stage refused the input after this build wrote plan.json, manifest.json, checkpoint/, .stages/" in said
@@ -89,4 +89,4 @@ def test_refusal_before_any_write_still_says_nothing_changed(capsys):
 
     with pytest.raises(Exit):
         job()
-    assert "the input was refused; nothing was changed." in capsys.readouterr().out
+    assert "the input was refused; nothing was changed." in "".join(capsys.readouterr())

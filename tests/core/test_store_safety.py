@@ -279,7 +279,7 @@ def test_a_truncated_manifest_is_a_sentence_and_the_next_build_rewrites_it(tmp_p
     p = subprocess.run([sys.executable, "-m", "invoke", "promote", "--profile", "fp8-h100", "--out", str(tmp_path),
                         "--repo", str(tmp_path / "serving" / "model_repository")], cwd=BUILD.parent, capture_output=True,
                        text=True, timeout=120)
-    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr and "holds no finished build" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr and "holds no finished build" in (p.stdout + p.stderr), p.stdout + p.stderr
 
 
 def test_a_full_disk_or_ulimit_during_a_checkpoint_copy_is_a_sentence_and_leaves_nothing(tmp_path):

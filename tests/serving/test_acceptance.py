@@ -129,8 +129,8 @@ def test_cli_promote_refuses_a_build_gated_at_tp1_for_a_profile_serving_tp3(tmp_
     repo = tmp_path / "serving" / "model_repository"
     r = promote_cli(path, out, repo)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "the gate ran at tp_size 1 but mybf16 serves tp_size 3" in r.stdout, r.stdout
-    assert "runs on 1 GPU(s) but mybf16 serves tp x pp = 3" in r.stdout
+    assert "the gate ran at tp_size 1 but mybf16 serves tp_size 3" in (r.stdout + r.stderr), (r.stdout + r.stderr)
+    assert "runs on 1 GPU(s) but mybf16 serves tp x pp = 3" in (r.stdout + r.stderr)
     assert not repo.exists() and not (repo.parent / "releases.json").exists()  # nothing written
 
 
@@ -141,7 +141,7 @@ def test_cli_promote_refuses_a_golden_limit_build_with_the_reason(tmp_path, fp):
     r = promote_cli(path, out, repo)
     assert r.returncode == 2, r.stdout + r.stderr
     assert ("not promotable: the verdict covers 18 golden prompt(s), fewer than gate.min_prompts 19 (--golden-limit 3)"
-            in r.stdout), r.stdout
+            in (r.stdout + r.stderr)), (r.stdout + r.stderr)
     assert not repo.exists()
 
 
@@ -167,7 +167,7 @@ def test_cli_promote_refuses_another_profiles_unit(tmp_path, fp):
     out = fake_build(tmp_path / "out", load_profile("fp8-h100"), fp, manifest_profile="bf16-h100")
     repo = tmp_path / "serving" / "model_repository"
     r = promote_cli("bf16-h100", out, repo)
-    assert r.returncode == 2 and "does not hold a build of bf16-h100" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 2 and "does not hold a build of bf16-h100" in (r.stdout + r.stderr), r.stdout + r.stderr
     assert not repo.exists()
 
 
@@ -322,7 +322,7 @@ def test_cli_rollout_refuses_a_golden_limit_build_before_any_server_is_asked(tmp
                         str(tmp_path / "serving" / "model_repository"), "--url", "127.0.0.1:9"],
                        cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "not promotable: the verdict covers 18 golden prompt(s), fewer than gate.min_prompts 19" in r.stdout, r.stdout
+    assert "not promotable: the verdict covers 18 golden prompt(s), fewer than gate.min_prompts 19" in (r.stdout + r.stderr), (r.stdout + r.stderr)
 
 
 def test_a_verdict_about_another_model_is_refused(tmp_path, fp):

@@ -33,8 +33,8 @@ def test_serve_refuses_one_port_twice_before_anything(tmp_path, units, invoke_he
         assert r.returncode == 2, r.stdout + r.stderr
         assert (f"{flag}: {shown} is also {other}; HTTP, gRPC and metrics each need a port of their own (tritonserver "
                 "does not start otherwise); nothing was started.\n    fix: pass three different ports (the defaults: "
-                "--http-port 8000 --grpc-port 8001 --metrics-port 8002).") in r.stdout, r.stdout
-        assert "starting tritonserver" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+                "--http-port 8000 --grpc-port 8001 --metrics-port 8002).") in (r.stdout + r.stderr), (r.stdout + r.stderr)
+        assert "starting tritonserver" not in (r.stdout + r.stderr) and "Traceback" not in r.stdout + r.stderr
     with pytest.raises(UserError, match="is also --http-port"):  # the API refuses it too, before a process starts
         TritonServer(repo, http_port=port, grpc_port=port, metrics_port=free_port(), log_file=tmp_path / "l").start()
 
@@ -93,7 +93,7 @@ def test_promote_and_rollback_without_url_refuse_while_a_server_serves_the_repos
         assert (f"--url: is not given, but tritonserver (pid {fake_server.pid}) serves {repo} at 127.0.0.1:18555: "
                 "without --url only the files would switch and that server would keep serving the unit it has; nothing "
                 "was changed.\n    fix: pass --url 127.0.0.1:18555 (the server then loads, smoke-tests and switches too), or "
-                "stop that server first.") in r.stdout, r.stdout
+                "stop that server first.") in (r.stdout + r.stderr), (r.stdout + r.stderr)
     assert release_state.state_path(repo).read_text() == before
     fake_server.kill()
     fake_server.wait()
@@ -153,5 +153,5 @@ def test_sigterm_during_promote_or_rollback_ends_it_as_ctrl_c(tmp_path, task):
     said = ("interrupted: rolled back to tensorrt_llm_0123456789ab, interrupted after the switch: releases.json records "
             "tensorrt_llm_0123456789ab as the current release. Releases no longer kept may still be on disk; the next "
             "promote or rollback removes them.\n") if "commit" in task else "interrupted; previous artifacts are intact.\n"
-    assert r.returncode == 130 and r.stdout == said, r.stdout + r.stderr
+    assert r.returncode == 130 and (r.stdout + r.stderr) == said, r.stdout + r.stderr
     assert time.monotonic() - t0 < 25 and "Traceback" not in r.stderr

@@ -81,7 +81,7 @@ def test_url_of_another_repository_is_refused_before_anything_changes(served, un
         assert ei.value.problems[0].field == "--url"
     r = subprocess.run([sys.executable, "-m", "invoke", "rollback", "--repo", str(repo_b), "--url", srv.http_url],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="200"))
-    assert r.returncode == 2 and "--url:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert r.returncode == 2 and "--url:" in r.stderr and "Traceback" not in r.stdout + r.stderr
     assert release_state.state_path(repo_b).read_text() == before_b and srv.loaded_models() == before_srv
     assert ask(srv).strip()                           # A still serves
     assert release_live.live_unit(srv) == units4[0].engine_unit
@@ -96,7 +96,7 @@ def test_rollback_without_url_is_refused_while_the_server_serves_the_repository(
     assert servers_of(repo) == [(srv.proc.pid, srv.http_url)]
     before = release_state.state_path(repo).read_text()
     r = invoke_here("rollback", "--repo", str(repo))
-    assert r.returncode == 2 and f"fix: pass --url {srv.http_url} (the server then loads" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 2 and f"fix: pass --url {srv.http_url} (the server then loads" in r.stderr, r.stdout + r.stderr
     assert release_state.state_path(repo).read_text() == before
 
 
@@ -123,7 +123,7 @@ def test_a_second_server_of_the_repository_is_refused(served, invoke_here, monke
             "of one repository would not follow a promote or rollback made through the first (its BLS, which reads the "
             "shared route.json, would send requests to a unit it never loaded); nothing was started.\n    fix: use that "
             f"server (--url {srv.http_url}), or stop it first (kill {srv.proc.pid}); to scale, give each server its own "
-            "repository (promote into each).") in r.stdout, r.stdout
+            "repository (promote into each).") in r.stderr, r.stdout
     assert "starting tritonserver" not in r.stdout and "Traceback" not in r.stdout + r.stderr
     port2 = ports[0]
     second = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
@@ -143,7 +143,7 @@ def test_a_second_server_of_the_repository_is_refused(served, invoke_here, monke
                "(`invoke serve` refuses a second); to scale, give each server its own repository (promote into each).")
         for args in (("rollback",), ("promote", "--profile", "bf16-h100"), ("probe",)):
             r = invoke_here(*args, "--repo", str(repo), "--url", srv.http_url)
-            assert r.returncode == 2 and msg in r.stdout, (args, r.stdout + r.stderr)
+            assert r.returncode == 2 and msg in r.stderr, (args, r.stdout + r.stderr)
         with pytest.raises(UserError) as ei:  # rollout's attach (after its build checks)
             cli._attach(srv.http_url, None, repo)
         assert ei.value.message == msg.replace("\n    fix:", " Fix:")
@@ -173,7 +173,7 @@ def test_first_promote_of_a_new_repository_with_url_of_another_is_refused(served
     assert r.returncode == 2, r.stdout + r.stderr
     assert (f"--url: localhost:{srv.http_port} serves repository {repo.resolve()}, not the new {new}; the first promote "
             "creates the files only (nothing was created).\n    fix: leave --url out, then `invoke serve --repo "
-            f"{new}`.") in r.stdout, r.stdout
+            f"{new}`.") in r.stderr, r.stdout
     assert not (tmp_path / "new").exists()
 
 

@@ -137,7 +137,7 @@ def test_damaged_releases_json_is_refused_and_never_overwritten(tmp_path, units4
     assert json.loads(Path(f"{path}.prev").read_text())["current"] == units4[1].engine_unit
     r = inv("releases", "--repo", str(repo))
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
-    assert str(path) in r.stdout and "damaged" in r.stdout
+    assert str(path) in (r.stdout + r.stderr) and "damaged" in (r.stdout + r.stderr)
 
 
 def test_a_fifo_or_device_as_releases_json_is_refused_not_waited_on(tmp_path):
@@ -274,7 +274,7 @@ def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
         with pytest.raises(UserError, match="is not a unit"):
             release_state.check_probe_unit(bad)
     r = inv("probe", "--unit", "ensemble", "--gate", "/nonexistent/gate", "--repo", str(repo))
-    assert r.returncode == 2 and "--unit:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert r.returncode == 2 and "--unit:" in (r.stdout + r.stderr) and "Traceback" not in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -288,10 +288,10 @@ def test_probe_of_the_ensemble_is_never_recorded(tmp_path, units4):
 def test_bad_serving_values_exit_2(args, flag, invoke_here):
     r = (inv if args[0] == "build" and "a" * 5000 in args[4] else invoke_here)(*args)  # one in a new process
     assert r.returncode == 2, r.stdout + r.stderr
-    assert f"{flag}:" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert f"{flag}:" in (r.stdout + r.stderr) and "Traceback" not in r.stdout + r.stderr
     if args[:3] == ["releases", "--repo", "/"]:
-        assert "/ is not a serving repository: there is no /releases.json beside it" in r.stdout
-    assert len(r.stdout) < 2000  # the 5,000 characters are not echoed back
+        assert "/ is not a serving repository: there is no /releases.json beside it" in (r.stdout + r.stderr)
+    assert len((r.stdout + r.stderr)) < 2000  # the 5,000 characters are not echoed back
 
 
 @pytest.mark.parametrize("flags, flag, says", [
@@ -302,8 +302,8 @@ def test_rollout_flags_are_refused_before_the_build_is_read(flags, flag, says, i
     """Found re-trying issue 25 item 15: `--steps`/`--hold` were checked only after the build was opened, so a bad
     value was first answered with the build's problem (fix that, then hear of the flag)."""
     r = invoke_here("rollout", "--profile", "no-such-profile-x", *flags)
-    assert r.returncode == 2 and f"{flag}:" in r.stdout and says in r.stdout, r.stdout + r.stderr
-    assert "--profile:" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert r.returncode == 2 and f"{flag}:" in (r.stdout + r.stderr) and says in (r.stdout + r.stderr), r.stdout + r.stderr
+    assert "--profile:" not in (r.stdout + r.stderr) and "Traceback" not in r.stdout + r.stderr
 
 
 # ---- item 18: TIME-WAIT ports, read-only repositories
@@ -402,7 +402,7 @@ def test_serve_refuses_a_repository_path_the_stubs_cannot_start_from(tmp_path, n
     assert p.field == "--repo" and says in p.reason and "unquoted" in p.reason
     assert p.fix.startswith("serve a repository at a path of ASCII letters") and "nothing was started" in p.fix
     r = invoke_here("serve", "--repo", str(repo), "--http-port", "18000", "--grpc-port", "18001", "--metrics-port", "18002")
-    assert r.returncode == 2 and "--repo:" in r.stdout and says in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 2 and "--repo:" in (r.stdout + r.stderr) and says in (r.stdout + r.stderr), r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr and started == []
     assert sorted(q.name for q in repo.parent.iterdir()) == ["model_repository"]  # nothing written beside it
 
@@ -480,7 +480,7 @@ def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, cap
     spec.loader.exec_module(tasks)
 
     class Srv:
-        http_port = 8000
+        http_port, http_url = 8000, "127.0.0.1:8000"
 
     from precision_pipeline.serving import build_output
 
@@ -502,7 +502,7 @@ def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, cap
     monkeypatch.setattr(rollout, "rollout", lambda *a, **k: rollout.RolloutResult("aborted", "tensorrt_llm_c", "tensorrt_llm_s"))
     with pytest.raises(Exit) as ei:
         tasks.rollout.body(None, profile="bf16-h100", steps="5,100", hold="0")
-    assert ei.value.code == 3 and "was aborted" in capsys.readouterr().out
+    assert ei.value.code == 3 and "was aborted" in "".join(capsys.readouterr())
 
 
 @pytest.mark.slow
@@ -632,8 +632,8 @@ def test_rollback_fallback_without_one_names_the_commands_to_run(tmp_path, units
     repo = serving_repo(tmp_path, units4[0])
     release.promote(repo, units4[1].out_dir)
     r = inv("rollback", "--repo", str(repo), "--fallback")
-    assert r.returncode == 2 and "--fallback: this repository has no fallback release" in r.stdout, r.stdout
-    fix = " ".join(r.stdout.split())
+    assert r.returncode == 2 and "--fallback: this repository has no fallback release" in (r.stdout + r.stderr), (r.stdout + r.stderr)
+    fix = " ".join((r.stdout + r.stderr).split())
     assert f"invoke rollback --repo {repo}" in fix and "invoke build --profile" in fix and "set_fallback" not in fix
 
 

@@ -14,21 +14,26 @@ LOG_WIDTH = 160
 (build, compare) into unreadable fragments; a terminal keeps its own width. ``COLUMNS`` overrides."""
 
 
-def console():
+def console(stderr: bool = False):
+    """The rich console of a task's output (stdout); ``stderr=True``: of its errors (hostile s12 F-J: a refusal on
+    stdout went into `build --on k8s > job.yaml` and left the terminal silent)."""
     from rich.console import Console
 
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else LOG_WIDTH
-    return Console(stderr=False, highlight=False, width=width)
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else LOG_WIDTH
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def report(exc: BaseException) -> int:
     """Print what ended a task (call it from the ``except`` block) and return its exit code
     (``core.errors.exit_code_for``): a user error's problems (and what a stage had written before it refused),
     an expected failure's sentence, a full disk's file and cause; a traceback only for an internal error (1)."""
-    from precision_pipeline.core.errors import error_text, exit_code_for
+    from precision_pipeline.core.errors import EXIT_BROKEN_PIPE, error_text, exit_code_for
 
     code = exit_code_for(exc)
     try:
+        if isinstance(exc, OSError) and not exc.filename and code != EXIT_BROKEN_PIPE and _stdout_full():
+            raise exc  # the task's own output failed (`> /dev/full`, a redirect to a full disk): said below, as that
         _print_report(exc, code)
     except OSError as e:  # stdout itself cannot be written (`> /dev/full`, a full disk under a redirect): hostile s9 F5
         _silence_stdout()  # nor at exit, when Python flushes what is left
@@ -37,6 +42,18 @@ def report(exc: BaseException) -> int:
         with contextlib.suppress(OSError):
             print(f"error: {what}", file=sys.stderr)
     return code
+
+
+def _stdout_full() -> bool:
+    """Whether the standard output cannot take more bytes: it is /dev/full (character device 1:7) or a file on a
+    full file system (no block free)."""
+    try:
+        st = os.fstat(sys.stdout.fileno())
+        if st.st_rdev and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (1, 7):
+            return True
+        return os.fstatvfs(sys.stdout.fileno()).f_bavail == 0 and not sys.stdout.isatty()
+    except (OSError, ValueError):
+        return False
 
 
 def _silence_stdout() -> None:
@@ -51,7 +68,7 @@ def _print_report(exc: BaseException, code: int) -> None:
     from precision_pipeline.core.errors import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, PipelineError,
                                                 UserError, error_text)
 
-    con = console()
+    con = console(stderr=True)
     if isinstance(exc, UserError):
         if exc.written:  # refused by a stage after the build had written (core.route.run_stages sets it)
             con.print(f"[bold red]error[/]: the {esc(exc.stage or 'build')} stage refused the input after this build "

@@ -478,7 +478,8 @@ def probe_and_record(server, unit: str, probe_set: ProbeSet, *, repo_dir: Option
     ``server`` serves another repository than ``repo_dir`` (``release_live.verify_server``)."""
     from precision_pipeline.serving import release_live, release_state
 
-    server.gone = False  # a run of `probe --every` after one that found the server stopped: it may be back
+    if server is not None:  # a run of `probe --every` after one that found the server stopped: it may be back
+        server.gone = False
     res: Optional[ProbeResult] = None
     try:
         if repo_dir is not None:  # recorded there: the server must serve it (hostile s8 #101: another's was recorded)

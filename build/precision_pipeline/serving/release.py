@@ -203,7 +203,8 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
                             "(`invoke rollout`), which checks it.")
     else:
         prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
-        gone = [u for u in current_order(state) if u != cur and u not in units and u not in rejected]
+        kept = {r.get("unit") for r in state.get("releases", [])}  # retention's deletions are no longer listed
+        gone = [u for u in current_order(state) if u != cur and u in kept and u not in units and u not in rejected]
         if not prev and gone:  # hostile s12 F-M: the record names it, its folder is gone
             raise UserError("rollback", f"the previous release {gone[0]} is missing from {repo_dir} (deleted or moved).",
                             "restore its folder there, or promote its build again (`invoke promote --profile P --out "
