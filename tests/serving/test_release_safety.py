@@ -445,18 +445,19 @@ def test_serve_exits_non_zero_when_its_server_dies(tmp_path):
     proc = subprocess.Popen([*INVOKE, "serve", "--repo", str(repo), "--http-port", str(ports[0]), "--grpc-port",
                              str(ports[1]), "--metrics-port", str(ports[2])], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=dict(os.environ, COLUMNS="200"))
+    said = []
     try:
-        deadline = time.monotonic() + 180
-        while not _live(ports[0]):                    # serving
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        while not said or not said[-1].startswith("  log "):  # serving: its endpoints printed (live alone is still
+            said.append(proc.stdout.readline())               # its start-up, which says "did not start" instead)
+            assert said[-1] or proc.poll() is None, "".join(said)
+        assert _live(ports[0])
         servers = [c for c in _children(proc.pid) if Path(f"/proc/{c}/comm").read_text().strip() == "tritonserver"]
         os.kill(servers[0], signal.SIGKILL)
         proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = proc.stdout.read()
+    out = "".join(said) + proc.stdout.read()
     assert proc.returncode == 1, out
     assert "tritonserver was killed by signal 9" in out and "Traceback" not in out
     log = serve_log_path(ports[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 import sys
 import traceback
 
@@ -51,7 +52,7 @@ def _stdout_full() -> bool:
         st = os.fstat(sys.stdout.fileno())
         if st.st_rdev and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (1, 7):
             return True
-        return os.fstatvfs(sys.stdout.fileno()).f_bavail == 0 and not sys.stdout.isatty()
+        return stat.S_ISREG(st.st_mode) and os.fstatvfs(sys.stdout.fileno()).f_bavail == 0  # a pipe's fs has none
     except (OSError, ValueError):
         return False
 
