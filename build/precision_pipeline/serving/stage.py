@@ -49,7 +49,7 @@ class PackInputs(Frozen):
     """Keyed: what pack reads of the plan (``view``), the model's tokenizer/config files, the checkpoint and
     engine (their stage keys), where the repository is served from, the templates and the serving image."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")  # every field a pydantic type
 
     view: PackView
     plan: ResolvedPlan
@@ -113,7 +113,7 @@ class LlmApiPackInputs(Frozen):
     view, the model's tokenizer/config files, the checkpoint and the rendered LLM-API configuration (their stage keys),
     where the repository is served from, the templates and the TensorRT-LLM line."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")  # every field a pydantic type
 
     view: PackView
     plan: ResolvedPlan
