@@ -11,7 +11,9 @@ repository, e.g. ``triton_repo/all_models/inflight_batcher_llm/tensorrt_llm_bls/
 modules without a mutation point are skipped. ``[tool.mutate.modules."<module>"]`` in pyproject.toml
 may override a module's tests (``tests = [...]``, pytest arguments), restrict it to some functions
 (``functions = [...]``), include its slow tests (``slow = true``) and list equivalent mutants
-(``equivalent = [{source = "text on the line", what = "< -> <=", why = "reason"}]``).
+(``equivalent = [{source = "text on the line", what = "< -> <=", why = "reason"}]``) and name module-level tables
+whose numbers are citations of another project's source lines (``citations = ["NAME", ...]``: not mutated; no code
+decides on a cited line number).
 
 Which tests (``test_map``, a static import map computed on each run, ``--list`` prints it): the test
 files that import the module (``import precision_pipeline.a.b``, ``from precision_pipeline.a import b``,
@@ -90,8 +92,9 @@ class Point:
     function: str
 
 
-def _skipped_nodes(tree: ast.AST, lines: list[str]) -> set[int]:
-    """ids of nodes never mutated: strings, f-strings, docstrings, annotations, __all__, pragma lines."""
+def _skipped_nodes(tree: ast.AST, lines: list[str], citations: list[str] | None = None) -> set[int]:
+    """ids of nodes never mutated: strings, f-strings, docstrings, annotations, __all__, pragma lines, and the values
+    of the module-level assignments named in ``citations``."""
     skip: set[int] = set()
 
     def drop(n: ast.AST | None) -> None:
@@ -110,6 +113,9 @@ def _skipped_nodes(tree: ast.AST, lines: list[str]) -> set[int]:
             drop(n.annotation)
         elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
             drop(n)
+        if (isinstance(n, (ast.Assign, ast.AnnAssign)) and citations and n in getattr(tree, "body", ())
+              and any(isinstance(t, ast.Name) and t.id in citations for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))):
+            drop(n.value)
         if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body:
             first = n.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
@@ -135,10 +141,11 @@ def _functions(tree: ast.AST) -> dict[int, str]:
     return out
 
 
-def _points(tree: ast.AST, source: str, functions: list[str] | None = None) -> list[tuple[Point, callable]]:
+def _points(tree: ast.AST, source: str, functions: list[str] | None = None,
+            citations: list[str] | None = None) -> list[tuple[Point, callable]]:
     """Every mutation point of ``tree`` with a function that applies it in place."""
     lines = source.splitlines()
-    skip = _skipped_nodes(tree, lines)
+    skip = _skipped_nodes(tree, lines, citations)
     fn_of = _functions(tree)
     parents: dict[int, tuple[ast.AST, str, int | None]] = {}
     for p in ast.walk(tree):
@@ -186,14 +193,14 @@ def _points(tree: ast.AST, source: str, functions: list[str] | None = None) -> l
     return out
 
 
-def enumerate_points(source: str, functions: list[str] | None = None) -> list[Point]:
-    return [p for p, _ in _points(ast.parse(source), source, functions)]
+def enumerate_points(source: str, functions: list[str] | None = None, citations: list[str] | None = None) -> list[Point]:
+    return [p for p, _ in _points(ast.parse(source), source, functions, citations)]
 
 
-def mutate(source: str, index: int, functions: list[str] | None = None) -> str:
+def mutate(source: str, index: int, functions: list[str] | None = None, citations: list[str] | None = None) -> str:
     """``source`` with mutation ``index`` applied (re-parsed, so the order is the enumeration order)."""
     tree = ast.parse(source)
-    pts = _points(tree, source, functions)
+    pts = _points(tree, source, functions, citations)
     pts[index][1]()
     return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
 
@@ -374,8 +381,8 @@ def run_module(module: str, spec: dict, tests: list[str], marker: str, max_mutan
     src_path = module_path(module)
     rel = src_path.relative_to(ROOT)
     source = src_path.read_text()
-    functions = spec.get("functions")
-    points = enumerate_points(source, functions)
+    functions, citations = spec.get("functions"), spec.get("citations")
+    points = enumerate_points(source, functions, citations)
     chosen = points if max_mutants is None or max_mutants >= len(points) else sorted(
         random.Random(f"{seed}:{module}").sample(points, max_mutants), key=lambda p: p.index)
     lines = source.splitlines()
@@ -404,7 +411,7 @@ def run_module(module: str, spec: dict, tests: list[str], marker: str, max_mutan
             ws = spaces.get()
             target = ws / rel
             try:
-                target.write_text(mutate(source, pt.index, functions))
+                target.write_text(mutate(source, pt.index, functions, citations))
                 status, secs, tail = _pytest(ws, tests, timeout, marker)
             finally:
                 target.write_text(source)
@@ -462,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.list:
         for m in names:
             tests, marker, spec = selection(m, cfg, tmap)
-            n = len(enumerate_points(module_path(m).read_text(), spec.get("functions")))
+            n = len(enumerate_points(module_path(m).read_text(), spec.get("functions"), spec.get("citations")))
             print(f"{m}: {n} points; -m {marker!r}; {' '.join(tests) or 'NO TESTS'}")
         return 0
     max_m = None if a.all_mutants else a.max_mutants if a.max_mutants is not None else cfg.get("max_mutants")

@@ -49,6 +49,30 @@ def test_functions_filter():
     assert M.enumerate_points(TOY, ["g"]) == []
 
 
+CITED = """TABLE: dict = {"a": ("TYPE_INT32", 43), "b": ("TYPE_BOOL", 258)}
+OTHER = {"c": 7}
+
+
+def f(x):
+    TABLE = 3
+    return x + TABLE
+"""
+
+
+def test_citation_tables_are_not_mutated():
+    """``citations``: the named module-level tables' numbers (source line citations) are no mutation points; the
+    same name inside a function and other tables still are."""
+    every = M.enumerate_points(CITED)
+    assert sorted((p.line, p.what) for p in every) == [(1, "258 -> 259"), (1, "43 -> 44"), (2, "7 -> 8"), (6, "3 -> 4"),
+                                                       (7, "+ -> -")]
+    kept = M.enumerate_points(CITED, citations=["TABLE"])
+    assert sorted((p.line, p.what) for p in kept) == [(2, "7 -> 8"), (6, "3 -> 4"), (7, "+ -> -")]
+    i = next(p.index for p in kept if p.what == "7 -> 8")
+    assert "OTHER = {'c': 8}" in M.mutate(CITED, i, citations=["TABLE"])
+    spec = M.load_config()["modules"]["serving/backend_contract.py"]
+    assert set(spec["citations"]) == {"REQUIRED_PARAMETERS", "DEFAULTED_PARAMETERS", "INPUTS", "OUTPUTS"}
+
+
 def test_every_module_is_covered_and_has_tests():
     """Every package module and Triton model with a mutation point is scored, each with tests."""
     mods = M.discover_modules()

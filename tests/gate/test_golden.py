@@ -144,3 +144,37 @@ def test_a_tokenizer_without_a_chat_template_is_a_user_error(default_model_dir):
         encode_golden(tok, load_golden(per_category=1))
     assert e.value.exit_code == EXIT_INVALID
     assert "has no chat template" in str(e.value) and "chat_template.jinja" in str(e.value)
+
+
+def test_field_and_file_limits_at_their_boundaries(tmp_path, monkeypatch):
+    """A field of exactly ``MAX_FIELD_CHARS`` (20,000) characters loads, one more is refused naming the field and its
+    length; a file of exactly ``MAX_FILE_BYTES`` loads, one byte more is refused before it is read."""
+    from precision_pipeline.gate import golden as G
+
+    assert (G.MAX_FIELD_CHARS, G.MAX_FILE_BYTES) == (20_000, 4 * 1024 * 1024)
+    rec = json.loads(GOOD)
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "bad").mkdir()
+    ok = _write(tmp_path / "ok", [json.dumps({**rec, "answer": "a" * 20_000})])
+    assert len(load_golden(ok)[0].answer) == 20_000
+    bad = _write(tmp_path / "bad", [json.dumps({**rec, "answer": "a" * 20_001})])
+    with pytest.raises(UserError, match="'answer' is 20001 characters; at most 20000."):
+        load_golden(bad)
+    monkeypatch.setattr(G, "MAX_FILE_BYTES", ok.stat().st_size)
+    assert len(load_golden(ok)) == 1
+    monkeypatch.setattr(G, "MAX_FILE_BYTES", ok.stat().st_size - 1)
+    with pytest.raises(UserError, match=f"is {ok.stat().st_size} bytes; at most {ok.stat().st_size - 1}."):
+        load_golden(ok)
+
+
+def test_positions_by_hand():
+    """Position t predicts token t + 1: the answer's targets ``input_ids[answer_start:answer_end]`` sit at positions
+    ``answer_start - 1 .. answer_end - 2``, the prompt segment's ``input_ids[user_start:answer_start]`` at
+    ``user_start - 1 .. answer_start - 2``."""
+    from precision_pipeline.gate.golden import EncodedPrompt
+
+    e = EncodedPrompt("i", "facts", "p", "a", list(range(100, 112)), user_start=3, answer_start=7, answer_end=11)
+    assert (e.answer_positions, e.prompt_positions) == (slice(6, 10), slice(2, 6))
+    assert (e.n_answer_tokens, e.n_prompt_tokens) == (4, 4)
+    assert e.generation_prompt == list(range(100, 107))
+    assert e.answer_ids == [107, 108, 109, 110]

@@ -78,6 +78,49 @@ def test_contract_finds_what_the_backend_refuses(unit):
     assert any("'min_length' is not read" in m for m in BC.check_tensors(renamed))
 
 
+@pytest.mark.parametrize("backend, info", [("xgrammar", ""), ("outlines", ""), ("", "/x.json"),
+                                           ("${guided_decoding_backend}", "/x.json"),
+                                           ("outlines", "${xgrammar_tokenizer_info_path}")])
+def test_guided_decoding_is_off_unless_both_are_set(unit, backend, info):
+    """An empty (or unfilled ``${...}``) backend or info path turns guided decoding off (MIS:424-428): neither the
+    backend's name nor the info file is checked then."""
+    _, cfg = unit
+    params = {**pack.config_params(cfg), "guided_decoding_backend": backend, "xgrammar_tokenizer_info_path": info}
+    assert BC.check_parameters(params) == []
+
+
+def test_guided_decoding_on_checks_the_backend_and_the_file(unit, tmp_path):
+    _, cfg = unit
+    info = tmp_path / "info.json"
+    info.write_text("{}")
+    params = {**pack.config_params(cfg), "guided_decoding_backend": "xgrammar", "xgrammar_tokenizer_info_path": str(info)}
+    assert BC.check_parameters(params) == []
+    missing = {**params, "xgrammar_tokenizer_info_path": str(tmp_path / "no.json")}
+    assert BC.check_parameters(missing) == [
+        f"xgrammar_tokenizer_info_path {str(tmp_path / 'no.json')!r} does not exist ({BC.MIS}:430-431)"]
+    assert BC.check_parameters(missing, check_paths=False) == []
+    assert BC.check_parameters({**params, "guided_decoding_backend": "outlines"}) == [
+        f"guided_decoding_backend 'outlines' is not 'xgrammar' ({BC.MIS}:440-448)"]
+
+
+@pytest.mark.parametrize("name, dtype, refused", [("output_ids", "TYPE_FP32", True), ("output_ids", "TYPE_INT32", False),
+                                                  ("context_logits", "TYPE_INT32", True), ("context_logits", "TYPE_BF16", False),
+                                                  ("generation_logits", "TYPE_FP16", False)])
+def test_output_dtypes(unit, name, dtype, refused):
+    """An output's dtype is upstream's (``TPL``); the logits outputs take any of ``LOGITS_TYPES`` (the template's
+    ``${logits_datatype}``) and nothing else."""
+    from tritonclient.grpc import model_config_pb2
+
+    _, cfg = unit
+    c = type(cfg)()
+    c.CopyFrom(cfg)
+    (t,) = [o for o in c.output if o.name == name]
+    t.data_type = model_config_pb2.DataType.Value(dtype)
+    want, line = BC.OUTPUTS[name]
+    assert BC.check_tensors(c) == ([f"output {name!r} is {dtype}; upstream declares {want} ({BC.TPL}:{line})"]
+                                   if refused else [])
+
+
 # ---- the CPU stand-in (triton_repo/backends/tensorrtllm/model.py) refuses like the real backend
 
 

@@ -5,7 +5,7 @@ The real consumer is ``triton_backend/all_models/llmapi/tensorrt_llm/`` in NVIDI
 at (the search index's copy; the TensorRT-LLM mirror was too large to fetch, so the v1.2.1 / 1.3.0rc tag of each
 commit is NOT verified here -- re-check at merge against the pinned tag) and the function or the text quoted.
 Nothing of NVIDIA's code is copied into this repository: the unit names the real files in the image instead
-(``IMAGE_MODEL_DIR``).
+(``IMAGE_MODEL_DIRS``).
 
 Sources (NVIDIA/TensorRT-LLM unless said otherwise):
 
@@ -79,7 +79,6 @@ BACKEND = "python"  # CONFIG: backend: "python"
 MODEL_DIR_NAME = "tensorrt_llm"  # CONFIG: name: "tensorrt_llm" (a unit renames it; the model reads no name)
 IMAGE_MODEL_DIRS = ("/app/all_models/llmapi/tensorrt_llm/1",  # DOCKERFILE 172 + 174
                     "/app/tensorrt_llm/triton_backend/all_models/llmapi/tensorrt_llm/1")  # MULTI tritonrelease
-IMAGE_MODEL_DIR = IMAGE_MODEL_DIRS[0]
 IMAGE_MODEL_FILES = ("model.py", "helpers.py")  # MODEL_PY: `from helpers import (...)`
 MODEL_YAML = "model.yaml"  # MODEL_PY get_model_config default filename
 LLM_CONFIG_ENV = "LLM_CONFIG_PATH"  # MODEL_PY: os.environ.get('LLM_CONFIG_PATH', 'model.yaml')
