@@ -53,8 +53,10 @@ class GateInputs(Frozen):
     @field_validator("thresholds", mode="before")
     @classmethod
     def _as_bar(cls, v: Any) -> Any:
-        if isinstance(v, GateThresholds) and not isinstance(v, GateBar):
-            return GateBar(**v.model_dump(exclude_unset=True))
+        if isinstance(v, GateThresholds):
+            from precision_pipeline.gate.verdict import as_bar  # one home: the verdict's rule
+
+            return as_bar(v)
         return v
 
 

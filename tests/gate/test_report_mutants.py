@@ -1,0 +1,73 @@
+"""gate/report.py's figures and HTML pinned on the matplotlib objects (issue 26: its fast tests read the reports'
+text, so a figure drawn wrong passed): bars side by side on the category axis, the scale histograms' axes, the
+limits section. ``report._png`` is replaced to keep the figure instead of rendering it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from matplotlib.ticker import NullFormatter
+
+from precision_pipeline.gate import report as R
+
+
+@pytest.fixture
+def figs(monkeypatch):
+    import matplotlib.pyplot as plt
+
+    kept = []
+    monkeypatch.setattr(R, "_png", lambda fig: kept.append(fig) or b"png")
+    yield kept
+    for f in kept:
+        plt.close(f)
+
+
+def test_category_bars_side_by_side(figs):
+    per = {"facts": {"kl_mean": 0.1, "floor_kl_mean": 0.01, "top1": 0.9, "floor_top1": 0.95},
+           "code": {"kl_mean": 0.3, "floor_kl_mean": 0.02, "top1": 0.8, "floor_top1": 0.97}}
+    assert R.plot_categories(per) == b"png"
+    (fig,) = figs
+    assert len(fig.axes) == 2
+    w = 0.38
+    for ax, (cand, floor) in zip(fig.axes, (("kl_mean", "floor_kl_mean"), ("top1", "floor_top1"))):
+        bars = [(round(p.get_x(), 6), round(p.get_width(), 6), round(p.get_height(), 6)) for p in ax.patches]
+        # candidate at i - w/2 (its left edge i - w), the floor at i + w/2 (left edge i): touching, not overlapping
+        assert bars == [(round(-w, 6), w, per["facts"][cand]), (round(1 - w, 6), w, per["code"][cand]),
+                        (0.0, w, per["facts"][floor]), (1.0, w, per["code"][floor])]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["facts", "code"]
+    assert fig.axes[1].get_ylim() == (0.0, 1.12)
+    assert [a.get_title() for a in fig.axes] == ["KL mean by category (nats)", "Top-1 agreement by category"]
+    R.plot_categories({"facts": {"kl_mean": 0.1, "top1": 0.9}})  # no floor measured: candidate bars only
+    assert [len(a.patches) for a in figs[1].axes] == [1, 1]
+
+
+def _kind(counts, first_bin, median):
+    return {"histogram": {"counts": counts, "first_bin": first_bin, "bins_per_decade": 20}, "median": median,
+            "family": "weight", "quant_algo": "FP8", "granularity": "per-tensor", "count": 4, "elements": 4}
+
+
+def test_scale_histogram_axes(figs):
+    wide = _kind([1, 0, 0] * 20 + [1], -60, 0.01)          # 61 bins from 1e-3: about 3 decades
+    narrow = _kind([2, 2], -40, 0.011)                    # 2 bins at 1e-2: a tenth of a decade
+    R.plot_scale_histograms({"kinds": {"w": wide, "n": narrow}, "outliers": [{"kind": "w", "value": 0.5}]})
+    (fig,) = figs
+    ax_w, ax_n = fig.axes[:2]
+    assert isinstance(ax_w.xaxis.get_minor_formatter(), NullFormatter)  # > 1.5 decades: decade labels only
+    assert not isinstance(ax_n.xaxis.get_minor_formatter(), NullFormatter)
+    lo, hi = -40 / 20, -38 / 20  # the narrow one's bin edges (log10), widened to one decade around their middle
+    mid = (lo + hi) / 2
+    assert ax_n.get_xlim() == pytest.approx((10 ** (mid - 0.5), 10 ** (mid + 0.5)), rel=1e-12)
+    assert math.log10(ax_w.get_xlim()[1] / ax_w.get_xlim()[0]) > 2.9
+    assert [ax.get_title() for ax in (ax_w, ax_n)] == ["weight\nFP8, per-tensor, 4 tensors"] * 2
+    assert [t.get_text() for t in ax_w.get_legend().get_texts()] == ["median 0.01", "flagged: 1"]
+
+
+def test_limits_section_holds_each_text_once():
+    html = "".join(R._html_tail({}, None))
+    assert f"<p>{R.html.escape(R.LIMITS_TEXT[0])}</p>" in html
+    for t in R.LIMITS_TEXT[1:]:
+        assert html.count(f"<li>{R.html.escape(t)}</li>") == 1
+    assert html.count("<li>") == len(R.LIMITS_TEXT) - 1
+    assert np.all([R.html.escape(t) in html for t in R.LIMITS_TEXT])
