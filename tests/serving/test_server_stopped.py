@@ -166,3 +166,35 @@ def test_the_rollout_line_after_the_server_stopped_says_so():
     assert rollout_outcome(res, alive, url, Path("/r/repo")) == (
         "[red]rolled back[/] at 50 %: check kl_p99 failed; tensorrt_llm_bbbbbbbbbbbb serves all traffic (166 ms from the "
         "decision to the candidate's last request)")
+
+
+def test_load_returns_its_seconds(monkeypatch):
+    """``load``'s return value is the seconds it took (the release records keep it as ``load_ms``)."""
+    srv = _server("127.0.0.1:1")
+    monkeypatch.setattr(srv, "_post", lambda *a, **k: b"")
+    took = srv.load("tensorrt_llm_x")
+    assert 0.0 <= took < 5.0
+
+
+def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
+    """``server_processes`` on a stand-in ``/proc``: a tritonserver's repository (a relative one against its working
+    directory) and HTTP endpoint (defaults 0.0.0.0 -> 127.0.0.1 and 8000); other processes, an empty command line
+    (a kernel thread) and an unreadable one are not servers."""
+    from precision_pipeline.serving.triton_server import server_processes, servers_of
+
+    proc = tmp_path / "proc"
+    repo = tmp_path / "srv" / "model_repository"
+    repo.mkdir(parents=True)
+    procs = {"101": ["/opt/tritonserver/bin/tritonserver", f"--model-repository={repo}/", "--http-port=9000",
+                     "--http-address=10.0.0.5"],
+             "102": ["tritonserver", "--model-repository=model_repository"],
+             "103": ["python3", "-m", "tritonserver", f"--model-repository={repo}"],
+             "104": [""], "105": None}
+    for pid, argv in procs.items():
+        (proc / pid).mkdir(parents=True)
+        if argv is not None:
+            (proc / pid / "cmdline").write_bytes("\0".join(argv).encode() + (b"\0" if argv != [""] else b""))
+    (proc / "102" / "cwd").symlink_to(tmp_path / "srv")
+    assert server_processes(proc) == [(101, str(repo), "10.0.0.5:9000"), (102, str(repo), "127.0.0.1:8000")]
+    assert servers_of(repo, proc) == [(101, "10.0.0.5:9000"), (102, "127.0.0.1:8000")]
+    assert server_processes(tmp_path / "no-proc") == []
