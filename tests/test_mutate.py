@@ -86,8 +86,11 @@ def test_every_module_is_covered_and_has_tests():
     assert tmap["serving/rollout.py"][0].startswith("tests/serving/test_rollout")
     assert "tests/serving/test_probe_model_dir.py" in tmap["serving/probe.py"]
     # a Triton model runs only in a real server: the server tests, slow ones included
-    tests, marker, _ = M.selection("triton_repo/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py", cfg, tmap)
-    assert "tests/serving/test_rollout.py" in tests and marker == "not gpu"
+    tests, marker, _ = M.selection("triton_repo/all_models/inflight_batcher_llm/postprocessing/1/model.py", cfg, tmap)
+    assert "tests/serving/test_serve.py" in tests and marker == "not gpu"
+    # the BLS is configured with its server-free tests (a stand-in triton_python_backend_utils)
+    tests, _, _ = M.selection("triton_repo/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/model.py", cfg, tmap)
+    assert tests == ["tests/serving/test_bls_routing.py"]
     # a module whose tests are all slow runs them; one with fast tests runs only those
     assert M._has_fast_tests(["tests/serving/test_pack.py"]) and not M._has_fast_tests(["tests/serving/test_serve.py"])
 

@@ -4,6 +4,8 @@ alone and several in one left-padded ``generate`` call with greedy settings."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from precision_pipeline.gate import candidates as C
@@ -67,3 +69,24 @@ def test_hf_greedy_batch_left_pads_several_and_decodes_one_alone():
     lm.calls.clear()
     assert cand.greedy_batch([[4, 5, 6], [9]], 3, 0) == [[7, 0], [7, 0]]
     assert lm.calls == [([[4, 5, 6], [0, 0, 9]], [[1, 1, 1], [0, 0, 1]], 3, GREEDY)]
+
+
+class NoGenerate(torch.nn.Module):
+    """A causal LM without ``generate`` (a plain callable model): logits favour token (last + 1) % 10."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, use_cache=False):
+        return torch.nn.functional.one_hot((input_ids + 1) % 10, 10).float()
+
+
+def test_a_model_without_generate_decodes_prompt_by_prompt():
+    cand = C.HFCandidate(NoGenerate())
+    assert cand.greedy_batch([[1, 2], [7]], 4, stop_id=9) == [[3, 4, 5, 6], [8, 9]]
+
+
+def test_heldout_nll_of_no_windows_is_empty():
+    out = C.heldout_nll(lambda w: pytest.fail("no window to score"), [])
+    assert out.shape == (0,) and out.dtype == np.float64

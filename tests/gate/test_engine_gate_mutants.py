@@ -104,8 +104,21 @@ def test_logits_asks_one_token_and_keeps_the_prompt_rows(trtllm, tmp_path):
     cl = cand.logits([1, 2, 3])
     assert cl.shape == (3, 4) and cl[2].tolist() == [8.0, 9.0, 10.0, 11.0]
     (_, gk), = FakeRunner.made[0][1].calls
-    assert (gk["max_new_tokens"], gk["end_id"], gk["pad_id"], gk["top_k"], gk["top_p"], gk["temperature"], gk["num_beams"]) == (
-        1, 0, 0, 1, 0.0, 1.0, 1)
+    assert gk == {"max_new_tokens": 1, "end_id": 0, "pad_id": 0, "top_k": 1, "top_p": 0.0, "temperature": 1.0,
+                  "num_beams": 1, "output_sequence_lengths": True, "return_dict": True}
+    assert FakeRunner.made[0][0]["max_output_len"] == 64  # the default greedy budget
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 4), (5, 4)])
+def test_logits_of_a_batched_or_flat_tensor(trtllm, tmp_path, monkeypatch, shape):
+    """ModelRunnerCpp returns context logits as a list per request or one tensor ``[batch, T, V]`` (or ``[T, V]``)."""
+    full = torch.arange(20, dtype=torch.float32).reshape(shape)
+    monkeypatch.setattr(FakeRunner, "generate", lambda self, batch, **kw: {"context_logits": full})
+    cl = EG.EngineCandidate(tmp_path).logits([1, 2, 3])
+    assert cl.tolist() == torch.arange(12, dtype=torch.float32).reshape(3, 4).tolist()
+    monkeypatch.setattr(FakeRunner, "generate", lambda self, batch, **kw: {"context_logits": full[..., :2, :]})
+    with pytest.raises(RuntimeError, match="engine returned 2 context-logit rows for 3 tokens"):
+        EG.EngineCandidate(tmp_path).logits([1, 2, 3])
 
 
 def test_a_runner_without_context_logits_is_refused(trtllm, tmp_path, monkeypatch):
@@ -175,6 +188,15 @@ def test_an_engine_built_without_context_logits_is_refused(trtllm, tmp_path):
     (d / "config.json").write_text(json.dumps({"build_config": {"gather_context_logits": False}}))
     with pytest.raises(UserError, match="built without gather_context_logits"):
         EG.run_engine_gate(d, tmp_path / "m", GateThresholds(), tmp_path / "out")
+
+
+@pytest.mark.parametrize("missing", ["--engine-dir", "--profile", "--out-dir"])
+def test_main_requires_its_arguments(tmp_path, missing, capsys):
+    argv = {"--engine-dir": str(tmp_path), "--profile": "fp8-h100", "--out-dir": str(tmp_path / "o")}
+    argv.pop(missing)
+    with pytest.raises(SystemExit) as e:
+        EG.main([x for kv in argv.items() for x in kv])
+    assert e.value.code == 2 and f"the following arguments are required: {missing}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("passed, code", [(True, 0), (False, 3), (None, 0)])

@@ -158,3 +158,46 @@ def test_heldout_windows(monkeypatch):
     assert R.heldout_windows(Tok(), 10, window=4)[-1] == [103, 10]
     monkeypatch.setattr(R, "heldout_texts", lambda: pytest.fail("0 tokens: the held-out text is not read"))
     assert R.heldout_windows(Tok(), 0) == []
+
+
+def test_one_greedy_token(tiny):
+    """``greedy_new_tokens`` 1: one token decoded per prompt, for the reference and the floor."""
+    d = R._compute_reference(tiny, prompts(), [], 0, GateOptions(greedy_new_tokens=1, greedy_batch=2), Prog())
+    assert [len(g) for g in d.ref_greedy] == [1, 1] and [len(g) for g in d.floor["greedy"]] == [1, 1]
+
+
+def test_reference_data_is_cached_by_key(tiny, tmp_path):
+    from precision_pipeline.gate.options import GateRuntime
+
+    rt = GateRuntime(reference_cache=tmp_path / "ref", progress=False)
+    opts = GateOptions(greedy_new_tokens=2, noise_floor=False)
+    first = R.reference_data(tiny, prompts(), [[1, 2, 3]], 0, opts, rt)
+    entry = tmp_path / "ref" / first.key[:32]
+    assert first.cache_hit is False and (entry / "meta.json").is_file() and len(first.key) == 64
+    again = R.reference_data(tiny, prompts(), [[1, 2, 3]], 0, opts, rt)
+    assert again.cache_hit is True and again.key == first.key
+    assert [h.tolist() for h in again.hidden] == [h.tolist() for h in first.hidden] and again.ref_greedy == first.ref_greedy
+    off = R.reference_data(tiny, prompts(), [[1, 2, 3]], 0, opts, rt.model_copy(update={"use_reference_cache": False}))
+    assert off.cache_hit is False and off.key == first.key
+    other = R.reference_data(tiny, prompts(), [[1, 2, 3]], 0, GateOptions(greedy_new_tokens=3, noise_floor=False), rt)
+    assert other.key != first.key and len(list((tmp_path / "ref").glob("*/meta.json"))) == 2
+
+
+def test_heldout_texts_are_the_calibration_readers():
+    from precision_pipeline.quantize.calibration import heldout_news_texts
+
+    texts = R.heldout_texts()
+    assert texts == heldout_news_texts() and len(texts) == 50
+
+
+def test_progress_is_met_when_the_answers_stop_early(tiny):
+    """An answer that stops before its last decode step still counts the steps it skips, so the phase ends at its
+    total: the stop id is chosen as the 3rd token this model generates (2 decode steps, 1 skipped of 3)."""
+    one = prompts()[:1]
+    free = R._compute_reference(tiny, one, [], VOCAB - 1, GateOptions(greedy_new_tokens=6, noise_floor=False), Prog())
+    g = free.ref_greedy[0]
+    assert len(g) == 6 and g[2] not in g[:2], g  # the tiny model's greedy tokens (seed 0) allow the choice
+    prog = Prog()
+    d = R._compute_reference(tiny, one, [], g[2], GateOptions(greedy_new_tokens=4, noise_floor=False), prog)
+    assert d.ref_greedy == [g[:3]]
+    assert prog.phases[0]["total"] == 7 + 3 and prog.phases[0]["done"] == prog.phases[0]["total"]

@@ -71,3 +71,23 @@ def test_limits_section_holds_each_text_once():
         assert html.count(f"<li>{R.html.escape(t)}</li>") == 1
     assert html.count("<li>") == len(R.LIMITS_TEXT) - 1
     assert np.all([R.html.escape(t) in html for t in R.LIMITS_TEXT])
+
+
+def test_kl_histogram_bins_and_size(figs):
+    """59 log-spaced bins from 1e-6 to a twentieth of a decade past the largest KL (the floor's too), threshold lines."""
+    kl, floor = np.array([1e-8, 0.01, 0.2]), np.array([0.001, 0.5])
+    R.plot_kl_histogram(kl, floor, {"kl_mean_max": 0.05, "kl_p99_max": None})
+    (fig,) = figs
+    ax = fig.axes[0]
+    assert tuple(fig.get_size_inches()) == (7.5, 3.6)
+    edges = sorted({round(math.log10(p.get_x()), 9) for p in ax.patches} | {round(math.log10(p.get_x() + p.get_width()), 9)
+                                                                          for p in ax.patches})
+    assert edges[0] == -6.0 and edges[-1] == pytest.approx(math.log10(0.5) + 0.05, abs=1e-9) and len(edges) == 60
+    assert len(ax.patches) == 2 * 59  # candidate and floor, 59 bins each
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["candidate (3 tokens)", "BF16 noise floor",
+                                                                  "kl_mean_max = 0.05"]
+
+
+def test_category_figure_size(figs):
+    R.plot_categories({"facts": {"kl_mean": 0.1, "top1": 0.9}})
+    assert tuple(figs[0].get_size_inches()) == (10.0, 3.6)

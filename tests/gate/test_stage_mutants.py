@@ -122,3 +122,37 @@ def test_anything_else_is_measured_again(stored, spoil):
         (prev / "metrics.json").write_text(json.dumps({"metrics": [1]}))
     assert S.GateStage()._rejudged(inputs(prev), work, key, {}) is None
     assert written == []
+
+
+def test_run_on_stored_numbers_says_what_failed(stored):
+    """``run`` with only the thresholds changed: the artifact names the failing metrics and the measurement key
+    is written beside the new numbers."""
+    prev, work, _metrics, _written = stored
+    st = S.GateStage()
+    inp = inputs(prev, thresholds=GateBar(kl_mean_max=0.01))
+    mkey = st.measurement_key(inp)
+    (prev / S.MEASUREMENT_FILE).write_text(json.dumps({"key": mkey}))
+    art = st.run(inp, work)
+    assert (art.status, art.passed, art.reason) == ("failed", False, "accuracy gate failed: " + ", ".join(art.failed_metrics))
+    assert "kl_mean" in art.failed_metrics and art.reason.startswith("accuracy gate failed: kl_mean")
+    assert json.loads((work / S.MEASUREMENT_FILE).read_text()) == {"key": mkey}
+    ok = st.run(inputs(prev, thresholds=GateBar(kl_mean_max=1.0)), work)
+    assert (ok.status, ok.passed, ok.reason, ok.failed_metrics) == ("done", True, "", ())
+
+
+def test_inputs_record_the_planned_layout(tmp_path):
+    from precision_pipeline.core.stage import Done
+    from precision_pipeline.resolve import plan as P
+    from precision_pipeline.spec.default_model import ensure_default_model
+    from precision_pipeline.spec.profile import load_profile
+    from tests.conftest import request
+
+    prof = load_profile("fp8-h100")
+    assert prof.parallel.moe_ep_size is None
+    plan = P.evaluate(prof, ensure_default_model())
+    up = {"quantize": Done(artifact=None, key="e" * 64, dir=tmp_path, record=None)}
+    inp = S.GateStage().inputs(plan, request(prof, golden_limit=2), up)
+    assert inp.layout == {"tp_size": 1, "pp_size": 1, "moe_ep_size": 1}  # no expert parallelism: 1
+    assert (inp.checkpoint.sha256, inp.checkpoint.path) == ("e" * 64, tmp_path)
+    assert inp.options == GateOptions(prompts_per_category=2)  # no device chosen: the CPU defaults
+    assert inp.thresholds == prof.gate.for_model(inp.model.sha256)

@@ -121,6 +121,18 @@ def test_output_dtypes(unit, name, dtype, refused):
                                    if refused else [])
 
 
+def test_defaulted_parameters_absent_or_empty_take_their_default(unit):
+    """A defaulted parameter left out, or empty (upstream's template leaves an unfilled one as ""), is the backend's
+    default: not refused, whatever its kind."""
+    _, cfg = unit
+    params = pack.config_params(cfg)
+    required = {k: params[k] for k in BC.REQUIRED_PARAMETERS}
+    assert BC.check_parameters(required) == []
+    assert BC.check_parameters({**required, **{k: "" for k in BC.DEFAULTED_PARAMETERS}}) == []
+    assert BC.check_parameters({**required, "max_beam_width": "two"}) == [
+        f"max_beam_width 'two' is not a number ({BC.DEFAULTED_PARAMETERS['max_beam_width'].source})"]
+
+
 # ---- the CPU stand-in (triton_repo/backends/tensorrtllm/model.py) refuses like the real backend
 
 

@@ -234,3 +234,12 @@ def test_image_references_follow_the_distribution_grammar(image, why):
     for ok in (DEFAULT_IMAGE, "localhost:5000/a/b", "ubuntu", "a/b@sha256:" + "0" * 64, "NVCR.io/nvidia/x:T_1",
                "[::1]:5000/x:y", "registry.example.com/ns/img__x-y.z:1.0", "a" * 255):
         check_image(ok)
+
+
+def test_schema_messages_are_cut_at_300_characters():
+    """A Kubernetes schema validation message longer than 300 characters is cut to 297 and "..." (serving/k8s.py)."""
+    from precision_pipeline.serving import k8s
+
+    assert k8s._short("x" * 300) == "x" * 300
+    assert k8s._short("x" * 301) == "x" * 297 + "..." and len(k8s._short("y" * 5000)) == 300
+    assert k8s._short("abcdef", 5) == "ab..."

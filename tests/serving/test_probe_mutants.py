@@ -147,3 +147,43 @@ def test_record_elsewhere_appends_one_json_line_a_run(tmp_path, monkeypatch):
     assert lines[2] == "" and len(lines) == 3
     assert json.loads(lines[0]) == {"repo": str(repo.resolve()), "not_recorded": why1, "unit": "u", "probe": {"passed": True}}
     assert json.loads(lines[1])["unit"] == "v"
+
+
+def test_context_logits_are_asked_as_binary_data():
+    """The logits come back as binary data (a [1, T, V] float32 tensor as JSON would be ~10x the bytes and parsed
+    number by number)."""
+
+    class Rec:
+        def infer(self, unit, inputs, outputs=None):
+            self.asked = [o._get_tensor() for o in outputs]
+            self.inputs = {i.name(): i.shape() for i in inputs}
+
+            class R:
+                def as_numpy(self, name):
+                    return np.zeros((1, 3, 5), np.float32)
+            return R()
+
+    c = Rec()
+    out = P.engine_context_logits(None, "u", [1, 2, 3], end_id=2, client=c)
+    assert tuple(out.shape) == (3, 5)
+    assert c.asked == [{"name": "context_logits", "parameters": {"binary_data": True}}]
+    assert c.inputs == {"input_ids": [1, 3], "input_lengths": [1, 1], "request_output_len": [1, 1], "end_id": [1, 1],
+                        "pad_id": [1, 1], "return_context_logits": [1, 1]}
+
+
+def test_exporter_gauges_in_their_units():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ex = P.ProbeExporter(None)
+    res = P.ProbeResult("u", 0.125, 0.0625, 0.75, 40, 2, {}, {"kl_p99": {"threshold": 0.5, "passed": True},
+                                                               "top1": {"threshold": 0.7, "passed": True}},
+                        True, 1500.0)
+    ex.observe("fp8-h100", "u", res, route="strict-tier")
+    got = {s.name: s.value for f in text_string_to_metric_families(generate_latest(ex.registry).decode())
+           for s in f.samples if s.labels.get("engine_unit") == "u" and "result" not in s.labels}
+    want = {"precision_pipeline_probe_kl_p99": 0.125, "precision_pipeline_probe_kl_mean": 0.0625,
+            "precision_pipeline_probe_top1": 0.75, "precision_pipeline_probe_passed": 1.0,
+            "precision_pipeline_probe_duration_seconds": 1.5, "precision_pipeline_probe_tokens": 40.0,
+            "precision_pipeline_probe_kl_p99_threshold": 0.5, "precision_pipeline_probe_top1_threshold": 0.7}
+    assert {k: got[k] for k in want} == want

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.progress import StageProgress
 from precision_pipeline.core.store import atomic_dir, atomic_write_json, hash_obj, locked, read_json
 from precision_pipeline.gate.candidates import (TORCH_DTYPES, HFCandidate, batches_by_length, decode_greedy,
@@ -35,26 +34,11 @@ CACHE_VERSION = 3  # 2: the key hashes GateOptions.reference_key_fields(); 3: gr
 
 
 def heldout_texts() -> list[str]:
-    """Held-out news articles: ``precision_pipeline.quantize.calibration.heldout_news_texts()``; if that module is not
-    importable, gensim's ``test/test_data/lee.cor`` read directly (gensim is never imported)."""
-    try:
-        from precision_pipeline.quantize.calibration import heldout_news_texts  # type: ignore
+    """Held-out news articles: ``precision_pipeline.quantize.calibration.heldout_news_texts()`` (the one reader of the
+    gensim wheel's ``lee.cor``; UserError when it is missing)."""
+    from precision_pipeline.quantize.calibration import heldout_news_texts
 
-        return list(heldout_news_texts())
-    except ImportError:
-        import importlib.util
-
-        spec = importlib.util.find_spec("gensim")
-        if spec is None or not spec.submodule_search_locations:
-            raise UserError("gate", "held-out text needs the gensim wheel's lee.cor, but gensim is not installed.",
-                            "run the set-up script, or pass heldout_tokens=0.")
-        path = Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data" / "lee.cor"
-        raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            text = raw.decode("cp1252", errors="replace")
-        return [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return list(heldout_news_texts())
 
 
 def heldout_windows(tokenizer: Any, n_tokens: int, window: int = DEFAULT_HELDOUT_WINDOW) -> list[list[int]]:
