@@ -178,3 +178,47 @@ def test_positions_by_hand():
     assert (e.n_answer_tokens, e.n_prompt_tokens) == (4, 4)
     assert e.generation_prompt == list(range(100, 107))
     assert e.answer_ids == [107, 108, 109, 110]
+
+
+def test_minimum_per_category_message_counts(tmp_path):
+    """The shipped set needs ``MIN_PER_CATEGORY`` (8) prompts a category; the refusal lists each short category with
+    its count, 0 for a category with none."""
+    from precision_pipeline.gate import golden as G
+
+    assert G.MIN_PER_CATEGORY == 8
+    lines = [json.dumps({"id": f"f{i}", "category": "facts", "prompt": "Q?", "answer": "A."}) for i in range(8)]
+    lines.append(json.dumps({"id": "c0", "category": "code", "prompt": "Q?", "answer": "A."}))
+    p = _write(tmp_path, lines)
+    with pytest.raises(UserError) as e:
+        load_golden(p, min_per_category=G.MIN_PER_CATEGORY)
+    others = ", ".join(f"{c} ({1 if c == 'code' else 0})" for c in CATEGORIES if c != "facts")
+    assert e.value.problems[0].reason == f"golden.jsonl: categories with fewer than 8 prompts: {others}."
+
+
+class _TemplateWithoutContent:
+    """A chat template that drops the user's text (every user message renders alike): the user segment cannot be
+    found by comparison, so it is taken as the last token before the answer (``encode_prompt``'s cap)."""
+
+    chat_template = "x"
+    unk_token_id = None
+    eos_token_id = 3
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "SU"
+        for m in messages[1:]:
+            text += "A" + m["content"] + "E"
+        return text + ("A" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [{"S": 1, "U": 2, "E": 3, "A": 4}.get(c, 10 + ord(c) % 50) for c in text]}
+
+    def convert_tokens_to_ids(self, tok):
+        return None
+
+
+def test_user_start_is_capped_before_the_answer():
+    from precision_pipeline.gate.golden import GoldenPrompt
+
+    e = encode_prompt(_TemplateWithoutContent(), GoldenPrompt("p", "facts", "What?", "xy"))
+    assert e.input_ids[: e.answer_start] == [1, 2, 4] and (e.user_start, e.answer_start) == (2, 3)
+    assert e.answer_ids == e.input_ids[3:6] and e.n_prompt_tokens == 1

@@ -71,6 +71,8 @@ def test_model_yaml_checks():
         "triton_config: is missing (model.py reads triton_config['decoupled'] and ['max_batch_size'])"]
     assert C.check_model_yaml({**MODEL_YAML, "triton_config": {"max_batch_size": 0}}) == [
         "triton_config.decoupled: is missing (model.py indexes it without a default)"]
+    assert C.check_model_yaml({**MODEL_YAML, "triton_config": {"decoupled": True}}) == [  # said once, not twice
+        "triton_config.max_batch_size: is missing (model.py indexes it without a default)"]
     got = C.check_model_yaml({**MODEL_YAML, "triton_config": {"max_batch_size": 4, "decoupled": "no", "x": 1}})
     assert got == ["triton_config.x: is not read by model.py",
                    "triton_config.max_batch_size: is 4; must be 0 (the LLM-API model refuses a batched text_input: "

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.serving import pack
 from precision_pipeline.spec.profile import load_profile
 from tests.serving.test_pack import make_plan
@@ -81,3 +82,25 @@ def test_unit_limits_of_a_rendered_unit(params, tmp_path):
     assert pack.unit_limits(tmp_path, unit) == {"max_batch_size": params["tensorrt_llm"]["triton_max_batch_size"],
                                                 "max_beam_width": params["tensorrt_llm"]["max_beam_width"]}
     assert pack.unit_gpus(tmp_path, unit) == 1
+
+
+@pytest.mark.parametrize("ids, gpus", [("0,1", 2), ("0, 1, 2,3", 4), ("3", 1), ("", 1), (" , ", 1)])
+def test_unit_gpus_counts_its_device_ids(tmp_path, ids, gpus):
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "config.pbtxt").write_text(
+        f'name: "u"\nparameters {{ key: "gpu_device_ids" value {{ string_value: "{ids}" }} }}\n')
+    assert pack.unit_gpus(tmp_path, "u") == gpus
+
+
+def test_check_repository_skips_hidden_folders(tmp_path):
+    """A hidden folder (a staged unit, ``.releases.json.lock`` beside) is no model: a half-written one there with
+    another name is not read."""
+    for d, name in (("a", "a"), (".staged-a", "b")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.pbtxt").write_text(f'name: "{name}"\n')
+    (tmp_path / "notes.txt").write_text("x")
+    assert list(pack.check_repository(tmp_path)) == ["a"]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.pbtxt").write_text('name: "d"\n')
+    with pytest.raises(UserError, match="names the model 'd', not its directory 'c'"):
+        pack.check_repository(tmp_path)

@@ -534,3 +534,47 @@ def test_install_unit_records_a_kept_unit_and_survives_an_undeletable_trash(tmp_
     monkeypatch.setattr(release_units.shutil, "rmtree", rmtree)
     assert release_units.install_unit(repo, units[2].out_dir) == c
     assert (repo / c / "config.pbtxt").read_text() != "damaged"
+
+
+def test_finish_rollout_records_its_switch_in_tenths_of_a_millisecond(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
+    """The 100 % step's history entry ``ms``: the switch time from release_rollout's clock, rounded to 0.1 ms."""
+    import types
+
+    repo = new_repo(tmp_path, units)
+    a = units[0].engine_unit
+    srv = RecordingServer(repo, ready={a, "ensemble"})
+    ticks = iter([1.0, 1.25, 20.0, 20.01234567] + [30.0] * 10)
+    monkeypatch.setattr(release_rollout, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    t = release_rollout.finish_rollout(repo, server=srv)
+    assert t["switched_ms"] == pytest.approx(12.34567, abs=1e-6)
+    last = release_state.read_state(repo)["history"][-1]
+    assert (last["action"], last["to"], last["ms"]) == ("rollout", units[2].engine_unit, 12.3)
+
+
+def test_recovered_rollout_abort_entry(tmp_path, units, smoke_calls):  # noqa: F811
+    """A rollout whose process died is ended by recover with a ``rollout_abort`` entry of 0.0 ms (nothing was timed)."""
+    repo = new_repo(tmp_path, units)
+    srv = RecordingServer(repo, ready={units[0].engine_unit, "ensemble"})
+    release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    st = release_state.read_state(repo)
+    st["rollout"]["pid"] = 2 ** 22 + 12345  # above Linux's pid_max: no such process
+    release_state.write_state(repo, st)
+    fixed = release_recover.recover(repo)
+    assert fixed and "interrupted rollout" in fixed[0]
+    last = release_state.read_state(repo)["history"][-1]
+    assert (last["action"], last["by"], last["ms"], last["rollout"]["failed_check"]) == ("rollout_abort", "recover", 0.0,
+                                                                                          "interrupted")
+
+
+@pytest.mark.parametrize("keep, ok", [(0, True), (100, True), (101, False), (-1, False)])
+def test_keep_releases_bounds(tmp_path, units, keep, ok):  # noqa: F811
+    """releases.json's ``keep_releases``: 0..100 (a record asking to keep more is refused when read)."""
+    import pydantic
+
+    st = release_state.read_state(new_repo(tmp_path, units))
+    if ok:
+        assert release_state.ReleasesFile.model_validate({**st, "keep_releases": keep}).keep_releases == keep
+    else:
+        with pytest.raises(pydantic.ValidationError, match="keep_releases"):
+            release_state.ReleasesFile.model_validate({**st, "keep_releases": keep})
