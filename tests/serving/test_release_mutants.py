@@ -578,3 +578,39 @@ def test_keep_releases_bounds(tmp_path, units, keep, ok):  # noqa: F811
     else:
         with pytest.raises(pydantic.ValidationError, match="keep_releases"):
             release_state.ReleasesFile.model_validate({**st, "keep_releases": keep})
+
+
+def test_copy_unit_with_recorded_files_under_its_version_folder(tmp_path):
+    """A unit whose recorded files include ``1/`` (its version folder made by the copies) installs: the version
+    folder is made only when missing."""
+    from precision_pipeline.core.store import hash_file
+    from precision_pipeline.serving import release_units
+
+    src = tmp_path / "tensorrt_llm_aaaaaaaaaaaa"
+    (src / "1").mkdir(parents=True)
+    (src / "1" / "notes.txt").write_text("kept")
+    (src / "config.pbtxt").write_text('name: "tensorrt_llm_aaaaaaaaaaaa"\n'
+                                      'parameters { key: "gpt_model_path" value { string_value: "/x" } }\n')
+    files = {rel: [(src / rel).stat().st_size, hash_file(src / rel)] for rel in ("1/notes.txt", "config.pbtxt")}
+    dst = tmp_path / "repo" / src.name
+    release_units.copy_unit(src, dst, files, "/serve/engine")
+    assert (dst / "1" / "notes.txt").read_text() == "kept"
+    assert 'string_value: "/serve/engine"' in (dst / "config.pbtxt").read_text()
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_reconcile_keeps_a_loaded_fallback_only_when_warm(tmp_path, units, warm):  # noqa: F811
+    """A fallback whose unit a failed rollout rejected, loaded on the server: kept loaded only when the record keeps
+    the fallback warm (hostile s8 #127); a cold one is unloaded like any unit that is no release."""
+    from precision_pipeline.serving import release_live
+
+    a, b = units[0].engine_unit, units[1].engine_unit
+    repo = new_repo(tmp_path, units, warm=warm)
+    srv = RecordingServer(repo, ready={a, b, "ensemble"})
+    st = release_state.read_state(repo)
+    st["history"].append({"action": "rollout_abort", "from": b, "to": a, "time": "t", "by": "test", "ms": 0.0,
+                          "rollout": {"failed_check": "errors", "numbers": {}}})
+    assert b in release_state.rejected_units(st)
+    fixed = release_live.reconcile_server(repo, srv, st)
+    assert fixed == ([] if warm else [f"{b} unloaded (no release; nothing routes to it)"])
+    assert (b in srv.ready) is warm
