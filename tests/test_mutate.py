@@ -111,3 +111,20 @@ def test_configured_modules_exist_and_have_tests():
         for t in spec.get("tests", []):
             if t.startswith("tests/"):
                 assert (M.ROOT / t.split("::")[0]).is_file(), t
+
+
+def test_every_equivalent_entry_names_a_line_of_its_module():
+    """An ``equivalent`` entry whose line text is no longer in its module (edited or moved) would silently stop
+    matching: each entry's ``source`` is in the module's source, its ``what`` is a mutation of that line, and its
+    ``function`` (when given) is that line's function."""
+    cfg = M.load_config()
+    for module, spec in cfg.get("modules", {}).items():
+        src = M.module_path(module).read_text()
+        lines = src.splitlines()
+        points = M.enumerate_points(src, spec.get("functions"), spec.get("citations"))
+        for e in spec.get("equivalent", []):
+            assert e["source"] in src, (module, e["source"])
+            assert e.get("why"), (module, e["source"])
+            hits = [p for p in points if e["source"] in lines[p.line - 1] and p.what == e["what"]
+                    and (not e.get("function") or p.function == e["function"])]
+            assert hits, (module, e["source"], e["what"], e.get("function"))

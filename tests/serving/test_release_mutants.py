@@ -614,3 +614,46 @@ def test_reconcile_keeps_a_loaded_fallback_only_when_warm(tmp_path, units, warm)
     fixed = release_live.reconcile_server(repo, srv, st)
     assert fixed == ([] if warm else [f"{b} unloaded (no release; nothing routes to it)"])
     assert (b in srv.ready) is warm
+
+
+# ---- release.py survivors (session 14, seed 1)
+
+
+def test_warm_fallback_load_ms_from_a_stand_in_clock(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
+    import types
+
+    repo = new_repo(tmp_path, units, fallback=False)
+    srv = RecordingServer(repo, ready={units[0].engine_unit, "ensemble"})
+    ticks = iter([1.0, 1.25] + [9.0] * 10)
+    monkeypatch.setattr(release, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    t = release.set_fallback(repo, units[1].out_dir, server=srv, warm=True)
+    assert t["load_ms"] == 250.0 and units[1].engine_unit in srv.ready
+
+
+def test_rollback_of_a_cold_target_times_its_load_and_unloads_the_old_current(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
+    """A cold previous release is loaded (``load_ms`` from release's clock), and the release rolled back from is
+    unloaded afterwards (no warm previous kept by a rollback)."""
+    import types
+
+    a, c = units[0].engine_unit, units[2].engine_unit
+    repo = new_repo(tmp_path, units, fallback=False)
+    release.promote(repo, units[2].out_dir, profile="bf16-h100", promoted_by="test")
+    srv = RecordingServer(repo, ready={c, "ensemble"})
+    ticks = iter([0.0, 1.0, 2.0, 10.0, 10.5] + [20.0] * 20)
+    monkeypatch.setattr(release, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    t = release.rollback(repo, server=srv)
+    assert (t["unit"], t["warm"], t["verify_ms"], t["load_ms"]) == (a, False, 1000.0, 500.0)
+    assert a in srv.ready and c not in srv.ready
+
+
+@pytest.mark.parametrize("how, field", [({"to": "a"}, "--to"), ({}, "rollback")])
+def test_a_damaged_kept_release_is_refused_naming_the_option(tmp_path, units, how, field):  # noqa: F811
+    a = units[0].engine_unit
+    repo = new_repo(tmp_path, units, fallback=False)
+    release.promote(repo, units[2].out_dir, profile="bf16-h100", promoted_by="test")
+    victim = next(p for p in sorted((repo / a).rglob("*")) if p.is_file() and p.name != "config.pbtxt")
+    victim.write_bytes(victim.read_bytes() + b"x")
+    to = {"to": a[len("tensorrt_llm_"):][:6]} if how else {}
+    with pytest.raises(UserError) as e:
+        release.rollback(repo, **to)
+    assert e.value.problems[0].field == field
