@@ -364,3 +364,41 @@ def test_a_layout_mismatch_is_refused_in_process_and_long_values_are_cut(tmp_pat
     long = acceptance._short("x" * 100)
     assert long == '"' + "x" * 58 + "\u2026" and len(long) == 60
     assert acceptance._short("x" * 58) == '"' + "x" * 58 + '"'  # 60 characters: kept whole
+
+
+def test_the_gated_checkpoint_is_checked_without_a_record(tmp_path, fp):
+    """A metrics.json that names its checkpoint's quantization but has no ``record`` (a gate of an older version):
+    the quantization it gated is still compared with the profile's."""
+    fp8 = load_profile("fp8-h100")
+    out = fake_build(tmp_path / "out", fp8, fp, manifest_profile="bf16-h100")
+    m = json.loads((out / "gate" / "metrics.json").read_text())
+    m.pop("record")
+    (out / "gate" / "metrics.json").write_text(json.dumps(m))
+    assert "the gated checkpoint (gate/metrics.json) in" in refusal(load_profile("bf16-h100"), out)
+
+
+@pytest.mark.parametrize("gated, warned", [("1.1.0", True), ("1.2.1", False), (None, False)])
+def test_a_gate_run_under_another_tensorrt_llm_is_said(tmp_path, fp, monkeypatch, gated, warned):
+    prof = load_profile(str(write_profile(tmp_path)))
+    out = fake_build(tmp_path / "out", prof, fp)
+    m = json.loads((out / "gate" / "metrics.json").read_text())
+    m["record"]["runtime"]["tensorrt_llm"] = gated
+    (out / "gate" / "metrics.json").write_text(json.dumps(m))
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no container runtime: the image catalog's 1.2.1
+    image = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
+    ok = check_promotable(prof, out, out / "model_repository", image=image)
+    said = [w for w in ok.warnings if w.startswith("the gate ran where")]
+    assert said == ([f"the gate ran where TensorRT-LLM 1.1.0 was installed; {image} ships 1.2.1."] if warned else [])
+    assert check_promotable(prof, out, out / "model_repository").warnings == []  # no image: nothing to compare
+
+
+def test_a_long_list_of_profile_changes_is_cut_after_six(tmp_path, fp, monkeypatch):
+    from precision_pipeline.serving import acceptance
+
+    path = write_profile(tmp_path)
+    out = fake_build(tmp_path / "out", load_profile(str(path)), fp)
+    monkeypatch.setattr(acceptance, "_changed", lambda a, b: [f"f{i}: 1 -> 2" for i in range(8)])
+    msg = refusal(load_profile(str(path)), out)
+    assert "(built -> now): f0: 1 -> 2; f1: 1 -> 2; f2: 1 -> 2; f3: 1 -> 2; f4: 1 -> 2; f5: 1 -> 2; and 2 more; " in msg
+    monkeypatch.setattr(acceptance, "_changed", lambda a, b: [f"f{i}: 1 -> 2" for i in range(6)])
+    assert "f5: 1 -> 2; the output was built" in refusal(load_profile(str(path)), out)

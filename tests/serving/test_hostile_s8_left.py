@@ -155,3 +155,19 @@ def test_sigterm_during_promote_or_rollback_ends_it_as_ctrl_c(tmp_path, task):
             "promote or rollback removes them.\n") if "commit" in task else "interrupted; previous artifacts are intact.\n"
     assert r.returncode == 130 and (r.stdout + r.stderr) == said, r.stdout + r.stderr
     assert time.monotonic() - t0 < 25 and "Traceback" not in r.stderr
+
+
+def test_a_record_without_keep_releases_keeps_two(tmp_path, units):  # noqa: F811
+    """A releases.json without ``keep_releases`` (its default: 2 kept) against profiles asking 2 and 3."""
+    import json
+
+    repo = new_repo(tmp_path, units, fallback=True, warm=True, keep=2)
+    path = release_state.state_path(repo)
+    st = json.loads(path.read_text())
+    st.pop("keep_releases")
+    path.write_text(json.dumps(st))
+    prof = load_profile("fp8-h100")
+    assert prof.deployment.keep_releases == 2 and repository_settings_warnings(prof, repo) == []
+    dep = prof.deployment.model_copy(update={"keep_releases": 3})
+    (w,) = repository_settings_warnings(prof.model_copy(update={"deployment": dep}), repo)
+    assert w.startswith("fp8-h100 asks deployment.keep_releases 3 (the repository: 2); not applied")
