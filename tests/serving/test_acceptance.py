@@ -402,3 +402,27 @@ def test_a_long_list_of_profile_changes_is_cut_after_six(tmp_path, fp, monkeypat
     assert "(built -> now): f0: 1 -> 2; f1: 1 -> 2; f2: 1 -> 2; f3: 1 -> 2; f4: 1 -> 2; f5: 1 -> 2; and 2 more; " in msg
     monkeypatch.setattr(acceptance, "_changed", lambda a, b: [f"f{i}: 1 -> 2" for i in range(6)])
     assert "f5: 1 -> 2; the output was built" in refusal(load_profile(str(path)), out)
+
+
+def test_image_versions_without_a_local_copy_never_runs_it(monkeypatch):
+    """``image inspect`` failing (the runtime has no local copy) or not answering: the image is not run (nothing is
+    pulled) and the catalog is used, saying so."""
+    import shutil
+    import subprocess
+
+    from precision_pipeline.engine import toolchain
+    from precision_pipeline.serving import images
+
+    tag = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
+    for inspect in (subprocess.CompletedProcess([], 1, "", "Error: No such image"), None):
+        calls = []
+
+        def run_quiet(argv, timeout, inspect=inspect):
+            calls.append(argv[1])
+            return inspect if argv[1] == "image" else subprocess.CompletedProcess(argv, 0, "tensorrt_llm=9.9\n", "")
+
+        monkeypatch.setattr(shutil, "which", lambda rt: f"/usr/bin/{rt}" if rt == "docker" else None)
+        monkeypatch.setattr(toolchain, "run_quiet", run_quiet)
+        v = images.image_versions(tag, timeout_s=100)
+        assert calls == ["image"] and (v.source, v.tensorrt_llm) == ("catalog", "1.2.1")
+        assert "docker has no local copy of it" in v.why

@@ -82,3 +82,13 @@ def test_probe_panels_carry_the_gate_thresholds(plan_profile):
     assert top1["targets"][1]["legendFormat"] == f"gate threshold (>= {thr.top1_min!r})"
     assert top1["targets"][1]["expr"] == f'max(precision_pipeline_probe_top1_threshold{{profile="{plan.profile.name or prof.name}"}})'
     assert [(p["gridPos"]["x"], p["id"]) for p in (kl, top1)] == [(0, 3), (12, 4)]
+
+
+def test_the_plans_profile_name_labels_the_dashboard(plan_profile):
+    """The series are selected by the plan's profile name; a plan without one falls back to the profile's."""
+    plan, prof = plan_profile
+    other = plan.model_copy(update={"profile": plan.profile.model_copy(update={"name": "as-planned"})})
+    d = D.dashboard(other, prof, "d")
+    assert d["tags"] == ["precision-pipeline", "as-planned"] and 'profile="as-planned"' in D.expressions(d)[0]
+    unnamed = plan.model_copy(update={"profile": plan.profile.model_copy(update={"name": ""})})
+    assert D.dashboard(unnamed, prof, "d")["tags"] == ["precision-pipeline", prof.name]
