@@ -657,3 +657,22 @@ def test_a_damaged_kept_release_is_refused_naming_the_option(tmp_path, units, ho
     with pytest.raises(UserError) as e:
         release.rollback(repo, **to)
     assert e.value.problems[0].field == field
+
+
+def test_a_cold_fallback_is_not_loaded(tmp_path, units, smoke_calls):  # noqa: F811
+    repo = new_repo(tmp_path, units, fallback=False)
+    srv = RecordingServer(repo, ready={units[0].engine_unit, "ensemble"})
+    t = release.set_fallback(repo, units[1].out_dir, server=srv, warm=False)
+    assert "load_ms" not in t and units[1].engine_unit not in srv.ready and smoke_calls[0] == []
+    assert [c[0] for c in srv.calls] == []
+
+
+def test_promote_load_ms_from_a_stand_in_clock(tmp_path, units, smoke_calls, monkeypatch):  # noqa: F811
+    import types
+
+    repo = new_repo(tmp_path, units, fallback=False)
+    srv = RecordingServer(repo, ready={units[0].engine_unit, "ensemble"})
+    ticks = iter([0.0, 5.0, 5.125] + [9.0] * 20)
+    monkeypatch.setattr(release, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    t = release.promote(repo, units[2].out_dir, server=srv, profile="bf16-h100", promoted_by="test")
+    assert t["load_ms"] == 125.0 and t["unit"] == units[2].engine_unit
