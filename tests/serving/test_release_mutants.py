@@ -676,3 +676,8 @@ def test_promote_load_ms_from_a_stand_in_clock(tmp_path, units, smoke_calls, mon
     monkeypatch.setattr(release, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     t = release.promote(repo, units[2].out_dir, server=srv, profile="bf16-h100", promoted_by="test")
     assert t["load_ms"] == 125.0 and t["unit"] == units[2].engine_unit
+
+
+def test_a_new_repository_records_version_1(tmp_path, units):  # noqa: F811
+    st = release_state.read_state(new_repo(tmp_path, units))
+    assert st["version"] == 1 and release_state.ReleasesFile.model_fields["version"].default == 1
