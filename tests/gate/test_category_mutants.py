@@ -257,3 +257,36 @@ def test_rejudge_keeps_the_numbers_and_sets_floor_flags(m):
     assert rejudge(m, GateThresholds(top1_min=0.9))["metrics"]["top1"]["floor_exceeds_threshold"] is True   # 0.833 < 0.9
     assert rejudge(m, GateThresholds(top1_min=0.8))["metrics"]["top1"]["floor_exceeds_threshold"] is False
     assert r["thresholds"]["kl_mean_max"] == 0.02 and m["metrics"]["kl_mean"]["threshold"] == 1.0  # a new dict
+
+
+def test_no_prompts_give_no_answer_perplexity():
+    from precision_pipeline.gate.assemble import Measured, _answer_perplexity
+    from precision_pipeline.gate.reference import ReferenceData
+
+    ref = ReferenceData(hidden=[], ref_greedy=[], ref_heldout_nll=np.zeros(0), ref_answer_nll=[], floor=None, seconds={})
+    out = _answer_perplexity(Measured([], [], ref, [], np.zeros(0), []))
+    assert set(out) == {"reference", "candidate"} and np.isnan(out["reference"]) and np.isnan(out["candidate"])
+
+
+def test_greedy_texts_keep_special_tokens():
+    """The greedy rows' texts show the special tokens (an answer that ends with <|im_end|> says so)."""
+    import types
+
+    calls = []
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(skip_special_tokens)
+            return "x" if skip_special_tokens else "x<|im_end|>"
+
+    m = assemble(GateBar(kl_mean_max=1.0))
+    assert all(r["reference_text"].startswith("t") for r in m["greedy"])  # _Tok: "t<id> ..."
+    from precision_pipeline.gate import assemble as A
+
+    est = A.Estimates({}, {})
+    enc = [EncodedPrompt("p", "facts", "q", "a", [1, 2, 3], 1, 2, 3)]
+    ref = types.SimpleNamespace(ref_greedy=[[5, 6]])
+    meas = types.SimpleNamespace(encoded=enc, ref=ref, cand_greedy=[[5, 6]], floor=None)
+    settings = types.SimpleNamespace(greedy_new_tokens=2, bootstrap=0, seed=0)
+    rows = A._greedy(meas, Tok(), settings, est, A.Estimates({}, {}))
+    assert (rows[0]["reference_text"], rows[0]["candidate_text"]) == ("x<|im_end|>", "x<|im_end|>") and calls == [False, False]

@@ -110,3 +110,14 @@ def test_a_whole_gate_run_and_its_folder(tiny_chat, tmp_path, monkeypatch):
     assert m["checkpoint_dir"] == str(ck) and math.isfinite(m["metrics"]["kl_mean"]["value"])
     assert (out.stat().st_mode & 0o777) == 0o755
     assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {"metrics.json": 0o644, "per_token.npz": 0o644}
+    # the serving probe's set from this gate run: the stored reference, the model's lm_head and tokenizer
+    from precision_pipeline.serving import probe
+
+    ps = probe.load_probe_set(out, 3, cache_root=tmp_path / "ref")
+    assert [p.category for p in ps.prompts] == [r["category"] for r in m["prompts"]][:3]
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(str(tiny_chat))
+    for p in ps.prompts:
+        top = p.ref_logits.argmax(-1).tolist()
+        assert p.ref_logits.shape == (p.answer.stop - p.answer.start, 49152)
+        assert all(want == tok.decode([top[k]], skip_special_tokens=True) for k, _ctx, want in p.text_rows)
+    assert sum(len(p.text_rows) for p in ps.prompts) > 0

@@ -38,6 +38,7 @@ def test_set_size_and_categories():
 
 
 def test_token_count_at_least_5000(encoded):
+    assert MIN_ANSWER_TOKENS == 5000  # the golden set's documented size (gate/golden.py module doc)
     s = summarize(encoded)
     assert s.answer_tokens >= MIN_ANSWER_TOKENS
     assert s.prompts == len(encoded)

@@ -85,3 +85,11 @@ def test_the_canary_service_goes_through_validate_manifest(tmp_path, monkeypatch
     monkeypatch.setattr(deploy, "canary_service_name", lambda name: f"{name}-Canary")
     with pytest.raises(UserError, match=r"k8s/service.yaml \(as service-canary.yaml\): metadata.name.*DNS-1035"):
         render(tmp_path, workload="argo-rollout")
+
+
+def test_every_analysis_metric_aborts_at_its_first_failure(tmp_path):
+    """The AnalysisTemplate's metrics have ``failureLimit: 0`` (Argo Rollouts: the analysis fails, and the rollout
+    aborts, once failures exceed it: the first failed measurement)."""
+    docs = load_out(render(tmp_path, workload="argo-rollout"))
+    metrics = docs["analysis-template.yaml"]["spec"]["metrics"]
+    assert metrics and [m["failureLimit"] for m in metrics] == [0] * len(metrics)

@@ -104,3 +104,28 @@ def test_check_repository_skips_hidden_folders(tmp_path):
     (tmp_path / "c" / "config.pbtxt").write_text('name: "d"\n')
     with pytest.raises(UserError, match="names the model 'd', not its directory 'c'"):
         pack.check_repository(tmp_path)
+
+
+@pytest.mark.parametrize("paged, kv_type, refused", [(True, None, False), (False, None, True), (None, None, False),
+                                                     (False, "PAGED", False)])
+def test_kv_cache_type_from_the_plugin_when_the_build_config_has_none(paged, kv_type, refused):
+    """An engine config without ``build_config.kv_cache_type`` (older TensorRT-LLM) is paged when its plugin config
+    says ``paged_kv_cache`` (default true); KV-cache reuse then needs nothing more."""
+    from tests.serving.test_pack import engine_config
+
+    cfg = engine_config()
+    del cfg["build_config"]["kv_cache_type"]
+    if kv_type:
+        cfg["build_config"]["kv_cache_type"] = kv_type
+    plug = cfg["build_config"]["plugin_config"]
+    plug.pop("paged_kv_cache")
+    if paged is not None:
+        plug["paged_kv_cache"] = paged
+    rules = [p.rule for p in pack.cross_check_engine(cfg, {"enable_kv_cache_reuse": "true"})]
+    assert ("pack.enable_kv_cache_reuse" in rules) is refused
+
+
+def test_python_models_copied_again_into_the_same_repository(tmp_path):
+    pack.copy_python_models(tmp_path)
+    pack.copy_python_models(tmp_path)  # a re-pack into the same output
+    assert sorted(p.name for p in (tmp_path / "tensorrt_llm_bls" / "1").iterdir()) == ["model.py", "precision_routing.py"]

@@ -187,3 +187,12 @@ def test_exporter_gauges_in_their_units():
             "precision_pipeline_probe_duration_seconds": 1.5, "precision_pipeline_probe_tokens": 40.0,
             "precision_pipeline_probe_kl_p99_threshold": 0.5, "precision_pipeline_probe_top1_threshold": 0.7}
     assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.parametrize("present", ["metrics.json", "per_token.npz"])
+def test_a_gate_folder_with_one_of_its_two_files_is_refused(tmp_path, present):
+    from precision_pipeline.core.errors import UserError
+
+    (tmp_path / present).write_text("{}")
+    with pytest.raises(UserError, match="has no metrics.json and per_token.npz of a gate run"):
+        P.load_probe_set(tmp_path, 2)

@@ -46,3 +46,12 @@ def test_yaml_style_writes_whole_values():
         render("name: svc-${name}\n", {"name": "x"}, "k.yaml", YAML_VALUE)
     assert deploy.render_template(text, {"name": "n", "flag": 1, "limits": None}, "k") == \
         render(text, {"name": "n", "flag": 1, "limits": None}, "k", YAML_VALUE)
+
+
+def test_template_styles_are_frozen():
+    import dataclasses
+
+    from precision_pipeline.serving import templates
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        templates.PBTXT.name = "other"

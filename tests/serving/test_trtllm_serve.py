@@ -127,3 +127,15 @@ def test_traces_endpoint_must_be_the_profiles(tmp_path, inputs):
     assert T.render_trtllm_serve(ok, tmp_path / "ok") == ["deployment.yaml", "monitoring/podmonitor.yaml", "service.yaml"]
     with pytest.raises(UserError, match="otlp_traces_endpoint"):  # a traced config for an untraced profile
         T.render_trtllm_serve(dataclasses.replace(inputs, llm_args=ok.llm_args), tmp_path / "no")
+
+
+def test_inputs_are_frozen_and_bounded(tmp_path, inputs):
+    import dataclasses as dc
+
+    with pytest.raises(dc.FrozenInstanceError):
+        inputs.image = "x"
+    T.check_serve_inputs(dc.replace(inputs, namespace="n" * 63))
+    with pytest.raises(UserError, match="is not a DNS-1123 label"):
+        T.check_serve_inputs(dc.replace(inputs, namespace="n" * 64))
+    assert T.compute_params(dc.replace(inputs, repo_root="/"))["deployment.yaml"]["repo_root"] == "/"
+    assert T.compute_params(dc.replace(inputs, repo_root="/a/b/"))["deployment.yaml"]["repo_root"] == "/a/b"
