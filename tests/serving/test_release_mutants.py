@@ -681,3 +681,31 @@ def test_promote_load_ms_from_a_stand_in_clock(tmp_path, units, smoke_calls, mon
 def test_a_new_repository_records_version_1(tmp_path, units):  # noqa: F811
     st = release_state.read_state(new_repo(tmp_path, units))
     assert st["version"] == 1 and release_state.ReleasesFile.model_fields["version"].default == 1
+
+
+def test_abort_keeps_its_numbers_and_unloads_only_a_loaded_candidate(tmp_path, units, smoke_calls):  # noqa: F811
+    a, c = units[0].engine_unit, units[2].engine_unit
+    repo = new_repo(tmp_path, units, fallback=False)
+    srv = RecordingServer(repo, ready={a, "ensemble"})
+    release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    srv.ready.discard(c)  # the candidate went away on its own (a crashed stub)
+    srv.calls.clear()
+    rec = release_rollout.abort_rollout(repo, server=srv, failed_check="kl_p99", numbers={"kl_p99": 0.31})
+    assert rec["numbers"] == {"kl_p99": 0.31}
+    assert ("unload", c) not in [(w, n) for w, n, *_ in srv.calls]  # nothing to unload
+    release_rollout.begin_rollout(repo, units[2].out_dir, server=srv, steps=(5, 100))
+    assert release_rollout.abort_rollout(repo, server=srv)["numbers"] == {}
+    assert c not in srv.ready  # a loaded candidate is unloaded
+
+
+def test_abort_never_unloads_the_fallback(tmp_path, units, smoke_calls):  # noqa: F811
+    """A rollout of the unit that is also the fallback (a warm one stays loaded): the abort leaves it loaded."""
+    a, b = units[0].engine_unit, units[1].engine_unit
+    repo = new_repo(tmp_path, units, fallback=True, warm=True)
+    srv = RecordingServer(repo, ready={a, b, "ensemble"})
+    st = release_state.read_state(repo)
+    st["rollout"] = {"candidate": b, "stable": a, "percent": 5, "step": 0, "steps": [5, 100], "started": "t",
+                     "pid": os.getpid(), "by": "test", "checks": []}
+    release_state.write_state(repo, st)
+    release_rollout.abort_rollout(repo, server=srv, verify=False)
+    assert b in srv.ready
