@@ -709,3 +709,53 @@ def test_abort_never_unloads_the_fallback(tmp_path, units, smoke_calls):  # noqa
     release_state.write_state(repo, st)
     release_rollout.abort_rollout(repo, server=srv, verify=False)
     assert b in srv.ready
+
+
+def test_crash_hook_exits_with_97(monkeypatch):
+    exits = []
+    monkeypatch.setattr(release_state.os, "_exit", lambda code: exits.append(code))
+    monkeypatch.setenv(release_state.CRASH_ENV, "switch")
+    release_state.crash_point("install")
+    release_state.crash_point("switch")
+    assert exits == [97] and release_state.CRASH_EXIT == 97
+
+
+def test_a_unit_named_folder_without_its_config_is_no_unit(tmp_path):
+    from precision_pipeline.serving import release_units
+
+    d = tmp_path / "tensorrt_llm_aaaaaaaaaaaa"
+    d.mkdir()
+    with pytest.raises(UserError, match="is neither an engine unit"):
+        release_units.resolve_unit_source(d)
+    (d / "config.pbtxt").write_text('name: "tensorrt_llm_aaaaaaaaaaaa"\n')
+    assert release_units.resolve_unit_source(d) == d
+    assert release_units.resolve_unit_source(tmp_path) == d  # a repository holding one unit
+
+
+def test_rollout_window_of_a_model_absent_from_both_scrapes():
+    from precision_pipeline.serving import rollout
+
+    w = rollout.Window.of({}, {}, "u")
+    assert (w.success, w.failure, w.mean_ms) == (0, 0, None)
+    a = {("nv_inference_request_success", "u"): 2.0, ("nv_inference_request_duration_us", "u"): 1000.0}
+    b = {("nv_inference_request_success", "u"): 6.0, ("nv_inference_request_failure", "u"): 1.0,
+         ("nv_inference_request_duration_us", "u"): 9000.0}
+    w = rollout.Window.of(a, b, "u")
+    assert (w.success, w.failure, w.mean_ms) == (4, 1, 2.0)
+
+
+def test_rollout_defaults_and_abort_verifies_the_server(tmp_path, units):  # noqa: F811
+    """``rollout``'s documented hold of 10 s a step; ``abort`` checks by default that the server serves the
+    repository before anything changes."""
+    import inspect
+
+    from precision_pipeline.serving import rollout
+
+    assert inspect.signature(rollout.rollout).parameters["hold_s"].default == 10.0
+    assert inspect.signature(rollout.abort).parameters["verify"].default is True
+    mine = new_repo(tmp_path / "a", units, fallback=False)
+    theirs = new_repo(tmp_path / "b", units, fallback=False)
+    srv = RecordingServer(theirs, ready={units[0].engine_unit, "ensemble", "preprocessing"})
+    with pytest.raises(UserError) as e:
+        rollout.abort(mine, srv)
+    assert e.value.problems[0].field in ("--url", "--repo")

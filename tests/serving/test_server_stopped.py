@@ -198,3 +198,28 @@ def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
     assert server_processes(proc) == [(101, str(repo), "10.0.0.5:9000"), (102, str(repo), "127.0.0.1:8000")]
     assert servers_of(repo, proc) == [(101, "10.0.0.5:9000"), (102, "127.0.0.1:8000")]
     assert server_processes(tmp_path / "no-proc") == []
+
+
+def test_wait_ready_returns_at_the_first_ready_answer_and_times_out_otherwise(monkeypatch):
+    srv = _server("127.0.0.1:1")
+    asked = []
+    monkeypatch.setattr(srv, "_get", lambda path, **kw: asked.append(path) or 200)
+    srv.wait_ready(timeout_s=5)
+    assert asked == ["/v2/health/ready"]
+    monkeypatch.setattr(srv, "_get", lambda path, **kw: 503)
+    monkeypatch.setattr(srv, "log_tail", lambda *a, **k: "")
+    with pytest.raises(TimeoutError, match="not ready after 0.3 s"):
+        srv.wait_ready(timeout_s=0.3)
+
+
+def test_a_server_used_as_a_context_starts_only_when_not_started(monkeypatch):
+    srv = _server("127.0.0.1:1")
+    started, stopped = [], []
+    monkeypatch.setattr(srv, "start", lambda *a, **k: started.append(1))
+    monkeypatch.setattr(srv, "stop", lambda *a, **k: stopped.append(1))
+    with srv as s:
+        assert s is srv and started == [1]
+    srv.proc = object()  # already started (attach, or start() called before)
+    with srv:
+        pass
+    assert (started, stopped) == ([1], [1, 1])
