@@ -104,3 +104,17 @@ def test_only_cuda_places_the_model_on_gpus(tiny, stored, tmp_path, monkeypatch,
     monkeypatch.setattr(gm, "place_on_cuda", lambda m: seen.append(m) or m)
     got = MM.load_gate_model(tmp_path, tiny[1], device=device)
     assert isinstance(got, torch.nn.Module) and (seen == [got]) is placed and (seen == []) is (not placed)
+
+
+def test_a_dense_familys_hf_checkpoint_goes_to_the_dense_reader(tmp_path, monkeypatch):
+    """A unified HF checkpoint of a family without ``hf_read`` (Llama) is read by gate.model's reader, not the MoE one."""
+    from precision_pipeline.checkpoint import reader
+    from precision_pipeline.gate import model as gm
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    monkeypatch.setattr(reader, "checkpoint_layout", lambda d: "hf_unified")
+    used = []
+    monkeypatch.setattr(MM, "load_hf_moe_model", lambda *a, **k: used.append("moe"))
+    monkeypatch.setattr(gm, "load_checkpoint_model", lambda *a, **k: used.append("dense"))
+    MM.load_gate_model(tmp_path, tmp_path)
+    assert used == ["dense"]

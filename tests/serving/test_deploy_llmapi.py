@@ -185,3 +185,18 @@ def render_llm_api_deployments(tmp_path: Path, default_model_dir) -> dict[str, s
     for rel in T.render_trtllm_serve(serve, tmp_path / "serve"):
         out[f"trtllm-serve-{rel.replace('/', '-')}"] = (tmp_path / "serve" / T.OUT_SUBDIR / rel).read_text()
     return out
+
+
+def test_a_model_yaml_without_parallel_sizes_runs_on_one_gpu(tmp_path):
+    """model.yaml without tensor_parallel_size / pipeline_parallel_size: the LLM API's defaults, 1 x 1."""
+    import yaml
+
+    from precision_pipeline.serving import llmapi_unit as LU
+
+    unit = "llm_api_aaaaaaaaaaaa"
+    (tmp_path / unit / "1").mkdir(parents=True)
+    (tmp_path / unit / LU.MODEL_YAML_FILE).write_text(yaml.safe_dump({"model": "/m", "backend": "pytorch"}))
+    notes = LU.triton_deployment_notes(tmp_path, [unit], 1, [], 1, None, "img")
+    assert notes and notes[0].startswith(f"LLM-API unit(s) {unit}: the init container")
+    with pytest.raises(UserError, match="asks for tp 1 x pp 1 = 1 GPU"):
+        LU.triton_deployment_notes(tmp_path, [unit], 2, [], 1, None, "img")
