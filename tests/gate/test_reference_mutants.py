@@ -201,3 +201,31 @@ def test_progress_is_met_when_the_answers_stop_early(tiny):
     d = R._compute_reference(tiny, one, [], g[2], GateOptions(greedy_new_tokens=4, noise_floor=False), prog)
     assert d.ref_greedy == [g[:3]]
     assert prog.phases[0]["total"] == 7 + 3 and prog.phases[0]["done"] == prog.phases[0]["total"]
+
+
+def test_reference_data_with_the_callers_progress_and_its_seconds(tiny, tmp_path):
+    from precision_pipeline.gate.options import GateRuntime
+
+    prog = Prog()
+    t = __import__("time").perf_counter()
+    d = R.reference_data(tiny, prompts(), [[1, 2, 3]], 0, GateOptions(greedy_new_tokens=2, noise_floor=False),
+                         GateRuntime(use_reference_cache=False), prog)
+    wall = __import__("time").perf_counter() - t
+    assert [p["name"] for p in prog.phases][0].startswith("reference FP32, teacher-forced")
+    assert set(d.seconds) == {"load", "teacher_forced", "greedy", "heldout"}
+    assert all(0.0 <= v <= wall for v in d.seconds.values()), (d.seconds, wall)
+
+
+def test_a_model_whose_logits_are_not_its_lm_head_of_the_hidden_state_is_refused(tiny, monkeypatch):
+    """The cache stores hidden states and recomputes logits with lm_head: a model that scales its logits (soft-capping,
+    a logit scale) by 1 % is refused, not cached wrongly."""
+    real = R.forward_with_prefix
+
+    def scaled(model, e, hidden=False):
+        rp = real(model, e, hidden=hidden)
+        rp.logits = rp.logits * 1.01
+        return rp
+
+    monkeypatch.setattr(R, "forward_with_prefix", scaled)
+    with pytest.raises(RuntimeError, match="does not reproduce the model's logits"):
+        R._compute_reference(tiny, prompts(), [], 0, GateOptions(greedy_new_tokens=0, noise_floor=False), Prog())

@@ -91,3 +91,35 @@ def test_kl_histogram_bins_and_size(figs):
 def test_category_figure_size(figs):
     R.plot_categories({"facts": {"kl_mean": 0.1, "top1": 0.9}})
     assert tuple(figs[0].get_size_inches()) == (10.0, 3.6)
+
+
+def test_clip_keeps_a_text_of_exactly_n_characters():
+    assert R._clip("x" * 10, 10) == "x" * 10 and R._clip("x" * 11, 10) == "x" * 10 + " [...]"
+
+
+def test_metric_rows_in_the_metrics_order_then_the_rest():
+    met = {"zz": 1, "greedy_same": 2, "kl_mean": 3, "aa": 4}
+    assert list(R._ordered(met)) == ["kl_mean", "greedy_same", "zz", "aa"]
+
+
+@pytest.mark.parametrize("n, more", [(R.SCALE_ROWS_SHOWN, None), (R.SCALE_ROWS_SHOWN + 3, 3)])
+def test_scale_outlier_rows_shown_and_the_rest_counted(n, more):
+    kind = {"family": "weight", "quant_algo": "FP8", "granularity": "per-tensor", "stored_dtype": "F32", "count": 1,
+            "elements": 1, "min": 1.0, "p1": 1.0, "median": 1.0, "p99": 1.0, "max": 1.0}
+    outs = [{"kind": "w", "tensor": f"t{i}", "rank": 0, "rule": "r", "value": 2.0, "median": 1.0, "ratio": 2.0,
+             "reason": "x"} for i in range(n)]
+    html = "".join(R._html_scales({"scales": {"kinds": {"w": kind}, "outliers": outs, "tensors": 1, "rule": "r"}}, None))
+    assert html.count("<tr data-tensor=") == min(n, R.SCALE_ROWS_SHOWN)
+    assert ("more in metrics.json" in html) is (more is not None)
+    if more:
+        assert f"... and {more} more in metrics.json" in html
+
+
+def test_scale_panel_titles_count_bad_values_and_the_figure_size(figs):
+    k = _kind([1, 1], -40, 0.01)
+    k.update(zeros=2, negative=1, nonfinite=1)
+    R.plot_scale_histograms({"kinds": {"w": k, "a": _kind([1], -40, 0.01), "b": _kind([1], -40, 0.01),
+                                       "c": _kind([1], -40, 0.01)}})
+    fig = figs[0]
+    assert fig.axes[0].get_title() == "weight\nFP8, per-tensor, 4 tensors, 4 <=0/non-finite"
+    assert tuple(fig.get_size_inches()) == pytest.approx((4.4 * 3, 3.1 * 2))  # 4 kinds: 3 columns, 2 rows

@@ -298,12 +298,13 @@ def _markdown_warnings(m: dict) -> list[str]:
 # Markdown
 
 
-# Row order of the metric table (same as build/precision_pipeline/gate/metrics.py METRIC_ORDER; metrics.json is key-sorted).
-METRIC_ORDER = ("kl_mean", "kl_p95", "kl_p99", "kl_max", "top1", "ppl_delta_pct", "greedy_same")
 
 
 def _ordered(met: dict) -> dict:
-    """``met`` with the known metrics in METRIC_ORDER first, then any others in their order."""
+    """``met`` with the known metrics in ``gate.metrics.METRIC_ORDER`` first (the one home of the table's row order;
+    metrics.json is key-sorted), then any others in their order."""
+    from precision_pipeline.gate.metrics import METRIC_ORDER  # imported here: this module needs no torch otherwise
+
     keys = [k for k in METRIC_ORDER if k in met] + [k for k in met if k not in METRIC_ORDER]
     return {k: met[k] for k in keys}
 
