@@ -188,3 +188,22 @@ def test_gate_phases_print_lines_often_enough(tiny, smollm_2layers, tmp_path, mo
     assert lines[0] == "[gate] 1 torch threads (set by the caller)"
     assert any(ln.startswith("[gate] reference FP32 + BF16 floor from the cache") for ln in lines)
     assert not any(ln.startswith("[gate] reference FP32 + BF16 floor, teacher-forced") for ln in lines)
+
+
+def test_a_four_field_cpu_line_has_no_iowait(monkeypatch):
+    """An old kernel's /proc/stat cpu line (user nice system idle only): idle alone, no iowait."""
+    import io
+
+    files = {"/proc/stat": "cpu  100 0 50 1000\n",
+             "/proc/self/stat": "4242 (x) S " + " ".join(str(i) for i in range(4, 53)) + "\n"}
+    monkeypatch.setattr(gthreads, "open", lambda path: io.StringIO(files[path]), raising=False)
+    assert gthreads._proc_jiffies() == (150.0, 29.0)
+
+
+def test_no_sampling_time_uses_the_load_average(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gthreads, "_proc_jiffies", lambda: calls.append(1) or (1000.0, 0.0))
+    monkeypatch.setattr(gthreads.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    monkeypatch.setattr(gthreads, "_process_start_time", lambda: time.time() - 100.0)
+    ch = gthreads.thread_choice(sample_s=0, cores=2)
+    assert "load average 0.50" in ch.reason and "/proc/stat" not in ch.reason and len(calls) <= 1
