@@ -85,7 +85,7 @@ def as_bar(thresholds: GateThresholds) -> GateBar:
 
 
 def _category_check(value: Optional[float], ci: Optional[Sequence[float]], threshold: Optional[float],
-                    op: str, prompts: int = 2) -> tuple[Optional[bool], str]:
+                    op: str, prompts: int) -> tuple[Optional[bool], str]:
     """(ok, how): a category misses its bar when its whole 95% interval lies past it (lower end above
     a max, upper end below a min); with no resamples (``bootstrap_resamples`` 0) its point estimate.
     A category of one prompt (``--golden-limit 1``) has no interval and is not judged (ok None): one
