@@ -200,6 +200,34 @@ def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
     assert server_processes(tmp_path / "no-proc") == []
 
 
+def test_servers_of_knows_a_repository_by_identity_not_by_name(tmp_path):
+    """Hostile s15 F2: the same directory bind-mounted at a second path is the same repository: a tritonserver
+    serving it through the other mount point is one of its servers (``serve`` then refuses a second one and a change
+    through ``--url`` names it). Needs ``mount --bind`` (root, as on CI); a plain other directory is never one."""
+    import subprocess
+
+    from precision_pipeline.serving.triton_server import same_directory, servers_of
+
+    repo, other = tmp_path / "srv" / "model_repository", tmp_path / "other"
+    repo.mkdir(parents=True)
+    other.mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "--bind", str(tmp_path / "srv"), str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("mount --bind is not permitted here")
+    try:
+        proc = tmp_path / "proc"
+        (proc / "201").mkdir(parents=True)
+        (proc / "201" / "cmdline").write_bytes(f"tritonserver\0--model-repository={mnt}/model_repository\0".encode())
+        assert servers_of(repo, proc) == [(201, "127.0.0.1:8000")]
+        assert servers_of(other, proc) == []
+        assert same_directory(str(mnt / "model_repository"), str(repo))
+        assert not same_directory(str(other), str(repo))
+        assert not same_directory(str(tmp_path / "missing"), str(repo))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
 def test_wait_ready_returns_at_the_first_ready_answer_and_times_out_otherwise(monkeypatch):
     srv = _server("127.0.0.1:1")
     asked = []

@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -622,7 +623,19 @@ def servers_of(model_repository: Path, proc: Path = Path("/proc")) -> list[tuple
     repository (hostile s8 #56: only the files switched, the server kept serving the old unit), and a second
     ``serve`` of it (hostile s12 F-Q)."""
     want = str(Path(model_repository).resolve())
-    return [(pid, at) for pid, served, at in server_processes(proc) if served == want]
+    return [(pid, at) for pid, served, at in server_processes(proc) if served == want or same_directory(served, want)]
+
+
+def same_directory(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` are one directory by identity (``st_dev``, ``st_ino``), not only by name: the
+    same volume bind-mounted at two paths (ordinary in containers) is one repository (hostile s15 F2: a second
+    server of it through the other mount point was started, and a promote through the first broke its BLS). False
+    when either cannot be read."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISDIR(sa.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _host_key(host: str) -> str:
