@@ -73,6 +73,7 @@ def test_invoke_probe_judges_every_routes_unit_and_a_failure_names_the_route(tmp
     monkeypatch.setattr(probe, "load_probe_set", lambda *a, **k: "probe-set")
     monkeypatch.setattr(probe, "ProbeExporter", lambda port: exporters.append(real_exporter()) or exporters[-1])
     monkeypatch.setattr(release_live, "verify_server", lambda repo_dir, server: None)
+    monkeypatch.setattr(cli, "_recover_for_probe", lambda repo_dir, server, state: [])  # a routes-only stand-in repository
     monkeypatch.setattr(TritonServer, "attach", classmethod(lambda cls, url: SimpleNamespace(http_url=url)))
     assert cli.probe(url="127.0.0.1:1", repo=str(repo), gate=str(tmp_path)) == 3  # one route's unit failed
     assert probed == [PRIMARY, FALLBACK]

@@ -221,6 +221,35 @@ def test_refused_rollback_after_a_crash_at_switch_still_reconciles_the_server(se
     assert release_configs.current_of_configs(repo) == (a, a)
 
 
+def test_abort_and_probe_after_a_crash_at_bls_config_put_the_live_server_back(served, units4):  # noqa: F811
+    """Hostile s15 F1: after a promote crashed between its BLS switch and its commit (the live ensemble and route.json
+    on the uncommitted unit), `rollout --abort --url` refused "no rollout is in progress" and left it so, and
+    `probe --url` passed the recorded unit while every request went to the other. Both now recover first: the abort
+    refuses with what it did (``UserError.done``), the probe (``cli.serving._recover_for_probe``) returns it."""
+    from precision_pipeline.cli import serving as cli
+
+    repo, srv = served
+    a, c = units4[0].engine_unit, units4[2].engine_unit
+    p = in_subprocess(attach_code(srv) + "from precision_pipeline.serving import release; "
+                      f"release.promote(Path({str(repo)!r}), Path({str(units4[2].out_dir)!r}), server=srv)", crash_at="bls_config")
+    assert p.returncode == release_state.CRASH_EXIT, p.stderr
+    assert release_live.live_unit(srv) == c and release_state.read_state(repo)["current"] == a
+    with pytest.raises(UserError, match="no rollout is in progress") as ei:
+        rollout.abort(repo, srv)
+    assert f"live ensemble moved from {c} back to {a}" in ei.value.done
+    assert release_live.live_unit(srv) == a and release_configs.current_of_configs(repo) == (a, a)
+    assert srv.loaded_models().get(c) != "READY" and ask(srv).strip()
+    srv.load(c)                                            # the same window again, made by hand
+    release_configs.point_ensemble(repo, c)
+    release_configs.point_bls(repo, c)
+    srv.load("ensemble")
+    assert release_live.live_unit(srv) == c
+    fixed = cli._recover_for_probe(repo, srv, release_state.read_state(repo))
+    assert f"live ensemble moved from {c} back to {a}" in fixed and f"{c} unloaded (no release; nothing routes to it)" in fixed
+    assert release_live.live_unit(srv) == a and release_configs.current_of_configs(repo) == (a, a)
+    assert cli._recover_for_probe(repo, srv, release_state.read_state(repo)) == []
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_abort_the_rollout(served, units4, sig):  # noqa: F811
     repo, srv = served

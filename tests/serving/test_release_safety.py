@@ -681,3 +681,33 @@ def test_a_rollback_whose_previous_release_folder_is_gone_names_it(tmp_path, uni
     assert release_state.state_path(repo).read_text() == before
     (tmp_path / "elsewhere").rename(repo / a)
     assert release.rollback(repo)["unit"] == a
+
+
+def test_a_refusal_after_a_recovery_says_what_the_recovery_did(tmp_path, units4, capsys):
+    """Hostile s15 F1: a promote of the current release right after a crashed promote (its ensemble and BLS configs
+    left on the uncommitted unit) re-pointed them back, then refused "already the current release" with "nothing
+    was changed". The refusal now carries what the recovery did (``UserError.done``, attached by the releases lock)
+    and the report says so; a refusal with no recovery still says nothing was changed; ``rollout --abort`` with no
+    rollout recovers too before it refuses."""
+    from precision_pipeline.cli.console import _print_report
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    release.rollback(repo)                                   # A current, B a kept release
+    for call in (lambda: release.promote(repo, units4[0].out_dir), lambda: release_rollout.abort_rollout(repo)):
+        release_configs.point_ensemble(repo, b)                # a crash between the configs' switch and the commit
+        release_configs.point_bls(repo, b)
+        with pytest.raises(UserError) as ei:
+            call()
+        assert ei.value.done == (f"ensemble re-pointed at {a}", f"tensorrt_llm_bls re-pointed at {a}")
+        assert release_configs.current_of_configs(repo) == (a, a)
+        _print_report(ei.value, 2)
+        err = capsys.readouterr().err
+        assert "refused after this command recovered an interrupted change: ensemble re-pointed at" in err
+        assert "nothing was changed" not in err
+    with pytest.raises(UserError) as ei:                      # nothing to recover: as before
+        release.promote(repo, units4[0].out_dir)
+    assert ei.value.done == ()
+    _print_report(ei.value, 2)
+    assert "the input was refused; nothing was changed." in capsys.readouterr().err

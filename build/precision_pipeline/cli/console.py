@@ -75,6 +75,9 @@ def _print_report(exc: BaseException, code: int) -> None:
             con.print(f"[bold red]error[/]: the {esc(exc.stage or 'build')} stage refused the input after this build "
                       f"wrote {esc(', '.join(exc.written))} in the output; the previous artifacts of the later "
                       "stages are unchanged.", soft_wrap=True)
+        elif exc.done:  # a release command recovered an interrupted change before refusing (hostile s15 F1)
+            con.print(f"[bold red]error[/]: the input was refused after this command recovered an interrupted change: "
+                      f"{esc('; '.join(exc.done))}.", soft_wrap=True)
         else:
             con.print("[bold red]error[/]: the input was refused; nothing was changed.")
         for p in exc.problems:

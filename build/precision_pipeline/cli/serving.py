@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from precision_pipeline.cli.console import console, int_arg
@@ -139,8 +140,10 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535)  # before anything else is asked
     if abort:
         rec = ro.abort(repo_dir, _attach(url, metrics_port))
-        con.print(f"rollout of {rec['candidate']} aborted at {rec['percent']} %: {rec['stable']} serves all traffic "
-                  f"(decision to last candidate request {rec.get('decision_to_stable_ms', 0):.0f} ms)")
+        at = (f"after its switch to 100 % (interrupted before its commit; recorded at {rec['percent']} %)"
+              if rec.get("ensemble_reloaded") else f"at {rec['percent']} %")  # the live ensemble was on it (hostile s15 T49)
+        con.print(f"rollout of {rec['candidate']} aborted {at}: {rec['stable']} serves all traffic "
+                  f"(decision to last candidate request {rec.get('decision_to_stable_ms', 0):.0f} ms)", soft_wrap=True)
         if rec.get("candidate_kept") or rec.get("server_error"):
             con.print(f"[yellow]note[/]: {rec['candidate']} was not unloaded: "
                       f"{rec.get('candidate_kept') or rec.get('server_error')}", soft_wrap=True)
@@ -250,6 +253,13 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
                             "e.g. invoke probe --profile fp8-h100 (or --gate <build out>/gate)")
         b = build_output.open_build(profile or rec_profile, out)
         prof_name, packed, pset = b.profile.name, b.packed, b.probe_set(n)
+    if not unit and not state and packed is None:
+        raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
+    server = TritonServer.attach("127.0.0.1:8000" if url is None else url)  # '' refused by attach
+    if state:  # recorded in releases.json: no other server of the repository (hostile s12 F-Q), and it serves the record
+        refuse_other_servers(server, repo_dir)
+        for f in _recover_for_probe(repo_dir, server, state):
+            con.print(f"[yellow]recovered[/]: {f}", soft_wrap=True)
     routes = pr.route_units(repo_dir) if state else {}
     if unit:
         units = {unit: routes.get(unit, "")}
@@ -258,13 +268,8 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     elif packed is not None:
         unit = release.resolve_unit_source(packed).name
         units = {unit: routes.get(unit, "")}
-    elif state:
-        units = routes
     else:
-        raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
-    server = TritonServer.attach("127.0.0.1:8000" if url is None else url)  # '' refused by attach
-    if state:  # recorded in releases.json: no other server of the repository (hostile s12 F-Q)
-        refuse_other_servers(server, repo_dir)
+        units = routes
     exporter = None
     if every_s is not None:
         exporter = pr.ProbeExporter(port)
@@ -285,6 +290,27 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         if exporter is not None:
             exporter.close()
     return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def _recover_for_probe(repo_dir: Path, server, state: dict) -> list[str]:
+    """Before a recorded probe: the live ``server`` made to serve what releases.json records (``release_recover.recover``:
+    a crashed promote or rollback left the live ensemble or route.json on an uncommitted unit, and a probe of the
+    recorded unit would pass while the traffic went elsewhere: hostile s15 F1). Returns what was done. A repository
+    this user cannot write is only checked: UserError (exit 2) when the live ensemble calls another unit than the
+    current release."""
+    from precision_pipeline.serving.release_live import live_unit, verify_server
+    from precision_pipeline.serving.release_recover import recover
+
+    if os.access(repo_dir.resolve().parent, os.W_OK):
+        return recover(repo_dir, server)
+    verify_server(repo_dir, server)
+    live = live_unit(server)
+    if live not in (None, state["current"]):
+        raise UserError("--url", f"the server at {server.http_url} sends the ensemble's requests to {live}, but "
+                        f"releases.json records {state['current']} as current (an interrupted promote or rollback), and "
+                        f"{repo_dir} is read-only, so it cannot be recovered here; nothing was probed.",
+                        "run `invoke rollback --url ...` (or promote) where the repository is writable, then probe again.")
+    return []
 
 
 def _probe_one(con, server, unit: str, pset, repo_dir, prof_name: str, exporter, route: str) -> dict:

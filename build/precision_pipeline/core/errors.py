@@ -58,6 +58,9 @@ class UserError(PipelineError):
     ``plan.json``, ``checkpoint/``); empty: refused before any write (set by ``core.route.run_stages``)."""
     stage: str = ""
     """The stage that raised it, when a stage did."""
+    done: tuple[str, ...] = ()
+    """What the command had changed when this was raised: a recovery of an interrupted release change, each a
+    sentence (set by ``serving.release_state.lock``); empty: nothing was changed."""
 
     def __init__(self, field_or_problems, reason: str = "", fix: str = "", rule: str = "", source: str = ""):
         if isinstance(field_or_problems, (list, tuple)):

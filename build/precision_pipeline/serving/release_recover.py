@@ -15,7 +15,7 @@ from precision_pipeline.serving import pack
 from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_canary, set_params
 from precision_pipeline.serving.release_live import reconcile_server, verify_server
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
-                                                      STATE_FILE, crash_point, lock,
+                                                      STATE_FILE, crash_point, lock, note_recovered,
                                                       pid_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, served_path, unit_record
@@ -27,10 +27,10 @@ def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = Tr
     ``releases.json``; UserError on its path with ``reason`` / ``fix`` when the repository has none."""
     verify_server(repo_dir, server)
     if recover:
-        recover_locked(repo_dir)
+        note_recovered(recover_locked(repo_dir))
     state = require_state(repo_dir, reason, fix)
     if recover:
-        reconcile_server(repo_dir, server, state)
+        note_recovered(reconcile_server(repo_dir, server, state))
     return state
 
 
@@ -150,7 +150,7 @@ def recover(repo_dir: Path, server=None) -> list[str]:
         state = read_state(repo_dir)
         if state and state.get("current"):
             fixed += reconcile_server(repo_dir, server, state)
-        return fixed
+        return note_recovered(fixed)
 
 
 def recover_locked(repo_dir: Path) -> list[str]:

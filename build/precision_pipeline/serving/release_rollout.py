@@ -132,7 +132,9 @@ def abort_rollout(repo_dir: Path, *, server=None, failed_check: str = "manual ab
             verify_server(repo_dir, server)
         state = read_state(repo_dir) or {}
         ro = state.get("rollout")
-        if not ro:
+        if not ro:  # a crashed promote or rollback is still put back first: the live server serves the record (hostile s15 F1)
+            if state.get("current"):
+                state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
             raise UserError("--abort", "no rollout is in progress.", "`invoke releases` shows the current release.")
         cur, unit = state["current"], ro["candidate"]
         point_bls(repo_dir, cur)

@@ -5,6 +5,7 @@ See serving/release.py for the layout and the rules (commit point, ``releases.js
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import re
 import shutil
@@ -314,8 +315,34 @@ def after_commit(repo_dir: Path, unit: str, done: str, server=None):
             "Releases no longer kept may still be on disk; the next promote or rollback removes them.") from None
 
 
+_RECOVERED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("recovered", default=None)
+
+
+@contextlib.contextmanager
 def lock(repo_dir: Path):
-    return locked(Path(repo_dir).resolve().parent / LOCK_FILE)
+    """Hold the releases lock of ``repo_dir`` (``LOCK_FILE`` beside it: ``core.store.locked``). What a recovery did
+    while it was held (``note_recovered``) is attached to a ``UserError`` raised inside it (``UserError.done``), so a
+    refusal after a recovery does not say "nothing was changed" (hostile s15 F1: a promote of the current release
+    re-pointed the live BLS, then said it changed nothing)."""
+    notes: list[str] = []
+    token = _RECOVERED.set(notes)
+    try:
+        with locked(Path(repo_dir).resolve().parent / LOCK_FILE):
+            yield
+    except UserError as e:
+        if notes:
+            e.done = (*e.done, *notes)
+        raise
+    finally:
+        _RECOVERED.reset(token)
+
+
+def note_recovered(fixed: list[str]) -> list[str]:
+    """Record ``fixed`` (what a recovery did) on the releases lock held now (``lock``); returns ``fixed``."""
+    notes = _RECOVERED.get()
+    if notes is not None:
+        notes.extend(f for f in fixed if f not in notes)
+    return fixed
 
 
 def require_state(repo_dir: Path, reason: str, fix: str) -> dict:
