@@ -87,6 +87,36 @@ def test_url_of_another_repository_is_refused_before_anything_changes(served, un
     assert release_live.live_unit(srv) == units4[0].engine_unit
 
 
+def test_url_of_another_repository_while_its_own_server_runs_names_that_server(served, units4, tmp_path):  # noqa: F811
+    """Hostile s15 F6: --url of the server of repository A for repository B, while B's own server runs: the refusal
+    said the --url server serves B "too" and its fix was to kill B's own (right) server. Now the --url server's identity
+    is checked first and B's server is named as the one to pass (a process with a tritonserver command line stands in
+    for it)."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.serving.triton_server import servers_of
+
+    repo_a, srv = served
+    repo_b = tmp_path / "b" / "model_repository"
+    release_recover.init_serving_repo(repo_b, units4[0].out_dir, profile="bf16-h100")
+    port = free_port()
+    own = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
+                            f"--model-repository={repo_b} --http-port={port}", sys.executable])
+    try:
+        for _ in range(100):
+            if servers_of(repo_b):
+                break
+            time.sleep(0.05)
+        with pytest.raises(UserError) as ei:
+            cli.refuse_other_servers(srv, repo_b)
+        p = ei.value.problems[0]
+        assert p.field == "--url" and p.reason.startswith(f"the server at {srv.http_url} does not serve {repo_b}: ")
+        assert p.reason.endswith(f" tritonserver (pid {own.pid}) at 127.0.0.1:{port} is the server of {repo_b}.")
+        assert p.fix == f"pass --url 127.0.0.1:{port}; nothing was changed." and "kill" not in p.fix
+    finally:
+        own.kill()
+        own.wait()
+
+
 def test_rollback_without_url_is_refused_while_the_server_serves_the_repository(served, invoke_here):
     """Hostile s8 #56, on the real server: its command line names the repository, so a command without --url is
     refused with the --url to pass (tests/serving/test_hostile_s8_left.py has the fast case)."""

@@ -53,10 +53,18 @@ def refuse_other_servers(server, repo_dir: Path) -> None:
     that one, and the other's BLS, which reads the shared route.json, would route every request to a unit it never
     loaded (hostile s12 F-Q: HTTP 400 until it was restarted). Used by promote, rollback, rollout and a recorded
     probe."""
+    from precision_pipeline.serving.release_live import verify_server
     from precision_pipeline.serving.triton_server import other_servers
 
     if others := other_servers(repo_dir, server.http_url):
         pid, at = others[0]
+        try:  # first: does the server at --url serve it at all? (hostile s15 F6: the fix named the right server's pid)
+            verify_server(repo_dir, server)
+        except UserError as e:
+            if e.problems[0].field != "--url":
+                raise
+            raise UserError("--url", f"{e.problems[0].reason} tritonserver (pid {pid}) at {at} is the server of {repo_dir}.",
+                            f"pass --url {at}; nothing was changed.") from None
         raise UserError("--url", f"tritonserver (pid {pid}) at {at} serves {repo_dir} too, not only the server at "
                         f"{server.http_url}: a change through --url would switch that one alone, and the other's BLS "
                         "(it reads the shared route.json) would send every request to a unit it never loaded; nothing "
