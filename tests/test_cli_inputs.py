@@ -266,6 +266,42 @@ def test_a_full_disk_names_the_stage_folder_and_efbig_names_ulimit(tmp_path, cap
     assert "ulimit -f" in out.err and "Traceback" not in out.out + out.err
 
 
+def test_a_safetensors_write_past_the_file_size_limit_is_exit_2_naming_the_stage_folder(tmp_path):
+    """Hostile s15 F4: ModelOpt's checkpoint export writes with safetensors, whose ``SafetensorError`` ("I/O error: File
+    too large (os error 27)") is no OSError: under ``ulimit -f`` (or on a full disk, os error 28) the build was an
+    internal error with a traceback. A real safetensors write in a stage under a 1 MiB file-size limit (Python
+    ignores SIGXFSZ, so the write fails with EFBIG) is now exit 2 naming the stage folder; the folder is not left."""
+    code = f"""
+import resource, sys
+sys.path.insert(0, {str(ROOT / 'build')!r}); sys.path.insert(0, {str(ROOT)!r})
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from precision_pipeline.core.errors import exit_code_for, error_text
+from precision_pipeline.core.stage import Artifact, Frozen, Stage, execute
+
+class In(Frozen):
+    n: int
+
+class Writes(Stage):
+    name, output, artifact_type = "quantize", "checkpoint", Artifact
+    def inputs(self, plan, request, upstream):
+        return In(n=1)
+    def run(self, inputs, workdir):
+        save_file({{"w": torch.zeros(1 << 20)}}, str(Path(workdir) / "rank0.safetensors"))  # 4 MiB
+
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+try:
+    execute(Writes(), None, None, {{}}, Path({str(tmp_path)!r}))
+except BaseException as e:
+    print(exit_code_for(e), type(e).__name__, type(e.__cause__).__name__, error_text(e))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.startswith(f"2 OSError SafetensorError cannot write {tmp_path / 'checkpoint'}: File too large."), \
+        p.stdout + p.stderr
+    assert not (tmp_path / "checkpoint").exists() and [x.name for x in tmp_path.iterdir() if "tmp" in x.name] == []
+
+
 def test_min_prompts_above_the_golden_set_is_refused_with_the_numbers(tmp_path, invoke_here):
     """Hostile round #12: `gate.min_prompts: 1000` passed `check` although the golden set has 65 prompts (every
     build of the profile would then be unpromotable)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 import errno
+import os
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -152,6 +154,24 @@ def os_error_text(exc: OSError) -> str:
             f"serving repository are intact; {fix} and run again.")
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def rust_os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` inside a Rust library's error, or None: ``safetensors``' ``SafetensorError`` is no OSError, and
+    its message ends with Rust's ``std::io::Error`` text ``... (os error N)`` (safetensors/bindings/python/src/lib.rs
+    wraps the io::Error in ``SafetensorError``'s message; e.g. "Error while serializing: I/O error: No space left on
+    device (os error 28)"). Hostile s15 F4: ModelOpt's checkpoint export on a full disk or under ``ulimit -f`` was
+    an internal error with a traceback."""
+    if type(exc).__name__ != "SafetensorError":
+        return None
+    m = _RUST_OS_ERROR.search(str(exc))
+    if not m:
+        return None
+    n = int(m.group(1))
+    return OSError(n, os.strerror(n))
+
+
 def error_text(exc: BaseException) -> str:
     """The plain one-paragraph text of an expected failure (``exit_code_for`` not 1): a UserError's problems, an
     OSError's ``os_error_text``, else ``str(exc)``."""
@@ -172,5 +192,5 @@ __all__ = [
     "EXIT_OK", "EXIT_INTERNAL", "EXIT_INVALID", "EXIT_GATE_FAILED", "EXIT_STRICT_SKIP", "EXIT_ENGINE_BUILD_FAILED",
     "EXIT_REGRESSED", "EXIT_ENGINE_BUILD_FAILED", "EXIT_SERVER_STOPPED",
     "PipelineError", "Problem", "UserError", "GateFailed", "StrictSkip", "EngineBuildFailed", "ServerStopped", "closest",
-    "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "USER_OS_ERRNOS", "exit_code_for", "os_error_text", "error_text",
+    "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "USER_OS_ERRNOS", "exit_code_for", "os_error_text", "error_text", "rust_os_error",
 ]

@@ -357,13 +357,21 @@ class StageRunner:
 @contextlib.contextmanager
 def _names_the_folder(out: Path):
     """An OSError without a file name (``write()`` on a full disk: ENOSPC, EFBIG) gets the stage folder as its
-    ``filename``, so the message says where the write failed instead of an empty path."""
+    ``filename``, so the message says where the write failed instead of an empty path; a Rust library's I/O error
+    (safetensors' ``SafetensorError`` "... (os error 28)": ``core.errors.rust_os_error``) becomes that OSError."""
+    from precision_pipeline.core.errors import rust_os_error
+
     try:
         yield
     except OSError as e:
         if not e.filename:
             e.filename = str(out)
         raise
+    except Exception as e:
+        if (os_err := rust_os_error(e)) is None:
+            raise
+        os_err.filename = str(out)
+        raise os_err from e
 
 
 def read_record(out_dir: Path, stage: Stage) -> Optional[Done]:
