@@ -468,3 +468,29 @@ def test_sigterm_during_build_ends_it_as_ctrl_c(tmp_path):
                        text=True, timeout=120)
     assert (r.returncode, (r.stdout + r.stderr)) == (130, "interrupted; previous artifacts are intact.\n"), r.stdout + r.stderr
     assert time.monotonic() - t0 < 25 and "Traceback" not in r.stderr
+
+
+def test_an_interrupted_rebuild_leaves_the_output_marked_unfinished_until_a_build_finishes(monkeypatch, tmp_path):
+    """Hostile s15 F5 / s15b F2: a rebuild killed between its stages left new records beside old ones (a new resolve
+    with the old checkpoint, a new gate with the old packed unit) and promote shipped them as one build. A build
+    writes ``finished`` into manifest.json only at its end (``core.stage.unfinished_build`` reads it; promote's
+    ``open_build`` and the engine Job's ``check_gated_output`` refuse such an output); the next finished build clears it."""
+    from precision_pipeline.core.stage import read_manifest, unfinished_build
+    from precision_pipeline.pipeline import run_build
+
+    out = tmp_path / "out"
+    _fake_stages(monkeypatch)
+    run_build("fp8-h100", out=str(out), wait=False)
+    m = read_manifest(out / "manifest.json")
+    assert unfinished_build(m) is None and m["finished"] >= m["started"]
+    _fake_stages(monkeypatch, interrupt_in="gate")
+    (out / ".stages" / "gate.json").unlink()              # the gate runs again, and is interrupted
+    with pytest.raises(KeyboardInterrupt):
+        run_build("fp8-h100", out=str(out), wait=False)
+    m = read_manifest(out / "manifest.json")
+    assert "finished" not in m and unfinished_build(m).startswith("the last build into this folder (started 20")
+    assert unfinished_build(m).endswith(") did not finish (interrupted or killed)")
+    _fake_stages(monkeypatch)
+    run_build("fp8-h100", out=str(out), wait=False)
+    assert unfinished_build(read_manifest(out / "manifest.json")) is None
+    assert unfinished_build({}) is None and unfinished_build({"profile": "x", "stages": {}}) is None

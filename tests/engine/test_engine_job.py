@@ -54,6 +54,16 @@ def test_build_on_k8s_refuses_an_output_with_no_build_a_failed_gate_or_the_root(
             job.check_gated_output(out, "fp8-h100")
     with pytest.raises(UserError, match="holds the build of profile 'fp8-h100', not 'bf16-h100'"):
         job.check_gated_output(cpu_build, "bf16-h100")
+    manifest = (cpu_build / "manifest.json").read_text()   # hostile s15 F5: a rebuild interrupted after its first row
+    (cpu_build / "manifest.json").write_text(json.dumps({**json.loads(manifest), "started": 1.8e9}))
+    with pytest.raises(UserError) as ei:
+        job.check_gated_output(cpu_build, "fp8-h100")
+    assert ei.value.problems[0].reason == (f"{cpu_build.resolve()}: the last build into this folder (started 2027-01-15 "
+                                           "08:00:00 UTC) did not finish (interrupted or killed); its checkpoint and gate "
+                                           "records may not belong to its plan.")
+    (cpu_build / "manifest.json").write_text(json.dumps({**json.loads(manifest), "started": 1.8e9, "finished": 1.8e9 + 5}))
+    assert job.check_gated_output(cpu_build, "fp8-h100") == cpu_build.resolve()
+    (cpu_build / "manifest.json").write_text(manifest)
     (cpu_build / RECORDS_DIR / "gate.json").write_text(json.dumps({"stage": "gate", "key": "2" * 64,
                                                                     "artifact": {"status": "failed", "passed": False}}))
     with pytest.raises(UserError, match="did not pass its accuracy gate"):
@@ -165,8 +175,10 @@ def test_engine_then_engine_gate_skipped_without_a_runner(tmp_path, monkeypatch,
     paths = doubles.install(tmp_path, monkeypatch)
     d = job.run_engine_job(cpu_build)
     assert d.record.status == "done" and len(doubles.calls(paths)) == 1
-    rows = json.loads((cpu_build / "manifest.json").read_text())["stages"]
+    m = json.loads((cpu_build / "manifest.json").read_text())
+    rows = m["stages"]
     assert rows["engine"]["status"] == "done"
+    assert m["finished"] >= m["started"] and m["engine_present"] is True  # the Job finishes the manifest it extends
     assert rows["engine_gate"]["status"] == "skipped" and "no CUDA device visible" in rows["engine_gate"]["reason"]
     with pytest.raises(StrictSkip, match=r"--strict: stage\(s\) skipped: engine_gate \(skipped: .*no CUDA device visible"):
         job.run_engine_job(cpu_build, strict=True)

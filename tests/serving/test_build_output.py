@@ -168,3 +168,37 @@ def test_the_manifests_are_present_when_k8s_is_a_folder(tmp_path):
     assert art.present(tmp_path) is False
     (tmp_path / "k8s").mkdir()
     assert art.present(tmp_path) is True
+
+
+def test_an_output_whose_last_build_did_not_finish_is_not_promoted(tmp_path, monkeypatch):
+    """Hostile s15 F5 / s15b F2: after a rebuild killed between its gate and pack (or after its resolve), promote
+    shipped the old packed unit under the new gate's verdict (or the old checkpoint as the edited profile). Its
+    manifest.json has ``started`` without ``finished`` (``Manifest.open`` + a stage row, no ``finish``): refused,
+    naming the rebuild; a failed gate is still said first; the engine Job's own manifest (``keep_finished``) keeps a finished CPU build finished while it runs."""
+    from precision_pipeline.core.stage import Manifest, StageRecord, read_manifest
+
+    prof = _profile()
+    monkeypatch.setattr("precision_pipeline.spec.profile.load_profile", lambda ref: prof)
+    out = _fake_build(tmp_path / "b", prof)
+    m = Manifest.open(out / "manifest.json", profile="fp8-h100", profile_source="", model_dir="", out_dir=str(out))
+    m.record(StageRecord("resolve", "done", 0.1, key="k"))    # a rebuild's first row, then killed
+    with pytest.raises(UserError) as ei:
+        build_output.open_build("fp8-h100", out)
+    p = ei.value.problems[0]
+    assert p.field == "--out" and p.reason.startswith(f"{out.resolve()}: the last build into this folder (started ")
+    assert p.reason.endswith("did not finish (interrupted or killed), so its plan, checkpoint, gate verdict and packed "
+                             "unit may not belong together.")
+    assert p.fix.startswith(f"run `invoke build --profile fp8-h100 --out {out.resolve()}` again")
+    assert not isinstance(ei.value, build_output.NotBuilt)  # a fallback in this state refuses the first promote
+    failed = _fake_build(tmp_path / "f", prof, passed=False)
+    Manifest.open(failed / "manifest.json", profile="fp8-h100", profile_source="", model_dir="", out_dir="").save()
+    with pytest.raises(UserError, match="did not pass its accuracy gate"):
+        build_output.open_build("fp8-h100", failed)
+    m.finish(engine_present=False)
+    assert build_output.open_build("fp8-h100", out).passed
+    job = Manifest.open(out / "manifest.json", keep_finished=True, profile="fp8-h100", profile_source="", model_dir="",
+                        out_dir=str(out))
+    job.record(StageRecord("engine", "skipped", 0.1, key="e"))
+    kept = read_manifest(out / "manifest.json")
+    assert kept["finished"] == m.finished and kept["started"] == m.started and kept["engine_present"] is False
+    assert build_output.open_build("fp8-h100", out).passed

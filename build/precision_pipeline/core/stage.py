@@ -228,6 +228,18 @@ def read_manifest(path: Path) -> dict:
     return data
 
 
+def unfinished_build(manifest: dict) -> Optional[str]:
+    """Why the last build (or engine Job) into an output did not finish, from its ``manifest.json`` (``read_manifest``):
+    it has ``started`` but no ``finished``, so it was killed or interrupted after its first stage record and the stage
+    records may mix two builds (a new resolve with the old checkpoint, a new gate with the old packed unit: hostile
+    s15 F5, s15b F2). None when it finished, or the manifest records no start (an empty or hand-made one)."""
+    started = manifest.get("started")
+    if not isinstance(started, (int, float)) or isinstance(manifest.get("finished"), (int, float)):
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+    return f"the last build into this folder (started {when}) did not finish (interrupted or killed)"
+
+
 @dataclass
 class Manifest:
     """manifest.json as an object: rendered with the layout the README documents."""
@@ -245,9 +257,12 @@ class Manifest:
     """Top-level facts the finished stages decide (``Artifact.manifest_facts``: ``engine_present``)."""
 
     @classmethod
-    def open(cls, path: Path, **head: str) -> "Manifest":
+    def open(cls, path: Path, keep_finished: bool = False, **head: str) -> "Manifest":
         """The manifest a build (re)writes: the previous rows of a readable ``path``; a damaged one (not a JSON
-        object, ``read_manifest``) is replaced, since the rows are rewritten from the stage records."""
+        object, ``read_manifest``) is replaced, since the rows are rewritten from the stage records. A build starts
+        unfinished (``finished`` is written by ``finish``: ``unfinished_build``); ``keep_finished`` (the engine Job,
+        which adds stages to a finished CPU build) keeps the old ``started``/``finished`` and facts until its own
+        ``finish``, so a Job that fails and is retried is not refused as an interrupted build."""
         try:
             old = read_manifest(path)
         except PipelineError:
@@ -256,7 +271,11 @@ class Manifest:
             old = {}
         prev = old.get("stages", {}) if isinstance(old, dict) else {}
         prev = prev if isinstance(prev, dict) else {}
-        return cls(path=Path(path), previous=dict(prev), stages=dict(prev), **head)
+        m = cls(path=Path(path), previous=dict(prev), stages=dict(prev), **head)
+        if keep_finished and isinstance(old.get("finished"), (int, float)) and isinstance(old.get("started"), (int, float)):
+            m.started, m.finished = float(old["started"]), float(old["finished"])
+            m.facts = {k: v for k, v in old.items() if k not in m.render() and k != "finished"}
+        return m
 
     def render(self) -> dict:
         out: dict[str, Any] = {"profile": self.profile, "profile_source": self.profile_source, "model_dir": self.model_dir,
@@ -429,4 +448,4 @@ def execute(stage: Stage, plan: Any, request: Any, done: Mapping[str, Done], out
 
 
 __all__ = ["Frozen", "Artifact", "Stage", "StageRunner", "StageRecord", "Done", "Manifest", "stage_key", "execute",
-           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR", "read_manifest", "write_record", "read_record", "gate_failure"]
+           "code_fingerprint", "CODE_ROOT", "RECORDS_DIR", "read_manifest", "unfinished_build", "write_record", "read_record", "gate_failure"]

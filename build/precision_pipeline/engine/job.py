@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from precision_pipeline.core.errors import EXIT_INTERNAL, UserError, error_text, exit_code_for
-from precision_pipeline.core.route import prepare, run_stages
-from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRunner, read_manifest
+from precision_pipeline.core.route import manifest_facts, prepare, run_stages
+from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, StageRunner, read_manifest, unfinished_build
 from precision_pipeline.engine.gate_stage import EngineGateStage
 from precision_pipeline.engine.stage import EngineStage
 
@@ -77,7 +77,9 @@ def check_gated_output(out: Path, profile: Optional[str] = None, field: str = "-
     if why is not None:
         raise UserError(field, f"{ckpt} is not the checkpoint its quantize record describes ({why}): the gate's "
                         "verdict is not about these files; no engine is built from it.", cpu_side)
-    read_manifest(out / "manifest.json")  # a damaged one is refused here, not in the pod (hostile s12 F-F)
+    why = unfinished_build(read_manifest(out / "manifest.json"))  # a damaged one is refused here, not in the pod (s12 F-F)
+    if why is not None:  # its records may mix two builds (hostile s15 F5)
+        raise UserError(field, f"{out}: {why}; its checkpoint and gate records may not belong to its plan.", cpu_side)
     return out
 
 
@@ -97,7 +99,7 @@ def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = 
     out = check_gated_output(out)
     plan = PlanArtifact.model_validate(_record(out, "resolve")["artifact"]).plan
     old = read_manifest(out / "manifest.json")
-    manifest = Manifest.open(out / "manifest.json", profile=plan.profile.name, profile_source=old.get("profile_source", ""),
+    manifest = Manifest.open(out / "manifest.json", keep_finished=True, profile=plan.profile.name, profile_source=old.get("profile_source", ""),
                              model_dir=old.get("model_dir", ""), out_dir=str(out))
     model = Path(model_dir) if model_dir is not None else (Path(old["model_dir"]) if old.get("model_dir") else None)
     if model is None or not (model / "config.json").is_file():
@@ -114,7 +116,8 @@ def run_engine_job(out: Path, strict: bool = False, model_dir: Optional[Path] = 
     req = BuildRequest(profile=plan.profile, profile_source=str(old.get("profile_source", "")), model_dir=model,
                        out_dir=out, golden_limit=golden_limit, repo_root=str(out), strict=strict)
     prepare(JOB_STAGES, req, plan)
-    done = run_stages(JOB_STAGES, plan, req, runner, upstream, plan.profile.name)
+    done = run_stages(JOB_STAGES, plan, req, runner, upstream, plan.profile.name,
+                      finish=lambda d: manifest.finish(**{**manifest.facts, **manifest_facts(d)}))
     return done[JOB_STAGES[0].name]
 
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.outputs import default_out_dir
-from precision_pipeline.core.stage import Stage, read_record
+from precision_pipeline.core.stage import Stage, read_manifest, read_record, unfinished_build
 from precision_pipeline.gate.stage import GateArtifact, GateStage
 from precision_pipeline.quantize.stage import CheckpointArtifact, QuantizeStage
 from precision_pipeline.resolve.plan import ResolvedPlan
@@ -82,8 +82,8 @@ class BuildOutput:
 
 
 class NotBuilt(UserError):
-    """``open_build``: the folder holds no finished build of the profile (nothing built there, or a build that did
-    not finish); every other refusal of ``open_build`` (another profile's build, a failed gate) is a plain UserError."""
+    """``open_build``: the folder holds no build of the profile at all (a record missing); every other refusal of
+    ``open_build`` (another profile's build, a failed gate, a build that did not finish) is a plain UserError."""
 
 
 def _typed(out_dir: Path, stage: Stage):
@@ -111,6 +111,11 @@ def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passe
     if require_passed and not b.passed:
         raise UserError("--profile", f"the build of {prof.name} did not pass its accuracy gate.",
                         "fix the profile and rebuild; a failed build is never promoted.")
+    why = unfinished_build(read_manifest(out_dir / "manifest.json"))
+    if why is not None:  # its plan, checkpoint, gate and packed unit may come from two builds (hostile s15 F5, s15b F2)
+        raise UserError("--out", f"{out_dir}: {why}, so its plan, checkpoint, gate verdict and packed unit may not "
+                        "belong together.", f"run `invoke build --profile {profile_ref} --out {out_dir}` again: it reuses "
+                        "every stage that is still right and finishes the build.")
     return b
 
 
