@@ -104,3 +104,32 @@ def test_multi_node_layout_is_refused_by_check_not_only_at_deploy(default_model_
     for ok in (1, 3, None):
         fits = refusals(prof("fp8-h100", deployment__gpus_per_node=ok, **over), default_model_dir)
         assert "layout.nodes" not in fits
+
+
+def test_an_exclude_pattern_that_matches_no_linear_is_refused_naming_the_closest(default_model_dir, tmp_path):
+    """Hostile s15b F1: ``exclude_modules: [lm_haed]`` (a typo) kept nothing in high precision and quantized the
+    logits projection with no word. A pattern matching none of the model's linears (HF, TensorRT-LLM and short names)
+    is refused on a dense model, with the closest name when it is no glob; on an MoE model (only expert 0 is named to
+    the matcher) it is a warning."""
+    pr = refusals(prof("fp8-h100", quantization__exclude_modules=["lm_haed"]), default_model_dir)["quantize.modelopt_inputs"]
+    assert pr.field == "quantization.exclude_modules"
+    assert pr.reason == ("the pattern 'lm_haed' matches none of the 211 quantizable linears of SmolLM2-135M-Instruct "
+                         "(matched against HF, TensorRT-LLM and short names), so it keeps nothing in high precision.")
+    assert pr.fix.startswith("did you mean 'lm_head'? fix or remove the pattern")
+    pr = refusals(prof("fp8-h100", quantization__exclude_modules=["lm_head", "model.layers.99.*"]),
+                  default_model_dir)["quantize.modelopt_inputs"]
+    assert "'model.layers.99.*' matches none" in pr.reason and pr.fix.startswith("fix or remove the pattern")
+    for ok in (["lm_head", "transformer.layers.29.mlp.proj", "*q_proj"], ["model.layers.0.self_attn.*"]):
+        assert "quantize.modelopt_inputs" not in refusals(prof("fp8-h100", quantization__exclude_modules=ok), default_model_dir)
+    assert "quantize.modelopt_inputs" not in refusals(prof("bf16-h100", quantization__exclude_modules=["lm_haed"]),
+                                                      default_model_dir)   # nothing is quantized: nothing to keep
+    cfg = json.loads((default_model_dir / "config.json").read_text())
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({**cfg, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                                                 "num_local_experts": 8, "num_experts_per_tok": 2}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, moe / name)
+    plan = P.evaluate(prof("fp8-h100", quantization__exclude_modules=["lm_head", "*experts.7.w1"]), moe)
+    assert not [p for p in plan.problems if p.field == "quantization.exclude_modules"], plan.problems
+    assert [w for w in plan.warnings if "'*experts.7.w1' matches none of the" in w], plan.warnings

@@ -215,6 +215,17 @@ def _modelopt_inputs(ctx: Context) -> list[Finding]:
                               f"the patterns {_short_list(q.exclude_modules)} keep every one of the {n_decoder} "
                               f"decoder linears of {m.name} in high precision: nothing would be quantized.",
                               "exclude fewer modules (e.g. lm_head, *router*), or use quant_algo NO_QUANT."))
+    if ctx.fmt.is_quantized and m.num_layers > 0 and q.exclude_modules:  # a typo keeps nothing, silently (s15b F1)
+        from precision_pipeline.spec.families import family, unmatched_exclusions
+
+        n_linears = len(family(m.architecture).linear_names(m.num_layers))
+        for pat, near in unmatched_exclusions(m.architecture, tuple(q.exclude_modules), m.num_layers):
+            say = refuse if not m.is_moe else warn  # MoE: only expert 0 is named here; another index may exist
+            out.append(say("quantization.exclude_modules",
+                           f"the pattern {pat!r} matches none of the {n_linears} quantizable linears of "
+                           f"{m.name} (matched against HF, TensorRT-LLM and short names), so it keeps nothing in high "
+                           "precision.", (f"did you mean {near!r}? " if near else "") + "fix or remove the pattern "
+                           "(names: `lm_head`, `model.layers.N.mlp.down_proj`, `transformer.layers.N.mlp.proj`, `*q_proj*`)."))
     if par.pp_size != 1 and ctx.checkpoint_dir is None:
         out.append(refuse("parallel.pp_size", f"pipeline parallel {par.pp_size} is not exported by the quantize stage "
                           "(it writes tensor-parallel rank files only).",

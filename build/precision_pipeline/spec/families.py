@@ -655,6 +655,24 @@ def resolve_exclusions(linear_names: list[str], exclude_patterns: list[str], kee
     return sorted(excluded, key=lambda n: order[n]), unmatched
 
 
+@lru_cache(maxsize=256)
+def unmatched_exclusions(architecture: str, patterns: tuple[str, ...], num_layers: int) -> tuple[tuple[str, str], ...]:
+    """The ``exclude_modules`` patterns that match none of the model's linears (``resolve_exclusions``' second result:
+    the export keeps nothing for them, silently), each with the closest module name it may have meant ("" when none is
+    close: ``core.errors.closest`` over the HF, TensorRT-LLM and short names of ``Family.linear_names``). Hostile s15b
+    F1: ``[lm_haed]`` quantized the logits projection with no word. For an MoE family only expert 0 is named, so a
+    pattern for another expert index is reported too (``rules`` warns there instead of refusing)."""
+    from precision_pipeline.core.errors import closest
+
+    fam = family(architecture)
+    names = fam.linear_names(num_layers)
+    _, unmatched = resolve_exclusions(names, list(patterns), 0, 0, num_layers, fam)
+    if not unmatched:
+        return ()
+    known = sorted({x for n in names for x in match_names(fam, n)})
+    return tuple((p, "" if any(c in p for c in "*?[") else closest(p, known) or "") for p in unmatched)  # no guess for a glob
+
+
 def trtllm_name(hf_name: str, fam: Family = LLAMA) -> str:
     """TensorRT-LLM checkpoint module name of an HF module name (``Family.trtllm_name``).
 
@@ -688,4 +706,4 @@ def kept_linears(architecture: str, patterns: tuple[str, ...], keep_first: int, 
 __all__ = ["MOE_HF_READ_FORMATS", "num_experts_of", "hf_linear_shapes", "Linear", "MoE", "Family", "FAMILIES", "LLAMA", "QWEN2_MOE", "QWEN3_MOE", "GPT_OSS", "FAMILY_FORMATS", "family_problems",
            "router_problems", "SUPPORTED_ARCHITECTURES", "EXPORTED_ARCHITECTURES",
            "GATE_ARCHITECTURES", "HF_READ_ARCHITECTURES", "COLUMN", "ROW", "EXPERT", "LAYER_RE", "family", "family_of_model_type",
-           "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears"]
+           "trtllm_name", "qkv_rows", "qkv_rows_of_config", "match_names", "resolve_exclusions", "kept_linears", "unmatched_exclusions"]
