@@ -202,3 +202,37 @@ def test_an_output_whose_last_build_did_not_finish_is_not_promoted(tmp_path, mon
     kept = read_manifest(out / "manifest.json")
     assert kept["finished"] == m.finished and kept["started"] == m.started and kept["engine_present"] is False
     assert build_output.open_build("fp8-h100", out).passed
+
+
+def test_a_relative_calibration_dataset_is_read_as_built_and_its_content_is_checked(tmp_path):
+    """Hostile s15b F6: a profile with a relative ``calibration.dataset`` (read from the profile's folder) could never
+    be promoted: promote compared the build's absolute path with the raw relative one ("changed since the build") and
+    the advised rebuild looped. F7: a dataset file rewritten after the build was promoted as if unchanged. Now
+    ``open_build`` loads the profile as the build does and ``accept.dataset`` compares the file's sha256 with the
+    quantize record's."""
+    from precision_pipeline.core.fingerprint import file_digests
+    from precision_pipeline.quantize.stage import CheckpointArtifact
+    from precision_pipeline.resolve.dataset import load_build_profile
+    from precision_pipeline.serving import acceptance
+
+    d = tmp_path / "profiles"
+    d.mkdir()
+    data = d / "cal.jsonl"
+    data.write_text('{"text": "the first calibration text"}\n')
+    (d / "mine.yaml").write_text("extends: fp8-h100\ncalibration:\n  dataset: cal.jsonl\n")
+    built = load_build_profile(str(d / "mine.yaml"))
+    assert built.calibration.dataset == str(data)
+    out = _fake_build(tmp_path / "b", built)
+    b = build_output.open_build(str(d / "mine.yaml"), out)
+    assert b.profile.calibration.dataset == str(data) and acceptance._profile_problems(b.profile, out, "r") == []
+    write_record(out / RECORDS_DIR / "quantize.json", "quantize", "3" * 64, CheckpointArtifact(
+        quant_algo="FP8", kv_cache_quant_algo="FP8", logits_dtype=None, checkpoint_bytes=0, layers={},
+        calibration={"sources": {"user": {"file": str(data), "sha256": file_digests(data)["cal.jsonl"]}}}))
+    assert acceptance._dataset_problems(b.profile, out, "rebuild it") == []
+    data.write_text('{"text": "a different calibration text"}\n')
+    [p] = acceptance._dataset_problems(b.profile, out, "rebuild it")
+    assert p.field == "calibration.dataset" and p.rule == "accept.dataset"
+    assert p.reason.startswith(f"{data} changed since the build in {out} (sha256 ")
+    assert p.fix == "rebuild it (it calibrates and gates on the file as it is now), or put the file back."
+    data.unlink()
+    assert acceptance._dataset_problems(b.profile, out, "rebuild it") == []

@@ -82,6 +82,7 @@ def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Option
     record = metrics.get("record") or {}
     problems += _output_problems(profile, out_dir, unit, metrics, rebuild)
     problems += _profile_problems(profile, out_dir, rebuild)
+    problems += _dataset_problems(profile, out_dir, rebuild)
     verdict = _check_verdict(profile, out_dir, unit, metrics, rebuild, problems, warnings)
     gpus = pack.unit_gpus(unit.parent, unit.name)
     if gpus != profile.world_size:
@@ -168,6 +169,36 @@ def _profile_problems(profile, out_dir: Path, rebuild: str) -> list[Problem]:
     return [Problem("--profile", f"{profile.name} changed since the build in {out_dir} (built -> now): {shown}; the "
                     "output was built, and its manifests rendered, from the profile as it was.",
                     f"{rebuild} (a change of the gate bar alone is re-judged without a rebuild).", rule="accept.profile")]
+
+
+def _dataset_problems(profile, out_dir: Path, rebuild: str) -> list[Problem]:
+    """A user calibration file whose content changed since the build (``accept.dataset``): the quantize record's
+    ``calibration.sources.user.sha256`` (the whole file's, ``resolve.dataset``) against the file now
+    (``core.fingerprint.file_digests``, memoized). The build keys the file by content, so a rebuild would quantize
+    and gate again with the new data; promoting the old unit as a build of the profile would not (hostile s15b F7: the
+    rebuild with the file as it was then failed its gate). A file that is gone now refuses nothing (the unit is what
+    was built and gated)."""
+    from precision_pipeline.core.fingerprint import file_digests
+    from precision_pipeline.core.stage import read_record
+    from precision_pipeline.quantize.stage import QuantizeStage
+
+    ds = profile.calibration.dataset
+    rec = read_record(out_dir, QuantizeStage()) if ds and ds != "builtin" else None
+    user = (((rec.artifact.calibration or {}).get("sources") or {}).get("user") or {}) if rec is not None else {}
+    built = user.get("sha256")
+    path = Path(ds).expanduser()
+    if not isinstance(built, str) or not path.is_file():
+        return []
+    try:
+        now = file_digests(path)[path.name]
+    except OSError:
+        return []
+    if now == built:
+        return []
+    return [Problem("calibration.dataset", f"{path} changed since the build in {out_dir} (sha256 {built[:12]}... then, "
+                    f"{now[:12]}... now): its checkpoint was calibrated, and gated, on the file as it was.",
+                    f"{rebuild} (it calibrates and gates on the file as it is now), or put the file back.",
+                    rule="accept.dataset")]
 
 
 def _check_verdict(profile, out_dir: Path, unit: Path, metrics: dict, rebuild: str, problems: list[Problem],

@@ -93,9 +93,9 @@ def _typed(out_dir: Path, stage: Stage):
 
 def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passed: bool = True) -> BuildOutput:
     """The finished build of ``profile_ref`` in ``out`` (default ``artifacts/<profile>``). See the module docstring."""
-    from precision_pipeline.spec.profile import load_profile
+    from precision_pipeline.resolve.dataset import load_build_profile
 
-    prof = load_profile(profile_ref)
+    prof = load_build_profile(profile_ref)  # a relative calibration.dataset as the build read it (hostile s15b F6)
     out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
     resolved = _typed(out_dir, ResolveStage())
     built = resolved.plan.profile.name if resolved is not None else None
