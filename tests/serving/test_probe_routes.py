@@ -8,6 +8,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
+from precision_pipeline.core.errors import UserError
+
 from precision_pipeline.serving import probe
 from precision_pipeline.spec.profile import load_profile
 from precision_pipeline.spec.routing import routing_table
@@ -93,3 +97,26 @@ def test_invoke_probe_judges_every_routes_unit_and_a_failure_names_the_route(tmp
     assert f"precision_pipeline_probe_passed{{{lab}}} 0.0" in text
     assert (f'precision_pipeline_probe_runs_total{{engine_unit="{FALLBACK}",profile="fp8-h100-routed",result="fail",'
             'route="strict-tier,long-prompts"} 1.0') in text
+
+
+def test_probe_unit_of_another_profile_or_not_loaded_is_refused():
+    """Hostile s15 F7: ``probe --unit U --profile P`` judged U (built from another profile) against P's reference and
+    bar and recorded a false FAIL of the current release; a unit the server had not loaded was exit 3 with Triton's raw
+    404. Both are refused (exit 2) before anything is probed or recorded."""
+    from precision_pipeline.cli import serving as cli
+
+    state = {"releases": [{"unit": PRIMARY, "profile": "fp8-h100-routed"}, {"unit": FALLBACK, "profile": "bf16-h100"}]}
+    loaded = {PRIMARY: "READY", FALLBACK: "UNAVAILABLE"}
+    srv = SimpleNamespace(http_url="127.0.0.1:1", loaded_models=lambda: loaded)
+    cli._check_probe_unit_fits(srv, PRIMARY, state, "fp8-h100-routed")          # its own profile, loaded: fine
+    with pytest.raises(UserError) as ei:
+        cli._check_probe_unit_fits(srv, PRIMARY, state, "bf16-h100")
+    p = ei.value.problems[0]
+    assert p.field == "--unit" and p.reason == (f"{PRIMARY} was built from profile fp8-h100-routed, not bf16-h100: its "
+                                                "probe would be judged against bf16-h100's reference outputs and bar, "
+                                                "and recorded.")
+    assert p.fix == "pass --profile fp8-h100-routed (and --out of its build), or leave --unit out."
+    with pytest.raises(UserError, match=f"{FALLBACK} is not loaded on the server at 127.0.0.1:1 \\(UNAVAILABLE\\)"):
+        cli._check_probe_unit_fits(srv, FALLBACK, state, "bf16-h100")
+    with pytest.raises(UserError, match="tensorrt_llm_000000000000 is not loaded .* \\(unknown to it\\)"):
+        cli._check_probe_unit_fits(srv, "tensorrt_llm_000000000000", None, "bf16-h100")

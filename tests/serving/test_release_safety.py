@@ -711,3 +711,30 @@ def test_a_refusal_after_a_recovery_says_what_the_recovery_did(tmp_path, units4,
     assert ei.value.done == ()
     _print_report(ei.value, 2)
     assert "the input was refused; nothing was changed." in capsys.readouterr().err
+
+
+def test_a_deleted_current_release_folder_has_ways_out(tmp_path, units4):
+    """Hostile s15 F3: with the current release's folder deleted, rollback (plain, --to, --fallback), promote and
+    serve all refused with "restore the unit directory or roll back to one that exists", rollback included. Now
+    rollback and promote go on (the current unit is left, not read); a promote of its own build reinstalls the folder
+    and says so; commands that need it still refuse, naming every way out."""
+    a, b, c = (u.engine_unit for u in units4[:3])
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)                     # B current, A kept
+    shutil.rmtree(repo / b)
+    with pytest.raises(UserError) as ei:                          # a command that needs the current unit
+        release.set_fallback(repo, units4[2].out_dir)
+    assert ei.value.problems[0].reason == f"the current release {b} is missing from {repo} (its folder deleted or moved)."
+    assert f"`invoke rollback --repo {repo}` (the previous one), `--to UNIT` or `--fallback`" in ei.value.problems[0].fix
+    with pytest.raises(UserError, match="already the current release") as ei:
+        release.promote(repo, units4[1].out_dir)                  # its own build: the folder comes back
+    assert ei.value.done == (f"the current release {b} is missing from {repo} (its folder deleted or moved)",
+                             f"the folder of {b} reinstalled from this build")
+    assert (repo / b / "config.pbtxt").is_file()
+    shutil.rmtree(repo / b)
+    assert release.rollback(repo)["unit"] == a                    # the previous release
+    assert release_state.read_state(repo)["current"] == a and release_configs.current_of_configs(repo) == (a, a)
+    release.promote(repo, units4[1].out_dir)
+    shutil.rmtree(repo / b)
+    assert release.promote(repo, units4[2].out_dir)["unit"] == c  # another build over a missing current
+    assert release_configs.current_of_configs(repo) == (c, c)

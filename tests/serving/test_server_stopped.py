@@ -179,7 +179,8 @@ def test_load_returns_its_seconds(monkeypatch):
 def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
     """``server_processes`` on a stand-in ``/proc``: a tritonserver's repository (a relative one against its working
     directory) and HTTP endpoint (defaults 0.0.0.0 -> 127.0.0.1 and 8000); other processes, an empty command line
-    (a kernel thread) and an unreadable one are not servers."""
+    (a kernel thread) and an unreadable one are not servers; hostile s15 F2b: ``--model-repository repo`` (a separate
+    value, as tritonserver also takes it) and ``--model-store`` count too, each repository of one server a row."""
     from precision_pipeline.serving.triton_server import server_processes, servers_of
 
     proc = tmp_path / "proc"
@@ -189,14 +190,19 @@ def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
                      "--http-address=10.0.0.5"],
              "102": ["tritonserver", "--model-repository=model_repository"],
              "103": ["python3", "-m", "tritonserver", f"--model-repository={repo}"],
-             "104": [""], "105": None}
+             "104": [""], "105": None,
+             "106": ["tritonserver", "--model-repository", "model_repository", "--http-port", "9100", "--exit-on-error",
+                     "--model-store", str(tmp_path / "other")]}
     for pid, argv in procs.items():
         (proc / pid).mkdir(parents=True)
         if argv is not None:
             (proc / pid / "cmdline").write_bytes("\0".join(argv).encode() + (b"\0" if argv != [""] else b""))
     (proc / "102" / "cwd").symlink_to(tmp_path / "srv")
-    assert server_processes(proc) == [(101, str(repo), "10.0.0.5:9000"), (102, str(repo), "127.0.0.1:8000")]
-    assert servers_of(repo, proc) == [(101, "10.0.0.5:9000"), (102, "127.0.0.1:8000")]
+    (proc / "106" / "cwd").symlink_to(tmp_path / "srv")
+    (tmp_path / "other").mkdir()
+    assert server_processes(proc) == [(101, str(repo), "10.0.0.5:9000"), (102, str(repo), "127.0.0.1:8000"),
+                                      (106, str(tmp_path / "other"), "127.0.0.1:9100"), (106, str(repo), "127.0.0.1:9100")]
+    assert servers_of(repo, proc) == [(101, "10.0.0.5:9000"), (102, "127.0.0.1:8000"), (106, "127.0.0.1:9100")]
     assert server_processes(tmp_path / "no-proc") == []
 
 

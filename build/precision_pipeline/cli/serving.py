@@ -270,6 +270,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
             con.print(f"[yellow]recovered[/]: {f}", soft_wrap=True)
     routes = pr.route_units(repo_dir) if state else {}
     if unit:
+        _check_probe_unit_fits(server, unit, state, prof_name)
         units = {unit: routes.get(unit, "")}
     elif state and not profile:
         units = routes  # every route's unit: the current release's and the warm fallback its routing table uses
@@ -298,6 +299,26 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         if exporter is not None:
             exporter.close()
     return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def _check_probe_unit_fits(server, unit: str, state: dict | None, prof_name: str) -> None:
+    """UserError on ``--unit`` (exit 2, nothing recorded) when the probe of ``unit`` would be judged against another
+    build: releases.json records it as built from a profile other than ``prof_name`` (the reference and the bar come
+    from that profile's build), or the server has not loaded it (a probe of it could only fail; it was exit 3 with
+    Triton's raw 404). Hostile s15 F7: a false FAIL of the current release was recorded."""
+    built = next((r.get("profile") for r in (state or {}).get("releases", []) if r.get("unit") == unit), None)
+    if built and prof_name and built != prof_name:
+        raise UserError("--unit", f"{unit} was built from profile {built}, not {prof_name}: its probe would be judged "
+                        f"against {prof_name}'s reference outputs and bar, and recorded.",
+                        f"pass --profile {built} (and --out of its build), or leave --unit out.")
+    try:
+        state_now = server.loaded_models().get(unit)
+    except Exception:  # the server cannot list its models: the probe itself says why it fails
+        return
+    if state_now != "READY":
+        raise UserError("--unit", f"{unit} is not loaded on the server at {server.http_url} ({state_now or 'unknown to it'}), "
+                        "so no request can reach it.", "probe a unit that serves (leave --unit out: every route's "
+                        "unit), or load it with a promote or rollback.")
 
 
 def _recover_for_probe(repo_dir: Path, server, state: dict) -> list[str]:

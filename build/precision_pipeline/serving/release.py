@@ -75,7 +75,7 @@ from precision_pipeline.serving import llmapi_unit, pack, release_live
 from precision_pipeline.serving.release_configs import current_of_configs
 from precision_pipeline.serving.release_live import load_unit, loaded_models, smoke_unit, unload_quietly
 from precision_pipeline.serving.release_recover import init_serving_repo, state_or_refuse
-from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current, note_recovered,
                                                       read_state, rejected_units, release_record, serving_now, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
@@ -103,14 +103,17 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
     with lock(repo_dir):
         state = state_or_refuse(repo_dir, "no releases.json: this is not a serving repository.",
                                  "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
-                                 server=server)
+                                 server=server, leaving_current=True)
         previous = state["current"]
+        previous_missing = not (repo_dir / previous / "config.pbtxt").is_file()
         if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
         unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
         crash_point("install")
         if unit == previous:
+            if previous_missing:  # its build's unit put the deleted folder back (hostile s15 F3)
+                note_recovered([f"the folder of {unit} reinstalled from this build"])
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
         try:  # a refusal, Ctrl-C or SIGTERM before the switch: the candidate is unloaded (hostile s8 #59)
             if server is not None:
@@ -234,7 +237,8 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
     t0 = time.perf_counter()
     timings: dict[str, Any] = {}
     with lock(repo_dir):
-        state = state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
+        state = state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server,
+                                leaving_current=True)
         cur = state["current"]
         if state.get("rollout"):
             raise UserError("rollback", f"a rollout of {state['rollout']['candidate']} is in progress.",

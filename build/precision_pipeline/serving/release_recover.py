@@ -21,15 +21,19 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARA
 from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, served_path, unit_record
 
 
-def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True, server=None) -> dict:
+def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True, server=None,
+                    leaving_current: bool = False) -> dict:
     """Under the releases lock: refuse a ``server`` that does not serve ``repo_dir`` (``verify_server``),
     finish an interrupted change (``recover``; then ``reconcile_server`` on the live server), then
-    ``releases.json``; UserError on its path with ``reason`` / ``fix`` when the repository has none."""
+    ``releases.json``; UserError on its path with ``reason`` / ``fix`` when the repository has none.
+    ``leaving_current``: the caller makes another unit current (rollback, promote), so a current release whose folder
+    is missing is no refusal here (hostile s15 F3: every way out was refused as the printed fix) and the live server
+    is not asked to load it."""
     verify_server(repo_dir, server)
     if recover:
-        note_recovered(recover_locked(repo_dir))
+        note_recovered(recover_locked(repo_dir, leaving_current=leaving_current))
     state = require_state(repo_dir, reason, fix)
-    if recover:
+    if recover and (Path(repo_dir) / state["current"] / "config.pbtxt").is_file():
         note_recovered(reconcile_server(repo_dir, server, state))
     return state
 
@@ -153,7 +157,7 @@ def recover(repo_dir: Path, server=None) -> list[str]:
         return note_recovered(fixed)
 
 
-def recover_locked(repo_dir: Path) -> list[str]:
+def recover_locked(repo_dir: Path, leaving_current: bool = False) -> list[str]:
     fixed = recover_first_promote(repo_dir)
     if not repo_dir.is_dir():
         return fixed
@@ -192,8 +196,13 @@ def recover_locked(repo_dir: Path) -> list[str]:
         write_state(repo_dir, state)
         fixed.append(f"interrupted rollout of {ro.get('candidate')} ended; {cur} serves all traffic")
     if not (repo_dir / cur / "config.pbtxt").is_file():
-        raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir}.",
-                        "restore the unit directory or roll back to one that exists.")
+        if not leaving_current:
+            raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir} (its "
+                            "folder deleted or moved).", f"restore the folder, promote its build again (that reinstalls "
+                            f"it), or make another release current: `invoke rollback --repo {repo_dir}` (the previous "
+                            "one), `--to UNIT` or `--fallback` (add --url when a server serves it).")
+        fixed.append(f"the current release {cur} is missing from {repo_dir} (its folder deleted or moved)")
+        return fixed  # the caller's switch points the configs and route.json at the unit it makes current
     route = repo_dir / "tensorrt_llm_bls" / ROUTE_FILE
     try:
         read_json(route, {})

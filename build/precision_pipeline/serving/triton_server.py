@@ -594,8 +594,8 @@ unexpected failure, reported with the server's log tail and no traceback."""
 
 
 def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
-    """``[(pid, repository, "HOST:PORT")]`` of the tritonserver processes on this machine: the ``--model-repository=``
-    each serves (resolved: symlinks, and a relative path against the process's working directory) and its HTTP
+    """``[(pid, repository, "HOST:PORT")]`` of the tritonserver processes on this machine: each ``--model-repository``
+    (or ``--model-store``; ``=value`` or a separate value: ``_server_options``) each serves, one row each (resolved: symlinks, and a relative path against the process's working directory) and its HTTP
     endpoint (``--http-address`` / ``--http-port``, tritonserver's defaults 0.0.0.0 -> 127.0.0.1 and 8000). Read from
     ``/proc/<pid>/cmdline`` (Linux; [] where there is no ``proc``): the live processes themselves, so no pid file can
     go stale. The one home of "which servers run here" (``servers_of``, ``other_servers``, ``repository_at``)."""
@@ -607,14 +607,32 @@ def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
             continue
         if not argv or Path(argv[0]).name != "tritonserver":
             continue
-        opts = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
-        served = opts.get("model-repository", "")
-        with contextlib.suppress(OSError):  # a relative path is relative to the server's working directory
-            served = os.path.realpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
-        host = opts.get("http-address", "0.0.0.0")
-        found.append((int(d.name), served.rstrip("/"),
-                      f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{opts.get('http-port', '8000')}"))
+        opts = _server_options(argv[1:])
+        host = (opts.get("http-address") or ["0.0.0.0"])[-1]
+        at = f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{(opts.get('http-port') or ['8000'])[-1]}"
+        for served in opts.get("model-repository", []) + opts.get("model-store", []) or [""]:
+            with contextlib.suppress(OSError):  # a relative path is relative to the server's working directory
+                served = os.path.realpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
+            found.append((int(d.name), served.rstrip("/"), at))
     return sorted(found)
+
+
+def _server_options(args: list[str]) -> dict[str, list[str]]:
+    """tritonserver's long options as ``{name: [values]}``: ``--name=value`` and ``--name value`` (its getopt_long
+    parser takes both; hostile s15 F2b: a server started by hand as ``--model-repository repo`` was not seen as one of
+    the repository's), a name given twice keeping both (``--model-repository`` may repeat)."""
+    out: dict[str, list[str]] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--") and "=" in a:
+            k, v = a[2:].split("=", 1)
+            out.setdefault(k, []).append(v)
+        elif a.startswith("--") and len(a) > 2 and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.setdefault(a[2:], []).append(args[i + 1])
+            i += 1
+        i += 1
+    return out
 
 
 def servers_of(model_repository: Path, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
