@@ -54,9 +54,14 @@ def test_the_reader_gives_typed_facts_and_refuses_what_is_not_a_finished_passed_
     with pytest.raises(UserError, match="did not pass its accuracy gate"):
         build_output.open_build("fp8-h100", failed)
     assert build_output.open_build("fp8-h100", failed, require_passed=False).passed is False
+    (out / RECORDS_DIR / "gate.json").write_text('{"stage": "gate", "ke')    # hostile s15 F8: damaged, named; --out kept
     (out / RECORDS_DIR / "pack.json").unlink()
-    with pytest.raises(UserError, match="holds no finished build of fp8-h100"):
+    with pytest.raises(UserError) as ei:
         build_output.open_build("fp8-h100", out)
+    assert ei.value.problems[0].reason == (f"{out.resolve()} holds no finished build of fp8-h100 (.stages/gate.json is "
+                                           "damaged (not a valid record); .stages/pack.json is missing).")
+    assert ei.value.problems[0].fix == (f"run `invoke build --profile fp8-h100 --out {out.resolve()}` (it reuses every "
+                                        "stage still right).") and ei.value.problems[0].field == "--out"
     other = _fake_build(tmp_path / "o", _profile(name="bf16-h100"))
     with pytest.raises(UserError, match="holds a build of 'bf16-h100', not of 'fp8-h100'"):
         build_output.open_build("fp8-h100", other)

@@ -257,3 +257,43 @@ def test_a_server_used_as_a_context_starts_only_when_not_started(monkeypatch):
     with srv:
         pass
     assert (started, stopped) == ([1], [1, 1])
+
+
+def test_attach_to_a_local_server_that_does_not_answer_names_it_and_its_state(tmp_path):
+    """Hostile s15 F10: a stopped (SIGSTOP) tritonserver: `--url` said "no Triton server answers, start one", without
+    --url "pass --url", and serve "already serves": a circle. ``attach`` now names the local process listening there,
+    its state and the way out (a process with a tritonserver command line that never answers stands in)."""
+    import signal
+    import subprocess
+    import sys
+
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving.triton_server import TritonServer, _process_state, free_port, server_processes
+
+    repo = tmp_path / "model_repository"
+    repo.mkdir()
+    port = free_port()
+    p = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
+                          f"--model-repository={repo} --http-port={port}", sys.executable])
+    try:
+        for _ in range(200):  # listed, and asleep in time.sleep (no longer starting Python)
+            if any(pid == p.pid for pid, _, _ in server_processes()) and _process_state(p.pid).startswith("S"):
+                break
+            time.sleep(0.05)
+        with pytest.raises(UserError) as ei:
+            TritonServer.attach(f"localhost:{port}")
+        pr = ei.value.problems[0]
+        assert pr.reason == (f"tritonserver (pid {p.pid}, serving {repo}) listens at localhost:{port} but does not answer "
+                             "(process state S (sleeping)); nothing was changed.")
+        assert pr.fix == f"wait for it, or stop it (kill {p.pid}) and start it again (`invoke serve --repo {repo}`)."
+        p.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        with pytest.raises(UserError) as ei:
+            TritonServer.attach(f"127.0.0.1:{port}")
+        assert "(process state T (stopped))" in ei.value.problems[0].reason
+        assert ei.value.problems[0].fix.startswith(f"resume it (kill -CONT {p.pid}), or stop it")
+    finally:
+        p.kill()
+        p.wait()
+    with pytest.raises(UserError, match="no Triton server answers"):
+        TritonServer.attach(f"127.0.0.1:{port}")

@@ -259,7 +259,15 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         if not (profile or rec_profile):
             raise UserError("--profile", "is required: no serving repository names the current release's profile.",
                             "e.g. invoke probe --profile fp8-h100 (or --gate <build out>/gate)")
-        b = build_output.open_build(profile or rec_profile, out)
+        try:
+            b = build_output.open_build(profile or rec_profile, out)
+        except build_output.NotBuilt as e:
+            if profile:
+                raise
+            p = e.problems[0]  # --profile was not given: say where the profile came from (hostile s15 F8)
+            raise UserError("--profile", f"not given, so the current release's recorded profile {rec_profile} was taken; "
+                            f"{p.reason}", f"pass --profile and --out of the current release's build (or --gate "
+                            "<its build>/gate). " + p.fix) from None
         prof_name, packed, pset = b.profile.name, b.packed, b.probe_set(n)
     if not unit and not state and packed is None:
         raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from precision_pipeline.core.errors import Problem, UserError
 from precision_pipeline.core.outputs import default_out_dir
-from precision_pipeline.core.stage import Stage, read_manifest, read_record, unfinished_build
+from precision_pipeline.core.stage import RECORDS_DIR, Stage, read_manifest, read_record, unfinished_build
 from precision_pipeline.gate.stage import GateArtifact, GateStage
 from precision_pipeline.quantize.stage import CheckpointArtifact, QuantizeStage
 from precision_pipeline.resolve.plan import ResolvedPlan
@@ -104,8 +104,13 @@ def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passe
                         "recorded under the wrong profile.", f"pass --profile {built}, or the output folder of {prof.name}'s build.")
     gate, repo = _typed(out_dir, GateStage()), _typed(out_dir, PackStage())
     if resolved is None or gate is None or repo is None or repo.status != "done":
-        raise NotBuilt("--profile", f"{out_dir} holds no finished build of {prof.name}.",
-                       f"run `invoke build --profile {profile_ref}` first.")
+        bad = [f"{RECORDS_DIR}/{st.name}.json is " + ("missing" if not (out_dir / RECORDS_DIR / f"{st.name}.json").exists()
+                                                      else "damaged (not a valid record)")
+               for st, d in ((ResolveStage(), resolved), (GateStage(), gate), (PackStage(), repo)) if d is None]
+        why = "; ".join(bad) or "its pack stage did not pack a unit"
+        raise NotBuilt("--out" if out else "--profile", f"{out_dir} holds no finished build of {prof.name} ({why}).",
+                       f"run `invoke build --profile {profile_ref} --out {out_dir}` (it reuses every stage still right)"
+                       + ("" if out else ", or pass --out with the folder of its build") + ".")
     b = BuildOutput(out_dir=out_dir, profile=prof, plan=resolved.plan, gate=gate, repository=repo,
                     manifests=_typed(out_dir, DeployStage()), checkpoint=_typed(out_dir, QuantizeStage()))
     if require_passed and not b.passed:

@@ -245,6 +245,14 @@ class TritonServer:
         # live, not ready: Triton reports not-ready while any model is still UNLOADING (after an abort)
         live = srv._get("/v2/health/live")
         if live == 0:
+            local = next(((pid, repo) for pid, repo, at in server_processes() if same_endpoint(at, f"{srv.host}:{port}")), None)
+            if local is not None:  # hostile s15 F10: a stopped or hung local server; its three fixes were each refused
+                pid, repo = local
+                state = _process_state(pid)
+                raise UserError("--url", f"tritonserver (pid {pid}, serving {repo or '?'}) listens at {http_url} but does "
+                                f"not answer (process state {state}); nothing was changed.",
+                                (f"resume it (kill -CONT {pid})" if state.startswith("T") else "wait for it")
+                                + f", or stop it (kill {pid}) and start it again (`invoke serve --repo {repo or 'REPO'}`).")
             raise UserError("--url", f"no Triton server answers at http://{http_url}.",
                             "start one with `invoke serve`, or leave --url out to only rewrite the repository.")
         if live != 200 or not srv._is_triton_http():
@@ -615,6 +623,17 @@ def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
                 served = os.path.realpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
             found.append((int(d.name), served.rstrip("/"), at))
     return sorted(found)
+
+
+def _process_state(pid: int, proc: Path = Path("/proc")) -> str:
+    """Process ``pid``'s state as ``ps`` shows it (``/proc/<pid>/stat`` field 3: ``T (stopped)``, ``S (sleeping)``,
+    ``D (disk sleep)``, ...); ``unknown`` when it cannot be read."""
+    names = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "tracing stop", "Z": "zombie"}
+    try:
+        code = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return f"{code} ({names.get(code, '?')})"
 
 
 def _server_options(args: list[str]) -> dict[str, list[str]]:
