@@ -320,3 +320,26 @@ def test_a_full_disk_or_ulimit_during_a_checkpoint_copy_is_a_sentence_and_leaves
         with pytest.raises(OSError) as e:
             store.atomic_write_json(tmp_path / "manifest.json", {"a": 1})
     assert e.value.filename == str(tmp_path / "manifest.json") and not (tmp_path / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("step", SWAP_STEPS)
+def test_a_swap_into_a_stage_temporary_folder_killed_leaves_nothing_after_clean_stale(tmp_path, step):
+    """Hostile s15b F3: a stage that writes a folder with ``atomic_dir`` inside its own temporary folder, killed in
+    that inner swap, left ``..checkpoint.tmp-X.swap.json``, ``..checkpoint.tmp-X.tmp-Y`` (a full 210 MB checkpoint
+    copy) and ``.old-`` copies for ever: the next build removed ``.checkpoint.tmp-X`` only. Now every such leftover
+    goes too, and the previous ``checkpoint`` stays."""
+    target, record = _first_version(tmp_path)
+    code = f"""
+        from pathlib import Path
+        from precision_pipeline.core.store import atomic_dir
+        with atomic_dir(Path({str(target)!r})) as tmp:       # the stage's own temporary folder
+            inner = Path(tmp)
+            (inner / "f").write_text("half")
+            with atomic_dir(inner) as deeper:                  # a swap whose target is that folder
+                (deeper / "f").write_text("new")
+    """
+    assert _python(code, {CRASH_ENV: step}).returncode == CRASH_EXIT
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("..checkpoint.tmp-")]
+    removed = clean_stale(tmp_path, names=["checkpoint", ".stages"])
+    assert removed and sorted(p.name for p in tmp_path.iterdir()) == [".stages", "checkpoint"], sorted(os.listdir(tmp_path))
+    assert (target / "f").read_text() == "old"

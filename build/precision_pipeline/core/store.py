@@ -318,7 +318,7 @@ def recover_swaps(parent: Path, names: Optional[Iterable[str]] = None) -> list[s
 
 def clean_stale(parent: Path, names: Optional[Iterable[str]] = None) -> list[str]:
     """Recover interrupted swaps (``recover_swaps``), then remove leftovers of interrupted atomic
-    writes (``.NAME.tmp-*`` / ``.NAME.old-*``) in ``parent``. ``names``: only leftovers of these
+    writes (``.NAME.tmp-*`` / ``.NAME.old-*``, and ``..NAME.tmp-*`` of a swap into such a copy) in ``parent``. ``names``: only leftovers of these
     targets (a build output passes its stage folders, so no other dot-file is ever touched).
     Returns the names removed."""
     parent = Path(parent)
@@ -331,7 +331,10 @@ def clean_stale(parent: Path, names: Optional[Iterable[str]] = None) -> list[str
         n = p.name
         if not (n.startswith(".") and (".tmp-" in n or ".old-" in n)):
             continue
-        if wanted is not None and not any(n.startswith((f".{w}.tmp-", f".{w}.old-")) for w in wanted):
+        # ``..NAME.tmp-*``: the copies and journal of a swap whose target was itself a temporary copy (a folder the
+        # stage wrote with atomic_dir inside its own temporary folder; hostile s15b F3: 210 MB left per killed build)
+        if wanted is not None and not any(n.startswith((f".{w}.tmp-", f".{w}.old-", f"..{w}.tmp-", f"..{w}.old-"))
+                                          for w in wanted):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
