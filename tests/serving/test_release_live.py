@@ -278,6 +278,10 @@ def test_abort_and_probe_after_a_crash_at_bls_config_put_the_live_server_back(se
     assert f"live ensemble moved from {c} back to {a}" in fixed and f"{c} unloaded (no release; nothing routes to it)" in fixed
     assert release_live.live_unit(srv) == a and release_configs.current_of_configs(repo) == (a, a)
     assert cli._recover_for_probe(repo, srv, release_state.read_state(repo)) == []
+    srv.unload("tensorrt_llm_bls")                         # hostile s15 F13: the routed entry point unloaded by hand
+    assert srv.loaded_models().get("tensorrt_llm_bls") not in (None, "READY")
+    fixed = release_recover.recover(repo, server=srv)
+    assert [f for f in fixed if f.startswith("tensorrt_llm_bls loaded again (its state was ")] and ask(srv, "tensorrt_llm_bls")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])

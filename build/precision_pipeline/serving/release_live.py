@@ -279,6 +279,17 @@ def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
         if now != cur:
             raise RuntimeError(f"the live ensemble calls {now} after reloading it, releases.json says {cur}")
         fixed.append(f"live ensemble moved from {live} back to {cur}")
+    # the entry points unloaded by hand (hostile s15 F13: every BLS request 404 after a "promoted"): loaded again, the
+    # ensemble after the unit it calls; a model the server does not list at all is left as it is
+    entry = ("preprocessing", "postprocessing", "tensorrt_llm_bls") + (("ensemble",) if ensemble_serves(cur) else ())
+    states = loaded_models(server)
+    down = [m for m in entry if states.get(m) not in (None, "READY")]
+    if "ensemble" in down and states.get(cur) != "READY":
+        server.load(cur)
+        fixed.append(f"{cur} loaded")
+    for m in down:
+        server.load(m)
+        fixed.append(f"{m} loaded again (its state was {states[m] or 'not loaded'})")
     rejected = rejected_units(state)
     releases = set(current_order(state)) | {r.get("unit") for r in state.get("releases", [])}
     keep = {cur} | routed_units(repo_dir, server) | {u for u in releases if u not in rejected}
