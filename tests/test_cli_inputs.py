@@ -438,3 +438,23 @@ def test_refusals_go_to_stderr_so_a_redirected_render_gets_only_its_output(invok
     r = invoke_here("check", "--profile", "nonexistent")
     assert r.returncode == 2 and r.stdout == "", r.stdout
     assert r.stderr.startswith("error: the input was refused; nothing was changed.\n  --profile: "), r.stderr
+
+
+def test_out_inside_a_serving_repository_or_with_an_overlong_name_is_refused_saying_why(tmp_path):
+    """Hostile s15 F11: ``build --out <serving repo>/junk`` was accepted (a whole build inside a live model repository,
+    listed as a model). s15b F4: a 300-byte folder name said only "cannot be used (OSError)"."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.outputs import validate_out_dir
+
+    repo = tmp_path / "srv" / "model_repository"
+    (repo / "ensemble").mkdir(parents=True)
+    (tmp_path / "srv" / "releases.json").write_text("{}")
+    for out in (repo / "junk", repo / "a" / "b", tmp_path / "srv"):
+        with pytest.raises(UserError, match="a serving repository") as ei:
+            validate_out_dir(out)
+        assert ei.value.problems[0].field == "--out"
+    assert not (repo / "junk").exists()
+    with pytest.raises(UserError) as ei:
+        validate_out_dir(tmp_path / ("a" * 300))
+    assert "(a folder name of 300 bytes; names are at most 255)" in ei.value.problems[0].reason
+    assert validate_out_dir(tmp_path / "fine") == (tmp_path / "fine").resolve()

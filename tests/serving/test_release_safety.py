@@ -738,3 +738,21 @@ def test_a_deleted_current_release_folder_has_ways_out(tmp_path, units4):
     shutil.rmtree(repo / b)
     assert release.promote(repo, units4[2].out_dir)["unit"] == c  # another build over a missing current
     assert release_configs.current_of_configs(repo) == (c, c)
+
+
+def test_rollout_abort_without_url_and_without_a_local_server_rewrites_the_files(tmp_path, units4, capsys):
+    """Hostile s15 F12: `rollout --abort --repo R` (the emergency stop, typed without --url) was refused "no Triton
+    server answers at 127.0.0.1:8000; fix: leave --url out", and the rollout went on to 100 %. Without --url the abort
+    now takes the local tritonserver of the repository (``servers_of``), or, with none, rewrites the files only."""
+    from precision_pipeline.cli import serving as cli
+
+    a = units4[0].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release_rollout.begin_rollout(repo, units4[1].out_dir, steps=(50, 100))
+    release_rollout.set_rollout_percent(repo, 50)
+    assert cli.rollout(abort=True, repo=str(repo)) == 0
+    out = capsys.readouterr().out
+    assert "no --url and no tritonserver on this machine serves the repository" in out
+    assert f"aborted at 50 %: {a} serves all traffic" in out
+    assert "rollout" not in release_state.read_state(repo)
+    assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}

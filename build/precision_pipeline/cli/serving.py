@@ -144,10 +144,18 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     from precision_pipeline.serving import acceptance, build_output, release
     from precision_pipeline.serving import rollout as ro
 
-    repo_dir, con, url = serving_repo(repo), console(), "127.0.0.1:8000" if url is None else url  # '' refused by attach
+    repo_dir, con = serving_repo(repo), console()
     metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535)  # before anything else is asked
-    if abort:
-        rec = ro.abort(repo_dir, _attach(url, metrics_port))
+    if abort:  # without --url: the server this machine runs on the repository, else the files only (hostile s15 F12)
+        if url is None:
+            from precision_pipeline.serving.triton_server import servers_of
+
+            url = next((at for _pid, at in servers_of(repo_dir)), None)
+            if url is None:
+                con.print("note: no --url and no tritonserver on this machine serves the repository: the abort "
+                          "rewrites its files (route.json, the configs) only; a server elsewhere follows route.json "
+                          "at its next request.", soft_wrap=True)
+        rec = ro.abort(repo_dir, _attach(url, metrics_port) if url is not None else None)
         at = (f"after its switch to 100 % (interrupted before its commit; recorded at {rec['percent']} %)"
               if rec.get("ensemble_reloaded") else f"at {rec['percent']} %")  # the live ensemble was on it (hostile s15 T49)
         con.print(f"rollout of {rec['candidate']} aborted {at}: {rec['stable']} serves all traffic "
@@ -156,6 +164,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
             con.print(f"[yellow]note[/]: {rec['candidate']} was not unloaded: "
                       f"{rec.get('candidate_kept') or rec.get('server_error')}", soft_wrap=True)
         return 0
+    url = "127.0.0.1:8000" if url is None else url  # '' refused by attach
     if not profile:
         raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
     given_steps = ro.parse_steps(str(steps)) if steps is not None else None  # the flags before the build is read

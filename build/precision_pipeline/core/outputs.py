@@ -15,6 +15,7 @@ writable ``--out`` in a read-only parent works).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -113,8 +114,12 @@ def validate_out_dir(out: Path, folders: tuple[str, ...] = ()) -> Path:
     try:
         refuse_filesystem_root(out, field)
         exists, is_dir = out.exists(), out.is_dir()
-    except (OSError, ValueError) as e:
-        raise UserError(field, f"{str(out)[:200]!r} cannot be used ({type(e).__name__}).", "give a directory path.")
+    except (OSError, ValueError) as e:  # hostile s15b F4: say why (a name over 255 bytes: ENAMETOOLONG)
+        long = max((len(part.encode()) for part in out.parts), default=0)
+        why = (f"a folder name of {long} bytes; names are at most 255" if getattr(e, "errno", None) == errno.ENAMETOOLONG
+               and long > 255 else getattr(e, "strerror", None) or type(e).__name__)
+        raise UserError(field, f"{str(out)[:200]!r} cannot be used ({why}).", "give a directory path.")
+    refuse_serving_repository(out, field, "a build output")  # hostile s15 F11: <repo>/junk was accepted
     if exists and not is_dir:
         raise UserError(field, f"{out} exists and is not a directory.", "give a directory path.")
     if not exists:
