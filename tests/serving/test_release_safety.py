@@ -756,3 +756,27 @@ def test_rollout_abort_without_url_and_without_a_local_server_rewrites_the_files
     assert f"aborted at 50 %: {a} serves all traffic" in out
     assert "rollout" not in release_state.read_state(repo)
     assert json.loads((repo / "tensorrt_llm_bls" / "route.json").read_text()) == {"tensorrt_llm_model_name": a}
+
+
+def test_serve_of_a_repository_on_a_read_only_mount(tmp_path, units4, monkeypatch, capsys):
+    """Hostile s15 F14: on a real read-only mount (``mount --bind -o ro``: a volume mounted readOnly) serve was refused
+    at the releases lock ("cannot create the lock file") before the read-only check the README describes. Needs
+    ``mount`` (root, as on CI)."""
+    import subprocess
+
+    from precision_pipeline.serving import triton_server as ts
+
+    repo = serving_repo(tmp_path, units4[0])
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(repo.parent), str(ro)], capture_output=True).returncode:
+        pytest.skip("mount --bind -o ro is not permitted here")
+    try:
+        started = []
+        monkeypatch.setattr(ts.TritonServer, "start", lambda self: started.append(self.models) or setattr(self, "start_s", 0.0))
+        monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+        ts.serve(ro / "model_repository", http_port=1, grpc_port=2, metrics_port=3, block=False)
+        assert started == [release_state.serving_models(repo, release_state.read_state(repo))]
+        assert "read-only (Read-only file system); it agrees with releases.json" in capsys.readouterr().out
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)

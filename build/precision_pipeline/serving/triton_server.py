@@ -763,6 +763,9 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
                         "server its own repository (promote into each).")
     note = None
     try:
+        if os.statvfs(repo.resolve().parent).f_flag & os.ST_RDONLY:  # a read-only mount: not even the lock can be
+            # opened for writing (hostile s15 F14: refused at the lock, never reaching the read-only check)
+            raise OSError(_errno.EROFS, os.strerror(_errno.EROFS), str(repo.resolve().parent))
         release_recover.recover(repo)
     except OSError as e:
         if e.errno not in (_errno.EROFS, _errno.EACCES, _errno.EPERM):
