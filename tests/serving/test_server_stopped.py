@@ -297,3 +297,36 @@ def test_attach_to_a_local_server_that_does_not_answer_names_it_and_its_state(tm
         p.wait()
     with pytest.raises(UserError, match="no Triton server answers"):
         TritonServer.attach(f"127.0.0.1:{port}")
+
+
+def test_a_rollout_refuses_the_metrics_port_of_another_local_server(tmp_path):
+    """Hostile s15 F15: two repositories served from the same builds share unit names, so another server's metrics
+    listed the candidate and a rollout judged its canary on r1's counters. The local tritonserver at --url names its
+    own --metrics-port; another one is refused before anything is scraped or loaded."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving import rollout
+    from precision_pipeline.serving.triton_server import free_port, local_metrics_port, server_processes
+
+    http, metrics = free_port(), free_port()
+    p = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
+                          f"--model-repository={tmp_path} --http-port={http} --metrics-port {metrics}", sys.executable])
+    try:
+        for _ in range(100):
+            if any(pid == p.pid for pid, _, _ in server_processes()):
+                break
+            time.sleep(0.05)
+        assert local_metrics_port(f"localhost:{http}") == (p.pid, metrics)
+        srv = SimpleNamespace(http_url=f"127.0.0.1:{http}", host="127.0.0.1", metrics_port=metrics + 1)
+        with pytest.raises(UserError) as ei:
+            rollout.check_metrics(srv, "tensorrt_llm_aaaaaaaaaaaa")
+        assert ei.value.problems[0].reason.startswith(f"the tritonserver at 127.0.0.1:{http} (pid {p.pid}) exports its "
+                                                      f"metrics on port {metrics}, not {metrics + 1}: ")
+        assert ei.value.problems[0].fix == f"pass --metrics-port {metrics}."
+    finally:
+        p.kill()
+        p.wait()
+    assert local_metrics_port(f"127.0.0.1:{http}") is None

@@ -187,7 +187,10 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
         con.print(f"  {s['percent']:>3} %: " + ("switched" if s["percent"] == 100 else
                   f"candidate {s['candidate']['success']} ok / {s['candidate']['failure']} failed, share "
                   f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {_num(pr.get('kl_p99'))} top-1 "
-                  f"{_num(pr.get('top1'), 3)}{_on_route(pr.get('route'))} -> {'pass' if s.get('passed') else 'FAIL'}"))
+                  f"{_num(pr.get('top1'), 3)}{_on_route(pr.get('route'))} -> {'pass' if s.get('passed') else 'FAIL'}"
+                  + (" (no live request reached the candidate: its error and latency checks had nothing to judge; "
+                     "a longer --hold lets traffic through)" if s["percent"] != 100 and
+                     not (s["candidate"]["success"] + s["candidate"]["failure"]) else "")), soft_wrap=True)
 
     con.print(f"rolling out {prof.name} in steps {','.join(map(str, step_list))} ({hold_s:g} s each) on {url}")
     res = ro.rollout(repo_dir, b.packed, server, pset, steps=step_list, hold_s=hold_s, profile=prof.name, gate=ok.gate,

@@ -102,8 +102,15 @@ def check_metrics(server, unit: str) -> None:
     """Refuse (UserError on ``--metrics-port``, exit 2) a metrics endpoint that is not ``server``'s:
     it must answer with Triton's per-model metrics and list ``unit`` (loaded there; Triton registers
     a loaded model's counters at 0). Run before anything is loaded."""
+    from precision_pipeline.serving.triton_server import local_metrics_port
+
     url = metrics_url(server)
     fix = "pass the server's metrics port (`invoke serve` prints it; default HTTP port + 2)."
+    local = local_metrics_port(server.http_url)
+    if local is not None and local[1] != server.metrics_port:  # hostile s15 F15: another server with the same units
+        raise UserError("--metrics-port", f"the tritonserver at {server.http_url} (pid {local[0]}) exports its metrics on "
+                        f"port {local[1]}, not {server.metrics_port}: {url} is another server's.",
+                        f"pass --metrics-port {local[1]}.")
     try:
         got = scrape(url)
     except (OSError, ValueError) as e:

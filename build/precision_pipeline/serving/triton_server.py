@@ -625,6 +625,20 @@ def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
+def local_metrics_port(http_url: str, proc: Path = Path("/proc")) -> tuple[int, int] | None:
+    """``(pid, metrics port)`` of the tritonserver of this machine listening at ``http_url`` (``server_processes``;
+    its ``--metrics-port``, tritonserver's default 8002); None when no local process listens there (a remote server)."""
+    for pid, _repo, at in server_processes(proc):
+        if same_endpoint(at, http_url):
+            try:
+                argv = (proc / str(pid) / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+            except OSError:
+                return None
+            port = (_server_options(argv[1:]).get("metrics-port") or ["8002"])[-1]
+            return (pid, int(port)) if port.isdigit() else None
+    return None
+
+
 def _process_state(pid: int, proc: Path = Path("/proc")) -> str:
     """Process ``pid``'s state as ``ps`` shows it (``/proc/<pid>/stat`` field 3: ``T (stopped)``, ``S (sleeping)``,
     ``D (disk sleep)``, ...); ``unknown`` when it cannot be read."""
