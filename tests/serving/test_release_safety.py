@@ -780,3 +780,29 @@ def test_serve_of_a_repository_on_a_read_only_mount(tmp_path, units4, monkeypatc
         assert "read-only (Read-only file system); it agrees with releases.json" in capsys.readouterr().out
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_releases_names_files_that_disagree_with_the_record(tmp_path, units4, capsys):
+    """Hostile s15 T8/T120, s15b F14: `invoke releases` exited 0 without a word when a kill between the ensemble and
+    the BLS switch left them on two units, route.json was hand-edited, or the current unit's folder was deleted."""
+    from precision_pipeline.cli import serving as cli
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    release.rollback(repo)
+    assert release.list_releases(repo)["problems"] == []
+    release_configs.point_ensemble(repo, b)                     # a kill between the two switches
+    [p] = release.list_releases(repo)["problems"]
+    assert p == (f"the ensemble's config calls {b}, releases.json records {a} (an interrupted change): `invoke rollback "
+                 f"--repo {repo} --to {a}` (add --url when a server serves it) puts everything back on it")
+    release_configs.point_ensemble(repo, a)
+    (repo / "tensorrt_llm_bls" / "route.json").write_text(json.dumps({"tensorrt_llm_model_name": a, "canary": {
+        "tensorrt_llm_model_name": "preprocessing", "percent": 100}}))
+    [p] = release.list_releases(repo)["problems"]
+    assert p.startswith('the BLS config or route.json ({"canary": {"percent": 100, "tensorrt_llm_model_name": "preprocessing"}')
+    shutil.rmtree(repo / a)
+    capsys.readouterr()
+    cli.releases(str(repo))
+    out, err = capsys.readouterr()
+    assert json.loads(out)["problems"] and f"warning: the current release {a} is missing from {repo}" in err

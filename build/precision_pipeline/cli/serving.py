@@ -397,7 +397,10 @@ def releases(repo=None) -> None:
     """releases.json of the serving repository and what is on disk, as JSON."""
     from precision_pipeline.serving import release
 
-    print(json.dumps(release.list_releases(serving_repo(repo)), indent=2))  # list_releases refuses a non-repository
+    listed = release.list_releases(serving_repo(repo))  # list_releases refuses a non-repository
+    print(json.dumps(listed, indent=2))
+    for p in listed["problems"]:  # on stderr: the JSON on stdout stays parseable
+        console(stderr=True).print(f"[yellow]warning[/]: {p}", soft_wrap=True)
 
 
 __all__ = ["serving_repo", "serve", "promote", "rollback", "rollout", "probe", "releases"]

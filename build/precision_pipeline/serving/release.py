@@ -66,17 +66,20 @@ the first promote ``init_serving_repo``), ``release_switch`` (the switch, retent
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.store import read_json
 from precision_pipeline.serving import llmapi_unit, pack, release_live
 from precision_pipeline.serving.release_configs import current_of_configs
 from precision_pipeline.serving.release_live import load_unit, loaded_models, smoke_unit, unload_quietly
 from precision_pipeline.serving.release_recover import init_serving_repo, state_or_refuse
 from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current, note_recovered,
-                                                      read_state, rejected_units, release_record, serving_now, state_path,
+                                                      ROUTE_FILE, ensemble_serves, read_state, rejected_units, release_record,
+                                                      serving_now, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
 from precision_pipeline.serving.release_units import install_unit, is_any_unit, resolve_unit_source, verify_kept
@@ -291,4 +294,32 @@ def list_releases(repo_dir: Path) -> dict:
         raise UserError("--repo", f"{repo_dir} is not a serving repository: there is no {state_path(repo_dir)} "
                         "beside it.", fix)
     on_disk = sorted(p.name for p in repo_dir.iterdir() if is_any_unit(p.name))
-    return {"state": state, "on_disk": on_disk, "configs": current_of_configs(repo_dir)}
+    configs = current_of_configs(repo_dir)
+    return {"state": state, "on_disk": on_disk, "configs": configs,
+            "problems": _disagreements(repo_dir, state, on_disk, configs)}
+
+
+def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tuple) -> list[str]:
+    """What ``list_releases`` shows disagreeing with releases.json (hostile s15 T8, T120, s15b F14: `invoke releases`
+    said nothing of a split after a kill between the ensemble and the BLS switch, a hand-edited route.json, or a
+    deleted current unit), each with the command that repairs it; [] when the files agree. While a rollout is in
+    progress the BLS's route is the rollout's, not compared. The live server is not asked (no --url here)."""
+    cur, out = state.get("current"), []
+    if not cur:
+        return out
+    fix = f"`invoke rollback --repo {repo_dir} --to {cur}` (add --url when a server serves it) puts everything back on it"
+    if cur not in on_disk:
+        out.append(f"the current release {cur} is missing from {repo_dir}: promote its build again (that reinstalls it), "
+                   "or roll back to another release")
+    if state.get("rollout"):
+        return out
+    if ensemble_serves(cur) and configs[0] != cur:
+        out.append(f"the ensemble's config calls {configs[0]}, releases.json records {cur} (an interrupted change): {fix}")
+    try:
+        route = read_json(repo_dir / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}
+    except ValueError:
+        route = {"unreadable": True}
+    if configs[1] != cur or route != {"tensorrt_llm_model_name": cur}:
+        out.append(f"the BLS config or route.json ({json.dumps(route, sort_keys=True)[:120]}) does not send every request "
+                   f"to {cur}, which releases.json records (an interrupted change or a hand edit): {fix}")
+    return out
