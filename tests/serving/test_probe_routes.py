@@ -120,3 +120,13 @@ def test_probe_unit_of_another_profile_or_not_loaded_is_refused():
         cli._check_probe_unit_fits(srv, FALLBACK, state, "bf16-h100")
     with pytest.raises(UserError, match="tensorrt_llm_000000000000 is not loaded .* \\(unknown to it\\)"):
         cli._check_probe_unit_fits(srv, "tensorrt_llm_000000000000", None, "bf16-h100")
+
+
+def test_probe_metrics_port_without_every_is_refused(tmp_path):
+    """Hostile s15b F15: ``probe --metrics-port P`` without ``--every`` was ignored silently, even with P in use."""
+    from precision_pipeline.cli import serving as cli
+
+    with pytest.raises(UserError) as ei:
+        cli.probe(url="127.0.0.1:1", repo=str(tmp_path / "none"), unit=PRIMARY, metrics_port=18733)
+    assert ei.value.problems[0].field == "--metrics-port"
+    assert ei.value.problems[0].reason.startswith("only applies with --every")

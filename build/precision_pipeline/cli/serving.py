@@ -258,6 +258,9 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     every_s = None if every is None else float(int_arg("--every", every, 1, 86400))
     max_runs = int_arg("--runs", runs, 1) if runs is not None else None
     port = int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
+    if metrics_port is not None and every is None:  # hostile s15b F15: ignored silently, even a port in use
+        raise UserError("--metrics-port", "only applies with --every (the exporter of repeated probes); a single probe "
+                        "exports nothing.", "add --every N, or leave --metrics-port out.")
     if unit:
         release.check_probe_unit(unit)
     rec_profile = ""
