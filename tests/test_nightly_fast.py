@@ -52,6 +52,19 @@ def test_newly_failing_size_and_provenance_are_findings():
     assert ("newly_failing", "kl_mean") not in {(x["kind"], x["what"]) for x in nl.compare(row, base)}
 
 
+def test_a_baseline_value_that_is_no_number_is_said_not_compared():
+    """Hostile s15b F13: a baseline whose kl_mean was "NaN" and top1 null was compared on the rest without a word."""
+    base = {"gate": {"kl_mean": {"value": "NaN"}, "top1": {"value": None}, "kl_p99": 0.1}, "checkpoint_bytes": 100,
+            "provenance": {"producer": {"version": "0.47.0"}}}
+    row = _row(kl_mean={"value": 0.06, "ci95": [0.045, 0.07], "passed": True, "op": "<="},
+               top1={"value": 0.9, "ci95": [0.88, 0.91], "passed": True, "op": ">="},
+               kl_p99={"value": 0.1, "ci95": [0.09, 0.11], "passed": True, "op": "<="})
+    found = nl.compare(row, base)
+    assert [(f["kind"], f["what"]) for f in found] == [("not_compared", "kl_mean"), ("not_compared", "top1")]
+    assert found[0]["detail"] == ('kl_mean not compared: the baseline\'s value is {"value": "NaN"}, not a number (a '
+                                  'damaged baseline?)')
+
+
 @pytest.mark.parametrize("verdicts,code", [
     (["pass", "pass"], 0), (["pass", "skipped"], 4), (["skipped", "refused"], 2), (["refused", "failed"], 3),
     (["failed", "regressed"], 6), (["regressed", "engine_failed"], 5), (["regressed", "error", "pass"], 1), ([], 0)])

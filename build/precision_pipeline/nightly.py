@@ -256,11 +256,17 @@ def _lower_is_better(metric: str, op: Optional[str]) -> bool:
 
 def compare(row: Row, base: dict) -> list[dict[str, Any]]:
     """Findings of ``row`` against baseline ``base`` (see the module docstring), each
-    {"kind", "what", "before", "after", "detail"}; kinds: regression, newly_failing, checkpoint_size, provenance."""
+    {"kind", "what", "before", "after", "detail"}; kinds: regression, newly_failing, checkpoint_size, provenance, and
+    not_compared (a baseline value that is no number: said, not a regression)."""
     out: list[dict[str, Any]] = []
     bgate = base.get("gate") or {}
     for metric, now in row.gate.items():
         after, before = _value(now), _value(bgate.get(metric))
+        if after is not None and before is None and metric in bgate:  # hostile s15b F13: dropped without a word
+            out.append({"kind": "not_compared", "what": metric, "before": None, "after": after,
+                        "detail": f"{metric} not compared: the baseline's value is {_short(bgate.get(metric))}, "
+                                  "not a number (a damaged baseline?)"})
+            continue
         if after is None or before is None:
             continue
         ci = now.get("ci95")
@@ -453,7 +459,7 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
         if base is not None and row.measured:
             row.baseline = base
             row.findings = compare(row, base)
-            if row.findings and row.verdict in ("pass", "failed", "skipped"):
+            if any(f["kind"] != "not_compared" for f in row.findings) and row.verdict in ("pass", "failed", "skipped"):
                 row.verdict = "regressed"
         say(f"[nightly] {row.profile}: {row.verdict}; "
             + (f"rebuilt {', '.join(row.rebuilt)}" if row.rebuilt else "nothing rebuilt (every stage's key unchanged)")
