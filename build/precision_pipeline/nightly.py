@@ -747,7 +747,7 @@ def render_cronjob(gpu: str, out_dir: Path, *, image: Optional[str] = None, sche
     profiles = profiles_for_sm(spec.sm)
     if not profiles:
         raise UserError("--gpu", f"no shipped profile targets SM {spec.sm} ({spec.name}).", "pick a GPU a profile targets.")
-    image = image or deploy.DEFAULT_IMAGE
+    image = deploy.DEFAULT_IMAGE if image is None else image  # "" (an unset $IMAGE) is refused below
     deploy.check_image(image, "--image")
     params = {
         "name": f"precision-nightly-sm{spec.sm}", "namespace": namespace, "schedule": schedule,

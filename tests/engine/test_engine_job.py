@@ -255,3 +255,18 @@ def test_the_job_runs_the_engine_route_stages_through_the_build_loop(tmp_path, m
     with pytest.raises(UserError, match="SM 89"):
         job.run_engine_job(cpu_build)
     assert len(doubles.calls(paths)) == n and not (cpu_build / "engine").exists()
+
+
+def test_build_on_k8s_refuses_an_empty_image_and_warns_of_one_outside_the_catalog(cpu_build, capsys):
+    """Hostile s15b F8: ``--image ''`` (an unset $IMAGE) rendered the Job with the default image; F9: ``--image busybox``
+    (no TensorRT-LLM) was rendered without a word."""
+    from precision_pipeline.cli.build import build_on
+
+    with pytest.raises(UserError) as ei:
+        build_on("k8s", "fp8-h100", out=str(cpu_build), image="")
+    assert ei.value.problems[0].field == "--image" and "not a container image reference" in ei.value.problems[0].reason
+    assert build_on("k8s", "fp8-h100", out=str(cpu_build), image="busybox") == 0
+    out, err = capsys.readouterr()
+    assert "image: busybox" in out and "warning: busybox is not in the catalog of Triton + TensorRT-LLM images" in err
+    assert build_on("k8s", "fp8-h100", out=str(cpu_build), image="nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3") == 0
+    assert "warning" not in capsys.readouterr().err

@@ -49,10 +49,22 @@ def build_on(on, profile, model=None, out=None, image=None, golden_limit=None) -
     limit = int_arg("--golden-limit", golden_limit, 1, 1000)
     if on != "k8s":
         raise UserError("--on", f"{str(on)[:40]!r} is not a place to build.", "use --on k8s (or leave --on out to build here).")
+    if image is not None:  # '' (an unset $IMAGE) is refused, not the default (hostile s15b F8)
+        deploy.check_image(image, "--image")
+        from precision_pipeline.serving.images import CATALOG, lookup
+
+        if lookup(image) is None:  # hostile s15b F9: busybox or a Triton tag without TensorRT-LLM, silently
+            from precision_pipeline.cli.console import console
+
+            console(stderr=True).print(
+                f"[yellow]warning[/]: {image} is not in the catalog of Triton + TensorRT-LLM images "
+                f"({', '.join(r.tag for r in CATALOG)}): the Job runs trtllm-build inside it, so it must ship TensorRT-LLM "
+                "(its versions are recorded in engine/provenance.json); a moving tag (latest) may change between runs.",
+                soft_wrap=True)
     prof = load_build_profile(profile)
     plan = plan_mod.resolve(prof, model_dir(model), for_build=True)
     out_dir = check_gated_output(Path(out) if out else default_out_dir(prof.name), prof.name)
-    text = build_job.render_job(plan, out_dir, image or deploy.DEFAULT_IMAGE, model_dir=model_dir(model),
+    text = build_job.render_job(plan, out_dir, deploy.DEFAULT_IMAGE if image is None else image, model_dir=model_dir(model),
                                 golden_limit=limit)
     rc = build_job.apply_and_follow(text)
     if rc is None:
