@@ -458,3 +458,25 @@ def test_out_inside_a_serving_repository_or_with_an_overlong_name_is_refused_say
         validate_out_dir(tmp_path / ("a" * 300))
     assert "(a folder name of 300 bytes; names are at most 255)" in ei.value.problems[0].reason
     assert validate_out_dir(tmp_path / "fine") == (tmp_path / "fine").resolve()
+
+
+def test_a_damaged_output_marker_beside_stage_records_is_named_and_rewritable(tmp_path):
+    """Hostile s15b F5: ``.precision-build.json`` holding 'nonsense' was reported as missing, with the fix ``rm -r``
+    of the whole output (stage records intact). It is named as damaged, with the marker to write back."""
+    import json as _json
+
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.outputs import OUTPUT_MARKER, read_output_marker, validate_out_dir
+
+    out = tmp_path / "d1"
+    (out / ".stages").mkdir(parents=True)
+    (out / "manifest.json").write_text(_json.dumps({"profile": "fp8-h100", "stages": {}}))
+    (out / OUTPUT_MARKER).write_text("nonsense\n")
+    with pytest.raises(UserError) as ei:
+        validate_out_dir(out, ("checkpoint",))
+    p = ei.value.problems[0]
+    assert p.reason == f"{out / OUTPUT_MARKER} is damaged (not the JSON object a build writes) beside a build's stage records."
+    assert "rm -r" not in p.fix
+    cmd = p.fix.split("`")[1]
+    subprocess.run(["bash", "-c", cmd], check=True)              # the printed repair works
+    assert read_output_marker(out) is not None and validate_out_dir(out, ("checkpoint",)) == out.resolve()

@@ -150,6 +150,12 @@ def validate_out_dir(out: Path, folders: tuple[str, ...] = ()) -> Path:
     if not entries:
         return out.resolve()
     shown = ", ".join(sorted(entries)[:5]) + (f" (+{len(entries) - 5} more)" if len(entries) > 5 else "")
+    if (out / OUTPUT_MARKER).is_file() and _looks_like_old_output(out, folders):
+        # hostile s15b F5: a damaged marker beside intact stage records read as "missing", fix `rm -r` the output
+        raise UserError(field, f"{out / OUTPUT_MARKER} is damaged (not the JSON object a build writes) beside a "
+                        "build's stage records.", f"if {out} is a build output of this pipeline, rewrite the marker: "
+                        f"`printf '{{\"format\": \"{OUTPUT_FORMAT}\", \"version\": {OUTPUT_VERSION}}}' > "
+                        f"{out / OUTPUT_MARKER}`, then build again (every stage still right is reused); else give a new --out.")
     if _looks_like_old_output(out, folders):
         raise UserError(field, f"{out} looks like the output of a build from before output folders were marked "
                         f"({OUTPUT_MARKER} is missing), and this pipeline does not take over unmarked folders: "
