@@ -117,6 +117,36 @@ def test_url_of_another_repository_while_its_own_server_runs_names_that_server(s
         own.wait()
 
 
+def test_the_stand_in_refuses_a_prompt_past_the_engines_max_input_len(served, units4):  # noqa: F811
+    """Hostile s15b F10: the CPU stand-in answered a 6,000-token prompt that an engine of max_input_len 4,096 refuses
+    (TensorRT-LLM's request validation throws "Prompt length (%d) exceeds maximum input length (%d)."). The unit's
+    cpu_reference.json carries the plan's limits and the stand-in applies them as the real backend does."""
+    import numpy as np
+    import tritonclient.http as http
+    from tritonclient.utils import InferenceServerException
+
+    repo, srv = served
+    unit = units4[0].engine_unit
+    ref = json.loads((repo / unit / "engine" / "cpu_reference.json").read_text())
+    assert ref["limits"] == {"max_input_len": 4096, "max_seq_len": 8192}
+
+    def req(n):
+        ins = []
+        for name, arr in (("input_ids", np.ones((1, n), np.int32)), ("input_lengths", np.array([[n]], np.int32)),
+                          ("request_output_len", np.array([[1]], np.int32))):
+            x = http.InferInput(name, list(arr.shape), "INT32")
+            x.set_data_from_numpy(arr)
+            ins.append(x)
+        return ins
+    c = srv.http_client()
+    try:
+        with pytest.raises(InferenceServerException, match=r"Prompt length \(4097\) exceeds maximum input length \(4096\)\."):
+            c.infer(unit, req(4097))
+        assert c.infer(unit, req(8)).as_numpy("output_ids") is not None
+    finally:
+        c.close()
+
+
 def test_rollback_without_url_is_refused_while_the_server_serves_the_repository(served, invoke_here):
     """Hostile s8 #56, on the real server: its command line names the repository, so a command without --url is
     refused with the --url to pass (tests/serving/test_hostile_s8_left.py has the fast case)."""

@@ -272,3 +272,19 @@ def test_route_explain_refuses_bad_flags(kw, field):
     assert ei.value.problems[0].field == field
     with pytest.raises(UserError, match="not a route action"):
         explain("describe", "fp8-h100-routed", prompt_tokens=5)
+
+
+def test_route_explain_says_what_the_engine_does_past_its_limits():
+    """Hostile s15b F10: a 750,030-token prompt was explained as "served by fallback", and 10 + 999,999,999 tokens as
+    primary, without a word that the engine refuses the first and shortens the second."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.cli.routing import limit_notes
+
+    lim = SimpleNamespace(max_input_len=4096, max_seq_len=8192)
+    [refused] = limit_notes(4097, None, lim, "bf16-h100")
+    assert refused == ('  [red]refused by the engine[/]: prompt_tokens 4097 > max_input_len 4096 of bf16-h100 '
+                       '(TensorRT-LLM: "Prompt length (4097) exceeds maximum input length (4096).")')
+    assert limit_notes(10, 8183, lim, "p") == ["  note: prompt_tokens 10 + max_tokens 8183 > max_seq_len 8192 of p: the "
+                                               "engine shortens the output to 8182 tokens"]
+    assert limit_notes(4096, 4096, lim, "p") == [] and limit_notes(10, None, lim, "p") == []

@@ -106,7 +106,26 @@ def explain(action: str, profile: str, prompt: Optional[str] = None, prompt_file
     for rr in r.rules:
         mark = "->" if rr.name == d.rule else "  "
         con.print(f"  {mark} {rr.name}: {rr.conditions() or 'default'} => {rr.target}", soft_wrap=True)
+    target_plan = plan if d.target == "primary" else plan_mod.resolve(load_build_profile(unit), plan_model_dir(model),
+                                                                      for_build=False)
+    for line in limit_notes(n, request["max_tokens"], target_plan.limits, unit):
+        con.print(line, soft_wrap=True)
     return 0
 
 
-__all__ = ["explain", "prompt_token_count", "ACTIONS"]
+def limit_notes(prompt_tokens: int, max_tokens: Optional[int], limits, unit: str) -> list[str]:
+    """What the engine of ``unit`` does with a request past its ``limits`` (hostile s15b F10: explained as routed
+    although the engine refuses it), as TensorRT-LLM's request validation does (GenericLlmRequest::validate,
+    cpp/include/tensorrt_llm/batch_manager/llmRequest.h): a prompt over ``max_input_len`` is refused; prompt +
+    ``max_tokens`` over ``max_seq_len`` has its output shortened to ``max_seq_len - prompt``."""
+    if limits.max_input_len and prompt_tokens > limits.max_input_len:
+        return [f"  [red]refused by the engine[/]: prompt_tokens {prompt_tokens} > max_input_len {limits.max_input_len} "
+                f"of {unit} (TensorRT-LLM: \"Prompt length ({prompt_tokens}) exceeds maximum input length "
+                f"({limits.max_input_len}).\")"]
+    if max_tokens and limits.max_seq_len and prompt_tokens + max_tokens > limits.max_seq_len:
+        return [f"  note: prompt_tokens {prompt_tokens} + max_tokens {max_tokens} > max_seq_len {limits.max_seq_len} of "
+                f"{unit}: the engine shortens the output to {limits.max_seq_len - prompt_tokens} tokens"]
+    return []
+
+
+__all__ = ["explain", "prompt_token_count", "limit_notes", "ACTIONS"]

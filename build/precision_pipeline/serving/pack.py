@@ -529,9 +529,12 @@ def routing_files(profile) -> dict[str, dict]:
 
 
 def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,
-               model_dir: Path, engine_hash: str, profile_name: str, meta: dict | None = None) -> None:
+               model_dir: Path, engine_hash: str, profile_name: str, meta: dict | None = None,
+               limits: dict | None = None) -> None:
     """Write one engine unit: config.pbtxt, 1/, engine/ (engine files + CPU reference pointer), and ``meta``
-    ({file name: JSON object}, ``unit_meta``: precision_path.json, routing.json)."""
+    ({file name: JSON object}, ``unit_meta``: precision_path.json, routing.json). ``limits``: the engine's
+    ``max_input_len`` and ``max_seq_len`` (the plan's), which the CPU stand-in enforces per request as the real
+    backend does (hostile s15b F10: it answered a 6,000-token prompt an engine of max_input_len 4,096 refuses)."""
     (unit_dir / "1").mkdir(parents=True, exist_ok=True)
     for name, obj in (meta or {}).items():
         (unit_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
@@ -550,7 +553,7 @@ def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_bui
                 "the real tensorrtllm backend reads config.json and rank*.engine here.",
         "engine_hash": engine_hash, "engine_present": bool(engine_built), "profile": profile_name,
         "checkpoint_dir": ck_rel, "hf_model_dir": str(Path(model_dir).resolve()),
-        "project_root": str(SOURCE_ROOT),
+        "project_root": str(SOURCE_ROOT), **({"limits": limits} if limits else {}),
     }, indent=2) + "\n")
 
 
@@ -621,7 +624,8 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
         staged = tmp / UNIT_PLACEHOLDER
         write_unit(staged, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
                    checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
-                   profile_name=plan.profile.name, meta=unit_meta(plan, ehash, UNIT_PLACEHOLDER))
+                   profile_name=plan.profile.name, meta=unit_meta(plan, ehash, UNIT_PLACEHOLDER),
+                   limits={"max_input_len": plan.limits.max_input_len, "max_seq_len": plan.limits.max_seq_len})
         key = hash_obj(unit_digests(staged, digests))
         unit = unit_name(key)
         params, _ = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name, unit=unit)

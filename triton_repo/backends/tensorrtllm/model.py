@@ -127,6 +127,9 @@ class TritonPythonModel:
         self.exclude_default = str(_param(cfg, "exclude_input_in_output", "false")).lower() == "true"
         self.max_beam = int(_param(cfg, "max_beam_width", "1"))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        with open(os.path.join(self.engine_dir, "cpu_reference.json")) as f:
+            limits = json.load(f).get("limits") or {}
+        self.max_input_len, self.max_seq_len = int(limits.get("max_input_len") or 0), int(limits.get("max_seq_len") or 0)
         self.model, how = load_model(self.engine_dir)
         _log(f"{self.name}: serving {how}; engine location {self.engine_dir}; {threads} thread(s); "
              f"loaded in {time.perf_counter() - t0:.1f} s. This is NOT TensorRT-LLM.")
@@ -192,6 +195,17 @@ class TritonPythonModel:
             m = int(out_len[min(r, len(out_len) - 1)])
             if m < 1:
                 raise ValueError(f"request_output_len[{r}]={m} must be >= 1")
+            # the engine's limits as TensorRT-LLM's request validation applies them (GenericLlmRequest::validate,
+            # cpp/include/tensorrt_llm/batch_manager/llmRequest.h): a prompt longer than max_input_len is refused
+            # ("Prompt length (%d) exceeds maximum input length (%d)."); prompt + output past max_seq_len gets its
+            # output shortened to max_seq_len - prompt, with a warning
+            if self.max_input_len and n > self.max_input_len:
+                raise ValueError(f"Prompt length ({n}) exceeds maximum input length ({self.max_input_len}).")
+            if self.max_seq_len and n + m > self.max_seq_len:
+                _log(f"{self.name}: prompt length + number of requested output tokens ({n} + {m}) exceeds maximum "
+                     f"sequence length ({self.max_seq_len}); number of requested output tokens is changed to "
+                     f"({self.max_seq_len - n}).")
+                m = self.max_seq_len - n
             end_id = int(self._scalar(request, "end_id", r, -1))
             pad_id = int(self._scalar(request, "pad_id", r, end_id if end_id >= 0 else 0))
             excl = bool(self._scalar(request, "exclude_input_in_output", r, self.exclude_default))
