@@ -229,6 +229,11 @@ def test_a_copy_of_the_repository_is_refused_with_the_originals_server(tmp_path,
             call()
         assert ei.value.problems[0].field == "--repo"
     assert srv.calls == [] and release_state.state_path(copy).read_text() == before
+    from precision_pipeline.serving import triton_server as ts  # hostile s15c T21: serve of the copy, refused too
+
+    with pytest.raises(UserError, match="is a copy or a move .* a server of it would load the original's files") as ei:
+        ts.serve(copy, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    assert ei.value.problems[0].field == "--repo"
 
 
 def test_a_rollback_target_that_does_not_load_is_refused_not_a_traceback(tmp_path, units4):

@@ -5,6 +5,7 @@ releases.json (``reconcile_server``). See serving/release.py."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -200,11 +201,37 @@ def routed_units(repo_dir: Path, server) -> set[str]:
 
 
 def _inside_dir(p: Path, folder: Path) -> bool:
+    """Whether ``p`` is in ``folder``: by path, or by directory identity (device, inode) of one of its parents, so
+    the same repository through a bind mount is inside itself (hostile s15 F14's read-only mount)."""
     try:
         p.resolve().relative_to(Path(folder).resolve())
         return True
     except (ValueError, OSError, RuntimeError):
+        pass
+    try:
+        want = os.stat(folder)
+    except OSError:
         return False
+    for d in Path(p).resolve().parents:
+        with contextlib.suppress(OSError):
+            st = os.stat(d)
+            if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+                return True
+    return False
+
+
+def refuse_copied_repository(repo_dir: Path, consequence: str) -> None:
+    """UserError on ``--repo`` when ``repo_dir`` is a copy or a move of another serving repository: its preprocessing's
+    ``tokenizer_dir`` (an absolute path into the repository pack wrote) points outside it, so its files still name the
+    original (and its units' ``gpt_model_path`` the original's units). ``consequence``: what would go wrong here.
+    The one rule for ``verify_server`` and ``serve`` (hostile s15c T21: a server of a copy served the original's unit
+    files, unseen by the original's commands)."""
+    p = Path(repo_dir) / "preprocessing" / "config.pbtxt"
+    want = pack.config_params(load_config(p)).get("tokenizer_dir") if p.is_file() else None
+    if want and not _inside_dir(Path(want), repo_dir):
+        raise UserError("--repo", f"{repo_dir} is a copy or a move of another serving repository: its preprocessing's "
+                        f"tokenizer_dir is {want!r}, outside it; {consequence}", "run the command on the repository "
+                        "tokenizer_dir points into, or create a new one here with `invoke promote --repo`.")
 
 
 def verify_server(repo_dir: Path, server) -> None:
@@ -227,13 +254,8 @@ def verify_server(repo_dir: Path, server) -> None:
         want = pack.config_params(load_config(p)).get(key) if p.is_file() else None
         if not want:
             continue
-        if key == "tokenizer_dir" and not _inside_dir(Path(want), repo_dir):
-            # a copied (or moved) repository: its files still name the original, so both identities
-            # would match the original's server, and edits here would switch and unload models there
-            raise UserError("--repo", f"{repo_dir} is a copy or a move of another serving repository: its preprocessing's "
-                            f"tokenizer_dir is {want!r}, outside it; the server at --url would load the original's "
-                            "configs, not these.", "run the command on the repository the server serves (the one "
-                            "tokenizer_dir points into), or create a new one here with `invoke promote --repo`.")
+        if key == "tokenizer_dir":
+            refuse_copied_repository(repo_dir, "the server at --url would load the original's configs, not these.")
         try:
             live = server.model_config(model)
         except OSError as e:  # it answered attach(): it stopped since (hostile s12 F-P: "the input was refused")

@@ -768,6 +768,10 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     check_serving_path(repo.resolve(), "--repo", f"serve a repository at a path of {SERVING_PATH_CHARS} (promote into such a "
                        "--repo: promote refuses the others), or move this one back where it was made; nothing was started.")
     check_distinct_ports((("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)))
+    from precision_pipeline.serving.release_live import refuse_copied_repository
+
+    refuse_copied_repository(repo, "a server of it would load the original's files (its units' gpt_model_path), and "
+                             "a change to the original would not know of it; nothing was started.")
     if live := servers_of(repo):  # before the recovery: that would rewrite the files the other one serves
         pid, at = live[0]
         raise UserError("--repo", f"tritonserver (pid {pid}) already serves {repo.resolve()} at {at}; a second server of "
