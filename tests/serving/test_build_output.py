@@ -87,7 +87,7 @@ def test_the_first_release_gets_the_fallback_warmth_retention_and_skew_facts(tmp
     p = build_output.promote_build(b, tmp_path / "serving", by="invoke promote", fallback_out=tmp_path / "bf16-h100")
     assert p.created and p.unit == "tensorrt_llm_000000000001" and p.notes == []
     assert p.warnings == ["w", "fallback bf16-h100: w"]  # the fallback's acceptance too (hostile s8 #48)
-    assert seen["accept"] == {"image": b.image, "sm": 90}
+    assert seen["accept"] == {"image": b.image, "sm": 90, "profile_ref": "fp8-h100"}  # the --profile as given (s15c T26)
     k = seen["init"]
     assert (k["fallback_repo"], k["warm_fallback"], k["keep_releases"]) == (
         (tmp_path / "bf16-h100").resolve() / "model_repository", True, 5)
@@ -239,5 +239,6 @@ def test_a_relative_calibration_dataset_is_read_as_built_and_its_content_is_chec
     assert p.field == "calibration.dataset" and p.rule == "accept.dataset"
     assert p.reason.startswith(f"{data} changed since the build in {out} (sha256 ")
     assert p.fix == "rebuild it (it calibrates and gates on the file as it is now), or put the file back."
+    assert b.ref == str(d / "mine.yaml")  # hostile s15c T26: what check_promotable's rebuild command names
     data.unlink()
     assert acceptance._dataset_problems(b.profile, out, "rebuild it") == []

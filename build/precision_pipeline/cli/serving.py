@@ -172,7 +172,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     n_probe = int_arg("--probe-prompts", probe_prompts, 1, 65)
     b = build_output.open_build(profile, out)
     prof = b.profile
-    ok = acceptance.check_promotable(prof, b.out_dir, b.packed, action="rollout", **b.serving_facts())
+    ok = acceptance.check_promotable(prof, b.out_dir, b.packed, action="rollout", profile_ref=b.ref, **b.serving_facts())
     for w in ok.warnings + build_output.repository_settings_warnings(prof, repo_dir):
         con.print(f"[yellow]warning[/]: {w}", soft_wrap=True)
     step_list = given_steps or ro.parse_steps(list(prof.deployment.canary_steps))

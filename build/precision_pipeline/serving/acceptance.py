@@ -66,15 +66,17 @@ def _layout_of(profile) -> dict[str, int]:
 
 
 def check_promotable(profile, out_dir: Path, packed_repo: Path, *, image: Optional[str] = None,
-                     sm: Optional[int] = None, action: str = "promote") -> Acceptance:
+                     sm: Optional[int] = None, action: str = "promote", profile_ref: Optional[str] = None) -> Acceptance:
     """Refuse (UserError, exit 2) a build that does not hold for the release (module doc); return the
     release's gate record and the warnings. ``image``: the serving image (the build's rendered
-    Deployment); ``sm``: the deployment GPU's SM; ``action``: ``promote`` or ``rollout`` (messages)."""
+    Deployment); ``sm``: the deployment GPU's SM; ``action``: ``promote`` or ``rollout`` (messages);
+    ``profile_ref``: the ``--profile`` as given (a file path), named in the printed rebuild command (hostile s15c
+    T26: the profile's stem was refused as no shipped profile); default ``profile.name``."""
     from precision_pipeline.gate.verdict import verdict_failures
     from precision_pipeline.serving import pack, release_units
 
     out_dir = Path(out_dir)
-    rebuild = f"rebuild it: invoke build --profile {profile.name} --out {out_dir}"
+    rebuild = f"rebuild it: invoke build --profile {profile_ref or profile.name} --out {out_dir}"
     problems: list[Problem] = []
     warnings: list[str] = []
     unit = release_units.resolve_unit_source(packed_repo)

@@ -42,6 +42,8 @@ class BuildOutput:
     repository: RepositoryArtifact
     manifests: Optional[ManifestsArtifact] = None
     checkpoint: Optional[CheckpointArtifact] = None
+    ref: str = ""
+    """The ``--profile`` the caller gave (a shipped name or a file path): what a printed rebuild command names."""
 
     @property
     def passed(self) -> bool:
@@ -112,7 +114,8 @@ def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passe
                        f"run `invoke build --profile {profile_ref} --out {out_dir}` (it reuses every stage still right)"
                        + ("" if out else ", or pass --out with the folder of its build") + ".")
     b = BuildOutput(out_dir=out_dir, profile=prof, plan=resolved.plan, gate=gate, repository=repo,
-                    manifests=_typed(out_dir, DeployStage()), checkpoint=_typed(out_dir, QuantizeStage()))
+                    manifests=_typed(out_dir, DeployStage()), checkpoint=_typed(out_dir, QuantizeStage()),
+                    ref=str(profile_ref))
     if require_passed and not b.passed:
         raise UserError("--profile", f"the build of {prof.name} did not pass its accuracy gate.",
                         "fix the profile and rebuild; a failed build is never promoted.")
@@ -145,7 +148,8 @@ def promote_build(build: BuildOutput, repo_dir: Path, *, by: str, server=None,
     from precision_pipeline.serving import acceptance, release
 
     repo_dir = Path(repo_dir)
-    ok = acceptance.check_promotable(build.profile, build.out_dir, build.packed, **build.serving_facts())  # before any write
+    ok = acceptance.check_promotable(build.profile, build.out_dir, build.packed, profile_ref=build.ref,
+                                     **build.serving_facts())  # before any write
     warnings = list(ok.warnings)
     dep = build.profile.deployment
     if release.read_state(repo_dir) is None:
@@ -204,7 +208,7 @@ def _accepted_fallback(name: str, fallback_out: Optional[Path], warnings: list[s
 
     try:
         fb = open_build(name, fallback_out)
-        ok = acceptance.check_promotable(fb.profile, fb.out_dir, fb.packed, **fb.serving_facts())
+        ok = acceptance.check_promotable(fb.profile, fb.out_dir, fb.packed, profile_ref=fb.ref, **fb.serving_facts())
     except NotBuilt:
         notes.append(f"fallback {name} is not built; run `invoke build --profile {name}` to keep it on disk.")
         return None
