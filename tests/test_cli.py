@@ -33,7 +33,7 @@ def previous_output(tmp_path) -> Path:
 
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
-    write_output_marker(out, "earlier")  # what a build writes first: the folder is a build output
+    write_output_marker(out, "fp8-h100")  # what a build writes first: the folder is a build output
     (out / "manifest.json").write_text('{"profile": "earlier"}\n')
     (out / "plan.json").write_text("{}\n")
     (out / "checkpoint" / "config.json").write_text('{"quantization": {"quant_algo": "FP8"}}\n')

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import hash_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +58,7 @@ def previous_output(tmp_path) -> Path:
 
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
-    write_output_marker(out, "earlier")
+    write_output_marker(out, "fp8-h100")  # the profile the tests build into it again
     (out / "manifest.json").write_text('{"profile": "earlier"}\n')
     (out / "plan.json").write_text('{"profile": "earlier"}\n')
     (out / "checkpoint" / "config.json").write_text('{"quantization": {"quant_algo": "FP8"}}\n')
@@ -494,3 +495,21 @@ def test_an_interrupted_rebuild_leaves_the_output_marked_unfinished_until_a_buil
     run_build("fp8-h100", out=str(out), wait=False)
     assert unfinished_build(read_manifest(out / "manifest.json")) is None
     assert unfinished_build({}) is None and unfinished_build({"profile": "x", "stages": {}}) is None
+
+
+def test_a_build_of_another_profile_into_a_marked_output_is_refused(monkeypatch, tmp_path):
+    """Hostile s15b F22: a build of profile B into profile A's output replaced A's passed build without a word (the
+    marker kept saying A). Refused before anything is written."""
+    from precision_pipeline.core.outputs import read_output_marker
+    from precision_pipeline.pipeline import run_build
+
+    _fake_stages(monkeypatch)
+    out = tmp_path / "out"
+    run_build("fp8-h100", out=str(out), wait=False)
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(UserError) as ei:
+        run_build("bf16-h100", out=str(out), wait=False)
+    assert ei.value.problems[0].field == "--out"
+    assert ei.value.problems[0].reason == (f"{out.resolve()} holds the build of profile 'fp8-h100' (its "
+                                           ".precision-build.json), not 'bf16-h100': this build would replace it.")
+    assert (out / "manifest.json").read_text() == before and read_output_marker(out)["profile"] == "fp8-h100"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from precision_pipeline.checkpoint.stage import VerifyStage
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.outputs import (check_serving_path, default_out_dir, output_lock, read_output_marker, say,
                                              validate_out_dir, write_output_marker)
 from precision_pipeline.core.route import Route, manifest_facts, prepare, run_stages
@@ -127,8 +128,14 @@ def run_prepared(req: BuildRequest, prepared: tuple[ResolvedPlan, dict[str, Done
     out_dir.mkdir(parents=True, exist_ok=True)  # the first write: every input was checked above
     with output_lock(out_dir, f"build of {req.profile.name}", wait, on_wait or say):
         validate_out_dir(out_dir, stage_folders())  # again, under the lock
-        if read_output_marker(out_dir) is None:
+        marker = read_output_marker(out_dir)
+        if marker is None:
             write_output_marker(out_dir, req.profile.name)
+        elif marker.get("profile") and marker["profile"] != req.profile.name:  # hostile s15b F22: replaced silently
+            raise UserError("--out", f"{out_dir} holds the build of profile {marker['profile']!r} (its "
+                            f".precision-build.json), not {req.profile.name!r}: this build would replace it.",
+                            f"give another --out (the default is artifacts/{req.profile.name}), or delete that output "
+                            "first if its build is no longer wanted.")
         left = clean_stale(out_dir, names=stage_folders())  # a killed build's staged copies (.checkpoint.tmp-*)
         if left:
             say(f"[build] removed what an interrupted build left: {', '.join(sorted(left))}")
