@@ -811,3 +811,26 @@ def test_releases_names_files_that_disagree_with_the_record(tmp_path, units4, ca
     cli.releases(str(repo))
     out, err = capsys.readouterr()
     assert json.loads(out)["problems"] and f"warning: the current release {a} is missing from {repo}" in err
+
+
+def test_serve_heals_the_repository_while_it_runs(tmp_path, units4, monkeypatch, capsys):
+    """Hostile s15b F14 / s15c T72: ``invoke serve`` runs ``release_recover.heal`` every ``HEAL_EVERY_S`` seconds
+    while its server runs and prints what it repaired (a stand-in process that ends after ~1.5 s plays the server)."""
+    import subprocess
+    import sys
+
+    from precision_pipeline.core.errors import PipelineError
+    from precision_pipeline.serving import triton_server as ts
+
+    repo = serving_repo(tmp_path, units4[0])
+    calls = []
+    monkeypatch.setattr(ts, "HEAL_EVERY_S", 0.2)
+    monkeypatch.setattr(release_recover, "heal", lambda r, s: calls.append(r) or (["x re-pointed"] if len(calls) == 1 else []))
+    monkeypatch.setattr(ts.TritonServer, "start", lambda self: setattr(self, "proc", subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(1.5)"])) or setattr(self, "start_s", 0.0))
+    monkeypatch.setattr(ts.TritonServer, "stop", lambda self, timeout_s=30: None)
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(PipelineError, match="exited with status 0"):
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3)
+    assert len(calls) >= 2 and all(c == repo for c in calls)
+    assert capsys.readouterr().out.count("[serve] repaired: x re-pointed\n") == 1

@@ -157,6 +157,25 @@ def recover(repo_dir: Path, server=None) -> list[str]:
         return note_recovered(fixed)
 
 
+def heal(repo_dir: Path, server) -> list[str]:
+    """One pass of ``invoke serve``'s watchdog: when no release command holds the repository's lock (``lock`` with
+    no wait), make the files and the live ``server`` agree with releases.json (``recover_locked``, then
+    ``reconcile_server``). A command killed between two steps of a switch (the live ensemble on one unit, the BLS and
+    the record on another: hostile s15b F14, s15c T72) is repaired within seconds, not at the next release command.
+    Returns what was done; [] when nothing disagreed, the lock is held (a change in progress), the repository cannot
+    be written (read-only: ``lock`` refuses) or the server does not answer (serve reports its death itself)."""
+    repo_dir = Path(repo_dir)
+    try:
+        with lock(repo_dir, timeout_s=0):
+            fixed = recover_locked(repo_dir)
+            state = read_state(repo_dir)
+            if state and state.get("current") and (repo_dir / state["current"] / "config.pbtxt").is_file():
+                fixed += reconcile_server(repo_dir, server, state)
+            return fixed
+    except (UserError, OSError, RuntimeError, ValueError):
+        return []
+
+
 def recover_locked(repo_dir: Path, leaving_current: bool = False) -> list[str]:
     fixed = recover_first_promote(repo_dir)
     if not repo_dir.is_dir():

@@ -319,7 +319,7 @@ _RECOVERED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("r
 
 
 @contextlib.contextmanager
-def lock(repo_dir: Path):
+def lock(repo_dir: Path, timeout_s: float | None = 600):
     """Hold the releases lock of ``repo_dir`` (``LOCK_FILE`` beside it: ``core.store.locked``). What a recovery did
     while it was held (``note_recovered``) is attached to a ``UserError`` raised inside it (``UserError.done``), so a
     refusal after a recovery does not say "nothing was changed" (hostile s15 F1: a promote of the current release
@@ -327,7 +327,7 @@ def lock(repo_dir: Path):
     notes: list[str] = []
     token = _RECOVERED.set(notes)
     try:
-        with locked(Path(repo_dir).resolve().parent / LOCK_FILE):
+        with locked(Path(repo_dir).resolve().parent / LOCK_FILE, timeout_s):
             yield
     except UserError as e:
         if notes:

@@ -596,6 +596,10 @@ def models_to_load(model_repository: Path) -> list[str]:
     return sorted(names, key=lambda n: (order.get(n, 5), n))
 
 
+HEAL_EVERY_S = 5.0
+"""How often ``invoke serve`` makes its server and repository agree with releases.json when no release command holds
+the lock (``release_recover.heal``): a command killed mid-switch is repaired within this many seconds."""
+
 SERVER_DIED_EXIT = 1
 """Exit status of ``invoke serve`` when its tritonserver ends on its own (killed, crashed): an
 unexpected failure, reported with the server's log tail and no traceback."""
@@ -815,8 +819,13 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
     died = None
     try:
         with terminate_as_interrupt():  # SIGTERM/SIGHUP of the task: stop the server like Ctrl-C does
+            next_heal = time.monotonic() + HEAL_EVERY_S
             while srv.proc.poll() is None:
                 time.sleep(0.5)
+                if note is None and time.monotonic() >= next_heal:  # not a read-only repository
+                    next_heal = time.monotonic() + HEAL_EVERY_S
+                    for f in release_recover.heal(repo, srv):
+                        print(f"[serve] repaired: {f}", flush=True)
             died = srv.proc.returncode
     except KeyboardInterrupt:
         print("stopping (SIGTERM) ...", flush=True)
