@@ -491,7 +491,7 @@ def test_a_rollout_aborted_from_another_shell_exits_3(monkeypatch, tmp_path, cap
     from precision_pipeline.serving import build_output
 
     class Built:  # what the typed build reader gives (serving/build_output.py has its own tests)
-        profile, out_dir, packed = load_profile("bf16-h100"), tmp_path, tmp_path
+        profile, out_dir, packed, ref = load_profile("bf16-h100"), tmp_path, tmp_path, "bf16-h100"
 
         def serving_facts(self):
             return {"image": None, "sm": 90}
