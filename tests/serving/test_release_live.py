@@ -240,8 +240,8 @@ def test_first_promote_of_a_new_repository_with_url_of_another_is_refused(served
 def test_wrong_metrics_port_is_refused_before_loading(served, units4):  # noqa: F811
     repo, srv = served
     other = TritonServer.attach(srv.http_url)
-    other.metrics_port = free_port()
-    with pytest.raises(UserError, match="no Triton metrics") as ei:
+    other.metrics_port = free_port()  # the local server at --url names its own (hostile s15 F15)
+    with pytest.raises(UserError, match=f"exports its metrics on port {srv.metrics_port}, not {other.metrics_port}") as ei:
         rollout.rollout(repo, units4[3].out_dir, other, None, steps=(50, 100), hold_s=0)
     assert ei.value.problems[0].field == "--metrics-port"
     assert "rollout" not in release_state.read_state(repo) and srv.loaded_models().get(units4[3].engine_unit) is None

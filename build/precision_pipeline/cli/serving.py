@@ -136,6 +136,30 @@ def _attach(url: str, metrics_port, repo_dir: Path | None = None):
     return server
 
 
+def _abort(repo_dir: Path, url, metrics_port, con) -> int:
+    """``rollout --abort``: the rollout in progress ended (``serving.rollout.abort``), printed; without --url the server
+    this machine runs on the repository, else the files only (hostile s15 F12: refused on 127.0.0.1:8000). Returns 0."""
+    from precision_pipeline.serving import rollout as ro
+
+    if url is None:
+        from precision_pipeline.serving.triton_server import servers_of
+
+        url = next((at for _pid, at in servers_of(repo_dir)), None)
+        if url is None:
+            con.print("note: no --url and no tritonserver on this machine serves the repository: the abort "
+                      "rewrites its files (route.json, the configs) only; a server elsewhere follows route.json "
+                      "at its next request.", soft_wrap=True)
+    rec = ro.abort(repo_dir, _attach(url, metrics_port) if url is not None else None)
+    at = (f"after its switch to 100 % (interrupted before its commit; recorded at {rec['percent']} %)"
+          if rec.get("ensemble_reloaded") else f"at {rec['percent']} %")  # the live ensemble was on it (hostile s15 T49)
+    con.print(f"rollout of {rec['candidate']} aborted {at}: {rec['stable']} serves all traffic "
+              f"(decision to last candidate request {rec.get('decision_to_stable_ms', 0):.0f} ms)", soft_wrap=True)
+    if rec.get("candidate_kept") or rec.get("server_error"):
+        con.print(f"[yellow]note[/]: {rec['candidate']} was not unloaded: "
+                  f"{rec.get('candidate_kept') or rec.get('server_error')}", soft_wrap=True)
+    return 0
+
+
 def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, abort=False, repo=None, out=None,
             probe_prompts=4) -> int:
     """``serving.rollout.rollout`` of the build with a live accuracy probe (or ``abort``); returns 3 when the
@@ -146,24 +170,8 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
 
     repo_dir, con = serving_repo(repo), console()
     metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535)  # before anything else is asked
-    if abort:  # without --url: the server this machine runs on the repository, else the files only (hostile s15 F12)
-        if url is None:
-            from precision_pipeline.serving.triton_server import servers_of
-
-            url = next((at for _pid, at in servers_of(repo_dir)), None)
-            if url is None:
-                con.print("note: no --url and no tritonserver on this machine serves the repository: the abort "
-                          "rewrites its files (route.json, the configs) only; a server elsewhere follows route.json "
-                          "at its next request.", soft_wrap=True)
-        rec = ro.abort(repo_dir, _attach(url, metrics_port) if url is not None else None)
-        at = (f"after its switch to 100 % (interrupted before its commit; recorded at {rec['percent']} %)"
-              if rec.get("ensemble_reloaded") else f"at {rec['percent']} %")  # the live ensemble was on it (hostile s15 T49)
-        con.print(f"rollout of {rec['candidate']} aborted {at}: {rec['stable']} serves all traffic "
-                  f"(decision to last candidate request {rec.get('decision_to_stable_ms', 0):.0f} ms)", soft_wrap=True)
-        if rec.get("candidate_kept") or rec.get("server_error"):
-            con.print(f"[yellow]note[/]: {rec['candidate']} was not unloaded: "
-                      f"{rec.get('candidate_kept') or rec.get('server_error')}", soft_wrap=True)
-        return 0
+    if abort:
+        return _abort(repo_dir, url, metrics_port, con)
     url = "127.0.0.1:8000" if url is None else url  # '' refused by attach
     if not profile:
         raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
@@ -247,7 +255,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     import time as _time
 
     from precision_pipeline.core.errors import EXIT_GATE_FAILED
-    from precision_pipeline.serving import build_output, release
+    from precision_pipeline.serving import release
     from precision_pipeline.serving import probe as pr
     from precision_pipeline.serving.triton_server import TritonServer
 
@@ -274,15 +282,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         if not (profile or rec_profile):
             raise UserError("--profile", "is required: no serving repository names the current release's profile.",
                             "e.g. invoke probe --profile fp8-h100 (or --gate <build out>/gate)")
-        try:
-            b = build_output.open_build(profile or rec_profile, out)
-        except build_output.NotBuilt as e:
-            if profile:
-                raise
-            p = e.problems[0]  # --profile was not given: say where the profile came from (hostile s15 F8)
-            raise UserError("--profile", f"not given, so the current release's recorded profile {rec_profile} was taken; "
-                            f"{p.reason}", f"pass --profile and --out of the current release's build (or --gate "
-                            "<its build>/gate). " + p.fix) from None
+        b = _open_for_probe(profile, rec_profile, out)
         prof_name, packed, pset = b.profile.name, b.packed, b.probe_set(n)
     if not unit and not state and packed is None:
         raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
@@ -322,6 +322,22 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         if exporter is not None:
             exporter.close()
     return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def _open_for_probe(profile, rec_profile: str, out):
+    """``build_output.open_build`` of ``--profile`` or, not given, the current release's recorded profile, a refusal
+    of which then says where the profile came from (hostile s15 F8: it blamed --profile, which was not given)."""
+    from precision_pipeline.serving import build_output
+
+    try:
+        return build_output.open_build(profile or rec_profile, out)
+    except build_output.NotBuilt as e:
+        if profile:
+            raise
+        p = e.problems[0]
+        raise UserError("--profile", f"not given, so the current release's recorded profile {rec_profile} was taken; "
+                        f"{p.reason}", "pass --profile and --out of the current release's build (or --gate "
+                        "<its build>/gate). " + p.fix) from None
 
 
 def _check_probe_unit_fits(server, unit: str, state: dict | None, prof_name: str) -> None:

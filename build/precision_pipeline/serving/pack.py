@@ -529,31 +529,28 @@ def routing_files(profile) -> dict[str, dict]:
 
 
 def write_unit(unit_dir: Path, config_text: str, *, engine_dir: Path, engine_built: bool, checkpoint_dir: Path,
-               model_dir: Path, engine_hash: str, profile_name: str, meta: dict | None = None,
-               limits: dict | None = None) -> None:
+               model_dir: Path, plan: ResolvedPlan, engine_hash: str, meta: dict | None = None) -> None:
     """Write one engine unit: config.pbtxt, 1/, engine/ (engine files + CPU reference pointer), and ``meta``
-    ({file name: JSON object}, ``unit_meta``: precision_path.json, routing.json). ``limits``: the engine's
-    ``max_input_len`` and ``max_seq_len`` (the plan's), which the CPU stand-in enforces per request as the real
-    backend does (hostile s15b F10: it answered a 6,000-token prompt an engine of max_input_len 4,096 refuses)."""
+    ({file name: JSON object}, ``unit_meta``: precision_path.json, routing.json). ``plan``'s limits go to the CPU
+    stand-in, which applies them per request as the real backend does (hostile s15b F10)."""
     (unit_dir / "1").mkdir(parents=True, exist_ok=True)
     for name, obj in (meta or {}).items():
         (unit_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
     (unit_dir / "1" / ".keep").write_text("Triton version directory; the engine is at gpt_model_path (../engine).\n")
     (unit_dir / "config.pbtxt").write_text(config_text)
-    eng = unit_dir / "engine"
-    eng.mkdir()
+    (eng := unit_dir / "engine").mkdir()
     if engine_built:
         link_tree(engine_dir, eng, skip=(ENGINE_ARGS_FILE,))
-    ck_rel = None
-    if Path(checkpoint_dir).is_dir():
+    has_ck = Path(checkpoint_dir).is_dir()
+    if has_ck:
         link_tree(checkpoint_dir, eng / "checkpoint")
-        ck_rel = "checkpoint"
+    lim = plan.limits
     (eng / CPU_REFERENCE_FILE).write_text(json.dumps({
         "note": "Read only by the CPU reference stand-in backend (triton_repo/backends/tensorrtllm); "
                 "the real tensorrtllm backend reads config.json and rank*.engine here.",
-        "engine_hash": engine_hash, "engine_present": bool(engine_built), "profile": profile_name,
-        "checkpoint_dir": ck_rel, "hf_model_dir": str(Path(model_dir).resolve()),
-        "project_root": str(SOURCE_ROOT), **({"limits": limits} if limits else {}),
+        "engine_hash": engine_hash, "engine_present": bool(engine_built), "profile": plan.profile.name,
+        "checkpoint_dir": "checkpoint" if has_ck else None, "hf_model_dir": str(Path(model_dir).resolve()),
+        "project_root": str(SOURCE_ROOT), "limits": {"max_input_len": lim.max_input_len, "max_seq_len": lim.max_seq_len},
     }, indent=2) + "\n")
 
 
@@ -623,9 +620,8 @@ def pack_repository(plan: ResolvedPlan, profile, model_dir: Path, checkpoint_dir
         # the unit is written under a placeholder name first: its content key (over every file) is its name
         staged = tmp / UNIT_PLACEHOLDER
         write_unit(staged, texts["tensorrt_llm"], engine_dir=engine_dir, engine_built=engine_built,
-                   checkpoint_dir=checkpoint_dir, model_dir=model_dir, engine_hash=ehash,
-                   profile_name=plan.profile.name, meta=unit_meta(plan, ehash, UNIT_PLACEHOLDER),
-                   limits={"max_input_len": plan.limits.max_input_len, "max_seq_len": plan.limits.max_seq_len})
+                   checkpoint_dir=checkpoint_dir, model_dir=model_dir, plan=plan, engine_hash=ehash,
+                   meta=unit_meta(plan, ehash, UNIT_PLACEHOLDER))
         key = hash_obj(unit_digests(staged, digests))
         unit = unit_name(key)
         params, _ = compute_params(plan, profile, model_dir, ehash, repo_root, out_dir.name, unit=unit)

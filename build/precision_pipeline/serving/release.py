@@ -77,7 +77,7 @@ from precision_pipeline.serving import llmapi_unit, pack, release_live
 from precision_pipeline.serving.release_configs import current_of_configs
 from precision_pipeline.serving.release_live import load_unit, loaded_models, smoke_unit, unload_quietly
 from precision_pipeline.serving.release_recover import init_serving_repo, state_or_refuse
-from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current, note_recovered,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current,
                                                       ROUTE_FILE, ensemble_serves, read_state, rejected_units, release_record,
                                                       serving_now, state_path,
                                                       timestamp, write_state)
@@ -108,15 +108,12 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
                                  "create it with `invoke promote --profile P --repo DIR` (the first promote creates it).",
                                  server=server, leaving_current=True)
         previous = state["current"]
-        previous_missing = not (repo_dir / previous / "config.pbtxt").is_file()
         if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
         unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
         crash_point("install")
-        if unit == previous:
-            if previous_missing:  # its build's unit put the deleted folder back (hostile s15 F3)
-                note_recovered([f"the folder of {unit} reinstalled from this build"])
+        if unit == previous:  # (its deleted folder reinstalled by install_unit is said: UserError.done)
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
         try:  # a refusal, Ctrl-C or SIGTERM before the switch: the candidate is unloaded (hostile s8 #59)
             if server is not None:

@@ -12,7 +12,7 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import hash_file, read_json
 from precision_pipeline.serving import llmapi_unit, pack
 from precision_pipeline.serving.release_configs import load_config, set_params
-from precision_pipeline.serving.release_state import crash_point
+from precision_pipeline.serving.release_state import crash_point, note_recovered
 
 
 def is_any_unit(name: str) -> bool:
@@ -216,6 +216,8 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
         raise
     if record is not None:
         record.setdefault("unit_files", {})[name] = installed_record(dst, files)
+    if name in set(protect):  # the unit that serves now, its folder gone: put back (hostile s15 F3)
+        note_recovered([f"the folder of {name} reinstalled from this build"])
     return name
 
 
