@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -343,3 +344,31 @@ def test_a_swap_into_a_stage_temporary_folder_killed_leaves_nothing_after_clean_
     removed = clean_stale(tmp_path, names=["checkpoint", ".stages"])
     assert removed and sorted(p.name for p in tmp_path.iterdir()) == [".stages", "checkpoint"], sorted(os.listdir(tmp_path))
     assert (target / "f").read_text() == "old"
+
+
+def test_a_release_command_waiting_on_the_releases_lock_says_for_whom_even_a_stopped_holder(tmp_path, capsys):
+    """Hostile s15c T100/T106: a promote or an abort waited in silence (up to 600 s) on the releases lock held by a
+    stopped (Ctrl-Z, SIGSTOP) rollback. The wait now prints a line every few seconds naming the holder's command, and
+    a stopped holder as STOPPED with the way to resume it."""
+    import signal
+
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.store import describe_holder
+    from precision_pipeline.serving import release_state
+
+    repo = tmp_path / "serving" / "model_repository"
+    repo.mkdir(parents=True)
+    holder = _hold(repo.parent / release_state.LOCK_FILE, 60)
+    try:
+        holder.send_signal(signal.SIGSTOP)
+        with pytest.raises(UserError) as ei:
+            with release_state.lock(repo, timeout_s=6):
+                pass
+        err = capsys.readouterr().err
+        assert f"waiting for {repo.parent / release_state.LOCK_FILE}: held by pid {holder.pid} on " in err
+        assert f"(holder test), STOPPED (resume it: kill -CONT {holder.pid})" in err
+        assert f"STOPPED (resume it: kill -CONT {holder.pid})" in ei.value.problems[0].reason
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "STOPPED" not in describe_holder({"pid": os.getpid(), "host": socket.gethostname(), "since": 0})

@@ -361,7 +361,12 @@ def describe_holder(info: dict) -> str:
         return "an unknown process"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"])) if isinstance(info.get("since"), (int, float)) else "?"
     what = f" ({info['what']})" if info.get("what") else ""
-    return f"pid {info['pid']} on {info.get('host', '?')} since {since}{what}"
+    stopped = ""
+    if info.get("host") == socket.gethostname():  # hostile s15c T100/T106: a stopped holder waited on in silence
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            code = Path(f"/proc/{int(info['pid'])}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            stopped = f", STOPPED (resume it: kill -CONT {info['pid']})" if code in ("T", "t") else ""
+    return f"pid {info['pid']} on {info.get('host', '?')} since {since}{what}{stopped}"
 
 
 class _DirLock:

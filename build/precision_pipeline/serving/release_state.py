@@ -9,6 +9,7 @@ import contextvars
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
@@ -327,7 +328,8 @@ def lock(repo_dir: Path, timeout_s: float | None = 600):
     notes: list[str] = []
     token = _RECOVERED.set(notes)
     try:
-        with locked(Path(repo_dir).resolve().parent / LOCK_FILE, timeout_s):
+        with locked(Path(repo_dir).resolve().parent / LOCK_FILE, timeout_s, what=_command_line(),
+                    on_wait=lambda m: print(m, file=sys.stderr, flush=True)):  # never a silent wait (hostile s15c T106)
             yield
     except UserError as e:
         if notes:
@@ -335,6 +337,13 @@ def lock(repo_dir: Path, timeout_s: float | None = 600):
         raise
     finally:
         _RECOVERED.reset(token)
+
+
+def _command_line() -> str:
+    """This process's command line, short (``invoke rollback --repo R ...``): what the releases lock's sidecar names."""
+    argv = [Path(sys.argv[0]).name if sys.argv else "?", *sys.argv[1:]]
+    text = " ".join(argv)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def note_recovered(fixed: list[str]) -> list[str]:
