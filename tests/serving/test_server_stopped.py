@@ -6,6 +6,7 @@ test_release_live.py."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -330,3 +331,30 @@ def test_a_rollout_refuses_the_metrics_port_of_another_local_server(tmp_path):
         p.kill()
         p.wait()
     assert local_metrics_port(f"127.0.0.1:{http}") is None
+
+
+def test_stop_kills_what_is_left_of_the_servers_process_group(tmp_path):
+    """Hostile s15c T144: SIGTERM to `invoke serve` while its models loaded left a python backend stub running (ppid 1)
+    after tritonserver exited. ``stop`` now kills what is left of the server's process group (a shell that leaves a
+    child in its own new session stands in for tritonserver and a stub)."""
+    import subprocess
+
+    from precision_pipeline.serving.triton_server import TritonServer
+
+    srv = object.__new__(TritonServer)
+    srv.proc = subprocess.Popen(["bash", "-c", "sleep 60 & echo $! > child; exit 0"], cwd=tmp_path, start_new_session=True)
+    srv.proc.wait(10)
+    child = int((tmp_path / "child").read_text())
+    srv.shm_token, srv._own_log = "none-such-token", False
+    os.kill(child, 0)                                                   # left running, as a stub was
+    srv.stop()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the group's leftover process was not killed")

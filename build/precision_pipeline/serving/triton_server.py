@@ -486,8 +486,8 @@ class TritonServer:
                                                                               "reading its repository index"))}
 
     def stop(self, timeout_s: float = 30) -> int | None:
-        """Unload every loaded model (all at once), SIGTERM, wait; SIGKILL the process group only if it does not
-        exit in time."""
+        """Unload every loaded model (all at once), SIGTERM, wait; SIGKILL the process group if it does not exit in
+        time, and what is left of its group once it has (backend stubs that were still starting)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -508,6 +508,8 @@ class TritonServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # backend stubs still starting when it exited
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stay in its process group, orphaned (hostile s15c T144)
         clean_stale_shm(self.shm_token, min_age_s=0.0)
         if self._own_log and self.proc.returncode == 0:
             with contextlib.suppress(OSError):
