@@ -682,7 +682,9 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
 
     repo = Path(model_repository)
     if not repo.is_dir():
-        raise UserError("model_repository", f"{repo} does not exist.", "run `invoke build --profile X` first.")
+        raise UserError("--repo", f"{repo} does not exist.", f"create it with `invoke promote --profile P --repo {repo}` "
+                        "(a serving repository), or serve a build's output (`invoke build --profile P`, then "
+                        "`invoke serve --profile P`).")
     check_serving_path(repo.resolve(), "--repo", f"serve a repository at a path of {SERVING_PATH_CHARS} (promote into such a "
                        "--repo: promote refuses the others), or move this one back where it was made; nothing was started.")
     check_distinct_ports((("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)))
