@@ -358,3 +358,36 @@ def test_stop_kills_what_is_left_of_the_servers_process_group(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail("the group's leftover process was not killed")
+
+
+def test_verify_server_refuses_the_local_server_of_a_copy(tmp_path):
+    """Hostile s15c N7: a `cp -a` copy of repository r2 served by a tritonserver carries r2's identity parameters, so
+    `rollback --repo r2 --url <the copy's server>` passed the check, changed the copy's server and ended in an internal
+    error. A local tritonserver at --url must serve the repository itself (a stand-in process serves the copy)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving.release_live import verify_server
+    from precision_pipeline.serving.triton_server import free_port, server_processes
+
+    repo, copy = tmp_path / "r2" / "model_repository", tmp_path / "copy" / "model_repository"
+    repo.mkdir(parents=True)
+    copy.mkdir(parents=True)
+    port = free_port()
+    p = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
+                          f"--model-repository={copy} --http-port={port}", sys.executable])
+    try:
+        for _ in range(100):
+            if any(pid == p.pid for pid, _, _ in server_processes()):
+                break
+            time.sleep(0.05)
+        with pytest.raises(UserError) as ei:
+            verify_server(repo, SimpleNamespace(http_url=f"127.0.0.1:{port}"))
+        assert ei.value.problems[0].field == "--url"
+        assert ei.value.problems[0].reason.startswith(f"the server at 127.0.0.1:{port} is a tritonserver of this machine "
+                                                      f"serving {copy}, not {repo}")
+    finally:
+        p.kill()
+        p.wait()

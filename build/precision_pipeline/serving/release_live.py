@@ -239,7 +239,8 @@ def verify_server(repo_dir: Path, server) -> None:
     anything is changed: the parameters that identify the repository must be the same in the files
     and in the configs the server loaded: the ensemble's ``IDENTITY_PARAM`` (repositories created
     since it exists) and the preprocessing's ``tokenizer_dir`` (an absolute path into the repository).
-    At least one of the two models must be loaded there. A repository whose ``tokenizer_dir`` points
+    At least one of the two models must be loaded there. A tritonserver of this machine at --url must serve
+    ``repo_dir`` itself (by path or directory identity): a copy's server has the original's identities. A repository whose ``tokenizer_dir`` points
     outside it (a copy or a move: its files still name the original) is refused (UserError on ``--repo``).
     Nothing to check without a server."""
     if server is None:
@@ -248,6 +249,12 @@ def verify_server(repo_dir: Path, server) -> None:
     where = f"the server at {server.http_url}"
     fix = (f"pass the --url of the server that serves {repo_dir} (`invoke serve --repo {repo_dir}` starts one), "
            "or the --repo that this server serves.")
+    from precision_pipeline.serving.server_procs import repository_at, same_directory
+
+    served = repository_at(server.http_url)  # a local server's own folder: a copy carries the original's identities
+    if served and served != str(repo_dir.resolve()) and not same_directory(served, str(repo_dir)):
+        raise UserError("--url", f"{where} is a tritonserver of this machine serving {served}, not {repo_dir} (a copy "
+                        "carries the original's identity parameters, so they cannot tell the two apart; hostile s15c N7).", fix)
     checked = 0
     for model, key in (("ensemble", IDENTITY_PARAM), ("preprocessing", "tokenizer_dir")):
         p = repo_dir / model / "config.pbtxt"
