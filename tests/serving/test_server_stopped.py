@@ -386,8 +386,8 @@ def test_verify_server_refuses_the_local_server_of_a_copy(tmp_path):
         with pytest.raises(UserError) as ei:
             verify_server(repo, SimpleNamespace(http_url=f"127.0.0.1:{port}"))
         assert ei.value.problems[0].field == "--url"
-        assert ei.value.problems[0].reason.startswith(f"the server at 127.0.0.1:{port} is a tritonserver of this machine "
-                                                      f"serving {copy}, not {repo}")
+        assert ei.value.problems[0].reason.startswith(f"the server at 127.0.0.1:{port} does not serve {repo}: it is a "
+                                                      f"tritonserver of this machine serving {copy} (a copy")
     finally:
         p.kill()
         p.wait()
