@@ -269,7 +269,7 @@ def test_attach_to_a_local_server_that_does_not_answer_names_it_and_its_state(tm
     import sys
 
     from precision_pipeline.core.errors import UserError
-    from precision_pipeline.serving.triton_server import TritonServer, _process_state, free_port, server_processes
+    from precision_pipeline.serving.triton_server import TritonServer, process_state, free_port, server_processes
 
     repo = tmp_path / "model_repository"
     repo.mkdir()
@@ -278,7 +278,7 @@ def test_attach_to_a_local_server_that_does_not_answer_names_it_and_its_state(tm
                           f"--model-repository={repo} --http-port={port}", sys.executable])
     try:
         for _ in range(200):  # listed, and asleep in time.sleep (no longer starting Python)
-            if any(pid == p.pid for pid, _, _ in server_processes()) and _process_state(p.pid).startswith("S"):
+            if any(pid == p.pid for pid, _, _ in server_processes()) and process_state(p.pid).startswith("S"):
                 break
             time.sleep(0.05)
         with pytest.raises(UserError) as ei:

@@ -51,7 +51,7 @@ def local_metrics_port(http_url: str, proc: Path = Path("/proc")) -> tuple[int, 
     return None
 
 
-def _process_state(pid: int, proc: Path = Path("/proc")) -> str:
+def process_state(pid: int, proc: Path = Path("/proc")) -> str:
     """Process ``pid``'s state as ``ps`` shows it (``/proc/<pid>/stat`` field 3: ``T (stopped)``, ``S (sleeping)``,
     ``D (disk sleep)``, ...); ``unknown`` when it cannot be read."""
     names = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "tracing stop", "Z": "zombie"}

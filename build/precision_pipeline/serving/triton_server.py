@@ -46,9 +46,9 @@ from typing import Any, Iterable
 
 from precision_pipeline.core.errors import ServerStopped, UserError
 from precision_pipeline.core.signals import terminate_as_interrupt  # noqa: F401  (its users import it from here too)
-from precision_pipeline.serving.server_procs import (_process_state, _server_options, local_metrics_port,  # noqa: F401
-                                                     other_servers, repository_at, same_directory, same_endpoint,
-                                                     server_processes, servers_of)
+from precision_pipeline.serving.server_procs import (local_metrics_port, other_servers, process_state,  # noqa: F401
+                                                     repository_at, same_directory, same_endpoint, server_processes,
+                                                     servers_of)
 from precision_pipeline.core.paths import REPO_ROOT, cache_dir
 
 SHM_PREFIX = "precision_pipeline_"
@@ -250,7 +250,7 @@ class TritonServer:
             local = next(((pid, repo) for pid, repo, at in server_processes() if same_endpoint(at, f"{srv.host}:{port}")), None)
             if local is not None:  # hostile s15 F10: a stopped or hung local server; its three fixes were each refused
                 pid, repo = local
-                state = _process_state(pid)
+                state = process_state(pid)
                 raise UserError("--url", f"tritonserver (pid {pid}, serving {repo or '?'}) listens at {http_url} but does "
                                 f"not answer (process state {state}); nothing was changed.",
                                 (f"resume it (kill -CONT {pid})" if state.startswith("T") else "wait for it")
