@@ -387,7 +387,7 @@ def test_verify_server_refuses_the_local_server_of_a_copy(tmp_path):
             verify_server(repo, SimpleNamespace(http_url=f"127.0.0.1:{port}"))
         assert ei.value.problems[0].field == "--url"
         assert ei.value.problems[0].reason.startswith(f"the server at 127.0.0.1:{port} does not serve {repo}: it is a "
-                                                      f"tritonserver of this machine serving {copy} (a copy")
+                                                      f"tritonserver of this machine serving {copy} (the folder decides")
     finally:
         p.kill()
         p.wait()

@@ -254,8 +254,8 @@ def verify_server(repo_dir: Path, server) -> None:
     served = repository_at(server.http_url)  # a local server's own folder: a copy carries the original's identities
     if served and served != str(repo_dir.resolve()) and not same_directory(served, str(repo_dir)):
         raise UserError("--url", f"{where} does not serve {repo_dir}: it is a tritonserver of this machine serving "
-                        f"{served} (a copy carries the original's identity parameters, so they cannot tell the two "
-                        "apart).", fix)  # hostile s15c N7
+                        f"{served} (the folder decides: a copy of a repository carries its identity parameters)."
+                        , fix)  # hostile s15c N7, s15d T3
     checked = 0
     for model, key in (("ensemble", IDENTITY_PARAM), ("preprocessing", "tokenizer_dir")):
         p = repo_dir / model / "config.pbtxt"
