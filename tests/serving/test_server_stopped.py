@@ -6,6 +6,7 @@ test_release_live.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -18,6 +19,28 @@ import pytest
 from precision_pipeline.core.errors import EXIT_SERVER_STOPPED, ServerStopped, exit_code_for
 from precision_pipeline.serving import release_live
 from precision_pipeline.serving.triton_server import TritonServer
+
+
+@contextlib.contextmanager
+def fake_tritonserver(args: str):
+    """A process whose command line is ``tritonserver ARGS`` (it answers nothing): what ``server_processes`` lists as a
+    local server. Yields the process once it is listed and asleep; kills it on the way out."""
+    import subprocess
+    import sys
+
+    from precision_pipeline.serving.triton_server import process_state, server_processes
+
+    p = subprocess.Popen(["bash", "-c", f'exec -a tritonserver "$0" -c "import time; time.sleep(120)" {args}',
+                          sys.executable])
+    try:
+        for _ in range(200):  # listed, and asleep in time.sleep (no longer starting Python)
+            if any(pid == p.pid for pid, _, _ in server_processes()) and process_state(p.pid).startswith("S"):
+                break
+            time.sleep(0.05)
+        yield p
+    finally:
+        p.kill()
+        p.wait()
 
 
 class _Listener:
@@ -265,22 +288,14 @@ def test_attach_to_a_local_server_that_does_not_answer_names_it_and_its_state(tm
     --url "pass --url", and serve "already serves": a circle. ``attach`` now names the local process listening there,
     its state and the way out (a process with a tritonserver command line that never answers stands in)."""
     import signal
-    import subprocess
-    import sys
 
     from precision_pipeline.core.errors import UserError
-    from precision_pipeline.serving.triton_server import TritonServer, process_state, free_port, server_processes
+    from precision_pipeline.serving.triton_server import TritonServer, free_port
 
     repo = tmp_path / "model_repository"
     repo.mkdir()
     port = free_port()
-    p = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
-                          f"--model-repository={repo} --http-port={port}", sys.executable])
-    try:
-        for _ in range(200):  # listed, and asleep in time.sleep (no longer starting Python)
-            if any(pid == p.pid for pid, _, _ in server_processes()) and process_state(p.pid).startswith("S"):
-                break
-            time.sleep(0.05)
+    with fake_tritonserver(f"--model-repository={repo} --http-port={port}") as p:
         with pytest.raises(UserError) as ei:
             TritonServer.attach(f"localhost:{port}")
         pr = ei.value.problems[0]
@@ -293,9 +308,6 @@ def test_attach_to_a_local_server_that_does_not_answer_names_it_and_its_state(tm
             TritonServer.attach(f"127.0.0.1:{port}")
         assert "(process state T (stopped))" in ei.value.problems[0].reason
         assert ei.value.problems[0].fix.startswith(f"resume it (kill -CONT {p.pid}), or stop it")
-    finally:
-        p.kill()
-        p.wait()
     with pytest.raises(UserError, match="no Triton server answers"):
         TritonServer.attach(f"127.0.0.1:{port}")
 
@@ -304,22 +316,14 @@ def test_a_rollout_refuses_the_metrics_port_of_another_local_server(tmp_path):
     """Hostile s15 F15: two repositories served from the same builds share unit names, so another server's metrics
     listed the candidate and a rollout judged its canary on r1's counters. The local tritonserver at --url names its
     own --metrics-port; another one is refused before anything is scraped or loaded."""
-    import subprocess
-    import sys
     from types import SimpleNamespace
 
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.serving import rollout
-    from precision_pipeline.serving.triton_server import free_port, local_metrics_port, server_processes
+    from precision_pipeline.serving.triton_server import free_port, local_metrics_port
 
     http, metrics = free_port(), free_port()
-    p = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
-                          f"--model-repository={tmp_path} --http-port={http} --metrics-port {metrics}", sys.executable])
-    try:
-        for _ in range(100):
-            if any(pid == p.pid for pid, _, _ in server_processes()):
-                break
-            time.sleep(0.05)
+    with fake_tritonserver(f"--model-repository={tmp_path} --http-port={http} --metrics-port {metrics}") as p:
         assert local_metrics_port(f"localhost:{http}") == (p.pid, metrics)
         srv = SimpleNamespace(http_url=f"127.0.0.1:{http}", host="127.0.0.1", metrics_port=metrics + 1)
         with pytest.raises(UserError) as ei:
@@ -327,9 +331,6 @@ def test_a_rollout_refuses_the_metrics_port_of_another_local_server(tmp_path):
         assert ei.value.problems[0].reason.startswith(f"the tritonserver at 127.0.0.1:{http} (pid {p.pid}) exports its "
                                                       f"metrics on port {metrics}, not {metrics + 1}: ")
         assert ei.value.problems[0].fix == f"pass --metrics-port {metrics}."
-    finally:
-        p.kill()
-        p.wait()
     assert local_metrics_port(f"127.0.0.1:{http}") is None
 
 
@@ -364,30 +365,19 @@ def test_verify_server_refuses_the_local_server_of_a_copy(tmp_path):
     """Hostile s15c N7: a `cp -a` copy of repository r2 served by a tritonserver carries r2's identity parameters, so
     `rollback --repo r2 --url <the copy's server>` passed the check, changed the copy's server and ended in an internal
     error. A local tritonserver at --url must serve the repository itself (a stand-in process serves the copy)."""
-    import subprocess
-    import sys
     from types import SimpleNamespace
 
     from precision_pipeline.core.errors import UserError
     from precision_pipeline.serving.release_live import verify_server
-    from precision_pipeline.serving.triton_server import free_port, server_processes
+    from precision_pipeline.serving.triton_server import free_port
 
     repo, copy = tmp_path / "r2" / "model_repository", tmp_path / "copy" / "model_repository"
     repo.mkdir(parents=True)
     copy.mkdir(parents=True)
     port = free_port()
-    p = subprocess.Popen(["bash", "-c", 'exec -a tritonserver "$0" -c "import time; time.sleep(120)" '
-                          f"--model-repository={copy} --http-port={port}", sys.executable])
-    try:
-        for _ in range(100):
-            if any(pid == p.pid for pid, _, _ in server_processes()):
-                break
-            time.sleep(0.05)
+    with fake_tritonserver(f"--model-repository={copy} --http-port={port}"):
         with pytest.raises(UserError) as ei:
             verify_server(repo, SimpleNamespace(http_url=f"127.0.0.1:{port}"))
         assert ei.value.problems[0].field == "--url"
         assert ei.value.problems[0].reason.startswith(f"the server at 127.0.0.1:{port} does not serve {repo}: it is a "
                                                       f"tritonserver of this machine serving {copy} (the folder decides")
-    finally:
-        p.kill()
-        p.wait()
