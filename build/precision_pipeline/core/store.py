@@ -355,17 +355,26 @@ def lock_holder(path: Path) -> dict:
     return info if isinstance(info, dict) else {}
 
 
+def process_state(pid: int, proc: Path = Path("/proc")) -> str:
+    """Process ``pid``'s state as ``ps`` shows it (``/proc/<pid>/stat`` field 3: ``T (stopped)``, ``S (sleeping)``,
+    ``D (disk sleep)``, ...); ``unknown`` when it cannot be read."""
+    names = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "tracing stop", "Z": "zombie"}
+    try:
+        code = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return f"{code} ({names.get(code, '?')})"
+
+
 def describe_holder(info: dict) -> str:
     """``pid 123 on host x since 2026-01-01T10:00:00 (invoke build ...)``, or ``an unknown process``."""
     if not info.get("pid"):
         return "an unknown process"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"])) if isinstance(info.get("since"), (int, float)) else "?"
     what = f" ({info['what']})" if info.get("what") else ""
-    stopped = ""
-    if info.get("host") == socket.gethostname():  # hostile s15c T100/T106: a stopped holder waited on in silence
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            code = Path(f"/proc/{int(info['pid'])}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            stopped = f", STOPPED (resume it: kill -CONT {info['pid']})" if code in ("T", "t") else ""
+    stopped = ""  # hostile s15c T100/T106: a stopped holder was waited on in silence
+    if info.get("host") == socket.gethostname() and str(info["pid"]).isdigit() and process_state(int(info["pid"]))[0] in "Tt":
+        stopped = f", STOPPED (resume it: kill -CONT {info['pid']})"
     return f"pid {info['pid']} on {info.get('host', '?')} since {since}{what}{stopped}"
 
 

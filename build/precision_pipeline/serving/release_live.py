@@ -5,7 +5,6 @@ releases.json (``reconcile_server``). See serving/release.py."""
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
@@ -208,16 +207,9 @@ def _inside_dir(p: Path, folder: Path) -> bool:
         return True
     except (ValueError, OSError, RuntimeError):
         pass
-    try:
-        want = os.stat(folder)
-    except OSError:
-        return False
-    for d in Path(p).resolve().parents:
-        with contextlib.suppress(OSError):
-            st = os.stat(d)
-            if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
-                return True
-    return False
+    from precision_pipeline.serving.server_procs import same_directory
+
+    return any(same_directory(str(d), str(folder)) for d in Path(p).resolve().parents)
 
 
 def refuse_copied_repository(repo_dir: Path, consequence: str) -> None:

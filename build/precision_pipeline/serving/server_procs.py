@@ -12,6 +12,8 @@ import socket
 import stat
 from pathlib import Path
 
+from precision_pipeline.core.store import process_state  # noqa: F401  (the one home; re-exported)
+
 
 def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
     """``[(pid, repository, "HOST:PORT")]`` of the tritonserver processes on this machine: each ``--model-repository``
@@ -49,17 +51,6 @@ def local_metrics_port(http_url: str, proc: Path = Path("/proc")) -> tuple[int, 
             port = (_server_options(argv[1:]).get("metrics-port") or ["8002"])[-1]
             return (pid, int(port)) if port.isdigit() else None
     return None
-
-
-def process_state(pid: int, proc: Path = Path("/proc")) -> str:
-    """Process ``pid``'s state as ``ps`` shows it (``/proc/<pid>/stat`` field 3: ``T (stopped)``, ``S (sleeping)``,
-    ``D (disk sleep)``, ...); ``unknown`` when it cannot be read."""
-    names = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "tracing stop", "Z": "zombie"}
-    try:
-        code = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "unknown"
-    return f"{code} ({names.get(code, '?')})"
 
 
 def _server_options(args: list[str]) -> dict[str, list[str]]:
