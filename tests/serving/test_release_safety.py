@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from precision_pipeline.core.errors import UserError
-from precision_pipeline.serving import pack, release, release_configs, release_live, release_recover, release_rollout, release_state, rollout
+from precision_pipeline.serving import (pack, release, release_configs, release_live, release_recover, release_rollout,
+                                        release_state, release_units, rollout)
 from precision_pipeline.spec.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -624,12 +625,18 @@ def test_a_stale_folder_of_the_units_name_is_replaced_or_refused_when_it_serves(
         pack.parse_model_config(good, "x").SerializeToString(deterministic=True)
     assert not [q.name for q in repo.iterdir() if q.name.startswith(".")]
     ref = repo / a.engine_unit / "engine" / pack.CPU_REFERENCE_FILE
-    ref.write_text(ref.read_text() + " ")            # the current unit differs from the build: refused
+    ref.write_text(ref.read_text() + " ")            # the current unit differs from the build: refused with a server
     before = release_state.state_path(repo).read_text()
     with pytest.raises(UserError, match="it is the unit that serves now") as ei:
-        release.promote(repo, a.out_dir)
+        release_units.install_unit(repo, a.out_dir, protect={a.engine_unit}, record={}, live=True)
     assert "engine/cpu_reference.json is" in ei.value.problems[0].reason
     assert release_state.state_path(repo).read_text() == before and ref.read_text().endswith(" ")
+    with pytest.raises(UserError, match="is already the current release") as ei:  # files only (hostile s15c T113):
+        release.promote(repo, a.out_dir)            # nothing serves it, so the damaged folder is repaired, and said
+    assert ei.value.done == (f"the damaged folder of {a.engine_unit} (engine/cpu_reference.json is "
+                             f"{ref.stat().st_size + 1:,} bytes, not the recorded {ref.stat().st_size:,}) replaced by a "
+                             "verified copy of this build",)
+    assert not ref.read_text().endswith(" ") and not [q.name for q in repo.iterdir() if q.name.startswith(".")]
 
 
 def test_rollback_fallback_without_one_names_the_commands_to_run(tmp_path, units4):
@@ -834,3 +841,26 @@ def test_serve_heals_the_repository_while_it_runs(tmp_path, units4, monkeypatch,
         ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3)
     assert len(calls) >= 2 and all(c == repo for c in calls)
     assert capsys.readouterr().out.count("[serve] repaired: x re-pointed\n") == 1
+
+
+def test_serve_of_a_repository_whose_current_unit_was_truncated_is_refused_before_start(tmp_path, units4, monkeypatch):
+    """Hostile s15c T112: a truncated file of the current unit reached tritonserver (exit 1 with its option table and
+    Python frames); serve now compares every file the server would load with releases.json's recorded sizes."""
+    from precision_pipeline.serving import triton_server as ts
+
+    repo = serving_repo(tmp_path, units4[0])
+    started = []
+    monkeypatch.setattr(ts.TritonServer, "start", lambda self: started.append(self.models) or setattr(self, "start_s", 0.0))
+    monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
+    unit = units4[0].engine_unit
+    rel, row = max(((r, w) for r, w in release_state.read_state(repo)["unit_files"][unit].items()
+                    if not r.endswith(".pbtxt")), key=lambda kv: kv[1][0])  # a config is parsed (and refused) earlier
+    os.truncate(repo / unit / rel, row[0] // 2)
+    with pytest.raises(UserError, match=f"{unit}/{rel} is {row[0] // 2:,} bytes, not the recorded {row[0]:,} at its "
+                       "install: .* nothing was started") as ei:
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    assert "invoke rollback --repo" in ei.value.problems[0].fix and started == []
+    (repo / unit / rel).unlink()
+    with pytest.raises(UserError, match=f"{unit}/{rel} is missing"):
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    assert started == []

@@ -18,7 +18,7 @@ import pytest
 
 from precision_pipeline.core.errors import EXIT_SERVER_STOPPED, ServerStopped, exit_code_for
 from precision_pipeline.serving import release_live
-from precision_pipeline.serving.triton_server import TritonServer
+from precision_pipeline.serving.triton_server import LOAD_STALL_S, TritonServer
 
 
 @contextlib.contextmanager
@@ -67,6 +67,9 @@ class _Listener:
             conn.settimeout(2)
             try:
                 self.seen.append(conn.recv(65536).split(b"\r\n", 1)[0].decode())
+                conn.settimeout(0.2)  # read the rest (a body sent apart from the headers): a close with unread data
+                while conn.recv(65536):  # is a reset (ConnectionResetError), not the clean close tested here
+                    pass
             except OSError:
                 pass
             if self.mode == "close":
@@ -111,7 +114,7 @@ def test_a_server_that_dies_during_the_load_is_server_stopped(listener, capsys):
     t = time.perf_counter()
     with pytest.raises(ServerStopped, match="while unloading tensorrt_llm_aaaaaaaaaaaa.$"):
         srv.unload("tensorrt_llm_aaaaaaaaaaaa")
-    assert time.perf_counter() - t < 0.5 and len(listener.seen) == 1
+    assert time.perf_counter() - t < 5.0 < LOAD_STALL_S and len(listener.seen) == 1  # no new request was sent
 
 
 def test_nobody_listening_is_server_stopped():

@@ -111,7 +111,8 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state,
+                            live=server is not None)
         crash_point("install")
         if unit == previous:  # (its deleted folder reinstalled by install_unit is said: UserError.done)
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
@@ -160,7 +161,8 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     timings: dict[str, Any] = {}
     with lock(repo_dir):
         state = state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state,
+                            live=server is not None)
         if server is not None and warm:
             t = time.perf_counter()
             server.load(unit)

@@ -41,7 +41,8 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
         if state.get("rollout"):
             raise UserError("rollout", f"a rollout of {state['rollout']['candidate']} is already in progress.",
                             "end it with `invoke rollout --abort` first.")
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state)
+        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state,
+                            live=server is not None)
         if unit == state["current"]:
             raise UserError("--profile", f"{unit} is already the current release.", "nothing to roll out.")
         if server is not None:

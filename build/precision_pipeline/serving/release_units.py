@@ -57,16 +57,17 @@ def unit_record(unit_src: Path) -> dict[str, list]:
     return files
 
 
-def file_differs(path: Path, row: list) -> str | None:
+def file_differs(path: Path, row: list, sha256: bool = True) -> str | None:
     """Why the file ``path`` is not the one recorded as ``row`` = [size in bytes, sha256], or None: missing, another
-    size (checked first: no read), another sha256 (the whole file is read). The one per-file check of units:
-    installs (``copy_unit``, ``unit_differs``) and kept units before they become live (``verify_kept``)."""
+    size (checked first: no read), another sha256 (the whole file is read; skipped when not ``sha256``). The one
+    per-file check of units: installs (``copy_unit``, ``unit_differs``), kept units before they become live
+    (``verify_kept``) and the units a server is about to load (``check_sizes``, sizes only)."""
     if not path.is_file():
         return "is missing"
     size = path.stat().st_size
     if size != row[0]:
         return f"is {size:,} bytes, not the recorded {row[0]:,}"
-    if hash_file(path) != row[1]:
+    if sha256 and hash_file(path) != row[1]:
         return f"has the recorded size ({size:,} bytes) but another sha256 (recorded {str(row[1])[:12]}…)"
     return None
 
@@ -96,6 +97,25 @@ def verify_kept(repo_dir: Path, unit: str, state: dict, field: str, serving: str
                             "still serves).", "roll back to another kept release (`invoke releases` lists them), or "
                             "promote that unit's build again: a verified copy replaces the folder.")
     return True
+
+
+def check_sizes(repo_dir: Path, units: Iterable[str], state: dict | None, field: str) -> None:
+    """Before a server starts on ``repo_dir``: every file releases.json's ``unit_files`` recorded for each of
+    ``units`` must exist with its recorded size (``file_differs`` without the sha256: a stat per file, no read, so
+    it stays instant for a 405B unit). UserError on ``field`` (exit 2, nothing started) naming the unit and the file
+    otherwise (hostile s15c T112: a truncated current checkpoint reached tritonserver, which failed with its option
+    table and Python frames). Units without a record (installed before it existed) are not checked."""
+    records = (state or {}).get("unit_files") or {}
+    for unit in units:
+        files = records.get(unit)
+        if not isinstance(files, dict):
+            continue
+        for rel, row in sorted(files.items()):
+            if why := file_differs(Path(repo_dir) / unit / rel, row, sha256=False):
+                raise UserError(field, f"{unit}/{rel} {why} at its install: a unit the server would load changed on "
+                                "disk (truncated, edited or deleted), so nothing was started.",
+                                "roll back to another kept release (`invoke rollback --repo REPO`; `invoke releases` lists "
+                                "them), or promote that unit's build again: a verified copy replaces the folder.")
 
 
 def _mismatch(unit_src: Path, rel: str, row: list, size: int | None) -> UserError:
@@ -171,7 +191,7 @@ def unit_differs(dst: Path, unit_src: Path, files: dict[str, list], gpt_model_pa
 
 
 def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, *, protect: Iterable[str] = (),
-                 record: dict | None = None) -> str:
+                 record: dict | None = None, live: bool = True) -> str:
     """Copy a unit into the serving repository atomically (verified against its pack record, ``copy_unit``);
     point gpt_model_path at its new place. Returns the unit's name. ``record``: the releases state whose
     ``unit_files`` gets the installed unit's record (``installed_record``; ``verify_kept`` checks it before the
@@ -179,7 +199,10 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
 
     A folder of that name already there is kept only when it is the build's unit (``unit_differs``); otherwise
     it is replaced (the copy is staged aside, then swapped in) -- unless its name is in ``protect`` (the unit
-    that serves now), which is a UserError (exit 2): files are never replaced under the server."""
+    that serves now) and ``live`` (a server is involved: --url), which is a UserError (exit 2): files are never
+    replaced under the server. Without a server (files only; the CLI refuses that while a local server serves the
+    repository) a damaged folder of a protected unit is repaired by the verified copy, and that is said
+    (``note_recovered``; hostile s15c T113)."""
     repo_dir = Path(repo_dir)
     unit_src = resolve_unit_source(unit_src)
     name = unit_src.name
@@ -187,13 +210,14 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
     dst = repo_dir / name
     root = serve_root or str(repo_dir.resolve().parent)
     gpt = served_path(root, repo_dir, name)
+    why = None
     if dst.is_dir():
         why = unit_differs(dst, unit_src, files, gpt)
         if why is None:
             if record is not None:
                 record.setdefault("unit_files", {})[name] = installed_record(dst, files)
             return name
-        if name in set(protect):
+        if name in set(protect) and live:
             raise UserError("--out", f"{dst} is not this build's unit of the same name ({why}), and it is the unit that "
                             "serves now, so it is not replaced under the server; nothing was changed.",
                             "make another release current first (`invoke rollback`), then promote this build again: "
@@ -216,8 +240,9 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
         raise
     if record is not None:
         record.setdefault("unit_files", {})[name] = installed_record(dst, files)
-    if name in set(protect):  # the unit that serves now, its folder gone: put back (hostile s15 F3)
-        note_recovered([f"the folder of {name} reinstalled from this build"])
+    if name in set(protect):  # the unit that serves now, its folder gone or damaged: put back (hostile s15 F3, s15c T113)
+        note_recovered([f"the folder of {name} reinstalled from this build" if why is None else
+                        f"the damaged folder of {name} ({why}) replaced by a verified copy of this build"])
     return name
 
 

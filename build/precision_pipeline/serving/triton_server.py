@@ -710,6 +710,9 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
             raise
         note = _read_only_check(repo, e)
     names = list(models) if models is not None else models_to_load(repo)
+    from precision_pipeline.serving import release_state, release_units
+
+    release_units.check_sizes(repo, names, release_state.read_state(repo), "--repo")
     srv = TritonServer(repo, names, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                        log_file=log_file or serve_log_path(http_port), trace_url=repository_traces_url(repo))
     if log_file is None:
