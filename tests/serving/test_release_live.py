@@ -7,6 +7,7 @@ file order and build on each other's history; the LAST test kills the server (ki
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -216,6 +217,46 @@ def test_a_second_server_of_the_repository_is_refused(served, invoke_here, monke
         second.kill()
         second.wait()
     assert release_state.state_path(repo).read_text() == before and release_live.live_unit(srv) == live
+    with tcp_forward(srv.http_port) as fwd:  # hostile s16 H2: the one server through a port forward is no second one
+        with pytest.raises(UserError) as ei:
+            cli._attach(fwd, None, repo)
+    assert ei.value.problems[0].reason == (
+        f"{fwd} serves {repo}, but no tritonserver of this machine listens there, and tritonserver (pid {srv.proc.pid}) at "
+        f"{srv.http_url} serves it here: --url reaches that server through a port forward or a proxy, or is a second "
+        "server elsewhere; nothing was changed.")
+    assert ei.value.problems[0].fix.startswith(f"pass --url {srv.http_url} (the server on this machine)")
+    assert "kill" not in ei.value.message
+
+
+@contextlib.contextmanager
+def tcp_forward(port: int):
+    """A plain TCP forward (as kubectl port-forward or ssh -L) from a free local port to ``port``; yields its URL."""
+    import socket
+    import socketserver
+    import threading
+
+    class Pipe(socketserver.BaseRequestHandler):
+        def handle(self):
+            with socket.create_connection(("127.0.0.1", port)) as up:
+                def pump(a, b):
+                    with contextlib.suppress(OSError):
+                        while data := a.recv(65536):
+                            b.sendall(data)
+                    with contextlib.suppress(OSError):
+                        b.shutdown(socket.SHUT_WR)
+                t = threading.Thread(target=pump, args=(up, self.request), daemon=True)
+                t.start()
+                pump(self.request, up)
+                t.join(30)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Pipe)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_first_promote_of_a_new_repository_with_url_of_another_is_refused(served, invoke_here, monkeypatch, tmp_path):
@@ -402,6 +443,65 @@ def test_a_frozen_server_during_a_promote_load_is_given_up(served, units4, capfd
         time.sleep(0.1)
     srv.unload(target)
     assert release_live.live_unit(srv) == live and ask(srv)
+
+
+def test_a_hand_edited_current_that_cannot_serve_is_never_routed_to(served, units4, capsys):  # noqa: F811
+    """Hostile s16 H3: releases.json hand-edited onto a kept unit whose files were damaged; serve's watchdog re-pointed
+    route.json at it first, its load then failed, and every BLS request failed from then on (and `rollback --to
+    --url` was a RuntimeError traceback). Now the load comes first (``release_recover.current_problem``): a unit that
+    does not load, or whose files differ from their record by size, is never routed to; the watchdog says so once."""
+    repo, srv = served
+    old = release_state.read_state(repo)["current"]
+    new = next(u for u in units4 if u.engine_unit != old)
+    release.promote(repo, new.out_dir, server=srv)
+    k = new.engine_unit
+    ref = repo / old / "engine" / "cpu_reference.json"
+    good = ref.read_bytes()
+    ref.write_bytes(b"{" * len(good))                  # the same size: only the load finds it
+    st = release_state.read_state(repo)
+    release_state.write_state(repo, {**st, "current": old})  # the hand edit
+    assert release_recover.heal(repo, srv) == []
+    out = capsys.readouterr().out
+    assert out.count("[serve] not repaired: ") == 1 and f"the current release {old} does not load on the server" in out
+    assert f"(the BLS still sends requests to {k})" in out
+    assert release_configs.current_of_configs(repo) == (k, k) and release_live.live_unit(srv) == k
+    assert ask(srv, "tensorrt_llm_bls").strip() and ask(srv).strip()
+    assert release_recover.heal(repo, srv) == [] and capsys.readouterr().out == ""  # said once
+    os.truncate(ref, 7)                                # now the sizes say it, before any load
+    with pytest.raises(UserError, match=f"the current release {old} is damaged on disk \\({old}/engine/cpu_reference"
+                       f".json is 7 bytes, not the recorded {len(good):,} at its install\\)") as ei:
+        rollout.abort(repo, srv)
+    assert "promote its build again" in ei.value.problems[0].fix
+    r = release.rollback(repo, to=k, server=srv)        # the way out printed: no traceback
+    assert r["unit"] == k
+    assert release_state.read_state(repo)["current"] == k and release_configs.current_of_configs(repo) == (k, k)
+    ref.write_bytes(good)
+    release.rollback(repo, to=old, server=srv)          # the module's state as it was: old serves
+    assert release_state.read_state(repo)["current"] == old and release_live.live_unit(srv) == old
+
+
+def test_a_dead_backend_stub_is_reloaded_by_the_watchdog(served):
+    """Hostile s16 H4: a killed stub process of the current unit (the OOM killer) left the model READY and every
+    request HTTP 500 ("Stub process ... is not healthy") with nothing said; `invoke serve`'s watchdog now reloads it
+    (``triton_server.revive_dead_instances``, every HEAL_EVERY_S s)."""
+    from precision_pipeline.serving.server_procs import backend_stubs
+    from precision_pipeline.serving.triton_server import revive_dead_instances
+
+    repo, srv = served
+    cur = release_state.read_state(repo)["current"]
+    seen: dict[str, set[str]] = {}
+    assert revive_dead_instances(srv, seen) == [] and seen[cur] == {f"{cur}_0_0"}
+    assert {"preprocessing_0_0", "postprocessing_0_0", "tensorrt_llm_bls_0_0"} <= set(backend_stubs(srv.proc.pid))
+    os.kill(backend_stubs(srv.proc.pid)[f"{cur}_0_0"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while f"{cur}_0_0" in backend_stubs(srv.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(Exception, match="not healthy|Stub"):
+        ask(srv)
+    assert revive_dead_instances(srv, seen) == [f"{cur} reloaded: the process of its instance {cur}_0_0 had died, so "
+                                                "every request to it failed"]
+    assert ask(srv).strip() and ask(srv, "tensorrt_llm_bls").strip()
+    assert revive_dead_instances(srv, seen) == [] and seen[cur] == {f"{cur}_0_0"}
 
 
 def test_server_dying_mid_step_rolls_back_and_leaves_no_shared_memory(served, units4):  # noqa: F811

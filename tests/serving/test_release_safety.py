@@ -633,7 +633,10 @@ def test_a_stale_folder_of_the_units_name_is_replaced_or_refused_when_it_serves(
     assert release_state.state_path(repo).read_text() == before and ref.read_text().endswith(" ")
     with pytest.raises(UserError, match="is already the current release") as ei:  # files only (hostile s15c T113):
         release.promote(repo, a.out_dir)            # nothing serves it, so the damaged folder is repaired, and said
-    assert ei.value.done == (f"the damaged folder of {a.engine_unit} (engine/cpu_reference.json is "
+    assert ei.value.done == (f"the current release {a.engine_unit} is damaged on disk ({a.engine_unit}/engine/"
+                             f"cpu_reference.json is {ref.stat().st_size + 1:,} bytes, not the recorded "
+                             f"{ref.stat().st_size:,} at its install)",
+                             f"the damaged folder of {a.engine_unit} (engine/cpu_reference.json is "
                              f"{ref.stat().st_size + 1:,} bytes, not the recorded {ref.stat().st_size:,}) replaced by a "
                              "verified copy of this build",)
     assert not ref.read_text().endswith(" ") and not [q.name for q in repo.iterdir() if q.name.startswith(".")]
@@ -736,7 +739,7 @@ def test_a_deleted_current_release_folder_has_ways_out(tmp_path, units4):
     shutil.rmtree(repo / b)
     with pytest.raises(UserError) as ei:                          # a command that needs the current unit
         release.set_fallback(repo, units4[2].out_dir)
-    assert ei.value.problems[0].reason == f"the current release {b} is missing from {repo} (its folder deleted or moved)."
+    assert ei.value.problems[0].reason == f"the current release {b} is missing from {repo} (its folder deleted or moved), so nothing was re-pointed at it."
     assert f"`invoke rollback --repo {repo}` (the previous one), `--to UNIT` or `--fallback`" in ei.value.problems[0].fix
     with pytest.raises(UserError, match="already the current release") as ei:
         release.promote(repo, units4[1].out_dir)                  # its own build: the folder comes back
@@ -809,6 +812,16 @@ def test_releases_names_files_that_disagree_with_the_record(tmp_path, units4, ca
     assert p == (f"the ensemble's config calls {b}, releases.json records {a} (an interrupted change): `invoke rollback "
                  f"--repo {repo} --to {a}` (add --url when a server serves it) puts everything back on it")
     release_configs.point_ensemble(repo, a)
+    ref_b = repo / b / "engine" / pack.CPU_REFERENCE_FILE    # hostile s16 T32: a kept unit truncated on disk
+    size_b = ref_b.stat().st_size
+    os.truncate(ref_b, 5)
+    [p] = release.list_releases(repo)["problems"]
+    assert p == (f"the kept release {b} is damaged on disk ({b}/engine/cpu_reference.json is 5 bytes, not the recorded "
+                 f"{size_b:,} at its install): promote its build again (a verified copy replaces it); a rollback to it is "
+                 "refused until then")
+    release.promote(repo, units4[1].out_dir)                    # the repair printed: a verified copy
+    release.rollback(repo)
+    assert release.list_releases(repo)["problems"] == []
     (repo / "tensorrt_llm_bls" / "route.json").write_text(json.dumps({"tensorrt_llm_model_name": a, "canary": {
         "tensorrt_llm_model_name": "preprocessing", "percent": 100}}))
     [p] = release.list_releases(repo)["problems"]
@@ -856,11 +869,15 @@ def test_serve_of_a_repository_whose_current_unit_was_truncated_is_refused_befor
     rel, row = max(((r, w) for r, w in release_state.read_state(repo)["unit_files"][unit].items()
                     if not r.endswith(".pbtxt")), key=lambda kv: kv[1][0])  # a config is parsed (and refused) earlier
     os.truncate(repo / unit / rel, row[0] // 2)
-    with pytest.raises(UserError, match=f"{unit}/{rel} is {row[0] // 2:,} bytes, not the recorded {row[0]:,} at its "
-                       "install: .* nothing was started") as ei:
-        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    with pytest.raises(UserError, match=f"the current release {unit} is damaged on disk \\({unit}/{rel} is "
+                       f"{row[0] // 2:,} bytes, not the recorded {row[0]:,} at its install\\)") as ei:
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)   # the recovery's check (current_problem)
     assert "invoke rollback --repo" in ei.value.problems[0].fix and started == []
-    (repo / unit / rel).unlink()
-    with pytest.raises(UserError, match=f"{unit}/{rel} is missing"):
-        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    shutil.copyfile(next(Path(units4[0].out_dir).rglob(f"{unit}/{rel}")), repo / unit / rel)
+    release.set_fallback(repo, units4[1].out_dir, warm=True)   # a warm fallback: loaded at the start too
+    cand = units4[1].engine_unit
+    (repo / cand / rel).unlink()
+    with pytest.raises(UserError, match=f"{cand}/{rel} is missing at its install: a unit the server would load changed "
+                       "on disk .* nothing was started"):
+        ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)   # the serve's own check (check_sizes)
     assert started == []

@@ -219,17 +219,22 @@ def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
              "103": ["python3", "-m", "tritonserver", f"--model-repository={repo}"],
              "104": [""], "105": None,
              "106": ["tritonserver", "--model-repository", "model_repository", "--http-port", "9100", "--exit-on-error",
-                     "--model-store", str(tmp_path / "other")]}
+                     "--model-store", str(tmp_path / "other")],
+             "107": ["/tmp/tritonserver-2.51", f"--model-repository={repo}", "--http-port=9200"]}  # hostile s16 H1
     for pid, argv in procs.items():
         (proc / pid).mkdir(parents=True)
         if argv is not None:
             (proc / pid / "cmdline").write_bytes("\0".join(argv).encode() + (b"\0" if argv != [""] else b""))
     (proc / "102" / "cwd").symlink_to(tmp_path / "srv")
     (proc / "106" / "cwd").symlink_to(tmp_path / "srv")
+    (proc / "107" / "exe").symlink_to("/opt/tritonserver/bin/tritonserver")   # argv[0] a symlink's name: the exe says it
+    (proc / "103" / "exe").symlink_to("/usr/bin/python3.11")
     (tmp_path / "other").mkdir()
     assert server_processes(proc) == [(101, str(repo), "10.0.0.5:9000"), (102, str(repo), "127.0.0.1:8000"),
-                                      (106, str(tmp_path / "other"), "127.0.0.1:9100"), (106, str(repo), "127.0.0.1:9100")]
-    assert servers_of(repo, proc) == [(101, "10.0.0.5:9000"), (102, "127.0.0.1:8000"), (106, "127.0.0.1:9100")]
+                                      (106, str(tmp_path / "other"), "127.0.0.1:9100"), (106, str(repo), "127.0.0.1:9100"),
+                                      (107, str(repo), "127.0.0.1:9200")]
+    assert servers_of(repo, proc) == [(101, "10.0.0.5:9000"), (102, "127.0.0.1:8000"), (106, "127.0.0.1:9100"),
+                                      (107, "127.0.0.1:9200")]
     assert server_processes(tmp_path / "no-proc") == []
 
 
@@ -384,3 +389,21 @@ def test_verify_server_refuses_the_local_server_of_a_copy(tmp_path):
         assert ei.value.problems[0].field == "--url"
         assert ei.value.problems[0].reason.startswith(f"the server at 127.0.0.1:{port} does not serve {repo}: it is a "
                                                       f"tritonserver of this machine serving {copy} (the folder decides")
+
+
+def test_a_model_that_stays_unloading_is_said_and_given_up(monkeypatch, capsys):
+    """Hostile s16 H5: after a backend stub died, its model stayed UNLOADING and a rollback's retention waited 120 s
+    in silence. Now a line every LOAD_PROGRESS_S while it waits, and one when it gives up."""
+    from precision_pipeline.serving import triton_server as ts
+
+    srv = _server("127.0.0.1:1")
+    posted = []
+    monkeypatch.setattr(srv, "_post", lambda path, *a: posted.append(path) or b"{}")
+    monkeypatch.setattr(srv, "loaded_models", lambda: {"tensorrt_llm_aaaaaaaaaaaa": "UNLOADING"})
+    monkeypatch.setattr(ts, "LOAD_PROGRESS_S", 0.2)
+    srv.unload("tensorrt_llm_aaaaaaaaaaaa", wait_s=0.7)
+    err = capsys.readouterr().err.splitlines()
+    assert posted == ["/v2/repository/models/tensorrt_llm_aaaaaaaaaaaa/unload"]
+    assert sum(line.startswith("  unloading tensorrt_llm_aaaaaaaaaaaa on 127.0.0.1:1: ") for line in err) >= 1, err
+    assert err[-1].startswith("  tensorrt_llm_aaaaaaaaaaaa is still UNLOADING on 127.0.0.1:1 after ") \
+        and err[-1].endswith("not waited on further: the server frees it when it can"), err

@@ -54,7 +54,7 @@ def refuse_other_servers(server, repo_dir: Path) -> None:
     loaded (hostile s12 F-Q: HTTP 400 until it was restarted). Used by promote, rollback, rollout and a recorded
     probe."""
     from precision_pipeline.serving.release_live import verify_server
-    from precision_pipeline.serving.triton_server import other_servers
+    from precision_pipeline.serving.triton_server import other_servers, repository_at
 
     if others := other_servers(repo_dir, server.http_url):
         pid, at = others[0]
@@ -65,6 +65,12 @@ def refuse_other_servers(server, repo_dir: Path) -> None:
                 raise
             raise UserError("--url", f"{e.problems[0].reason} tritonserver (pid {pid}) at {at} is the server of {repo_dir}.",
                             f"pass --url {at}; nothing was changed.") from None
+        if len(others) == 1 and repository_at(server.http_url) is None:  # hostile s16 H2: a port forward to the one server
+            raise UserError("--url", f"{server.http_url} serves {repo_dir}, but no tritonserver of this machine listens "
+                            f"there, and tritonserver (pid {pid}) at {at} serves it here: --url reaches that server through "
+                            "a port forward or a proxy, or is a second server elsewhere; nothing was changed.",
+                            f"pass --url {at} (the server on this machine); if {server.http_url} is another server of "
+                            "this repository, stop that one: one repository is served by one server.")
         raise UserError("--url", f"tritonserver (pid {pid}) at {at} serves {repo_dir} too, not only the server at "
                         f"{server.http_url}: a change through --url would switch that one alone, and the other's BLS "
                         "(it reads the shared route.json) would send every request to a unit it never loaded; nothing "

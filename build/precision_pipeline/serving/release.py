@@ -82,7 +82,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit,
                                                       serving_now, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
-from precision_pipeline.serving.release_units import install_unit, is_any_unit, resolve_unit_source, verify_kept
+from precision_pipeline.serving.release_units import install_unit, is_any_unit, resolve_unit_source, unit_damage, verify_kept
 
 # re-exported for tasks.py and nightly.py until they import from the new homes (issue 24)
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "list_releases", "init_serving_repo", "read_state",
@@ -310,6 +310,11 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
     if cur not in on_disk:
         out.append(f"the current release {cur} is missing from {repo_dir}: promote its build again (that reinstalls it), "
                    "or roll back to another release")
+    for unit in [cur] + sorted({r.get("unit") for r in state.get("releases", []) if r.get("unit") not in (cur, None)}):
+        if unit in on_disk and (why := unit_damage(repo_dir, unit, state)):  # sizes only (hostile s15c T111, s16 T32)
+            out.append(f"{'the current release' if unit == cur else 'the kept release'} {unit} is damaged on disk "
+                       f"({unit}/{why} at its install): promote its build again (a verified copy replaces it)"
+                       + (", or roll back to another release" if unit == cur else "; a rollback to it is refused until then"))
     if state.get("rollout"):
         return out
     if ensemble_serves(cur) and configs[0] != cur:

@@ -12,13 +12,14 @@ from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.outputs import serving_path_problem
 from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
-from precision_pipeline.serving.release_configs import point_bls, point_ensemble, set_canary, set_params
-from precision_pipeline.serving.release_live import reconcile_server, verify_server
+from precision_pipeline.serving.release_configs import current_of_configs, point_bls, point_ensemble, set_canary, set_params
+from precision_pipeline.serving.release_live import loaded_models, reconcile_server, verify_server
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
                                                       STATE_FILE, crash_point, lock, note_recovered,
                                                       pid_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
-from precision_pipeline.serving.release_units import copy_unit, installed_record, resolve_unit_source, served_path, unit_record
+from precision_pipeline.serving.release_units import (copy_unit, installed_record, resolve_unit_source, served_path, unit_damage,
+                                                      unit_record)
 
 
 def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = True, server=None,
@@ -30,10 +31,12 @@ def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = Tr
     is missing is no refusal here (hostile s15 F3: every way out was refused as the printed fix) and the live server
     is not asked to load it."""
     verify_server(repo_dir, server)
+    usable = True
     if recover:
-        note_recovered(recover_locked(repo_dir, leaving_current=leaving_current))
+        fixed, usable = recover_locked(repo_dir, leaving_current=leaving_current, server=server)
+        note_recovered(fixed)
     state = require_state(repo_dir, reason, fix)
-    if recover and (Path(repo_dir) / state["current"] / "config.pbtxt").is_file():
+    if recover and usable:
         note_recovered(reconcile_server(repo_dir, server, state))
     return state
 
@@ -150,9 +153,9 @@ def recover(repo_dir: Path, server=None) -> list[str]:
         return []
     with lock(repo_dir):
         verify_server(repo_dir, server)
-        fixed = recover_locked(repo_dir)
+        fixed, usable = recover_locked(repo_dir, server=server)
         state = read_state(repo_dir)
-        if state and state.get("current"):
+        if usable and state and state.get("current"):
             fixed += reconcile_server(repo_dir, server, state)
         return note_recovered(fixed)
 
@@ -163,23 +166,65 @@ def heal(repo_dir: Path, server) -> list[str]:
     ``reconcile_server``). A command killed between two steps of a switch (the live ensemble on one unit, the BLS and
     the record on another: hostile s15b F14, s15c T72) is repaired within seconds, not at the next release command.
     Returns what was done; [] when nothing disagreed, the lock is held (a change in progress), the repository cannot
-    be written (read-only: ``lock`` refuses) or the server does not answer (serve reports its death itself)."""
+    be written (read-only: ``lock`` refuses) or the server does not answer (serve reports its death itself).
+    A refusal (the recorded current release missing, damaged or not loading: hostile s16 H3, a hand edit of
+    releases.json onto a truncated kept unit) leaves the files and the server on what serves, and is printed once
+    as ``[serve] not repaired: ...`` with its fix (again only when it changes)."""
     repo_dir = Path(repo_dir)
+    held = False
     try:
         with lock(repo_dir, timeout_s=0):
-            fixed = recover_locked(repo_dir)
+            held = True  # a refusal before this is the lock's (held by a command, or read-only): silent
+            fixed, usable = recover_locked(repo_dir, server=server)
             state = read_state(repo_dir)
-            if state and state.get("current") and (repo_dir / state["current"] / "config.pbtxt").is_file():
+            if usable and state and state.get("current"):
                 fixed += reconcile_server(repo_dir, server, state)
+            _HEAL_SAID.pop(str(repo_dir), None)
             return fixed
-    except (UserError, OSError, RuntimeError, ValueError):
+    except UserError as e:
+        said = f"{e.problems[0].field}: {e.problems[0].reason} Fix: {e.problems[0].fix}"
+        if not held:
+            return []
+        if _HEAL_SAID.get(str(repo_dir)) != said:
+            print(f"[serve] not repaired: {said}", flush=True)
+        _HEAL_SAID[str(repo_dir)] = said
+        return []
+    except (OSError, RuntimeError, ValueError):
         return []
 
 
-def recover_locked(repo_dir: Path, leaving_current: bool = False) -> list[str]:
+_HEAL_SAID: dict[str, str] = {}
+"""The last refusal ``heal`` printed per repository (a refusal is said once, not every ``HEAL_EVERY_S``)."""
+
+
+def current_problem(repo_dir: Path, state: dict, server=None) -> str | None:
+    """Why the current release recorded in ``state`` cannot serve from ``repo_dir``, or None: its folder is missing,
+    a file differs from its install record by size (``release_units.unit_damage``: stat only), or -- with a live
+    ``server`` on which it is not loaded -- its load fails (the server's error). The load is made here, before a
+    recovery points any file at the unit, so a unit that does not load never takes a request (hostile s16 H3: the BLS
+    was re-pointed first, then every request failed). ``ServerStopped`` propagates."""
+    cur = state["current"]
+    if not (Path(repo_dir) / cur / "config.pbtxt").is_file():
+        return f"is missing from {repo_dir} (its folder deleted or moved)"
+    if why := unit_damage(repo_dir, cur, state):
+        return f"is damaged on disk ({cur}/{why} at its install)"
+    if server is not None and loaded_models(server).get(cur) != "READY":
+        try:
+            server.load(cur)
+        except RuntimeError as e:
+            return f"does not load on the server at {server.http_url} ({str(e)[:300]})"
+    return None
+
+
+def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -> tuple[list[str], bool]:
+    """Under the lock: make the files agree with releases.json (leftovers removed, a dead rollout ended, the ensemble
+    and the BLS re-pointed at the current release). Returns (what was done, whether the current release can serve).
+    A current release that cannot serve (``current_problem``: missing, damaged, not loading on ``server``) is a
+    UserError on releases.json naming the repairs, nothing re-pointed -- unless ``leaving_current`` (the caller makes
+    another unit current): then it is said and (…, False) returned."""
     fixed = recover_first_promote(repo_dir)
     if not repo_dir.is_dir():
-        return fixed
+        return fixed, True
     read_state(repo_dir)  # another folder's record (a copy beside the repository) is refused before anything is cleaned
     stale = [p.name for p in repo_dir.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)]
     if stale:
@@ -199,7 +244,7 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False) -> list[str]:
         fixed.append(f"removed {len(left)} leftover temporary file(s) of {STATE_FILE}")
     state = read_state(repo_dir)
     if not state or not state.get("current"):
-        return fixed
+        return fixed, True
     cur = state["current"]
     for m in ("ensemble", "tensorrt_llm_bls"):  # hostile s8 #108: a deleted config was a FileNotFoundError (exit 1)
         if not (repo_dir / m / "config.pbtxt").is_file():
@@ -214,14 +259,16 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False) -> list[str]:
             "ms": 0.0, "rollout": {**ro, "failed_check": "interrupted", "numbers": {}}}])[-HISTORY_MAX:]
         write_state(repo_dir, state)
         fixed.append(f"interrupted rollout of {ro.get('candidate')} ended; {cur} serves all traffic")
-    if not (repo_dir / cur / "config.pbtxt").is_file():
+    if why := current_problem(repo_dir, state, server):
         if not leaving_current:
-            raise UserError(str(state_path(repo_dir)), f"the current release {cur} is missing from {repo_dir} (its "
-                            "folder deleted or moved).", f"restore the folder, promote its build again (that reinstalls "
-                            f"it), or make another release current: `invoke rollback --repo {repo_dir}` (the previous "
-                            "one), `--to UNIT` or `--fallback` (add --url when a server serves it).")
-        fixed.append(f"the current release {cur} is missing from {repo_dir} (its folder deleted or moved)")
-        return fixed  # the caller's switch points the configs and route.json at the unit it makes current
+            serves = current_of_configs(repo_dir)[1] if (repo_dir / "tensorrt_llm_bls").is_dir() else None
+            raise UserError(str(state_path(repo_dir)), f"the current release {cur} {why}, so nothing was re-pointed at it"
+                            + (f" (the BLS still sends requests to {serves})." if serves and serves != cur else "."),
+                            f"restore the folder, promote its build again (a verified copy replaces it), or make another "
+                            f"release current: `invoke rollback --repo {repo_dir}` (the previous one), `--to UNIT` or "
+                            "`--fallback` (add --url when a server serves it).")
+        fixed.append(f"the current release {cur} {why}")
+        return fixed, False  # the caller's switch points the configs and route.json at the unit it makes current
     route = repo_dir / "tensorrt_llm_bls" / ROUTE_FILE
     try:
         read_json(route, {})
@@ -239,4 +286,4 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False) -> list[str]:
             fixed.append(f"the rollout's canary ({ro['percent']} % to {ro['candidate']}) put back in route.json")
     elif point_bls(repo_dir, cur):
         fixed.append(f"tensorrt_llm_bls re-pointed at {cur}")
-    return fixed
+    return fixed, True

@@ -99,23 +99,32 @@ def verify_kept(repo_dir: Path, unit: str, state: dict, field: str, serving: str
     return True
 
 
+def unit_damage(repo_dir: Path, unit: str, state: dict | None) -> str | None:
+    """Why ``unit``'s folder in ``repo_dir`` is not what releases.json's ``unit_files`` recorded at its install, by
+    size only (``file_differs`` without the sha256: a stat per file, no read, instant for a 405B unit), e.g.
+    "engine/rank0.safetensors is 1,000,000 bytes, not the recorded 325,677,320"; None when it agrees or has no record
+    (installed before the record existed)."""
+    files = ((state or {}).get("unit_files") or {}).get(unit)
+    if not isinstance(files, dict):
+        return None
+    for rel, row in sorted(files.items()):
+        if why := file_differs(Path(repo_dir) / unit / rel, row, sha256=False):
+            return f"{rel} {why}"
+    return None
+
+
 def check_sizes(repo_dir: Path, units: Iterable[str], state: dict | None, field: str) -> None:
     """Before a server starts on ``repo_dir``: every file releases.json's ``unit_files`` recorded for each of
     ``units`` must exist with its recorded size (``file_differs`` without the sha256: a stat per file, no read, so
     it stays instant for a 405B unit). UserError on ``field`` (exit 2, nothing started) naming the unit and the file
     otherwise (hostile s15c T112: a truncated current checkpoint reached tritonserver, which failed with its option
     table and Python frames). Units without a record (installed before it existed) are not checked."""
-    records = (state or {}).get("unit_files") or {}
     for unit in units:
-        files = records.get(unit)
-        if not isinstance(files, dict):
-            continue
-        for rel, row in sorted(files.items()):
-            if why := file_differs(Path(repo_dir) / unit / rel, row, sha256=False):
-                raise UserError(field, f"{unit}/{rel} {why} at its install: a unit the server would load changed on "
-                                "disk (truncated, edited or deleted), so nothing was started.",
-                                "roll back to another kept release (`invoke rollback --repo REPO`; `invoke releases` lists "
-                                "them), or promote that unit's build again: a verified copy replaces the folder.")
+        if why := unit_damage(repo_dir, unit, state):
+            raise UserError(field, f"{unit}/{why} at its install: a unit the server would load changed on disk "
+                            "(truncated, edited or deleted), so nothing was started.",
+                            "roll back to another kept release (`invoke rollback --repo REPO`; `invoke releases` lists "
+                            "them), or promote that unit's build again: a verified copy replaces the folder.")
 
 
 def _mismatch(unit_src: Path, rel: str, row: list, size: int | None) -> UserError:

@@ -20,14 +20,15 @@ def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
     (or ``--model-store``; ``=value`` or a separate value: ``_server_options``) each serves, one row each (resolved: symlinks, and a relative path against the process's working directory) and its HTTP
     endpoint (``--http-address`` / ``--http-port``, tritonserver's defaults 0.0.0.0 -> 127.0.0.1 and 8000). Read from
     ``/proc/<pid>/cmdline`` (Linux; [] where there is no ``proc``): the live processes themselves, so no pid file can
-    go stale. The one home of "which servers run here" (``servers_of``, ``other_servers``, ``repository_at``)."""
+    go stale. A process is a tritonserver when its argv[0] or its executable (``/proc/<pid>/exe``) is named so
+    (hostile s16 H1: started through a symlink ``tritonserver-2.51``, ``exec -a`` or a wrapper's ``exec``). The one home of "which servers run here" (``servers_of``, ``other_servers``, ``repository_at``)."""
     found = []
     for d in proc.glob("[0-9]*"):
         try:
             argv = (d / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
         except OSError:  # ended meanwhile, or not ours to read
             continue
-        if not argv or Path(argv[0]).name != "tritonserver":
+        if not argv or "tritonserver" not in (Path(argv[0]).name, _exe_name(d)):
             continue
         opts = _server_options(argv[1:])
         host = (opts.get("http-address") or ["0.0.0.0"])[-1]
@@ -37,6 +38,32 @@ def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
                 served = os.path.realpath(os.path.join(os.readlink(d / "cwd"), served)) if served else served
             found.append((int(d.name), served.rstrip("/"), at))
     return sorted(found)
+
+
+def backend_stubs(server_pid: int, proc: Path = Path("/proc")) -> dict[str, int]:
+    """``{model instance name: pid}`` of the live python-backend stub processes (``triton_python_backend_stub``) of
+    the tritonserver ``server_pid``: one per instance of a python-backend model (the BLS, pre/postprocessing, the CPU
+    stand-in of a unit). Their argv, as Triton 2.51's python backend starts them (read from /proc/<pid>/cmdline on
+    this machine): stub, model.py, shm region, shm default size, shm growth size, parent pid, backend directory, IPC
+    handle, instance name (``<model>_<group>_<index>``), runtime model directory. A dead stub not yet reaped (a
+    zombie: empty cmdline) is not listed. {} where there is no ``proc``."""
+    found: dict[str, int] = {}
+    for d in proc.glob("[0-9]*"):
+        try:
+            argv = (d / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+        except OSError:
+            continue
+        if len(argv) > 8 and Path(argv[0]).name == "triton_python_backend_stub" and argv[5] == str(server_pid):
+            found[argv[8]] = int(d.name)
+    return found
+
+
+def _exe_name(d: Path) -> str:
+    """The file name of ``/proc/<pid>/exe`` (the executable itself, whatever argv[0] says); '' when unreadable."""
+    try:
+        return Path(os.readlink(d / "exe")).name
+    except OSError:
+        return ""
 
 
 def local_metrics_port(http_url: str, proc: Path = Path("/proc")) -> tuple[int, int] | None:

@@ -457,15 +457,26 @@ class TritonServer:
 
     def unload(self, name: str, wait_s: float = 120.0) -> float:
         """Unload a model and wait (up to ``wait_s``) until it has left state UNLOADING, i.e. its instances
-        (python-backend stubs) are gone and their memory is free; returns seconds. ``ServerStopped`` when the
-        server does not answer."""
+        (python-backend stubs) are gone and their memory is free; returns seconds. A line on stderr every
+        ``LOAD_PROGRESS_S`` seconds while it waits, and one when it gives up (an instance whose process died stays
+        UNLOADING: hostile s16 H5 waited 120 s in silence). ``ServerStopped`` when the server does not answer."""
         t0 = time.perf_counter()
         try:
             self._post(f"/v2/repository/models/{name}/unload", b"{}", 300, f"unloading {name}")
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"unloading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and self.loaded_models().get(name) == "UNLOADING":
+        deadline, said = time.monotonic() + wait_s, time.monotonic()
+        while self.loaded_models().get(name) == "UNLOADING":
+            now = time.monotonic()
+            if now >= deadline:
+                print(f"  {name} is still UNLOADING on {self.http_url} after {time.perf_counter() - t0:.0f} s (an instance that does not "
+                      "exit, e.g. its process died); not waited on further: the server frees it when it can",
+                      file=sys.stderr, flush=True)
+                break
+            if now - said >= LOAD_PROGRESS_S:
+                said = now
+                print(f"  unloading {name} on {self.http_url}: {time.perf_counter() - t0:.0f} s (waiting for its instances to exit) ...",
+                      file=sys.stderr, flush=True)
             time.sleep(0.1)
         return time.perf_counter() - t0
 
@@ -609,22 +620,56 @@ SERVER_DIED_EXIT = 1
 unexpected failure, reported with the server's log tail and no traceback."""
 
 
+def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> list[str]:
+    """Reload every READY model of ``srv`` (started here: ``srv.proc``) one of whose python-backend instances has lost
+    its stub process (killed, OOM): Triton 2.51 keeps such a model READY and answers every request to it with HTTP 500
+    "Stub process ... is not healthy" (hostile s16 H4), and a readiness probe still says 200. ``seen`` ({model:
+    instance names}) is this watchdog's memory of the instances it saw alive; a model not READY is forgotten. The
+    reload passes the model's own config as the load's ``config`` parameter: a plain load of a loaded model whose
+    files did not change is a no-op in Triton 2.51 (measured: the dead stub stayed), one with a config reloads it.
+    Returns what was reloaded; [] when nothing died. ``ServerStopped`` / RuntimeError of the load propagate."""
+    from precision_pipeline.serving.server_procs import backend_stubs
+
+    if srv.proc is None:
+        return []
+    stubs = backend_stubs(srv.proc.pid)
+    done = []
+    for model, state in srv.loaded_models().items():
+        live = {n for n in stubs if n.rsplit("_", 2)[0] == model}
+        gone = seen.get(model, set()) - live
+        if state != "READY":
+            seen.pop(model, None)
+        elif gone:
+            seen.pop(model, None)  # learnt again from the reloaded instances
+            srv.load(model, json.dumps(srv.model_config(model) or {}))  # unchanged files: a plain load is a no-op
+            done.append(f"{model} reloaded: the process of its instance {', '.join(sorted(gone))} had died, so every "
+                        "request to it failed")
+        else:
+            seen[model] = seen.get(model, set()) | live
+    return done
+
+
 def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | None:
     """Block while ``srv`` runs, healing ``repo`` every ``HEAL_EVERY_S`` s (``heal``: ``release_recover.heal``, what it
     repaired printed); stop the server on Ctrl-C, SIGTERM or SIGHUP. Returns its exit status when it ended on its
     own, None when it was stopped."""
-    from precision_pipeline.serving import release_recover
+    from precision_pipeline.serving import release_recover, release_state
 
-    died = None
+    died, seen = None, {}
     try:
         with terminate_as_interrupt():  # SIGTERM/SIGHUP of the task: stop the server like Ctrl-C does
             next_heal = time.monotonic() + HEAL_EVERY_S
             while srv.proc.poll() is None:
                 time.sleep(0.5)
-                if heal and time.monotonic() >= next_heal:
-                    next_heal = time.monotonic() + HEAL_EVERY_S
-                    for f in release_recover.heal(repo, srv):
-                        print(f"[serve] repaired: {f}", flush=True)
+                if time.monotonic() < next_heal:
+                    continue
+                next_heal = time.monotonic() + HEAL_EVERY_S
+                fixed = release_recover.heal(repo, srv) if heal else []
+                with contextlib.suppress(UserError, OSError, RuntimeError):  # a release command holds the lock: later
+                    with release_state.lock(repo, timeout_s=0) if heal else contextlib.nullcontext():
+                        fixed += revive_dead_instances(srv, seen)
+                for f in fixed:
+                    print(f"[serve] repaired: {f}", flush=True)
             died = srv.proc.returncode
     except KeyboardInterrupt:
         print("stopping (SIGTERM) ...", flush=True)
