@@ -480,3 +480,21 @@ def test_a_damaged_output_marker_beside_stage_records_is_named_and_rewritable(tm
     cmd = p.fix.split("`")[1]
     subprocess.run(["bash", "-c", cmd], check=True)              # the printed repair works
     assert read_output_marker(out) is not None and validate_out_dir(out, ("checkpoint",)) == out.resolve()
+
+
+def test_out_inside_the_model_or_checkpoint_folder_is_refused(tmp_path, invoke_here, default_model_dir):
+    """Hostile s16 H6: ``build --out <model folder>/x`` was accepted; its 210 MB of stage files changed the model's
+    content fingerprint, so every gated build of the model became unpromotable and rebuilds missed the per-model bar."""
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.core.outputs import refuse_out_inside_inputs
+
+    model = Path(default_model_dir).resolve()
+    r = invoke_here("build", "--profile", "fp8-h100", "--out", str(model / "x"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"--out: {model / 'x'} is inside the --model folder {model}: the build's files would become part of that "
+            "input") in r.stderr and "nothing was written" in r.stderr and not (model / "x").exists()
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    with pytest.raises(UserError, match=f"{ck} is the --checkpoint folder {ck}"):
+        refuse_out_inside_inputs(ck, {"--model": model, "--checkpoint": ck})
+    refuse_out_inside_inputs(tmp_path / "out", {"--model": model, "--checkpoint": ck, "--other": None})

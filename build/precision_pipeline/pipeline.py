@@ -27,7 +27,7 @@ from typing import Callable
 from precision_pipeline.checkpoint.stage import VerifyStage
 from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.outputs import (check_serving_path, default_out_dir, output_lock, read_output_marker, say,
-                                             validate_out_dir, write_output_marker)
+                                             refuse_out_inside_inputs, validate_out_dir, write_output_marker)
 from precision_pipeline.core.route import Route, manifest_facts, prepare, run_stages
 from precision_pipeline.core.stage import RECORDS_DIR, Done, Manifest, Stage, StageRecord, StageRunner
 from precision_pipeline.core.store import atomic_write_json, clean_stale
@@ -89,6 +89,7 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
     model_path = model_dir(model)
     out_dir = Path(out).expanduser() if out else default_out_dir(profile.name or "profile")
     check_serving_path(out_dir.absolute(), "--out")  # before any filesystem call on it (non-ASCII names included)
+    refuse_out_inside_inputs(out_dir, {"--model": model_path, "--checkpoint": checkpoint})
     out_dir = validate_out_dir(out_dir, stage_folders())
     check_serving_path(out_dir, "--out")  # the resolved path (a symlink may lead elsewhere)
     ck = check_checkpoint_dir(checkpoint, LAYOUT_OF_ROUTE[profile.route], profile.route) if checkpoint is not None else None

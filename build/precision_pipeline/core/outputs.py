@@ -78,6 +78,25 @@ def refuse_serving_repository(path: Path, field: str = "--out", what: str = "an 
     return p
 
 
+def refuse_out_inside_inputs(out: Path, inputs: dict[str, Path | None], field: str = "--out") -> None:
+    """UserError (exit 2, nothing written) on ``field`` when the build output ``out`` is one of the build's input
+    folders or inside one (``inputs``: {flag: folder}, e.g. ``--model``, ``--checkpoint``): its files would become part
+    of that input -- the model's content fingerprint covers every file under its folder, so every gated build of that
+    model would stop being promotable and the per-model gate bar would no longer apply (hostile s16 H6)."""
+    from precision_pipeline.core.errors import UserError
+
+    o = Path(out).expanduser().resolve()
+    for flag, folder in inputs.items():
+        if folder is None:
+            continue
+        f = Path(folder).expanduser().resolve()
+        if o == f or o.is_relative_to(f):
+            raise UserError(field, f"{o} is {'' if o == f else 'inside '}the {flag} folder {f}: the build's files would "
+                            f"become part of that input (the model's content fingerprint covers every file under its "
+                            "folder, so every build judged on it would stop being promotable); nothing was written.",
+                            f"give a folder outside {f}, e.g. {field} artifacts/<profile>.")
+
+
 def read_output_marker(out: Path) -> dict | None:
     """The marker of build output ``out`` ({"format", "version", ...}), or None when it has none (or not ours)."""
     m = read_json_safe(Path(out) / OUTPUT_MARKER)
