@@ -13,7 +13,7 @@ from precision_pipeline.core.outputs import serving_path_problem
 from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
 from precision_pipeline.serving.release_configs import current_of_configs, point_bls, point_ensemble, set_canary, set_params
-from precision_pipeline.serving.release_live import loaded_models, reconcile_server, verify_server
+from precision_pipeline.serving.release_live import reconcile_server, verify_server
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
                                                       STATE_FILE, crash_point, lock, note_recovered,
                                                       pid_alive, read_state, release_record, require_state, state_path,
@@ -208,7 +208,7 @@ def current_problem(repo_dir: Path, state: dict, server=None) -> str | None:
         return f"is missing from {repo_dir} (its folder deleted or moved)"
     if why := unit_damage(repo_dir, cur, state):
         return f"is damaged on disk ({cur}/{why} at its install)"
-    if server is not None and loaded_models(server).get(cur) != "READY":
+    if server is not None and server.loaded_models().get(cur) != "READY":  # not answering: ServerStopped, no load
         try:
             server.load(cur)
         except RuntimeError as e:
