@@ -214,6 +214,19 @@ def test_a_lock_file_that_cannot_be_created_is_refused_at_once():
     assert p.field == "--repo" and p.reason.startswith("cannot create the lock file /proc/self/.releases.lock: ")
 
 
+def test_a_folder_in_place_of_the_lock_file_is_named(tmp_path):
+    """Hostile s15c T83: a folder named like the lock file was refused with "use a folder this user can write to"."""
+    from precision_pipeline.core.errors import UserError
+
+    (tmp_path / ".releases.lock").mkdir()
+    with pytest.raises(UserError) as e:
+        with store.locked(tmp_path / ".releases.lock", timeout_s=3, field="--repo"):
+            pass
+    p = e.value.problems[0]
+    assert p.reason == f"cannot open the lock file {tmp_path}/.releases.lock: a folder of that name is there, not a file."
+    assert p.fix.startswith(f"remove that folder (rmdir {tmp_path}/.releases.lock;")
+
+
 def test_lock_waiter_says_who_it_waits_for_then_gets_the_lock(tmp_path):
     lock = tmp_path / "out" / ".build.lock"
     holder = _hold(lock, 4)  # long enough that a loaded machine still finds it held

@@ -228,6 +228,20 @@ def test_a_second_server_of_the_repository_is_refused(served, invoke_here, monke
     assert "kill" not in ei.value.message
 
 
+def test_a_url_where_nothing_answers_names_the_repositorys_server(served):
+    """Hostile s15c T58: `--url` of a port where no Triton answers said "start one with `invoke serve`, or leave --url
+    out" -- both refused while the repository's server runs; the refusal names that server now."""
+    from precision_pipeline.cli import serving as cli
+
+    repo, srv = served
+    port = free_port()
+    with pytest.raises(UserError) as ei:
+        cli.server_of(f"127.0.0.1:{port}", repo)
+    assert ei.value.problems[0].reason == (f"no Triton server answers at http://127.0.0.1:{port}. tritonserver (pid "
+                                           f"{srv.proc.pid}) serves {repo} at {srv.http_url}; nothing was changed.")
+    assert ei.value.problems[0].fix == f"pass --url {srv.http_url}."
+
+
 @contextlib.contextmanager
 def tcp_forward(port: int):
     """A plain TCP forward (as kubectl port-forward or ssh -L) from a free local port to ``port``; yields its URL."""

@@ -41,7 +41,14 @@ def server_of(url, repo_dir: Path):
                         "only the files would switch and that server would keep serving the unit it has; nothing was "
                         "changed.", f"pass --url {at} (the server then loads, smoke-tests and switches too), or stop "
                         "that server first.")
-    server = TritonServer.from_url(url)
+    try:
+        server = TritonServer.from_url(url)
+    except UserError as e:  # hostile s15c T58: the fix said "leave --url out", refused while the repository's server runs
+        if not (live := servers_of(repo_dir)) or not e.problems[0].reason.startswith("no Triton server answers"):
+            raise
+        pid, at = live[0]
+        raise UserError("--url", f"{e.problems[0].reason} tritonserver (pid {pid}) serves {repo_dir} at {at}; nothing was "
+                        "changed.", f"pass --url {at}.") from None
     if server is not None:
         refuse_other_servers(server, repo_dir)
     return server

@@ -441,6 +441,9 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
         path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))  # filelock retries a file it cannot create for ever
     except OSError as e:
+        if path.is_dir():  # hostile s15c T83: the fix said to use a writable folder; this one is writable
+            raise UserError(field, f"cannot open the lock file {path}: a folder of that name is there, not a file.",
+                            f"remove that folder (rmdir {path}; nothing of this pipeline is in it) and run this again.") from None
         raise UserError(field, f"cannot create the lock file {path}: {e.strerror or e}.",
                         "use a folder this user can write to (the lock lives beside what it protects).") from None
     lock = FileLock(str(path))
