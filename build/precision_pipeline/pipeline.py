@@ -72,6 +72,17 @@ class BuildResult:
     manifest: dict
 
 
+def _checked_out_dir(out_dir: Path, inputs: dict[str, Path | str | None]) -> Path:
+    """``--out`` resolved and checked (UserError otherwise): a path Triton's stubs can start from, before any
+    filesystem call on it (non-ASCII names included) and again resolved (a symlink may lead elsewhere), outside the
+    input folders ``inputs`` ({flag: folder}), new, empty or a build output (``validate_out_dir``)."""
+    check_serving_path(out_dir.absolute(), "--out")
+    refuse_out_inside_inputs(out_dir, inputs)
+    out_dir = validate_out_dir(out_dir, stage_folders())
+    check_serving_path(out_dir, "--out")
+    return out_dir
+
+
 def build_request(profile_ref: str, model: str | None = None, out: str | None = None, strict: bool = False,
                   repo_root: str | None = None, golden_limit: int | None = None, checkpoint: str | None = None,
                   image: str | None = None, device: str = "auto", reference_dtype: str = "float32") -> BuildRequest:
@@ -87,11 +98,8 @@ def build_request(profile_ref: str, model: str | None = None, out: str | None = 
 
     profile = load_build_profile(profile_ref)
     model_path = model_dir(model)
-    out_dir = Path(out).expanduser() if out else default_out_dir(profile.name or "profile")
-    check_serving_path(out_dir.absolute(), "--out")  # before any filesystem call on it (non-ASCII names included)
-    refuse_out_inside_inputs(out_dir, {"--model": model_path, "--checkpoint": checkpoint})
-    out_dir = validate_out_dir(out_dir, stage_folders())
-    check_serving_path(out_dir, "--out")  # the resolved path (a symlink may lead elsewhere)
+    out_dir = _checked_out_dir(Path(out).expanduser() if out else default_out_dir(profile.name or "profile"),
+                               {"--model": model_path, "--checkpoint": checkpoint})
     ck = check_checkpoint_dir(checkpoint, LAYOUT_OF_ROUTE[profile.route], profile.route) if checkpoint is not None else None
     check_golden_limit(golden_limit)
     if repo_root is not None:

@@ -79,10 +79,11 @@ from precision_pipeline.serving.release_live import load_unit, loaded_models, sm
 from precision_pipeline.serving.release_recover import init_serving_repo, state_or_refuse
 from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current,
                                                       ROUTE_FILE, ensemble_serves, read_state, rejected_units, release_record,
-                                                      serving_now, state_path,
+                                                      state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
-from precision_pipeline.serving.release_units import install_unit, is_any_unit, resolve_unit_source, unit_damage, verify_kept
+from precision_pipeline.serving.release_units import (install_release_unit, is_any_unit, resolve_unit_source, unit_damage,
+                                                      verify_kept)
 
 # re-exported for tasks.py and nightly.py until they import from the new homes (issue 24)
 __all__: Iterable[str] = ["promote", "rollback", "set_fallback", "list_releases", "init_serving_repo", "read_state",
@@ -111,8 +112,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state,
-                            live=server is not None)
+        unit = install_release_unit(repo_dir, engine_unit, serve_root, state, server)
         crash_point("install")
         if unit == previous:  # (its deleted folder reinstalled by install_unit is said: UserError.done)
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
@@ -161,8 +161,7 @@ def set_fallback(repo_dir: Path, engine_unit: Path, *, server=None, warm: bool =
     timings: dict[str, Any] = {}
     with lock(repo_dir):
         state = state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server)
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state,
-                            live=server is not None)
+        unit = install_release_unit(repo_dir, engine_unit, serve_root, state, server)
         if server is not None and warm:
             t = time.perf_counter()
             server.load(unit)

@@ -15,10 +15,9 @@ from precision_pipeline.serving.release_configs import point_bls, point_ensemble
 from precision_pipeline.serving.release_live import (live_unit, load_unit, loaded_models, routed_units, smoke_unit,
                                                      unload_quietly, verify_server)
 from precision_pipeline.serving.release_recover import state_or_refuse
-from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, crash_point, lock, make_current, read_state, serving_now,
-                                                      timestamp, write_state)
+from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, crash_point, lock, make_current, read_state, timestamp, write_state)
 from precision_pipeline.serving.release_switch import retain, switch
-from precision_pipeline.serving.release_units import install_unit
+from precision_pipeline.serving.release_units import install_release_unit
 
 
 ROLLOUT_STEPS = ("rollout_load", "rollout_begin", "rollout_route", "rollout_switch", "rollout_abort_route")
@@ -41,8 +40,7 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
         if state.get("rollout"):
             raise UserError("rollout", f"a rollout of {state['rollout']['candidate']} is already in progress.",
                             "end it with `invoke rollout --abort` first.")
-        unit = install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state,
-                            live=server is not None)
+        unit = install_release_unit(repo_dir, engine_unit, serve_root, state, server)
         if unit == state["current"]:
             raise UserError("--profile", f"{unit} is already the current release.", "nothing to roll out.")
         if server is not None:

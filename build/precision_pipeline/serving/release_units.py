@@ -255,6 +255,15 @@ def install_unit(repo_dir: Path, unit_src: Path, serve_root: str | None = None, 
     return name
 
 
+def install_release_unit(repo_dir: Path, engine_unit: Path, serve_root: str | None, state: dict, server) -> str:
+    """``install_unit`` as a release command makes it (promote, set_fallback, a rollout's begin): the units that serve
+    now protected (``serving_now``) while a ``server`` is involved, the install recorded in ``state``."""
+    from precision_pipeline.serving.release_state import serving_now
+
+    return install_unit(repo_dir, engine_unit, serve_root, protect=serving_now(state), record=state,
+                        live=server is not None)
+
+
 def remove_dir(p: Path) -> None:
     trash = p.parent / f".{p.name}.old-{os.getpid()}"
     shutil.rmtree(trash, ignore_errors=True)
