@@ -497,9 +497,9 @@ def test_a_hand_edited_current_that_cannot_serve_is_never_routed_to(served, unit
 def test_a_dead_backend_stub_is_reloaded_by_the_watchdog(served):
     """Hostile s16 H4: a killed stub process of the current unit (the OOM killer) left the model READY and every
     request HTTP 500 ("Stub process ... is not healthy") with nothing said; `invoke serve`'s watchdog now reloads it
-    (``triton_server.revive_dead_instances``, every HEAL_EVERY_S s)."""
+    (``serve_watchdog.revive_dead_instances``, every HEAL_EVERY_S s)."""
     from precision_pipeline.serving.server_procs import backend_stubs
-    from precision_pipeline.serving.triton_server import revive_dead_instances
+    from precision_pipeline.serving.serve_watchdog import revive_dead_instances
 
     repo, srv = served
     cur = release_state.read_state(repo)["current"]
@@ -512,10 +512,18 @@ def test_a_dead_backend_stub_is_reloaded_by_the_watchdog(served):
         time.sleep(0.1)
     with pytest.raises(Exception, match="not healthy|Stub"):
         ask(srv)
-    assert revive_dead_instances(srv, seen) == [f"{cur} reloaded: the process of its instance {cur}_0_0 had died, so "
-                                                "every request to it failed"]
+    said = [f"{cur} reloaded: the process of its instance {cur}_0_0 had died or was stopped, so every request to it failed"]
+    assert revive_dead_instances(srv, seen) == said
     assert ask(srv).strip() and ask(srv, "tensorrt_llm_bls").strip()
     assert revive_dead_instances(srv, seen) == [] and seen[cur] == {f"{cur}_0_0"}
+    stub = backend_stubs(srv.proc.pid)[f"{cur}_0_0"]
+    os.kill(stub, signal.SIGSTOP)                      # hostile s16b F2: a stopped stub fails every request too
+    try:
+        assert revive_dead_instances(srv, seen) == said
+        assert ask(srv).strip() and backend_stubs(srv.proc.pid)[f"{cur}_0_0"] != stub
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stub, signal.SIGCONT)
 
 
 def test_server_dying_mid_step_rolls_back_and_leaves_no_shared_memory(served, units4):  # noqa: F811

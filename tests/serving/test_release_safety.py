@@ -447,10 +447,11 @@ def test_serve_exits_non_zero_when_its_server_dies(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     ports = [free_port(), free_port(), free_port()]
-    tmp_logs = set(Path("/tmp").glob("tritonserver-*.log"))
+    tmp = tmp_path / "tmp"  # its own TMPDIR: another test's server may have a temporary log in /tmp meanwhile
+    tmp.mkdir()
     proc = subprocess.Popen([*INVOKE, "serve", "--repo", str(repo), "--http-port", str(ports[0]), "--grpc-port",
                              str(ports[1]), "--metrics-port", str(ports[2])], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, COLUMNS="200"))
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, COLUMNS="200", TMPDIR=str(tmp)))
     said = []
     try:
         while not said or not said[-1].startswith("  log "):  # serving: its endpoints printed (live alone is still
@@ -469,7 +470,7 @@ def test_serve_exits_non_zero_when_its_server_dies(tmp_path):
     log = serve_log_path(ports[0])
     try:
         assert str(log) in out and log.is_file()
-        assert set(Path("/tmp").glob("tritonserver-*.log")) <= tmp_logs  # no temporary log left behind
+        assert not list(tmp.glob("tritonserver-*.log"))  # no temporary log left behind
     finally:
         log.unlink(missing_ok=True)
 
@@ -881,3 +882,23 @@ def test_serve_of_a_repository_whose_current_unit_was_truncated_is_refused_befor
                        "on disk .* nothing was started"):
         ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)   # the serve's own check (check_sizes)
     assert started == []
+
+
+def test_a_read_only_serve_says_what_disagrees_once(tmp_path, units4, capsys):
+    """Hostile s16 H8: a serve of a read-only mount cannot repair a split left by a command killed through a writable
+    path; its watchdog now says it (``serve_watchdog.say_disagreements``), once per problem."""
+    from precision_pipeline.serving import serve_watchdog
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    release.rollback(repo)
+    said: set[str] = set()
+    assert serve_watchdog.say_disagreements(repo, said) == [] and capsys.readouterr().out == ""
+    release_configs.point_ensemble(repo, b)                     # a kill between the two switches
+    serve_watchdog.say_disagreements(repo, said)
+    serve_watchdog.say_disagreements(repo, said)
+    assert capsys.readouterr().out == (f"[serve] not repaired (this repository is read-only here): the ensemble's config "
+                                       f"calls {b}, releases.json records {a} (an interrupted change): `invoke rollback "
+                                       f"--repo {repo} --to {a}` (add --url when a server serves it) puts everything "
+                                       "back on it\n")

@@ -220,7 +220,9 @@ def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
              "104": [""], "105": None,
              "106": ["tritonserver", "--model-repository", "model_repository", "--http-port", "9100", "--exit-on-error",
                      "--model-store", str(tmp_path / "other")],
-             "107": ["/tmp/tritonserver-2.51", f"--model-repository={repo}", "--http-port=9200"]}  # hostile s16 H1
+             "107": ["/tmp/tritonserver-2.51", f"--model-repository={repo}", "--http-port=9200"],  # hostile s16 H1
+             "108": ["triton-prod", f"--model-repository={repo}", "--http-port=9300"],   # s16b F1: a renamed copy
+             "109": ["triton-prod", "--http-port=9400"]}                                 # no repository: not listed
     for pid, argv in procs.items():
         (proc / pid).mkdir(parents=True)
         if argv is not None:
@@ -229,12 +231,16 @@ def test_server_processes_reads_only_tritonserver_command_lines(tmp_path):
     (proc / "106" / "cwd").symlink_to(tmp_path / "srv")
     (proc / "107" / "exe").symlink_to("/opt/tritonserver/bin/tritonserver")   # argv[0] a symlink's name: the exe says it
     (proc / "103" / "exe").symlink_to("/usr/bin/python3.11")
+    for pid in ("108", "109"):
+        (proc / pid / "exe").symlink_to("/tmp/triton-copy")
+        (proc / pid / "maps").write_text("7f00-7f01 r-xp 0 08:01 12 /opt/tritonserver/lib/libtritonserver.so\n")
+    (proc / "103" / "maps").write_text("7f00-7f01 r-xp 0 08:01 13 /usr/lib/libpython3.11.so\n")
     (tmp_path / "other").mkdir()
     assert server_processes(proc) == [(101, str(repo), "10.0.0.5:9000"), (102, str(repo), "127.0.0.1:8000"),
                                       (106, str(tmp_path / "other"), "127.0.0.1:9100"), (106, str(repo), "127.0.0.1:9100"),
-                                      (107, str(repo), "127.0.0.1:9200")]
+                                      (107, str(repo), "127.0.0.1:9200"), (108, str(repo), "127.0.0.1:9300")]
     assert servers_of(repo, proc) == [(101, "10.0.0.5:9000"), (102, "127.0.0.1:8000"), (106, "127.0.0.1:9100"),
-                                      (107, "127.0.0.1:9200")]
+                                      (107, "127.0.0.1:9200"), (108, "127.0.0.1:9300")]
     assert server_processes(tmp_path / "no-proc") == []
 
 

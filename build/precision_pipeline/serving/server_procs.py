@@ -21,14 +21,15 @@ def server_processes(proc: Path = Path("/proc")) -> list[tuple[int, str, str]]:
     endpoint (``--http-address`` / ``--http-port``, tritonserver's defaults 0.0.0.0 -> 127.0.0.1 and 8000). Read from
     ``/proc/<pid>/cmdline`` (Linux; [] where there is no ``proc``): the live processes themselves, so no pid file can
     go stale. A process is a tritonserver when its argv[0] or its executable (``/proc/<pid>/exe``) is named so
-    (hostile s16 H1: started through a symlink ``tritonserver-2.51``, ``exec -a`` or a wrapper's ``exec``). The one home of "which servers run here" (``servers_of``, ``other_servers``, ``repository_at``)."""
+    (hostile s16 H1: started through a symlink ``tritonserver-2.51``, ``exec -a`` or a wrapper's ``exec``), or when it
+    is given a model repository and has Triton's core library mapped (a renamed copy of the binary: s16b F1). The one home of "which servers run here" (``servers_of``, ``other_servers``, ``repository_at``)."""
     found = []
     for d in proc.glob("[0-9]*"):
         try:
             argv = (d / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
         except OSError:  # ended meanwhile, or not ours to read
             continue
-        if not argv or "tritonserver" not in (Path(argv[0]).name, _exe_name(d)):
+        if not argv or not _is_tritonserver(d, argv):
             continue
         opts = _server_options(argv[1:])
         host = (opts.get("http-address") or ["0.0.0.0"])[-1]
@@ -56,6 +57,21 @@ def backend_stubs(server_pid: int, proc: Path = Path("/proc")) -> dict[str, int]
         if len(argv) > 8 and Path(argv[0]).name == "triton_python_backend_stub" and argv[5] == str(server_pid):
             found[argv[8]] = int(d.name)
     return found
+
+
+def _is_tritonserver(d: Path, argv: list[str]) -> bool:
+    """Whether the process of ``/proc/<pid>`` folder ``d`` with command line ``argv`` is a tritonserver: argv[0] or
+    ``exe`` named ``tritonserver``; else, when it has a ``--model-repository``/``--model-store`` option, whether
+    ``/proc/<pid>/maps`` maps Triton's core library (``libtritonserver*.so``, which the tritonserver binary links
+    whatever its file is called)."""
+    if "tritonserver" in (Path(argv[0]).name, _exe_name(d)):
+        return True
+    if not any(a.startswith(("--model-repository", "--model-store")) for a in argv[1:]):
+        return False
+    try:
+        return "/libtritonserver" in (d / "maps").read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _exe_name(d: Path) -> str:

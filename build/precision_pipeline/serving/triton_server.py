@@ -620,42 +620,14 @@ SERVER_DIED_EXIT = 1
 unexpected failure, reported with the server's log tail and no traceback."""
 
 
-def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> list[str]:
-    """Reload every READY model of ``srv`` (started here: ``srv.proc``) one of whose python-backend instances has lost
-    its stub process (killed, OOM): Triton 2.51 keeps such a model READY and answers every request to it with HTTP 500
-    "Stub process ... is not healthy" (hostile s16 H4), and a readiness probe still says 200. ``seen`` ({model:
-    instance names}) is this watchdog's memory of the instances it saw alive; a model not READY is forgotten. The
-    reload passes the model's own config as the load's ``config`` parameter: a plain load of a loaded model whose
-    files did not change is a no-op in Triton 2.51 (measured: the dead stub stayed), one with a config reloads it.
-    Returns what was reloaded; [] when nothing died. ``ServerStopped`` / RuntimeError of the load propagate."""
-    from precision_pipeline.serving.server_procs import backend_stubs
-
-    if srv.proc is None:
-        return []
-    stubs = backend_stubs(srv.proc.pid)
-    done = []
-    for model, state in srv.loaded_models().items():
-        live = {n for n in stubs if n.rsplit("_", 2)[0] == model}
-        gone = seen.get(model, set()) - live
-        if state != "READY":
-            seen.pop(model, None)
-        elif gone:
-            seen.pop(model, None)  # learnt again from the reloaded instances
-            srv.load(model, json.dumps(srv.model_config(model) or {}))  # unchanged files: a plain load is a no-op
-            done.append(f"{model} reloaded: the process of its instance {', '.join(sorted(gone))} had died, so every "
-                        "request to it failed")
-        else:
-            seen[model] = seen.get(model, set()) | live
-    return done
-
-
 def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | None:
     """Block while ``srv`` runs, healing ``repo`` every ``HEAL_EVERY_S`` s (``heal``: ``release_recover.heal``, what it
     repaired printed); stop the server on Ctrl-C, SIGTERM or SIGHUP. Returns its exit status when it ended on its
     own, None when it was stopped."""
     from precision_pipeline.serving import release_recover, release_state
+    from precision_pipeline.serving.serve_watchdog import revive_dead_instances, say_disagreements
 
-    died, seen = None, {}
+    died, seen, said = None, {}, set()
     try:
         with terminate_as_interrupt():  # SIGTERM/SIGHUP of the task: stop the server like Ctrl-C does
             next_heal = time.monotonic() + HEAL_EVERY_S
@@ -664,7 +636,7 @@ def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | Non
                 if time.monotonic() < next_heal:
                     continue
                 next_heal = time.monotonic() + HEAL_EVERY_S
-                fixed = release_recover.heal(repo, srv) if heal else []
+                fixed = release_recover.heal(repo, srv) if heal else say_disagreements(repo, said)
                 with contextlib.suppress(UserError, OSError, RuntimeError):  # a release command holds the lock: later
                     with release_state.lock(repo, timeout_s=0) if heal else contextlib.nullcontext():
                         fixed += revive_dead_instances(srv, seen)
