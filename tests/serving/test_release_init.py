@@ -61,6 +61,18 @@ def test_repeating_an_interrupted_first_promote_completes_it(tmp_path, units):  
         release_recover.init_serving_repo(repo, units[2].out_dir)
 
 
+def test_a_first_promote_of_another_unit_after_an_interrupted_one_says_it_completed_it(tmp_path, units):  # noqa: F811
+    """Hostile s16 H7: the next first promote (another build) completed the interrupted one, then said "nothing was
+    changed ... already exists"; now the refusal says what the recovery did, and the fix is the same command again."""
+    repo = tmp_path / "serving" / "model_repository"
+    assert _init_crashing_at(repo, units[0].out_dir, "init_swap").returncode == release_state.CRASH_EXIT
+    with pytest.raises(UserError, match="already exists") as ei:
+        release_recover.init_serving_repo(repo, units[2].out_dir)
+    assert ei.value.done == (f"first promote into {repo} completed (interrupted before releases.json)",)
+    assert "run the same promote again" in ei.value.problems[0].fix
+    assert release_state.read_state(repo)["current"] == units[0].engine_unit
+
+
 def test_repository_without_releases_json_says_how_to_proceed(tmp_path, units):  # noqa: F811
     repo = tmp_path / "serving" / "model_repository"
     (repo / "ensemble").mkdir(parents=True)  # e.g. left by an earlier version's interrupted first promote

@@ -49,7 +49,7 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
     repo_dir, packed_repo = _servable(Path(repo_dir)), Path(packed_repo)
     unit_src = resolve_unit_source(packed_repo)
     with lock(repo_dir):
-        recover_first_promote(repo_dir)
+        note_recovered(recover_first_promote(repo_dir))  # a refusal below says so (hostile s16 H7: "nothing was changed")
         if repo_dir.exists():
             state = read_state(repo_dir)
             if state and state.get("current") == unit_src.name and [h.get("action") for h in state.get("history", [])] == ["init"]:
@@ -59,7 +59,8 @@ def init_serving_repo(repo_dir: Path, packed_repo: Path, *, serve_root: str | No
                                 "repository this pipeline can use.",
                                 "pass a new directory as --repo (e.g. artifacts/serving/model_repository); never delete a "
                                 "folder you did not create with `invoke promote`.")
-            raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead, or choose a new directory.")
+            raise UserError("repo_dir", f"{repo_dir} already exists.", "promote into it instead (run the same promote "
+                            "again: with the repository there it is a promote into it), or choose a new directory.")
         return _init_locked(repo_dir, packed_repo, unit_src, serve_root=serve_root, profile=profile, gate=gate, by=by,
                             fallback_repo=fallback_repo, warm_fallback=warm_fallback, keep_releases=keep_releases)
 
