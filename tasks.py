@@ -410,10 +410,12 @@ def sensitivity(c, profile, model=None, out=None, prompts=None, fresh=False, che
                "reports what breaks or changes (the pinned .venv is not touched)",
     "cronjob": "render the Kubernetes CronJob for this GPU (e.g. h100) into OUT/nightly/k8s/ and stop",
     "image": "container image of the CronJob (default: the serving image)",
+    "url": "with --promote: HOST:PORT of the Triton server of OUT/serving/model_repository (load, smoke-test, switch "
+           "it); required while a tritonserver of this machine serves that repository",
 })
 @guarded
 def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=None, model=None, golden_limit=None,
-            checkpoint=None, upgrade=False, cronjob=None, image=None):
+            checkpoint=None, upgrade=False, cronjob=None, image=None, url=None):
     """Nightly rebuild: check every profile, rebuild what changed, gate, compare with the baseline (exit 6: regressed)."""
     from precision_pipeline import nightly as nl
     from precision_pipeline.core.outputs import refuse_filesystem_root as root, refuse_serving_repository as served
@@ -433,7 +435,16 @@ def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=No
         if rep["exit_code"]:
             raise Exit(code=rep["exit_code"])
         return
-    summary = nl.run_nightly(opts)
+    attach = None
+    if promote or url is not None:  # before hours of builds: a served repository needs --url (hostile s16 H9)
+        from precision_pipeline.cli.serving import promote_server
+        from precision_pipeline.core.errors import UserError
+
+        if url is not None and not promote:
+            raise UserError("--url", "is read only with --promote.", "add --promote, or leave --url out.")
+        promote_server(url, opts.repo)
+        attach = lambda: promote_server(url, opts.repo)  # noqa: E731  (again at the promote: a server may start meanwhile)
+    summary = nl.run_nightly(opts, attach=attach)
     print(nl.render_markdown(summary.to_json()))
     print(f"summary: {opts.nightly_dir / 'summary.md'}")
     if summary.exit_code:

@@ -444,3 +444,34 @@ def test_an_output_root_in_a_system_folder_is_refused(invoke_here):
     assert refuse_filesystem_root(Path("/usr/local/x")) == Path("/usr/local/x")  # only /usr itself
     r = invoke_here("nightly", "--profiles", "nosuch-a", "--out", "/etc")
     assert r.returncode == 2 and "/etc is a system folder" in (r.stdout + r.stderr), ((r.stdout + r.stderr), r.stderr)
+
+
+def test_nightly_promote_switches_the_live_server(tmp_path, monkeypatch, invoke_here):
+    """Hostile s16 H9: ``nightly --promote`` promoted the files only into a repository a local tritonserver served
+    (`invoke promote` refuses that without --url): every BLS request failed until serve's watchdog loaded the unit.
+    Now it is refused before any build without ``--url``, and with ``--url`` the server is loaded, smoke-tested and
+    switched (``attach``, again at the promote)."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.serving import build_output
+    from tests.serving.test_server_stopped import fake_tritonserver
+
+    monkeypatch.setattr(nl, "_check", lambda ref, opts: (SimpleNamespace(profile=SimpleNamespace(name=ref)), None))
+    monkeypatch.setattr(nl, "_build_row", lambda ref, req, plan, opts, build, say: nl.Row(profile="p", source="p"))
+    monkeypatch.setattr(build_output, "open_build", lambda ref, out=None: SimpleNamespace(
+        profile=SimpleNamespace(deployment=SimpleNamespace(fallback=None))))
+    servers = []
+    monkeypatch.setattr(build_output, "promote_build", lambda b, repo, **k: servers.append(k["server"]) or
+                        SimpleNamespace(unit="tensorrt_llm_0123456789ab"))
+    s = nl.run_nightly(nl.NightlyOptions(profiles=["p"], out_root=tmp_path, promote=True), say=lambda m: None,
+                       attach=lambda: "the server at --url")
+    assert s.promoted == "tensorrt_llm_0123456789ab" and servers == ["the server at --url"]
+    repo = tmp_path / "serving" / "model_repository"
+    repo.mkdir(parents=True)
+    with fake_tritonserver(f"--model-repository={repo}") as srv:
+        r = invoke_here("nightly", "--profiles", "fp8-h100", "--promote", "--out", str(tmp_path))
+        assert r.returncode == 2 and f"--url: is not given, but tritonserver (pid {srv.pid}) serves {repo}" in r.stderr, \
+            r.stdout + r.stderr
+    assert not (tmp_path / "fp8-h100").exists()        # refused before any build
+    r = invoke_here("nightly", "--profiles", "fp8-h100", "--url", "127.0.0.1:8000", "--out", str(tmp_path))
+    assert r.returncode == 2 and "--url: is read only with --promote." in r.stderr, r.stdout + r.stderr

@@ -87,9 +87,13 @@ class NightlyOptions:
         return Path(self.out_root) / NIGHTLY_DIR
 
     @property
+    def repo(self) -> Path:
+        """The serving repository ``--promote`` promotes into (``serving_repo``, default OUT/serving/model_repository)."""
+        return Path(self.serving_repo) if self.serving_repo else Path(self.out_root) / "serving" / "model_repository"
+
+    @property
     def releases_file(self) -> Path:
-        repo = Path(self.serving_repo) if self.serving_repo else Path(self.out_root) / "serving" / "model_repository"
-        return repo.parent / "releases.json"
+        return self.repo.parent / "releases.json"
 
 
 OUT_ROOT = "an output root (OUT/<profile>/, OUT/nightly/)"
@@ -430,10 +434,12 @@ def _load_baselines(opts: NightlyOptions) -> tuple[Optional[dict], Optional[dict
             f"releases {opts.releases_file} (when the profile was promoted), else the previous nightly")
 
 
-def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: Callable[[str], None] = _say) -> NightlySummary:
+def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: Callable[[str], None] = _say,
+                attach: Optional[Callable] = None) -> NightlySummary:
     """Check, rebuild, gate and compare every profile of ``opts``; write the summary. See the module docstring.
     ``build(request, prepared, on_stage=)``: the build of a checked profile (default ``pipeline.run_prepared``).
-    Raises UserError only for bad options."""
+    ``attach()``: the server ``--promote`` switches (``cli.serving.server_of``: None for the files only, a UserError
+    while a local server serves the repository without ``--url``). Raises UserError only for bad options."""
     if build is None:
         from precision_pipeline.pipeline import run_prepared as build
     if opts.promote and len(opts.profiles) != 1:
@@ -476,7 +482,7 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
     summary = NightlySummary(rows=rows, started=started, finished=time.time(), baseline_source=base_src, last_measured=last)
     if opts.promote and summary.exit_code == 0 and rows and rows[0].verdict == "pass":
         try:
-            summary.promoted = _promote(rows[0], opts)
+            summary.promoted = _promote(rows[0], opts, attach() if attach else None)
             say(f"[nightly] promoted {rows[0].profile}: {summary.promoted}")
         except UserError as e:  # what promote refuses (serving/acceptance.py; the unit already current on a night
             summary.not_promoted = str(e)  # where nothing changed): said and recorded, the night's exit code stands
@@ -488,16 +494,16 @@ def run_nightly(opts: NightlyOptions, *, build: Optional[Callable] = None, say: 
     return summary
 
 
-def _promote(row: Row, opts: NightlyOptions) -> str:
+def _promote(row: Row, opts: NightlyOptions, server=None) -> str:
     """``--promote``: the same promote as ``invoke promote`` (``serving.build_output.promote_build``: acceptance with
     the serving image and SM, the first release with the profile's fallback build from this output root,
-    ``warm_fallback`` and ``keep_releases``). Returns the unit now current."""
+    ``warm_fallback`` and ``keep_releases``; ``server``: the live server to load, smoke-test and switch, as
+    ``--url``). Returns the unit now current."""
     from precision_pipeline.serving import build_output
 
-    repo = Path(opts.serving_repo) if opts.serving_repo else Path(opts.out_root) / "serving" / "model_repository"
     b = build_output.open_build(row.source or row.profile, row.out_dir)
     fb = b.profile.deployment.fallback
-    return build_output.promote_build(b, repo, by="invoke nightly",
+    return build_output.promote_build(b, opts.repo, by="invoke nightly", server=server,
                                       fallback_out=Path(opts.out_root) / fb if fb else None).unit
 
 

@@ -102,14 +102,21 @@ def refuse_new_repository_url(server, repo_dir: Path) -> None:
                     f"leave --url out, then `invoke serve --repo {repo_dir}`.")
 
 
+def promote_server(url, repo_dir: Path):
+    """The server a promote (``invoke promote``, ``invoke nightly --promote``) switches: ``server_of`` (None without
+    --url; refused while a local server serves the repository) and, for the first promote, ``refuse_new_repository_url``."""
+    server = server_of(url, repo_dir)
+    refuse_new_repository_url(server, repo_dir)
+    return server
+
+
 def promote(profile, repo=None, url=None, out=None) -> None:
     """``serving.build_output.promote_build`` of the build, printed (warnings on every promote, the first too)."""
     from precision_pipeline.serving import build_output
     from precision_pipeline.serving.triton_server import terminate_as_interrupt
 
     b = build_output.open_build(profile, out)
-    server = server_of(url, serving_repo(repo))
-    refuse_new_repository_url(server, serving_repo(repo))
+    server = promote_server(url, serving_repo(repo))
     with terminate_as_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: a loaded candidate is unloaded, said (hostile s8 #103)
         p = build_output.promote_build(b, serving_repo(repo), by="invoke promote", server=server)
     con = console()
