@@ -435,16 +435,9 @@ def nightly(c, profiles=None, strict=False, baseline=None, promote=False, out=No
         if rep["exit_code"]:
             raise Exit(code=rep["exit_code"])
         return
-    attach = None
-    if promote or url is not None:  # before hours of builds: a served repository needs --url (hostile s16 H9)
-        from precision_pipeline.cli.serving import promote_server
-        from precision_pipeline.core.errors import UserError
+    from precision_pipeline.cli.serving import nightly_server
 
-        if url is not None and not promote:
-            raise UserError("--url", "is read only with --promote.", "add --promote, or leave --url out.")
-        promote_server(url, opts.repo)
-        attach = lambda: promote_server(url, opts.repo)  # noqa: E731  (again at the promote: a server may start meanwhile)
-    summary = nl.run_nightly(opts, attach=attach)
+    summary = nl.run_nightly(opts, attach=nightly_server(promote, url, opts.repo))
     print(nl.render_markdown(summary.to_json()))
     print(f"summary: {opts.nightly_dir / 'summary.md'}")
     if summary.exit_code:

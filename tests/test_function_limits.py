@@ -72,7 +72,7 @@ EXCEPTIONS: dict[str, tuple[int, int, str]] = {
     "tasks.py:rollout": (63, 10, INVOKE_TASK),
     "tasks.py:probe": (76, 12, INVOKE_TASK),
     "tasks.py:sensitivity": (63, 10, INVOKE_TASK),
-    "tasks.py:nightly": (27, 12, INVOKE_TASK),
+    "tasks.py:nightly": (28, 13, INVOKE_TASK),
     "tasks.py:route": (10, 11, INVOKE_TASK),
     "tasks.py:recommend": (55, 19, INVOKE_TASK),
     "tasks.py:compare": (40, 11, INVOKE_TASK),

@@ -110,6 +110,18 @@ def promote_server(url, repo_dir: Path):
     return server
 
 
+def nightly_server(promote: bool, url, repo_dir: Path):
+    """``invoke nightly --promote [--url]``: the ``attach`` of ``nightly.run_nightly`` (None without --promote), checked
+    now, before hours of builds (``promote_server``: a repository a local tritonserver serves needs --url, hostile s16
+    H9), and again at the promote (a server may have started meanwhile). UserError for --url without --promote."""
+    if url is not None and not promote:
+        raise UserError("--url", "is read only with --promote.", "add --promote, or leave --url out.")
+    if not promote:
+        return None
+    promote_server(url, repo_dir)
+    return lambda: promote_server(url, repo_dir)
+
+
 def promote(profile, repo=None, url=None, out=None) -> None:
     """``serving.build_output.promote_build`` of the build, printed (warnings on every promote, the first too)."""
     from precision_pipeline.serving import build_output
