@@ -823,6 +823,17 @@ def test_releases_names_files_that_disagree_with_the_record(tmp_path, units4, ca
     release.promote(repo, units4[1].out_dir)                    # the repair printed: a verified copy
     release.rollback(repo)
     assert release.list_releases(repo)["problems"] == []
+    ref_a = repo / a / "engine" / pack.CPU_REFERENCE_FILE       # s16b T9: the current damaged and a split: the split's
+    good_a = ref_a.read_bytes()                                 # fix is no longer "everything back on" the damaged unit
+    os.truncate(ref_a, 5)
+    release_configs.point_ensemble(repo, b)
+    first, split = release.list_releases(repo)["problems"]
+    assert first.startswith(f"the current release {a} is damaged on disk") and f"--to {a}" not in split
+    assert split.endswith("(an interrupted change): repair the current release first (above); a rollback to another "
+                          "release also re-points everything")
+    ref_a.write_bytes(good_a)
+    release_configs.point_ensemble(repo, a)
+    assert release.list_releases(repo)["problems"] == []
     (repo / "tensorrt_llm_bls" / "route.json").write_text(json.dumps({"tensorrt_llm_model_name": a, "canary": {
         "tensorrt_llm_model_name": "preprocessing", "percent": 100}}))
     [p] = release.list_releases(repo)["problems"]
@@ -902,3 +913,21 @@ def test_a_read_only_serve_says_what_disagrees_once(tmp_path, units4, capsys):
                                        f"calls {b}, releases.json records {a} (an interrupted change): `invoke rollback "
                                        f"--repo {repo} --to {a}` (add --url when a server serves it) puts everything "
                                        "back on it\n")
+
+
+def test_a_server_gone_at_the_identity_check_says_what_holds(tmp_path, units4):
+    """Hostile s16b T44/T47: a server killed (or frozen) before a promote's identity check gave a one-line "stopped
+    answering while reading its ensemble's configuration", without what still holds (the README's exit 7 text)."""
+    from precision_pipeline.core.errors import EXIT_SERVER_STOPPED, ServerStopped, exit_code_for
+    from tests.serving.test_server_stopped import _server
+
+    repo = serving_repo(tmp_path, units4[0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        with pytest.raises(ServerStopped) as ei:
+            release.promote(repo, units4[1].out_dir, server=_server(f"127.0.0.1:{s.getsockname()[1]}"))
+    assert "stopped answering while reading its ensemble's configuration" in str(ei.value)
+    assert str(ei.value).endswith(f"Nothing was switched: releases.json still names {units4[0].engine_unit}, and a "
+                                  "restarted server serves it (`invoke serve --repo REPO`); run the command again once "
+                                  "it answers.")
+    assert exit_code_for(ei.value) == EXIT_SERVER_STOPPED and release_state.read_state(repo)["current"] == units4[0].engine_unit

@@ -314,6 +314,8 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
             out.append(f"{'the current release' if unit == cur else 'the kept release'} {unit} is damaged on disk "
                        f"({unit}/{why} at its install): promote its build again (a verified copy replaces it)"
                        + (", or roll back to another release" if unit == cur else "; a rollback to it is refused until then"))
+    if out and out[0].startswith(f"the current release {cur} "):  # never "put everything back on" a broken unit (s16b T9)
+        fix = "repair the current release first (above); a rollback to another release also re-points everything"
     if state.get("rollout"):
         return out
     if ensemble_serves(cur) and configs[0] != cur:

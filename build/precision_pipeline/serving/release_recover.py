@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.errors import ServerStopped, UserError
 from precision_pipeline.core.outputs import serving_path_problem
 from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
 from precision_pipeline.serving.release_configs import current_of_configs, point_bls, point_ensemble, set_canary, set_params
-from precision_pipeline.serving.release_live import reconcile_server, verify_server
+from precision_pipeline.serving.release_live import reconcile_server, stopped_before_switch, verify_server
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
                                                       STATE_FILE, crash_point, lock, note_recovered,
                                                       pid_alive, read_state, release_record, require_state, state_path,
@@ -30,7 +30,12 @@ def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = Tr
     ``leaving_current``: the caller makes another unit current (rollback, promote), so a current release whose folder
     is missing is no refusal here (hostile s15 F3: every way out was refused as the printed fix) and the live server
     is not asked to load it."""
-    verify_server(repo_dir, server)
+    try:
+        verify_server(repo_dir, server)
+    except ServerStopped as e:  # hostile s16b T44/T47: a one-line "stopped answering", not what holds
+        with contextlib.suppress(UserError):
+            raise stopped_before_switch(e, (read_state(repo_dir) or {}).get("current") or "the current release") from None
+        raise
     usable = True
     if recover:
         fixed, usable = recover_locked(repo_dir, leaving_current=leaving_current, server=server)
