@@ -118,7 +118,7 @@ def test_nightly_promotes_through_the_same_function(tmp_path, monkeypatch):
     opts = nl.NightlyOptions(profiles=["fp8-h100"], out_root=tmp_path)
     assert nl._promote(nl.Row(profile="fp8-h100", source="fp8-h100", out_dir=str(out)), opts) == "u1"
     assert calls == [(out.resolve(), tmp_path / "serving" / "model_repository",
-                      {"by": "invoke nightly", "fallback_out": tmp_path / "bf16-h100"})]
+                      {"by": "invoke nightly", "server": None, "fallback_out": tmp_path / "bf16-h100"})]
     assert json.loads((out / RECORDS_DIR / "gate.json").read_text())["artifact"]["passed"] is True
 
 

@@ -499,7 +499,7 @@ def test_a_dead_backend_stub_is_reloaded_by_the_watchdog(served):
     request HTTP 500 ("Stub process ... is not healthy") with nothing said; `invoke serve`'s watchdog now reloads it
     (``serve_watchdog.revive_dead_instances``, every HEAL_EVERY_S s)."""
     from precision_pipeline.serving.server_procs import backend_stubs
-    from precision_pipeline.serving.serve_watchdog import revive_dead_instances
+    from precision_pipeline.serving.serve_watchdog import entry_point_note, revive_dead_instances
 
     repo, srv = served
     cur = release_state.read_state(repo)["current"]
@@ -524,6 +524,14 @@ def test_a_dead_backend_stub_is_reloaded_by_the_watchdog(served):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stub, signal.SIGCONT)
+    # hostile s16 T170: a promote or rollback through a server whose BLS stub died said "current: X" while every
+    # request through the BLS failed; its check after the switch asks the BLS, reloading it once when it fails
+    assert entry_point_note(srv, "rolled back to X") is None
+    os.kill(backend_stubs(srv.proc.pid)["tensorrt_llm_bls_0_0"], signal.SIGKILL)
+    while "tensorrt_llm_bls_0_0" in backend_stubs(srv.proc.pid) and time.monotonic() < deadline + 30:
+        time.sleep(0.1)
+    note = entry_point_note(srv, "rolled back to X")
+    assert note.startswith("tensorrt_llm_bls reloaded: a request through it failed after the switch (") and ask(srv, "tensorrt_llm_bls")
 
 
 def test_server_dying_mid_step_rolls_back_and_leaves_no_shared_memory(served, units4):  # noqa: F811

@@ -140,6 +140,17 @@ def promote(profile, repo=None, url=None, out=None) -> None:
         con.print(f"created {serving_repo(repo)}: current {p.unit}, fallback {p.fallback}")
     else:
         con.print(f"promoted {p.unit} in {p.total_ms:.0f} ms" + ("" if server else " (no server given: repository only)"))
+        _entry_point(server, f"promoted {p.unit}")
+
+
+def _entry_point(server, done: str) -> None:
+    """After a promote or rollback through ``server``: the BLS answers (``serve_watchdog.entry_point_note``, a note
+    when it had to be reloaded; PipelineError when it still fails)."""
+    if server is not None:
+        from precision_pipeline.serving.serve_watchdog import entry_point_note
+
+        if note := entry_point_note(server, done):
+            console().print(f"[yellow]note[/]: {note}", soft_wrap=True)
 
 
 def rollback(repo=None, to=None, fallback=False, url=None) -> None:
@@ -154,6 +165,7 @@ def rollback(repo=None, to=None, fallback=False, url=None) -> None:
     with terminate_as_interrupt():  # as in promote: a cold target being loaded is unloaded
         t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
     console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
+    _entry_point(server, f"rolled back to {t['unit']}")
 
 
 def _attach(url: str, metrics_port, repo_dir: Path | None = None):

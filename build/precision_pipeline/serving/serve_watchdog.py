@@ -23,6 +23,50 @@ REVIVED_PARAM = "precision_pipeline_revived_at"
 (``revive_dead_instances``); neither the backends nor the release code read it."""
 
 
+def reload_model(server, model: str) -> None:
+    """Reload ``model`` on ``server`` with new instances: its own config (``model_config``) with ``REVIVED_PARAM`` set
+    to the time as the load's ``config`` parameter (a load of unchanged files is a no-op in Triton 2.51; a model not
+    loaded gets a plain load of its files). Triton starts
+    the new instances before the old ones go, so the model keeps answering if it did. RuntimeError / ServerStopped of
+    the load propagate."""
+    cfg = server.model_config(model)
+    if cfg is None:  # not loaded: a plain load reads its files
+        server.load(model)
+        return
+    cfg.setdefault("parameters", {})[REVIVED_PARAM] = {"string_value": f"{time.time():.3f}"}
+    server.load(model, json.dumps(cfg))
+
+
+def entry_point_note(server, done: str) -> str | None:
+    """After a switch on ``server`` (``done``: e.g. "rolled back to X"): one short request through the BLS, the entry
+    point clients call (the smoke test calls the unit directly, hostile s16 T170: a rollback said "current: X" while
+    every BLS request failed on a dead stub). When it fails the BLS is reloaded once (``reload_model``) and asked
+    again: returns a note saying so, None when it answered at once. Still failing: ``PipelineError`` (exit 1) saying
+    the switch took effect and what fails."""
+    from precision_pipeline.core.errors import PipelineError
+    from precision_pipeline.serving.triton_server import text_request
+
+    def ask() -> str | None:
+        c = server.http_client()
+        try:
+            c.infer("tensorrt_llm_bls", text_request("What is 2 + 2?", 2))
+            return None
+        except Exception as e:  # the server's error for the request (HTTP 500, ...)
+            return f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            c.close()
+
+    if (err := ask()) is None:
+        return None
+    with contextlib.suppress(RuntimeError, OSError):
+        reload_model(server, "tensorrt_llm_bls")
+    if (again := ask()) is None:
+        return f"tensorrt_llm_bls reloaded: a request through it failed after the switch ({err})"
+    raise PipelineError(f"{done}: releases.json and the server agree, but requests through tensorrt_llm_bls (the entry "
+                        f"point) fail, also after reloading it ({again}). Fix: restart the server (`invoke serve --repo "
+                        "REPO`); its log says why the BLS fails.")
+
+
 def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> list[str]:
     """Reload every READY model of ``srv`` (started here: ``srv.proc``) one of whose python-backend instances has lost
     its stub process (killed, OOM) or whose stub is stopped (SIGSTOP, state T: hostile s16b F2): Triton 2.51 keeps
@@ -45,9 +89,7 @@ def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> lis
             seen.pop(model, None)
         elif gone:
             seen.pop(model, None)  # learnt again from the reloaded instances
-            cfg = srv.model_config(model) or {}
-            cfg.setdefault("parameters", {})[REVIVED_PARAM] = {"string_value": f"{time.time():.3f}"}
-            srv.load(model, json.dumps(cfg))
+            reload_model(srv, model)
             done.append(f"{model} reloaded: the process of its instance {', '.join(sorted(gone))} had died or was "
                         "stopped, so every request to it failed")
         else:
