@@ -242,6 +242,35 @@ def test_a_url_where_nothing_answers_names_the_repositorys_server(served):
     assert ei.value.problems[0].fix == f"pass --url {srv.http_url}."
 
 
+def test_a_commit_that_cannot_be_written_undoes_the_live_switch(served, units4, monkeypatch):  # noqa: F811
+    """Hostile s16b F4: `ulimit -f` (or a full disk) let the configs be rewritten but not releases.json: the live server
+    stayed on the new unit, the record on the old, and the message said the repository was intact. Now the commit's
+    OSError undoes the switch (``release_switch.commit_switch``) and says so."""
+    import errno
+
+    from precision_pipeline.core.errors import PipelineError
+    from precision_pipeline.serving import release_switch
+
+    repo, srv = served
+    old = release_state.read_state(repo)["current"]
+    new = next(u for u in units4 if u.engine_unit != old).out_dir
+    before = release_state.state_path(repo).read_text()
+    real = release_switch.write_state
+
+    def full(repo_dir, state):
+        raise OSError(errno.EFBIG, "File too large", str(release_state.state_path(repo_dir)))
+    monkeypatch.setattr(release_switch, "write_state", full)
+    with pytest.raises(PipelineError) as ei:
+        release.promote(repo, new, server=srv)
+    msg = str(ei.value)
+    assert msg.startswith(f"releases.json could not be written (File too large: {release_state.state_path(repo)}), so the "
+                          "switch to tensorrt_llm_") and f"the switch was undone: {old} serves again" in msg, msg
+    assert release_state.state_path(repo).read_text() == before
+    assert release_configs.current_of_configs(repo) == (old, old) and release_live.live_unit(srv) == old and ask(srv).strip()
+    monkeypatch.setattr(release_switch, "write_state", real)
+    assert release.list_releases(repo)["problems"] == []
+
+
 @contextlib.contextmanager
 def tcp_forward(port: int):
     """A plain TCP forward (as kubectl port-forward or ssh -L) from a free local port to ``port``; yields its URL."""
@@ -519,6 +548,10 @@ def test_a_dead_backend_stub_is_reloaded_by_the_watchdog(served):
     stub = backend_stubs(srv.proc.pid)[f"{cur}_0_0"]
     os.kill(stub, signal.SIGSTOP)                      # hostile s16b F2: a stopped stub fails every request too
     try:
+        from precision_pipeline.core.store import process_state
+
+        while not process_state(stub).startswith("T") and time.monotonic() < deadline + 60:  # the signal is async
+            time.sleep(0.05)
         assert revive_dead_instances(srv, seen) == said
         assert ask(srv).strip() and backend_stubs(srv.proc.pid)[f"{cur}_0_0"] != stub
     finally:

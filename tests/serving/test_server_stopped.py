@@ -413,3 +413,21 @@ def test_a_model_that_stays_unloading_is_said_and_given_up(monkeypatch, capsys):
     assert sum(line.startswith("  unloading tensorrt_llm_aaaaaaaaaaaa on 127.0.0.1:1: ") for line in err) >= 1, err
     assert err[-1].startswith("  tensorrt_llm_aaaaaaaaaaaa is still UNLOADING on 127.0.0.1:1 after ") \
         and err[-1].endswith("not waited on further: the server frees it when it can"), err
+
+
+def test_a_load_that_never_finishes_is_given_up_after_load_timeout_s(monkeypatch, capsys):
+    """Hostile s16 H10: a model Triton keeps LOADING for ever (its stub cannot start) held serve's watchdog -- and the
+    releases lock -- for minutes. ``load`` gives up after ``load_timeout_s`` (the watchdog's: ``HEAL_LOAD_S``)."""
+    from precision_pipeline.serving import triton_server as ts
+
+    srv = _server("127.0.0.1:1")
+    srv.load_timeout_s = 0.6
+    monkeypatch.setattr(srv, "_post", lambda *a: time.sleep(30))
+    monkeypatch.setattr(srv, "_get", lambda *a, **k: 200)
+    monkeypatch.setattr(ts, "LOAD_POLL_S", 0.1)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"loading tensorrt_llm_bls did not finish in \d+ s \(the server keeps it LOADING"):
+        srv.load("tensorrt_llm_bls", progress_s=0.2)
+    assert time.monotonic() - t < 20
+    assert "  loading tensorrt_llm_bls on 127.0.0.1:1: " in capsys.readouterr().err
+    assert ts.HEAL_LOAD_S == 60.0 and TritonServer.load_timeout_s == 900.0

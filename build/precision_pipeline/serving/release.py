@@ -81,7 +81,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit,
                                                       ROUTE_FILE, ensemble_serves, read_state, rejected_units, release_record,
                                                       state_path,
                                                       timestamp, write_state)
-from precision_pipeline.serving.release_switch import retain, switch
+from precision_pipeline.serving.release_switch import commit_switch, retain, switch
 from precision_pipeline.serving.release_units import (install_release_unit, is_any_unit, resolve_unit_source, unit_damage,
                                                       verify_kept)
 
@@ -140,7 +140,7 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         state["history"] = (state["history"] + [{"action": "promote", "from": previous, "to": unit, "time": timestamp(),
                                                  "by": promoted_by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
         with after_commit(repo_dir, unit, f"promoted {unit}", server):
-            write_state(repo_dir, state)  # commit point
+            commit_switch(repo_dir, state, server, unit, previous)  # commit point
             crash_point("commit")
             timings["removed"] = retain(repo_dir, state, server, warm_previous, previous)
             write_state(repo_dir, state)
@@ -272,7 +272,7 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         state["history"] = (state["history"] + [{"action": "rollback", "from": cur, "to": target, "time": timestamp(),
                                                  "by": by, "ms": round(timings["total_ms"], 1)}])[-HISTORY_MAX:]
         with after_commit(repo_dir, target, f"rolled back to {target}", server):
-            write_state(repo_dir, state)  # commit point
+            commit_switch(repo_dir, state, server, target, cur)  # commit point
             timings["removed"] = retain(repo_dir, state, server, False, None)
             write_state(repo_dir, state)
     timings["unit"] = target

@@ -187,15 +187,16 @@ def heal(repo_dir: Path, server) -> list[str]:
                 fixed += reconcile_server(repo_dir, server, state)
             _HEAL_SAID.pop(str(repo_dir), None)
             return fixed
-    except UserError as e:
-        said = f"{e.problems[0].field}: {e.problems[0].reason} Fix: {e.problems[0].fix}"
+    except (UserError, RuntimeError) as e:  # RuntimeError: a load the server refused or never finished (s16 H10)
+        said = (f"{e.problems[0].field}: {e.problems[0].reason} Fix: {e.problems[0].fix}" if isinstance(e, UserError)
+                else f"{e} (tried again every few seconds)")
         if not held:
             return []
         if _HEAL_SAID.get(str(repo_dir)) != said:
             print(f"[serve] not repaired: {said}", flush=True)
         _HEAL_SAID[str(repo_dir)] = said
         return []
-    except (OSError, RuntimeError, ValueError):
+    except (OSError, ValueError):
         return []
 
 

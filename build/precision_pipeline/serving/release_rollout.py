@@ -16,7 +16,7 @@ from precision_pipeline.serving.release_live import (live_unit, load_unit, loade
                                                      unload_quietly, verify_server)
 from precision_pipeline.serving.release_recover import state_or_refuse
 from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, crash_point, lock, make_current, read_state, timestamp, write_state)
-from precision_pipeline.serving.release_switch import retain, switch
+from precision_pipeline.serving.release_switch import commit_switch, retain, switch
 from precision_pipeline.serving.release_units import install_release_unit
 
 
@@ -106,7 +106,7 @@ def finish_rollout(repo_dir: Path, *, server=None, checks: dict | None = None, w
                                                  "rollout": {"steps": ro.get("steps"), "started": ro.get("started"),
                                                              "checks": checks or {}}}])[-HISTORY_MAX:]
         with after_commit(repo_dir, unit, f"rolled out {unit} (100 %)", server):
-            write_state(repo_dir, state)  # commit point
+            commit_switch(repo_dir, state, server, unit, previous)  # commit point
             timings["removed"] = retain(repo_dir, state, server, warm_previous, previous)
             write_state(repo_dir, state)
     timings["unit"] = unit

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from precision_pipeline.serving.release_configs import point_bls, point_ensemble
 from precision_pipeline.serving.release_live import loaded_models
-from precision_pipeline.serving.release_state import crash_point, current_order, ensemble_serves, rejected_units
+from precision_pipeline.serving.release_state import (crash_point, current_order, ensemble_serves, rejected_units, state_path,
+                                                      write_state)
 from precision_pipeline.serving.release_units import is_any_unit, remove_dir
 
 
@@ -25,6 +26,30 @@ def switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> N
             with contextlib.suppress(Exception):
                 ensemble_follow(server, previous)
         raise
+
+
+def commit_switch(repo_dir: Path, state: dict, server, unit: str, previous: str) -> None:
+    """The commit point of a switch to ``unit`` (``write_state`` of ``state``, which names it current). When
+    releases.json cannot be written (a full disk, a file-size limit: OSError), the switch is undone -- ensemble and BLS
+    back on ``previous`` and reloaded (``switch``) -- and ``PipelineError`` (exit 1) says what holds: the live server
+    and the files on ``previous``, as releases.json still records (hostile s16b F4: they stayed on ``unit`` and the
+    message said the repository was intact)."""
+    from precision_pipeline.core.errors import PipelineError
+
+    try:
+        write_state(repo_dir, state)
+    except OSError as e:
+        why = f"{e.strerror or e}: {e.filename or state_path(repo_dir)}"
+        try:
+            switch(repo_dir, server, previous, {}, unit)
+            back = f"the switch was undone: {previous} serves again, as releases.json still records"
+        except BaseException as undo:  # noqa: BLE001  (said; the recovery of the next command repairs it)
+            back = (f"undoing the switch failed too ({type(undo).__name__}: {str(undo)[:200]}): the files or the server may "
+                    f"still be on {unit}, while releases.json records {previous}; the next release command (or `invoke "
+                    "serve`'s watchdog) puts them back once files can be written")
+        raise PipelineError(f"releases.json could not be written ({why}), so the switch to {unit} was not committed; "
+                            f"{back}. Fix: free space on that file system (or raise the file-size limit), then run the "
+                            "command again.") from None
 
 
 def ensemble_follow(server, unit: str) -> None:

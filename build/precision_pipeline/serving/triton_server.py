@@ -214,6 +214,9 @@ class TritonServer:
         self.start_s: float | None = None
 
     host: str = "127.0.0.1"
+    load_timeout_s: float = 900.0
+    """How long ``load`` waits for a model to load (a large unit loads for minutes); ``invoke serve``'s watchdog
+    waits ``HEAL_LOAD_S`` (it holds the releases lock meanwhile)."""
 
     @classmethod
     def attach(cls, http_url: str) -> "TritonServer":
@@ -430,7 +433,7 @@ class TritonServer:
 
         def post():
             try:
-                box["ok"] = self._post(f"/v2/repository/models/{name}/load", body, 900, doing)
+                box["ok"] = self._post(f"/v2/repository/models/{name}/load", body, self.load_timeout_s, doing)
             except BaseException as e:  # handed to the waiting thread
                 box["err"] = e
 
@@ -442,6 +445,9 @@ class TritonServer:
             if not worker.is_alive():
                 break
             now = time.perf_counter()
+            if now - t0 >= self.load_timeout_s:  # a load that never ends (a stub that cannot start: hostile s16 H10)
+                raise RuntimeError(f"loading {name} did not finish in {now - t0:.0f} s (the server keeps it LOADING; its "
+                                   "log says why)")
             if now - said >= progress_s:
                 said = now
                 print(f"  loading {name} on {self.http_url}: {now - t0:.0f} s ...", file=sys.stderr, flush=True)
@@ -615,6 +621,10 @@ HEAL_EVERY_S = 5.0
 """How often ``invoke serve`` makes its server and repository agree with releases.json when no release command holds
 the lock (``release_recover.heal``): a command killed mid-switch is repaired within this many seconds."""
 
+HEAL_LOAD_S = 60.0
+"""How long a load by ``invoke serve``'s watchdog may take (it holds the releases lock meanwhile): a model that never
+leaves LOADING (its stub cannot start: hostile s16 H10) is given up, and release commands get the lock."""
+
 SERVER_DIED_EXIT = 1
 """Exit status of ``invoke serve`` when its tritonserver ends on its own (killed, crashed): an
 unexpected failure, reported with the server's log tail and no traceback."""
@@ -628,6 +638,7 @@ def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | Non
     from precision_pipeline.serving.serve_watchdog import revive_dead_instances, say_disagreements
 
     died, seen, said = None, {}, set()
+    srv.load_timeout_s = HEAL_LOAD_S  # from now on its loads are the watchdog's, under the lock: never without end
     try:
         with terminate_as_interrupt():  # SIGTERM/SIGHUP of the task: stop the server like Ctrl-C does
             next_heal = time.monotonic() + HEAL_EVERY_S
