@@ -271,6 +271,27 @@ def test_a_commit_that_cannot_be_written_undoes_the_live_switch(served, units4, 
     assert release.list_releases(repo)["problems"] == []
 
 
+def test_a_fifo_in_place_of_route_json_blocks_no_request_and_is_rewritten(served):
+    """Hostile s16 H13: route.json replaced by a FIFO: every BLS request blocked for good (the BLS opened it), and a
+    rollback's recovery was an OSError traceback. The BLS now reads regular files only (keeping the last route), and
+    the recovery rewrites route.json from releases.json."""
+    repo, srv = served
+    cur = release_state.read_state(repo)["current"]
+    route = repo / "tensorrt_llm_bls" / "route.json"
+    route.unlink()
+    os.mkfifo(route)
+    try:
+        assert ask(srv, "tensorrt_llm_bls").strip()         # answered on the last route, not blocked
+        assert release.list_releases(repo)["problems"]        # said, not raised
+        fixed = release_recover.recover(repo, srv)
+        assert f"{route} was unreadable (not a regular file): rewritten from releases.json" in fixed
+        assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": cur} and ask(srv, "tensorrt_llm_bls").strip()
+    finally:
+        if not route.is_file():
+            route.unlink(missing_ok=True)
+            release_configs.point_bls(repo, cur)
+
+
 @contextlib.contextmanager
 def tcp_forward(port: int):
     """A plain TCP forward (as kubectl port-forward or ssh -L) from a free local port to ``port``; yields its URL."""

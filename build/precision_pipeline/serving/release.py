@@ -322,7 +322,7 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
         out.append(f"the ensemble's config calls {configs[0]}, releases.json records {cur} (an interrupted change): {fix}")
     try:
         route = read_json(repo_dir / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}
-    except ValueError:
+    except (ValueError, OSError):  # hand-edited, or not a regular file (a FIFO: hostile s16 H13)
         route = {"unreadable": True}
     if configs[1] != cur or route != {"tensorrt_llm_model_name": cur}:
         out.append(f"the BLS config or route.json ({json.dumps(route, sort_keys=True)[:120]}) does not send every request "

@@ -62,7 +62,7 @@ def current_of_configs(repo_dir: Path) -> tuple[str | None, str | None]:
         bls = pack.config_params(load_config(p)).get("tensorrt_llm_model_name")
         try:
             route = (read_json(repo_dir / "tensorrt_llm_bls" / ROUTE_FILE, {}) or {}).get("tensorrt_llm_model_name")
-        except (ValueError, AttributeError):  # hand-edited (the next recovery rewrites it)
+        except (ValueError, AttributeError, OSError):  # hand-edited, a FIFO (the next recovery rewrites it)
             route = "(unreadable)"
         if route and route != bls:
             bls = f"{bls}|route.json:{route}"

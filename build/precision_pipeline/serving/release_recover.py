@@ -4,6 +4,7 @@ and its first promote (``init_serving_repo``: the whole repository staged and sw
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -279,9 +280,12 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -
     route = repo_dir / "tensorrt_llm_bls" / ROUTE_FILE
     try:
         read_json(route, {})
-    except ValueError:  # hostile s8 #109: hand-edited; derived from releases.json, so rewritten below
+    except (ValueError, OSError) as e:  # hostile s8 #109: hand-edited; s16 H13: a FIFO (read_json refuses it): derived
+        if isinstance(e, OSError) and e.errno != errno.EINVAL:  # from releases.json, so rewritten below
+            raise
         route.unlink()
-        fixed.append(f"{route} was unreadable: rewritten from {STATE_FILE}")
+        fixed.append(f"{route} was unreadable{'' if isinstance(e, ValueError) else ' (not a regular file)'}: rewritten "
+                     f"from {STATE_FILE}")
     if point_ensemble(repo_dir, cur):
         fixed.append(f"ensemble re-pointed at {cur}")
     ro = state.get("rollout")

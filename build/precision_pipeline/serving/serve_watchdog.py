@@ -88,8 +88,8 @@ def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> lis
         if state != "READY":
             seen.pop(model, None)
         elif gone:
+            reload_model(srv, model)  # a failed reload keeps ``seen``: tried again next time (hostile s16 F8)
             seen.pop(model, None)  # learnt again from the reloaded instances
-            reload_model(srv, model)
             done.append(f"{model} reloaded: the process of its instance {', '.join(sorted(gone))} had died or was "
                         "stopped, so every request to it failed")
         else:

@@ -80,6 +80,7 @@ OpenTelemetry not importable in the stub's interpreter, the model refuses to loa
 
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -90,6 +91,15 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # precision_routing.py beside this file
 import precision_routing  # noqa: E402
+
+
+def _regular(path):
+    """``path`` when it is a regular file; OSError otherwise: opening a FIFO (or a device) in its place would block
+    this instance, and so every request, for good (hostile s16 H13: route.json replaced by a FIFO). The callers keep
+    what they last read."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(f"{path} is not a regular file")
+    return path
 
 
 METRIC_LABELS = ("profile", "engine_unit", "engine_hash", "gemm", "kv", "context_fmha", "logits_dtype", "route",
@@ -220,7 +230,7 @@ class TritonPythonModel:
         p = self.paths.get(unit)
         if p is None:
             try:
-                with open(os.path.join(self.repo_dir, unit, PATH_FILE)) as f:
+                with open(_regular(os.path.join(self.repo_dir, unit, PATH_FILE))) as f:
                     p = {str(k): str(v) for k, v in json.load(f).items()}
             except (OSError, ValueError, AttributeError):
                 p = {}
@@ -238,7 +248,7 @@ class TritonPythonModel:
             return self.fallback
         if key != self.state_key:
             try:
-                with open(self.state_file) as f:
+                with open(_regular(self.state_file)) as f:
                     self.fallback = json.load(f).get("fallback")
                 self.state_key = key
             except (OSError, ValueError, AttributeError):
@@ -280,7 +290,7 @@ class TritonPythonModel:
         key = None if st is None else (st.st_mtime_ns, st.st_ino, st.st_size)
         if st is not None and key != self.route_mtime:
             try:
-                with open(self.route_file) as f:
+                with open(_regular(self.route_file)) as f:
                     route = json.load(f)
                 name = route.get("tensorrt_llm_model_name")
                 if name:
@@ -314,7 +324,7 @@ class TritonPythonModel:
         table = None
         if key[1] is not None:
             try:
-                with open(path) as f:
+                with open(_regular(path)) as f:
                     table = json.load(f)
                 problems = precision_routing.table_problems(table)
             except (OSError, ValueError) as e:
