@@ -431,3 +431,21 @@ def test_a_load_that_never_finishes_is_given_up_after_load_timeout_s(monkeypatch
     assert time.monotonic() - t < 20
     assert "  loading tensorrt_llm_bls on 127.0.0.1:1: " in capsys.readouterr().err
     assert ts.HEAL_LOAD_S == 60.0 and TritonServer.load_timeout_s == 900.0
+
+
+def test_stop_does_not_wait_for_minutes_on_an_unload_that_never_ends(monkeypatch):
+    """Hostile s16 H13c: `invoke serve`'s stop was silent ~140 s while an instance blocked for good kept its unload
+    from finishing; each unload is now given STOP_UNLOAD_S before the signals end the server."""
+    import subprocess
+    import sys
+
+    from precision_pipeline.serving import triton_server as ts
+
+    srv = _server("127.0.0.1:1")
+    srv.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    monkeypatch.setattr(ts, "STOP_UNLOAD_S", 0.3)
+    monkeypatch.setattr(srv, "loaded_models", lambda: {"tensorrt_llm_bls": "READY"})
+    monkeypatch.setattr(srv, "unload", lambda *a: time.sleep(30))
+    t = time.monotonic()
+    srv.stop(timeout_s=5)
+    assert time.monotonic() - t < 10 and srv.proc.poll() is not None

@@ -461,14 +461,15 @@ class TritonServer:
             raise err
         return time.perf_counter() - t0
 
-    def unload(self, name: str, wait_s: float = 120.0) -> float:
+    def unload(self, name: str, wait_s: float = 120.0, post_s: float = 300.0) -> float:
         """Unload a model and wait (up to ``wait_s``) until it has left state UNLOADING, i.e. its instances
         (python-backend stubs) are gone and their memory is free; returns seconds. A line on stderr every
         ``LOAD_PROGRESS_S`` seconds while it waits, and one when it gives up (an instance whose process died stays
-        UNLOADING: hostile s16 H5 waited 120 s in silence). ``ServerStopped`` when the server does not answer."""
+        UNLOADING: hostile s16 H5 waited 120 s in silence). ``post_s``: the unload request's own time limit.
+        ``ServerStopped`` when the server does not answer."""
         t0 = time.perf_counter()
         try:
-            self._post(f"/v2/repository/models/{name}/unload", b"{}", 300, f"unloading {name}")
+            self._post(f"/v2/repository/models/{name}/unload", b"{}", post_s, f"unloading {name}")
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"unloading {name} failed ({e.code}): {e.read().decode(errors='replace')}") from None
         deadline, said = time.monotonic() + wait_s, time.monotonic()
@@ -514,10 +515,12 @@ class TritonServer:
                 from concurrent.futures import ThreadPoolExecutor
 
                 names = [name for name, state in self.loaded_models().items() if state == "READY"]
-                with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
-                    for fut in [pool.submit(self.unload, name) for name in names]:
-                        with contextlib.suppress(Exception):
-                            fut.result()
+                pool = ThreadPoolExecutor(max_workers=max(1, len(names)))
+                futs = [pool.submit(self.unload, name, STOP_UNLOAD_S, STOP_UNLOAD_S) for name in names]
+                for fut in futs:  # an instance that never exits (blocked: hostile s16 H13c) is not waited on for minutes
+                    with contextlib.suppress(Exception):
+                        fut.result(STOP_UNLOAD_S + 5)
+                pool.shutdown(wait=False)
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
@@ -620,6 +623,10 @@ def models_to_load(model_repository: Path) -> list[str]:
 HEAL_EVERY_S = 5.0
 """How often ``invoke serve`` makes its server and repository agree with releases.json when no release command holds
 the lock (``release_recover.heal``): a command killed mid-switch is repaired within this many seconds."""
+
+STOP_UNLOAD_S = 15.0
+"""How long ``TritonServer.stop`` waits for each model's unload (side by side) before SIGTERM: an instance blocked for
+good made `invoke serve`'s stop silent for ~140 s (hostile s16 H13c); the signals end what is left."""
 
 HEAL_LOAD_S = 60.0
 """How long a load by ``invoke serve``'s watchdog may take (it holds the releases lock meanwhile): a model that never
