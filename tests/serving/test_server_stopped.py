@@ -449,3 +449,26 @@ def test_stop_does_not_wait_for_minutes_on_an_unload_that_never_ends(monkeypatch
     t = time.monotonic()
     srv.stop(timeout_s=5)
     assert time.monotonic() - t < 10 and srv.proc.poll() is not None
+
+
+def test_a_rollout_without_url_names_the_repositorys_server_or_says_it_needs_one(tmp_path):
+    """Hostile s16 H11: `rollout` without --url tried 127.0.0.1:8000 and said "leave --url out" -- it was left out, and
+    the repository's server ran elsewhere."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving.triton_server import free_port
+
+    repo = tmp_path / "model_repository"
+    repo.mkdir()
+    port = free_port()
+    with pytest.raises(UserError) as ei:
+        cli._rollout_server(f"127.0.0.1:{port}", False, None, repo)
+    assert ei.value.problems[0].reason == (f"is not given, and no Triton server answers at the default 127.0.0.1:{port}: a "
+                                           "rollout moves live traffic, so it needs the server of the repository.")
+    assert "leave --url out" not in ei.value.message
+    with fake_tritonserver(f"--model-repository={repo} --http-port=9931") as srv:
+        with pytest.raises(UserError) as ei:
+            cli._rollout_server("127.0.0.1:8000", False, None, repo)
+    assert ei.value.problems[0].reason == (f"is not given (default 127.0.0.1:8000), but tritonserver (pid {srv.pid}) "
+                                           f"serves {repo} at 127.0.0.1:9931; nothing was changed.")
+    assert ei.value.problems[0].fix == "pass --url 127.0.0.1:9931."

@@ -216,7 +216,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535)  # before anything else is asked
     if abort:
         return _abort(repo_dir, url, metrics_port, con)
-    url = "127.0.0.1:8000" if url is None else url  # '' refused by attach
+    given_url, url = url is not None, "127.0.0.1:8000" if url is None else url  # '' refused by attach
     if not profile:
         raise UserError("--profile", "is required (or pass --abort).", "e.g. invoke rollout --profile fp8-h100")
     given_steps = ro.parse_steps(str(steps)) if steps is not None else None  # the flags before the build is read
@@ -231,7 +231,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     hold_s = float(prof.deployment.canary_pause_s) if given_hold is None else given_hold
     if release.read_state(repo_dir) is None:
         raise UserError("--repo", f"{repo_dir} is not a serving repository yet.", f"`invoke promote --profile {profile}` creates it.")
-    server = _attach(url, metrics_port, repo_dir)
+    server = _rollout_server(url, given_url, metrics_port, repo_dir)
     pset = b.probe_set(n_probe)
 
     def show(s):
@@ -249,6 +249,26 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
                      on_step=show)
     con.print(rollout_outcome(res, server, url, repo_dir), soft_wrap=True)
     return 0 if res.status == "promoted" else EXIT_GATE_FAILED  # 3: not promoted
+
+
+def _rollout_server(url: str, given_url: bool, metrics_port, repo_dir: Path):
+    """The server a rollout moves: ``_attach(url)``; without --url (``given_url`` False, ``url`` the default
+    127.0.0.1:8000) the repository's local tritonserver is named when it listens elsewhere, and a default where
+    nothing answers says a rollout needs its server (hostile s16 H11: the fix was "leave --url out")."""
+    from precision_pipeline.serving.triton_server import servers_of
+
+    if not given_url and (local := servers_of(repo_dir)) and local[0][1] != url:  # hostile s16 H11: named, not the default
+        raise UserError("--url", f"is not given (default 127.0.0.1:8000), but tritonserver (pid {local[0][0]}) serves "
+                        f"{repo_dir} at {local[0][1]}; nothing was changed.", f"pass --url {local[0][1]}.")
+    try:
+        server = _attach(url, metrics_port, repo_dir)
+    except UserError as e:  # the default answered nothing: a rollout needs its server (never "leave --url out")
+        if given_url or not e.problems[0].reason.startswith("no Triton server answers"):
+            raise
+        raise UserError("--url", f"is not given, and no Triton server answers at the default {url}: a rollout moves live "
+                        "traffic, so it needs the server of the repository.", f"start one (`invoke serve --repo "
+                        f"{repo_dir}`) and pass its --url HOST:PORT.") from None
+    return server
 
 
 def rollout_outcome(res, server, url: str, repo_dir: Path) -> str:
