@@ -498,3 +498,23 @@ def test_out_inside_the_model_or_checkpoint_folder_is_refused(tmp_path, invoke_h
     with pytest.raises(UserError, match=f"{ck} is the --checkpoint folder {ck}"):
         refuse_out_inside_inputs(ck, {"--model": model, "--checkpoint": ck})
     refuse_out_inside_inputs(tmp_path / "out", {"--model": model, "--checkpoint": ck, "--other": None})
+
+
+def test_probe_gate_of_another_build_is_refused(tmp_path):
+    """Hostile s16 H12: `probe --gate <another build>/gate` judged the live unit with that build's reference and bar and
+    recorded a false FAIL. The gate's build names its unit (its model_repository beside gate/): only that unit is
+    judged; none of the probed units being it is refused."""
+    from precision_pipeline.cli.serving import _units_of_gate
+    from precision_pipeline.core.errors import UserError
+
+    a, b = "tensorrt_llm_aaaaaaaaaaaa", "tensorrt_llm_bbbbbbbbbbbb"
+    (tmp_path / "out" / "gate").mkdir(parents=True)
+    (tmp_path / "out" / "model_repository" / a).mkdir(parents=True)
+    gate = tmp_path / "out" / "gate"
+    with pytest.raises(UserError) as ei:
+        _units_of_gate(gate, {b: "stable"})
+    assert ei.value.problems[0].field == "--gate" and ei.value.problems[0].reason.startswith(
+        f"{gate} is the gate of the build in {tmp_path / 'out'} (unit {a}), not of {b}, which the probe asks")
+    assert _units_of_gate(gate, {a: "stable", b: "fallback"}) == {a: "stable"}
+    (tmp_path / "loose").mkdir()
+    assert _units_of_gate(tmp_path / "loose", {b: "stable"}) == {b: "stable"}

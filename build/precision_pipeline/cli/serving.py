@@ -335,9 +335,8 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
                         "exports nothing.", "add --every N, or leave --metrics-port out.")
     if unit:
         release.check_probe_unit(unit)
-    rec_profile = ""
-    if state:
-        rec_profile = next((r.get("profile", "") for r in state.get("releases", []) if r.get("unit") == state["current"]), "")
+    rec_profile = next((r.get("profile", "") for r in state.get("releases", [])
+                        if r.get("unit") == state["current"]), "") if state else ""
     packed = None
     if gate:
         pset = pr.load_probe_set(Path(gate).expanduser().resolve(), n, model_dir=Path(model).expanduser() if model else None)
@@ -366,6 +365,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         units = {unit: routes.get(unit, "")}
     else:
         units = routes
+    units = _units_of_gate(Path(gate), units) if gate else units
     exporter = None
     if every_s is not None:
         exporter = pr.ProbeExporter(port)
@@ -386,6 +386,25 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         if exporter is not None:
             exporter.close()
     return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def _units_of_gate(gate: Path, units: dict[str, str]) -> dict[str, str]:
+    """The units of ``units`` ({unit: route}) a probe with ``--gate`` judges: the one the gate's build packed
+    (``<build out>/model_repository``, beside ``<build out>/gate``); UserError on ``--gate`` (exit 2, nothing recorded)
+    when that unit is not among them -- its reference outputs and bar would judge another build, and the verdict be
+    recorded (hostile s16 H12). A gate folder outside a build output names no unit: ``units`` as they are."""
+    from precision_pipeline.serving.release_units import is_any_unit
+
+    packed = Path(gate).expanduser().resolve().parent / "model_repository"
+    built = sorted(p.name for p in packed.iterdir() if is_any_unit(p.name)) if packed.is_dir() else []
+    if not built or not units:
+        return units
+    if keep := {u: r for u, r in units.items() if u in built}:
+        return keep
+    raise UserError("--gate", f"{gate} is the gate of the build in {packed.parent} (unit {built[0]}), not of "
+                    f"{', '.join(units)}, which the probe asks: it would be judged against that build's reference "
+                    "outputs and bar, and the verdict recorded.", "pass the gate folder of that unit's build (<its "
+                    "--out>/gate), or --profile P --out OUT of that build.")
 
 
 def _open_for_probe(profile, rec_profile: str, out):
