@@ -518,3 +518,24 @@ def test_probe_gate_of_another_build_is_refused(tmp_path):
     assert _units_of_gate(gate, {a: "stable", b: "fallback"}) == {a: "stable"}
     (tmp_path / "loose").mkdir()
     assert _units_of_gate(tmp_path / "loose", {b: "stable"}) == {b: "stable"}
+
+
+def test_probe_without_profile_judges_only_units_the_recorded_profiles_build_packed(tmp_path):
+    """Hostile s16b T5: a release promoted with `--profile /path/fp8-h100.yaml` records the name fp8-h100; a probe
+    without --profile took the build at artifacts/fp8-h100 (another build) and judged the live unit with its reference
+    and bar. A build that did not pack the current unit is refused, naming the recorded profile."""
+    from precision_pipeline.cli.serving import _units_of_recorded_build
+    from precision_pipeline.core.errors import UserError
+
+    a, b = "tensorrt_llm_aaaaaaaaaaaa", "tensorrt_llm_bbbbbbbbbbbb"
+    packed = tmp_path / "out" / "model_repository"
+    (packed / a).mkdir(parents=True)
+    with pytest.raises(UserError) as ei:
+        _units_of_recorded_build(packed, {b: "stable"}, "fp8-h100", {"current": b})
+    p = ei.value.problems[0]
+    assert p.field == "--profile" and p.reason == (
+        f"not given, so the current release's recorded profile fp8-h100 was taken; its build in {tmp_path / 'out'} "
+        f"packed {a}, not the current release {b}: the probe would judge it against another build's reference outputs "
+        "and bar, and record the verdict; nothing was probed.")
+    # the build of the current unit: every route's unit is judged (the fallback held to the primary's bar)
+    assert _units_of_recorded_build(packed, {a: "stable", b: "fallback"}, "fp8-h100", {"current": a}) == {a: "stable", b: "fallback"}

@@ -194,11 +194,17 @@ def _runner(out: Path):
                                                               model_dir="m", out_dir=str(out)))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "rewrite", "add", "delete"])
+@pytest.mark.parametrize("damage", ["truncate", "rewrite", "add", "delete", "bitflip"])
 def test_a_cache_hit_checks_the_folder_is_what_its_record_says(tmp_path, damage):
-    """Issue 25 item 7: ``truncate -s`` of a checkpoint after its build made quantize (and the gate) say cached."""
+    """Issue 25 item 7: ``truncate -s`` of a checkpoint after its build made quantize (and the gate) say cached.
+    Hostile s16b F7: one byte flipped in place between the sampled blocks (``dd conv=notrunc``) was reused too; the
+    modification time in the record sees it. A hard link of the files (pack links the checkpoint into its unit)
+    changes their ctime only, and stays a cache hit."""
     out = tmp_path / "out"
     assert _runner(out).run(_Writes(), 1, None, {}).record.status == "done"
+    (tmp_path / "linked").mkdir()
+    os.link(out / "checkpoint" / "rank0.safetensors", tmp_path / "linked" / "rank0.safetensors")
+    os.chmod(out / "checkpoint" / "config.json", 0o600)
     assert _runner(out).run(_Writes(), 1, None, {}).record.status == "cached"
     (out / "checkpoint" / "report.md").write_text("re-rendered by a later task")  # views are not vouched for
     (out / "checkpoint" / "__pycache__").mkdir()
@@ -212,6 +218,11 @@ def test_a_cache_hit_checks_the_folder_is_what_its_record_says(tmp_path, damage)
         with open(w, "r+b") as f:
             f.write(b"\x07" * 10)
         why = "rank0.safetensors changed after it was written"
+    elif damage == "bitflip":
+        with open(w, "r+b") as f:
+            f.seek(100_000)  # between sample blocks 0 (bytes 0..65535) and 1 (from 205,346): the sample cannot see it
+            f.write(b"\x08")
+        why = "rank0.safetensors was modified after it was written (its modification time differs"
     elif damage == "add":
         (out / "checkpoint" / "rank1.safetensors").write_bytes(b"x")
         why = "rank1.safetensors was added"

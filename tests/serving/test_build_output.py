@@ -54,6 +54,12 @@ def test_the_reader_gives_typed_facts_and_refuses_what_is_not_a_finished_passed_
     with pytest.raises(UserError, match="did not pass its accuracy gate"):
         build_output.open_build("fp8-h100", failed)
     assert build_output.open_build("fp8-h100", failed, require_passed=False).passed is False
+    (failed / RECORDS_DIR / "pack.json").unlink()  # a failed gate stops the build before pack (hostile s16b T134)
+    with pytest.raises(UserError) as ei:
+        build_output.open_build("fp8-h100", failed)
+    assert ei.value.problems[0].reason == (f"the build of fp8-h100 in {failed.resolve()} did not pass its accuracy gate, "
+                                           f"so it packed no unit ({failed.resolve() / 'gate' / 'report.md'} says why).")
+    assert not isinstance(ei.value, build_output.NotBuilt)
     (out / RECORDS_DIR / "gate.json").write_text('{"stage": "gate", "ke')    # hostile s15 F8: damaged, named; --out kept
     (out / RECORDS_DIR / "pack.json").unlink()
     with pytest.raises(UserError) as ei:

@@ -691,12 +691,31 @@ def test_a_rollback_whose_previous_release_folder_is_gone_names_it(tmp_path, uni
     before = release_state.state_path(repo).read_text()
     with pytest.raises(UserError) as ei:
         release.rollback(repo)
-    assert ei.value.message == (f"rollback: the previous release {a} is missing from {repo} (deleted or moved). Fix: "
-                                "restore its folder there, or promote its build again (`invoke promote --profile P "
-                                "--out <its build>`).")
+    assert ei.value.message == (f"rollback: the previous release {a} is missing from {repo} (deleted or moved); nothing "
+                                "was switched. Fix: restore its folder there, or promote its build again (`invoke promote "
+                                "--profile P --out <its build>`).")
     assert release_state.state_path(repo).read_text() == before
     (tmp_path / "elsewhere").rename(repo / a)
     assert release.rollback(repo)["unit"] == a
+
+
+def test_a_rollback_never_skips_a_missing_previous_release_for_an_older_one(tmp_path, units4):
+    """Hostile s16b T163: A, B, C promoted, B's folder deleted by hand: a plain rollback switched to A without a word.
+    It is refused, naming B, and offers A by name (--to, which then works); nothing changes before."""
+    a, b, c = (u.engine_unit for u in units4[:3])
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    release.promote(repo, units4[2].out_dir)
+    assert release_state.read_state(repo)["current"] == c
+    shutil.rmtree(repo / b)
+    before = release_state.state_path(repo).read_text()
+    with pytest.raises(UserError) as ei:
+        release.rollback(repo)
+    p = ei.value.problems[0]
+    assert p.reason == f"the previous release {b} is missing from {repo} (deleted or moved); nothing was switched."
+    assert p.fix.endswith(f", or roll back past it to the release before it: `invoke rollback --repo {repo} --to {a}`.")
+    assert release_state.state_path(repo).read_text() == before and release_configs.current_of_configs(repo) == (c, c)
+    assert release.rollback(repo, to=a)["unit"] == a
 
 
 def test_a_refusal_after_a_recovery_says_what_the_recovery_did(tmp_path, units4, capsys):

@@ -13,7 +13,13 @@ from precision_pipeline.core.paths import REPO_ROOT
 
 
 def serving_repo(repo) -> Path:
-    """``--repo``: the serving repository (default ``artifacts/serving/model_repository``)."""
+    """``--repo``: the serving repository (default ``artifacts/serving/model_repository``). UserError (exit 2) when the
+    path is too long for any file call (``core.outputs.path_length_problem``; hostile s16b T143: it read as a
+    damaged releases.json)."""
+    from precision_pipeline.core.outputs import path_length_problem
+
+    if repo and (why := path_length_problem(str(Path(repo).expanduser().absolute()))):
+        raise UserError("--repo", why + ".", "give the serving repository a shorter path.")
     return Path(repo).expanduser().resolve() if repo else REPO_ROOT / "artifacts" / "serving" / "model_repository"
 
 
@@ -365,7 +371,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         units = {unit: routes.get(unit, "")}
     else:
         units = routes
-    units = _units_of_gate(Path(gate), units) if gate else units
+    units = _units_of_gate(Path(gate), units) if gate else _units_of_recorded_build(packed, units, not profile and rec_profile, state)
     exporter = None
     if every_s is not None:
         exporter = pr.ProbeExporter(port)
@@ -405,6 +411,28 @@ def _units_of_gate(gate: Path, units: dict[str, str]) -> dict[str, str]:
                     f"{', '.join(units)}, which the probe asks: it would be judged against that build's reference "
                     "outputs and bar, and the verdict recorded.", "pass the gate folder of that unit's build (<its "
                     "--out>/gate), or --profile P --out OUT of that build.")
+
+
+def _units_of_recorded_build(packed, units: dict[str, str], rec_profile, state) -> dict[str, str]:
+    """A probe without --profile (``rec_profile``: the recorded name; falsy when --profile was given: ``units``
+    unchanged) judges with the build of the current release's recorded profile name (``packed``): ``units``
+    as they are (the fallback route's unit is held to the same bar) when that build packed the current unit
+    (``state["current"]``, releases.json); UserError on ``--profile`` (exit 2, nothing recorded) otherwise: a profile file of the same name
+    elsewhere (``--profile /path/fp8-h100.yaml`` at promote) or another build at the default output would judge the
+    served unit against another build's reference and bar (hostile s16b T5)."""
+    from precision_pipeline.serving.release_units import is_any_unit
+
+    if not (rec_profile and state and packed is not None):  # --profile or --gate given, or no repository
+        return units
+    current = state["current"]
+    built = sorted(p.name for p in packed.iterdir() if is_any_unit(p.name)) if packed.is_dir() else []
+    if current in built:
+        return units
+    raise UserError("--profile", f"not given, so the current release's recorded profile {rec_profile} was taken; its "
+                    f"build in {packed.parent} packed {', '.join(built) or 'no unit'}, not the current release "
+                    f"{current}: the probe would judge it against another build's reference outputs and bar, and "
+                    "record the verdict; nothing was probed.", "pass --profile and --out of the current release's "
+                    "build (the profile file it was promoted with), or --gate <its build>/gate.")
 
 
 def _open_for_probe(profile, rec_profile: str, out):

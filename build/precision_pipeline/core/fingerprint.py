@@ -16,9 +16,12 @@ which no user can set, and the sample is a second, content-level guard. Any miss
 ``model_fingerprint(model_dir)`` covers only the files a Hugging Face loader reads (``LOADER_FILES``):
 a README.md, a LICENSE or a .git folder added to the model folder changes no key.
 
-``inventory(folder)`` / ``inventory_problem(folder, inv)``: {file: [size, sample_digest]} of a stage's
-output, stored in its record and checked on every cache hit (``core.stage``), so a checkpoint
-truncated or rewritten after its build is never reused as what the record says.
+``inventory(folder)`` / ``inventory_problem(folder, inv)``: {file: [size, sample_digest, mtime_ns]} of a
+stage's output, stored in its record and checked on every cache hit (``core.stage``), so a checkpoint
+truncated or rewritten after its build is never reused as what the record says: the sample catches a
+rewrite with the size kept, the modification time a one-byte edit between the sampled blocks (``dd
+conv=notrunc``; hostile s16b F7). The change time is not used: pack hard-links a build's checkpoint into its
+unit, which changes the checkpoint files' ctime but not their content or mtime.
 Errors: ``FileNotFoundError`` when ``path`` does not exist.
 """
 
@@ -98,21 +101,22 @@ def sample_digest(path: Path, size: Optional[int] = None) -> str:
 
 
 def inventory(folder: Path, skip_suffixes: tuple[str, ...] = ()) -> dict[str, list]:
-    """{relative POSIX path: [size in bytes, sample_digest]} of every regular file under ``folder``, except
-    names ending with one of ``skip_suffixes``. What a stage record vouches for (``inventory_problem``)."""
+    """{relative POSIX path: [size in bytes, sample_digest, st_mtime_ns]} of every regular file under ``folder``,
+    except names ending with one of ``skip_suffixes``. What a stage record vouches for (``inventory_problem``)."""
     folder = Path(folder)
     out: dict[str, list] = {}
     for p in _files(folder):
         if skip_suffixes and p.name.endswith(skip_suffixes):
             continue
-        size = p.stat().st_size
-        out[p.relative_to(folder).as_posix()] = [size, sample_digest(p, size)]
+        st = p.stat()
+        out[p.relative_to(folder).as_posix()] = [st.st_size, sample_digest(p, st.st_size), st.st_mtime_ns]
     return out
 
 
 def inventory_problem(folder: Path, expected: Any, skip_suffixes: tuple[str, ...] = ()) -> Optional[str]:
     """Why ``folder`` is not what ``expected`` (an ``inventory``) describes, or None when every file is there
-    with its size and sample and no other file was added. Never raises (an unreadable folder is a problem)."""
+    with its size, sample and modification time (rows of an older record hold no time: not compared) and no other
+    file was added. Never raises (an unreadable folder is a problem)."""
     if not isinstance(expected, dict):
         return "its record holds no inventory of the files"
     try:
@@ -123,10 +127,13 @@ def inventory_problem(folder: Path, expected: Any, skip_suffixes: tuple[str, ...
         got = now.get(rel)
         if got is None:
             return f"{rel} is missing"
-        if not isinstance(row, list) or len(row) != 2 or got[0] != row[0]:
+        if not isinstance(row, list) or len(row) not in (2, 3) or got[0] != row[0]:
             return f"{rel} is {got[0]:,} bytes, its record says {row[0] if isinstance(row, list) and row else '?'}"
         if got[1] != row[1]:
             return f"{rel} changed after it was written (its content sample differs)"
+        if len(row) == 3 and got[2] != row[2]:
+            return (f"{rel} was modified after it was written (its modification time differs from the record's; a "
+                    "copy of a build output keeps the times with cp -a or rsync -a)")
     extra = sorted(set(now) - set(expected))
     if extra:
         return f"{extra[0]} was added after the stage wrote the folder"

@@ -194,10 +194,33 @@ paths joined by spaces, unquoted (triton-inference-server/python_backend ``src/s
 ever. Shell characters break the same command line; non-ASCII names are refused as well (a traceback before)."""
 
 
+NAME_MAX = 255
+"""Longest path component on Linux file systems, in bytes (linux/limits.h NAME_MAX)."""
+SERVING_PATH_MAX = 1024
+"""Longest build output or serving repository path accepted, in bytes: the configs append unit, version and file
+names (``/tensorrt_llm_<h12>/1/engine/rank0.engine``) and the backend opens them, all within Linux's PATH_MAX of 4096
+(linux/limits.h); 1024 leaves room."""
+
+
+def path_length_problem(path: str) -> str | None:
+    """Why ``path`` is too long for a build output or serving repository (more than ``SERVING_PATH_MAX`` bytes, or a
+    part of more than ``NAME_MAX`` bytes, which every file call on it refuses with ENAMETOOLONG), or None."""
+    n = len(path.encode("utf-8", "surrogateescape"))
+    longest = max((len(c.encode("utf-8", "surrogateescape")) for c in path.split("/")), default=0)
+    if longest > NAME_MAX:
+        return (f"{path[:60]!r}... has a folder name of {longest} bytes; Linux allows at most {NAME_MAX} "
+                "(NAME_MAX), so no file below it can be opened")
+    if n > SERVING_PATH_MAX:
+        return (f"{path[:60]!r}... is {n} bytes long; at most {SERVING_PATH_MAX} leave room for the unit files the "
+                "server opens below it within Linux's PATH_MAX of 4096")
+    return None
+
+
 def serving_path_problem(path: str) -> str | None:
-    """Why ``path`` cannot hold a servable build (``SERVING_PATH_RE``), naming the first bad character; None if fine."""
+    """Why ``path`` cannot hold a servable build (``SERVING_PATH_RE``, naming the first bad character, or
+    ``path_length_problem``); None if fine."""
     if SERVING_PATH_RE.match(path):
-        return None
+        return path_length_problem(path)
     bad = next((c for c in path if not SERVING_PATH_RE.match(c)), " ")
     what = ("a space" if bad == " " else "whitespace" if bad.isspace() else
             f"the non-ASCII character {bad!r} (U+{ord(bad):04X})" if not bad.isascii() else f"the character {bad!r}")
@@ -234,4 +257,4 @@ def output_lock(out_dir: Path, what: str, wait: bool = True, on_wait: Optional[C
 
 __all__ = ["OUTPUT_MARKER", "OUTPUT_FORMAT", "OUTPUT_VERSION", "read_output_marker", "refuse_filesystem_root", "write_output_marker",
            "default_out_dir", "LOCK_FILE", "validate_out_dir", "SERVING_PATH_RE", "SERVING_PATH_CHARS", "serving_path_problem",
-           "check_serving_path", "output_lock", "say"]
+           "check_serving_path", "path_length_problem", "NAME_MAX", "SERVING_PATH_MAX", "output_lock", "say"]

@@ -105,6 +105,12 @@ def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passe
         raise UserError("--profile", f"{out_dir} holds a build of {built!r}, not of {prof.name!r}; its release would be "
                         "recorded under the wrong profile.", f"pass --profile {built}, or the output folder of {prof.name}'s build.")
     gate, repo = _typed(out_dir, GateStage()), _typed(out_dir, PackStage())
+    failed_gate = gate is not None and not (gate.status == "done" and gate.passed)
+    if require_passed and resolved is not None and failed_gate and (repo is None or repo.status != "done"):
+        # a failed gate stops the build before pack: say that, not "pack.json is missing" (hostile s16b T134)
+        raise UserError("--profile", f"the build of {prof.name} in {out_dir} did not pass its accuracy gate, so it "
+                        f"packed no unit ({out_dir / GateStage.output / 'report.md'} says why).",
+                        "fix the profile and rebuild; a failed build is never promoted.")
     if resolved is None or gate is None or repo is None or repo.status != "done":
         bad = [f"{RECORDS_DIR}/{st.name}.json is " + ("missing" if not (out_dir / RECORDS_DIR / f"{st.name}.json").exists()
                                                       else "damaged (not a valid record)")

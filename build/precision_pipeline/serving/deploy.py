@@ -66,6 +66,7 @@ from typing import Any, Optional
 import yaml
 
 from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.outputs import NAME_MAX
 from precision_pipeline.core.paths import REPO_ROOT
 from precision_pipeline.core.store import atomic_dir, hash_file, read_json
 from precision_pipeline.resolve.plan import ResolvedPlan
@@ -283,8 +284,6 @@ def _check_pod_spec_inputs(value: str, field_name: str, pattern: re.Pattern, wha
 REPO_ROOT_MAX = 1024
 """Longest ``--repo-root`` accepted (bytes): the configs append ``/model_repository/tensorrt_llm_<h12>/engine``
 and the backend opens files below it, all within Linux's PATH_MAX of 4096 (linux/limits.h); 1024 leaves room."""
-NAME_MAX = 255
-"""Longest path component on Linux file systems (linux/limits.h NAME_MAX)."""
 
 
 def check_repo_root(repo_root: str) -> None:

@@ -209,10 +209,14 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
         prev = [u for u in current_order(state) if u != cur and u in units and u not in rejected]
         kept = {r.get("unit") for r in state.get("releases", [])}  # retention's deletions are no longer listed
         gone = [u for u in current_order(state) if u != cur and u in kept and u not in units and u not in rejected]
-        if not prev and gone:  # hostile s12 F-M: the record names it, its folder is gone
-            raise UserError("rollback", f"the previous release {gone[0]} is missing from {repo_dir} (deleted or moved).",
-                            "restore its folder there, or promote its build again (`invoke promote --profile P --out "
-                            "<its build>`).")
+        order = current_order(state)
+        if gone and (not prev or order.index(gone[0]) < order.index(prev[0])):
+            # hostile s12 F-M: the record names it, its folder is gone; s16b T163: never skip it for an older one
+            older = (f", or roll back past it to the release before it: `invoke rollback --repo {repo_dir} --to {prev[0]}`"
+                     if prev else "")
+            raise UserError("rollback", f"the previous release {gone[0]} is missing from {repo_dir} (deleted or moved); "
+                            "nothing was switched.", "restore its folder there, or promote its build again (`invoke "
+                            f"promote --profile P --out <its build>`){older}.")
         if not prev:
             fix = ("roll back to the fallback (--fallback)." if state.get("fallback") not in (None, cur) else
                    "this repository has no fallback either: promote a build (`invoke promote --profile P`), or roll "
