@@ -539,3 +539,30 @@ def test_probe_without_profile_judges_only_units_the_recorded_profiles_build_pac
         "and bar, and record the verdict; nothing was probed.")
     # the build of the current unit: every route's unit is judged (the fallback held to the primary's bar)
     assert _units_of_recorded_build(packed, {a: "stable", b: "fallback"}, "fp8-h100", {"current": a}) == {a: "stable", b: "fallback"}
+
+
+def test_a_repeated_probe_stops_when_the_routes_no_longer_reach_its_units(tmp_path, monkeypatch):
+    """Hostile s16b T72: `probe --every` kept probing the unit a promote had made old (then unloaded), recording a
+    FAIL each run against the old build's bar. Before each repeated run the routes are read again; when they reach
+    other units the probe says so and stops (the runs so far judged, nothing more)."""
+    import io
+
+    from rich.console import Console
+
+    from precision_pipeline.cli.serving import _probe_runs
+    from precision_pipeline.serving import probe as pr
+
+    a, b = "tensorrt_llm_aaaaaaaaaaaa", "tensorrt_llm_bbbbbbbbbbbb"
+    routes = [{a: "all"}, {a: "all"}, {b: "all"}]
+    monkeypatch.setattr(pr, "route_units", lambda repo: routes.pop(0))
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    probed = []
+    buf = io.StringIO()
+    con = Console(file=buf, width=400)
+    assert _probe_runs(con, lambda u, r: probed.append(u) or {"passed": True}, {a: "all"}, 5.0, None, tmp_path) is False
+    assert probed == [a, a, a] and routes == []
+    assert f"stopped: the repository's routes now reach {b}, not {a} (a promote, rollback or rollout moved" in buf.getvalue()
+    # without a repository to watch (--unit, --profile), the runs end at --runs
+    probed.clear()
+    assert _probe_runs(con, lambda u, r: probed.append(u) or {"passed": False}, {a: ""}, 5.0, 4, None) is True
+    assert probed == [a] * 4

@@ -322,8 +322,6 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
           runs=None, out=None, model=None) -> int:
     """The accuracy probe of the live server (``serving.probe``), once or every N s; returns 3 when a single run
     failed."""
-    import time as _time
-
     from precision_pipeline.core.errors import EXIT_GATE_FAILED
     from precision_pipeline.serving import release
     from precision_pipeline.serving import probe as pr
@@ -376,22 +374,43 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     if every_s is not None:
         exporter = pr.ProbeExporter(port)
         con.print(f"probe metrics on http://0.0.0.0:{port}/metrics")
-    k, failed = 0, False
     try:
-        while True:
-            summaries = [_probe_one(con, server, u, pset, repo_dir if state else None, prof_name, exporter, route)
-                         for u, route in units.items()]
-            k += 1
-            failed = not all(s.get("passed", False) for s in summaries)
-            if every_s is None or (max_runs is not None and k >= max_runs):
-                break
-            _time.sleep(min(pr.next_wait_s(every_s, s) for s in summaries))
-    except KeyboardInterrupt:
-        pass
+        failed = _probe_runs(con, lambda u, route: _probe_one(con, server, u, pset, repo_dir if state else None, prof_name,
+                                                                exporter, route), units, every_s, max_runs,
+                             repo_dir if state and not unit and not profile else None)
     finally:
         if exporter is not None:
             exporter.close()
     return EXIT_GATE_FAILED if failed and every_s is None else 0
+
+
+def _probe_runs(con, probe_one, units: dict[str, str], every_s, max_runs, routed_of) -> bool:
+    """Probe ``units`` ({unit: route}) once, or every ``every_s`` s until ``max_runs`` runs or Ctrl-C; whether the
+    last run failed. ``routed_of`` (the repository, when ``units`` are its routes' units): before each repeated run
+    the routes are read again, and a probe whose units no longer serve (a promote, rollback or rollout moved the
+    current release) stops, saying so, instead of judging an unloaded unit against the old build's bar for ever
+    (hostile s16b T72)."""
+    import time as _time
+
+    from precision_pipeline.serving import probe as pr
+
+    k, failed = 0, False
+    try:
+        while True:
+            summaries = [probe_one(u, route) for u, route in units.items()]
+            k += 1
+            failed = not all(s.get("passed", False) for s in summaries)
+            if every_s is None or (max_runs is not None and k >= max_runs):
+                return failed
+            _time.sleep(min(pr.next_wait_s(every_s, s) for s in summaries))
+            if routed_of is not None and (now := pr.route_units(routed_of)) != units:
+                con.print(f"[yellow]stopped[/]: the repository's routes now reach {', '.join(now) or 'no unit'}, not "
+                          f"{', '.join(units)} (a promote, rollback or rollout moved the current release); this probe's "
+                          "reference and bar are of the old release's build: start `invoke probe` again for the new one.",
+                          soft_wrap=True)
+                return failed
+    except KeyboardInterrupt:
+        return failed
 
 
 def _units_of_gate(gate: Path, units: dict[str, str]) -> dict[str, str]:
