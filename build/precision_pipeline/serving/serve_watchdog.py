@@ -44,7 +44,7 @@ def entry_point_note(server, done: str) -> str | None:
     again: returns a note saying so, None when it answered at once. Still failing: ``PipelineError`` (exit 1) saying
     the switch took effect and what fails."""
     from precision_pipeline.core.errors import PipelineError
-    from precision_pipeline.serving.triton_server import text_request
+    from precision_pipeline.serving.infer_request import text_request
 
     def ask() -> str | None:
         c = server.http_client()

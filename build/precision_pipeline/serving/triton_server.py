@@ -42,10 +42,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from precision_pipeline.core.errors import ServerStopped, UserError
 from precision_pipeline.core.signals import terminate_as_interrupt  # noqa: F401  (its users import it from here too)
+from precision_pipeline.serving.infer_request import text_request  # noqa: F401  (its callers import it from here)
 from precision_pipeline.serving.server_procs import (local_metrics_port, other_servers, process_state,  # noqa: F401
                                                      repository_at, same_directory, same_endpoint, server_processes,
                                                      servers_of)
@@ -583,27 +584,6 @@ def clean_stale_shm(token: str = "", *, min_age_s: float = SHM_MIN_AGE_S, shm_di
         except OSError:
             continue
     return removed
-
-
-def text_request(text: str, max_tokens: int, client_module: Any = None, **extra: tuple[str, Any]) -> list:
-    """The inputs of one text request to the ensemble or the BLS: ``text_input`` (BYTES [1, 1]) and
-    ``max_tokens`` (INT32 [1, 1]), as the repository's config.pbtxt templates declare them
-    (``triton_repo/all_models/inflight_batcher_llm/{ensemble,tensorrt_llm_bls}``), plus ``extra``
-    optional inputs as ``name=(triton dtype, numpy array)`` (e.g. ``stream=("BOOL", [[True]])``).
-    ``client_module``: ``tritonclient.http`` (default) or ``tritonclient.grpc``."""
-    import numpy as np
-
-    if client_module is None:
-        import tritonclient.http as client_module
-
-    def one(name: str, dtype: str, arr: Any) -> Any:
-        x = client_module.InferInput(name, list(arr.shape), dtype)
-        x.set_data_from_numpy(arr)
-        return x
-
-    return [one("text_input", "BYTES", np.array([[text.encode()]], dtype=object)),
-            one("max_tokens", "INT32", np.array([[max_tokens]], np.int32)),
-            *(one(k, dt, np.asarray(v)) for k, (dt, v) in extra.items())]
 
 
 def models_to_load(model_repository: Path) -> list[str]:
