@@ -313,7 +313,7 @@ def test_a_releases_json_that_is_a_folder_is_refused(tmp_path, units4):
                  lambda: release_recover.init_serving_repo(repo, units4[0].out_dir)):
         with pytest.raises(UserError) as ei:
             call()
-        assert ei.value.problems[0].field == str(release_state.state_path(repo)) and "cannot be read" in str(ei.value)
+        assert ei.value.problems[0].field == str(release_state.state_path(repo)) and "is a folder, not a file" in str(ei.value)
 
 
 def test_a_second_repository_beside_a_served_one_is_refused(tmp_path, units4):

@@ -156,8 +156,21 @@ def test_a_fifo_or_device_as_releases_json_is_refused_not_waited_on(tmp_path):
                 release_state.read_state(repo)
         finally:
             signal.alarm(0)
-        assert ei.value.problems[0].field == str(path) and "not a regular file" in ei.value.problems[0].reason
+        p = ei.value.problems[0]
+        assert p.field == str(path) and p.reason == (
+            f"is {'a FIFO (named pipe)' if path.is_fifo() else 'a device'}, not a file, so the current release is "
+            "unknown; this command changed nothing.")
+        assert p.fix == f"remove it (`rm {path}`), then restore {path} from a backup."  # no .prev here
         path.unlink()
+    # hostile s17 F2: the fix said `cp releases.json.prev releases.json`, which hangs on a FIFO and copies into a folder
+    prev = path.with_name(path.name + release_state.PREV_SUFFIX)
+    prev.write_text(json.dumps({"current": "tensorrt_llm_aaaaaaaaaaaa"}))
+    path.mkdir()
+    with pytest.raises(UserError) as ei:
+        release_state.read_state(repo)
+    assert ei.value.problems[0].reason.startswith("is a folder, not a file")
+    assert ei.value.problems[0].fix == (f"remove it (`rmdir {path}` (or move it away)), then restore the state before "
+                                        f"the last change: `cp {prev} {path}`.")
 
 
 # ---- item 20: leftovers of killed writes
@@ -950,3 +963,27 @@ def test_a_server_gone_at_the_identity_check_says_what_holds(tmp_path, units4):
                                   "restarted server serves it (`invoke serve --repo REPO`); run the command again once "
                                   "it answers.")
     assert exit_code_for(ei.value) == EXIT_SERVER_STOPPED and release_state.read_state(repo)["current"] == units4[0].engine_unit
+
+
+def test_a_folder_in_place_of_route_json_is_moved_aside_and_the_printed_fix_works(tmp_path, units4):
+    """Hostile s17 F1: `mkdir` in place of route.json: releases said so and prescribed `rollback --to <current>`, which
+    was refused ("already current"), and the recovery re-raised IsADirectoryError (the watchdog stayed silent). The
+    folder is moved beside releases.json (never deleted), route.json is rewritten from the record, and `rollback --to
+    <current>` is the printed fix that works: nothing to switch, exit 0."""
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    route = repo / "tensorrt_llm_bls" / "route.json"
+    route.unlink()
+    route.mkdir()
+    (route / "mine.txt").write_text("a user's file")
+    problems = release.list_releases(repo)["problems"]
+    assert len(problems) == 1 and problems[0].endswith(
+        f"`invoke rollback --repo {repo} --to {b}` (add --url when a server serves it) puts everything back on it")
+    t = release.rollback(repo, to=b)
+    assert t["unit"] == b and t["already_current"] is True
+    assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": b}
+    aside = [p for p in repo.parent.iterdir() if p.name.startswith("route.json.folder-")]
+    assert len(aside) == 1 and (aside[0] / "mine.txt").read_text() == "a user's file"
+    assert release.list_releases(repo)["problems"] == [] and release_state.read_state(repo)["current"] == b
+    assert a in release.list_releases(repo)["on_disk"]

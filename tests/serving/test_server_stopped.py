@@ -472,3 +472,20 @@ def test_a_rollout_without_url_names_the_repositorys_server_or_says_it_needs_one
     assert ei.value.problems[0].reason == (f"is not given (default 127.0.0.1:8000), but tritonserver (pid {srv.pid}) "
                                            f"serves {repo} at 127.0.0.1:9931; nothing was changed.")
     assert ei.value.problems[0].fix == "pass --url 127.0.0.1:9931."
+
+
+def test_a_handle_on_a_running_server_makes_no_log_file(tmp_path, monkeypatch):
+    """Hostile s17 F3: every --url command made an empty /tmp/tritonserver-*.log (never removed, its descriptor left
+    open), and under `ulimit -f 0` or a full /tmp that mkstemp was a traceback before anything was asked. Only
+    start() makes the temporary log."""
+    import tempfile
+
+    from precision_pipeline.core.errors import UserError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        with pytest.raises(UserError, match="no Triton server answers at"):
+            TritonServer.attach(f"127.0.0.1:{s.getsockname()[1]}")
+    assert _server("127.0.0.1:1").log_file is None and _server("127.0.0.1:1").log_tail() == ""
+    assert list(tmp_path.iterdir()) == []

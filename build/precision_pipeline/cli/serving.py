@@ -170,7 +170,11 @@ def rollback(repo=None, to=None, fallback=False, url=None) -> None:
     server = server_of(url, serving_repo(repo))
     with terminate_as_interrupt():  # as in promote: a cold target being loaded is unloaded
         t = release.rollback(serving_repo(repo), to=to, fallback=fallback, server=server, by="invoke rollback")
-    console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
+    if t.get("already_current"):
+        console().print(f"current: {t['unit']}, already (nothing to switch; the repository's files"
+                        + (" and the server" if server is not None else "") + " agree with releases.json)")
+    else:
+        console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
     _entry_point(server, f"rolled back to {t['unit']}")
 
 

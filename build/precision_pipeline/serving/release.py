@@ -232,7 +232,9 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
     """Switch back to an earlier release (``to``: unit name or a prefix of its 12 hex digits; default: the
     previous release) or to the fallback. A loaded (warm) target costs the smoke test and the config switch;
     a cold one is loaded first. A target that fails its smoke test is unloaded (a warm fallback stays loaded)
-    and nothing is switched (UserError, exit 2). Returns timings in ms (``warm``: whether it was loaded)."""
+    and nothing is switched (UserError, exit 2). Returns timings in ms (``warm``: whether it was loaded). A target that
+    is already current switches nothing (``already_current``: True): the recovery every release command starts with
+    has put the configs, route.json and the live server back on it, which is what releases' fix for a split asks."""
     repo_dir = Path(repo_dir)
     if not repo_dir.is_dir():
         raise UserError("--repo", f"{repo_dir} {'is a file, not a folder' if repo_dir.exists() else 'does not exist'}, "
@@ -249,14 +251,14 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
             raise UserError("rollback", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "end it with `invoke rollout --abort` (all traffic back to the stable release).")
         target = _rollback_target(repo_dir, state, to, fallback)
-        if target == cur:
-            raise UserError("rollback", f"{target} is already current.", "choose another release.")
         if not (repo_dir / target).is_dir():
             raise UserError("rollback", f"{target} is not on disk.", "pick a kept release.")
         field, fix = "--fallback" if fallback else "--to", "roll back to another kept release (--to), or promote a fresh build."
         t = time.perf_counter()
         timings["verified"] = verify_kept(repo_dir, target, state, field if (fallback or to) else "rollback", cur)
         timings["verify_ms"] = (time.perf_counter() - t) * 1e3
+        if target == cur:  # nothing to switch; the recovery above put the files and the server back on it (s17 F1)
+            return {**timings, "unit": cur, "already_current": True, "total_ms": (time.perf_counter() - t0) * 1e3}
         loaded = loaded_models(server)
         timings["warm"] = loaded.get(target) == "READY"
         if server is not None and not timings["warm"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -281,11 +282,16 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -
     try:
         read_json(route, {})
     except (ValueError, OSError) as e:  # hostile s8 #109: hand-edited; s16 H13: a FIFO (read_json refuses it): derived
-        if isinstance(e, OSError) and e.errno != errno.EINVAL:  # from releases.json, so rewritten below
+        if isinstance(e, OSError) and e.errno not in (errno.EINVAL, errno.EISDIR):  # from releases.json, rewritten below
             raise
-        route.unlink()
-        fixed.append(f"{route} was unreadable{'' if isinstance(e, ValueError) else ' (not a regular file)'}: rewritten "
-                     f"from {STATE_FILE}")
+        if route.is_dir() and not route.is_symlink():  # s17 F1: a folder is moved beside releases.json, never deleted
+            aside = repo_dir.parent / f"{ROUTE_FILE}.folder-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            route.rename(aside)
+            fixed.append(f"{route} was a folder: moved to {aside} and route.json rewritten from {STATE_FILE}")
+        else:
+            route.unlink()
+            fixed.append(f"{route} was unreadable{'' if isinstance(e, ValueError) else ' (not a regular file)'}: "
+                         f"rewritten from {STATE_FILE}")
     if point_ensemble(repo_dir, cur):
         fixed.append(f"ensemble re-pointed at {cur}")
     ro = state.get("rollout")

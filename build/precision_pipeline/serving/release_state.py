@@ -263,12 +263,32 @@ def _not_owner(repo_dir: Path, path: Path, rid, have, folder: str | None, twins:
                      "new folder.")
 
 
+def _not_a_file(path: Path) -> str | None:
+    """What stands at ``path`` when it is no regular file (``folder``, ``FIFO``, ...; a link is followed), else None."""
+    import stat as stat_mod
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat_mod.S_ISREG(mode):
+        return None
+    return next((w for t, w in ((stat_mod.S_ISDIR, "a folder"), (stat_mod.S_ISFIFO, "a FIFO (named pipe)"),
+                                (stat_mod.S_ISSOCK, "a socket")) if t(mode)), "a device")
+
+
 def _damaged(path: Path, why: str) -> UserError:
     prev = path.with_name(path.name + PREV_SUFFIX)
     try:
         ok = isinstance(read_json(prev), dict)
     except (ValueError, OSError):
         ok = False
+    if what := _not_a_file(path):  # hostile s17 F2: `cp prev path` hung on a FIFO and copied into a folder
+        remove = f"`rmdir {path}` (or move it away)" if what == "a folder" else f"`rm {path}`"
+        fix = (f"remove it ({remove}), then restore the state before the last change: `cp {prev} {path}`." if ok else
+               f"remove it ({remove}), then restore {path} from a backup.")
+        return UserError(str(path), f"is {what}, not a file, so the current release is unknown; this command changed "
+                         "nothing.", fix)
     fix = (f"{prev} holds the state before the last change: check it (`cat {prev}`) and restore it with "
            f"`cp {prev} {path}` (a release that only the lost change recorded is then not kept), or restore "
            f"{path} from a backup." if ok else f"restore {path} from a backup.")

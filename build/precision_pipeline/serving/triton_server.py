@@ -200,8 +200,10 @@ class TritonServer:
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
-        self._own_log = not log_file  # a temporary log of our own: removed by a clean stop()
-        self.log_file = Path(log_file) if log_file else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self._own_log = not log_file  # a temporary log of our own: made by start(), removed by a clean stop()
+        self.log_file: Path | None = Path(log_file) if log_file else None
+        """The server's log; None until ``start`` makes a temporary one (a handle from ``attach`` never has one:
+        hostile s17 F3, each --url command left an empty /tmp/tritonserver-*.log and a full /tmp was a traceback)."""
         self.log_mode = "ab"
         """How start() opens the log: "ab" appends, "wb" starts it afresh (serve's per-port log)."""
         self.shm_token = f"{os.getpid()}_{os.urandom(4).hex()}_"
@@ -342,6 +344,10 @@ class TritonServer:
                             "stop that server, or pass free ports (--http-port/--grpc-port/--metrics-port).")
         t0 = time.perf_counter()
         clean_stale_shm()
+        if self.log_file is None:
+            fd, tmp = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+            os.close(fd)
+            self.log_file = Path(tmp)
         log = open(self.log_file, self.log_mode)
         env = {**server_env(self.threads), METRICS_URL_ENV: f"http://127.0.0.1:{self.metrics_port}/metrics"}
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -358,7 +364,7 @@ class TritonServer:
 
     def log_tail(self, n: int = 40) -> str:
         try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:]) if self.log_file else ""
         except OSError:
             return ""
 
@@ -532,7 +538,7 @@ class TritonServer:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # backend stubs still starting when it exited
             os.killpg(self.proc.pid, signal.SIGKILL)  # stay in its process group, orphaned (hostile s15c T144)
         clean_stale_shm(self.shm_token, min_age_s=0.0)
-        if self._own_log and self.proc.returncode == 0:
+        if self._own_log and self.proc.returncode == 0 and self.log_file is not None:
             with contextlib.suppress(OSError):
                 self.log_file.unlink()
         return self.proc.returncode
