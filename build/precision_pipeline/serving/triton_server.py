@@ -201,9 +201,7 @@ class TritonServer:
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self._own_log = not log_file  # a temporary log of our own: made by start(), removed by a clean stop()
-        self.log_file: Path | None = Path(log_file) if log_file else None
-        """The server's log; None until ``start`` makes a temporary one (a handle from ``attach`` never has one:
-        hostile s17 F3, each --url command left an empty /tmp/tritonserver-*.log and a full /tmp was a traceback)."""
+        self.log_file: Path | None = Path(log_file) if log_file else None  # None until start() (hostile s17 F3)
         self.log_mode = "ab"
         """How start() opens the log: "ab" appends, "wb" starts it afresh (serve's per-port log)."""
         self.shm_token = f"{os.getpid()}_{os.urandom(4).hex()}_"
@@ -361,6 +359,10 @@ class TritonServer:
             raise
         self.start_s = time.perf_counter() - t0
         return self
+
+    log_file: Path | None
+    """The server's log; None until ``start`` makes a temporary one (a handle from ``attach`` never has one: hostile
+    s17 F3, each --url command left an empty /tmp/tritonserver-*.log, and a full /tmp was a traceback)."""
 
     def log_tail(self, n: int = 40) -> str:
         try:
