@@ -987,3 +987,19 @@ def test_a_folder_in_place_of_route_json_is_moved_aside_and_the_printed_fix_work
     assert len(aside) == 1 and (aside[0] / "mine.txt").read_text() == "a user's file"
     assert release.list_releases(repo)["problems"] == [] and release_state.read_state(repo)["current"] == b
     assert a in release.list_releases(repo)["on_disk"]
+
+
+def test_the_current_unit_loaded_again_by_the_recovery_is_said(tmp_path, units4):
+    """Hostile s17 F4: the current unit unloaded by hand (every BLS request 400) was loaded again by the serve
+    watchdog without a line in its log, where every other repair prints `[serve] repaired: ...`. The load is among
+    what the recovery reports (heal returns it; serve prints it)."""
+    from tests.serving.test_release_planted import RecordingServer
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    srv = RecordingServer(repo, ready={"ensemble", "preprocessing", "postprocessing", "tensorrt_llm_bls", a})
+    fixed = release_recover.heal(repo, srv)
+    assert f"the current release {b} loaded again on the server (its state was not loaded)" in fixed
+    assert ("load", b) in [x[:2] for x in srv.calls] and b in srv.ready
+    assert not [f for f in release_recover.heal(repo, srv) if "loaded again" in f]  # once loaded, nothing more to say

@@ -206,22 +206,25 @@ _HEAL_SAID: dict[str, str] = {}
 """The last refusal ``heal`` printed per repository (a refusal is said once, not every ``HEAL_EVERY_S``)."""
 
 
-def current_problem(repo_dir: Path, state: dict, server=None) -> str | None:
+def current_problem(repo_dir: Path, state: dict, server=None, done: list[str] | None = None) -> str | None:
     """Why the current release recorded in ``state`` cannot serve from ``repo_dir``, or None: its folder is missing,
     a file differs from its install record by size (``release_units.unit_damage``: stat only), or -- with a live
     ``server`` on which it is not loaded -- its load fails (the server's error). The load is made here, before a
     recovery points any file at the unit, so a unit that does not load never takes a request (hostile s16 H3: the BLS
-    was re-pointed first, then every request failed). ``ServerStopped`` propagates."""
+    was re-pointed first, then every request failed). A load that worked is appended to ``done`` (hostile s17 F4: the
+    watchdog reloaded a unit unloaded by hand without a word). ``ServerStopped`` propagates."""
     cur = state["current"]
     if not (Path(repo_dir) / cur / "config.pbtxt").is_file():
         return f"is missing from {repo_dir} (its folder deleted or moved)"
     if why := unit_damage(repo_dir, cur, state):
         return f"is damaged on disk ({cur}/{why} at its install)"
-    if server is not None and server.loaded_models().get(cur) != "READY":  # not answering: ServerStopped, no load
+    if server is not None and (was := server.loaded_models().get(cur)) != "READY":  # not answering: ServerStopped
         try:
             server.load(cur)
         except RuntimeError as e:
             return f"does not load on the server at {server.http_url} ({str(e)[:300]})"
+        if done is not None:
+            done.append(f"the current release {cur} loaded again on the server (its state was {was or 'not loaded'})")
     return None
 
 
@@ -268,7 +271,7 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -
             "ms": 0.0, "rollout": {**ro, "failed_check": "interrupted", "numbers": {}}}])[-HISTORY_MAX:]
         write_state(repo_dir, state)
         fixed.append(f"interrupted rollout of {ro.get('candidate')} ended; {cur} serves all traffic")
-    if why := current_problem(repo_dir, state, server):
+    if why := current_problem(repo_dir, state, server, fixed):
         if not leaving_current:
             serves = current_of_configs(repo_dir)[1] if (repo_dir / "tensorrt_llm_bls").is_dir() else None
             raise UserError(str(state_path(repo_dir)), f"the current release {cur} {why}, so nothing was re-pointed at it"
