@@ -1003,3 +1003,36 @@ def test_the_current_unit_loaded_again_by_the_recovery_is_said(tmp_path, units4)
     assert f"the current release {b} loaded again on the server (its state was not loaded)" in fixed
     assert ("load", b) in [x[:2] for x in srv.calls] and b in srv.ready
     assert not [f for f in release_recover.heal(repo, srv) if "loaded again" in f]  # once loaded, nothing more to say
+
+
+def test_a_stopped_rollout_process_is_said_by_releases_and_the_serve_watchdog(tmp_path, units4, capsys):
+    """Hostile s17 F8: `kill -STOP` of a rollout at 50 % left the canary on an unjudged candidate for as long as it
+    stayed stopped; `invoke releases` listed no problem and serve's watchdog said nothing. Both say it now, with the
+    two ways out; a running rollout process is no problem."""
+    from precision_pipeline.serving.serve_watchdog import say_stalled_rollout
+
+    repo = serving_repo(tmp_path, units4[0])
+    release_rollout.begin_rollout(repo, units4[1].out_dir, steps=(50, 100))
+    release_rollout.set_rollout_percent(repo, 50)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        state = release_state.read_state(repo)
+        state["rollout"]["pid"] = child.pid
+        release_state.write_state(repo, state)
+        assert release.list_releases(repo)["problems"] == []  # running: nothing to say
+        os.kill(child.pid, signal.SIGSTOP)
+        for _ in range(50):
+            if release_state.stalled_rollout(release_state.read_state(repo), repo):
+                break
+            time.sleep(0.1)
+        want = (f"the rollout of {units4[1].engine_unit} is at 50 % but its process (pid {child.pid}) is T (stopped): no "
+                "check runs while the canary keeps that share of the traffic; resume it (kill -CONT "
+                f"{child.pid}) or end it: `invoke rollout --abort --repo {repo}` (add --url when a server serves it)")
+        assert release.list_releases(repo)["problems"] == [want]
+        said: set[str] = set()
+        say_stalled_rollout(repo, said)
+        say_stalled_rollout(repo, said)
+        assert capsys.readouterr().out == f"[serve] warning: {want}\n"  # once
+    finally:
+        child.kill()
+        child.wait()

@@ -77,7 +77,7 @@ from precision_pipeline.serving import llmapi_unit, pack, release_live
 from precision_pipeline.serving.release_configs import current_of_configs
 from precision_pipeline.serving.release_live import load_unit, loaded_models, smoke_unit, unload_quietly
 from precision_pipeline.serving.release_recover import init_serving_repo, state_or_refuse
-from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, check_probe_unit, crash_point, current_order, lock, make_current,
+from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, stalled_rollout, check_probe_unit, crash_point, current_order, lock, make_current,
                                                       ROUTE_FILE, ensemble_serves, read_state, rejected_units, release_record,
                                                       state_path,
                                                       timestamp, write_state)
@@ -323,7 +323,7 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
     if out and out[0].startswith(f"the current release {cur} "):  # never "put everything back on" a broken unit (s16b T9)
         fix = "repair the current release first (above); a rollback to another release also re-points everything"
     if state.get("rollout"):
-        return out
+        return out + [w for w in [stalled_rollout(state, repo_dir)] if w]
     if ensemble_serves(cur) and configs[0] != cur:
         out.append(f"the ensemble's config calls {configs[0]}, releases.json records {cur} (an interrupted change): {fix}")
     try:

@@ -109,3 +109,16 @@ def say_disagreements(repo: Path, said: set[str]) -> list[str]:
                 said.add(p)
                 print(f"[serve] not repaired (this repository is read-only here): {p}", flush=True)
     return []
+
+
+def say_stalled_rollout(repo: Path, said: set[str]) -> None:
+    """Print ``release_state.stalled_rollout`` of ``repo`` once (again only when it changes) as ``[serve] warning:
+    ...``: a stopped rollout process leaves its canary's share on an unjudged candidate (hostile s17 F8)."""
+    from precision_pipeline.serving import release_state
+
+    with contextlib.suppress(UserError, OSError, ValueError):
+        why = release_state.stalled_rollout(release_state.read_state(repo), repo)
+        if why and why not in said:
+            said.add(why)
+            print(f"[serve] warning: {why}", flush=True)
+
