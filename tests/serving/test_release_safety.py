@@ -1036,3 +1036,37 @@ def test_a_stopped_rollout_process_is_said_by_releases_and_the_serve_watchdog(tm
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_server_start_reads_the_files_of_a_unit_edited_since_its_install(tmp_path, units4):
+    """Hostile s17 F9: one byte of the current unit's weights flipped in place (size kept), then `invoke serve`: the
+    start checked sizes only and served the corrupt unit. A file whose mtime is later than the unit's install record
+    is hashed and compared; untouched files are not read (a 405B unit starts as fast as before)."""
+    from precision_pipeline.serving import release_units
+
+    repo = serving_repo(tmp_path, units4[0])
+    a = units4[0].engine_unit
+    state = release_state.read_state(repo)
+    rel = max(state["unit_files"][a], key=lambda r: state["unit_files"][a][r][0])  # the biggest file: the weights
+    reads = []
+    real = release_units.file_differs
+    release_units.file_differs = lambda p, row, sha256=True: reads.append((p.name, sha256)) or real(p, row, sha256)
+    try:
+        release_units.check_sizes(repo, [a], state, "--repo")
+        assert not [r for r in reads if r[1]]  # installed just now, nothing edited since: no file read
+        for r in state["releases"]:
+            r["time"] = "2020-01-01T00:00:00+0000"  # installed long ago: every file is newer than that
+        release_units.check_sizes(repo, [a], state, "--repo")  # read and equal: fine
+        path = repo / a / rel
+        with open(path, "r+b") as f:
+            f.seek(path.stat().st_size // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(UserError) as ei:
+            release_units.check_sizes(repo, [a], state, "--repo")
+        assert ei.value.problems[0].reason.startswith(f"{a}/{rel} has the recorded size ({path.stat().st_size:,} bytes) "
+                                                      "but another sha256")
+        assert "nothing was started" in ei.value.problems[0].reason
+    finally:
+        release_units.file_differs = real

@@ -3,6 +3,8 @@ never sharing an inode with a build output, so a kept release survives edits of 
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 from pathlib import Path
@@ -120,11 +122,42 @@ def check_sizes(repo_dir: Path, units: Iterable[str], state: dict | None, field:
     otherwise (hostile s15c T112: a truncated current checkpoint reached tritonserver, which failed with its option
     table and Python frames). Units without a record (installed before it existed) are not checked."""
     for unit in units:
-        if why := unit_damage(repo_dir, unit, state):
+        why = unit_damage(repo_dir, unit, state) or _edited_since_install(repo_dir, unit, state)
+        if why:
             raise UserError(field, f"{unit}/{why} at its install: a unit the server would load changed on disk "
                             "(truncated, edited or deleted), so nothing was started.",
                             "roll back to another kept release (`invoke rollback --repo REPO`; `invoke releases` lists "
                             "them), or promote that unit's build again: a verified copy replaces the folder.")
+
+
+def _install_time(state: dict | None, unit: str) -> float | None:
+    """When ``unit`` was last recorded as installed (the newest ``releases`` row of it: ``time``, written after its
+    files were copied), as seconds since the epoch; None without a row or a readable time."""
+    import datetime as _dt
+
+    times = []
+    for r in (state or {}).get("releases", []):
+        if r.get("unit") == unit and r.get("time"):
+            with contextlib.suppress(ValueError, TypeError):
+                times.append(_dt.datetime.strptime(r["time"], "%Y-%m-%dT%H:%M:%S%z").timestamp())
+    return max(times) if times else None
+
+
+def _edited_since_install(repo_dir: Path, unit: str, state: dict | None) -> str | None:
+    """``check_sizes``' content check, as cheap as the stat it makes: a recorded file of ``unit`` whose modification
+    time is later than the unit's install record (``_install_time`` + 1 s) was written after the install, so its
+    sha256 is compared with the record (``file_differs``; hostile s17 F9: one byte flipped in place with the size
+    kept was served after a restart). Files untouched since the install are not read. None when all agree."""
+    files = ((state or {}).get("unit_files") or {}).get(unit)
+    since = _install_time(state, unit)
+    if not isinstance(files, dict) or since is None:
+        return None
+    for rel, row in sorted(files.items()):
+        path = Path(repo_dir) / unit / rel
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime > since + 1 and (why := file_differs(path, row)):
+                return f"{rel} {why}"
+    return None
 
 
 def _mismatch(unit_src: Path, rel: str, row: list, size: int | None) -> UserError:
