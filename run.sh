@@ -10,6 +10,7 @@
 #              --no-deps, so its CUDA torch, ModelOpt, transformers and tensorrt_llm are never replaced.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export PRECISION_CALLER_CWD="$PWD"  # relative path flags are the caller's (tasks.py from_caller_cwd)
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 

@@ -71,6 +71,27 @@ def refuse_empty_paths(kwargs: dict) -> None:
                             "guess.", f"pass a path, or leave {flag} out for its default.")
 
 
+CALLER_CWD_ENV = "PRECISION_CALLER_CWD"
+"""The folder ``run.sh`` was called from (it changes into the checkout before running Invoke)."""
+
+
+def from_caller_cwd(kwargs: dict) -> None:
+    """Relative ``PATH_FLAGS`` values and a ``--profile`` given as a file path (a ``/`` in it, or ``.yaml``/``.yml``;
+    a bare name is a shipped profile) are taken from the folder ``run.sh`` was called from (``CALLER_CWD_ENV``), as
+    any command-line tool does: `cd /data && run.sh promote --repo serving/repo` wrote into the checkout's
+    ``serving/repo`` instead (hostile s17 F10). Changed in place; nothing when called from the checkout itself."""
+    cwd = os.environ.get(CALLER_CWD_ENV)
+    if not cwd or not os.path.isdir(cwd) or Path(cwd).resolve() == ROOT:
+        return
+    for name in (*PATH_FLAGS, "profile"):
+        v = kwargs.get(name)
+        if not isinstance(v, str) or not v.strip() or os.path.isabs(os.path.expanduser(v)):
+            continue
+        if name == "profile" and "/" not in v and not v.endswith((".yaml", ".yml")):
+            continue
+        kwargs[name] = os.path.join(cwd, v)
+
+
 def parse_refusal(exc) -> "UserError":  # noqa: F821  (imported in the body)
     """The UserError (exit 2) of Invoke's refusal of a command line (``invoke.exceptions.ParseError``): a flag given
     without a value (``--profile $UNSET`` unquoted, a flag last on the line), a missing positional argument, an
@@ -121,7 +142,7 @@ def _refuse_parse_errors(program) -> None:
 def guarded(fn):
     """Map what ends a task to its exit code (``cli.console.report``: printed; a traceback only for a bug). A
     ``--help``/``-h`` that Invoke passed as an argument's value prints the task's help (exit 0). An empty path flag
-    (``refuse_empty_paths``) is refused before the task runs."""
+    (``refuse_empty_paths``) is refused before the task runs; relative paths are the caller's (``from_caller_cwd``)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -132,6 +153,7 @@ def guarded(fn):
             return _task_help(fn.__name__)
         try:
             refuse_empty_paths(kwargs)
+            from_caller_cwd(kwargs)
             with terminate_as_interrupt():  # SIGTERM/SIGHUP (timeout, kill, Kubernetes) end a task as Ctrl-C does
                 code = fn(*args, **kwargs)
         except (Exit, SystemExit):
@@ -244,6 +266,7 @@ def bench(c, name, args=""):
             "workers": "pytest-xdist worker processes (default 2, for 2 cores; 0: one process, no xdist)"})
 def test(c, k=None, fast=False, workers=2):
     """Run the test suite (what CI runs): pytest-xdist workers, each test file on one worker (README, Suite time)."""
+    os.environ.pop(CALLER_CWD_ENV, None)  # the tests' own command lines are the checkout's (from_caller_cwd)
     cmd = f"{sys.executable} -m pytest -q --durations=15"  # the 15 slowest in every log (README, Testing)
     if int(workers) > 0:
         # loadfile: a file's tests share its module fixtures (servers, builds) on one worker; files in the order

@@ -566,3 +566,37 @@ def test_a_repeated_probe_stops_when_the_routes_no_longer_reach_its_units(tmp_pa
     probed.clear()
     assert _probe_runs(con, lambda u, r: probed.append(u) or {"passed": False}, {a: ""}, 5.0, 4, None) is True
     assert probed == [a] * 4
+
+
+def test_relative_paths_are_the_callers_not_the_checkouts(tmp_path, monkeypatch):
+    """Hostile s17 F10: run.sh changes into the checkout, so `cd /data && run.sh promote --repo serving/repo` wrote
+    into <checkout>/serving/repo, `rollback --repo ../x` looked beside the checkout and `check --profile ./p.yaml`
+    found no file. Relative path flags and a profile given as a path are the caller's; a bare profile name stays a
+    shipped profile; nothing changes when called from the checkout."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tasks_under_test", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    seen = {}
+
+    @tasks.guarded
+    def job(c=None, **kw):
+        seen.update(kw)
+
+    monkeypatch.setenv(tasks.CALLER_CWD_ENV, str(tmp_path))
+    job(None, repo="serving/repo", out="../o", profile="./p.yaml", model="/abs/m", gate="~/g")
+    assert seen == {"repo": str(tmp_path / "serving/repo"), "out": str(tmp_path / "../o"),
+                    "profile": os.path.join(tmp_path, "./p.yaml"), "model": "/abs/m", "gate": "~/g"}
+    job(None, profile="fp8-h100", repo="r")
+    assert seen["profile"] == "fp8-h100" and seen["repo"] == str(tmp_path / "r")
+    monkeypatch.setenv(tasks.CALLER_CWD_ENV, str(ROOT))
+    job(None, profile="precision_profiles/fp8-h100.yaml", repo="r")
+    assert seen == {**seen, "profile": "precision_profiles/fp8-h100.yaml", "repo": "r"}
+
+
+def test_run_sh_from_another_folder_reads_relative_paths_there(tmp_path):
+    """The same through the real command line: `releases --repo rel` from another folder names that folder's path."""
+    r = subprocess.run([str(ROOT / "run.sh"), "releases", "--repo", "no/such/repo"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PRECISION_CALLER_CWD": ""})
+    assert r.returncode == 2 and str(tmp_path / "no/such/repo") in r.stdout + r.stderr, r.stdout + r.stderr
