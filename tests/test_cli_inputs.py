@@ -560,9 +560,14 @@ def test_a_repeated_probe_stops_when_the_routes_no_longer_reach_its_units(tmp_pa
     buf = io.StringIO()
     con = Console(file=buf, width=400)
     assert _probe_runs(con, lambda u, r: probed.append(u) or {"passed": True}, {a: "all"}, 5.0, None, tmp_path) is False
-    assert probed == [a, a, a] and routes == []
+    assert probed == [a, a] and routes == []  # the start's routes, then one read after each of the two runs
     assert f"stopped: the repository's routes now reach {b}, not {a} (a promote, rollback or rollout moved" in buf.getvalue()
-    # without a repository to watch (--unit, --profile), the runs end at --runs
+    # a unit no route reached at the start (a --profile build's, not current) is not watched: the runs end at --runs
+    routes[:] = [{b: "all"}] * 5
+    probed.clear()
+    assert _probe_runs(con, lambda u, r: probed.append(u) or {"passed": True}, {a: ""}, 5.0, 3, tmp_path) is False
+    assert probed == [a] * 3
+    # without a repository to watch (--unit), the runs end at --runs
     probed.clear()
     assert _probe_runs(con, lambda u, r: probed.append(u) or {"passed": False}, {a: ""}, 5.0, 4, None) is True
     assert probed == [a] * 4

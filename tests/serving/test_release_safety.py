@@ -752,7 +752,7 @@ def test_a_refusal_after_a_recovery_says_what_the_recovery_did(tmp_path, units4,
         assert release_configs.current_of_configs(repo) == (a, a)
         _print_report(ei.value, 2)
         err = capsys.readouterr().err
-        assert "refused after this command recovered an interrupted change: ensemble re-pointed at" in err
+        assert "refused; before that, the recovery every release command starts with: ensemble re-pointed at" in err
         assert "nothing was changed" not in err
     with pytest.raises(UserError) as ei:                      # nothing to recover: as before
         release.promote(repo, units4[0].out_dir)
@@ -1070,3 +1070,105 @@ def test_a_server_start_reads_the_files_of_a_unit_edited_since_its_install(tmp_p
         assert "nothing was started" in ei.value.problems[0].reason
     finally:
         release_units.file_differs = real
+
+
+def test_a_stopped_tritonserver_is_said_once_and_its_resumption_too(capsys):
+    """Hostile s17 F11: tritonserver SIGSTOPped for 75 s: every client timed out and serve's log said nothing."""
+    from precision_pipeline.serving.serve_watchdog import server_stopped
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    said: set[str] = set()
+    try:
+        assert server_stopped(child.pid, said) is False and capsys.readouterr().out == ""
+        os.kill(child.pid, signal.SIGSTOP)
+        for _ in range(50):
+            if server_stopped(child.pid, said):
+                break
+            time.sleep(0.1)
+        assert server_stopped(child.pid, said) is True
+        os.kill(child.pid, signal.SIGCONT)
+        for _ in range(50):
+            if not server_stopped(child.pid, said):
+                break
+            time.sleep(0.1)
+        assert capsys.readouterr().out == (
+            f"[serve] warning: tritonserver (pid {child.pid}) is stopped (SIGSTOP or Ctrl-Z): every request waits until "
+            f"it is resumed: kill -CONT {child.pid}\n[serve] tritonserver (pid {child.pid}) runs again\n")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_missing_fallback_is_listed_and_named_by_rollback_fallback(tmp_path, units4):
+    """Hostile s17 F14: the fallback's folder moved away: `releases` listed no problem and `rollback --fallback` said
+    only "is not on disk. Fix: pick a kept release"."""
+    repo = tmp_path / "serving" / "model_repository"
+    release_recover.init_serving_repo(repo, units4[0].out_dir, fallback_repo=units4[2].out_dir)
+    release.promote(repo, units4[1].out_dir)
+    fb = release_state.read_state(repo)["fallback"]
+    assert fb == units4[2].engine_unit and release.list_releases(repo)["problems"] == []
+    (repo / fb).rename(tmp_path / "elsewhere")
+    assert release.list_releases(repo)["problems"] == [
+        f"the fallback {fb} is missing from {repo} (deleted or moved): `rollback --fallback` is refused until its folder "
+        "is restored there"]
+    with pytest.raises(UserError) as ei:
+        release.rollback(repo, fallback=True)
+    p = ei.value.problems[0]
+    assert p.field == "--fallback" and p.reason == (f"the fallback {fb} is missing from {repo} (deleted or moved); "
+                                                    "nothing was switched.")
+    assert release_state.read_state(repo)["current"] == units4[1].engine_unit
+
+
+def test_a_dead_rollout_is_listed_by_releases(tmp_path, units4):
+    """Hostile s17b F4: a rollout killed at its 100 % switch left the configs on the candidate while releases.json names
+    the stable unit; `releases` listed no problem (a rollout in progress was not compared) and not the dead process."""
+    repo = serving_repo(tmp_path, units4[0])
+    release_rollout.begin_rollout(repo, units4[1].out_dir, steps=(100,))
+    state = release_state.read_state(repo)
+    state["rollout"]["pid"] = 2 ** 22 + 12345  # no such process
+    release_state.write_state(repo, state)
+    problems = release.list_releases(repo)["problems"]
+    assert problems == [f"the rollout of {units4[1].engine_unit} did not finish: its process (pid {2 ** 22 + 12345}) is "
+                        "gone (killed or crashed), so the files may route requests to the unjudged candidate; the next "
+                        f"release command or serve's watchdog ends it (everything back on {units4[0].engine_unit}), or "
+                        f"now: `invoke rollout --abort --repo {repo}` (add --url when a server serves it)"]
+
+
+def test_promoting_the_current_units_build_again_clears_a_harmless_edit_and_says_so(tmp_path, units4):
+    """Hostile s17 F13: a comment line appended to the current unit's config.pbtxt: releases and the watchdog said
+    "damaged ... promote its build again", and that promote said only "already the current release". The folder
+    holds the build's unit (config compared as parsed), so the promote records the folder as it is and says so; the
+    damage is no longer listed. A real content change still names the rollback first."""
+    a = units4[0].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    with open(repo / a / "config.pbtxt", "a") as f:
+        f.write("# a comment\n")
+    problems = release.list_releases(repo)["problems"]
+    assert len(problems) == 1 and problems[0].startswith(f"the current release {a} is damaged on disk ({a}/config.pbtxt is")
+    assert "roll back to another release (the server keeps serving what it loaded until then), then promote its build " \
+           "again" in problems[0]
+    with pytest.raises(UserError) as ei:
+        release.promote(repo, units4[0].out_dir)
+    assert ei.value.problems[0].reason.startswith(f"{a} is already the current release; its folder was compared with "
+                                                  "this build file by file")
+    assert release.list_releases(repo)["problems"] == []
+    with pytest.raises(UserError) as ei:  # a second time: nothing left to record
+        release.promote(repo, units4[0].out_dir)
+    assert ei.value.problems[0].reason == f"{a} is already the current release."
+
+
+def test_promoting_a_unit_its_rollout_rejected_warns(tmp_path, units4):
+    """Hostile s17 F12: the candidate a failed probe had just rolled back was promoted without a word."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.serving import build_output
+
+    repo = serving_repo(tmp_path, units4[0])
+    c = units4[2].engine_unit
+    assert build_output._rejected_warning(SimpleNamespace(packed=units4[2].out_dir), repo) == []
+    rejected_rollout(repo, units4[2])
+    w = build_output._rejected_warning(SimpleNamespace(packed=units4[2].out_dir), repo)
+    assert w == [f"{c} was rolled back by its rollout in this repository ({release_state.rejected_units(release_state.read_state(repo))[c]}); "
+                 "a promote makes it current at once, without the rollout's live checks (`invoke rollout` judges it again)."]
+    assert "probe:kl_p99" in w[0]
+    assert build_output._rejected_warning(SimpleNamespace(packed=units4[1].out_dir), repo) == []

@@ -76,8 +76,8 @@ def _print_report(exc: BaseException, code: int) -> None:
                       f"wrote {esc(', '.join(exc.written))} in the output; the previous artifacts of the later "
                       "stages are unchanged.", soft_wrap=True)
         elif exc.done:  # a release command recovered an interrupted change before refusing (hostile s15 F1)
-            con.print(f"[bold red]error[/]: the input was refused after this command recovered an interrupted change: "
-                      f"{esc('; '.join(exc.done))}.", soft_wrap=True)
+            con.print(f"[bold red]error[/]: the input was refused; before that, the recovery every release command "
+                      f"starts with: {esc('; '.join(exc.done))}.", soft_wrap=True)  # found or did (hostile s17 F13)
         else:
             con.print("[bold red]error[/]: the input was refused; nothing was changed.")
         for p in exc.problems:

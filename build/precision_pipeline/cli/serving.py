@@ -381,7 +381,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     try:
         failed = _probe_runs(con, lambda u, route: _probe_one(con, server, u, pset, repo_dir if state else None, prof_name,
                                                                 exporter, route), units, every_s, max_runs,
-                             repo_dir if state and not unit and not profile else None)
+                             repo_dir if state and not unit else None)
     finally:
         if exporter is not None:
             exporter.close()
@@ -390,15 +390,16 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
 
 def _probe_runs(con, probe_one, units: dict[str, str], every_s, max_runs, routed_of) -> bool:
     """Probe ``units`` ({unit: route}) once, or every ``every_s`` s until ``max_runs`` runs or Ctrl-C; whether the
-    last run failed. ``routed_of`` (the repository, when ``units`` are its routes' units): before each repeated run
-    the routes are read again, and a probe whose units no longer serve (a promote, rollback or rollout moved the
-    current release) stops, saying so, instead of judging an unloaded unit against the old build's bar for ever
-    (hostile s16b T72)."""
+    last run failed. ``routed_of`` (the repository; not with --unit): the units of ``units`` its routes reach at the
+    start are watched; before each repeated run the routes are read again, and once one of them no longer serves (a
+    promote, rollback or rollout moved the current release) the probe stops, saying so, instead of judging an
+    unloaded unit against the old build's bar for ever (hostile s16b T72; with --profile too: s17b F3)."""
     import time as _time
 
     from precision_pipeline.serving import probe as pr
 
     k, failed = 0, False
+    watched = sorted(set(units) & set(pr.route_units(routed_of))) if routed_of is not None and every_s else []
     try:
         while True:
             summaries = [probe_one(u, route) for u, route in units.items()]
@@ -407,9 +408,9 @@ def _probe_runs(con, probe_one, units: dict[str, str], every_s, max_runs, routed
             if every_s is None or (max_runs is not None and k >= max_runs):
                 return failed
             _time.sleep(min(pr.next_wait_s(every_s, s) for s in summaries))
-            if routed_of is not None and (now := pr.route_units(routed_of)) != units:
+            if watched and set(watched) - set(now := pr.route_units(routed_of)):
                 con.print(f"[yellow]stopped[/]: the repository's routes now reach {', '.join(now) or 'no unit'}, not "
-                          f"{', '.join(units)} (a promote, rollback or rollout moved the current release); this probe's "
+                          f"{', '.join(watched)} (a promote, rollback or rollout moved the current release); this probe's "
                           "reference and bar are of the old release's build: start `invoke probe` again for the new one.",
                           soft_wrap=True)
                 return failed

@@ -166,10 +166,25 @@ def promote_build(build: BuildOutput, repo_dir: Path, *, by: str, server=None,
                                           keep_releases=dep.keep_releases)
         return Promotion(unit=str(state["current"]), created=True, fallback=state.get("fallback"), warnings=warnings,
                          notes=notes)
-    warnings += repository_settings_warnings(build.profile, repo_dir)
+    warnings += repository_settings_warnings(build.profile, repo_dir) + _rejected_warning(build, repo_dir)
     t = release.promote(repo_dir, build.packed, server=server, profile=build.profile.name, gate=ok.gate,
                         promoted_by=by)  # the one skew check of a release: check_promotable, above
     return Promotion(unit=str(t["unit"]), created=False, warnings=warnings, total_ms=float(t.get("total_ms", 0) or 0))
+
+
+def _rejected_warning(build: BuildOutput, repo_dir: Path) -> list[str]:
+    """A warning when the build's unit is one whose rollout a failed live check rolled back in ``repo_dir``
+    (``release_state.rejected_units``): a promote makes it current without those checks (hostile s17 F12: silent)."""
+    from precision_pipeline.serving import release_state
+    from precision_pipeline.serving.release_units import resolve_unit_source
+
+    try:
+        unit = resolve_unit_source(build.packed).name
+        why = release_state.rejected_units(release_state.read_state(repo_dir) or {}).get(unit)
+    except (UserError, OSError, ValueError):
+        return []
+    return [f"{unit} was rolled back by its rollout in this repository ({why}); a promote makes it current at once, "
+            "without the rollout's live checks (`invoke rollout` judges it again)."] if why else []
 
 
 def repository_settings_warnings(profile, repo_dir: Path) -> list[str]:

@@ -112,9 +112,16 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
+        before_files = json.loads(json.dumps(state.get("unit_files") or {}))
         unit = install_release_unit(repo_dir, engine_unit, serve_root, state, server)
         crash_point("install")
         if unit == previous:  # (its deleted folder reinstalled by install_unit is said: UserError.done)
+            if state.get("unit_files", {}).get(unit) != (before_files or {}).get(unit):  # hostile s17 F13
+                write_state(repo_dir, state)  # its folder is this build's unit (an edit that changes nothing parsed)
+                raise UserError("engine_unit", f"{unit} is already the current release; its folder was compared with "
+                                "this build file by file (config.pbtxt as parsed) and holds its unit, so its install "
+                                "record now describes the folder as it is (the damage reported before is cleared).",
+                                "nothing to promote.")
             raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
         try:  # a refusal, Ctrl-C or SIGTERM before the switch: the candidate is unloaded (hostile s8 #59)
             if server is not None:
@@ -252,6 +259,11 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
                             "end it with `invoke rollout --abort` (all traffic back to the stable release).")
         target = _rollback_target(repo_dir, state, to, fallback)
         if not (repo_dir / target).is_dir():
+            if fallback:  # hostile s17 F14: it did not say it was the fallback, nor how to get it back
+                raise UserError("--fallback", f"the fallback {target} is missing from {repo_dir} (deleted or moved); "
+                                "nothing was switched.", "restore its folder there, or roll back to a kept release "
+                                f"(`invoke rollback --repo {repo_dir}`; `invoke releases` lists them). A fallback is "
+                                "installed by a repository's first promote only.")
             raise UserError("rollback", f"{target} is not on disk.", "pick a kept release.")
         field, fix = "--fallback" if fallback else "--to", "roll back to another kept release (--to), or promote a fresh build."
         t = time.perf_counter()
@@ -318,8 +330,15 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
     for unit in [cur] + sorted({r.get("unit") for r in state.get("releases", []) if r.get("unit") not in (cur, None)}):
         if unit in on_disk and (why := unit_damage(repo_dir, unit, state)):  # sizes only (hostile s15c T111, s16 T32)
             out.append(f"{'the current release' if unit == cur else 'the kept release'} {unit} is damaged on disk "
-                       f"({unit}/{why} at its install): promote its build again (a verified copy replaces it)"
-                       + (", or roll back to another release" if unit == cur else "; a rollback to it is refused until then"))
+                       f"({unit}/{why} at its install): "
+                       + ("roll back to another release (the server keeps serving what it loaded until then), then "
+                          "promote its build again: a verified copy replaces the folder (without a server, that promote "
+                          "alone replaces it)" if unit == cur else
+                          "promote its build again (a verified copy replaces it); a rollback to it is refused until then"))
+    fb = state.get("fallback")
+    if fb and fb != cur and fb not in on_disk:  # hostile s17 F14: listed nothing
+        out.append(f"the fallback {fb} is missing from {repo_dir} (deleted or moved): `rollback --fallback` is refused "
+                   "until its folder is restored there")
     if out and out[0].startswith(f"the current release {cur} "):  # never "put everything back on" a broken unit (s16b T9)
         fix = "repair the current release first (above); a rollback to another release also re-points everything"
     if state.get("rollout"):

@@ -407,14 +407,20 @@ def ensemble_serves(unit: str) -> bool:
 
 def stalled_rollout(state: dict | None, repo_dir: Path) -> str | None:
     """Why the rollout in progress in ``state`` judges nothing although its canary keeps a share of the traffic: its
-    process (``rollout.pid``, alive: a dead one is ended by ``recover``) is stopped (``T``: SIGSTOP, Ctrl-Z) or a
-    zombie; None otherwise (no rollout, or its process runs). Said by ``invoke releases`` and serve's watchdog
+    process (``rollout.pid``) is gone (killed, crashed: ``recover`` ends such a rollout; until then the files may
+    already route to the candidate) or stopped (``T``: SIGSTOP, Ctrl-Z) or a zombie; None otherwise (no rollout, or its
+    process runs). Said by ``invoke releases`` and serve's watchdog
     (hostile s17 F8: a stopped rollout kept 50 % on the candidate with no checks, and nothing said so)."""
     from precision_pipeline.core.store import process_state
 
     ro = (state or {}).get("rollout") or {}
     pid = ro.get("pid")
-    if not pid_alive(pid) or not (st := process_state(pid)).startswith(("T", "t", "Z")):
+    if ro and not pid_alive(pid):  # hostile s17b F4: a crashed rollout's configs may already name the candidate
+        return (f"the rollout of {ro.get('candidate')} did not finish: its process (pid {pid}) is gone (killed or "
+                "crashed), so the files may route requests to the unjudged candidate; the next release command or "
+                f"serve's watchdog ends it (everything back on {ro.get('stable')}), or now: `invoke rollout --abort "
+                f"--repo {repo_dir}` (add --url when a server serves it)")
+    if not ro or not (st := process_state(pid)).startswith(("T", "t", "Z")):
         return None
     return (f"the rollout of {ro.get('candidate')} is at {ro.get('percent', 0)} % but its process (pid {pid}) is "
             f"{st}: no check runs while the canary keeps that share of the traffic; resume it (kill -CONT {pid}) or "

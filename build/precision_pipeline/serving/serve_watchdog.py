@@ -122,3 +122,22 @@ def say_stalled_rollout(repo: Path, said: set[str]) -> None:
             said.add(why)
             print(f"[serve] warning: {why}", flush=True)
 
+
+def server_stopped(pid: int, said: set[str]) -> bool:
+    """Whether the tritonserver ``pid`` is stopped (``T``: SIGSTOP, Ctrl-Z of its group): every request waits until it
+    is resumed, and nothing here can answer for it. Said once as ``[serve] warning: ...`` with the fix, and its
+    resumption once again (hostile s17 F11: 75 s of client timeouts and not a line in serve's log)."""
+    from precision_pipeline.core.store import process_state
+
+    key = f"stopped:{pid}"
+    if process_state(pid).startswith(("T", "t")):
+        if key not in said:
+            said.add(key)
+            print(f"[serve] warning: tritonserver (pid {pid}) is stopped (SIGSTOP or Ctrl-Z): every request waits until "
+                  f"it is resumed: kill -CONT {pid}", flush=True)
+        return True
+    if key in said:
+        said.discard(key)
+        print(f"[serve] tritonserver (pid {pid}) runs again", flush=True)
+    return False
+

@@ -630,7 +630,8 @@ def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | Non
     repaired printed); stop the server on Ctrl-C, SIGTERM or SIGHUP. Returns its exit status when it ended on its
     own, None when it was stopped."""
     from precision_pipeline.serving import release_recover, release_state
-    from precision_pipeline.serving.serve_watchdog import revive_dead_instances, say_disagreements, say_stalled_rollout
+    from precision_pipeline.serving.serve_watchdog import (revive_dead_instances, say_disagreements, say_stalled_rollout,
+                                                           server_stopped)
 
     died, seen, said = None, {}, set()
     srv.load_timeout_s = HEAL_LOAD_S  # from now on its loads are the watchdog's, under the lock: never without end
@@ -642,6 +643,8 @@ def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | Non
                 if time.monotonic() < next_heal:
                     continue
                 next_heal = time.monotonic() + HEAL_EVERY_S
+                if server_stopped(srv.proc.pid, said):
+                    continue
                 fixed = release_recover.heal(repo, srv) if heal else say_disagreements(repo, said)
                 say_stalled_rollout(repo, said)
                 with contextlib.suppress(UserError, OSError, RuntimeError):  # a release command holds the lock: later
