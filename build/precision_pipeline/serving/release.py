@@ -112,17 +112,10 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
         if state.get("rollout"):  # before the install: a refused promote installs nothing
             raise UserError("promote", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "let it finish, or end it with `invoke rollout --abort`.")
-        before_files = json.loads(json.dumps(state.get("unit_files") or {}))
+        before = json.dumps((state.get("unit_files") or {}).get(previous), sort_keys=True)
         unit = install_release_unit(repo_dir, engine_unit, serve_root, state, server)
         crash_point("install")
-        if unit == previous:  # (its deleted folder reinstalled by install_unit is said: UserError.done)
-            if state.get("unit_files", {}).get(unit) != (before_files or {}).get(unit):  # hostile s17 F13
-                write_state(repo_dir, state)  # its folder is this build's unit (an edit that changes nothing parsed)
-                raise UserError("engine_unit", f"{unit} is already the current release; its folder was compared with "
-                                "this build file by file (config.pbtxt as parsed) and holds its unit, so its install "
-                                "record now describes the folder as it is (the damage reported before is cleared).",
-                                "nothing to promote.")
-            raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
+        _refuse_already_current(repo_dir, state, unit, previous, before)  # (a reinstalled folder is said: UserError.done)
         try:  # a refusal, Ctrl-C or SIGTERM before the switch: the candidate is unloaded (hostile s8 #59)
             if server is not None:
                 t = time.perf_counter()
@@ -153,6 +146,22 @@ def promote(repo_dir: Path, engine_unit: Path, *, server=None, profile: str = ""
             write_state(repo_dir, state)
             crash_point("gc")
     return {**timings, "unit": unit}
+
+
+def _refuse_already_current(repo_dir: Path, state: dict, unit: str, previous: str, before: str) -> None:
+    """A promote of the current release's own build (``unit`` is ``previous``): UserError (exit 2, nothing to promote);
+    nothing otherwise. When the install found
+    the folder holding the build's unit but recorded it anew (``before``: its ``unit_files`` row before, as JSON; an
+    edit that changes nothing parsed, e.g. a comment in config.pbtxt), the new record is written and said: the damage
+    ``releases`` and the watchdog reported is cleared, the fix they printed worked (hostile s17 F13)."""
+    if unit != previous:
+        return
+    if json.dumps((state.get("unit_files") or {}).get(unit), sort_keys=True) != before:
+        write_state(repo_dir, state)
+        raise UserError("engine_unit", f"{unit} is already the current release; its folder was compared with this build "
+                        "file by file (config.pbtxt as parsed) and holds its unit, so its install record now describes "
+                        "the folder as it is (the damage reported before is cleared).", "nothing to promote.")
+    raise UserError("engine_unit", f"{unit} is already the current release.", "nothing to promote.")
 
 
 def _unload_candidate(server, unit: str, state: dict) -> None:
