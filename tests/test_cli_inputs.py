@@ -605,3 +605,37 @@ def test_run_sh_from_another_folder_reads_relative_paths_there(tmp_path):
     r = subprocess.run([str(ROOT / "run.sh"), "releases", "--repo", "no/such/repo"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PRECISION_CALLER_CWD": ""})
     assert r.returncode == 2 and str(tmp_path / "no/such/repo") in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_an_interrupt_during_the_entry_point_check_says_the_change_took_effect(monkeypatch):
+    """Hostile s17 F16: SIGTERM/Ctrl-C of promote or rollback --url while its request through the BLS ran (after the
+    commit) said "interrupted; previous artifacts are intact", exit 130, although the change had taken effect."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.core.errors import EXIT_INTERRUPTED, InterruptedAfterCommit, exit_code_for
+
+    def interrupted(server, done):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("precision_pipeline.serving.serve_watchdog.entry_point_note", interrupted)
+    with pytest.raises(InterruptedAfterCommit) as ei:
+        cli._entry_point(object(), "rolled back to tensorrt_llm_aaaaaaaaaaaa")
+    assert str(ei.value).startswith("rolled back to tensorrt_llm_aaaaaaaaaaaa, interrupted after the switch, while a "
+                                    "request checked the entry point: the change took effect")
+    assert exit_code_for(ei.value) == EXIT_INTERRUPTED == 130
+
+
+def test_a_probe_whose_release_moved_while_it_waited_for_the_lock_probes_nothing(tmp_path, monkeypatch):
+    """Hostile s17 F15: a probe started while a rollback held the lock read the current release (and its profile)
+    before, its units after: the new unit was judged with the old build's reference and bar, a FAIL recorded."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving import release, release_recover
+
+    a, b = "tensorrt_llm_aaaaaaaaaaaa", "tensorrt_llm_bbbbbbbbbbbb"
+    monkeypatch.setattr(release_recover, "recover", lambda repo, server: [])
+    monkeypatch.setattr(release, "read_state", lambda repo: {"current": b})
+    (tmp_path / "repo").mkdir()
+    with pytest.raises(UserError) as ei:
+        cli._recover_for_probe(tmp_path / "repo", None, {"current": a})
+    assert ei.value.problems[0].reason.startswith(f"the current release changed from {a} to {b} while this probe started")
+    assert cli._recover_for_probe(tmp_path / "repo", None, {"current": b}) == []

@@ -1070,6 +1070,10 @@ def test_a_server_start_reads_the_files_of_a_unit_edited_since_its_install(tmp_p
         assert "nothing was started" in ei.value.problems[0].reason
     finally:
         release_units.file_differs = real
+    release_state.write_state(repo, state)  # the old install time on disk too: `releases` lists it (s17b F7)
+    problems = release.list_releases(repo)["problems"]
+    assert len(problems) == 1 and problems[0].startswith(f"the current release {a} is damaged on disk ({a}/{rel} has the "
+                                                         "recorded size")
 
 
 def test_a_stopped_tritonserver_is_said_once_and_its_resumption_too(capsys):
@@ -1172,3 +1176,29 @@ def test_promoting_a_unit_its_rollout_rejected_warns(tmp_path, units4):
                  "a promote makes it current at once, without the rollout's live checks (`invoke rollout` judges it again)."]
     assert "probe:kl_p99" in w[0]
     assert build_output._rejected_warning(SimpleNamespace(packed=units4[1].out_dir), repo) == []
+
+
+def test_a_missing_or_hand_broken_ensemble_config_names_a_fix_that_works(tmp_path, units4):
+    """Hostile s17b F5/F6: ensemble/config.pbtxt deleted: releases said "the ensemble's config calls None (an
+    interrupted change)" with `rollback --to CUR` as the fix, which was refused; garbage appended to it: every command
+    said "fix the template or the value". Both name the file and the way back, and the printed way back works."""
+    a = units4[0].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    cfg = repo / "ensemble" / "config.pbtxt"
+    saved = cfg.read_text()
+    cfg.unlink()
+    problems = release.list_releases(repo)["problems"]
+    assert problems == [f"{cfg} is missing (deleted or moved): every release command refuses until it is restored: from "
+                        "a backup, or copy ensemble/config.pbtxt from a build's packed repository (`<build out>/"
+                        f"model_repository/ensemble/config.pbtxt`), then `invoke rollback --repo {repo} --to {a}` "
+                        "re-points it"]
+    shutil.copyfile(units4[1].out_dir / "ensemble" / "config.pbtxt", cfg)  # another build's: calls its unit
+    assert release.rollback(repo, to=a)["already_current"] is True
+    assert release_configs.current_of_configs(repo)[0] == a and release.list_releases(repo)["problems"] == []
+    assert release_state._identity(repo) == release_state.read_state(repo)["repository_id"]  # put back by the recovery
+    cfg.write_text(saved + "garbage {{{\n")
+    with pytest.raises(UserError) as ei:
+        release.list_releases(repo)
+    p = ei.value.problems[0]
+    assert p.field == str(cfg) and p.reason.endswith("it was edited by hand or damaged, and this command changed nothing.")
+    assert "copy ensemble/config.pbtxt from the packed repository of a build" in p.fix

@@ -489,3 +489,51 @@ def test_a_handle_on_a_running_server_makes_no_log_file(tmp_path, monkeypatch):
             TritonServer.attach(f"127.0.0.1:{s.getsockname()[1]}")
     assert _server("127.0.0.1:1").log_file is None and _server("127.0.0.1:1").log_tail() == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_each_watchdog_pass_starts_afresh_after_a_request_timed_out(tmp_path, monkeypatch):
+    """Hostile s17 X3: a request that timed out while tritonserver was SIGSTOPped set ``gone`` on serve's handle for
+    good; every later watchdog pass then failed at once (ServerStopped) and a killed BLS stub was never revived. Each
+    pass of a running server starts with ``gone`` cleared."""
+    import subprocess
+    import sys
+
+    from precision_pipeline.serving import release_recover
+    from precision_pipeline.serving import triton_server as ts
+
+    srv = _server("127.0.0.1:1")
+    srv.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    srv.stop = lambda *a, **k: srv.proc.kill()
+    seen = []
+
+    def heal(repo, server):
+        seen.append(server.gone)
+        server.gone = True  # this pass's request timed out
+        if len(seen) == 3:
+            server.proc.kill()
+            server.proc.wait()  # the loop's next poll() sees it ended
+        return []
+
+    monkeypatch.setattr(ts, "HEAL_EVERY_S", 0.0)
+    monkeypatch.setattr(release_recover, "heal", heal)
+    monkeypatch.setattr("precision_pipeline.serving.serve_watchdog.revive_dead_instances", lambda s, seen: [])
+    ts._run_until_stopped(srv, tmp_path, heal=True)
+    assert seen == [False, False, False]
+
+
+def test_a_connection_closed_mid_smoke_test_is_server_stopped(monkeypatch):
+    """Hostile s17b F8: the server stopped during a promote's smoke test: geventhttpclient's HTTPConnectionClosed (an
+    http.client.HTTPException, no OSError) escaped as a traceback and "internal error". It is the server's stop."""
+    from geventhttpclient.response import HTTPConnectionClosed
+
+    def closed(server, unit, **k):
+        raise HTTPConnectionClosed("connection closed.")
+
+    monkeypatch.setattr(release_live, "smoke_test", closed)
+    srv = _server("127.0.0.1:1")
+    with pytest.raises(ServerStopped) as ei:
+        release_live.smoke_unit(srv, "tensorrt_llm_aaaaaaaaaaaa", "--out", "tensorrt_llm_bbbbbbbbbbbb", "fix")
+    assert str(ei.value).startswith("the Triton server at 127.0.0.1:1 stopped answering while smoke-testing "
+                                    "tensorrt_llm_aaaaaaaaaaaa (HTTPConnectionClosed: connection closed.).")
+    assert "Nothing was switched: releases.json still names tensorrt_llm_bbbbbbbbbbbb" in str(ei.value)
+    assert exit_code_for(ei.value) == EXIT_SERVER_STOPPED

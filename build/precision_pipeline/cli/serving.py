@@ -153,9 +153,16 @@ def _entry_point(server, done: str) -> None:
     """After a promote or rollback through ``server``: the BLS answers (``serve_watchdog.entry_point_note``, a note
     when it had to be reloaded; PipelineError when it still fails)."""
     if server is not None:
+        from precision_pipeline.core.errors import InterruptedAfterCommit
         from precision_pipeline.serving.serve_watchdog import entry_point_note
 
-        if note := entry_point_note(server, done):
+        try:
+            note = entry_point_note(server, done)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: after the commit (hostile s17 F16: "artifacts are intact")
+            raise InterruptedAfterCommit(f"{done}, interrupted after the switch, while a request checked the entry "
+                                         "point: the change took effect (releases.json records it and the server "
+                                         "serves it); only that check was not finished.") from None
+        if note:
             console().print(f"[yellow]note[/]: {note}", soft_wrap=True)
 
 
@@ -501,11 +508,18 @@ def _recover_for_probe(repo_dir: Path, server, state: dict) -> list[str]:
     recorded unit would pass while the traffic went elsewhere: hostile s15 F1). Returns what was done. A repository
     this user cannot write is only checked: UserError (exit 2) when the live ensemble calls another unit than the
     current release."""
+    from precision_pipeline.serving import release
     from precision_pipeline.serving.release_live import live_unit, verify_server
     from precision_pipeline.serving.release_recover import recover
 
     if os.access(repo_dir.resolve().parent, os.W_OK):
-        return recover(repo_dir, server)
+        fixed = recover(repo_dir, server)  # waits for a release command holding the lock: the current may move
+        now = (release.read_state(repo_dir) or {}).get("current")
+        if now != state["current"]:  # hostile s17 F15: judged the new unit with the old release's build and bar
+            raise UserError("--repo", f"the current release changed from {state['current']} to {now} while this probe "
+                            "started (a promote or rollback finished meanwhile); its profile and build were chosen "
+                            "for the old one, so nothing was probed.", "run the probe again.")
+        return fixed
     verify_server(repo_dir, server)
     live = live_unit(server)
     if live not in (None, state["current"]):

@@ -82,7 +82,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit,
                                                       state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import commit_switch, retain, switch
-from precision_pipeline.serving.release_units import (install_release_unit, is_any_unit, resolve_unit_source, unit_damage,
+from precision_pipeline.serving.release_units import (edited_since_install, install_release_unit, is_any_unit, resolve_unit_source, unit_damage,
                                                       verify_kept)
 
 # re-exported for tasks.py and nightly.py until they import from the new homes (issue 24)
@@ -337,7 +337,8 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
         out.append(f"the current release {cur} is missing from {repo_dir}: promote its build again (that reinstalls it), "
                    "or roll back to another release")
     for unit in [cur] + sorted({r.get("unit") for r in state.get("releases", []) if r.get("unit") not in (cur, None)}):
-        if unit in on_disk and (why := unit_damage(repo_dir, unit, state)):  # sizes only (hostile s15c T111, s16 T32)
+        if unit in on_disk and (why := unit_damage(repo_dir, unit, state) or edited_since_install(repo_dir, unit, state)):
+            # sizes, and the files written after the install hashed (hostile s15c T111, s16 T32, s17b F7)
             out.append(f"{'the current release' if unit == cur else 'the kept release'} {unit} is damaged on disk "
                        f"({unit}/{why} at its install): "
                        + ("roll back to another release (the server keeps serving what it loaded until then), then "
@@ -350,8 +351,16 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
                    "until its folder is restored there")
     if out and out[0].startswith(f"the current release {cur} "):  # never "put everything back on" a broken unit (s16b T9)
         fix = "repair the current release first (above); a rollback to another release also re-points everything"
+    gone = [m for m in ("ensemble", "tensorrt_llm_bls") if not (repo_dir / m / "config.pbtxt").is_file()]
+    for m in gone:  # hostile s17b F6: "calls None (an interrupted change)", and the rollback it named was refused
+        out.append(f"{repo_dir / m / 'config.pbtxt'} is missing (deleted or moved): every release command refuses until "
+                   f"it is restored: from a backup, or copy {m}/config.pbtxt from a build's packed repository "
+                   f"(`<build out>/model_repository/{m}/config.pbtxt`), then `invoke rollback --repo {repo_dir} --to "
+                   f"{cur}` re-points it")
     if state.get("rollout"):
         return out + [w for w in [stalled_rollout(state, repo_dir)] if w]
+    if gone:
+        return out
     if ensemble_serves(cur) and configs[0] != cur:
         out.append(f"the ensemble's config calls {configs[0]}, releases.json records {cur} (an interrupted change): {fix}")
     try:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from precision_pipeline.core.errors import UserError
 from precision_pipeline.core.store import atomic_write_json, atomic_write_text, read_json
 from precision_pipeline.serving import pack
 from precision_pipeline.serving.release_state import ROUTE_FILE, ensemble_serves
@@ -27,7 +28,15 @@ def load_config(path: Path):
     key = _stat_key(path)
     hit = _CFG_CACHE.get(str(path))
     if hit is None or hit[0] != key:
-        hit = (key, pack.parse_model_config(path.read_text(), str(path)))
+        try:
+            hit = (key, pack.parse_model_config(path.read_text(), str(path)))
+        except UserError as e:  # a serving repository's config: no template involved (hostile s17b F5)
+            model = path.parent.name
+            raise UserError(str(path), e.problems[0].reason.rstrip(".") + ": it was edited by hand or damaged, and this "
+                            "command changed nothing.", f"restore it from a backup, or copy {model}/config.pbtxt from the "
+                            "packed repository of a build (`<build out>/model_repository/" + model + "/config.pbtxt`; "
+                            "a unit's folder: promote its build again), then run `invoke rollback --repo REPO --to "
+                            "<current>`, which re-points it at the current release.") from None
         _CFG_CACHE[str(path)] = hit
     cfg = type(hit[1])()
     cfg.CopyFrom(hit[1])

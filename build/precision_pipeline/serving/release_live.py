@@ -5,6 +5,7 @@ releases.json (``reconcile_server``). See serving/release.py."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import time
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def smoke_unit(server, unit: str, field: str, serving: str, fix: str, *, expect:
 
     try:
         return smoke_test(server, unit, expect=expect)
-    except OSError as e:  # refused, reset, a timeout: the server is gone, not the unit's fault
+    except (OSError, http.client.HTTPException) as e:  # refused, reset, a timeout, a connection closed mid-answer
+        # (geventhttpclient's HTTPConnectionClosed: hostile s17b F8, a traceback): the server is gone, not the unit
         raise stopped_before_switch(e if isinstance(e, ServerStopped) else server.stopped(f"smoke-testing {unit}", e),
                                     serving) from None
     except (RuntimeError, InferenceServerException) as e:
@@ -258,7 +260,7 @@ def verify_server(repo_dir: Path, server) -> None:
             refuse_copied_repository(repo_dir, "the server at --url would load the original's configs, not these.")
         try:
             live = server.model_config(model)
-        except OSError as e:  # it answered attach(): it stopped since (hostile s12 F-P: "the input was refused")
+        except (OSError, http.client.HTTPException) as e:  # it answered attach(): it stopped since (hostile s12 F-P)
             raise (e if isinstance(e, ServerStopped) else server.stopped("reading its ensemble's configuration", e)) from None
         if live is None:
             continue

@@ -14,7 +14,7 @@ from precision_pipeline.core.errors import ServerStopped, UserError
 from precision_pipeline.core.outputs import serving_path_problem
 from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
-from precision_pipeline.serving.release_configs import current_of_configs, point_bls, point_ensemble, set_canary, set_params
+from precision_pipeline.serving.release_configs import current_of_configs, load_config, point_bls, point_ensemble, set_canary, set_params
 from precision_pipeline.serving.release_live import reconcile_server, stopped_before_switch, verify_server
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
                                                       STATE_FILE, crash_point, lock, note_recovered,
@@ -228,6 +228,35 @@ def current_problem(repo_dir: Path, state: dict, server=None, done: list[str] | 
     return None
 
 
+def _readable_route(repo_dir: Path, fixed: list[str]) -> None:
+    """route.json made rewritable when it cannot be read (the caller rewrites it from releases.json): a hand edit
+    (hostile s8 #109) or a FIFO (s16 H13, which read_json refuses) is removed, a folder (s17 F1) moved beside
+    releases.json, never deleted; what was done appended to ``fixed``."""
+    route = repo_dir / "tensorrt_llm_bls" / ROUTE_FILE
+    try:
+        read_json(route, {})
+    except (ValueError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.EINVAL, errno.EISDIR):
+            raise
+        if route.is_dir() and not route.is_symlink():
+            aside = repo_dir.parent / f"{ROUTE_FILE}.folder-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            route.rename(aside)
+            fixed.append(f"{route} was a folder: moved to {aside} and route.json rewritten from {STATE_FILE}")
+        else:
+            route.unlink()
+            fixed.append(f"{route} was unreadable{'' if isinstance(e, ValueError) else ' (not a regular file)'}: "
+                         f"rewritten from {STATE_FILE}")
+
+
+def _identity_back(repo_dir: Path, state: dict, fixed: list[str]) -> None:
+    """The ensemble's ``IDENTITY_PARAM`` put back from releases.json's ``repository_id`` when its config lacks it (a
+    copy of a packed repository's config restored by hand: hostile s17b F6); appended to ``fixed``."""
+    ens = repo_dir / "ensemble" / "config.pbtxt"
+    if state.get("repository_id") and ens.is_file() and IDENTITY_PARAM not in pack.config_params(load_config(ens)):
+        set_params(ens, {IDENTITY_PARAM: state["repository_id"]})
+        fixed.append(f"the ensemble's {IDENTITY_PARAM} put back from {STATE_FILE}")
+
+
 def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -> tuple[list[str], bool]:
     """Under the lock: make the files agree with releases.json (leftovers removed, a dead rollout ended, the ensemble
     and the BLS re-pointed at the current release). Returns (what was done, whether the current release can serve).
@@ -281,22 +310,11 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -
                             "`--fallback` (add --url when a server serves it).")
         fixed.append(f"the current release {cur} {why}")
         return fixed, False  # the caller's switch points the configs and route.json at the unit it makes current
+    _readable_route(repo_dir, fixed)
     route = repo_dir / "tensorrt_llm_bls" / ROUTE_FILE
-    try:
-        read_json(route, {})
-    except (ValueError, OSError) as e:  # hostile s8 #109: hand-edited; s16 H13: a FIFO (read_json refuses it): derived
-        if isinstance(e, OSError) and e.errno not in (errno.EINVAL, errno.EISDIR):  # from releases.json, rewritten below
-            raise
-        if route.is_dir() and not route.is_symlink():  # s17 F1: a folder is moved beside releases.json, never deleted
-            aside = repo_dir.parent / f"{ROUTE_FILE}.folder-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-            route.rename(aside)
-            fixed.append(f"{route} was a folder: moved to {aside} and route.json rewritten from {STATE_FILE}")
-        else:
-            route.unlink()
-            fixed.append(f"{route} was unreadable{'' if isinstance(e, ValueError) else ' (not a regular file)'}: "
-                         f"rewritten from {STATE_FILE}")
     if point_ensemble(repo_dir, cur):
         fixed.append(f"ensemble re-pointed at {cur}")
+    _identity_back(repo_dir, state, fixed)
     ro = state.get("rollout")
     if ro and ro.get("percent"):  # a live rollout's step: its canary stays (hostile s8 #76: a refused command ended it)
         want = {"tensorrt_llm_model_name": cur, "canary": {"tensorrt_llm_model_name": ro["candidate"],

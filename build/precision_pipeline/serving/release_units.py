@@ -122,7 +122,7 @@ def check_sizes(repo_dir: Path, units: Iterable[str], state: dict | None, field:
     otherwise (hostile s15c T112: a truncated current checkpoint reached tritonserver, which failed with its option
     table and Python frames). Units without a record (installed before it existed) are not checked."""
     for unit in units:
-        why = unit_damage(repo_dir, unit, state) or _edited_since_install(repo_dir, unit, state)
+        why = unit_damage(repo_dir, unit, state) or edited_since_install(repo_dir, unit, state)
         if why:
             raise UserError(field, f"{unit}/{why} at its install: a unit the server would load changed on disk "
                             "(truncated, edited or deleted), so nothing was started.",
@@ -143,7 +143,7 @@ def _install_time(state: dict | None, unit: str) -> float | None:
     return max(times) if times else None
 
 
-def _edited_since_install(repo_dir: Path, unit: str, state: dict | None) -> str | None:
+def edited_since_install(repo_dir: Path, unit: str, state: dict | None) -> str | None:
     """``check_sizes``' content check, as cheap as the stat it makes: a recorded file of ``unit`` whose modification
     time is later than the unit's install record (``_install_time`` + 1 s) was written after the install, so its
     sha256 is compared with the record (``file_differs``; hostile s17 F9: one byte flipped in place with the size

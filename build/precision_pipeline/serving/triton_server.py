@@ -645,6 +645,8 @@ def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | Non
                 next_heal = time.monotonic() + HEAL_EVERY_S
                 if server_stopped(srv.proc.pid, said):
                     continue
+                srv.gone = False  # it runs: a pass starts afresh (s17 X3: a timeout while it was stopped kept every
+                # later pass failing at once, and the watchdog silent, for good)
                 fixed = release_recover.heal(repo, srv) if heal else say_disagreements(repo, said)
                 say_stalled_rollout(repo, said)
                 with contextlib.suppress(UserError, OSError, RuntimeError):  # a release command holds the lock: later
