@@ -639,3 +639,20 @@ def test_a_probe_whose_release_moved_while_it_waited_for_the_lock_probes_nothing
         cli._recover_for_probe(tmp_path / "repo", None, {"current": a})
     assert ei.value.problems[0].reason.startswith(f"the current release changed from {a} to {b} while this probe started")
     assert cli._recover_for_probe(tmp_path / "repo", None, {"current": b}) == []
+
+
+def test_promote_out_a_file_and_probe_url_empty_say_what_is_wrong(tmp_path):
+    """Hostile s17 F18: `promote --out <a file>` said "holds no finished build" and prescribed a build into that file;
+    `probe --url ''` was refused after 20 s with promote's fix ("leave --url out to only rewrite the repository")."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving import build_output
+
+    f = tmp_path / "releases.json"
+    f.write_text("{}")
+    with pytest.raises(UserError) as ei:
+        build_output.open_build("fp8-h100", f)
+    assert ei.value.problems[0].reason == f"{f} is a file, not a build output folder."
+    with pytest.raises(UserError) as ei:
+        cli.probe(url="  ", repo=str(tmp_path / "none"))
+    assert ei.value.problems[0].field == "--url" and ei.value.problems[0].fix.endswith("leave --url out for 127.0.0.1:8000.")

@@ -1202,3 +1202,36 @@ def test_a_missing_or_hand_broken_ensemble_config_names_a_fix_that_works(tmp_pat
     p = ei.value.problems[0]
     assert p.field == str(cfg) and p.reason.endswith("it was edited by hand or damaged, and this command changed nothing.")
     assert "copy ensemble/config.pbtxt from the packed repository of a build" in p.fix
+
+
+def test_a_copy_elsewhere_is_listed_and_refused_by_files_only_commands(tmp_path, units4):
+    """Hostile s17b F9: `cp -a` of a serving repository (with its releases.json) into another folder: a files-only
+    rollback there exited 0 and recorded a release whose config still reads the original's files (serve refuses the
+    copy), and releases listed no problem."""
+    a = serving_repo(tmp_path / "one", units4[0])
+    release.promote(a, units4[1].out_dir)
+    (tmp_path / "two").mkdir()
+    shutil.copytree(a.parent, tmp_path / "two" / "serving", symlinks=True)
+    copy = tmp_path / "two" / "serving" / "model_repository"
+    before = release_state.state_path(copy).read_text()
+    with pytest.raises(UserError) as ei:
+        release.rollback(copy)
+    p = ei.value.problems[0]
+    assert p.field == "--repo" and p.reason.startswith(f"{copy} is a copy or a move of another serving repository")
+    assert release_state.state_path(copy).read_text() == before
+    problems = release.list_releases(copy)["problems"]
+    assert len(problems) == 1 and problems[0].startswith(f"{copy} is a copy or a move of another serving repository")
+    assert "every release command and `invoke serve` refuse it; run the command on the repository" in problems[0]
+    assert release.rollback(a)["unit"] == units4[0].engine_unit  # the original works
+
+
+def test_a_commit_refused_for_permission_names_permissions_not_space():
+    """Hostile s17b F10: `chattr +i releases.json`: the switch was undone and said, but the fix said "free space"."""
+    import errno as e
+
+    from precision_pipeline.serving.release_switch import _write_fix
+
+    assert _write_fix(OSError(e.EPERM, "Operation not permitted")).startswith("make releases.json and its folder writable")
+    assert _write_fix(OSError(e.EACCES, "Permission denied")).startswith("make releases.json and its folder writable")
+    assert _write_fix(OSError(e.EFBIG, "File too large")) == "raise the file-size limit (`ulimit -f`)"
+    assert _write_fix(OSError(e.ENOSPC, "No space left")) == "free space on that file system (or raise the file-size limit)"

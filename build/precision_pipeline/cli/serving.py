@@ -348,6 +348,9 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     if metrics_port is not None and every is None:  # hostile s15b F15: ignored silently, even a port in use
         raise UserError("--metrics-port", "only applies with --every (the exporter of repeated probes); a single probe "
                         "exports nothing.", "add --every N, or leave --metrics-port out.")
+    if url is not None and not str(url).strip():  # attach's own fix speaks of promote's files-only mode (s17 F18)
+        raise UserError("--url", "is empty (an unset shell variable?).", "pass HOST:PORT of the server's HTTP endpoint, "
+                        "or leave --url out for 127.0.0.1:8000.")
     if unit:
         release.check_probe_unit(unit)
     rec_profile = next((r.get("profile", "") for r in state.get("releases", [])
@@ -364,7 +367,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
         prof_name, packed, pset = b.profile.name, b.packed, b.probe_set(n)
     if not unit and not state and packed is None:
         raise UserError("--unit", "no serving repository and no built profile to take the unit from.", "pass --unit tensorrt_llm_<h12> or llm_api_<h12>.")
-    server = TritonServer.attach("127.0.0.1:8000" if url is None else url)  # '' refused by attach
+    server = TritonServer.attach("127.0.0.1:8000" if url is None else url)
     if state:  # recorded in releases.json: no other server of the repository (hostile s12 F-Q), and it serves the record
         refuse_other_servers(server, repo_dir)
         for f in _recover_for_probe(repo_dir, server, state):

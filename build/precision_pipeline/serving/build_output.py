@@ -99,6 +99,9 @@ def open_build(profile_ref: str, out: Optional[Path | str] = None, require_passe
 
     prof = load_build_profile(profile_ref)  # a relative calibration.dataset as the build read it (hostile s15b F6)
     out_dir = Path(out).expanduser().resolve() if out else default_out_dir(prof.name)
+    if out_dir.exists() and not out_dir.is_dir():  # hostile s17 F18: "holds no finished build ... run invoke build --out"
+        raise UserError("--out" if out else "--profile", f"{out_dir} is a file, not a build output folder.",
+                        "pass the folder a build wrote (`invoke build --profile P --out DIR`), e.g. artifacts/<profile>.")
     resolved = _typed(out_dir, ResolveStage())
     built = resolved.plan.profile.name if resolved is not None else None
     if built not in (None, prof.name):

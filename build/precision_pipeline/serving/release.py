@@ -332,6 +332,11 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
     cur, out = state.get("current"), []
     if not cur:
         return out
+    try:  # hostile s17b F9: a copy listed nothing while serve and the commands refuse it
+        release_live.refuse_copied_repository(repo_dir, "")
+    except UserError as e:
+        out.append(f"{e.problems[0].reason.rstrip('; ')}: every release command and `invoke serve` refuse it; "
+                   f"{e.problems[0].fix}")
     fix = f"`invoke rollback --repo {repo_dir} --to {cur}` (add --url when a server serves it) puts everything back on it"
     if cur not in on_disk:
         out.append(f"the current release {cur} is missing from {repo_dir}: promote its build again (that reinstalls it), "

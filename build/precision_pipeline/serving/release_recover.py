@@ -15,7 +15,8 @@ from precision_pipeline.core.outputs import serving_path_problem
 from precision_pipeline.core.store import clean_stale, read_json
 from precision_pipeline.serving import pack
 from precision_pipeline.serving.release_configs import current_of_configs, load_config, point_bls, point_ensemble, set_canary, set_params
-from precision_pipeline.serving.release_live import reconcile_server, stopped_before_switch, verify_server
+from precision_pipeline.serving.release_live import (reconcile_server, refuse_copied_repository, stopped_before_switch,
+                                                      verify_server)
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
                                                       STATE_FILE, crash_point, lock, note_recovered,
                                                       pid_alive, read_state, release_record, require_state, state_path,
@@ -32,6 +33,10 @@ def state_or_refuse(repo_dir: Path, reason: str, fix: str, *, recover: bool = Tr
     ``leaving_current``: the caller makes another unit current (rollback, promote), so a current release whose folder
     is missing is no refusal here (hostile s15 F3: every way out was refused as the printed fix) and the live server
     is not asked to load it."""
+    if server is None and Path(repo_dir).is_dir():  # with a server: verify_server refuses a copy too (s17b F9)
+        read_state(repo_dir)  # a copy beside its original: the record's own, more exact refusal first
+        refuse_copied_repository(repo_dir, "a release recorded here would name units and a tokenizer this repository "
+                                 "does not serve from (`invoke serve` refuses it); nothing was changed.")
     try:
         verify_server(repo_dir, server)
     except ServerStopped as e:  # hostile s16b T44/T47: a one-line "stopped answering", not what holds

@@ -48,8 +48,19 @@ def commit_switch(repo_dir: Path, state: dict, server, unit: str, previous: str)
                     f"still be on {unit}, while releases.json records {previous}; the next release command (or `invoke "
                     "serve`'s watchdog) puts them back once files can be written")
         raise PipelineError(f"releases.json could not be written ({why}), so the switch to {unit} was not committed; "
-                            f"{back}. Fix: free space on that file system (or raise the file-size limit), then run the "
-                            "command again.") from None
+                            f"{back}. Fix: {_write_fix(e)}, then run the command again.") from None
+
+
+def _write_fix(e: OSError) -> str:
+    """The fix for a releases.json write that failed with ``e`` (by errno; hostile s17b F10: EPERM said "free space")."""
+    import errno
+
+    if e.errno in (errno.EPERM, errno.EACCES, errno.EROFS):
+        return ("make releases.json and its folder writable for this user (`ls -l`, `lsattr`: chmod, chattr -i, a "
+                "read-only mount)")
+    if e.errno == errno.EFBIG:
+        return "raise the file-size limit (`ulimit -f`)"
+    return "free space on that file system (or raise the file-size limit)"
 
 
 def ensemble_follow(server, unit: str) -> None:
