@@ -1017,7 +1017,7 @@ def test_a_stopped_rollout_process_is_said_by_releases_and_the_serve_watchdog(tm
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         state = release_state.read_state(repo)
-        state["rollout"]["pid"] = child.pid
+        state["rollout"]["pid"], state["rollout"]["pid_start"] = child.pid, release_state.process_start(child.pid)
         release_state.write_state(repo, state)
         assert release.list_releases(repo)["problems"] == []  # running: nothing to say
         os.kill(child.pid, signal.SIGSTOP)
@@ -1235,3 +1235,62 @@ def test_a_commit_refused_for_permission_names_permissions_not_space():
     assert _write_fix(OSError(e.EACCES, "Permission denied")).startswith("make releases.json and its folder writable")
     assert _write_fix(OSError(e.EFBIG, "File too large")) == "raise the file-size limit (`ulimit -f`)"
     assert _write_fix(OSError(e.ENOSPC, "No space left")) == "free space on that file system (or raise the file-size limit)"
+
+
+def test_a_server_freeze_during_a_rollout_of_an_earlier_release_keeps_it_a_release(tmp_path, units4):
+    """Hostile s17 RT4: a rollout of an earlier release (A, current before) rolled back only because the server froze
+    (failed check `server`) made A no release: the next promote's retention deleted its folder and record. A server
+    stop says nothing about a unit that served before; a never-released candidate it ended stays rejected."""
+    a, b, c, d = (u.engine_unit for u in units4)
+    repo = serving_repo(tmp_path, units4[0], keep=2)
+    release.promote(repo, units4[1].out_dir)                       # B current, A previous
+    rejected_rollout(repo, units4[0], failed_check="server")       # A rolled out again, the server froze
+    st = release_state.read_state(repo)
+    assert a not in release_state.rejected_units(st)
+    rejected_rollout(repo, units4[2], failed_check="server")       # C never a release: stays rejected
+    assert c in release_state.rejected_units(release_state.read_state(repo))
+    release.promote(repo, units4[3].out_dir)                        # D current: B and A kept, C goes
+    assert on_disk(repo) == sorted([a, b, d])
+    assert release.rollback(repo, to=a)["unit"] == a
+
+
+def test_a_rollout_pid_reused_by_another_process_counts_as_dead(tmp_path, units4):
+    """Hostile s17 PID1: a rollout killed at 50 %, its pid then given to another process: the canary kept 50 % with
+    no checks, recovery and releases silent (only the pid was compared). The rollout records its process's start time;
+    another process with that pid is not it, so the recovery ends the rollout."""
+    repo = serving_repo(tmp_path, units4[0])
+    release_rollout.begin_rollout(repo, units4[1].out_dir, steps=(50, 100))
+    release_rollout.set_rollout_percent(repo, 50)
+    ro = release_state.read_state(repo)["rollout"]
+    assert ro["pid"] == os.getpid() and ro["pid_start"] == release_state.process_start(os.getpid()) is not None
+    assert release_state.rollout_alive(ro)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        state = release_state.read_state(repo)
+        state["rollout"]["pid"] = child.pid  # the same pid, another process (its start time differs)
+        release_state.write_state(repo, state)
+        assert not release_state.rollout_alive(state["rollout"])
+        assert release.list_releases(repo)["problems"][0].startswith(
+            f"the rollout of {units4[1].engine_unit} did not finish: its process (pid {child.pid}) is gone")
+        fixed = release_recover.recover(repo)
+        assert any(f.startswith(f"interrupted rollout of {units4[1].engine_unit} ended") for f in fixed)
+        assert release_state.read_state(repo).get("rollout") is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_unit_without_its_install_record_is_listed(tmp_path, units4):
+    """Hostile s17b F11: the unit_files row of a kept release deleted by hand: a rollback to it (and serve) passed with
+    nothing checked, and releases listed nothing."""
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    state = release_state.read_state(repo)
+    del state["unit_files"][a]
+    release_state.write_state(repo, state)
+    assert release.list_releases(repo)["problems"] == [
+        f"{a} has no install record in releases.json (unit_files; deleted by hand, or installed before the record "
+        "existed): its files cannot be verified before it serves; promote its build again to record it (a verified copy)"]
+    assert release.rollback(repo, to=a)["verified"] is False
+    assert b not in " ".join(release.list_releases(repo)["problems"])

@@ -182,6 +182,9 @@ def rollback(repo=None, to=None, fallback=False, url=None) -> None:
                         + (" and the server" if server is not None else "") + " agree with releases.json)")
     else:
         console().print(f"current: {t['unit']} ({'warm' if t.get('warm') else 'cold'}) in {t.get('total_ms', 0):.1f} ms")
+    if t.get("verified") is False:  # hostile s17b F11: said nothing
+        console().print(f"[yellow]warning[/]: {t['unit']} has no install record in releases.json: its files were not "
+                        "verified (promote its build again to record it).", soft_wrap=True)
     _entry_point(server, f"rolled back to {t['unit']}")
 
 

@@ -350,6 +350,12 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
                           "promote its build again: a verified copy replaces the folder (without a server, that promote "
                           "alone replaces it)" if unit == cur else
                           "promote its build again (a verified copy replaces it); a rollback to it is refused until then"))
+    unrecorded = [u for u in [cur] + sorted({r.get("unit") for r in state.get("releases", [])} - {cur, None})
+                  if u in on_disk and u not in (state.get("unit_files") or {})]
+    for unit in unrecorded:  # hostile s17b F11: a row deleted by hand made every check of the unit pass unread
+        out.append(f"{unit} has no install record in releases.json (unit_files; deleted by hand, or installed before "
+                   "the record existed): its files cannot be verified before it serves; promote its build again to "
+                   "record it (a verified copy)")
     fb = state.get("fallback")
     if fb and fb != cur and fb not in on_disk:  # hostile s17 F14: listed nothing
         out.append(f"the fallback {fb} is missing from {repo_dir} (deleted or moved): `rollback --fallback` is refused "

@@ -19,7 +19,7 @@ from precision_pipeline.serving.release_live import (reconcile_server, refuse_co
                                                       verify_server)
 from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARAM, LOCK_FILE, REPO_FOLDER_FIELD, ROUTE_FILE,
                                                       STATE_FILE, crash_point, lock, note_recovered,
-                                                      pid_alive, read_state, release_record, require_state, state_path,
+                                                      rollout_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_units import (copy_unit, installed_record, resolve_unit_source, served_path, unit_damage,
                                                       unit_record)
@@ -297,7 +297,7 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -
             raise UserError(str(repo_dir / m / "config.pbtxt"), "is missing (deleted or moved): the serving repository "
                             "cannot serve, and this command changed nothing.", f"restore {repo_dir / m} from a backup, or "
                             "create a new serving repository (`invoke promote --profile P --repo NEW_DIR`).")
-    if state.get("rollout") and not pid_alive(state["rollout"].get("pid")):
+    if state.get("rollout") and not rollout_alive(state["rollout"]):  # dead, or its pid reused (s17 PID1)
         # a rollout whose process died (crash, kill -9): the stable release serves every request again
         ro = state.pop("rollout")
         state["history"] = (state.get("history", []) + [{

@@ -15,7 +15,8 @@ from precision_pipeline.serving.release_configs import point_bls, point_ensemble
 from precision_pipeline.serving.release_live import (live_unit, load_unit, loaded_models, routed_units, smoke_unit,
                                                      unload_quietly, verify_server)
 from precision_pipeline.serving.release_recover import state_or_refuse
-from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, crash_point, lock, make_current, read_state, timestamp, write_state)
+from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit, crash_point, lock, make_current, process_start, read_state,
+                                                      timestamp, write_state)
 from precision_pipeline.serving.release_switch import commit_switch, retain, switch
 from precision_pipeline.serving.release_units import install_release_unit
 
@@ -58,7 +59,7 @@ def begin_rollout(repo_dir: Path, engine_unit: Path, *, server=None, profile: st
         crash_point("rollout_load")
         state["rollout"] = {"candidate": unit, "stable": state["current"], "profile": profile, "gate": gate or {},
                             "steps": [int(x) for x in steps], "step": None, "percent": 0, "started": timestamp(), "by": by,
-                            "pid": os.getpid(), "checks": []}
+                            "pid": os.getpid(), "pid_start": process_start(os.getpid()), "checks": []}
         write_state(repo_dir, state)
         crash_point("rollout_begin")
     return {**state["rollout"], "timings": timings}

@@ -112,6 +112,7 @@ class RolloutInProgress(_Record):
     step: Optional[int] = None
     steps: list[int] = []
     pid: Optional[int] = None
+    pid_start: Optional[int] = None
     checks: list[dict[str, Any]] = []
     profile: str = ""
     gate: dict[str, Any] = {}
@@ -415,7 +416,7 @@ def stalled_rollout(state: dict | None, repo_dir: Path) -> str | None:
 
     ro = (state or {}).get("rollout") or {}
     pid = ro.get("pid")
-    if ro and not pid_alive(pid):  # hostile s17b F4: a crashed rollout's configs may already name the candidate
+    if ro and not rollout_alive(ro):  # hostile s17b F4: a crashed rollout's configs may already name the candidate
         return (f"the rollout of {ro.get('candidate')} did not finish: its process (pid {pid}) is gone (killed or "
                 "crashed), so the files may route requests to the unjudged candidate; the next release command or "
                 f"serve's watchdog ends it (everything back on {ro.get('stable')}), or now: `invoke rollout --abort "
@@ -425,6 +426,24 @@ def stalled_rollout(state: dict | None, repo_dir: Path) -> str | None:
     return (f"the rollout of {ro.get('candidate')} is at {ro.get('percent', 0)} % but its process (pid {pid}) is "
             f"{st}: no check runs while the canary keeps that share of the traffic; resume it (kill -CONT {pid}) or "
             f"end it: `invoke rollout --abort --repo {repo_dir}` (add --url when a server serves it)")
+
+
+def process_start(pid) -> int | None:
+    """When process ``pid`` started (``/proc/<pid>/stat`` field 22, starttime in clock ticks since boot), or None when
+    it cannot be read: with the pid it names one process, a pid reused by another process afterwards is not it."""
+    try:
+        return int((Path("/proc") / str(int(pid)) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def rollout_alive(ro: dict) -> bool:
+    """Whether the rollout process recorded in ``ro`` (``pid`` and, since hostile s17 PID1, ``pid_start``) still runs:
+    its pid alive and, when its start was recorded, the same process (not another one that got the pid since)."""
+    pid = ro.get("pid")
+    if not pid_alive(pid):
+        return False
+    return ro.get("pid_start") is None or process_start(pid) in (None, ro["pid_start"])
 
 
 def pid_alive(pid) -> bool:
@@ -463,12 +482,14 @@ def current_order(state: dict) -> list[str]:
     return order
 
 
-NOT_A_VERDICT = ("manual abort", "interrupted", "error")
-"""``failed_check`` values of a ``rollout_abort`` that judge nothing about the candidate: ``invoke rollout --abort``
-(a hand abort), a signal or a rollout process that died (``interrupted``: serving/rollout.py, ``recover``) and an
-unexpected exception of the rollout process (``error``). Every other value is a failed check (``errors``,
-``traffic``, ``latency``, ``probe:*``, ``server``: serving/rollout.py ``_evaluate`` and its automatic rollback),
-a verdict on the unit."""
+NOT_A_VERDICT = ("manual abort", "interrupted", "error", "server")
+"""``failed_check`` values of a ``rollout_abort`` that judge nothing about a unit that was already a release:
+``invoke rollout --abort`` (a hand abort), a signal or a rollout process that died (``interrupted``:
+serving/rollout.py, ``recover``), an unexpected exception of the rollout process (``error``) and the server stopping
+or freezing during a step (``server``: it may be the candidate's doing, so a candidate that never was a release stays
+rejected, but a release that served before keeps its place: hostile s17 RT4, retention deleted it). Every other value
+is a failed check (``errors``, ``traffic``, ``latency``, ``probe:*``: serving/rollout.py ``_evaluate`` and its
+automatic rollback), a verdict on the unit."""
 
 
 def rejected_units(state: dict) -> dict[str, str]:
