@@ -656,3 +656,23 @@ def test_promote_out_a_file_and_probe_url_empty_say_what_is_wrong(tmp_path):
     with pytest.raises(UserError) as ei:
         cli.probe(url="  ", repo=str(tmp_path / "none"))
     assert ei.value.problems[0].field == "--url" and ei.value.problems[0].fix.endswith("leave --url out for 127.0.0.1:8000.")
+
+
+def test_serve_of_a_profile_and_a_repo_is_refused_and_an_unbuilt_profile_names_a_fix_serve_has(tmp_path, monkeypatch):
+    """Hostile s17 F18: `serve --profile P --repo R` served R and ignored P; `serve --profile <unbuilt>` offered
+    `--out`, which serve does not have."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.core.errors import UserError
+    from precision_pipeline.serving import build_output
+
+    with pytest.raises(UserError) as ei:
+        cli.serve(profile="fp8-h100", repo=str(tmp_path))
+    assert ei.value.problems[0].reason.startswith("and --repo name two things to serve")
+
+    def unbuilt(ref, out=None):
+        raise build_output.NotBuilt("--profile", "x holds no finished build of fp8-h100 (.stages/pack.json is missing).",
+                                    "run it, or pass --out with the folder of its build.")
+    monkeypatch.setattr(build_output, "open_build", unbuilt)
+    with pytest.raises(UserError) as ei:
+        cli.serve(profile="fp8-h100")
+    assert "--out" not in ei.value.problems[0].fix and ei.value.problems[0].fix.startswith("build it first")

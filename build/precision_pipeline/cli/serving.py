@@ -28,7 +28,14 @@ def serve(profile=None, repo=None, http_port=None, grpc_port=None, metrics_port=
     from precision_pipeline.serving import build_output
     from precision_pipeline.serving.triton_server import serve as serve_repo
 
-    path = build_output.open_build(profile).packed if profile and not repo else serving_repo(repo)
+    if profile and repo:  # hostile s17 F18: --profile was ignored without a word
+        raise UserError("--profile", f"and --repo name two things to serve (the build of {profile} and {repo}).",
+                        "pass one of them.")
+    try:
+        path = build_output.open_build(profile).packed if profile else serving_repo(repo)
+    except build_output.NotBuilt as e:  # its fix offered --out, which serve does not have
+        raise UserError("--profile", e.problems[0].reason, f"build it first (`invoke build --profile {profile}`); to serve "
+                        "another folder's build, promote it into a serving repository and serve that with --repo.") from None
     serve_repo(path, http_port=int_arg("--http-port", http_port, 1, 65535) or 8000,
                grpc_port=int_arg("--grpc-port", grpc_port, 1, 65535) or 8001,
                metrics_port=int_arg("--metrics-port", metrics_port, 1, 65535) or 8002)
