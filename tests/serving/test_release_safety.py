@@ -1294,3 +1294,20 @@ def test_a_unit_without_its_install_record_is_listed(tmp_path, units4):
         "existed): its files cannot be verified before it serves; promote its build again to record it (a verified copy)"]
     assert release.rollback(repo, to=a)["verified"] is False
     assert b not in " ".join(release.list_releases(repo)["problems"])
+
+
+def test_a_command_that_goes_on_after_its_recovery_says_what_it_recovered(tmp_path, units4, capsys):
+    """Hostile s17b F1/Q07: a successful rollback whose recovery moved a folder away from route.json, or ended a
+    killed rollout, printed only "current: X": what the recovery did is said on stderr when the lock is released."""
+    b = units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    capsys.readouterr()
+    route = repo / "tensorrt_llm_bls" / "route.json"
+    route.unlink()
+    route.mkdir()
+    release.rollback(repo, to=b)
+    err = capsys.readouterr().err
+    assert f"[release] recovered first: {route} was a folder: moved to {repo.parent}/route.json.folder-" in err
+    release.rollback(repo, to=b)
+    assert "recovered first" not in capsys.readouterr().err  # nothing to recover: nothing said

@@ -380,8 +380,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     server = TritonServer.attach("127.0.0.1:8000" if url is None else url)
     if state:  # recorded in releases.json: no other server of the repository (hostile s12 F-Q), and it serves the record
         refuse_other_servers(server, repo_dir)
-        for f in _recover_for_probe(repo_dir, server, state):
-            con.print(f"[yellow]recovered[/]: {f}", soft_wrap=True)
+        _recover_for_probe(repo_dir, server, state)  # what it did is said when it releases the lock
     routes = pr.route_units(repo_dir) if state else {}
     if unit:
         _check_probe_unit_fits(server, unit, state, prof_name)

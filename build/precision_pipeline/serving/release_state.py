@@ -345,7 +345,8 @@ def lock(repo_dir: Path, timeout_s: float | None = 600):
     """Hold the releases lock of ``repo_dir`` (``LOCK_FILE`` beside it: ``core.store.locked``). What a recovery did
     while it was held (``note_recovered``) is attached to a ``UserError`` raised inside it (``UserError.done``), so a
     refusal after a recovery does not say "nothing was changed" (hostile s15 F1: a promote of the current release
-    re-pointed the live BLS, then said it changed nothing)."""
+    re-pointed the live BLS, then said it changed nothing); a command that goes on prints them on stderr when it
+    releases the lock (``[release] recovered first: ...``)."""
     notes: list[str] = []
     token = _RECOVERED.set(notes)
     try:
@@ -356,6 +357,9 @@ def lock(repo_dir: Path, timeout_s: float | None = 600):
         if notes:
             e.done = (*e.done, *notes)
         raise
+    else:  # a command that went on after its recovery says what that recovery did (hostile s17b F1: silent)
+        for n in notes:
+            print(f"[release] recovered first: {n}", file=sys.stderr, flush=True)
     finally:
         _RECOVERED.reset(token)
 
