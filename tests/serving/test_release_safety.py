@@ -1311,3 +1311,25 @@ def test_a_command_that_goes_on_after_its_recovery_says_what_it_recovered(tmp_pa
     assert f"[release] recovered first: {route} was a folder: moved to {repo.parent}/route.json.folder-" in err
     release.rollback(repo, to=b)
     assert "recovered first" not in capsys.readouterr().err  # nothing to recover: nothing said
+
+
+def test_the_recovery_never_puts_a_canary_back_on_a_candidate_the_server_has_not_loaded(tmp_path, units4):
+    """Hostile s17 F21: `rollout --abort` killed after it unloaded the candidate, before it rewrote the record: the
+    serve watchdog put the 50 % canary back into route.json, and every second request failed on the unloaded unit.
+    With a server that has not loaded the candidate, every request goes to the stable unit and that is said."""
+    from tests.serving.test_release_planted import RecordingServer
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release_rollout.begin_rollout(repo, units4[1].out_dir, steps=(50, 100))
+    release_rollout.set_rollout_percent(repo, 50)
+    route = repo / "tensorrt_llm_bls" / "route.json"
+    route.write_text(json.dumps({"tensorrt_llm_model_name": a}))  # the abort's first write, then killed
+    srv = RecordingServer(repo, ready={"ensemble", "preprocessing", "postprocessing", "tensorrt_llm_bls", a})
+    fixed = release_recover.heal(repo, srv)
+    assert json.loads(route.read_text()) == {"tensorrt_llm_model_name": a}
+    assert not any("put back in route.json" in f for f in fixed)
+    srv.ready.add(b)  # loaded (a live rollout's step): its canary is put back
+    route.write_text(json.dumps({"tensorrt_llm_model_name": a}))
+    fixed = release_recover.heal(repo, srv)
+    assert json.loads(route.read_text())["canary"] == {"tensorrt_llm_model_name": b, "percent": 50}

@@ -321,7 +321,12 @@ def recover_locked(repo_dir: Path, leaving_current: bool = False, server=None) -
         fixed.append(f"ensemble re-pointed at {cur}")
     _identity_back(repo_dir, state, fixed)
     ro = state.get("rollout")
-    if ro and ro.get("percent"):  # a live rollout's step: its canary stays (hostile s8 #76: a refused command ended it)
+    if ro and ro.get("percent") and server is not None and server.loaded_models().get(ro["candidate"]) != "READY":
+        # hostile s17 F21: an abort killed after unloading the candidate; its canary put back sent requests to nothing
+        if point_bls(repo_dir, cur):
+            fixed.append(f"the rollout's canary to {ro['candidate']} not put back: the server has not loaded it; "
+                         f"every request to {cur}")
+    elif ro and ro.get("percent"):  # a live rollout's step: its canary stays (hostile s8 #76: a refused command ended it)
         want = {"tensorrt_llm_model_name": cur, "canary": {"tensorrt_llm_model_name": ro["candidate"],
                                                             "percent": int(ro["percent"])}}
         if (read_json(route, {}) or {}) != want:
