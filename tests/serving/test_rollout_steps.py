@@ -346,3 +346,18 @@ def test_wait_drained_measures_the_last_request(monkeypatch):
     clock["t"] = 0.0
     got = rollout.wait_drained(srv, C, t_decision=0.0, timeout_s=1.0, poll_s=0.25)
     assert got == {"decision_to_stable_ms": 0.0, "served_after_decision": 0} and clock["t"] == 1.0
+
+
+def test_counters_that_went_backwards_are_no_verdict_and_roll_back():
+    """Hostile s17 F21 (AB4): the candidate unloaded mid-step by a killed abort: its counters restarted and the step
+    read "candidate -1 ok / 0 failed, share -4.8 %". Counters that went backwards judge nothing: the step fails with
+    `counters_reset`, which is no verdict on the candidate."""
+    from precision_pipeline.serving import release_state
+
+    a = counters(stable=(50, 0, 5000), cand=(10, 0, 1000), ensemble=(0, 0, 0))
+    b = counters(stable=(60, 0, 6000), cand=(9, 0, 900), ensemble=(0, 0, 0))
+    nums, failed = evaluate(b, a=a)
+    assert failed == rollout.COUNTERS_RESET == "counters_reset"
+    assert "counters_reset" in release_state.NOT_A_VERDICT
+    ok = counters(stable=(60, 0, 6000), cand=(12, 0, 1200), ensemble=(0, 0, 0))
+    assert evaluate(ok, a=a)[1] is None

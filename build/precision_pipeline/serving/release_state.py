@@ -486,12 +486,13 @@ def current_order(state: dict) -> list[str]:
     return order
 
 
-NOT_A_VERDICT = ("manual abort", "interrupted", "error", "server")
+NOT_A_VERDICT = ("manual abort", "interrupted", "error", "server", "counters_reset")
 """``failed_check`` values of a ``rollout_abort`` that judge nothing about a unit that was already a release:
 ``invoke rollout --abort`` (a hand abort), a signal or a rollout process that died (``interrupted``:
 serving/rollout.py, ``recover``), an unexpected exception of the rollout process (``error``) and the server stopping
 or freezing during a step (``server``: it may be the candidate's doing, so a candidate that never was a release stays
-rejected, but a release that served before keeps its place: hostile s17 RT4, retention deleted it). Every other value
+rejected, but a release that served before keeps its place: hostile s17 RT4, retention deleted it) and a step whose
+counters went backwards (``counters_reset``, serving/rollout.py: a model unloaded mid-step). Every other value
 is a failed check (``errors``, ``traffic``, ``latency``, ``probe:*``: serving/rollout.py ``_evaluate`` and its
 automatic rollback), a verdict on the unit."""
 

@@ -120,6 +120,12 @@ def check_metrics(server, unit: str) -> None:
                         f"{server.http_url} serves: another server's metrics port?", fix)
 
 
+COUNTERS_RESET = "counters_reset"
+"""The failed check of a step whose candidate's or stable unit's counters went backwards between its scrapes: the
+model was unloaded or reloaded during the step (an abort from another process, a hand unload), so its numbers judge
+nothing; rolled back, and no verdict on the candidate (``release_state.NOT_A_VERDICT``)."""
+
+
 @dataclass
 class Window:
     """What one model served between two scrapes."""
@@ -223,7 +229,9 @@ def _evaluate(server, probe_set, stable: str, cand: str, a: dict, b: dict, perce
     share = canary_share(a, b, stable, cand)
     nums: dict[str, Any] = {"percent": percent, "candidate": vars(wc), "stable": vars(ws), "share_measured": share}
     failed = None
-    if wc.failure > checks.max_failures:
+    if any(b.get((k, m), 0.0) < a.get((k, m), 0.0) for k in COUNTERS[:3] for m in (cand, stable)):
+        failed = COUNTERS_RESET  # unloaded or reloaded mid-step (hostile s17 F21: "-1 ok, share -4.8 %"): unjudgeable
+    elif wc.failure > checks.max_failures:
         failed = "errors"
     elif wc.success == 0 and share is not None and routed_of(a, b, stable, cand) * percent / 100 >= checks.traffic_expected:
         failed = "traffic"
