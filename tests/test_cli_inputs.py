@@ -676,3 +676,16 @@ def test_serve_of_a_profile_and_a_repo_is_refused_and_an_unbuilt_profile_names_a
     with pytest.raises(UserError) as ei:
         cli.serve(profile="fp8-h100")
     assert "--out" not in ei.value.problems[0].fix and ei.value.problems[0].fix.startswith("build it first")
+
+
+def test_a_model_folder_given_as_repo_names_the_repository(tmp_path):
+    """Hostile s17b F13: `rollback --repo R/ensemble` was answered with `invoke serve --repo R/ensemble` as the fix."""
+    from precision_pipeline.cli.serving import serving_repo
+    from precision_pipeline.core.errors import UserError
+
+    (tmp_path / "repo" / "ensemble").mkdir(parents=True)
+    (tmp_path / "releases.json").write_text("{}")
+    with pytest.raises(UserError) as ei:
+        serving_repo(str(tmp_path / "repo" / "ensemble"))
+    assert ei.value.problems[0].fix == f"pass --repo {tmp_path / 'repo'}."
+    assert serving_repo(str(tmp_path / "repo")) == tmp_path / "repo"

@@ -537,3 +537,26 @@ def test_a_connection_closed_mid_smoke_test_is_server_stopped(monkeypatch):
                                     "tensorrt_llm_aaaaaaaaaaaa (HTTPConnectionClosed: connection closed.).")
     assert "Nothing was switched: releases.json still names tensorrt_llm_bbbbbbbbbbbb" in str(ei.value)
     assert exit_code_for(ei.value) == EXIT_SERVER_STOPPED
+
+
+def test_a_smoke_request_failing_while_the_server_unloads_its_entry_models_is_the_servers_stop(monkeypatch):
+    """Hostile s17b F12: SIGTERM of serve during a promote's smoke request: "[404] preprocessing has no available
+    versions" was blamed on the build ("rebuild the output"). The server had unloaded its models (stopping)."""
+    from tritonclient.utils import InferenceServerException
+
+    def fails(server, unit, **k):
+        raise InferenceServerException("[404] Request for unknown model: 'preprocessing' has no available versions")
+
+    monkeypatch.setattr(release_live, "smoke_test", fails)
+    srv = _server("127.0.0.1:1")
+    srv.loaded_models = lambda: {"preprocessing": "UNLOADING", "postprocessing": "READY"}
+    with pytest.raises(ServerStopped) as ei:
+        release_live.smoke_unit(srv, "tensorrt_llm_aaaaaaaaaaaa", "--out", "tensorrt_llm_bbbbbbbbbbbb", "rebuild")
+    assert "it unloaded preprocessing meanwhile (stopping?)" in str(ei.value)
+    srv.loaded_models = lambda: {"preprocessing": "READY", "postprocessing": "READY"}
+    with pytest.raises(UserError_) as ei:
+        release_live.smoke_unit(srv, "tensorrt_llm_aaaaaaaaaaaa", "--out", "tensorrt_llm_bbbbbbbbbbbb", "rebuild")
+    assert "loads but fails its smoke request" in ei.value.problems[0].reason
+
+
+from precision_pipeline.core.errors import UserError as UserError_  # noqa: E402

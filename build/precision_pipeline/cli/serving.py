@@ -20,6 +20,10 @@ def serving_repo(repo) -> Path:
 
     if repo and (why := path_length_problem(str(Path(repo).expanduser().absolute()))):
         raise UserError("--repo", why + ".", "give the serving repository a shorter path.")
+    p = Path(repo).expanduser().resolve() if repo else None
+    if p is not None and not (p.parent / "releases.json").exists() and (p.parent.parent / "releases.json").is_file():
+        raise UserError("--repo", f"{p} is a model folder inside the serving repository {p.parent}, not a serving "
+                        "repository.", f"pass --repo {p.parent}.")  # hostile s17b F13
     return Path(repo).expanduser().resolve() if repo else REPO_ROOT / "artifacts" / "serving" / "model_repository"
 
 
