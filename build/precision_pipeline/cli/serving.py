@@ -392,8 +392,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     elif state and not profile:
         units = routes  # every route's unit: the current release's and the warm fallback its routing table uses
     elif packed is not None:
-        unit = release.resolve_unit_source(packed).name
-        units = {unit: routes.get(unit, "")}
+        units = {(u := release.resolve_unit_source(packed).name): routes.get(u, "")}  # `unit` stays the flag (s17b F3)
     else:
         units = routes
     units = _units_of_gate(Path(gate), units) if gate else _units_of_recorded_build(packed, units, not profile and rec_profile, state)

@@ -126,6 +126,12 @@ model was unloaded or reloaded during the step (an abort from another process, a
 nothing; rolled back, and no verdict on the candidate (``release_state.NOT_A_VERDICT``)."""
 
 
+def _went_back(a: dict, b: dict, models) -> bool:
+    """Whether a counter of ``models`` is lower in scrape ``b`` than in the earlier ``a`` (the model was unloaded or
+    reloaded between them: Triton's counters restart)."""
+    return any(b.get((k, m), 0.0) < a.get((k, m), 0.0) for k in COUNTERS[:3] for m in models)
+
+
 @dataclass
 class Window:
     """What one model served between two scrapes."""
@@ -228,11 +234,9 @@ def _evaluate(server, probe_set, stable: str, cand: str, a: dict, b: dict, perce
     wc, ws = Window.of(a, b, cand), Window.of(a, b, stable)
     share = canary_share(a, b, stable, cand)
     nums: dict[str, Any] = {"percent": percent, "candidate": vars(wc), "stable": vars(ws), "share_measured": share}
-    failed = None
-    if any(b.get((k, m), 0.0) < a.get((k, m), 0.0) for k in COUNTERS[:3] for m in (cand, stable)):
-        failed = COUNTERS_RESET  # unloaded or reloaded mid-step (hostile s17 F21: "-1 ok, share -4.8 %"): unjudgeable
-    elif wc.failure > checks.max_failures:
-        failed = "errors"
+    failed = COUNTERS_RESET if _went_back(a, b, (cand, stable)) else "errors" if wc.failure > checks.max_failures else None
+    if failed:  # counters_reset: unloaded mid-step (hostile s17 F21), unjudgeable
+        pass
     elif wc.success == 0 and share is not None and routed_of(a, b, stable, cand) * percent / 100 >= checks.traffic_expected:
         failed = "traffic"
     elif (wc.mean_ms is not None and ws.mean_ms is not None and wc.success >= checks.min_requests
