@@ -87,3 +87,19 @@ def test_an_errored_run_is_retried_sooner_than_the_period():
     assert probe.next_wait_s(600, {"error": "unit not loaded"}) == probe.RETRY_AFTER_ERROR_S == 30
     assert probe.next_wait_s(600, {"passed": False, "kl_p99": 9.0}) == 600  # a failed check waits the period
     assert probe.next_wait_s(10, {"error": "x"}) == 10  # never later than the period
+
+
+def test_a_reference_missing_from_the_cache_names_a_fix_that_works(tmp_path, monkeypatch):
+    """Hostile s17c F2: a build output copied without the reference cache: the probe said "rebuild the profile", but the
+    rebuild reused the gate (its folder is there) and stored nothing. The fix names the cache folder to copy, or the
+    gate folder to remove before the rebuild."""
+    gate = _gate(tmp_path)
+    monkeypatch.setattr(gate_reference, "cached_reference", lambda key, root=None: None)
+    with pytest.raises(UserError) as ei:
+        probe.load_probe_set(gate, 2, cache_root=tmp_path / "ref")
+    p = ei.value.problems[0]
+    assert p.reason.endswith(f"is not in the reference cache {tmp_path / 'ref'} (a build output copied from another "
+                             "machine or cache).")
+    assert p.fix == (f"copy {'k' * 32}/ from the reference cache of the machine that built it into {tmp_path / 'ref'}, or "
+                     f"run the gate again: remove {gate} (a rebuild reuses a gate whose folder is there), then `invoke "
+                     f"build --profile P --out {tmp_path}`.")

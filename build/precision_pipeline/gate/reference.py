@@ -217,6 +217,11 @@ def reference_key(model_dir: Path, encoded: list[EncodedPrompt], windows: list[l
     })
 
 
+def reference_cache_dir(cache_root: Optional[Path] = None) -> Path:
+    """Where the gate's references are stored (``_cache_root``): what a refusal names as the folder to copy into."""
+    return _cache_root(cache_root)
+
+
 def _cache_root(cache_root: Optional[Path]) -> Path:
     """The reference cache folder: ``cache_root``, or ``spec.default_model.cache_dir()/gate-ref``."""
     if cache_root is not None:
@@ -300,5 +305,5 @@ def lm_head_weight(model_dir: Path) -> torch.Tensor:
     return w
 
 
-__all__ = ["CACHE_VERSION", "heldout_texts", "heldout_windows", "model_fingerprint", "ReferenceData", "reference_label",
+__all__ = ["CACHE_VERSION", "heldout_texts", "heldout_windows", "model_fingerprint", "ReferenceData", "reference_label", "reference_cache_dir",
            "reference_key", "reference_data", "cached_reference", "lm_head_weight"]

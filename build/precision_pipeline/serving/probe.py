@@ -178,8 +178,12 @@ def load_probe_set(gate_dir: Path, prompts: int = DEFAULT_PROMPTS, thresholds: O
     key = (met.get("reference_cache") or {}).get("key") or ""
     ref = gate_reference.cached_reference(key, cache_root) if key else None
     if ref is None:
+        root = gate_reference.reference_cache_dir(cache_root)  # hostile s17c F2: "rebuild" reused the gate and stored nothing
         raise UserError("gate", f"the FP32 reference stored by the gate in {gate_dir} (key {key[:12] or '?'}) is not in "
-                        "the reference cache.", "rebuild the profile (its gate stores the reference again).")
+                        f"the reference cache {root} (a build output copied from another machine or cache).",
+                        f"copy {key[:32] or '<key>'}/ from the reference cache of the machine that built it into {root}, "
+                        f"or run the gate again: remove {gate_dir} (a rebuild reuses a gate whose folder is there), then "
+                        f"`invoke build --profile P --out {gate_dir.parent}`.")
     from_env = not model_dir and bool(os.environ.get("PRECISION_PROBE_MODEL_DIR"))
     model_field = "PRECISION_PROBE_MODEL_DIR" if from_env else "--model"
     model_dir = Path(model_dir or os.environ.get("PRECISION_PROBE_MODEL_DIR") or met["reference_model_dir"])
