@@ -560,3 +560,32 @@ def test_a_smoke_request_failing_while_the_server_unloads_its_entry_models_is_th
 
 
 from precision_pipeline.core.errors import UserError as UserError_  # noqa: E402
+
+
+def test_a_dead_instance_that_cannot_be_reloaded_is_said_once_with_why(tmp_path, monkeypatch, capsys):
+    """Hostile s17c H16: tensorrt_llm_bls/1/model.py removed, then its stub killed: every BLS request failed and serve's
+    watchdog printed only "loading tensorrt_llm_bls ... 50 s" lines, never that the reload failed or why (the failure
+    was swallowed). The missing file is named once, without a 60 s load attempt; a reload that fails is said too."""
+    import subprocess
+    import sys
+
+    from precision_pipeline.serving import serve_watchdog
+
+    (tmp_path / "tensorrt_llm_bls" / "1").mkdir(parents=True)
+    srv = _server("127.0.0.1:1")
+    srv.model_repository = tmp_path
+    srv.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    srv.proc.wait()
+    srv.loaded_models = lambda: {"tensorrt_llm_bls": "READY"}
+    monkeypatch.setattr(serve_watchdog, "backend_stubs", lambda pid: {})
+    loads = []
+    monkeypatch.setattr(serve_watchdog, "reload_model", lambda s, m: loads.append(m))
+    seen = {"tensorrt_llm_bls": {"tensorrt_llm_bls_0_0"}}
+    assert serve_watchdog.revive_dead_instances(srv, seen) == []
+    assert serve_watchdog.revive_dead_instances(srv, seen) == []
+    out = capsys.readouterr().out
+    assert out.count("[serve] not repaired: tensorrt_llm_bls's instance tensorrt_llm_bls_0_0 died and it cannot be "
+                     f"reloaded ({tmp_path / 'tensorrt_llm_bls' / '1' / 'model.py'} is missing") == 1 and loads == []
+    (tmp_path / "tensorrt_llm_bls" / "1" / "model.py").write_text("")
+    assert serve_watchdog.revive_dead_instances(srv, seen)[0].startswith("tensorrt_llm_bls reloaded")
+    assert loads == ["tensorrt_llm_bls"]

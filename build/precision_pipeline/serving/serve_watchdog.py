@@ -88,7 +88,21 @@ def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> lis
         if state != "READY":
             seen.pop(model, None)
         elif gone:
-            reload_model(srv, model)  # a failed reload keeps ``seen``: tried again next time (hostile s16 F8)
+            model_py = Path(srv.model_repository) / model / "1" / "model.py"
+            try:
+                if model in ("preprocessing", "postprocessing", "tensorrt_llm_bls") and not model_py.is_file():
+                    raise RuntimeError(f"{model_py} is missing (restore it from a build's packed repository: "
+                                       f"<build out>/model_repository/{model}/1/model.py)")
+                reload_model(srv, model)  # a failed reload keeps ``seen``: tried again next time (hostile s16 F8)
+            except RuntimeError as e:  # hostile s17c H16: only "loading ... 50 s" lines, never why, while it failed
+                said = seen.setdefault(f"!said:{model}", set())
+                if str(e) not in said:
+                    said.add(str(e))
+                    print(f"[serve] not repaired: {model}'s instance {', '.join(sorted(gone))} died and it cannot be "
+                          f"reloaded ({str(e)[:300]}); every request to it fails meanwhile (tried again every few "
+                          "seconds)", flush=True)
+                continue
+            seen.pop(f"!said:{model}", None)
             seen.pop(model, None)  # learnt again from the reloaded instances
             done.append(f"{model} reloaded: the process of its instance {', '.join(sorted(gone))} had died or was "
                         "stopped, so every request to it failed")
