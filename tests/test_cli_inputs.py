@@ -613,12 +613,12 @@ def test_an_interrupt_during_the_entry_point_check_says_the_change_took_effect(m
     from precision_pipeline.cli import serving as cli
     from precision_pipeline.core.errors import EXIT_INTERRUPTED, InterruptedAfterCommit, exit_code_for
 
-    def interrupted(server, done):
+    def interrupted(server, repo, done):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("precision_pipeline.serving.serve_watchdog.entry_point_note", interrupted)
     with pytest.raises(InterruptedAfterCommit) as ei:
-        cli._entry_point(object(), "rolled back to tensorrt_llm_aaaaaaaaaaaa")
+        cli._entry_point(object(), Path("repo"), "rolled back to tensorrt_llm_aaaaaaaaaaaa")
     assert str(ei.value).startswith("rolled back to tensorrt_llm_aaaaaaaaaaaa, interrupted after the switch, while a "
                                     "request checked the entry point: the change took effect")
     assert exit_code_for(ei.value) == EXIT_INTERRUPTED == 130

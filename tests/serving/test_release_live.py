@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.errors import PipelineError, UserError
 from precision_pipeline.serving import release, release_configs, release_live, release_recover, release_state, rollout
 from precision_pipeline.serving.triton_server import SHM_PREFIX, TritonServer, free_port, models_to_load, text_request
 from tests.serving.test_release_safety import units4  # noqa: F401  (module fixture)
@@ -580,11 +581,24 @@ def test_a_dead_backend_stub_is_reloaded_by_the_watchdog(served):
             os.kill(stub, signal.SIGCONT)
     # hostile s16 T170: a promote or rollback through a server whose BLS stub died said "current: X" while every
     # request through the BLS failed; its check after the switch asks the BLS, reloading it once when it fails
-    assert entry_point_note(srv, "rolled back to X") is None
+    assert entry_point_note(srv, repo, "rolled back to X") is None
     os.kill(backend_stubs(srv.proc.pid)["tensorrt_llm_bls_0_0"], signal.SIGKILL)
     while "tensorrt_llm_bls_0_0" in backend_stubs(srv.proc.pid) and time.monotonic() < deadline + 30:
         time.sleep(0.1)
-    note = entry_point_note(srv, "rolled back to X")
+    # hostile s17c H17: with its model.py gone a reload of the BLS never ends in Triton (and queues every later one):
+    # none is tried, the command says what is missing at once
+    model_py = repo / "tensorrt_llm_bls" / "1" / "model.py"
+    model_py.rename(model_py.with_name("model.py.aside"))
+    t = time.monotonic()
+    try:
+        with pytest.raises(PipelineError, match=r"^rolled back to X: releases.json and the server agree, but requests "
+                           r"through tensorrt_llm_bls \(the entry point\) fail \(.*\), and it cannot be reloaded: "
+                           + re.escape(f"{model_py} is missing (restore it from a build's packed repository")):
+            entry_point_note(srv, repo, "rolled back to X")
+        assert time.monotonic() - t < 30
+    finally:
+        model_py.with_name("model.py.aside").rename(model_py)
+    note = entry_point_note(srv, repo, "rolled back to X")
     assert note.startswith("tensorrt_llm_bls reloaded: a request through it failed after the switch (") and ask(srv, "tensorrt_llm_bls")
 
 

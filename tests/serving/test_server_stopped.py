@@ -426,7 +426,7 @@ def test_a_load_that_never_finishes_is_given_up_after_load_timeout_s(monkeypatch
     monkeypatch.setattr(srv, "_get", lambda *a, **k: 200)
     monkeypatch.setattr(ts, "LOAD_POLL_S", 0.1)
     t = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"loading tensorrt_llm_bls did not finish in \d+ s \(the server keeps it LOADING"):
+    with pytest.raises(RuntimeError, match=r"loading tensorrt_llm_bls did not finish in \d+ s \(the server keeps that load pending"):
         srv.load("tensorrt_llm_bls", progress_s=0.2)
     assert time.monotonic() - t < 20
     assert "  loading tensorrt_llm_bls on 127.0.0.1:1: " in capsys.readouterr().err
@@ -449,6 +449,32 @@ def test_stop_does_not_wait_for_minutes_on_an_unload_that_never_ends(monkeypatch
     t = time.monotonic()
     srv.stop(timeout_s=5)
     assert time.monotonic() - t < 10 and srv.proc.poll() is not None
+
+
+def test_stop_says_each_step_that_waits(monkeypatch):
+    """Hostile s17c H17: `invoke serve` printed "stopping (SIGTERM) ..." and then nothing for 62 s while its
+    tritonserver (a load pending in it) ignored SIGTERM; each step that may wait is said now, the SIGKILL too."""
+    import subprocess
+    import sys
+
+    from precision_pipeline.serving import triton_server as ts
+
+    srv = _server("127.0.0.1:1")
+    srv.proc = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print(1, flush=True); time.sleep(60)"], start_new_session=True,
+                                stdout=subprocess.PIPE)
+    srv.proc.stdout.readline()  # SIGTERM is ignored from here on
+    monkeypatch.setattr(ts, "STOP_UNLOAD_S", 0.3)
+    monkeypatch.setattr(ts, "LOAD_PROGRESS_S", 0.5)
+    monkeypatch.setattr(srv, "loaded_models", lambda: {"tensorrt_llm_bls": "READY", "ensemble": "READY"})
+    monkeypatch.setattr(srv, "unload", lambda *a: None)
+    said = []
+    srv.stop(timeout_s=2, say=said.append)
+    pid = srv.proc.pid
+    assert said == ["  unloading 2 models (each at most 0 s, side by side) ...",
+                    f"  tritonserver (pid {pid}) has not exited 0 s after SIGTERM (a model load or unload it waits "
+                    "on?); SIGKILL in 2 s", f"  tritonserver (pid {pid}): SIGKILL"]
+    assert srv.proc.returncode == -9
 
 
 def test_a_rollout_without_url_names_the_repositorys_server_or_says_it_needs_one(tmp_path):
@@ -589,3 +615,110 @@ def test_a_dead_instance_that_cannot_be_reloaded_is_said_once_with_why(tmp_path,
     (tmp_path / "tensorrt_llm_bls" / "1" / "model.py").write_text("")
     assert serve_watchdog.revive_dead_instances(srv, seen)[0].startswith("tensorrt_llm_bls reloaded")
     assert loads == ["tensorrt_llm_bls"]
+
+
+def test_a_reload_that_never_finishes_is_said_once_and_not_queued_again(tmp_path, monkeypatch, capsys):
+    """Hostile s17c H17: a reload Triton keeps pending for good (a stub that cannot start) read as "server stopped"
+    (the request's socket timeout won), which the watchdog swallowed and retried every 5 s -- silently, holding the
+    releases lock 60 s each time, each retry queued in Triton behind the pending one. Now: said once with the fix
+    (restart the server), not tried again until that load ends (new instances appear, or the model leaves READY)."""
+    import subprocess
+    import sys
+
+    from precision_pipeline.core.errors import LoadNotFinished
+    from precision_pipeline.serving import serve_watchdog
+
+    (tmp_path / "tensorrt_llm_bls" / "1").mkdir(parents=True)
+    (tmp_path / "tensorrt_llm_bls" / "1" / "model.py").write_text("")
+    srv = _server("127.0.0.1:1")
+    srv.model_repository = tmp_path
+    srv.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    srv.proc.wait()
+    states = {"tensorrt_llm_bls": "READY"}
+    srv.loaded_models = lambda: dict(states)
+    stubs = {}
+    monkeypatch.setattr(serve_watchdog, "backend_stubs", lambda pid: dict(stubs))
+    monkeypatch.setattr(serve_watchdog, "process_state", lambda pid: "S (sleeping)")
+    loads = []
+
+    def pending(s, m):
+        loads.append(m)
+        raise LoadNotFinished(f"loading {m} did not finish in 60 s (the server keeps that load pending and queues "
+                              "every later load of it behind that one; its log says why)")
+
+    monkeypatch.setattr(serve_watchdog, "reload_model", pending)
+    seen = {"tensorrt_llm_bls": {"tensorrt_llm_bls_0_0"}}
+    for _ in range(3):
+        assert serve_watchdog.revive_dead_instances(srv, seen) == []
+    assert loads == ["tensorrt_llm_bls"]
+    out = capsys.readouterr().out
+    assert out == ("[serve] not repaired: tensorrt_llm_bls's instance tensorrt_llm_bls_0_0 died and it could not be reloaded: "
+                   "loading tensorrt_llm_bls did not finish in 60 s (the server keeps that load pending and queues every later "
+                   "load of it behind that one; its log says why); another reload would wait behind it, so none is "
+                   "tried; every request to tensorrt_llm_bls fails meanwhile. Fix: restart the server (stop `invoke "
+                   "serve` with Ctrl-C, then run it again: it starts with releases.json's current unit)\n")
+    stubs["tensorrt_llm_bls_0_0"] = 4242                       # the pending load finished after all: new instance
+    monkeypatch.setattr(serve_watchdog, "reload_model", lambda s, m: loads.append(m))
+    assert serve_watchdog.revive_dead_instances(srv, seen) == [] and loads == ["tensorrt_llm_bls"]
+    assert seen["tensorrt_llm_bls"] == {"tensorrt_llm_bls_0_0"} and "!pending:tensorrt_llm_bls" not in seen
+    del stubs["tensorrt_llm_bls_0_0"]                          # it dies again: reloaded again
+    assert serve_watchdog.revive_dead_instances(srv, seen)[0].startswith("tensorrt_llm_bls reloaded")
+    assert loads == ["tensorrt_llm_bls"] * 2
+
+
+def test_the_load_request_outlives_the_load_limit_so_a_pending_load_is_no_server_stop(monkeypatch):
+    """Hostile s17c H17: the load request's own timeout equalled ``load_timeout_s``, so a load Triton kept pending
+    ended as ServerStopped (a socket timeout) rather than "did not finish" while the server answered."""
+    from precision_pipeline.core.errors import LoadNotFinished
+    from precision_pipeline.serving import triton_server as ts
+
+    srv = _server("127.0.0.1:1")
+    srv.load_timeout_s = 0.5
+    limits = []
+
+    def post(path, body, timeout, doing):
+        limits.append(timeout)
+        time.sleep(timeout)
+        raise srv.stopped(doing, TimeoutError("timed out"))
+
+    monkeypatch.setattr(srv, "_post", post)
+    monkeypatch.setattr(srv, "_get", lambda *a, **k: 200)
+    monkeypatch.setattr(ts, "LOAD_POLL_S", 0.05)
+    with pytest.raises(LoadNotFinished, match=r"^loading tensorrt_llm_bls did not finish in \d+ s"):
+        srv.load("tensorrt_llm_bls")
+    assert limits == [0.5 + ts.LOAD_POST_SLACK_S] and ts.LOAD_POST_SLACK_S == 30.0
+
+
+def test_the_entry_point_check_is_bounded_and_says_a_pending_reload(tmp_path, monkeypatch):
+    """Hostile s17c H17: after a switch, the request through the BLS waited up to 600 s and its reload up to 900 s, in
+    silence, on a server whose BLS load was pending: the rollback ran into the user's 300 s timeout. The request waits
+    ``ENTRY_POINT_REQUEST_S``, the reload ``ENTRY_POINT_RELOAD_S``, and a pending reload is said with the fix."""
+    from precision_pipeline.core.errors import LoadNotFinished, PipelineError
+    from precision_pipeline.serving import serve_watchdog as wd
+
+    (tmp_path / "tensorrt_llm_bls" / "1").mkdir(parents=True)
+    (tmp_path / "tensorrt_llm_bls" / "1" / "model.py").write_text("")
+    asked, limits = [], []
+
+    class Client:
+        def infer(self, *a):
+            raise RuntimeError("[500] Stub process 'tensorrt_llm_bls_0_0' is not healthy.")
+
+        def close(self):
+            pass
+
+    server = SimpleNamespace(load_timeout_s=900.0, http_client=lambda **kw: asked.append(kw) or Client())
+
+    def pending(srv, model):
+        limits.append(srv.load_timeout_s)
+        raise LoadNotFinished("loading tensorrt_llm_bls did not finish in 120 s (the server keeps that load pending)")
+
+    monkeypatch.setattr(wd, "reload_model", pending)
+    with pytest.raises(PipelineError) as ei:
+        wd.entry_point_note(server, tmp_path, "rolled back to X")
+    assert str(ei.value) == ("rolled back to X: releases.json and the server agree, but requests through tensorrt_llm_bls "
+                             "(the entry point) fail (RuntimeError: [500] Stub process 'tensorrt_llm_bls_0_0' is not "
+                             "healthy.), and it could not be reloaded: loading tensorrt_llm_bls did not finish in 120 s "
+                             f"(the server keeps that load pending). Fix: restart the server (`invoke serve --repo {tmp_path}`).")
+    assert asked == [{"connection_timeout": 60.0, "network_timeout": 60.0}] and wd.ENTRY_POINT_REQUEST_S == 60.0
+    assert limits == [120.0] == [wd.ENTRY_POINT_RELOAD_S] and server.load_timeout_s == 900.0

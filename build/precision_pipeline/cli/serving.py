@@ -157,10 +157,10 @@ def promote(profile, repo=None, url=None, out=None) -> None:
         con.print(f"created {serving_repo(repo)}: current {p.unit}, fallback {p.fallback}")
     else:
         con.print(f"promoted {p.unit} in {p.total_ms:.0f} ms" + ("" if server else " (no server given: repository only)"))
-        _entry_point(server, f"promoted {p.unit}")
+        _entry_point(server, serving_repo(repo), f"promoted {p.unit}")
 
 
-def _entry_point(server, done: str) -> None:
+def _entry_point(server, repo_dir: Path, done: str) -> None:
     """After a promote or rollback through ``server``: the BLS answers (``serve_watchdog.entry_point_note``, a note
     when it had to be reloaded; PipelineError when it still fails)."""
     if server is not None:
@@ -168,7 +168,7 @@ def _entry_point(server, done: str) -> None:
         from precision_pipeline.serving.serve_watchdog import entry_point_note
 
         try:
-            note = entry_point_note(server, done)
+            note = entry_point_note(server, repo_dir, done)
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: after the commit (hostile s17 F16: "artifacts are intact")
             raise InterruptedAfterCommit(f"{done}, interrupted after the switch, while a request checked the entry "
                                          "point: the change took effect (releases.json records it and the server "
@@ -196,7 +196,7 @@ def rollback(repo=None, to=None, fallback=False, url=None) -> None:
     if t.get("verified") is False:  # hostile s17b F11: said nothing
         console().print(f"[yellow]warning[/]: {t['unit']} has no install record in releases.json: its files were not "
                         "verified (promote its build again to record it).", soft_wrap=True)
-    _entry_point(server, f"rolled back to {t['unit']}")
+    _entry_point(server, serving_repo(repo), f"rolled back to {t['unit']}")
 
 
 def _attach(url: str, metrics_port, repo_dir: Path | None = None):

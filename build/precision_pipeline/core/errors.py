@@ -97,6 +97,14 @@ class ServerStopped(PipelineError, ConnectionError):
     exit_code = EXIT_SERVER_STOPPED
 
 
+class LoadNotFinished(RuntimeError):
+    """A model load that did not finish within the caller's limit (``TritonServer.load``'s ``load_timeout_s``) while
+    the server still answered. Triton 2.51 keeps such a load pending -- for good when a python stub fails to start
+    (measured on the CPU reference server: its stub exits, the load never ends) -- and queues every later load of the
+    model behind it, so another load of it cannot help before the server restarts (hostile s17c H17). A RuntimeError,
+    as every other refused load is."""
+
+
 class EngineBuildFailed(PipelineError):
     """``trtllm-build`` exited non-zero or ran past its time limit (exit 5); the previous engine is intact."""
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from precision_pipeline.core.errors import UserError
+from precision_pipeline.core.errors import LoadNotFinished, UserError
 from precision_pipeline.core.store import process_state
 from precision_pipeline.serving.server_procs import backend_stubs
 
@@ -37,34 +37,80 @@ def reload_model(server, model: str) -> None:
     server.load(model, json.dumps(cfg))
 
 
-def entry_point_note(server, done: str) -> str | None:
-    """After a switch on ``server`` (``done``: e.g. "rolled back to X"): one short request through the BLS, the entry
+ENTRY_POINT_REQUEST_S = 60.0
+"""How long ``entry_point_note``'s request through the BLS may wait for its answer (two tokens: ~1 s on the CPU
+reference server). A server whose BLS load is pending answered nothing for minutes, and a rollback waited silently
+until the user's 300 s timeout (hostile s17c H17)."""
+
+ENTRY_POINT_RELOAD_S = 120.0
+"""How long ``entry_point_note``'s reload of the BLS may take before the command gives up (``LoadNotFinished``)."""
+
+
+def entry_point_note(server, repo: Path, done: str) -> str | None:
+    """After a switch on ``server`` serving ``repo`` (``done``: e.g. "rolled back to X"): one short request through the BLS, the entry
     point clients call (the smoke test calls the unit directly, hostile s16 T170: a rollback said "current: X" while
-    every BLS request failed on a dead stub). When it fails the BLS is reloaded once (``reload_model``) and asked
-    again: returns a note saying so, None when it answered at once. Still failing: ``PipelineError`` (exit 1) saying
-    the switch took effect and what fails."""
+    every BLS request failed on a dead stub), waiting at most ``ENTRY_POINT_REQUEST_S``. When it fails the BLS is
+    reloaded once (``reload_model``, at most ``ENTRY_POINT_RELOAD_S``; not when its model.py is missing:
+    ``entry_model_file_problem``) and asked again: returns a note saying so, None when it answered at once. Still
+    failing: ``PipelineError`` (exit 1) saying the switch took effect, what fails and the fix."""
     from precision_pipeline.core.errors import PipelineError
     from precision_pipeline.serving.infer_request import text_request
 
     def ask() -> str | None:
-        c = server.http_client()
+        c = server.http_client(connection_timeout=ENTRY_POINT_REQUEST_S, network_timeout=ENTRY_POINT_REQUEST_S)
         try:
             c.infer("tensorrt_llm_bls", text_request("What is 2 + 2?", 2))
             return None
-        except Exception as e:  # the server's error for the request (HTTP 500, ...)
-            return f"{type(e).__name__}: {str(e)[:300]}"
+        except Exception as e:  # the server's error for the request (HTTP 500, ...), no answer in time
+            return f"{type(e).__name__}: {str(e)[:300] or 'no answer in ' + format(ENTRY_POINT_REQUEST_S, '.0f') + ' s'}"
         finally:
             c.close()
 
     if (err := ask()) is None:
         return None
-    with contextlib.suppress(RuntimeError, OSError):
+    head = f"{done}: releases.json and the server agree, but requests through tensorrt_llm_bls (the entry point) fail"
+    if why := entry_model_file_problem(repo, "tensorrt_llm_bls"):
+        raise PipelineError(f"{head} ({err}), and it cannot be reloaded: {why}. Fix: restore that file, then restart "
+                            f"the server (`invoke serve --repo {repo}`).")
+    limit, server.load_timeout_s = server.load_timeout_s, min(server.load_timeout_s, ENTRY_POINT_RELOAD_S)
+    try:
         reload_model(server, "tensorrt_llm_bls")
+    except LoadNotFinished as e:
+        raise PipelineError(f"{head} ({err}), and it could not be reloaded: {e}. Fix: restart the server (`invoke "
+                            f"serve --repo {repo}`).") from None
+    except (RuntimeError, OSError):
+        pass
+    finally:
+        server.load_timeout_s = limit
     if (again := ask()) is None:
         return f"tensorrt_llm_bls reloaded: a request through it failed after the switch ({err})"
-    raise PipelineError(f"{done}: releases.json and the server agree, but requests through tensorrt_llm_bls (the entry "
-                        f"point) fail, also after reloading it ({again}). Fix: restart the server (`invoke serve --repo "
-                        "REPO`); its log says why the BLS fails.")
+    raise PipelineError(f"{head}, also after reloading it ({again}). Fix: restart the server (`invoke serve --repo "
+                        f"{repo}`); its log says why the BLS fails.")
+
+
+def entry_model_file_problem(repo: Path, model: str) -> str | None:
+    """Why ``model`` (one of the repository's python entry models: ``pack.FIXED_MODELS`` but the ensemble) cannot be
+    loaded from ``repo``: its ``1/model.py`` is missing, with where to restore it from; None when it is there or the
+    model is another. A load of such a model never ends in Triton 2.51 (its stub exits, the load stays pending and
+    queues every later load of it: hostile s17c H16/H17), so nothing loads it without this check."""
+    from precision_pipeline.serving.pack import FIXED_MODELS
+
+    model_py = Path(repo) / model / "1" / "model.py"
+    if model in FIXED_MODELS and model != "ensemble" and not model_py.is_file():
+        return (f"{model_py} is missing (restore it from a build's packed repository: "
+                f"<build out>/model_repository/{model}/1/model.py)")
+    return None
+
+
+def _stub_pids(stubs: dict[str, int], model: str) -> set[str]:
+    return {str(pid) for n, pid in stubs.items() if n.rsplit("_", 2)[0] == model}
+
+
+def _say_not_repaired(seen: dict[str, set[str]], model: str, text: str) -> None:
+    said = seen.setdefault(f"!said:{model}", set())
+    if text not in said:
+        said.add(text)
+        print(f"[serve] not repaired: {text}", flush=True)
 
 
 def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> list[str]:
@@ -85,28 +131,35 @@ def revive_dead_instances(srv: "TritonServer", seen: dict[str, set[str]]) -> lis
     for model, state in srv.loaded_models().items():
         live = {n for n in stubs if n.rsplit("_", 2)[0] == model}
         gone = seen.get(model, set()) - live
+        pending = seen.get(f"!pending:{model}")  # stub pids when its reload did not finish (LoadNotFinished)
+        if pending is not None and (state != "READY" or _stub_pids(stubs, model) - pending):
+            seen.pop(f"!pending:{model}")  # that load ended after all (new instances, or the model left READY)
+            pending = None
         if state != "READY":
             seen.pop(model, None)
-        elif gone:
-            model_py = Path(srv.model_repository) / model / "1" / "model.py"
+        elif gone and pending is None:
             try:
-                if model in ("preprocessing", "postprocessing", "tensorrt_llm_bls") and not model_py.is_file():
-                    raise RuntimeError(f"{model_py} is missing (restore it from a build's packed repository: "
-                                       f"<build out>/model_repository/{model}/1/model.py)")
+                if why := entry_model_file_problem(Path(srv.model_repository), model):
+                    raise RuntimeError(why)
                 reload_model(srv, model)  # a failed reload keeps ``seen``: tried again next time (hostile s16 F8)
+            except LoadNotFinished as e:  # another load would queue behind this one: not tried again (s17c H17)
+                seen[f"!pending:{model}"] = _stub_pids(stubs, model)
+                _say_not_repaired(seen, model, (
+                    f"{model}'s instance {', '.join(sorted(gone))} died and it could not be reloaded: {str(e)[:200]}; "
+                    f"another reload would wait behind it, so none is tried; every request to {model} fails "
+                    f"meanwhile. Fix: restart the server (stop `invoke serve` with Ctrl-C, then run it again: it "
+                    "starts with releases.json's current unit)"))
+                continue
             except RuntimeError as e:  # hostile s17c H16: only "loading ... 50 s" lines, never why, while it failed
-                said = seen.setdefault(f"!said:{model}", set())
-                if str(e) not in said:
-                    said.add(str(e))
-                    print(f"[serve] not repaired: {model}'s instance {', '.join(sorted(gone))} died and it cannot be "
-                          f"reloaded ({str(e)[:300]}); every request to it fails meanwhile (tried again every few "
-                          "seconds)", flush=True)
+                _say_not_repaired(seen, model, f"{model}'s instance {', '.join(sorted(gone))} died and it cannot be "
+                                               f"reloaded ({str(e)[:300]}); every request to it fails meanwhile "
+                                               "(tried again every few seconds)")
                 continue
             seen.pop(f"!said:{model}", None)
             seen.pop(model, None)  # learnt again from the reloaded instances
             done.append(f"{model} reloaded: the process of its instance {', '.join(sorted(gone))} had died or was "
                         "stopped, so every request to it failed")
-        else:
+        elif not gone:
             seen[model] = seen.get(model, set()) | live
     return done
 

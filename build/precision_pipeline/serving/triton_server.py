@@ -44,7 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterable
 
-from precision_pipeline.core.errors import ServerStopped, UserError
+from precision_pipeline.core.errors import LoadNotFinished, ServerStopped, UserError
 from precision_pipeline.core.signals import terminate_as_interrupt  # noqa: F401  (its users import it from here too)
 from precision_pipeline.serving.infer_request import text_request  # noqa: F401  (its callers import it from here)
 from precision_pipeline.serving.server_procs import (local_metrics_port, other_servers, process_state,  # noqa: F401
@@ -187,6 +187,12 @@ LOAD_STALL_S = 60.0
 that loads a large unit for minutes still answers its liveness endpoint (Triton serves HTTP on other threads)."""
 LOAD_PROGRESS_S, LOAD_POLL_S = 10.0, 1.0
 """Seconds between a long load's progress lines ("loading X on U: 30 s ..."), and between its liveness checks."""
+
+LOAD_POST_SLACK_S = 30.0
+"""How much longer than ``load_timeout_s`` the load request itself may wait: ``load`` gives up first, with "did not
+finish" (RuntimeError) while the server still answers. With equal limits the request's socket timeout won and a load
+Triton keeps pending for good (a python stub that fails to start: measured, it never ends in 2.51) read as the server
+stopping (hostile s17c H17: serve's watchdog then retried it silently every 5 s, holding the releases lock)."""
 
 
 class TritonServer:
@@ -442,7 +448,8 @@ class TritonServer:
 
         def post():
             try:
-                box["ok"] = self._post(f"/v2/repository/models/{name}/load", body, self.load_timeout_s, doing)
+                box["ok"] = self._post(f"/v2/repository/models/{name}/load", body,  # the request's own limit is
+                                       self.load_timeout_s + LOAD_POST_SLACK_S, doing)  # later: its timeout is no stop
             except BaseException as e:  # handed to the waiting thread
                 box["err"] = e
 
@@ -455,8 +462,8 @@ class TritonServer:
                 break
             now = time.perf_counter()
             if now - t0 >= self.load_timeout_s:  # a load that never ends (a stub that cannot start: hostile s16 H10)
-                raise RuntimeError(f"loading {name} did not finish in {now - t0:.0f} s (the server keeps it LOADING; its "
-                                   "log says why)")
+                raise LoadNotFinished(f"loading {name} did not finish in {now - t0:.0f} s (the server keeps that load "
+                                      "pending and queues every later load of it behind that one; its log says why)")
             if now - said >= progress_s:
                 said = now
                 print(f"  loading {name} on {self.http_url}: {now - t0:.0f} s ...", file=sys.stderr, flush=True)
@@ -512,11 +519,14 @@ class TritonServer:
         return {m["name"]: m.get("state", "") for m in json.loads(self._post("/v2/repository/index", b"{}", 30,
                                                                               "reading its repository index"))}
 
-    def stop(self, timeout_s: float = 30) -> int | None:
-        """Unload every loaded model (all at once), SIGTERM, wait; SIGKILL the process group if it does not exit in
-        time, and what is left of its group once it has (backend stubs that were still starting)."""
+    def stop(self, timeout_s: float = 30, say=None) -> int | None:
+        """Unload every loaded model (all at once, each given ``STOP_UNLOAD_S``), SIGTERM, wait ``timeout_s``; SIGKILL
+        the process group if it does not exit in time, and what is left of its group once it has (backend stubs that
+        were still starting). ``say`` (e.g. ``print``): told each step that may wait (`invoke serve`'s stop of a server
+        with a load Triton keeps pending took 62 s after "stopping", in silence: hostile s17c H17)."""
         if self.proc is None:
             return None
+        say = say or (lambda text: None)
         if self.proc.poll() is None:
             # Unload first so every python-backend stub exits gracefully; then SIGTERM. The unloads run side by
             # side: each waits 1-2.5 s for its stubs to exit (measured on 2 cores), one after the other ~9 s for 5.
@@ -524,6 +534,7 @@ class TritonServer:
                 from concurrent.futures import ThreadPoolExecutor
 
                 names = [name for name, state in self.loaded_models().items() if state == "READY"]
+                say(f"  unloading {len(names)} models (each at most {STOP_UNLOAD_S:.0f} s, side by side) ...")
                 pool = ThreadPoolExecutor(max_workers=max(1, len(names)))
                 futs = [pool.submit(self.unload, name, STOP_UNLOAD_S, STOP_UNLOAD_S) for name in names]
                 for fut in futs:  # an instance that never exits (blocked: hostile s16 H13c) is not waited on for minutes
@@ -532,8 +543,14 @@ class TritonServer:
                 pool.shutdown(wait=False)
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout_s)
+                self.proc.wait(min(timeout_s, LOAD_PROGRESS_S))
             except subprocess.TimeoutExpired:
+                say(f"  tritonserver (pid {self.proc.pid}) has not exited {min(timeout_s, LOAD_PROGRESS_S):.0f} s after "
+                    f"SIGTERM (a model load or unload it waits on?); SIGKILL in {max(0.0, timeout_s - LOAD_PROGRESS_S):.0f} s")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(max(0.0, timeout_s - LOAD_PROGRESS_S))
+            if self.proc.poll() is None:
+                say(f"  tritonserver (pid {self.proc.pid}): SIGKILL")
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
@@ -658,7 +675,7 @@ def _run_until_stopped(srv: "TritonServer", repo: Path, heal: bool) -> int | Non
     except KeyboardInterrupt:
         print("stopping (SIGTERM) ...", flush=True)
     finally:
-        srv.stop()
+        srv.stop(say=lambda text: print(text, flush=True))
     return died
 
 
