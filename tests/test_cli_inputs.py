@@ -689,3 +689,10 @@ def test_a_model_folder_given_as_repo_names_the_repository(tmp_path):
         serving_repo(str(tmp_path / "repo" / "ensemble"))
     assert ei.value.problems[0].fix == f"pass --repo {tmp_path / 'repo'}."
     assert serving_repo(str(tmp_path / "repo")) == tmp_path / "repo"
+    # hostile s17c F2: promote created a new repository (and its releases.json) inside r2/repo/ensemble/newrepo
+    with pytest.raises(UserError) as ei:
+        serving_repo(str(tmp_path / "repo" / "ensemble" / "newrepo"))
+    assert ei.value.problems[0].reason == (f"{tmp_path / 'repo' / 'ensemble' / 'newrepo'} is inside the serving repository "
+                                           f"{tmp_path / 'repo'} (a new repository there would be created inside one of "
+                                           "its model folders).")
+    assert serving_repo(str(tmp_path / "newrepo")) == tmp_path / "newrepo"

@@ -227,6 +227,31 @@ def test_a_folder_in_place_of_the_lock_file_is_named(tmp_path):
     assert p.fix.startswith(f"remove that folder (rmdir {tmp_path}/.releases.lock;")
 
 
+def test_a_lock_file_that_cannot_be_opened_gets_the_fix_for_what_is_there(tmp_path):
+    """Hostile s17c F5: an immutable lock file (chattr +i) and a link to a missing target were both told to "use a
+    folder this user can write to" -- the folder was writable."""
+    import errno
+
+    from precision_pipeline.core.errors import UserError
+
+    lock = tmp_path / ".releases.lock"
+    lock.symlink_to("/nonexistent/x")
+    with pytest.raises(UserError) as e:
+        with store.locked(lock, timeout_s=3, field="--repo"):
+            pass
+    assert e.value.problems[0].fix == (f"{lock} is a symbolic link to /nonexistent/x, which cannot be opened: remove the "
+                                       f"link (rm {lock}; the lock holds no data) and run this again.")
+    lock.unlink()
+    lock.write_text("")
+    assert store._lock_file_fix(lock, OSError(errno.EPERM, "Operation not permitted")) == (
+        f"make {lock} writable for this user (`ls -l`, `lsattr`: chmod u+w, chattr -i), or remove it (it holds no data) "
+        "and run this again.")
+    assert store._lock_file_fix(tmp_path / "x.lock", OSError(errno.EROFS, "Read-only file system")).startswith(
+        "the file system is mounted read-only")
+    assert store._lock_file_fix(tmp_path / "x.lock", OSError(errno.EACCES, "Permission denied")) == (
+        "use a folder this user can write to (the lock lives beside what it protects).")
+
+
 def test_lock_waiter_says_who_it_waits_for_then_gets_the_lock(tmp_path):
     lock = tmp_path / "out" / ".build.lock"
     holder = _hold(lock, 4)  # long enough that a loaded machine still finds it held

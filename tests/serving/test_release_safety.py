@@ -892,7 +892,7 @@ def test_serve_heals_the_repository_while_it_runs(tmp_path, units4, monkeypatch,
     monkeypatch.setattr(release_recover, "heal", lambda r, s: calls.append(r) or (["x re-pointed"] if len(calls) == 1 else []))
     monkeypatch.setattr(ts.TritonServer, "start", lambda self: setattr(self, "proc", subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(1.5)"])) or setattr(self, "start_s", 0.0))
-    monkeypatch.setattr(ts.TritonServer, "stop", lambda self, timeout_s=30: None)
+    monkeypatch.setattr(ts.TritonServer, "stop", lambda self, timeout_s=30, say=None: None)
     monkeypatch.setenv("PRECISION_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(PipelineError, match="exited with status 0"):
         ts.serve(repo, http_port=1, grpc_port=2, metrics_port=3)
@@ -1204,6 +1204,75 @@ def test_a_missing_or_hand_broken_ensemble_config_names_a_fix_that_works(tmp_pat
     assert "copy ensemble/config.pbtxt from the packed repository of a build" in p.fix
 
 
+def test_a_hand_set_current_onto_a_unit_edited_since_its_install_is_not_pointed_at(tmp_path, units4):
+    """Hostile s17c F1/H12: releases.json's current edited by hand onto a kept unit whose config.pbtxt was edited with
+    its size kept: serve's watchdog (a recovery) re-pointed the ensemble and the BLS at it and served it; serve's start
+    and rollback refuse that unit. The recovery reads the files edited since the install of a unit it is about to
+    point at, and refuses it; a unit the configs already call is not read again (every pass of the watchdog)."""
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    release.rollback(repo, to=a)
+    cfg = repo / b / "config.pbtxt"
+    text = cfg.read_text()
+    i = text.index("max_batch_size: ") + len("max_batch_size: ")
+    cfg.write_text(text[:i] + ("7" if text[i] != "7" else "8") + text[i + 1:])  # one digit: the size is kept
+    later = time.time() + 5
+    os.utime(cfg, (later, later))  # written after the install record's second
+    state = release_state.read_state(repo)
+    state["current"] = b
+    release_state.write_state(repo, state)
+    with pytest.raises(UserError) as ei:
+        release_recover.recover(repo)
+    assert ei.value.problems[0].reason.startswith(f"the current release {b} is damaged on disk ({b}/config.pbtxt has "
+                                                  "the recorded size (")
+    assert "so nothing was re-pointed at it (the BLS still sends requests to " + a in ei.value.problems[0].reason
+    assert release_configs.current_of_configs(repo) == (a, a)
+    cfg.write_text(text)
+    os.utime(cfg, (later, later))
+    assert f"ensemble re-pointed at {b}" in release_recover.recover(repo)
+    assert release_configs.current_of_configs(repo) == (b, b)
+
+
+def test_missing_entry_model_files_are_listed_warned_and_refused_by_serve(tmp_path, units4, capsys):
+    """Hostile s17c F7/H15/H16: a python entry model's 1/model.py or config, or the tokenizer, deleted by hand: releases
+    listed nothing and a files-only rollback exited 0 in silence, while the server could never load that model again
+    (a load whose stub cannot start never ends in Triton 2.51). Listed with the way back, warned by rollback, and
+    refused by serve before anything starts."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.serving import triton_server
+
+    a = units4[0].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    assert release.list_releases(repo)["problems"] == []
+    gone = [repo / "tensorrt_llm_bls" / "1" / "model.py", repo / "preprocessing" / "tokenizer",
+            repo / "postprocessing" / "config.pbtxt"]
+    for p in gone:
+        p.rename(p.with_name(p.name + ".aside"))
+    why = {"preprocessing": f"{gone[1] / 'tokenizer_config.json'} is missing (restore it from a build's packed repository: "
+                            "<build out>/model_repository/preprocessing/tokenizer/)",
+           "postprocessing": f"{gone[2]} is missing (restore it from a build's packed repository: <build out>/"
+                             "model_repository/postprocessing/config.pbtxt)",
+           "tensorrt_llm_bls": f"{gone[0]} is missing (restore it from a build's packed repository: <build out>/"
+                               "model_repository/tensorrt_llm_bls/1/model.py)"}
+    assert release_units.entry_model_problems(repo) == why
+    assert release.list_releases(repo)["problems"] == [
+        f"{why[m]}: the server cannot load {m} from this repository (a restarted server, or serve's watchdog after its "
+        "instance died); every request through it fails then" for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls")]
+    capsys.readouterr()
+    cli.rollback(repo=str(repo), to=a)
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("warning: ") == 3 and f"warning: {why['tensorrt_llm_bls']}: the server cannot load tensorrt_llm_bls" in out
+    with pytest.raises(UserError) as ei:
+        triton_server.serve(repo, http_port=1, grpc_port=2, metrics_port=3, block=False)
+    assert ei.value.problems[0].field == "--repo" and ei.value.problems[0].reason == (
+        f"{'; '.join(why.values())}: tritonserver would never finish loading preprocessing, postprocessing, "
+        "tensorrt_llm_bls (its python stub cannot start; hostile s17c H16); nothing was started.")
+    for p in gone:
+        p.with_name(p.name + ".aside").rename(p)
+    assert release.list_releases(repo)["problems"] == [] and release_units.entry_model_problems(repo) == {}
+
+
 def test_a_copy_elsewhere_is_listed_and_refused_by_files_only_commands(tmp_path, units4):
     """Hostile s17b F9: `cp -a` of a serving repository (with its releases.json) into another folder: a files-only
     rollback there exited 0 and recorded a release whose config still reads the original's files (serve refuses the
@@ -1219,6 +1288,14 @@ def test_a_copy_elsewhere_is_listed_and_refused_by_files_only_commands(tmp_path,
     p = ei.value.problems[0]
     assert p.field == "--repo" and p.reason.startswith(f"{copy} is a copy or a move of another serving repository")
     assert release_state.state_path(copy).read_text() == before
+    assert p.fix.endswith(f"for a new repository at this path, first move this copy away ({copy} and the releases.json "
+                          f"beside it, {copy.parent / 'releases.json'}), then `invoke promote --profile P --repo {copy}` "
+                          "creates one (hostile s17c F6).")  # it said "create a new one here", which was refused
+    shutil.move(str(copy.parent), str(tmp_path / "moved-away"))
+    assert serving_repo(tmp_path / "two", units4[2]) == copy  # the way the fix names works (the first promote's init)
+    assert release_state.read_state(copy)["current"] == units4[2].engine_unit and release.list_releases(copy)["problems"] == []
+    shutil.rmtree(copy.parent)
+    shutil.move(str(tmp_path / "moved-away"), str(copy.parent))
     problems = release.list_releases(copy)["problems"]
     assert len(problems) == 1 and problems[0].startswith(f"{copy} is a copy or a move of another serving repository")
     assert "every release command and `invoke serve` refuse it; run the command on the repository" in problems[0]

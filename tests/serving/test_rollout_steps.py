@@ -359,5 +359,17 @@ def test_counters_that_went_backwards_are_no_verdict_and_roll_back():
     nums, failed = evaluate(b, a=a)
     assert failed == rollout.COUNTERS_RESET == "counters_reset"
     assert "counters_reset" in release_state.NOT_A_VERDICT
+    # hostile s17c F3: the step and the outcome printed "candidate -1 ok", "share -50.0 %", "check counters_reset failed"
+    assert nums["candidate"] is None and nums["share_measured"] is None and nums["counters_reset"] is True
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from precision_pipeline.cli import serving as cli
+
+    res = SimpleNamespace(status="rolled_back", failed_check="counters_reset", failed_step=50, candidate="C", stable="S")
+    assert cli.rollout_outcome(res, None, "u", Path("r")) == (
+        "[red]rolled back[/] at 50 %: the candidate's or the stable unit's counters went backwards during the step "
+        "(unloaded or reloaded meanwhile: `invoke rollout --abort` from another shell, a hand unload, serve's watchdog), "
+        "so nothing was judged: no verdict on C (it may be rolled out again); S serves all traffic")
     ok = counters(stable=(60, 0, 6000), cand=(12, 0, 1200), ensemble=(0, 0, 0))
     assert evaluate(ok, a=a)[1] is None

@@ -598,6 +598,7 @@ def test_a_dead_instance_that_cannot_be_reloaded_is_said_once_with_why(tmp_path,
     from precision_pipeline.serving import serve_watchdog
 
     (tmp_path / "tensorrt_llm_bls" / "1").mkdir(parents=True)
+    (tmp_path / "tensorrt_llm_bls" / "config.pbtxt").write_text("")
     srv = _server("127.0.0.1:1")
     srv.model_repository = tmp_path
     srv.proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -629,6 +630,7 @@ def test_a_reload_that_never_finishes_is_said_once_and_not_queued_again(tmp_path
     from precision_pipeline.serving import serve_watchdog
 
     (tmp_path / "tensorrt_llm_bls" / "1").mkdir(parents=True)
+    (tmp_path / "tensorrt_llm_bls" / "config.pbtxt").write_text("")
     (tmp_path / "tensorrt_llm_bls" / "1" / "model.py").write_text("")
     srv = _server("127.0.0.1:1")
     srv.model_repository = tmp_path
@@ -697,6 +699,7 @@ def test_the_entry_point_check_is_bounded_and_says_a_pending_reload(tmp_path, mo
     from precision_pipeline.serving import serve_watchdog as wd
 
     (tmp_path / "tensorrt_llm_bls" / "1").mkdir(parents=True)
+    (tmp_path / "tensorrt_llm_bls" / "config.pbtxt").write_text("")
     (tmp_path / "tensorrt_llm_bls" / "1" / "model.py").write_text("")
     asked, limits = [], []
 

@@ -21,10 +21,25 @@ def serving_repo(repo) -> Path:
     if repo and (why := path_length_problem(str(Path(repo).expanduser().absolute()))):
         raise UserError("--repo", why + ".", "give the serving repository a shorter path.")
     p = Path(repo).expanduser().resolve() if repo else None
-    if p is not None and not (p.parent / "releases.json").exists() and (p.parent.parent / "releases.json").is_file():
-        raise UserError("--repo", f"{p} is a model folder inside the serving repository {p.parent}, not a serving "
-                        "repository.", f"pass --repo {p.parent}.")  # hostile s17b F13
+    if p is not None and (q := _enclosing_repository(p)) is not None:
+        if q == p.parent:  # hostile s17b F13
+            raise UserError("--repo", f"{p} is a model folder inside the serving repository {q}, not a serving "
+                            "repository.", f"pass --repo {q}.")
+        raise UserError("--repo", f"{p} is inside the serving repository {q} (a new repository there would be "
+                        "created inside one of its model folders).", f"pass --repo {q}, or a folder outside it "
+                        "for a new repository.")  # hostile s17c F2
     return Path(repo).expanduser().resolve() if repo else REPO_ROOT / "artifacts" / "serving" / "model_repository"
+
+
+def _enclosing_repository(p: Path) -> Path | None:
+    """The serving repository a folder ``p`` lies inside (an ancestor whose parent holds its releases.json and which
+    holds the BLS or the ensemble model folder), None when none does. ``p`` itself is not one of them."""
+    for q in p.parents:
+        if q.parent != q and (q.parent / "releases.json").is_file() \
+                and ((q / "tensorrt_llm_bls").is_dir() or (q / "ensemble").is_dir()) \
+                and not (q / "releases.json").exists():
+            return q
+    return None
 
 
 def serve(profile=None, repo=None, http_port=None, grpc_port=None, metrics_port=None) -> None:
@@ -157,7 +172,20 @@ def promote(profile, repo=None, url=None, out=None) -> None:
         con.print(f"created {serving_repo(repo)}: current {p.unit}, fallback {p.fallback}")
     else:
         con.print(f"promoted {p.unit} in {p.total_ms:.0f} ms" + ("" if server else " (no server given: repository only)"))
+    _warn_entry_files(serving_repo(repo))
+    if not p.created:
         _entry_point(server, serving_repo(repo), f"promoted {p.unit}")
+
+
+def _warn_entry_files(repo_dir: Path) -> None:
+    """After a promote or rollback: a warning for each python entry model whose files are gone
+    (``release_units.entry_model_problems``; hostile s17c F7: a rollback exited 0 and said nothing)."""
+    from precision_pipeline.serving.release_units import entry_model_problems
+
+    for m, why in entry_model_problems(repo_dir).items():
+        console().print(f"[yellow]warning[/]: {why}: the server cannot load {m} from this repository (a restarted "
+                        "server, or serve's watchdog after its instance died); every request through it fails then.",
+                        soft_wrap=True)
 
 
 def _entry_point(server, repo_dir: Path, done: str) -> None:
@@ -196,6 +224,7 @@ def rollback(repo=None, to=None, fallback=False, url=None) -> None:
     if t.get("verified") is False:  # hostile s17b F11: said nothing
         console().print(f"[yellow]warning[/]: {t['unit']} has no install record in releases.json: its files were not "
                         "verified (promote its build again to record it).", soft_wrap=True)
+    _warn_entry_files(serving_repo(repo))
     _entry_point(server, serving_repo(repo), f"rolled back to {t['unit']}")
 
 
@@ -267,6 +296,8 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
 
     def show(s):
         pr = s.get("probe") or {}
+        if s.get("counters_reset"):
+            return con.print(f"  {s['percent']:>3} %: {COUNTERS_RESET_TEXT}: nothing judged -> rolled back", soft_wrap=True)
         con.print(f"  {s['percent']:>3} %: " + ("switched" if s["percent"] == 100 else
                   f"candidate {s['candidate']['success']} ok / {s['candidate']['failure']} failed, share "
                   f"{(s.get('share_measured') or 0):.1f} %, probe KL P99 {_num(pr.get('kl_p99'))} top-1 "
@@ -302,6 +333,10 @@ def _rollout_server(url: str, given_url: bool, metrics_port, repo_dir: Path):
     return server
 
 
+COUNTERS_RESET_TEXT = ("the candidate's or the stable unit's counters went backwards during the step (unloaded or "
+                       "reloaded meanwhile: `invoke rollout --abort` from another shell, a hand unload, serve's watchdog)")
+
+
 def rollout_outcome(res, server, url: str, repo_dir: Path) -> str:
     """The last line of ``invoke rollout`` (rich markup) for its ``RolloutResult`` ``res``: promoted, aborted by
     another shell, or rolled back naming the failed check; when the check "server" failed because the server at
@@ -315,6 +350,11 @@ def rollout_outcome(res, server, url: str, repo_dir: Path) -> str:
         return (f"[red]rolled back[/] at {res.failed_step} %: the server at {url} stopped answering; releases.json names "
                 f"{res.stable}, which it serves when started again (`invoke serve --repo {repo_dir}`); {res.candidate} "
                 "was not promoted")
+    from precision_pipeline.serving.rollout import COUNTERS_RESET
+
+    if res.failed_check == COUNTERS_RESET:  # hostile s17c F3: "check counters_reset failed", negative counts
+        return (f"[red]rolled back[/] at {res.failed_step} %: {COUNTERS_RESET_TEXT}, so nothing was judged: no verdict "
+                f"on {res.candidate} (it may be rolled out again); {res.stable} serves all traffic")
     took = ("" if res.decision_to_stable_ms is None else
             f" ({res.decision_to_stable_ms:.0f} ms from the decision to the candidate's last request)")
     return (f"[red]rolled back[/] at {res.failed_step} %: check {res.failed_check} failed; {res.stable} serves all "

@@ -417,6 +417,22 @@ class _DirLock:
             self.fd = None
 
 
+def _lock_file_fix(path: Path, e: OSError) -> str:
+    """The fix for a lock file ``path`` that cannot be opened (``e``), by what is there (hostile s17c F5: an
+    immutable file and a link to a missing target were both told to use a writable folder)."""
+    import errno
+
+    if path.is_symlink():
+        return (f"{path} is a symbolic link to {os.readlink(path)}, which cannot be opened: remove the link (rm {path}; "
+                "the lock holds no data) and run this again.")
+    if path.is_file() and e.errno in (errno.EPERM, errno.EACCES):
+        return (f"make {path} writable for this user (`ls -l`, `lsattr`: chmod u+w, chattr -i), or remove it (it holds "
+                "no data) and run this again.")
+    if e.errno == errno.EROFS:
+        return "the file system is mounted read-only: use a copy of the folder on a writable one."
+    return "use a folder this user can write to (the lock lives beside what it protects)."
+
+
 @contextlib.contextmanager
 def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", field: str = "lock",
            on_wait: Optional[Callable[[str], None]] = None, interval_s: float = 5.0,
@@ -444,8 +460,7 @@ def locked(path: Path, timeout_s: Optional[float] = 600, *, what: str = "", fiel
         if path.is_dir():  # hostile s15c T83: the fix said to use a writable folder; this one is writable
             raise UserError(field, f"cannot open the lock file {path}: a folder of that name is there, not a file.",
                             f"remove that folder (rmdir {path}; nothing of this pipeline is in it) and run this again.") from None
-        raise UserError(field, f"cannot create the lock file {path}: {e.strerror or e}.",
-                        "use a folder this user can write to (the lock lives beside what it protects).") from None
+        raise UserError(field, f"cannot create the lock file {path}: {e.strerror or e}.", _lock_file_fix(path, e)) from None
     lock = FileLock(str(path))
     folder = _DirLock(path.parent) if folder_lock else None
     t0 = time.monotonic()

@@ -82,7 +82,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, after_commit,
                                                       state_path,
                                                       timestamp, write_state)
 from precision_pipeline.serving.release_switch import commit_switch, retain, switch
-from precision_pipeline.serving.release_units import (edited_since_install, install_release_unit, is_any_unit, resolve_unit_source, unit_damage,
+from precision_pipeline.serving.release_units import (edited_since_install, entry_model_problems, install_release_unit, is_any_unit, resolve_unit_source, unit_damage,
                                                       verify_kept)
 
 # re-exported for tasks.py and nightly.py until they import from the new homes (issue 24)
@@ -368,6 +368,10 @@ def _disagreements(repo_dir: Path, state: dict, on_disk: list[str], configs: tup
                    f"it is restored: from a backup, or copy {m}/config.pbtxt from a build's packed repository "
                    f"(`<build out>/model_repository/{m}/config.pbtxt`), then `invoke rollback --repo {repo_dir} --to "
                    f"{cur}` re-points it")
+    for m, why in entry_model_problems(repo_dir).items():  # hostile s17c F7: listed nothing, rollback exited 0
+        if m not in gone:
+            out.append(f"{why}: the server cannot load {m} from this repository (a restarted server, or serve's "
+                       "watchdog after its instance died); every request through it fails then")
     if state.get("rollout"):
         return out + [w for w in [stalled_rollout(state, repo_dir)] if w]
     if gone:

@@ -230,7 +230,9 @@ def refuse_copied_repository(repo_dir: Path, consequence: str) -> None:
     if want and not _inside_dir(Path(want), repo_dir):
         raise UserError("--repo", f"{repo_dir} is a copy or a move of another serving repository: its preprocessing's "
                         f"tokenizer_dir is {want!r}, outside it; {consequence}", "run the command on the repository "
-                        "tokenizer_dir points into, or create a new one here with `invoke promote --repo`.")
+                        f"tokenizer_dir points into; for a new repository at this path, first move this copy away "
+                        f"({repo_dir} and the releases.json beside it, {Path(repo_dir).parent / 'releases.json'}), then "
+                        f"`invoke promote --profile P --repo {repo_dir}` creates one (hostile s17c F6).")
 
 
 def verify_server(repo_dir: Path, server) -> None:
@@ -307,7 +309,8 @@ def reconcile_server(repo_dir: Path, server, state: dict) -> list[str]:
         now = live_unit(server)
         if now != cur:
             raise RuntimeError(f"the live ensemble calls {now} after reloading it, releases.json says {cur}")
-        fixed.append(f"live ensemble moved from {live} back to {cur}")
+        fixed.append(f"live ensemble moved from {live} to {cur}, the current release releases.json records (a command "
+                     "interrupted mid-switch, or releases.json edited by hand)")  # not "back": s17c F1/H02
     # the entry points unloaded by hand (hostile s15 F13: every BLS request 404 after a "promoted"): loaded again, the
     # ensemble after the unit it calls; a model the server does not list at all is left as it is
     entry = ("preprocessing", "postprocessing", "tensorrt_llm_bls") + (("ensemble",) if ensemble_serves(cur) else ())

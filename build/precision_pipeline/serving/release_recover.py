@@ -21,7 +21,7 @@ from precision_pipeline.serving.release_state import (HISTORY_MAX, IDENTITY_PARA
                                                       STATE_FILE, crash_point, lock, note_recovered,
                                                       rollout_alive, read_state, release_record, require_state, state_path,
                                                       timestamp, write_state)
-from precision_pipeline.serving.release_units import (copy_unit, installed_record, resolve_unit_source, served_path, unit_damage,
+from precision_pipeline.serving.release_units import (copy_unit, edited_since_install, installed_record, resolve_unit_source, served_path, unit_damage,
                                                       unit_record)
 
 
@@ -222,6 +222,10 @@ def current_problem(repo_dir: Path, state: dict, server=None, done: list[str] | 
     if not (Path(repo_dir) / cur / "config.pbtxt").is_file():
         return f"is missing from {repo_dir} (its folder deleted or moved)"
     if why := unit_damage(repo_dir, cur, state):
+        return f"is damaged on disk ({cur}/{why} at its install)"
+    if cur not in current_of_configs(repo_dir) and (why := edited_since_install(repo_dir, cur, state)):
+        # about to be pointed at (releases.json edited by hand onto a kept unit whose config was edited, same size:
+        # hostile s17c F1/H12 went live); a unit the configs already call serves as it is, unread every pass
         return f"is damaged on disk ({cur}/{why} at its install)"
     if server is not None and (was := server.loaded_models().get(cur)) != "READY":  # not answering: ServerStopped
         try:

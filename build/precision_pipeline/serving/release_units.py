@@ -130,6 +130,29 @@ def check_sizes(repo_dir: Path, units: Iterable[str], state: dict | None, field:
                             "them), or promote that unit's build again: a verified copy replaces the folder.")
 
 
+ENTRY_FILES = {"preprocessing": ("config.pbtxt", "1/model.py", "tokenizer/tokenizer_config.json"),
+               "postprocessing": ("config.pbtxt", "1/model.py"),
+               "tensorrt_llm_bls": ("config.pbtxt", "1/model.py")}
+"""The files a (re)load of the repository's python entry models reads, per model (``pack.FIXED_MODELS`` but the
+ensemble; ``copy_python_models`` writes the model.py files, ``release_recover.init_repository`` the tokenizer the
+preprocessing and postprocessing configs name in ``tokenizer_dir``). A python stub whose model.py is gone never starts,
+and Triton 2.51 then keeps the load pending for good (hostile s17c H16/H17)."""
+
+
+def entry_model_problems(repo_dir: Path, models: Iterable[str] = tuple(ENTRY_FILES)) -> dict[str, str]:
+    """``{model: why}`` for each of ``models`` one of whose ``ENTRY_FILES`` is gone from ``repo_dir`` (deleted, moved):
+    the server cannot load it (a restart, or the watchdog's reload after its instance died), with where to copy it
+    back from. {} when every file is there."""
+    out = {}
+    for m in models:
+        gone = [f for f in ENTRY_FILES.get(m, ()) if not (Path(repo_dir) / m / f).is_file()]
+        if gone:
+            src = "preprocessing/tokenizer/" if gone[0].startswith("tokenizer/") else f"{m}/{gone[0]}"
+            out[m] = (f"{Path(repo_dir) / m / gone[0]} is missing (restore it from a build's packed repository: "
+                      f"<build out>/model_repository/{src})")
+    return out
+
+
 def _install_time(state: dict | None, unit: str) -> float | None:
     """When ``unit`` was last recorded as installed (the newest ``releases`` row of it: ``time``, written after its
     files were copied), as seconds since the epoch; None without a row or a readable time."""

@@ -235,8 +235,8 @@ def _evaluate(server, probe_set, stable: str, cand: str, a: dict, b: dict, perce
     share = canary_share(a, b, stable, cand)
     nums: dict[str, Any] = {"percent": percent, "candidate": vars(wc), "stable": vars(ws), "share_measured": share}
     failed = COUNTERS_RESET if _went_back(a, b, (cand, stable)) else "errors" if wc.failure > checks.max_failures else None
-    if failed:  # counters_reset: unloaded mid-step (hostile s17 F21), unjudgeable
-        pass
+    if failed:  # counters_reset: unloaded mid-step (hostile s17 F21), unjudgeable: no negative counts shown (s17c F3)
+        nums.update(dict(candidate=None, stable=None, share_measured=None, counters_reset=True) if failed == COUNTERS_RESET else {})
     elif wc.success == 0 and share is not None and routed_of(a, b, stable, cand) * percent / 100 >= checks.traffic_expected:
         failed = "traffic"
     elif (wc.mean_ms is not None and ws.mean_ms is not None and wc.success >= checks.min_requests

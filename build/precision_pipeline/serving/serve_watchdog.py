@@ -89,17 +89,13 @@ def entry_point_note(server, repo: Path, done: str) -> str | None:
 
 
 def entry_model_file_problem(repo: Path, model: str) -> str | None:
-    """Why ``model`` (one of the repository's python entry models: ``pack.FIXED_MODELS`` but the ensemble) cannot be
-    loaded from ``repo``: its ``1/model.py`` is missing, with where to restore it from; None when it is there or the
-    model is another. A load of such a model never ends in Triton 2.51 (its stub exits, the load stays pending and
-    queues every later load of it: hostile s17c H16/H17), so nothing loads it without this check."""
-    from precision_pipeline.serving.pack import FIXED_MODELS
+    """Why ``model`` (one of the repository's python entry models) cannot be loaded from ``repo``
+    (``release_units.entry_model_problems``: a file it reads is gone, with where to restore it from); None when its
+    files are there or the model is another. Such a load never ends in Triton 2.51 (its stub exits, the load stays
+    pending and queues every later load of it: hostile s17c H16/H17), so nothing loads it without this check."""
+    from precision_pipeline.serving.release_units import entry_model_problems
 
-    model_py = Path(repo) / model / "1" / "model.py"
-    if model in FIXED_MODELS and model != "ensemble" and not model_py.is_file():
-        return (f"{model_py} is missing (restore it from a build's packed repository: "
-                f"<build out>/model_repository/{model}/1/model.py)")
-    return None
+    return entry_model_problems(repo, (model,)).get(model)
 
 
 def _stub_pids(stubs: dict[str, int], model: str) -> set[str]:

@@ -710,6 +710,19 @@ def _read_only_check(repo: Path, err: OSError) -> str:
             "served as it is")
 
 
+def _refuse_unservable(repo: Path, names: list[str]) -> None:
+    """Before serve starts tritonserver on ``repo`` with models ``names``: UserError on ``--repo`` (exit 2, nothing
+    started) when a unit's file changed since its install (``release_units.check_sizes``) or an entry model's file is
+    gone (``release_units.entry_model_problems``: its load would never finish, hostile s17c H16)."""
+    from precision_pipeline.serving import release_state, release_units
+
+    release_units.check_sizes(repo, names, release_state.read_state(repo), "--repo")
+    if gone := release_units.entry_model_problems(repo, [n for n in names if n in release_units.ENTRY_FILES]):
+        raise UserError("--repo", f"{'; '.join(gone.values())}: tritonserver would never finish loading "
+                        f"{', '.join(gone)} (its python stub cannot start; hostile s17c H16); nothing was started.",
+                        "restore the file(s) as said, then start serve again.")
+
+
 def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
           models: Iterable[str] | None = None, block: bool = True, log_file: Path | None = None) -> TritonServer:
     """Start tritonserver on ``model_repository``, print the endpoints, and (``block``) run until Ctrl-C,
@@ -756,9 +769,7 @@ def serve(model_repository: Path, *, http_port: int = 8000, grpc_port: int = 800
             raise
         note = _read_only_check(repo, e)
     names = list(models) if models is not None else models_to_load(repo)
-    from precision_pipeline.serving import release_state, release_units
-
-    release_units.check_sizes(repo, names, release_state.read_state(repo), "--repo")
+    _refuse_unservable(repo, names)
     srv = TritonServer(repo, names, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                        log_file=log_file or serve_log_path(http_port), trace_url=repository_traces_url(repo))
     if log_file is None:
