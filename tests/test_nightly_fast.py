@@ -475,3 +475,15 @@ def test_nightly_promote_switches_the_live_server(tmp_path, monkeypatch, invoke_
     assert not (tmp_path / "fp8-h100").exists()        # refused before any build
     r = invoke_here("nightly", "--profiles", "fp8-h100", "--url", "127.0.0.1:8000", "--out", str(tmp_path))
     assert r.returncode == 2 and "--url: is read only with --promote." in r.stderr, r.stdout + r.stderr
+
+
+def test_the_promoted_repository_is_resolved_through_a_symbolic_link(tmp_path):
+    """Hostile s17 F19: `nightly --promote` with OUT/serving/model_repository a link to a live repository installed a
+    unit whose gpt_model_path named the link's folder (not loadable) and read the baseline from the link's folder's
+    releases.json; `invoke promote` through the same link resolves it."""
+    real = tmp_path / "srv" / "r1" / "repo"
+    real.mkdir(parents=True)
+    (tmp_path / "out" / "serving").mkdir(parents=True)
+    (tmp_path / "out" / "serving" / "model_repository").symlink_to(real)
+    opts = nl.NightlyOptions(profiles=["p"], out_root=tmp_path / "out", promote=True)
+    assert opts.repo == real and opts.releases_file == tmp_path / "srv" / "r1" / "releases.json"

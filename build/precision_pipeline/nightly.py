@@ -88,8 +88,11 @@ class NightlyOptions:
 
     @property
     def repo(self) -> Path:
-        """The serving repository ``--promote`` promotes into (``serving_repo``, default OUT/serving/model_repository)."""
-        return Path(self.serving_repo) if self.serving_repo else Path(self.out_root) / "serving" / "model_repository"
+        """The serving repository ``--promote`` promotes into (``serving_repo``, default OUT/serving/model_repository),
+        resolved as `invoke promote`'s ``--repo`` is: a symbolic link to a repository is that repository (hostile s17
+        F19: the unit's gpt_model_path and the baseline's releases.json were the link's folder's)."""
+        p = Path(self.serving_repo) if self.serving_repo else Path(self.out_root) / "serving" / "model_repository"
+        return p.expanduser().resolve()
 
     @property
     def releases_file(self) -> Path:
