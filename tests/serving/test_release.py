@@ -73,7 +73,11 @@ def test_init_promote_rollback_files(tmp_path, units):
     assert release_state.read_state(repo)["current"] == c
     with pytest.raises(UserError, match="no single release"):
         release.rollback(repo, to="ffffffffffff")
-    assert [h["action"] for h in release_state.read_state(repo)["history"]] == ["init", "promote", "rollback", "rollback", "rollback"]
+    release.rollback(repo, to=f"{a}/")  # as the shell completes a folder's name (hostile s17c E32)
+    assert release_state.read_state(repo)["current"] == a
+    release.rollback(repo, to=c[len(pack.UNIT_PREFIX):len(pack.UNIT_PREFIX) + 6].upper())  # hex in capitals (E34)
+    assert release_state.read_state(repo)["current"] == c
+    assert [h["action"] for h in release_state.read_state(repo)["history"]] == ["init", "promote"] + ["rollback"] * 5
 
 
 def test_retention_keeps_n_previous_and_fallback(tmp_path, units):

@@ -210,6 +210,8 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
                             "its fallback at its first promote, from the profile's deployment.fallback build "
                             "(`invoke build --profile <that profile>` first).")
     elif to:
+        to = to.strip().rstrip("/")  # a folder's name as the shell completes it (hostile s17c E32)
+        to = to.lower() if all(c in "0123456789abcdefABCDEF" for c in to) else to  # hex digits in capitals (E34)
         named = to.startswith((pack.UNIT_PREFIX, llmapi_unit.PREFIX))  # a unit name (or a prefix of one): either kind
         cands = [u for u in units if (u.startswith(to) if named else u.rsplit("_", 1)[1].startswith(to[:12]))]
         if len(cands) != 1 or cands[0] not in units:
