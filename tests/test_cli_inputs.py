@@ -696,3 +696,15 @@ def test_a_model_folder_given_as_repo_names_the_repository(tmp_path):
                                            f"{tmp_path / 'repo'} (a new repository there would be created inside one of "
                                            "its model folders).")
     assert serving_repo(str(tmp_path / "newrepo")) == tmp_path / "newrepo"
+
+
+def test_a_port_that_is_no_number_suggests_the_default_port():
+    """Hostile s17c note: `serve --http-port abc` suggested `--http-port 1`."""
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.core.errors import UserError
+
+    for flag, kw, port in (("--http-port", "http_port", 8000), ("--grpc-port", "grpc_port", 8001),
+                           ("--metrics-port", "metrics_port", 8002)):
+        with pytest.raises(UserError) as ei:
+            cli.serve(repo="/nonexistent-repo", **{kw: "abc"})
+        assert ei.value.problems[0].field == flag and ei.value.problems[0].fix == f"pass e.g. {flag} {port}."

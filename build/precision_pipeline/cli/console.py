@@ -119,15 +119,16 @@ def print_build(stages) -> None:
     console().print(table)
 
 
-def int_arg(flag: str, value, lo: int = 0, hi: int = 2**31 - 1):
-    """``value`` as an int within [lo, hi]; None stays None. Raises UserError naming ``flag``."""
+def int_arg(flag: str, value, lo: int = 0, hi: int = 2**31 - 1, example: int | None = None):
+    """``value`` as an int within [lo, hi]; None stays None. Raises UserError naming ``flag``, whose fix suggests
+    ``example`` (default: ``lo``, at least 1)."""
     from precision_pipeline.core.errors import UserError
 
     if value is None or isinstance(value, bool):
         return None if value is None else int(value)
     s = str(value).strip()
     if not s.lstrip("-").isdigit() or len(s) > 12 or not lo <= int(s) <= hi:
-        raise UserError(flag, f"{s[:40]!r} is not a whole number from {lo:,} to {hi:,}.", f"pass e.g. {flag} {max(lo, 1)}.")
+        raise UserError(flag, f"{s[:40]!r} is not a whole number from {lo:,} to {hi:,}.", f"pass e.g. {flag} {example if example is not None else max(lo, 1)}.")
     return int(s)
 
 

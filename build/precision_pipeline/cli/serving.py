@@ -55,9 +55,9 @@ def serve(profile=None, repo=None, http_port=None, grpc_port=None, metrics_port=
     except build_output.NotBuilt as e:  # its fix offered --out, which serve does not have
         raise UserError("--profile", e.problems[0].reason, f"build it first (`invoke build --profile {profile}`); to serve "
                         "another folder's build, promote it into a serving repository and serve that with --repo.") from None
-    serve_repo(path, http_port=int_arg("--http-port", http_port, 1, 65535) or 8000,
-               grpc_port=int_arg("--grpc-port", grpc_port, 1, 65535) or 8001,
-               metrics_port=int_arg("--metrics-port", metrics_port, 1, 65535) or 8002)
+    serve_repo(path, http_port=int_arg("--http-port", http_port, 1, 65535, 8000) or 8000,  # not "port 1" (s17c note)
+               grpc_port=int_arg("--grpc-port", grpc_port, 1, 65535, 8001) or 8001,
+               metrics_port=int_arg("--metrics-port", metrics_port, 1, 65535, 8002) or 8002)
 
 
 def server_of(url, repo_dir: Path):
@@ -273,7 +273,7 @@ def rollout(profile=None, steps=None, hold=None, url=None, metrics_port=None, ab
     from precision_pipeline.serving import rollout as ro
 
     repo_dir, con = serving_repo(repo), console()
-    metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535)  # before anything else is asked
+    metrics_port = int_arg("--metrics-port", metrics_port, 1, 65535, 8002)  # before anything else is asked
     if abort:
         return _abort(repo_dir, url, metrics_port, con)
     given_url, url = url is not None, "127.0.0.1:8000" if url is None else url  # '' refused by attach
@@ -398,7 +398,7 @@ def probe(url=None, profile=None, repo=None, gate=None, unit=None, every=None, p
     n = int_arg("--prompts", prompts, 1, 65) or 4  # default None: invoke would int() a typed default itself
     every_s = None if every is None else float(int_arg("--every", every, 1, 86400))
     max_runs = int_arg("--runs", runs, 1) if runs is not None else None
-    port = int_arg("--metrics-port", metrics_port, 1, 65535) or 8004
+    port = int_arg("--metrics-port", metrics_port, 1, 65535, 8004) or 8004
     if metrics_port is not None and every is None:  # hostile s15b F15: ignored silently, even a port in use
         raise UserError("--metrics-port", "only applies with --every (the exporter of repeated probes); a single probe "
                         "exports nothing.", "add --every N, or leave --metrics-port out.")
