@@ -267,6 +267,9 @@ def test_a_commit_that_cannot_be_written_undoes_the_live_switch(served, units4, 
     assert msg.startswith(f"releases.json could not be written (File too large: {release_state.state_path(repo)}), so the "
                           "switch to tensorrt_llm_") and f"the switch was undone: {old} serves again" in msg, msg
     assert release_state.state_path(repo).read_text() == before
+    from precision_pipeline.core.errors import exit_code_for
+
+    assert exit_code_for(ei.value) == 2  # nothing changed: a refusal, not an internal error (hostile s18b A28b)
     assert release_configs.current_of_configs(repo) == (old, old) and release_live.live_unit(srv) == old and ask(srv).strip()
     monkeypatch.setattr(release_switch, "write_state", real)
     assert release.list_releases(repo)["problems"] == []

@@ -725,3 +725,48 @@ def test_the_entry_point_check_is_bounded_and_says_a_pending_reload(tmp_path, mo
                              f"(the server keeps that load pending). Fix: restart the server (`invoke serve --repo {tmp_path}`).")
     assert asked == [{"connection_timeout": 60.0, "network_timeout": 60.0}] and wd.ENTRY_POINT_REQUEST_S == 60.0
     assert limits == [120.0] == [wd.ENTRY_POINT_RELOAD_S] and server.load_timeout_s == 900.0
+
+
+def test_a_smoke_test_failing_in_an_entry_model_blames_the_entry_model_not_the_unit():
+    """Hostile s18b F2: preprocessing's stub dead (its tokenizer gone): promote --url said the built unit "loads but
+    fails its smoke request ... fix: rebuild the output", and rollback --url blamed a good kept unit."""
+    from tritonclient.utils import InferenceServerException
+
+    from precision_pipeline.serving import release_live
+
+    unloaded = []
+
+    class Client:
+        def infer(self, model, *a, **k):
+            raise InferenceServerException("[400] Stub process 'preprocessing_0_0' is not healthy.")
+
+        def close(self):
+            pass
+
+    server = SimpleNamespace(http_client=lambda **kw: Client(), loaded_models=lambda: {"preprocessing": "READY"},
+                             unload=lambda name, *a, **k: unloaded.append(name))
+    with pytest.raises(UserError_) as ei:
+        release_live.smoke_unit(server, "tensorrt_llm_aaaaaaaaaaaa", "--out", "tensorrt_llm_bbbbbbbbbbbb",
+                                "rebuild the output")
+    p = ei.value.problems[0]
+    assert p.field == "--url" and p.reason == (
+        "the server's preprocessing fails ([400] Stub process 'preprocessing_0_0' is not healthy.), so "
+        "tensorrt_llm_aaaaaaaaaaaa could not be smoke-tested and nothing was switched (tensorrt_llm_bbbbbbbbbbbb still "
+        "serves); the entry model is broken, not tensorrt_llm_aaaaaaaaaaaa.")
+    assert "rebuild" not in p.fix and "`invoke releases --repo REPO`" in p.fix
+
+
+def test_a_unit_still_loading_from_an_earlier_load_is_refused_at_once():
+    """Hostile s18b F1: `rollback --to X --url` while X was still LOADING from an earlier load (its stub stopped)
+    waited again with only "loading X ... N s" lines, up to 900 s."""
+    from precision_pipeline.serving import release_live
+
+    loads = []
+    server = SimpleNamespace(http_url="127.0.0.1:1", load=lambda name, *a, **k: loads.append(name))
+    with pytest.raises(UserError_) as ei:
+        release_live.load_unit(server, "tensorrt_llm_aaaaaaaaaaaa", "--to", "tensorrt_llm_bbbbbbbbbbbb", "fix",
+                               {"tensorrt_llm_aaaaaaaaaaaa": "LOADING"})  # rollback's index of the server
+    p = ei.value.problems[0]
+    assert p.field == "--url" and loads == [] and p.reason.startswith(
+        "the server at 127.0.0.1:1 still lists tensorrt_llm_aaaaaaaaaaaa as LOADING from an earlier load that never "
+        "finished") and p.reason.endswith("nothing was switched (tensorrt_llm_bbbbbbbbbbbb still serves).")

@@ -4,8 +4,9 @@ Exit codes (every task): 0 success; 2 invalid input or a refused check (raised b
 heavy work); 3 accuracy gate failed; 4 a stage was skipped under ``--strict``; 5 ``trtllm-build``
 failed or timed out (the previous engine is intact); 6 (``invoke nightly``) a profile regressed
 against its baseline; 7 the Triton server at ``--url`` stopped answering during a change (nothing was
-switched, or the message says what was); 1 unexpected internal error (the only case that prints a traceback).
-"""
+switched, or the message says what was); 1 unexpected internal error (the only case that prints a traceback), or
+a switch that took effect whose check afterwards failed (the message says so); a switch whose commit failed and was
+undone is 2 (``NotCommitted``)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,14 @@ class LoadNotFinished(RuntimeError):
     (measured on the CPU reference server: its stub exits, the load never ends) -- and queues every later load of the
     model behind it, so another load of it cannot help before the server restarts (hostile s17c H17). A RuntimeError,
     as every other refused load is."""
+
+
+class NotCommitted(PipelineError):
+    """A release switch whose commit (releases.json written) failed -- a full disk, a file-size limit, an immutable
+    file -- and was undone: nothing changed, so exit 2 like a refusal (hostile s18b A28b: exit 1 read as an internal
+    error). The message says what holds and the fix for the cause."""
+
+    exit_code = EXIT_INVALID
 
 
 class EngineBuildFailed(PipelineError):

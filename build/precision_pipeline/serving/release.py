@@ -286,7 +286,7 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
         timings["warm"] = loaded.get(target) == "READY"
         if server is not None and not timings["warm"]:
             t = time.perf_counter()
-            load_unit(server, target, field, cur, fix)
+            load_unit(server, target, field, cur, fix, loaded)
             timings["load_ms"] = (time.perf_counter() - t) * 1e3
         if server is not None and smoke:  # a warm target too: being loaded proves nothing (hostile s7 #54)
             try:

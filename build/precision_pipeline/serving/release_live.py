@@ -29,9 +29,18 @@ def _check_smoke_text(unit: str, text: str, expect) -> None:
         raise RuntimeError(f"smoke test of {unit}: got {text!r}, expected {expect!r}")
 
 
-def load_unit(server, unit: str, field: str, serving: str, fix: str) -> None:
+def load_unit(server, unit: str, field: str, serving: str, fix: str, states: dict | None = None) -> None:
     """``server.load(unit)``; a unit the server refuses to load (a damaged or outdated unit: the backend's
-    own message) is a UserError on ``field`` (exit 2) saying that ``serving`` still serves, not a traceback."""
+    own message) is a UserError on ``field`` (exit 2) saying that ``serving`` still serves, not a traceback. A unit
+    the server already lists as LOADING in ``states`` (its repository index, when the caller read it) is refused at once (UserError on ``--url``): the command holds the releases
+    lock, so that is an earlier load that never finished (a python stub stopped or unable to start), and a load now
+    would queue behind it for up to 900 s (hostile s18b F1)."""
+    if (states or {}).get(unit) == "LOADING":
+        raise UserError("--url", f"the server at {server.http_url} still lists {unit} as LOADING from an earlier load "
+                        "that never finished (its python stub stopped, or unable to start: the server's log says which), "
+                        f"and a load now would wait behind it; nothing was switched ({serving} still serves).",
+                        "resume or kill the stopped stub (`ps -o pid,stat,args -C triton_python_backend_stub`), or "
+                        "restart the server (`invoke serve --repo REPO`); then run this again.")
     try:
         server.load(unit)
     except RuntimeError as e:
@@ -55,6 +64,16 @@ def unload_quietly(server, unit: str) -> None:
         server.unload(unit)
 
 
+class EntryModelFailed(RuntimeError):
+    """The smoke test's request to the repository's own ``preprocessing`` or ``postprocessing`` failed (``model``):
+    the entry model is broken (its instance died, its files are gone), not the unit tested (hostile s18b F2: "fails its
+    smoke request ... rebuild the output" for a good unit)."""
+
+    def __init__(self, model: str, err: Exception):
+        super().__init__(f"{model}: {str(err)[:300]}")
+        self.model = model
+
+
 def smoke_unit(server, unit: str, field: str, serving: str, fix: str, *, expect: str | None = None) -> dict:
     """``smoke_test``; a unit that loaded but fails its smoke request (a wrong or empty answer, or the server's
     error for it) is a UserError on ``field`` (exit 2) naming the unit, the server's message and that ``serving``
@@ -73,8 +92,24 @@ def smoke_unit(server, unit: str, field: str, serving: str, fix: str, *, expect:
         if gone:  # hostile s17b F12: a server stopping unloads its models: "rebuild the output" blamed the build
             raise stopped_before_switch(server.stopped(f"smoke-testing {unit}: it unloaded {', '.join(gone)} meanwhile "
                                                        "(stopping?)", e), serving) from None
+        if isinstance(e, EntryModelFailed):
+            raise UserError("--url", f"the server's {e.model} fails ({str(e)[len(e.model) + 2:]}), so {unit} could not "
+                            f"be smoke-tested and nothing was switched ({serving} still serves); the entry model is "
+                            f"broken, not {unit}.", "serve's watchdog reloads a model whose instance died (its log says "
+                            "so, or why not); files of it that are gone are listed by `invoke releases --repo REPO` with "
+                            "where to copy them from; else restart the server. Then run this again.") from None
         raise UserError(field, f"{unit} loads but fails its smoke request, so nothing was switched ({serving} still "
                         f"serves): {str(e)[:400]}", fix) from None
+
+
+def _entry_infer(client, model: str, inputs: list):
+    """``client.infer(model, inputs)`` for an entry model; the server's error for it is ``EntryModelFailed``."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return client.infer(model, inputs)
+    except InferenceServerException as e:
+        raise EntryModelFailed(model, e) from None
 
 
 def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int = 8, expect: str | None = None) -> dict:
@@ -95,7 +130,7 @@ def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int
         q.set_data_from_numpy(np.array([[prompt.encode()]], dtype=object))
         n = hc.InferInput("REQUEST_OUTPUT_LEN", [1, 1], "INT32")
         n.set_data_from_numpy(np.array([[max_tokens]], np.int32))
-        pre = c.infer("preprocessing", [q, n])
+        pre = _entry_infer(c, "preprocessing", [q, n])
         ids, lens = pre.as_numpy("INPUT_ID"), pre.as_numpy("REQUEST_INPUT_LEN")
         ins = []
         for name, arr in (("input_ids", ids), ("input_lengths", lens), ("request_output_len", np.array([[max_tokens]], np.int32)),
@@ -114,7 +149,7 @@ def smoke_test(server, unit: str, *, prompt: str = SMOKE_PROMPT, max_tokens: int
         tb.set_data_from_numpy(oids)
         sl = hc.InferInput("SEQUENCE_LENGTH", list(slen.shape), "INT32")
         sl.set_data_from_numpy(slen)
-        text = c.infer("postprocessing", [tb, sl]).as_numpy("OUTPUT").reshape(-1)[0].decode()
+        text = _entry_infer(c, "postprocessing", [tb, sl]).as_numpy("OUTPUT").reshape(-1)[0].decode()
     finally:
         c.close()
     _check_smoke_text(unit, text, expect)

@@ -31,10 +31,10 @@ def switch(repo_dir: Path, server, unit: str, timings: dict, previous: str) -> N
 def commit_switch(repo_dir: Path, state: dict, server, unit: str, previous: str) -> None:
     """The commit point of a switch to ``unit`` (``write_state`` of ``state``, which names it current). When
     releases.json cannot be written (a full disk, a file-size limit: OSError), the switch is undone -- ensemble and BLS
-    back on ``previous`` and reloaded (``switch``) -- and ``PipelineError`` (exit 1) says what holds: the live server
+    back on ``previous`` and reloaded (``switch``) -- and ``NotCommitted`` (exit 2) says what holds: the live server
     and the files on ``previous``, as releases.json still records (hostile s16b F4: they stayed on ``unit`` and the
     message said the repository was intact)."""
-    from precision_pipeline.core.errors import PipelineError
+    from precision_pipeline.core.errors import NotCommitted
 
     try:
         write_state(repo_dir, state)
@@ -47,7 +47,7 @@ def commit_switch(repo_dir: Path, state: dict, server, unit: str, previous: str)
             back = (f"undoing the switch failed too ({type(undo).__name__}: {str(undo)[:200]}): the files or the server may "
                     f"still be on {unit}, while releases.json records {previous}; the next release command (or `invoke "
                     "serve`'s watchdog) puts them back once files can be written")
-        raise PipelineError(f"releases.json could not be written ({why}), so the switch to {unit} was not committed; "
+        raise NotCommitted(f"releases.json could not be written ({why}), so the switch to {unit} was not committed; "
                             f"{back}. Fix: {_write_fix(e)}, then run the command again.") from None
 
 
