@@ -143,6 +143,8 @@ def test_cli_promote_refuses_a_golden_limit_build_with_the_reason(tmp_path, fp):
     assert ("not promotable: the verdict covers 18 golden prompt(s), fewer than gate.min_prompts 19 (--golden-limit 3)"
             in (r.stdout + r.stderr)), (r.stdout + r.stderr)
     assert not repo.exists()
+    # hostile s18b F5: the fix named `invoke build --profile P` without --out: that built elsewhere
+    assert f"rebuild without --golden-limit (invoke build --profile {path} --out {out})" in " ".join((r.stdout + r.stderr).split())
 
 
 def test_the_default_minimum_is_the_whole_golden_set(tmp_path, fp):

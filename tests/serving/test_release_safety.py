@@ -1234,6 +1234,36 @@ def test_a_hand_set_current_onto_a_unit_edited_since_its_install_is_not_pointed_
     assert release_configs.current_of_configs(repo) == (b, b)
 
 
+def test_a_current_unit_moved_aside_keeps_its_records_and_is_verified_when_put_back(tmp_path, units4):
+    """Hostile s18b W01/W02: the current unit's folder moved aside, then `rollback`: retention deleted its release row
+    (gate numbers, provenance) and its install record without a word; the folder put back with a byte flipped was then
+    made current by `rollback --to` with only "not verified"."""
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    before = release_state.read_state(repo)
+    row = [r for r in before["releases"] if r["unit"] == b]
+    (repo / b).rename(tmp_path / "aside")
+    assert release.rollback(repo)["unit"] == a
+    st = release_state.read_state(repo)
+    assert [r for r in st["releases"] if r["unit"] == b] == row and st["unit_files"][b] == before["unit_files"][b]
+    (tmp_path / "aside").rename(repo / b)
+    rel = max(st["unit_files"][b], key=lambda r: st["unit_files"][b][r][0])
+    path = repo / b / rel
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        x = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([x[0] ^ 0xFF]))
+    with pytest.raises(UserError, match="another sha256"):
+        release.rollback(repo, to=b)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(x)
+    t = release.rollback(repo, to=b)
+    assert t["unit"] == b and t["verified"] is True
+
+
 def test_missing_entry_model_files_are_listed_warned_and_refused_by_serve(tmp_path, units4, capsys):
     """Hostile s17c F7/H15/H16: a python entry model's 1/model.py or config, or the tokenizer, deleted by hand: releases
     listed nothing and a files-only rollback exited 0 in silence, while the server could never load that model again

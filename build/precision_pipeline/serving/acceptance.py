@@ -209,7 +209,6 @@ def _check_verdict(profile, out_dir: Path, unit: Path, metrics: dict, rebuild: s
     (appended to ``problems`` / ``warnings``). Returns the verdict ({} when there is none to judge)."""
     from precision_pipeline.gate.verdict import judge_metrics, verdict_reasons
 
-    name = profile.name
     record = metrics.get("record") or {}
     if not metrics or "metrics" not in metrics:
         problems.append(Problem("--out", f"{out_dir / 'gate' / 'metrics.json'} is missing or unreadable: no verdict to "
@@ -235,7 +234,7 @@ def _check_verdict(profile, out_dir: Path, unit: Path, metrics: dict, rebuild: s
                         "the profile's current bar and pass it.")
     if not verdict["promotable"]:
         problems.append(Problem("gate", f"not promotable: {verdict['not_promotable']}.",
-                                f"rebuild without --golden-limit (invoke build --profile {name}), or set "
+                                f"rebuild without --golden-limit ({rebuild.removeprefix('rebuild it: ')}), or set "  # with --out: s18b F5
                                 "gate.min_prompts in the profile if fewer prompts are enough for this release.",
                                 rule="accept.golden"))
     problems += _layout_and_model_problems(profile, unit, record, rebuild)

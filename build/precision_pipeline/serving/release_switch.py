@@ -91,7 +91,8 @@ def _switch_to(repo_dir: Path, server, unit: str, timings: dict) -> None:
 
 
 def retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: str | None) -> list[str]:
-    """Unload units that need not stay loaded; delete units beyond keep_releases (fallback kept).
+    """Unload units that need not stay loaded; delete units beyond keep_releases (fallback kept) and their records in
+    ``state`` (a kept unit's records stay while its folder is gone).
     The releases counted are those that were current (``current_order``), rejected ones excluded: an
     aborted rollout's candidate is never kept in place of a real release."""
     keep_n = int(state.get("keep_releases", 2))
@@ -114,7 +115,11 @@ def retain(repo_dir: Path, state: dict, server, warm_previous: bool, previous: s
                     server.unload(p.name)
             remove_dir(p)
             removed.append(p.name)
-    state["releases"] = [r for r in state["releases"] if (Path(repo_dir) / r["unit"]).is_dir()]
+    # the records of removed units go; a kept unit whose folder is gone now (moved aside by hand) keeps its release
+    # row and install record: put back, it is verified against them (hostile s18b W01/W02: both were deleted, and the
+    # folder put back with a byte flipped became current, "not verified")
+    state["releases"] = [r for r in state["releases"] if (Path(repo_dir) / r["unit"]).is_dir() or r["unit"] in keep_disk]
     if "unit_files" in state:
-        state["unit_files"] = {u: r for u, r in state["unit_files"].items() if (Path(repo_dir) / u).is_dir()}
+        state["unit_files"] = {u: r for u, r in state["unit_files"].items()
+                               if (Path(repo_dir) / u).is_dir() or u in keep_disk}
     return removed
