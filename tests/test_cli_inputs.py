@@ -696,6 +696,9 @@ def test_a_model_folder_given_as_repo_names_the_repository(tmp_path):
                                            f"{tmp_path / 'repo'} (a new repository there would be created inside one of "
                                            "its model folders).")
     assert serving_repo(str(tmp_path / "newrepo")) == tmp_path / "newrepo"
+    with pytest.raises(UserError) as ei:  # hostile s18b F6: one folder too high ("no releases.json beside it")
+        serving_repo(str(tmp_path))
+    assert ei.value.problems[0].fix == f"pass --repo {tmp_path / 'repo'}."
 
 
 def test_a_port_that_is_no_number_suggests_the_default_port():

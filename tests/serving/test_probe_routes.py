@@ -130,3 +130,18 @@ def test_probe_metrics_port_without_every_is_refused(tmp_path):
         cli.probe(url="127.0.0.1:1", repo=str(tmp_path / "none"), unit=PRIMARY, metrics_port=18733)
     assert ei.value.problems[0].field == "--metrics-port"
     assert ei.value.problems[0].reason.startswith("only applies with --every")
+
+
+def test_a_probe_of_a_unit_the_server_has_not_loaded_is_refused(monkeypatch):
+    """Hostile s18b F7: `probe --profile P` whose build's unit is a kept release, not loaded: exit 3 (an accuracy
+    failure) with the server's raw 404 and no fix."""
+    from types import SimpleNamespace
+
+    from precision_pipeline.cli import serving as cli
+    from precision_pipeline.core.errors import UserError
+
+    server = SimpleNamespace(http_url="127.0.0.1:1", loaded_models=lambda: {"tensorrt_llm_bbbbbbbbbbbb": "READY"})
+    with pytest.raises(UserError) as ei:
+        cli._probe_one(None, server, "tensorrt_llm_aaaaaaaaaaaa", "pset", None, "p", None, "")
+    assert ei.value.problems[0].reason.startswith("tensorrt_llm_aaaaaaaaaaaa is not loaded on the server at 127.0.0.1:1")
+    assert "nothing was probed" in ei.value.problems[0].reason and "roll back to it" in ei.value.problems[0].fix

@@ -1264,6 +1264,34 @@ def test_a_current_unit_moved_aside_keeps_its_records_and_is_verified_when_put_b
     assert t["unit"] == b and t["verified"] is True
 
 
+def test_a_plain_rollback_that_waited_for_another_switch_does_not_undo_it(tmp_path, units4, monkeypatch):
+    """Hostile s18b F8 (K14): two plain `rollback --url` 0.3 s apart: the second waited on the lock, then rolled back
+    from the release the first had made current to the one both had left -- undoing the first, exit 0, in silence."""
+    import threading
+
+    a, b = units4[0].engine_unit, units4[1].engine_unit
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    real_lock = release.lock
+    entered = threading.Event()
+
+    def lock_after_the_other(repo_dir, *a, **k):  # the other rollback runs while this one waits for the lock
+        if not entered.is_set():
+            entered.set()
+            release.rollback(repo)
+        return real_lock(repo_dir, *a, **k)
+
+    monkeypatch.setattr(release, "lock", lock_after_the_other)
+    with pytest.raises(UserError) as ei:
+        release.rollback(repo)
+    assert ei.value.problems[0].reason == (f"the current release changed from {b} to {a} while this command waited for "
+                                           "the lock (another command switched it); a plain rollback now would undo "
+                                           "that, so nothing was switched.")
+    assert release_state.read_state(repo)["current"] == a
+    monkeypatch.setattr(release, "lock", real_lock)
+    assert release.rollback(repo, to=b)["unit"] == b  # a named target is what it says
+
+
 def test_missing_entry_model_files_are_listed_warned_and_refused_by_serve(tmp_path, units4, capsys):
     """Hostile s17c F7/H15/H16: a python entry model's 1/model.py or config, or the tokenizer, deleted by hand: releases
     listed nothing and a files-only rollback exited 0 in silence, while the server could never load that model again

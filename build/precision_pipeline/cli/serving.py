@@ -28,6 +28,10 @@ def serving_repo(repo) -> Path:
         raise UserError("--repo", f"{p} is inside the serving repository {q} (a new repository there would be "
                         "created inside one of its model folders).", f"pass --repo {q}, or a folder outside it "
                         "for a new repository.")  # hostile s17c F2
+    if p is not None and (p / "releases.json").is_file() and (inner := [
+            c for c in sorted(p.iterdir()) if c.is_dir() and ((c / "tensorrt_llm_bls").is_dir() or (c / "ensemble").is_dir())]):
+        raise UserError("--repo", f"{p} is the folder that holds the releases.json of the serving repository "
+                        f"{inner[0]}; --repo names the repository folder itself.", f"pass --repo {inner[0]}.")  # s18b F6
     return Path(repo).expanduser().resolve() if repo else REPO_ROOT / "artifacts" / "serving" / "model_repository"
 
 
@@ -589,7 +593,14 @@ def _probe_one(con, server, unit: str, pset, repo_dir, prof_name: str, exporter,
     """One ``probe_and_record`` run of ``unit`` (serving ``route``: ``probe.route_units``), printed; a failure names
     the unit and its route. Returns the run's summary."""
     from precision_pipeline.serving import probe as pr
+    from precision_pipeline.serving.release_live import loaded_models
 
+    states = loaded_models(server)  # {}: not read (the probe's own request then says why)
+    if states and (st := states.get(unit, "not loaded")) != "READY":  # hostile s18b F7: exit 3 on a raw 404
+        raise UserError("probe", f"{unit} is {st.lower()} on the server at "
+                        f"{server.http_url} (a kept release or another build's unit, not serving), so nothing was "
+                        "probed: a probe asks the unit itself.", "probe the current release (leave --profile out), roll "
+                        "this build out (`invoke rollout`), or roll back to it first.")
     rec = pr.probe_and_record(server, unit, pset, repo_dir=repo_dir, profile=prof_name, exporter=exporter, route=route)
     s = rec["probe"]
     on = _on_route(route)

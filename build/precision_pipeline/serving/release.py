@@ -245,6 +245,15 @@ def _rollback_target(repo_dir: Path, state: dict, to: str | None, fallback: bool
     return target
 
 
+def _current_before_lock(repo_dir: Path) -> str | None:
+    """The current release as releases.json names it before a command waits for the lock (None when it cannot be
+    read now: the locked read refuses with the reason)."""
+    try:
+        return (read_state(repo_dir) or {}).get("current")
+    except (UserError, OSError, ValueError):
+        return None
+
+
 def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, server=None, by: str = "manual",
              smoke: bool = True) -> dict:
     """Switch back to an earlier release (``to``: unit name or a prefix of its 12 hex digits; default: the
@@ -261,10 +270,16 @@ def rollback(repo_dir: Path, to: str | None = None, *, fallback: bool = False, s
                         "artifacts/serving/model_repository).")
     t0 = time.perf_counter()
     timings: dict[str, Any] = {}
+    seen = _current_before_lock(repo_dir) if to is None and not fallback else None
     with lock(repo_dir):
         state = state_or_refuse(repo_dir, "no releases.json.", "init the serving repository first.", server=server,
                                 leaving_current=True)
         cur = state["current"]
+        if seen and seen != cur:  # hostile s18b F8: a second plain rollback undid the first one it had waited for
+            raise UserError("rollback", f"the current release changed from {seen} to {cur} while this command waited "
+                            "for the lock (another command switched it); a plain rollback now would undo that, so "
+                            "nothing was switched.", f"`invoke releases --repo {repo_dir}` shows what serves; to roll "
+                            "back still, run it again, or name the target with --to UNIT.")
         if state.get("rollout"):
             raise UserError("rollback", f"a rollout of {state['rollout']['candidate']} is in progress.",
                             "end it with `invoke rollout --abort` (all traffic back to the stable release).")
