@@ -1292,6 +1292,28 @@ def test_a_plain_rollback_that_waited_for_another_switch_does_not_undo_it(tmp_pa
     assert release.rollback(repo, to=b)["unit"] == b  # a named target is what it says
 
 
+def test_a_deleted_releases_json_with_its_prev_beside_it_names_the_way_back(tmp_path, units4):
+    """Hostile s18 F2: releases.json deleted, releases.json.prev beside it: rollback said "init the serving repository
+    first", promote "use a new directory", releases pointed at the same repository -- none worked."""
+    repo = serving_repo(tmp_path, units4[0])
+    release.promote(repo, units4[1].out_dir)
+    path = release_state.state_path(repo)
+    prev = path.with_name(path.name + ".prev")
+    assert prev.is_file()
+    path.unlink()
+    for call in (lambda: release.rollback(repo), lambda: release.list_releases(repo),
+                 lambda: release.promote(repo, units4[2].out_dir)):
+        with pytest.raises(UserError) as ei:
+            call()
+        p = ei.value.problems[0]
+        assert p.field == str(path) and p.reason.startswith(f"is missing beside the serving repository {repo}, while "
+                                                            f"{prev} is there")
+        assert f"`cp {prev} {path}`" in p.fix
+    shutil.copyfile(prev, path)  # the way back printed
+    assert release_state.read_state(repo)["current"] in (units4[0].engine_unit, units4[1].engine_unit)
+    assert release.rollback(repo, to=units4[0].engine_unit)["unit"] == units4[0].engine_unit
+
+
 def test_missing_entry_model_files_are_listed_warned_and_refused_by_serve(tmp_path, units4, capsys):
     """Hostile s17c F7/H15/H16: a python entry model's 1/model.py or config, or the tokenizer, deleted by hand: releases
     listed nothing and a files-only rollback exited 0 in silence, while the server could never load that model again

@@ -182,6 +182,12 @@ def read_state(repo_dir: Path) -> dict | None:
     except OSError as e:  # a folder, unreadable (hostile s8 #128: IsADirectoryError, exit 1)
         raise _damaged(path, f"cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     if state is None:
+        prev = path.with_name(path.name + PREV_SUFFIX)
+        if prev.is_file() and (Path(repo_dir) / "ensemble").is_dir():  # hostile s18 F2: deleted; three fixes, none worked
+            fix = _damaged(path, "").problems[0].fix
+            raise UserError(str(path), f"is missing beside the serving repository {repo_dir}, while {prev} is there "
+                            "(it was deleted or moved), so the current release is unknown; this command changed nothing.",
+                            fix)
         return None
     return _check_owner(Path(repo_dir), path, check_state(path, state))
 
