@@ -58,6 +58,15 @@ def serving_repo(tmp_path, first, keep=2) -> Path:
     return repo
 
 
+def flip_middle_byte(path: Path) -> None:
+    """Invert the middle byte of ``path`` in place, its size kept (a second call puts it back)."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def rejected_rollout(repo, unit_src, failed_check="probe:kl_p99", percent=5):
     """A rollout of ``unit_src`` that its checks rejected at ``percent`` % (no server: the files only)."""
     release_rollout.begin_rollout(repo, unit_src.out_dir, steps=(percent, 100))
@@ -1058,11 +1067,7 @@ def test_a_server_start_reads_the_files_of_a_unit_edited_since_its_install(tmp_p
             r["time"] = "2020-01-01T00:00:00+0000"  # installed long ago: every file is newer than that
         release_units.check_sizes(repo, [a], state, "--repo")  # read and equal: fine
         path = repo / a / rel
-        with open(path, "r+b") as f:
-            f.seek(path.stat().st_size // 2)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_middle_byte(path)
         with pytest.raises(UserError) as ei:
             release_units.check_sizes(repo, [a], state, "--repo")
         assert ei.value.problems[0].reason.startswith(f"{a}/{rel} has the recorded size ({path.stat().st_size:,} bytes) "
@@ -1250,16 +1255,10 @@ def test_a_current_unit_moved_aside_keeps_its_records_and_is_verified_when_put_b
     (tmp_path / "aside").rename(repo / b)
     rel = max(st["unit_files"][b], key=lambda r: st["unit_files"][b][r][0])
     path = repo / b / rel
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        x = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([x[0] ^ 0xFF]))
+    flip_middle_byte(path)
     with pytest.raises(UserError, match="another sha256"):
         release.rollback(repo, to=b)
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        f.write(x)
+    flip_middle_byte(path)  # flipped back: the bytes as installed
     t = release.rollback(repo, to=b)
     assert t["unit"] == b and t["verified"] is True
 
